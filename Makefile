@@ -1,0 +1,32 @@
+# The README's two commands: `make quickstart` and `make test`. Each installs first if needed.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+QUICKSTART := examples/quickstart.yaml
+
+.PHONY: install quickstart test benchmark clean
+
+install: $(STAMP)
+
+# Idempotent: re-runs only when the dependency declarations change. constraints.txt pins the
+# CPU build of torch (an unpinned torch would pull a multi-GB CUDA build).
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+quickstart: install
+	$(BIN)/ratrain-pipeline run --config $(QUICKSTART)
+	$(BIN)/ratrain-pipeline validate out/quickstart
+	$(BIN)/ratrain-pipeline inspect out/quickstart/shards --n 1
+	$(BIN)/ratrain-train --shards out/quickstart/shards --steps 20 --log-every 5
+
+test: install
+	$(BIN)/python -m pytest
+
+benchmark: install
+	$(BIN)/python benchmarks/embed_vs_encoder.py
+
+clean:
+	rm -rf out .pytest_cache

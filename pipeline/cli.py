@@ -1,0 +1,136 @@
+"""`ratrain-pipeline`: build-index, build-shards, run, validate, inspect (DESIGN §3).
+
+Anything after `--` goes to Beam as pipeline options. User errors end with one line on
+stderr and a non-zero exit; `--debug` shows the traceback.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+import click
+
+log = logging.getLogger("ratrain")
+BEAM_ARGS = dict(context_settings={"ignore_unknown_options": True})
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    if not verbose:  # Beam and HF are chatty at INFO; keep the project's own progress lines
+        for name in ("apache_beam", "sentence_transformers", "transformers", "faiss", "httpx",
+                     "huggingface_hub"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def _config(path: str):
+    from schemas.config import load_config
+
+    return load_config(path)
+
+
+@click.group()
+@click.option("--debug", is_flag=True, help="Show tracebacks and Beam's own logs.")
+@click.pass_context
+def cli(ctx, debug):
+    """Turn a text corpus into retrieval-augmented (RETRO-style) training shards."""
+    ctx.obj = {"debug": debug}
+    _setup_logging(debug)
+
+
+def _summary(counters: dict[str, int], title: str) -> None:
+    width = max((len(k) for k in counters), default=0)
+    click.echo(f"{title}:", err=True)
+    for name, value in counters.items():
+        click.echo(f"  {name:<{width}}  {value:,}", err=True)
+
+
+@cli.command("build-index", **BEAM_ARGS)
+@click.option("--config", "config_path", required=True, help="Pipeline config (YAML).")
+@click.argument("beam_args", nargs=-1, type=click.UNPROCESSED)
+def build_index_cmd(config_path, beam_args):
+    """Stages 1-3: chunk, embed and index the retrieval corpus -> <output>/index/."""
+    from pipeline.stages import build_index
+
+    manifest = build_index(_config(config_path), list(beam_args))
+    _summary(manifest.counters, "build-index counters")
+
+
+@cli.command("build-shards", **BEAM_ARGS)
+@click.option("--config", "config_path", required=True, help="Pipeline config (YAML).")
+@click.argument("beam_args", nargs=-1, type=click.UNPROCESSED)
+def build_shards_cmd(config_path, beam_args):
+    """Stages 4-5: retrieve neighbours for the training corpus -> <output>/shards/."""
+    from pipeline.stages import build_shards
+
+    manifest = build_shards(_config(config_path), list(beam_args))
+    _summary(manifest.counters, "build-shards counters")
+
+
+@cli.command("run", **BEAM_ARGS)
+@click.option("--config", "config_path", required=True, help="Pipeline config (YAML).")
+@click.option("--force", is_flag=True, help="Rebuild stages even when their manifest matches.")
+@click.argument("beam_args", nargs=-1, type=click.UNPROCESSED)
+def run_cmd(config_path, force, beam_args):
+    """Both stages; a stage whose committed manifest matches the config is skipped."""
+    from pipeline.run import run_all
+
+    start = time.monotonic()
+    report = run_all(_config(config_path), list(beam_args), force=force)
+    for stage, (status, counters) in report.items():
+        _summary(counters, f"{stage} ({status})")
+    click.echo(f"run finished in {time.monotonic() - start:.1f} s", err=True)
+
+
+@cli.command("validate")
+@click.argument("directory")
+def validate_cmd(directory):
+    """Check an index, shards or output directory end to end; exit 0 only if sound."""
+    from pipeline.validate import validate_path
+
+    for line in validate_path(directory):
+        click.echo(line)
+
+
+@cli.command("inspect")
+@click.argument("directory")
+@click.option("--n", "count", default=1, show_default=True, help="Sequences to print.")
+@click.option("--chunks", "max_chunks", default=4, show_default=True,
+              help="Chunks per sequence to print (0: all).")
+def inspect_cmd(directory, count, max_chunks):
+    """Print sequences with their decoded neighbours and scores."""
+    from pipeline.inspect import inspect_shards
+
+    for line in inspect_shards(directory, count, max_chunks):
+        click.echo(line)
+
+
+def main(argv=None) -> None:
+    debug = "--debug" in (argv if argv is not None else sys.argv[1:])
+    try:
+        cli.main(args=argv, prog_name="ratrain-pipeline", standalone_mode=False)
+    except click.exceptions.Abort:
+        sys.exit(130)
+    except click.ClickException as err:
+        err.show()
+        sys.exit(err.exit_code)
+    except Exception as err:  # every failure ends in one line unless --debug
+        if debug:
+            raise
+        click.echo(f"error: {error_line(err)}", err=True)
+        sys.exit(1)
+
+
+def error_line(err: BaseException) -> str:
+    """One line naming the problem. Errors raised inside Beam workers arrive re-raised with the
+    failing step appended to their message; the first line is the original one."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    first = lines[0] if lines else type(err).__name__
+    if isinstance(err, (ValueError, FileNotFoundError, RuntimeError)):
+        return first
+    return f"{type(err).__name__}: {first} (run with --debug for the traceback)"
+
+
+if __name__ == "__main__":
+    main()

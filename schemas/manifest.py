@@ -1,0 +1,70 @@
+"""Manifest models of the index and shard directories (DESIGN §4).
+
+A stage's output exists only once its manifest.json is written, and that happens last.
+"""
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from schemas.arrow import SCHEMA_VERSION
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class FileEntry(_Model):
+    path: str = Field(description="Path relative to the manifest's directory.")
+    rows: int
+    bytes: int
+    sha256: str
+
+
+class Fingerprint(_Model):
+    name: str
+    fingerprint: str = Field(description="sha256 over the files that define it.")
+
+
+class Recall(_Model):
+    measure: str = Field(description="e.g. '1-recall@10': share of queries whose exact top-1 "
+                         "is among the index's top 10.")
+    value: float
+    sample_size: int
+    nprobe: int | None = None
+
+
+class IndexManifest(_Model):
+    schema_version: int = SCHEMA_VERSION
+    config_hash: str
+    tokenizer: Fingerprint
+    embedding_model: Fingerprint
+    dim: int
+    metric: str
+    num_documents: int
+    num_chunks: int
+    chunk_tokens: int
+    pad_id: int
+    index_factory: str
+    nprobe: int | None
+    recall_at_k: Recall
+    index_bytes: int
+    files: list[FileEntry]
+    counters: dict[str, int]
+    created_by: str
+
+
+class ShardsManifest(_Model):
+    schema_version: int = SCHEMA_VERSION
+    config_hash: str
+    index_manifest_sha256: str
+    training_corpus: str = Field(description="'same' (sequences packed from the index's own "
+                                 "chunks, seq s = chunks s*L ... s*L+L-1) or 'separate'.")
+    sequence_tokens: int
+    chunk_tokens: int
+    neighbours: int
+    neighbour_tokens: int
+    pad_id: int
+    num_sequences: int
+    shards: list[FileEntry]
+    counters: dict[str, int]
+    created_by: str
