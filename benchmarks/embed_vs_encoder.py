@@ -1,0 +1,78 @@
+"""Embed stage and whole pipeline against the raw encoder, on the same chunks, in one run.
+
+    .venv/bin/python benchmarks/embed_vs_encoder.py [--config examples/quickstart.yaml]
+
+1. build-index (stages 1-3) into a fresh directory, timed end to end;
+2. the raw floor: `SentenceTransformer.encode` of exactly the texts the pipeline embedded
+   (its chunks, decoded), same batch size, model already loaded;
+3. the embed stage alone: a Beam job reading those chunks and running `EmbedChunks`;
+4. build-shards, so that `run` = build-index + build-shards can be set against the floor.
+Prints the times and the ratios; writes them as JSON to benchmarks/results/.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import apache_beam as beam
+import pyarrow.parquet as pq
+
+from pipeline.chunking import load_tokenizer
+from pipeline.embed import EmbedChunks, chunk_texts, encode_texts, load_encoder, resolve_tokenizer
+from pipeline.options import pipeline_options
+from pipeline.stages import _chunks_from_table, build_index, build_shards
+from schemas.config import load_config
+
+
+def timed(fn):
+    start = time.perf_counter()
+    value = fn()
+    return value, time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="examples/quickstart.yaml")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as out:
+        cfg = load_config(args.config).model_copy(update={"output": out})
+        manifest, t_index = timed(lambda: build_index(cfg, []))
+        _, t_shards = timed(lambda: build_shards(cfg, []))
+        chunk_files = sorted(Path(out, "index", "chunks").glob("*.parquet"))
+        chunks = [c for f in chunk_files for c in _chunks_from_table(pq.read_table(f))]
+        texts = chunk_texts(load_tokenizer(resolve_tokenizer(cfg.tokenizer)), chunks)
+        model, t_load = timed(lambda: load_encoder(cfg.embedding))
+        _, t_raw = timed(lambda: encode_texts(model, texts, cfg.embedding.batch_size))
+
+        def embed_stage():
+            with beam.Pipeline(options=pipeline_options([])) as p:
+                _ = (p | beam.Create(chunks, reshuffle=False)
+                     | EmbedChunks(cfg.embedding, resolve_tokenizer(cfg.tokenizer))
+                     | beam.combiners.Count.Globally())
+
+        _, t_embed = timed(embed_stage)
+    result = {
+        "chunks": len(chunks), "batch_size": cfg.embedding.batch_size,
+        "raw_encode_s": round(t_raw, 2), "raw_model_load_s": round(t_load, 2),
+        "raw_chunks_per_s": round(len(chunks) / t_raw, 1),
+        "embed_stage_s": round(t_embed, 2), "build_index_s": round(t_index, 2),
+        "build_shards_s": round(t_shards, 2), "run_s": round(t_index + t_shards, 2),
+        "embed_stage_vs_raw": round(t_embed / t_raw, 3),
+        "build_index_vs_raw": round(t_index / t_raw, 3),
+        "run_vs_raw": round((t_index + t_shards) / t_raw, 3),
+        "cpu_count": os.cpu_count(), "python": sys.version.split()[0],
+    }
+    Path("benchmarks/results").mkdir(parents=True, exist_ok=True)
+    Path("benchmarks/results/embed_vs_encoder.json").write_text(json.dumps(result, indent=2))
+    width = max(map(len, result))
+    for key, value in result.items():
+        print(f"{key:<{width}}  {value}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""Shared fixtures: a small real corpus (a slice of the sample corpus) and one built output
+that the end-to-end tests share (building it embeds a few hundred chunks with the real
+encoder, so it is done once per session)."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+REPO = Path(__file__).resolve().parent.parent
+SAMPLE_CORPUS = REPO / "examples" / "corpus"
+
+
+def sample_documents(count: int, start: int = 0) -> list[dict]:
+    """The first `count` documents (from `start`) of the sample corpus, in file order."""
+    docs = []
+    for path in sorted(SAMPLE_CORPUS.glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            docs.append(json.loads(line))
+    return docs[start:start + count]
+
+
+def write_jsonl(path: Path, records: list) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+def small_config(output: Path, corpus_glob: str, **overrides) -> dict:
+    config = {
+        "output": str(output),
+        "retrieval_corpus": {"paths": [corpus_glob], "format": "jsonl", "id_field": "id"},
+        "training_corpus": "same",
+        "chunk_tokens": 32, "sequence_tokens": 128, "neighbours": 2,
+        "neighbour_candidates": 16, "shard_rows": 16, "chunk_file_rows": 200,
+        "embedding": {"batch_size": 32},
+    }
+    config.update(overrides)
+    return config
+
+
+def write_config(path: Path, config: dict) -> Path:
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+# one of each kind of bad record, with the reason it must be rejected for
+BAD_RECORDS = ['{"id": "broken", "text": "no closing brace"', '["not", "an", "object"]',
+               '{"id": "blank", "text": "   "}', '{"id": "numeric", "text": 12}',
+               '{"id": "tutorial/appetite", "text": "a second document with a taken id"}']
+BAD_REASONS = ["malformed_json", "not_an_object", "empty_text", "text_not_a_string", "duplicate_id"]
+
+
+@pytest.fixture(scope="session")
+def built_output(tmp_path_factory):
+    """A committed index + shards built by `run` from 16 real documents (~500 chunks) plus one
+    bad record of each kind."""
+    from pipeline.run import run_all
+    from schemas.config import config_from_dict
+
+    root = tmp_path_factory.mktemp("built")
+    docs = sample_documents(16)
+    write_jsonl(root / "corpus" / "a.jsonl", docs[:8])
+    write_jsonl(root / "corpus" / "b.jsonl", docs[8:] + BAD_RECORDS)
+    config = small_config(root / "out", str(root / "corpus" / "*.jsonl"))
+    write_config(root / "config.yaml", config)
+    report = run_all(config_from_dict(config), [])
+    return root, config, report
+
+
+def local_pipeline():
+    """A TestPipeline on the in-process runner (the default DirectRunner would try a download)."""
+    from apache_beam.options.pipeline_options import PipelineOptions
+    from apache_beam.testing.test_pipeline import TestPipeline
+
+    return TestPipeline(options=PipelineOptions(["--runner=FnApiRunner"]))

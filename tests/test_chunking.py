@@ -1,0 +1,49 @@
+import apache_beam as beam
+import numpy as np
+from apache_beam.testing.util import assert_that, equal_to
+
+from pipeline.chunking import (ChunkDocuments, chunk_document, chunk_offsets, chunk_tokens,
+                               load_tokenizer, pad_id_of, tokenize_batch)
+from pipeline.corpus import Document
+from pipeline.embed import resolve_tokenizer
+from tests.conftest import local_pipeline
+
+PAD = 0
+
+
+def test_chunk_tokens_pads_the_last_chunk():
+    chunks = chunk_tokens(np.arange(1, 8, dtype=np.int32), 3, PAD)
+    assert chunks.tolist() == [[1, 2, 3], [4, 5, 6], [7, 0, 0]]
+
+
+def test_continuation_is_the_next_chunk_of_the_same_document_only():
+    chunks = list(chunk_document(doc_id=9, tokens=np.arange(1, 8, dtype=np.int32),
+                                 first_chunk_id=100, m=3, pad_id=PAD))
+    assert [c.chunk_id for c in chunks] == [100, 101, 102]
+    assert [c.position for c in chunks] == [0, 1, 2]
+    assert chunks[0].continuation.tolist() == chunks[1].tokens.tolist()
+    assert chunks[1].continuation.tolist() == chunks[2].tokens.tolist()
+    assert chunks[2].continuation.tolist() == [PAD] * 3   # never the next document's tokens
+
+
+def test_chunk_offsets_are_dense_in_doc_id_order():
+    assert chunk_offsets([(30, 2), (10, 3), (20, 1)]) == {10: 0, 20: 3, 30: 4}
+
+
+def test_tokenizer_does_not_truncate_long_documents():
+    tokenizer = load_tokenizer(resolve_tokenizer(None))
+    (tokens,) = tokenize_batch(tokenizer, ["word " * 1000])
+    assert len(tokens) == 1000 and pad_id_of(tokenizer) == 0
+
+
+def test_chunk_documents_gives_dense_stable_ids():
+    docs = [Document(doc_id=5, identity="b", text="alpha beta gamma delta epsilon", source="s", position=1),
+            Document(doc_id=3, identity="a", text="one two three", source="s", position=2),
+            Document(doc_id=4, identity="c", text=" \u200b ", source="s", position=3)]
+    with local_pipeline() as p:
+        chunks, rejected = p | beam.Create(docs) | ChunkDocuments(resolve_tokenizer(None), 2, PAD)
+        # doc 3 (3 tokens -> 2 chunks) takes ids 0-1, doc 5 (5 tokens -> 3 chunks) ids 2-4
+        assert_that(chunks | "Ids" >> beam.Map(lambda c: (c.chunk_id, c.doc_id, c.position)),
+                    equal_to([(0, 3, 0), (1, 3, 1), (2, 5, 0), (3, 5, 1), (4, 5, 2)]), label="Ids")
+        assert_that(rejected | "Reasons" >> beam.Map(lambda r: r.reason), equal_to(["no_tokens"]),
+                    label="Rejected")

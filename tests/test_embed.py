@@ -1,0 +1,49 @@
+import apache_beam as beam
+import numpy as np
+from apache_beam.testing.util import assert_that
+
+from pipeline.chunking import chunk_document, load_tokenizer, tokenize_batch
+from pipeline.embed import EmbedChunks, chunk_texts, encode_texts, load_encoder, resolve_tokenizer
+from schemas.config import EmbeddingConfig
+from tests.conftest import local_pipeline, sample_documents
+
+CFG = EmbeddingConfig(batch_size=8)
+
+
+def _chunks(count_docs=3, m=32):
+    tokenizer = load_tokenizer(resolve_tokenizer(None))
+    docs = sample_documents(count_docs)
+    chunks, next_id = [], 0
+    for doc_id, tokens in enumerate(tokenize_batch(tokenizer, [d["text"] for d in docs])):
+        chunks += list(chunk_document(doc_id, tokens[: m * 5], next_id, m, 0))
+        next_id = len(chunks)
+    return tokenizer, chunks
+
+
+def test_embed_chunks_equals_the_raw_encoder_on_the_same_batches():
+    tokenizer, chunks = _chunks()
+    model = load_encoder(CFG)
+    texts = chunk_texts(tokenizer, chunks)
+    # the stage batches by chunk-id range (ids 0-7, 8-15, ...): the same batches, raw
+    expected = np.concatenate([encode_texts(model, texts[i:i + 8], 8) for i in range(0, len(texts), 8)])
+
+    def check(rows):
+        rows = sorted(rows, key=lambda r: r[0])
+        assert [r[0] for r in rows] == [c.chunk_id for c in chunks]
+        got = np.stack([r[1] for r in rows])
+        assert got.dtype == np.float32 and got.shape == (len(chunks), 384)
+        np.testing.assert_array_equal(got, expected)
+        np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+
+    with local_pipeline() as p:
+        embeddings = p | beam.Create(chunks) | EmbedChunks(CFG, resolve_tokenizer(None))
+        assert_that(embeddings, check)
+
+
+def test_chunk_texts_drop_padding():
+    tokenizer, chunks = _chunks(1)
+    last = chunks[-1]
+    padded = last.__class__(last.chunk_id, last.doc_id, last.position,
+                            np.concatenate([last.tokens[:3], np.zeros(29, np.int32)]), last.continuation)
+    (text,) = chunk_texts(tokenizer, [padded])
+    assert "[PAD]" not in text and text == tokenizer.decode(last.tokens[:3].tolist())

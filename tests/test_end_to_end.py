@@ -1,0 +1,189 @@
+"""The whole path on real text: run -> committed index and shards -> DESIGN §5 invariants."""
+import json
+import shutil
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.ipc as ipc
+import pytest
+
+from pipeline.cli import main
+from pipeline.run import run_all
+from pipeline.stages import build_shards
+from pipeline.validate import ChunkDatabase, ValidationFailed, validate_path, validate_shards
+from schemas.arrow import shard_table, tensor_column_to_numpy
+from schemas.config import config_from_dict
+from schemas.manifest import IndexManifest, ShardsManifest
+from tests.conftest import BAD_REASONS, sample_documents, write_jsonl
+from pipeline.writers import arrow_ipc_bytes
+from pipeline.fileio import sha256_bytes
+
+
+def _shard_tables(shards_dir):
+    manifest = ShardsManifest.model_validate_json((shards_dir / "manifest.json").read_text())
+    for entry in manifest.shards:
+        yield entry, ipc.open_file(pa.memory_map(str(shards_dir / entry.path))).read_all()
+
+
+def _chunk_db(out):
+    manifest = IndexManifest.model_validate_json((out / "index" / "manifest.json").read_text())
+    return ChunkDatabase(str(out / "index"), manifest)
+
+
+def test_run_commits_both_stages_and_validate_passes(built_output):
+    root, config, report = built_output
+    out = root / "out"
+    assert [status for status, _ in report.values()] == ["built", "built"]
+    index = json.loads((out / "index" / "manifest.json").read_text())
+    shards = json.loads((out / "shards" / "manifest.json").read_text())
+    assert index["num_documents"] == 16 and index["dim"] == 384 and index["index_factory"] == "Flat"
+    assert index["recall_at_k"]["value"] == 1.0 and index["recall_at_k"]["sample_size"] > 0
+    assert shards["neighbour_tokens"] == 64 and shards["num_sequences"] > 10
+    assert len(shards["shards"]) > 1 and not (out / ".staging").exists() or \
+        not any((out / ".staging").iterdir())
+    lines = validate_path(str(out))
+    assert len(lines) == 2 and all(line.startswith("OK") for line in lines)
+
+
+def test_every_input_record_is_in_the_index_or_rejected(built_output):
+    root, _, _ = built_output
+    out = root / "out"
+    rejected = [json.loads(line) for line in (out / "rejected" / "build-index.jsonl").read_text().splitlines()]
+    assert sorted(r["reason"] for r in rejected) == sorted(BAD_REASONS)
+    assert all(r["source"].endswith("b.jsonl") and r["position"] > 0 for r in rejected)
+    index = json.loads((out / "index" / "manifest.json").read_text())
+    records = sum(len(p.read_text().splitlines()) for p in (root / "corpus").glob("*.jsonl"))
+    assert index["num_documents"] + len(rejected) == records
+    assert index["counters"]["rejected_duplicate_id"] == 1
+
+
+def test_neighbours_are_real_chunks_from_other_documents(built_output):
+    root, config, _ = built_output
+    out = root / "out"
+    db = _chunk_db(out)
+    L = config["sequence_tokens"] // config["chunk_tokens"]
+    checked = absent = 0
+    for _, table in _shard_tables(out / "shards"):
+        ids = tensor_column_to_numpy(table["neighbour_ids"])
+        neighbours = tensor_column_to_numpy(table["neighbours"])
+        tokens = tensor_column_to_numpy(table["tokens"])
+        for row, (seq_id, doc_ids) in enumerate(zip(table["seq_id"].to_pylist(), table["doc_ids"].to_pylist())):
+            own_chunks = np.arange(seq_id * L, seq_id * L + L)
+            assert set(db.docs[own_chunks].tolist()) <= set(doc_ids)
+            assert tokens[row, :-1].tolist() == db.tokens[own_chunks].reshape(-1).tolist()
+            for j in range(L):
+                for q in range(config["neighbours"]):
+                    nid = ids[row, j, q]
+                    if nid < 0:  # every candidate came from the sequence's own documents
+                        assert (neighbours[row, j, q] == 0).all()
+                        absent += 1
+                        continue
+                    assert db.docs[nid] not in doc_ids
+                    assert neighbours[row, j, q].tolist() == db.values(np.array([nid]))[0].tolist()
+                    checked += 1
+    assert checked > 100 and absent <= 0.05 * (checked + absent)
+
+
+def test_rerun_skips_committed_stages_and_leaves_files_untouched(built_output):
+    root, config, _ = built_output
+    out = root / "out"
+    before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.rglob("*") if p.is_file()}
+    report = run_all(config_from_dict(config), [])
+    assert [status for status, _ in report.values()] == ["skipped", "skipped"]
+    after = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.rglob("*") if p.is_file()}
+    assert before == after
+
+
+def test_shards_do_not_depend_on_the_output_location(built_output, tmp_path):
+    root, config, _ = built_output
+    shutil.copytree(root / "out" / "index", tmp_path / "index")
+    build_shards(config_from_dict({**config, "output": str(tmp_path)}), [])
+    for entry, _ in _shard_tables(root / "out" / "shards"):
+        assert (tmp_path / "shards" / entry.path).read_bytes() == \
+            (root / "out" / "shards" / entry.path).read_bytes()
+
+
+def _rewrite_shard(shards_dir, change):
+    """Apply `change(columns)` to the first shard and re-sign it in the manifest, so only the
+    content checks can notice."""
+    manifest_path = shards_dir / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    entry = manifest["shards"][0]
+    table = ipc.open_file(pa.memory_map(str(shards_dir / entry["path"]))).read_all()
+    columns = {name: tensor_column_to_numpy(table[name]).copy()
+               for name in ("tokens", "neighbours", "neighbour_ids", "neighbour_scores")}
+    change(columns)
+    data = arrow_ipc_bytes(shard_table(table["seq_id"].to_numpy(), columns["tokens"], columns["neighbours"],
+                                       columns["neighbour_ids"], columns["neighbour_scores"],
+                                       table["doc_ids"].to_pylist(), pad_id=manifest["pad_id"]))
+    (shards_dir / entry["path"]).write_bytes(data)
+    entry.update(bytes=len(data), sha256=sha256_bytes(data))
+    manifest_path.write_text(json.dumps(manifest))
+
+
+@pytest.fixture
+def tampered(built_output, tmp_path):
+    root, _, _ = built_output
+    shutil.copytree(root / "out", tmp_path / "out")
+    return tmp_path / "out"
+
+
+def test_validate_catches_wrong_neighbour_tokens(tampered):
+    def corrupt(columns):
+        columns["neighbours"][0, 0, 0, 0] += 1
+    _rewrite_shard(tampered / "shards", corrupt)
+    with pytest.raises(ValidationFailed, match="neighbour tokens differ"):
+        validate_shards(str(tampered / "shards"))
+
+
+def test_validate_catches_a_same_document_neighbour(tampered):
+    db = _chunk_db(tampered)
+
+    def leak(columns):  # make seq 0's first neighbour its own first chunk, tokens and all
+        columns["neighbour_ids"][0, 0, 0] = 0
+        columns["neighbours"][0, 0, 0] = db.values(np.array([0]))[0]
+    _rewrite_shard(tampered / "shards", leak)
+    with pytest.raises(ValidationFailed, match="own document"):
+        validate_shards(str(tampered / "shards"))
+
+
+def test_validate_catches_a_changed_file(tampered, capsys):
+    path = next((tampered / "shards").glob("*.arrow"))
+    path.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(SystemExit) as exit_info:
+        main(["validate", str(tampered)])
+    assert exit_info.value.code == 1 and path.name in capsys.readouterr().err
+
+
+def test_inspect_prints_decoded_neighbours(built_output, capsys):
+    root, _, _ = built_output
+    main_args = ["inspect", str(root / "out" / "shards"), "--n", "2", "--chunks", "1"]
+    main(main_args)  # returns normally: exit status 0
+    out = capsys.readouterr().out
+    assert out.count("== sequence") == 2 and out.count("neighbour 0 [chunk") == 2 and "score" in out
+
+
+def test_separate_training_corpus_never_retrieves_its_own_documents(built_output, tmp_path):
+    """Training and retrieval corpora share documents (same id_field values): a shared document
+    is never its own neighbour."""
+    root, config, _ = built_output
+    shutil.copytree(root / "out" / "index", tmp_path / "index")
+    shared = sample_documents(4, start=4)              # also in the retrieval corpus
+    write_jsonl(tmp_path / "train" / "t.jsonl", shared + sample_documents(3, start=30))
+    cfg = config_from_dict({**config, "output": str(tmp_path), "training_corpus": {
+        "paths": [str(tmp_path / "train" / "*.jsonl")], "id_field": "id"}})
+    manifest = build_shards(cfg, [])
+    assert manifest.training_corpus == "separate" and manifest.num_sequences > 0
+    from pipeline.corpus import doc_id_for
+
+    shared_ids = {doc_id_for(d["id"]) for d in shared}
+    db = _chunk_db(tmp_path)
+    holding_shared = 0
+    for _, table in _shard_tables(tmp_path / "shards"):
+        ids = tensor_column_to_numpy(table["neighbour_ids"])
+        for row, doc_ids in enumerate(table["doc_ids"].to_pylist()):
+            present = ids[row][ids[row] >= 0]
+            assert not set(db.docs[present].tolist()) & set(doc_ids)
+            holding_shared += bool(shared_ids & set(doc_ids))
+    assert holding_shared > 0
+    assert validate_path(str(tmp_path / "shards"))[0].startswith("OK")

@@ -1,0 +1,99 @@
+import apache_beam as beam
+import faiss
+import numpy as np
+import pyarrow as pa
+import pyarrow.ipc as ipc
+from apache_beam.testing.util import assert_that, equal_to
+
+from pipeline.chunking import Chunk, chunk_document
+from pipeline.index import build_index
+from pipeline.shards import (Candidate, PackSequences, RetrieveNeighbours, WriteShards,
+                             pack_sequence, select_neighbours)
+from schemas.arrow import tensor_column_to_numpy
+from tests.conftest import local_pipeline
+
+M, L, K, PAD = 4, 2, 2, 0
+
+
+def test_pack_sequence_adds_the_next_token_and_its_document():
+    chunks = list(chunk_document(7, np.arange(1, 9, dtype=np.int32), 0, M, PAD))
+    seq = pack_sequence(0, chunks, next_token=42, next_doc=8, pad_id=PAD)
+    assert seq.tokens.tolist() == list(range(1, 9)) + [42]
+    assert seq.doc_ids == (7, 8)
+    assert pack_sequence(0, chunks, None, None, PAD).tokens[-1] == PAD
+
+
+def _cand(j, rank, chunk_id, doc_id, score=1.0):
+    return Candidate(0, j, rank, score, chunk_id, doc_id, np.full(2 * M, chunk_id, np.int32))
+
+
+def test_select_neighbours_drops_own_documents_and_pads():
+    candidates = [_cand(0, 0, 10, doc_id=1), _cand(0, 1, 11, doc_id=2, score=0.9),
+                  _cand(0, 2, 12, doc_id=3, score=0.8), _cand(0, 3, 13, doc_id=4),
+                  _cand(1, 0, 14, doc_id=1)]
+    tokens, ids, scores, padded = select_neighbours(candidates, {1}, L, K, M, PAD)
+    assert ids.tolist() == [[11, 12], [-1, -1]]
+    assert scores[0].tolist() == [np.float32(0.9), np.float32(0.8)]
+    assert (tokens[0, 0] == 11).all() and (tokens[1] == PAD).all() and padded == 2
+
+
+def _database():
+    """3 documents of 4 chunks each; chunk c's vector is close to c's doc-mates and to the
+    chunk at the same position in the other documents."""
+    chunks, rng = [], np.random.default_rng(0)
+    for doc in range(3):
+        tokens = rng.integers(1, 1000, 4 * M).astype(np.int32)
+        chunks += list(chunk_document(100 + doc, tokens, doc * 4, M, PAD))
+    base = rng.normal(size=(4, 16))
+    vectors = np.stack([base[c.position] + 0.05 * (c.doc_id - 100) * rng.normal(size=16)
+                        for c in chunks]).astype(np.float32)
+    faiss.normalize_L2(vectors)
+    return chunks, vectors
+
+
+def test_retrieve_neighbours_excludes_the_sequence_documents(tmp_path):
+    chunks, vectors = _database()
+    index_path = str(tmp_path / "index.faiss")
+    faiss.write_index(build_index(np.arange(len(chunks), dtype=np.int64), vectors, "Flat"), index_path)
+    by_id = {c.chunk_id: c for c in chunks}
+
+    def check(rows):
+        assert sorted(r.seq_id for r in rows) == list(range(6))
+        for row in rows:
+            own = set(row.doc_ids)
+            assert row.neighbour_ids.shape == (L, K) and (row.neighbour_ids >= 0).all()
+            for j in range(L):
+                query = row.seq_id * L + j
+                for q, nid in enumerate(row.neighbour_ids[j]):
+                    neighbour = by_id[int(nid)]
+                    assert neighbour.doc_id not in own
+                    if q == 0:  # the best is the same position in a document it does not hold
+                        assert neighbour.position == by_id[query].position
+                    assert row.neighbours[j, q].tolist() == (
+                        neighbour.tokens.tolist() + neighbour.continuation.tolist())
+            assert row.tokens[:-1].tolist() == np.concatenate(
+                [by_id[row.seq_id * L + j].tokens for j in range(L)]).tolist()
+
+    with local_pipeline() as p:
+        db = p | "Chunks" >> beam.Create(chunks)
+        sequences = db | PackSequences(L, PAD)
+        queries = p | "Queries" >> beam.Create([(i, vectors[i]) for i in range(len(chunks))])
+        rows = (sequences, queries, db) | RetrieveNeighbours(index_path, None, L, M, K, 8, PAD)
+        assert_that(rows, check)
+
+
+def test_write_shards_is_sorted_and_split_by_seq_id(tmp_path):
+    from pipeline.shards import ShardRow
+
+    rows = [ShardRow(s, np.full(L * M + 1, s, np.int32), np.full((L, K, 2 * M), s, np.int32),
+                     np.full((L, K), s, np.int64), np.full((L, K), 0.5, np.float32), (s,))
+            for s in (4, 0, 3, 1, 2)]
+    with local_pipeline() as p:
+        entries = p | beam.Create(rows) | WriteShards(str(tmp_path), shard_rows=2, pad_id=PAD)
+        assert_that(entries | beam.Map(lambda e: (e["path"], e["rows"])),
+                    equal_to([("shard-00000.arrow", 2), ("shard-00001.arrow", 2),
+                              ("shard-00002.arrow", 1)]))
+    table = ipc.open_file(pa.memory_map(str(tmp_path / "shard-00001.arrow"))).read_all()
+    assert table["seq_id"].to_pylist() == [2, 3]
+    assert tensor_column_to_numpy(table["neighbours"]).shape == (2, L, K, 2 * M)
+    assert table.schema.metadata[b"schema_version"] == b"1"
