@@ -103,4 +103,7 @@ def commit_directory(staging: str, final: str, manifest: dict) -> None:
     if sources:
         FileSystems.rename(sources, targets)
     delete_tree(staging)
+    parent = posixpath.dirname(staging.rstrip("/"))
+    if "://" not in parent and exists(parent) and not list_files(parent):
+        FileSystems.delete([parent])  # the last stage out removes `.staging/`
     write_json_atomic(join(final, MANIFEST), manifest)

@@ -29,15 +29,15 @@ def observe(label: str, unit: str, count: int = 1) -> None:
 class ReportProgress(beam.PTransform):
     """Elements pass through unchanged; every 10 s the stage logs how far it is."""
 
-    def __init__(self, label: str, unit: str, weight=None):
+    def __init__(self, stage: str, unit: str):
         super().__init__()
-        self.label, self.unit, self.weight = label, unit, weight
+        self.stage, self.unit = stage, unit  # not `label`: PTransform owns that attribute
 
     def expand(self, pcoll):
-        label, unit, weight = self.label, self.unit, self.weight
+        stage, unit = self.stage, self.unit
 
         def count(element):
-            observe(label, unit, weight(element) if weight else 1)
+            observe(stage, unit)
             return element
 
         return pcoll | "Count" >> beam.Map(count)

@@ -31,14 +31,12 @@ class Sequence:
 
 @dataclass(frozen=True)
 class Candidate:
-    """One search hit for chunk `j` of sequence `seq_id`, joined with its chunk row."""
-    seq_id: int
+    """One search hit for chunk `j` of a sequence, with the document it comes from."""
     j: int
     rank: int
     score: float
     chunk_id: int
     doc_id: int
-    value: np.ndarray       # int32 [2m]: chunk tokens + continuation
 
 
 @dataclass(frozen=True)
@@ -62,24 +60,28 @@ def pack_sequence(seq_id: int, chunks: list[Chunk], next_token: int | None,
     return Sequence(seq_id, tokens.astype(np.int32), tuple(sorted(docs)))
 
 
-def select_neighbours(candidates: list[Candidate], exclude_docs, chunks_per_seq: int, k: int,
-                      m: int, pad_id: int):
-    """Per chunk, the k best candidates from documents outside `exclude_docs`, padded.
+def select_neighbours(candidates: list[Candidate], exclude_docs, k: int) -> list[tuple]:
+    """Per chunk j, the k best-ranked candidates from documents outside `exclude_docs`:
+    [(j, slot, chunk_id, score)]."""
+    picks, filled, excluded = [], {}, set(exclude_docs)
+    for c in sorted(candidates, key=lambda c: (c.j, c.rank)):
+        slot = filled.get(c.j, 0)
+        if c.doc_id in excluded or slot >= k:
+            continue
+        picks.append((c.j, slot, c.chunk_id, c.score))
+        filled[c.j] = slot + 1
+    return picks
 
-    Returns (neighbours [L, k, 2m], ids [L, k] (-1 = absent), scores [L, k], padded slots).
-    """
+
+def neighbour_arrays(picks: list[tuple], chunks_per_seq: int, k: int, m: int, pad_id: int):
+    """(j, slot, chunk_id, score, value [2m]) picks -> neighbours [L, k, 2m], ids [L, k]
+    (-1 = absent), scores [L, k]; absent slots hold pad_id and score 0."""
     tokens = np.full((chunks_per_seq, k, 2 * m), pad_id, dtype=np.int32)
     ids = np.full((chunks_per_seq, k), -1, dtype=np.int64)
     scores = np.zeros((chunks_per_seq, k), dtype=np.float32)
-    filled = np.zeros(chunks_per_seq, dtype=np.int64)
-    excluded = set(exclude_docs)
-    for c in sorted(candidates, key=lambda c: (c.j, c.rank)):
-        if c.doc_id in excluded or filled[c.j] >= k:
-            continue
-        slot = filled[c.j]
-        tokens[c.j, slot], ids[c.j, slot], scores[c.j, slot] = c.value, c.chunk_id, c.score
-        filled[c.j] += 1
-    return tokens, ids, scores, int(chunks_per_seq * k - filled.sum())
+    for j, slot, chunk_id, score, value in picks:
+        tokens[j, slot], ids[j, slot], scores[j, slot] = value, chunk_id, score
+    return tokens, ids, scores
 
 
 # --- Beam transforms ------------------------------------------------------------------------
@@ -150,29 +152,47 @@ class _Search(beam.DoFn):
                     yield int(chunk_id), (s.seq_id, j, rank, float(score))
 
 
-def _join_chunk(keyed):
+def _candidates_with_docs(keyed):
     chunk_id, grouped = keyed
-    rows = grouped["chunk"]
-    if not rows:
+    docs = grouped["doc"]
+    if not docs:
         raise ValueError(f"index returned chunk id {chunk_id} that is not in the chunk database")
-    chunk = rows[0]
-    value = np.concatenate([chunk.tokens, chunk.continuation])
     for seq_id, j, rank, score in grouped["hits"]:
-        yield seq_id, Candidate(seq_id, j, rank, score, chunk_id, chunk.doc_id, value)
+        yield seq_id, (j, rank, score, chunk_id, docs[0])
+
+
+def _select(keyed, k: int):
+    seq_id, grouped = keyed
+    (sequence,) = grouped["sequence"]
+    candidates = [Candidate(*c) for c in grouped["candidates"]]
+    for j, slot, chunk_id, score in select_neighbours(candidates, sequence.doc_ids, k):
+        yield chunk_id, (seq_id, j, slot, score)
+
+
+def _picks_with_tokens(keyed):
+    chunk_id, grouped = keyed
+    (chunk,) = grouped["chunk"]
+    value = np.concatenate([chunk.tokens, chunk.continuation])
+    for seq_id, j, slot, score in grouped["picks"]:
+        yield seq_id, (j, slot, chunk_id, score, value)
 
 
 def _to_row(keyed, chunks_per_seq: int, k: int, m: int, pad_id: int):
     _, grouped = keyed
     (sequence,) = grouped["sequence"]
-    neighbours, ids, scores, padded = select_neighbours(
-        grouped["candidates"], sequence.doc_ids, chunks_per_seq, k, m, pad_id)
-    Metrics.counter(METRICS_NAMESPACE, "neighbour_slots_padded").inc(padded)
+    picks = grouped["picks"]
+    neighbours, ids, scores = neighbour_arrays(picks, chunks_per_seq, k, m, pad_id)
+    Metrics.counter(METRICS_NAMESPACE, "neighbour_slots_padded").inc(chunks_per_seq * k - len(picks))
     yield ShardRow(sequence.seq_id, sequence.tokens, neighbours, ids, scores, sequence.doc_ids)
 
 
 class RetrieveNeighbours(beam.PTransform):
     """(sequences, query embeddings, chunk DB) -> ShardRows with k neighbours per chunk, none
-    from a document the sequence holds."""
+    from a document the sequence holds.
+
+    Candidates travel as small tuples: they meet their chunk's document by chunk id, are
+    filtered per sequence, and only the k kept per chunk meet their tokens.
+    """
 
     def __init__(self, index_path: str, nprobe, chunks_per_seq: int, chunk_tokens: int,
                  neighbours: int, candidates: int, pad_id: int):
@@ -184,6 +204,7 @@ class RetrieveNeighbours(beam.PTransform):
     def expand(self, inputs):
         sequences, embeddings, chunk_db = inputs
         L, batch = self.L, SEQUENCES_PER_SEARCH
+        by_seq = sequences | "SeqById" >> beam.Map(lambda s: (s.seq_id, s))
         hits = (
             {"sequences": sequences | "SeqBySearchBatch" >> beam.Map(
                 lambda s: (s.seq_id // batch, s)),
@@ -192,15 +213,21 @@ class RetrieveNeighbours(beam.PTransform):
             | "JoinQueries" >> beam.CoGroupByKey()
             | "Search" >> beam.ParDo(_Search(self.index_path, self.nprobe, L, self.candidates)))
         candidates = (
-            {"hits": hits,
-             "chunk": chunk_db | "ChunkById" >> beam.Map(lambda c: (c.chunk_id, c))}
+            {"hits": hits, "doc": chunk_db | "DocByChunk" >> beam.Map(lambda c: (c.chunk_id, c.doc_id))}
+            | "JoinCandidateDocs" >> beam.CoGroupByKey()
+            | "CandidatesBySequence" >> beam.FlatMap(_candidates_with_docs))
+        picks = (
+            {"sequence": by_seq, "candidates": candidates}
+            | "JoinCandidates" >> beam.CoGroupByKey()
+            | "DropOwnDocuments" >> beam.FlatMap(_select, self.k))
+        picks_with_tokens = (
+            {"picks": picks, "chunk": chunk_db | "ChunkById" >> beam.Map(lambda c: (c.chunk_id, c))}
             | "JoinNeighbourTokens" >> beam.CoGroupByKey()
-            | "CandidatesBySequence" >> beam.FlatMap(_join_chunk))
+            | "PicksBySequence" >> beam.FlatMap(_picks_with_tokens))
         return (
-            {"sequence": sequences | "SeqById" >> beam.Map(lambda s: (s.seq_id, s)),
-             "candidates": candidates}
+            {"sequence": by_seq, "picks": picks_with_tokens}
             | "JoinNeighbours" >> beam.CoGroupByKey()
-            | "SelectNeighbours" >> beam.FlatMap(_to_row, L, self.k, self.m, self.pad_id))
+            | "AssembleRows" >> beam.FlatMap(_to_row, L, self.k, self.m, self.pad_id))
 
 
 def rows_to_ipc(rows: list[ShardRow], pad_id: int) -> bytes:

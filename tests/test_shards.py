@@ -8,7 +8,7 @@ from apache_beam.testing.util import assert_that, equal_to
 from pipeline.chunking import Chunk, chunk_document
 from pipeline.index import build_index
 from pipeline.shards import (Candidate, PackSequences, RetrieveNeighbours, WriteShards,
-                             pack_sequence, select_neighbours)
+                             neighbour_arrays, pack_sequence, select_neighbours)
 from schemas.arrow import tensor_column_to_numpy
 from tests.conftest import local_pipeline
 
@@ -23,18 +23,17 @@ def test_pack_sequence_adds_the_next_token_and_its_document():
     assert pack_sequence(0, chunks, None, None, PAD).tokens[-1] == PAD
 
 
-def _cand(j, rank, chunk_id, doc_id, score=1.0):
-    return Candidate(0, j, rank, score, chunk_id, doc_id, np.full(2 * M, chunk_id, np.int32))
-
-
 def test_select_neighbours_drops_own_documents_and_pads():
-    candidates = [_cand(0, 0, 10, doc_id=1), _cand(0, 1, 11, doc_id=2, score=0.9),
-                  _cand(0, 2, 12, doc_id=3, score=0.8), _cand(0, 3, 13, doc_id=4),
-                  _cand(1, 0, 14, doc_id=1)]
-    tokens, ids, scores, padded = select_neighbours(candidates, {1}, L, K, M, PAD)
+    candidates = [Candidate(0, 0, 1.0, 10, doc_id=1), Candidate(0, 1, 0.9, 11, doc_id=2),
+                  Candidate(0, 2, 0.8, 12, doc_id=3), Candidate(0, 3, 0.7, 13, doc_id=4),
+                  Candidate(1, 0, 1.0, 14, doc_id=1)]
+    picks = select_neighbours(candidates, {1}, K)
+    assert picks == [(0, 0, 11, 0.9), (0, 1, 12, 0.8)]
+    values = [p + (np.full(2 * M, p[2], np.int32),) for p in picks]
+    tokens, ids, scores = neighbour_arrays(values, L, K, M, PAD)
     assert ids.tolist() == [[11, 12], [-1, -1]]
-    assert scores[0].tolist() == [np.float32(0.9), np.float32(0.8)]
-    assert (tokens[0, 0] == 11).all() and (tokens[1] == PAD).all() and padded == 2
+    assert scores.tolist() == [[np.float32(0.9), np.float32(0.8)], [0, 0]]
+    assert (tokens[0, 0] == 11).all() and (tokens[1] == PAD).all()
 
 
 def _database():

@@ -1,0 +1,371 @@
+"""Trainer: shard dataset (partition, shuffle, resume, refusals), RETRO model causality, training run."""
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from schemas.arrow import SchemaVersionError
+from tests.trainer_fixtures import source_rows, write_shard_dir
+from trainer import ShardDataset
+from trainer.dataset import ShardDataError
+from trainer.model import Retro, RetroConfig
+from trainer.train import main, next_token_loss
+
+SHARD_ROWS = [7, 5, 9, 6]  # uneven on purpose: 27 sequences, record batches of 3
+SEQ_IDS = set(range(1000, 1000 + sum(SHARD_ROWS)))
+
+
+@pytest.fixture(scope="module")
+def shard_dir(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("shards")
+    write_shard_dir(directory, shard_rows=SHARD_ROWS)
+    return directory
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run as fast on one thread, and two threads crawl when the cores are busy."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def loader_ids(dataset: ShardDataset, *, batch_size: int, num_workers: int, batches: int | None = None):
+    """seq_ids in the order a DataLoader hands them over (at most `batches` batches)."""
+    ids = []
+    for i, batch in enumerate(DataLoader(dataset, batch_size=batch_size, num_workers=num_workers)):
+        if batches is not None and i == batches:
+            break
+        ids.extend(batch["seq_id"].tolist())
+    return ids
+
+
+# -- dataset --------------------------------------------------------------------------------
+
+def test_samples_match_the_shards(shard_dir):
+    dataset = ShardDataset(shard_dir)
+    assert (dataset.sequence_tokens, dataset.chunk_tokens, dataset.neighbours, dataset.pad_id) == (16, 4, 2, 0)
+    reference = source_rows(shard_dir)
+    samples = list(dataset)
+    assert len(samples) == len(dataset) == 27
+    for sample in samples:
+        assert sample["seq_id"].dtype == torch.int64 and sample["seq_id"].dim() == 0
+        assert sample["tokens"].dtype == torch.int64 and sample["tokens"].shape == (17,)
+        assert sample["neighbours"].dtype == torch.int64 and sample["neighbours"].shape == (4, 2, 8)
+        assert sample["neighbour_ids"].dtype == torch.int64 and sample["neighbour_ids"].shape == (4, 2)
+        assert sample["neighbour_scores"].dtype == torch.float32 and sample["neighbour_scores"].shape == (4, 2)
+        row = reference[int(sample["seq_id"])]
+        assert np.array_equal(sample["tokens"].numpy(), row["tokens"])
+        assert np.array_equal(sample["neighbours"].flatten().numpy(), row["neighbours"])
+        assert np.array_equal(sample["neighbour_ids"].flatten().numpy(), row["neighbour_ids"])
+        assert np.array_equal(sample["neighbour_scores"].flatten().numpy(), row["neighbour_scores"])
+
+
+def test_samples_are_writable_and_warning_free(shard_dir, recwarn):
+    sample = next(iter(ShardDataset(shard_dir)))
+    sample["tokens"][0] = 1  # copies of the mapped rows, not read-only views
+    assert not [w for w in recwarn if "writable" in str(w.message)]
+
+
+def test_one_shard_is_mapped_at_a_time(shard_dir, monkeypatch):
+    from trainer import dataset as dataset_module
+
+    dataset = ShardDataset(shard_dir, seed=4)
+    opened = []
+    real_open = dataset_module._LocalFiles.open
+    monkeypatch.setattr(dataset_module._LocalFiles, "open",
+                        lambda self, path: opened.append(real_open(self, path)) or opened[-1])
+    most_open = max(sum(not f.closed for f in opened) for _ in dataset)
+    assert most_open == 1 and len(opened) == len(SHARD_ROWS)
+    assert all(f.closed for f in opened)
+
+
+def test_two_ranks_two_workers_cover_each_sequence_once_per_epoch(shard_dir):
+    for epoch in (0, 1):
+        seen = []
+        for rank in (0, 1):
+            dataset = ShardDataset(shard_dir, rank=rank, world_size=2, seed=3, batch_size=2)
+            dataset.set_epoch(epoch)
+            ids = loader_ids(dataset, batch_size=2, num_workers=2)
+            assert len(ids) == len(dataset)
+            seen.extend(ids)
+        assert sorted(seen) == sorted(SEQ_IDS), f"epoch {epoch}"
+    assert {len(ShardDataset(shard_dir, rank=r, world_size=2)) for r in (0, 1)} == {13, 14}
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")
+def test_worker_count_does_not_change_the_order(shard_dir):
+    dataset = ShardDataset(shard_dir, rank=1, world_size=2, seed=5, batch_size=3)
+    in_process = [int(s["seq_id"]) for s in dataset]
+    assert loader_ids(dataset, batch_size=3, num_workers=0) == in_process
+    assert loader_ids(dataset, batch_size=3, num_workers=2) == in_process
+    assert loader_ids(dataset, batch_size=3, num_workers=3) == in_process
+
+
+def test_shuffle_is_deterministic_per_epoch_and_differs_between_epochs(shard_dir):
+    def order(epoch, seed=0, shuffle=True):
+        dataset = ShardDataset(shard_dir, seed=seed, shuffle=shuffle)
+        dataset.set_epoch(epoch)
+        return [int(s["seq_id"]) for s in dataset]
+
+    epoch0, epoch1 = order(0), order(1)
+    assert sorted(epoch0) == sorted(epoch1) == sorted(SEQ_IDS)
+    assert epoch0 != epoch1
+    assert order(0) == epoch0
+    assert order(0, seed=1) != epoch0
+    assert epoch0 != sorted(epoch0)
+    manifest_order = sorted(SEQ_IDS)  # the fixture numbers sequences in manifest order
+    assert order(0, shuffle=False) == order(1, shuffle=False) == manifest_order
+
+
+@pytest.mark.parametrize("workers_before, workers_after", [(2, 2), (2, 0), (0, 2)])
+def test_resume_mid_epoch_yields_exactly_the_rest(shard_dir, workers_before, workers_after):
+    def dataset():
+        d = ShardDataset(shard_dir, rank=0, world_size=2, seed=7, batch_size=2)
+        d.set_epoch(1)
+        return d
+
+    uninterrupted = loader_ids(dataset(), batch_size=2, num_workers=workers_before)
+    first = dataset()
+    consumed = loader_ids(first, batch_size=2, num_workers=workers_before, batches=3)
+    first.advance(len(consumed))
+    state = json.loads(json.dumps(first.state_dict()))  # survives a checkpoint round trip
+
+    resumed = ShardDataset(shard_dir, rank=0, world_size=2, seed=0, batch_size=2)  # seed comes from state
+    resumed.load_state_dict(state)
+    rest = loader_ids(resumed, batch_size=2, num_workers=workers_after)
+    assert consumed == uninterrupted[:6]
+    assert consumed + rest == uninterrupted
+
+
+def test_resume_at_a_position_inside_a_batch(shard_dir):
+    full = [int(s["seq_id"]) for s in ShardDataset(shard_dir, seed=2)]
+    resumed = ShardDataset(shard_dir, seed=2, batch_size=4)
+    resumed.load_state_dict({**resumed.state_dict(), "position": 5})
+    assert loader_ids(resumed, batch_size=4, num_workers=2) == full[5:]
+
+
+def test_resume_refuses_a_different_partition(shard_dir):
+    state = ShardDataset(shard_dir, rank=0, world_size=2).state_dict()
+    with pytest.raises(ValueError, match="world_size"):
+        ShardDataset(shard_dir).load_state_dict(state)
+
+
+def rewrite_manifest(directory: Path, change) -> None:
+    path = directory / "manifest.json"
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+def test_refuses_an_unknown_manifest_schema_version(tmp_path):
+    write_shard_dir(tmp_path, shard_rows=[3])
+    rewrite_manifest(tmp_path, lambda m: m.update(schema_version=99))
+    with pytest.raises(SchemaVersionError, match="schema_version 99"):
+        ShardDataset(tmp_path)
+
+
+def test_refuses_a_shard_with_an_unknown_schema_version(tmp_path):
+    write_shard_dir(tmp_path, shard_rows=[3, 3])
+    path = tmp_path / "shard-00001.arrow"
+    table = pa.ipc.open_file(pa.memory_map(str(path))).read_all()
+    table = table.replace_schema_metadata({**table.schema.metadata, b"schema_version": b"2"})
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    size = path.stat().st_size
+    rewrite_manifest(tmp_path, lambda m: m["shards"][1].update(bytes=size))
+    with pytest.raises(SchemaVersionError, match=r"shard-00001\.arrow.*schema_version '2'"):
+        ShardDataset(tmp_path)
+
+
+def test_refuses_a_row_count_mismatch_naming_the_file(tmp_path):
+    write_shard_dir(tmp_path, shard_rows=[4, 5])
+
+    def claim_six_rows(m):
+        m["shards"][1]["rows"] = 6
+        m["num_sequences"] = 10
+
+    rewrite_manifest(tmp_path, claim_six_rows)
+    with pytest.raises(ShardDataError, match=r"shard-00001\.arrow: 5 rows in the file, the manifest says 6"):
+        ShardDataset(tmp_path)
+
+
+def test_refuses_a_size_mismatch_naming_the_file(tmp_path):
+    write_shard_dir(tmp_path, shard_rows=[4, 5])
+    with open(tmp_path / "shard-00000.arrow", "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(ShardDataError, match=r"shard-00000\.arrow: \d+ bytes on disk, the manifest says"):
+        ShardDataset(tmp_path)
+
+
+def test_refuses_a_missing_shard(tmp_path):
+    write_shard_dir(tmp_path, shard_rows=[4, 5])
+    (tmp_path / "shard-00001.arrow").unlink()
+    with pytest.raises(ShardDataError, match=r"shard-00001\.arrow: shard listed in the manifest is missing"):
+        ShardDataset(tmp_path)
+
+
+# -- model ----------------------------------------------------------------------------------
+
+M = 4  # chunk tokens in the model tests
+
+
+@pytest.fixture(scope="module")
+def model() -> Retro:
+    torch.manual_seed(0)
+    config = RetroConfig(vocab_size=50, sequence_tokens=16, chunk_tokens=M, dim=32, depth=3, heads=4,
+                         cca_layers=(0, 2), encoder_depth=1)
+    return Retro(config).eval()
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(1, 50, (2, 16), generator=generator)
+    neighbours = torch.randint(1, 50, (2, 16 // M, 2, 2 * M), generator=generator)
+    return tokens, neighbours
+
+
+def changed_positions(before: torch.Tensor, after: torch.Tensor) -> list[int]:
+    return (before - after).abs().amax(dim=(0, 2)).nonzero().flatten().tolist()
+
+
+@torch.no_grad()
+def test_output_shapes(model, inputs):
+    tokens, neighbours = inputs
+    assert model(tokens, neighbours).shape == (2, 16, 50)
+    assert model(tokens, None).shape == (2, 16, 50)
+    assert model(tokens[:, :8], neighbours[:, :2]).shape == (2, 8, 50)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("t", [0, 5, 11, 15])
+def test_a_token_changes_no_logit_before_it(model, inputs, t):
+    tokens, neighbours = inputs
+    edited = tokens.clone()
+    edited[:, t] = edited[:, t] % 49 + 1
+    changed = changed_positions(model(tokens, neighbours), model(edited, neighbours))
+    assert changed and min(changed) == t
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("u", [0, 1, 2, 3])
+def test_neighbours_of_chunk_u_reach_positions_from_u_plus_one_times_m_minus_one(model, inputs, u):
+    tokens, neighbours = inputs
+    edited = neighbours.clone()
+    edited[:, u] = edited[:, u] % 49 + 1
+    changed = changed_positions(model(tokens, neighbours), model(tokens, edited))
+    assert changed and min(changed) == (u + 1) * M - 1
+
+
+@torch.no_grad()
+def test_pad_neighbours_are_masked_out(model, inputs):
+    tokens, neighbours = inputs
+    second_absent = neighbours.clone()
+    second_absent[:, :, 1] = model.config.pad_id
+    only_first = neighbours[:, :, :1]
+    assert torch.allclose(model(tokens, second_absent), model(tokens, only_first), atol=1e-5)
+
+    all_absent = torch.full_like(neighbours, model.config.pad_id)
+    logits = model(tokens, all_absent)
+    assert torch.isfinite(logits).all()
+    # With nothing retrieved, CCA adds nothing: the same as skipping retrieval.
+    assert torch.allclose(logits, model(tokens, None), atol=1e-5)
+
+
+def test_no_retrieval_model_has_no_encoder_or_cca():
+    config = RetroConfig(vocab_size=50, sequence_tokens=16, chunk_tokens=M, dim=32, depth=3, heads=4,
+                         retrieval=False)
+    model = Retro(config)
+    assert model.encoder is None and all(block.cca is None for block in model.blocks)
+    assert model(torch.ones(1, 16, dtype=torch.long), None).shape == (1, 16, 50)
+
+
+def test_config_rejects_cca_layers_outside_depth():
+    with pytest.raises(ValueError, match="cca_layers"):
+        RetroConfig(depth=2, cca_layers=(2,))
+
+
+# -- training -------------------------------------------------------------------------------
+
+TINY_MODEL = ["--vocab-size", "64", "--dim", "32", "--depth", "2", "--heads", "2", "--encoder-depth", "1"]
+
+
+@pytest.fixture(scope="module")
+def train_dir(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("train")
+    write_shard_dir(directory, shard_rows=[40, 40, 40], vocab_size=64)
+    return directory
+
+
+def losses(output: str) -> dict[int, float]:
+    return {int(step): float(loss) for step, loss in re.findall(r"step=(\d+) loss=(\S+) tok/s=\S+", output)}
+
+
+def test_loss_leaves_pad_targets_out():
+    logits = torch.randn(1, 3, 5)
+    targets = torch.tensor([[2, 0, 0]])  # pad_id 0 after the first token
+    expected = torch.nn.functional.cross_entropy(logits[0, :1], targets[0, :1])
+    assert torch.allclose(next_token_loss(logits, targets, pad_id=0), expected)
+
+
+def test_training_loss_decreases(train_dir, capsys):
+    main(["--shards", str(train_dir), "--steps", "30", "--batch-size", "8", "--lr", "1e-2",
+          "--log-every", "1", "--seed", "1", *TINY_MODEL])
+    by_step = losses(capsys.readouterr().out)
+    assert sorted(by_step) == list(range(1, 31))
+    assert all(math.isfinite(v) for v in by_step.values())
+    first, last = np.mean([by_step[s] for s in (1, 2, 3)]), np.mean([by_step[s] for s in (28, 29, 30)])
+    assert first > math.log(64) - 0.5  # starts near chance
+    assert last < first - 1.5, by_step
+
+
+def test_resumed_training_continues_the_uninterrupted_run(train_dir, tmp_path, capsys):
+    # 120 sequences / batch 8: epoch 0 ends at step 15, so resuming at 10 crosses an epoch.
+    common = ["--shards", str(train_dir), "--steps", "20", "--batch-size", "8", "--lr", "1e-2",
+              "--log-every", "1", "--num-workers", "2", *TINY_MODEL]
+    main(common)
+    uninterrupted = losses(capsys.readouterr().out)
+
+    checkpoint = tmp_path / "ckpt.pt"
+    main([*common[:3], "10", *common[4:], "--decay-steps", "20", "--checkpoint", str(checkpoint)])
+    first_half = losses(capsys.readouterr().out)
+    state = torch.load(checkpoint)
+    assert state["step"] == 10 and state["dataset"]["position"] == 80
+    main([*common, "--resume", str(checkpoint)])
+    second_half = losses(capsys.readouterr().out)
+
+    assert sorted(second_half) == list(range(11, 21))
+    for step, loss in {**first_half, **second_half}.items():
+        assert loss == pytest.approx(uninterrupted[step], abs=1e-4), step
+
+
+def test_no_retrieval_ablation_trains(train_dir, capsys):
+    main(["--shards", str(train_dir), "--steps", "3", "--batch-size", "4", "--no-retrieval", *TINY_MODEL])
+    output = capsys.readouterr().out
+    assert "retrieval=False" in output and len(losses(output)) == 1
+
+
+def test_tokens_outside_the_vocabulary_stop_the_run_with_one_line(train_dir, capsys):
+    with pytest.raises(SystemExit, match="outside the vocabulary .0, 30.: pass --vocab-size"):
+        main(["--shards", str(train_dir), "--steps", "2", "--batch-size", "4",
+              *TINY_MODEL[2:], "--vocab-size", "30"])
+
+
+def test_trainer_imports_neither_beam_nor_faiss_nor_sentence_transformers():
+    code = ("import sys, trainer.train; "
+            "print([m for m in ('apache_beam', 'faiss', 'sentence_transformers') if m in sys.modules])")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                            cwd=Path(__file__).resolve().parents[1])
+    assert result.stdout.strip() == "[]"

@@ -1,0 +1,95 @@
+"""Small synthetic shard directories for the trainer tests: real Arrow IPC files and a real
+ShardsManifest (rows, bytes and sha256 of the files as written)."""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from schemas.arrow import shard_table
+from schemas.manifest import FileEntry, ShardsManifest
+
+
+def synthetic_rows(num_sequences: int, *, sequence_tokens: int, chunk_tokens: int, neighbours: int,
+                   vocab_size: int, pad_id: int, seed: int) -> dict[str, np.ndarray]:
+    """Rows whose tokens count up by one (mod vocab, skipping pad_id) from a random start: a
+    pattern a tiny model learns in a few steps. Neighbour 0 of each chunk is the chunk that
+    follows it plus its continuation; the last neighbour of every other chunk is absent (pad)."""
+    rng = np.random.default_rng(seed)
+    n, m, k = sequence_tokens, chunk_tokens, neighbours
+    chunks = n // m
+    usable = vocab_size - 1  # every id but pad_id
+
+    def ids(values):
+        values = values % usable
+        return values + (values >= pad_id)
+
+    starts = rng.integers(0, usable, size=num_sequences)
+    tokens = ids(starts[:, None] + np.arange(n + 1)).astype(np.int32)
+    neighbours_ = ids(rng.integers(0, usable, size=(num_sequences, chunks, k, 2 * m))).astype(np.int32)
+    chunk_starts = starts[:, None] + (np.arange(chunks)[None, :] + 1) * m
+    neighbours_[:, :, 0, :] = ids(chunk_starts[:, :, None] + np.arange(2 * m))
+    neighbour_ids = rng.integers(0, 10_000, size=(num_sequences, chunks, k))
+    absent = np.zeros((chunks, k), dtype=bool)
+    absent[1::2, k - 1] = k > 1
+    neighbours_[:, absent] = pad_id
+    neighbour_ids[:, absent] = -1
+    scores = rng.random((num_sequences, chunks, k), dtype=np.float32)
+    return {"tokens": tokens, "neighbours": neighbours_, "neighbour_ids": neighbour_ids,
+            "neighbour_scores": scores}
+
+
+def write_shard_dir(directory: Path, *, shard_rows: list[int], sequence_tokens: int = 16,
+                    chunk_tokens: int = 4, neighbours: int = 2, vocab_size: int = 64,
+                    pad_id: int = 0, batch_rows: int = 3, seed: int = 0,
+                    first_seq_id: int = 1000) -> ShardsManifest:
+    """Write shards of `shard_rows` rows each (record batches of `batch_rows`) and the manifest.
+
+    Sequence ids count up from first_seq_id in manifest order; doc_ids are [seq_id].
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    total = sum(shard_rows)
+    rows = synthetic_rows(total, sequence_tokens=sequence_tokens, chunk_tokens=chunk_tokens,
+                          neighbours=neighbours, vocab_size=vocab_size, pad_id=pad_id, seed=seed)
+    seq_ids = np.arange(first_seq_id, first_seq_id + total, dtype=np.int64)
+    entries, start = [], 0
+    for i, count in enumerate(shard_rows):
+        part = slice(start, start + count)
+        table = shard_table(seq_ids[part], rows["tokens"][part], rows["neighbours"][part],
+                            rows["neighbour_ids"][part], rows["neighbour_scores"][part],
+                            [[s] for s in seq_ids[part]], pad_id=pad_id)
+        path = directory / f"shard-{i:05d}.arrow"
+        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+            writer.write_table(table, max_chunksize=batch_rows)
+        data = path.read_bytes()
+        entries.append(FileEntry(path=path.name, rows=count, bytes=len(data),
+                                 sha256=hashlib.sha256(data).hexdigest()))
+        start += count
+    manifest = ShardsManifest(
+        config_hash="test", index_manifest_sha256="test", training_corpus="separate",
+        sequence_tokens=sequence_tokens,
+        chunk_tokens=chunk_tokens, neighbours=neighbours, neighbour_tokens=2 * chunk_tokens,
+        pad_id=pad_id, num_sequences=total, shards=entries,
+        counters={"sequences_written": total}, created_by="tests/trainer_fixtures.py")
+    (directory / "manifest.json").write_text(manifest.model_dump_json(indent=2))
+    return manifest
+
+
+def source_rows(directory: Path) -> dict[int, dict[str, np.ndarray]]:
+    """seq_id -> the row's columns, read back with plain pyarrow (the reference the dataset must match)."""
+    out = {}
+    for path in sorted(Path(directory).glob("shard-*.arrow")):
+        with pa.OSFile(str(path)) as source:
+            table = pa.ipc.open_file(source).read_all()
+        columns = {name: table.column(name).combine_chunks() for name in table.column_names}
+        for i, seq_id in enumerate(columns["seq_id"].to_pylist()):
+            out[seq_id] = {
+                "tokens": np.array(columns["tokens"][i].as_py()),
+                "neighbours": np.array(columns["neighbours"].storage[i].as_py()),
+                "neighbour_ids": np.array(columns["neighbour_ids"].storage[i].as_py()),
+                "neighbour_scores": np.array(columns["neighbour_scores"].storage[i].as_py(), dtype=np.float32),
+            }
+    return out

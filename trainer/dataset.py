@@ -1,0 +1,286 @@
+"""Streaming dataset over a shard directory (DESIGN §4): manifest.json + Arrow IPC shards.
+
+Order of an epoch. The epoch's *global order* is fixed by (seed, epoch): the shards in a
+permuted order, each shard's rows in a permuted order (manifest order when shuffle=False). It is
+never materialised: only the shard order (one entry per shard) and the row permutation of the
+shard being read are held, so memory stays flat however many shards or sequences there are.
+
+Partition. Rank r takes the contiguous slice [r·N/W, (r+1)·N/W) of the global order (its *rank
+stream*; lengths differ by at most one), so a rank reads only about 1/W of the shards.
+DataLoader workers split the rank stream into blocks of `batch_size` consecutive samples and
+take the blocks round-robin (worker w: blocks w, w + num_workers, ...). A DataLoader fetches
+batches from its workers round-robin in worker order, so with the same batch size it hands the
+trainer the rank stream in order, whatever num_workers is, and every sequence exactly once
+per epoch across world_size × num_workers.
+
+Resume. The state is (seed, epoch, position): position = samples of this rank's stream the
+trainer has consumed this epoch. The dataset object in the trainer's process never sees what
+worker copies yield, so the trainer reports consumption with `advance(n)` after each batch.
+A resumed dataset yields the rank stream from `position` on, re-blocking from there, so the
+result is exact with any num_workers before and after (and any batch size after).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pyarrow as pa
+import torch
+from pydantic import ValidationError
+from torch.utils.data import IterableDataset, get_worker_info
+
+from schemas.arrow import SHARD_METADATA_KEYS, check_schema_version, shard_schema, tensor_column_to_numpy
+from schemas.manifest import FileEntry, ShardsManifest
+
+MANIFEST_NAME = "manifest.json"
+_TENSOR_COLUMNS = ("tokens", "neighbours", "neighbour_ids", "neighbour_scores")
+
+
+class ShardDataError(ValueError):
+    """A shard directory that disagrees with its manifest; the message names the file."""
+
+
+class _LocalFiles:
+    """Local files, shards memory-mapped.
+
+    The only place files are touched: a gs:// source plugs in as another class with these
+    three methods over a pyarrow filesystem (`open_input_file` gives ranged reads).
+    """
+
+    def read_text(self, path: str) -> str:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+
+    def size(self, path: str) -> int:
+        return os.stat(path).st_size
+
+    def open(self, path: str) -> pa.NativeFile:
+        return pa.memory_map(path, "r")
+
+
+def _files_for(source: str) -> _LocalFiles:
+    if "://" in source:
+        raise NotImplementedError(f"{source}: only local shard directories are supported yet")
+    return _LocalFiles()
+
+
+class _OpenShard:
+    """One shard's record batches as numpy views of the mapped file, read one row at a time."""
+
+    def __init__(self, file: pa.NativeFile, reader: pa.ipc.RecordBatchFileReader, row_order: np.ndarray):
+        self._file = file
+        self._batches = []  # per record batch: column name -> numpy [rows, ...] (zero-copy view)
+        batch_rows = []
+        for i in range(reader.num_record_batches):
+            batch = reader.get_batch(i)
+            columns = {"seq_id": batch.column("seq_id").to_numpy()}
+            columns.update({name: tensor_column_to_numpy(batch.column(name)) for name in _TENSOR_COLUMNS})
+            self._batches.append(columns)
+            batch_rows.append(batch.num_rows)
+        self._batch_starts = np.concatenate([[0], np.cumsum(batch_rows)])
+        self.row_order = row_order
+
+    def sample(self, offset: int) -> dict[str, torch.Tensor]:
+        """The row at `offset` in this epoch's row order, copied out of the mapping.
+
+        Copying the one sample is what makes it safe to unmap the shard later and to hand the
+        tensors to collate / pin_memory (mapped buffers are read-only); tokens and neighbours
+        are widened int32 -> int64 here anyway, which copies.
+        """
+        row = int(self.row_order[offset])
+        b = int(np.searchsorted(self._batch_starts, row, side="right")) - 1
+        columns, i = self._batches[b], row - int(self._batch_starts[b])
+        return {
+            "seq_id": torch.tensor(int(columns["seq_id"][i]), dtype=torch.int64),
+            "tokens": torch.from_numpy(columns["tokens"][i].astype(np.int64)),
+            "neighbours": torch.from_numpy(columns["neighbours"][i].astype(np.int64)),
+            "neighbour_ids": torch.from_numpy(np.array(columns["neighbour_ids"][i])),
+            "neighbour_scores": torch.from_numpy(np.array(columns["neighbour_scores"][i])),
+        }
+
+    def close(self) -> None:
+        self._batches = []  # drop the views before the mapping
+        self._file.close()
+
+
+class ShardDataset(IterableDataset):
+    """Samples of a shard directory for one rank: dicts of seq_id, tokens [n+1],
+    neighbours [n/m, k, 2m], neighbour_ids [n/m, k], neighbour_scores [n/m, k].
+
+    batch_size: the DataLoader's batch size (None batching = 1). Workers own blocks of this
+    many samples; with num_workers > 1 it must match the DataLoader's for the trainer to see
+    the rank stream in order, which exact resume relies on.
+    """
+
+    def __init__(self, source: str | os.PathLike, *, rank: int = 0, world_size: int = 1,
+                 shuffle: bool = True, seed: int = 0, batch_size: int = 1):
+        super().__init__()
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        self.source = os.fspath(source)
+        self.rank, self.world_size = rank, world_size
+        self.shuffle, self.seed, self.batch_size = shuffle, seed, batch_size
+        self.epoch = 0
+        self.position = 0
+        self._files = _files_for(self.source)
+        self.manifest = self._read_manifest()
+        self.sequence_tokens = self.manifest.sequence_tokens
+        self.chunk_tokens = self.manifest.chunk_tokens
+        self.neighbours = self.manifest.neighbours
+        self.pad_id = self.manifest.pad_id
+        self._expected_schema = shard_schema(self.sequence_tokens, self.chunk_tokens,
+                                             self.neighbours, self.pad_id)
+        self._expected_metadata = {k.decode(): v.decode() for k, v in self._expected_schema.metadata.items()}
+        self._shard_rows = np.array([entry.rows for entry in self.manifest.shards], dtype=np.int64)
+        for entry in self.manifest.shards:  # fail now, not hours into an epoch
+            file, _ = self._open_checked(entry)
+            file.close()
+
+    # -- manifest and shard checks ------------------------------------------------------
+
+    def _path(self, relative: str) -> str:
+        return os.path.join(self.source, relative)
+
+    def _read_manifest(self) -> ShardsManifest:
+        path = self._path(MANIFEST_NAME)
+        try:
+            data = json.loads(self._files.read_text(path))
+        except FileNotFoundError:
+            raise ShardDataError(f"{path}: no manifest (the shard stage has not committed)") from None
+        except json.JSONDecodeError as err:
+            raise ShardDataError(f"{path}: not valid JSON ({err})") from None
+        check_schema_version(data.get("schema_version") if isinstance(data, dict) else None, path)
+        try:
+            manifest = ShardsManifest.model_validate(data)
+        except ValidationError as err:
+            raise ShardDataError(f"{path}: not a shards manifest ({err.error_count()} problems: "
+                                 f"{err.errors()[0]['loc']} {err.errors()[0]['msg']})") from None
+        n, m = manifest.sequence_tokens, manifest.chunk_tokens
+        if m < 1 or n % m:
+            raise ShardDataError(f"{path}: sequence_tokens {n} is not a multiple of chunk_tokens {m}")
+        if manifest.neighbour_tokens != 2 * m:
+            raise ShardDataError(f"{path}: neighbour_tokens {manifest.neighbour_tokens} != 2 × chunk_tokens {m}")
+        total = sum(entry.rows for entry in manifest.shards)
+        if total != manifest.num_sequences:
+            raise ShardDataError(f"{path}: num_sequences {manifest.num_sequences} != {total} rows over its shards")
+        return manifest
+
+    def _open_checked(self, entry: FileEntry) -> tuple[pa.NativeFile, pa.ipc.RecordBatchFileReader]:
+        """Open a shard, refusing it unless size, rows, schema version and shapes match the manifest."""
+        path = self._path(entry.path)
+        try:
+            size = self._files.size(path)
+        except FileNotFoundError:
+            raise ShardDataError(f"{path}: shard listed in the manifest is missing") from None
+        if size != entry.bytes:
+            raise ShardDataError(f"{path}: {size} bytes on disk, the manifest says {entry.bytes}")
+        file = self._files.open(path)
+        try:
+            try:
+                reader = pa.ipc.open_file(file)
+            except pa.ArrowInvalid as err:
+                raise ShardDataError(f"{path}: not an Arrow IPC file ({err})") from None
+            metadata = {k.decode(): v.decode() for k, v in (reader.schema.metadata or {}).items()}
+            check_schema_version(metadata.get("schema_version"), path)
+            for key in SHARD_METADATA_KEYS:
+                if metadata.get(key) != self._expected_metadata[key]:
+                    raise ShardDataError(f"{path}: metadata {key}={metadata.get(key)!r}, the manifest "
+                                         f"says {self._expected_metadata[key]}")
+            if not reader.schema.remove_metadata().equals(self._expected_schema.remove_metadata()):
+                raise ShardDataError(
+                    f"{path}: columns do not match the manifest's shapes (n={self.sequence_tokens}, "
+                    f"m={self.chunk_tokens}, k={self.neighbours}): {reader.schema.remove_metadata()}")
+            rows = sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
+            if rows != entry.rows:
+                raise ShardDataError(f"{path}: {rows} rows in the file, the manifest says {entry.rows}")
+        except BaseException:
+            file.close()
+            raise
+        return file, reader
+
+    # -- order --------------------------------------------------------------------------
+
+    def _rng(self, *keys: int) -> np.random.Generator:
+        return np.random.default_rng([self.seed, self.epoch, *keys])
+
+    def _shard_order(self) -> tuple[np.ndarray, np.ndarray]:
+        """This epoch's shard visiting order, and the global position where each one starts."""
+        count = len(self.manifest.shards)
+        order = self._rng().permutation(count) if self.shuffle else np.arange(count)
+        starts = np.concatenate([[0], np.cumsum(self._shard_rows[order])])
+        return order, starts
+
+    def _row_order(self, shard: int) -> np.ndarray:
+        rows = int(self._shard_rows[shard])
+        # Key 1 + shard keeps the row streams apart from the shard-order stream (key-less).
+        return self._rng(1 + shard).permutation(rows) if self.shuffle else np.arange(rows)
+
+    def _rank_range(self) -> tuple[int, int]:
+        n = self.manifest.num_sequences
+        return self.rank * n // self.world_size, (self.rank + 1) * n // self.world_size
+
+    def __len__(self) -> int:
+        """Samples this rank yields in a whole epoch."""
+        start, stop = self._rank_range()
+        return stop - start
+
+    def _worker_positions(self, worker: int, num_workers: int):
+        """Rank-stream positions this worker yields, ascending: its blocks from `position` on."""
+        length, block = len(self), self.batch_size
+        for start in range(self.position + worker * block, length, num_workers * block):
+            yield from range(start, min(start + block, length))
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        shard_order, shard_starts = self._shard_order()
+        rank_start, _ = self._rank_range()
+        slot, shard = -1, None
+        try:
+            for position in self._worker_positions(worker, num_workers):
+                index = rank_start + position  # in the epoch's global order
+                if shard is None or index >= shard_starts[slot + 1]:
+                    if shard is not None:
+                        shard.close()  # one shard mapped at a time
+                    slot = int(np.searchsorted(shard_starts, index, side="right")) - 1
+                    shard_index = int(shard_order[slot])
+                    file, reader = self._open_checked(self.manifest.shards[shard_index])
+                    shard = _OpenShard(file, reader, self._row_order(shard_index))
+                yield shard.sample(index - int(shard_starts[slot]))
+        finally:
+            if shard is not None:
+                shard.close()
+
+    # -- epochs and resume --------------------------------------------------------------
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch `epoch` from its beginning (call before creating the DataLoader iterator)."""
+        self.epoch, self.position = int(epoch), 0
+
+    def advance(self, samples: int) -> None:
+        """Record that the trainer consumed `samples` more samples of this rank's stream."""
+        if samples < 0 or self.position + samples > len(self):
+            raise ValueError(f"cannot advance {samples} from position {self.position} "
+                             f"of an epoch of {len(self)} samples")
+        self.position += samples
+
+    def state_dict(self) -> dict:
+        """Where this rank's stream stands. Ranks step in lockstep, so one rank's state (its
+        position counts that rank's own samples) resumes every rank; `rank` is informational."""
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
+                "shuffle": self.shuffle, "rank": self.rank, "world_size": self.world_size,
+                "num_sequences": self.manifest.num_sequences}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue where `state` left off; the stream's shape (data, ranks, shuffle) must match."""
+        current = self.state_dict()
+        for key in ("world_size", "num_sequences", "shuffle"):
+            if state[key] != current[key]:
+                raise ValueError(f"cannot resume: state has {key}={state[key]!r}, this dataset {current[key]!r}")
+        if not 0 <= state["position"] <= len(self):
+            raise ValueError(f"cannot resume: position {state['position']} is outside an epoch "
+                             f"of {len(self)} samples")
+        self.seed, self.epoch, self.position = state["seed"], state["epoch"], state["position"]
