@@ -20,7 +20,8 @@ quickstart: install
 	$(BIN)/ratrain-pipeline run --config $(QUICKSTART)
 	$(BIN)/ratrain-pipeline validate out/quickstart
 	$(BIN)/ratrain-pipeline inspect out/quickstart/shards --n 1
-	$(BIN)/ratrain-train --shards out/quickstart/shards --steps 20 --log-every 5
+	$(BIN)/ratrain-train --shards out/quickstart/shards --steps 20 --log-every 5 \
+		--dim 128 --depth 4 --heads 4 --batch-size 4
 
 test: install
 	$(BIN)/python -m pytest
