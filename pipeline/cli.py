@@ -49,12 +49,40 @@ def _summary(counters: dict[str, int], title: str) -> None:
 @cli.command("build-index", **BEAM_ARGS)
 @click.option("--config", "config_path", required=True, help="Pipeline config (YAML).")
 @click.argument("beam_args", nargs=-1, type=click.UNPROCESSED)
-def build_index_cmd(config_path, beam_args):
+@click.option("--force", is_flag=True, help="Rebuild chunks and embeddings even when they match.")
+def build_index_cmd(config_path, beam_args, force):
     """Stages 1-3: chunk, embed and index the retrieval corpus -> <output>/index/."""
     from pipeline.stages import build_index
 
-    manifest = build_index(_config(config_path), list(beam_args))
+    manifest = build_index(_config(config_path), list(beam_args), force=force)
     _summary(manifest.counters, "build-index counters")
+
+
+@cli.command("index", **BEAM_ARGS)
+@click.option("--embeddings", "embeddings", required=True, multiple=True,
+              help="Glob of Parquet files with chunk_id: int64 and embedding: "
+                   "fixed_size_list<float32|float16>[d] (repeatable).")
+@click.option("--output", required=True, help="Directory for faiss/index.faiss and manifest.json.")
+@click.option("--type", "index_type", default="auto", show_default=True,
+              help="'auto' or a faiss index_factory string.")
+@click.option("--memory-budget", default="4GiB", show_default=True, help="e.g. 64MB, 2GiB.")
+@click.option("--target-recall", default=0.95, show_default=True, type=float,
+              help="1-recall@10 the tuned nprobe must reach.")
+@click.option("--nprobe", default=None, type=int, help="Fixed search depth instead of tuning.")
+@click.argument("beam_args", nargs=-1, type=click.UNPROCESSED)
+def index_cmd(embeddings, output, index_type, memory_budget, target_recall, nprobe, beam_args):
+    """Build a faiss index over embeddings you already have (the index stage alone)."""
+    from pipeline.stages import build_vector_index
+    from schemas.config import ConfigError, IndexConfig, format_validation_error
+    from pydantic import ValidationError
+
+    try:
+        cfg = IndexConfig(type=index_type, memory_budget=memory_budget,
+                          target_recall=target_recall, nprobe=nprobe)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err, "index options")) from None
+    manifest = build_vector_index(list(embeddings), output, cfg, list(beam_args))
+    _summary(manifest.counters, "index counters")
 
 
 @cli.command("build-shards", **BEAM_ARGS)

@@ -25,6 +25,11 @@ def exists(path: str) -> bool:
     return FileSystems.exists(path)
 
 
+def open_read(path: str):
+    """A seekable binary reader (local or gs://)."""
+    return FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED)
+
+
 def read_bytes(path: str) -> bytes:
     with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as f:
         return f.read()
@@ -86,15 +91,19 @@ def new_staging_dir(output: str, stage: str) -> str:
     return join(output, ".staging", f"{stage}-{uuid.uuid4().hex[:12]}")
 
 
-def commit_directory(staging: str, final: str, manifest: dict) -> None:
-    """Replace `final` with the files of `staging`, then write its manifest last.
+def commit_directory(staging: str, final: str, manifest: dict,
+                     replace: tuple[str, ...] | None = None) -> None:
+    """Move the files of `staging` into `final`, then write its manifest last.
 
+    replace=None: `final` is the stage's own directory and is replaced whole. Otherwise only
+    these subdirectories of `final` are cleared (the rest, e.g. reused chunks, stays).
     The old manifest goes first, so a crash in between leaves a directory without a manifest
-    (incomplete, rebuilt on the next run) rather than a manifest over mixed content.
+    (rebuilt on the next run) rather than a manifest over mixed content.
     """
     if exists(join(final, MANIFEST)):
         FileSystems.delete([join(final, MANIFEST)])
-    delete_tree(final)
+    for directory in ([final] if replace is None else [join(final, sub) for sub in replace]):
+        delete_tree(directory)
     sources = list_files(staging)
     targets = [join(final, posixpath.relpath(s.replace("\\", "/"), staging.rstrip("/")))
                for s in sources]

@@ -23,7 +23,7 @@ def run_all(cfg: PipelineConfig, beam_args: list[str], force: bool = False) -> d
         log.info("build-index: skipped, %s matches the config", index_dir(cfg))
         report["build-index"] = ("skipped", index["counters"])
     else:
-        report["build-index"] = ("built", build_index(cfg, beam_args).counters)
+        report["build-index"] = ("built", build_index(cfg, beam_args, force=force).counters)
     _, index_sha = load_index_manifest(cfg)
     shards = _committed(shards_dir(cfg))
     if (not force and shards and shards.get("config_hash") == cfg.shards_hash()

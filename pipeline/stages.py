@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import apache_beam as beam
 import numpy as np
+from apache_beam.io.filesystems import FileSystems
 from apache_beam.io.parquetio import ReadFromParquetBatched
 from apache_beam.metrics.metric import MetricsFilter
 
@@ -28,8 +29,9 @@ from pipeline.shards import PackSequences, RetrieveNeighbours, WriteShards
 from pipeline.writers import (WriteGroupedFiles, WriteRejected, chunks_table, embeddings_table,
                               parquet_bytes)
 from schemas.arrow import check_schema_version, tensor_column_to_numpy
-from schemas.config import PipelineConfig
-from schemas.manifest import Fingerprint, IndexManifest, ShardsManifest
+from schemas.config import PipelineConfig, stable_hash
+from schemas.manifest import (FileEntry, Fingerprint, IndexManifest, Recall, ShardsManifest,
+                              VectorIndex, VectorIndexManifest)
 
 log = logging.getLogger("ratrain")
 FILES_LIST = "_files.json"
@@ -105,8 +107,38 @@ def _rejected_counts(counters: dict[str, int]) -> int:
 
 # --- build-index ----------------------------------------------------------------------------
 
-def build_index(cfg: PipelineConfig, beam_args: list[str]) -> IndexManifest:
-    """Stages 1-3: retrieval corpus -> chunks, embeddings, faiss index, committed manifest."""
+def _index_files(staging: str, out_subdir: str = "faiss") -> tuple[dict, dict]:
+    """The build info BuildIndex wrote, and the manifest entry of its index file."""
+    info = fileio.read_json(fileio.join(staging, out_subdir, BUILD_INFO_FILE))
+    data = fileio.read_bytes(fileio.join(staging, out_subdir, INDEX_FILE))
+    entry = {"path": f"{out_subdir}/{INDEX_FILE}", "rows": info["num_vectors"],
+             "bytes": len(data), "sha256": fileio.sha256_bytes(data)}
+    return info, entry
+
+
+def _vector_index_fields(info: dict) -> dict:
+    return {key: info[key] for key in VectorIndex.model_fields}
+
+
+def _committed_index(cfg: PipelineConfig) -> IndexManifest | None:
+    path = fileio.join(index_dir(cfg), fileio.MANIFEST)
+    if not fileio.exists(path):
+        return None
+    try:
+        return IndexManifest.model_validate_json(fileio.read_bytes(path))
+    except ValueError:  # an older or foreign manifest: rebuild from scratch
+        return None
+
+
+def build_index(cfg: PipelineConfig, beam_args: list[str], force: bool = False) -> IndexManifest:
+    """Stages 1-3: retrieval corpus -> chunks, embeddings, faiss index, committed manifest.
+
+    When the committed chunks and embeddings match the config (only `index.*` changed), only
+    the faiss index is rebuilt from them.
+    """
+    previous = None if force else _committed_index(cfg)
+    if previous is not None and previous.embed_config_hash == cfg.embed_hash():
+        return _rebuild_faiss(cfg, previous, beam_args)
     tok = Tokenization.of(cfg)
     staging = fileio.new_staging_dir(cfg.output, "index")
     m = cfg.chunk_tokens
@@ -126,7 +158,9 @@ def build_index(cfg: PipelineConfig, beam_args: list[str]) -> IndexManifest:
             fileio.join(staging, "embeddings"), staging, "embeddings", "parquet",
             key=lambda e: e[0], rows_per_file=cfg.chunk_file_rows,
             to_bytes=lambda rows: parquet_bytes(embeddings_table(rows)))
-        _ = embeddings | "BuildIndex" >> BuildIndex(cfg.index, fileio.join(staging, "faiss"))
+        _ = (embedding_files
+             | "EmbeddingPaths" >> beam.Map(lambda entry: fileio.join(staging, entry["path"]))
+             | "BuildIndex" >> BuildIndex(cfg.index, fileio.join(staging, "faiss")))
         _ = ((rejected, unusable) | "MergeRejected" >> beam.Flatten()
              | "WriteRejected" >> WriteRejected(fileio.join(staging, REJECTED_STAGING),
                                                 "build-index"))
@@ -134,32 +168,85 @@ def build_index(cfg: PipelineConfig, beam_args: list[str]) -> IndexManifest:
         counters = run_and_count(pipeline)
         timer.done(counters, "chunks")
 
-    info = fileio.read_json(fileio.join(staging, "faiss", BUILD_INFO_FILE))
-    files = fileio.read_json(fileio.join(staging, FILES_LIST))
-    index_path = fileio.join(staging, "faiss", INDEX_FILE)
-    index_data = fileio.read_bytes(index_path)
-    files.append({"path": f"faiss/{INDEX_FILE}", "rows": info["num_vectors"],
-                  "bytes": len(index_data), "sha256": fileio.sha256_bytes(index_data)})
+    info, index_entry = _index_files(staging)
+    files = fileio.read_json(fileio.join(staging, FILES_LIST)) + [index_entry]
     beam.io.filesystems.FileSystems.delete([fileio.join(staging, FILES_LIST)])
-    model_path = resolve_model(cfg.embedding.model)
     manifest = IndexManifest(
-        config_hash=cfg.index_hash(),
+        config_hash=cfg.index_hash(), embed_config_hash=cfg.embed_hash(),
         tokenizer=Fingerprint(name=tok.name, fingerprint=fingerprint_path(tok.path)),
         embedding_model=Fingerprint(name=cfg.embedding.model,
-                                    fingerprint=fingerprint_path(model_path)),
-        dim=info["dim"], metric=info["metric"],
+                                    fingerprint=fingerprint_path(resolve_model(cfg.embedding.model))),
         num_documents=counters.get("documents_chunked", 0),
         num_chunks=counters.get("chunks", 0), chunk_tokens=m, pad_id=tok.pad_id,
-        index_factory=info["index_factory"], nprobe=info["nprobe"],
-        recall_at_k=info["recall_at_k"], queries_per_second=info["queries_per_second"],
-        index_bytes=info["index_bytes"], files=sorted(files, key=lambda f: f["path"]),
-        counters=counters, created_by=f"ratrain-pipeline {__version__}")
+        files=sorted(files, key=lambda f: f["path"]), counters=counters,
+        created_by=f"ratrain-pipeline {__version__}", **_vector_index_fields(info))
     _publish_rejected(staging, cfg.output)
     fileio.commit_directory(staging, index_dir(cfg), manifest.model_dump(mode="json"))
-    log.info("committed %s (%d chunks from %d documents, %s, %s = %.3f)", index_dir(cfg),
-             manifest.num_chunks, manifest.num_documents, manifest.index_factory,
-             manifest.recall_at_k.measure, manifest.recall_at_k.value)
+    _log_index(index_dir(cfg), manifest)
     return manifest
+
+
+def _log_index(directory: str, manifest) -> None:
+    log.info("committed %s (%s, %s = %.3f at depth %s, %s bytes)", directory,
+             manifest.index_factory, manifest.recall_at_k.measure, manifest.recall_at_k.value,
+             manifest.nprobe, f"{manifest.index_bytes:,}")
+
+
+def _run_build_index(paths: list[str], cfg_index, staging: str, beam_args: list[str], name: str):
+    with StageTimer(name) as timer:
+        pipeline = beam.Pipeline(options=pipeline_options(beam_args))
+        _ = (pipeline | "EmbeddingFiles" >> beam.Create(paths)
+             | "BuildIndex" >> BuildIndex(cfg_index, fileio.join(staging, "faiss")))
+        counters = run_and_count(pipeline)
+        timer.done(counters, "index_vectors_added")
+    return counters
+
+
+def _rebuild_faiss(cfg: PipelineConfig, previous: IndexManifest, beam_args: list[str]) -> IndexManifest:
+    """Only `index.*` changed: a new faiss index from the committed embeddings."""
+    log.info("build-index: chunks and embeddings match the config; rebuilding the faiss index only")
+    directory = index_dir(cfg)
+    kept = [f for f in previous.files if not f.path.startswith("faiss/")]
+    paths = [fileio.join(directory, f.path) for f in kept if f.path.startswith("embeddings/")]
+    staging = fileio.new_staging_dir(cfg.output, "faiss")
+    counters = _run_build_index(paths, cfg.index, staging, beam_args, "build-index (faiss only)")
+    info, index_entry = _index_files(staging)
+    merged_counters = {**{k: v for k, v in previous.counters.items() if not k.startswith("index_")},
+                       **counters}
+    manifest = previous.model_copy(update={
+        "config_hash": cfg.index_hash(), "files": sorted([*kept, FileEntry(**index_entry)], key=lambda f: f.path),
+        "counters": dict(sorted(merged_counters.items())),
+        "created_by": f"ratrain-pipeline {__version__}",
+        **{key: (Recall(**value) if key == "recall_at_k" else value)
+           for key, value in _vector_index_fields(info).items()}})
+    fileio.commit_directory(staging, directory, manifest.model_dump(mode="json"), replace=("faiss",))
+    _log_index(directory, manifest)
+    return manifest
+
+
+def build_vector_index(embeddings: list[str], output: str, cfg_index, beam_args: list[str]) -> VectorIndexManifest:
+    """`ratrain-pipeline index`: a faiss index over existing embedding files -> `<output>/faiss/`
+    and `<output>/manifest.json`. Nothing else in `output` is touched."""
+    paths = sorted({m.path for pattern, result in zip(embeddings, FileSystems.match(embeddings))
+                    for m in _nonempty(pattern, result)})
+    sizes = {m.path: m.size_in_bytes for r in FileSystems.match(paths) for m in r.metadata_list}
+    staging = fileio.new_staging_dir(output, "faiss")
+    counters = _run_build_index(paths, cfg_index, staging, beam_args, "index")
+    info, index_entry = _index_files(staging)
+    inputs = [{"path": p, "bytes": sizes[p]} for p in paths]
+    manifest = VectorIndexManifest(
+        config_hash=stable_hash({"index": cfg_index.model_dump(), "inputs": inputs}),
+        num_vectors=info["num_vectors"], inputs=inputs, files=[index_entry], counters=counters,
+        created_by=f"ratrain-pipeline {__version__}", **_vector_index_fields(info))
+    fileio.commit_directory(staging, output, manifest.model_dump(mode="json"), replace=("faiss",))
+    _log_index(output, manifest)
+    return manifest
+
+
+def _nonempty(pattern, result):
+    if not result.metadata_list:
+        raise FileNotFoundError(f"embeddings glob matches no file: {pattern}")
+    return result.metadata_list
 
 
 # --- build-shards ---------------------------------------------------------------------------

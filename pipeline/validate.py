@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 
 from pipeline import fileio
 from schemas.arrow import SHARD_METADATA_KEYS, check_schema_version, tensor_column_to_numpy
-from schemas.manifest import IndexManifest, ShardsManifest
+from schemas.manifest import IndexManifest, ShardsManifest, VectorIndexManifest
 
 NORM_TOLERANCE = 1e-3
 
@@ -114,6 +114,22 @@ def validate_index(directory: str) -> str:
             f"{manifest.index_factory}, {manifest.recall_at_k.measure} = {manifest.recall_at_k.value:.3f}")
 
 
+def validate_vector_index(directory: str) -> str:
+    """A stand-alone `index` output: manifest, file hashes, and the index itself."""
+    raw, _ = _manifest(directory)
+    check_schema_version(raw.get("schema_version"), fileio.join(directory, fileio.MANIFEST))
+    manifest = VectorIndexManifest.model_validate(raw)
+    _check_files(directory, manifest.files)
+    from pipeline.index import load_index
+
+    index = load_index(fileio.join(directory, "faiss", "index.faiss"), manifest.nprobe)
+    _require(index.ntotal == manifest.num_vectors and index.d == manifest.dim,
+             f"{directory}: faiss index holds {index.ntotal} x {index.d}, manifest says "
+             f"{manifest.num_vectors} x {manifest.dim}")
+    return (f"OK vector index {directory}: {manifest.num_vectors} vectors, {manifest.index_factory}, "
+            f"{manifest.recall_at_k.measure} = {manifest.recall_at_k.value:.3f} at depth {manifest.nprobe}")
+
+
 def validate_shards(directory: str, index_directory: str | None = None) -> str:
     raw, _ = _manifest(directory)
     check_schema_version(raw.get("schema_version"), fileio.join(directory, fileio.MANIFEST))
@@ -183,7 +199,9 @@ def validate_path(path: str) -> list[str]:
     manifest_path = fileio.join(path, fileio.MANIFEST)
     if fileio.exists(manifest_path):
         raw = fileio.read_json(manifest_path)
-        return [validate_shards(path) if "shards" in raw else validate_index(path)]
+        if "shards" in raw:
+            return [validate_shards(path)]
+        return [validate_vector_index(path) if "inputs" in raw else validate_index(path)]
     parts = [(fileio.join(path, name), check) for name, check in
              (("index", validate_index), ("shards", validate_shards))]
     found = [(d, check) for d, check in parts if fileio.exists(fileio.join(d, fileio.MANIFEST))]

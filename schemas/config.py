@@ -122,18 +122,22 @@ class PipelineConfig(_Strict):
     def training(self) -> CorpusConfig:
         return self.retrieval_corpus if self.training_corpus == "same" else self.training_corpus
 
+    def embed_hash(self) -> str:
+        """Hash of what the chunks and embeddings depend on (not `output`, not `index`)."""
+        return stable_hash(self.model_dump(include={"retrieval_corpus", "tokenizer", "chunk_tokens",
+                                              "chunk_file_rows", "embedding"}))
+
     def index_hash(self) -> str:
-        """Hash of everything the index stage's output depends on (not `output`)."""
-        return _hash(self.model_dump(include={"retrieval_corpus", "tokenizer", "chunk_tokens",
-                                              "chunk_file_rows", "embedding", "index"}))
+        """Hash of everything the index directory depends on: embeddings and the faiss index."""
+        return stable_hash({"embed": self.embed_hash(), "index": self.index.model_dump()})
 
     def shards_hash(self) -> str:
         """Hash of the shard stage's own settings (the index is pinned by its manifest hash)."""
-        return _hash(self.model_dump(include={"training_corpus", "sequence_tokens", "neighbours",
+        return stable_hash(self.model_dump(include={"training_corpus", "sequence_tokens", "neighbours",
                                               "neighbour_candidates", "shard_rows"}))
 
 
-def _hash(obj) -> str:
+def stable_hash(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 

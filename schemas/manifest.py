@@ -26,28 +26,50 @@ class Fingerprint(_Model):
 
 
 class Recall(_Model):
-    measure: str = Field(description="e.g. '1-recall@10': share of queries whose exact top-1 "
-                         "is among the index's top 10.")
+    measure: str = Field(description="'1-recall@10': share of sampled indexed vectors whose "
+                         "exact nearest other vector is among the index's top 10 (self excluded).")
     value: float
     sample_size: int
-    nprobe: int | None = None
+    nprobe: int | None = Field(None, description="Search depth it was measured at (nprobe for "
+                               "IVF, efSearch for HNSW; None for exact indexes).")
+    target: float | None = None
 
 
-class IndexManifest(_Model):
-    schema_version: int = SCHEMA_VERSION
-    config_hash: str
-    tokenizer: Fingerprint
-    embedding_model: Fingerprint
+class VectorIndex(_Model):
+    """What a faiss build records, in an index manifest and in a stand-alone one."""
+    index_factory: str
+    nprobe: int | None
     dim: int
     metric: str
+    recall_at_k: Recall
+    index_bytes: int
+    memory_budget: int
+    training_vectors: int
+    queries_per_second: float | None
+
+
+class VectorIndexManifest(VectorIndex):
+    """`ratrain-pipeline index`: a faiss index over embeddings the user already had."""
+    schema_version: int = SCHEMA_VERSION
+    config_hash: str
+    num_vectors: int
+    inputs: list[dict] = Field(description="Embedding files read: path, bytes.")
+    files: list[FileEntry]
+    counters: dict[str, int]
+    created_by: str
+
+
+class IndexManifest(VectorIndex):
+    schema_version: int = SCHEMA_VERSION
+    config_hash: str
+    embed_config_hash: str = Field(description="Hash of what chunks and embeddings depend on: "
+                                   "when only index.* changes, they are reused.")
+    tokenizer: Fingerprint
+    embedding_model: Fingerprint
     num_documents: int
     num_chunks: int
     chunk_tokens: int
     pad_id: int
-    index_factory: str
-    nprobe: int | None
-    recall_at_k: Recall
-    index_bytes: int
     files: list[FileEntry]
     counters: dict[str, int]
     created_by: str

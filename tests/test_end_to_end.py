@@ -186,3 +186,19 @@ def test_separate_training_corpus_never_retrieves_its_own_documents(built_output
             holding_shared += bool(shared_ids & set(doc_ids))
     assert holding_shared > 0
     assert validate_path(str(tmp_path / "shards"))[0].startswith("OK")
+
+
+def test_changing_only_the_index_rebuilds_only_the_faiss_index(built_output, tmp_path):
+    root, config, _ = built_output
+    shutil.copytree(root / "out", tmp_path / "out")
+    out = tmp_path / "out"
+    kept = {p: p.stat().st_mtime_ns for d in ("chunks", "embeddings") for p in (out / "index" / d).iterdir()}
+    cfg = config_from_dict({**config, "output": str(out), "index": {"type": "IVF8,Flat", "target_recall": 0.9}})
+    report = run_all(cfg, [])
+    assert [status for status, _ in report.values()] == ["built", "built"]  # shards follow the new index
+    assert {p: p.stat().st_mtime_ns for p in kept} == kept                # chunks, embeddings reused
+    manifest = json.loads((out / "index" / "manifest.json").read_text())
+    assert manifest["index_factory"] == "IVF8,Flat" and manifest["recall_at_k"]["value"] >= 0.9
+    assert manifest["counters"]["chunks"] == json.loads(
+        (root / "out" / "index" / "manifest.json").read_text())["counters"]["chunks"]
+    assert all(line.startswith("OK") for line in validate_path(str(out)))
