@@ -15,6 +15,12 @@ log = logging.getLogger("ratrain")
 BEAM_ARGS = dict(context_settings={"ignore_unknown_options": True})
 
 
+def _no_worker_tracebacks(record: logging.LogRecord) -> bool:
+    """Beam logs a failing step's traceback before re-raising it; main() prints the one line."""
+    return not (record.name.startswith("apache_beam")
+                and (record.exc_info or "Traceback (most recent call last)" in record.getMessage()))
+
+
 def _setup_logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
@@ -22,6 +28,8 @@ def _setup_logging(verbose: bool) -> None:
         for name in ("apache_beam", "sentence_transformers", "transformers", "faiss", "httpx",
                      "huggingface_hub"):
             logging.getLogger(name).setLevel(logging.WARNING)
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(_no_worker_tracebacks)
 
 
 def _config(path: str):

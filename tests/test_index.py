@@ -174,3 +174,35 @@ def test_mixed_dimensions_are_refused(tmp_path):
     paths += write_embedding_files(tmp_path / "b", np.arange(50, 100), clustered(50, d=8), files=1)
     with pytest.raises(Exception, match="mixed dimensions"):
         _build(paths, IndexConfig(), tmp_path / "faiss")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--memory-budget", "10B"], "too small for any index"),
+    (["--type", "IVF64,Flat"], "needs at least 2,496 vectors"),
+    (["--type", "Bogus9"], "not a valid faiss factory string"),
+])
+def test_index_command_errors_are_one_line(tmp_path, capsys, args, message):
+    from pipeline.cli import main
+
+    paths = write_embedding_files(tmp_path / "emb", np.arange(40), clustered(40, d=8), files=1)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["index", "--embeddings", paths[0], "--output", str(tmp_path / "out"), *args])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 1 and len(lines) == 1 and message in lines[0], lines
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_index_command_writes_index_and_manifest(tmp_path):
+    from pipeline.cli import main
+    from pipeline.validate import validate_path
+
+    vectors = clustered(3000, d=16, clusters=30)
+    write_embedding_files(tmp_path / "emb", np.arange(3000) + 10, vectors, files=3)
+    main(["index", "--embeddings", str(tmp_path / "emb" / "*.parquet"), "--output", str(tmp_path / "out"),
+          "--type", "IVF16,Flat", "--target-recall", "0.9"])
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["num_vectors"] == 3000 and manifest["recall_at_k"]["value"] >= 0.9
+    assert [f["path"] for f in manifest["files"]] == ["faiss/index.faiss"]
+    assert len(manifest["inputs"]) == 3
+    assert validate_path(str(tmp_path / "out"))[0].startswith("OK vector index")
+    assert (tmp_path / "emb").is_dir() and len(list((tmp_path / "emb").iterdir())) == 3  # inputs untouched
