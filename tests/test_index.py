@@ -30,11 +30,11 @@ MB = 10**6
 @pytest.mark.parametrize("n, budget, expected", [
     (5_000, 1000 * MB, "Flat"),
     (300_000, 1000 * MB, "IVF2048,Flat"),
-    (300_000, 64 * MB, "IVF2048,PQ128x8"),
-    (300_000, 20 * MB, "IVF2048,PQ32x8"),
-    (5_000_000, 1000 * MB, "IVF8192,PQ128x8"),
-    (50_000_000, 10_000 * MB, "IVF65536_HNSW32,PQ128x8"),
-    (50_000, 5 * MB, "IVF1024,PQ48x8"),
+    (300_000, 64 * MB, "IVF2048,PQ128x8np"),
+    (300_000, 20 * MB, "IVF2048,PQ32x8np"),
+    (5_000_000, 1000 * MB, "IVF8192,PQ128x8np"),
+    (50_000_000, 10_000 * MB, "IVF65536_HNSW32,PQ128x8np"),
+    (50_000, 5 * MB, "IVF1024,PQ48x8np"),
 ])
 def test_auto_choice_follows_size_and_budget(n, budget, expected):
     factory = choose_index_factory(n, 384, budget)
@@ -159,7 +159,7 @@ def test_one_and_two_workers_build_the_same_index(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # 2 worker processes x 2 faiss threads on 2 cores spin
     vectors = clustered(12_000, clusters=100, seed=3)
     paths = write_embedding_files(tmp_path / "emb", np.arange(12_000), vectors, files=3)
-    cfg = IndexConfig(type="IVF32,PQ8x8", target_recall=0.5, recall_sample=100)
+    cfg = IndexConfig(type="IVF32,PQ8x8np", target_recall=0.5, recall_sample=100)
     one = _build(paths, cfg, tmp_path / "one")
     two = _build(paths, cfg, tmp_path / "two",
                  ["--direct_num_workers=2", "--direct_running_mode=multi_processing"])
