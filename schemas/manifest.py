@@ -48,20 +48,23 @@ class VectorIndex(_Model):
     queries_per_second: float | None
 
 
-class VectorIndexManifest(VectorIndex):
-    """`ratrain-pipeline index`: a faiss index over embeddings the user already had."""
+class _Committed(_Model):
+    """What every committed directory's manifest says about itself."""
     schema_version: int = SCHEMA_VERSION
-    config_hash: str
-    num_vectors: int
-    inputs: list[dict] = Field(description="Embedding files read: path, bytes.")
-    files: list[FileEntry]
-    counters: dict[str, int]
+    config_hash: str = Field(description="Hash of the settings the output depends on "
+                             "(never the output location).")
+    counters: dict[str, int] = Field(description="Records read, written and dropped, by reason.")
     created_by: str
 
 
-class IndexManifest(VectorIndex):
-    schema_version: int = SCHEMA_VERSION
-    config_hash: str
+class VectorIndexManifest(VectorIndex, _Committed):
+    """`ratrain-pipeline index`: a faiss index over embeddings the user already had."""
+    num_vectors: int
+    inputs: list[dict] = Field(description="Embedding files read: path, bytes.")
+    files: list[FileEntry]
+
+
+class IndexManifest(VectorIndex, _Committed):
     embed_config_hash: str = Field(description="Hash of what chunks and embeddings depend on: "
                                    "when only index.* changes, they are reused.")
     tokenizer: Fingerprint
@@ -71,13 +74,9 @@ class IndexManifest(VectorIndex):
     chunk_tokens: int
     pad_id: int
     files: list[FileEntry]
-    counters: dict[str, int]
-    created_by: str
 
 
-class ShardsManifest(_Model):
-    schema_version: int = SCHEMA_VERSION
-    config_hash: str
+class ShardsManifest(_Committed):
     index_manifest_sha256: str
     training_corpus: str = Field(description="'same' (sequences packed from the index's own "
                                  "chunks, seq s = chunks s*L ... s*L+L-1) or 'separate'.")
@@ -88,5 +87,3 @@ class ShardsManifest(_Model):
     pad_id: int
     num_sequences: int
     shards: list[FileEntry]
-    counters: dict[str, int]
-    created_by: str
