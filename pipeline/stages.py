@@ -187,9 +187,14 @@ def build_index(cfg: PipelineConfig, beam_args: list[str], force: bool = False) 
 
 
 def _log_index(directory: str, manifest) -> None:
+    recall = manifest.recall_at_k
     log.info("committed %s (%s, %s = %.3f at depth %s, %s bytes)", directory,
-             manifest.index_factory, manifest.recall_at_k.measure, manifest.recall_at_k.value,
-             manifest.nprobe, f"{manifest.index_bytes:,}")
+             manifest.index_factory, recall.measure, recall.value, manifest.nprobe,
+             f"{manifest.index_bytes:,}")
+    if recall.target is not None and recall.value < recall.target:
+        log.warning("%s: %s = %.3f misses the target %.2f even at the deepest search; a larger "
+                    "index.memory_budget (bigger codes) or another index.type would reach it",
+                    directory, recall.measure, recall.value, recall.target)
 
 
 def _run_build_index(paths: list[str], cfg_index, staging: str, beam_args: list[str], name: str):
