@@ -205,8 +205,8 @@ def train_index(factory: str, sample: np.ndarray):
 def build_index(ids: np.ndarray, vectors: np.ndarray, factory: str):
     """In one process: a trained, filled index whose faiss ids are `ids`, trained on the same
     sample the Beam stage would draw (for small sets, the non-mergeable types and baselines)."""
-    sample = vectors[in_sample(ids, training_size(len(ids), factory), len(ids), TRAIN_SALT)]
-    index = train_index(factory, sample if training_size(len(ids), factory) else vectors[:0])
+    index = train_index(factory, vectors[in_sample(ids, training_size(len(ids), factory),
+                                                   len(ids), TRAIN_SALT)])
     index.add_with_ids(np.ascontiguousarray(vectors, dtype=np.float32), ids.astype(np.int64))
     return index
 
@@ -477,7 +477,8 @@ def _finish(index, plan, queries, truth, cfg: IndexConfig, out_dir, parts: int):
                             "sample_size": int(len(query_ids)), "nprobe": depth,
                             "target": cfg.target_recall},
             "queries_per_second": round(query_rate(index, query_vectors), 1),
-            "index_bytes": len(data), "memory_budget": cfg.memory_budget}
+            "index_bytes": len(data), "index_sha256": fileio.sha256_bytes(data),
+            "memory_budget": cfg.memory_budget}
     fileio.write_json_atomic(fileio.join(out_dir, BUILD_INFO_FILE), info)
     return info
 

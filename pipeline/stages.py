@@ -101,18 +101,14 @@ def _publish_rejected(staging: str, output: str) -> list[dict]:
     return moved
 
 
-def _rejected_counts(counters: dict[str, int]) -> int:
-    return sum(v for name, v in counters.items() if name.startswith("rejected_"))
-
-
 # --- build-index ----------------------------------------------------------------------------
 
 def _index_files(staging: str, out_subdir: str = "faiss") -> tuple[dict, dict]:
-    """The build info BuildIndex wrote, and the manifest entry of its index file."""
+    """The build info BuildIndex wrote, and the manifest entry of its index file (hashed by the
+    writer: a budget-sized index is not read back)."""
     info = fileio.read_json(fileio.join(staging, out_subdir, BUILD_INFO_FILE))
-    data = fileio.read_bytes(fileio.join(staging, out_subdir, INDEX_FILE))
     entry = {"path": f"{out_subdir}/{INDEX_FILE}", "rows": info["num_vectors"],
-             "bytes": len(data), "sha256": fileio.sha256_bytes(data)}
+             "bytes": info["index_bytes"], "sha256": info["index_sha256"]}
     return info, entry
 
 

@@ -15,6 +15,7 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 from pipeline import fileio
+from pipeline.index import load_index
 from schemas.arrow import SHARD_METADATA_KEYS, check_schema_version, tensor_column_to_numpy
 from schemas.manifest import IndexManifest, ShardsManifest, VectorIndexManifest
 
@@ -99,8 +100,6 @@ def validate_index(directory: str) -> str:
     _require(np.isfinite(vectors).all() and (np.abs(norms - 1) < NORM_TOLERANCE).all(),
              f"{directory}: embeddings are not finite unit vectors")
 
-    from pipeline.index import load_index
-
     index = load_index(fileio.join(directory, "faiss", "index.faiss"), manifest.nprobe)
     _require(index.ntotal == n and index.d == manifest.dim,
              f"{directory}: faiss index holds {index.ntotal} x {index.d}, expected {n} x {manifest.dim}")
@@ -120,8 +119,6 @@ def validate_vector_index(directory: str) -> str:
     check_schema_version(raw.get("schema_version"), fileio.join(directory, fileio.MANIFEST))
     manifest = VectorIndexManifest.model_validate(raw)
     _check_files(directory, manifest.files)
-    from pipeline.index import load_index
-
     index = load_index(fileio.join(directory, "faiss", "index.faiss"), manifest.nprobe)
     _require(index.ntotal == manifest.num_vectors and index.d == manifest.dim,
              f"{directory}: faiss index holds {index.ntotal} x {index.d}, manifest says "

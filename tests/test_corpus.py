@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 from apache_beam.testing.util import assert_that, equal_to
 
-from pipeline.corpus import (Document, ReadCorpus, Rejected, doc_id_for, glob_base, match_corpus,
+from pipeline.corpus import (Document, ReadCorpus, doc_id_for, glob_base, match_corpus,
                              parse_file, parse_jsonl)
 from schemas.config import CorpusConfig
 from tests.conftest import local_pipeline

@@ -5,7 +5,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 from apache_beam.testing.util import assert_that, equal_to
 
-from pipeline.chunking import Chunk, chunk_document
+from pipeline.chunking import chunk_document
 from pipeline.index import build_index
 from pipeline.shards import (Candidate, PackSequences, RetrieveNeighbours, WriteShards,
                              neighbour_arrays, pack_sequence, select_neighbours)
