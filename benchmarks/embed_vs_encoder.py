@@ -23,7 +23,8 @@ import apache_beam as beam
 import pyarrow.parquet as pq
 
 from pipeline.chunking import load_tokenizer
-from pipeline.embed import EmbedChunks, chunk_texts, encode_texts, load_encoder, resolve_tokenizer
+from pipeline.embed import EmbedChunks, chunk_texts, encode_texts, load_encoder
+from pipeline.models import resolve_tokenizer
 from pipeline.options import pipeline_options
 from pipeline.stages import _chunks_from_table, build_index, build_shards
 from schemas.config import load_config

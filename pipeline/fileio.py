@@ -35,8 +35,13 @@ def read_bytes(path: str) -> bytes:
         return f.read()
 
 
+def open_write(path: str):
+    """A binary writer (local or gs://); the file appears complete when it is closed."""
+    return FileSystems.create(path, compression_type=CompressionTypes.UNCOMPRESSED)
+
+
 def write_bytes(path: str, data: bytes) -> None:
-    with FileSystems.create(path, compression_type=CompressionTypes.UNCOMPRESSED) as f:
+    with open_write(path) as f:
         f.write(data)
 
 

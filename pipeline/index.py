@@ -14,6 +14,8 @@ Chunk ids are the faiss ids, so a search answers chunk ids.
 """
 from __future__ import annotations
 
+import hashlib
+import io
 import math
 import posixpath
 import time
@@ -45,7 +47,7 @@ PQ_CHOICES = (128, 96, 64, 48, 32, 24, 16, 8, 4)  # sub-quantizers (bytes per co
 MIN_POINTS_PER_CENTROID = 39    # faiss k-means warns below this
 MAX_POINTS_PER_CENTROID = 256   # and subsamples above it
 TRAIN_POINTS_PER_CENTROID = 64  # what we sample, between the two
-PART_ROWS = 100_000             # vectors per parallel fill part
+IO_BLOCK = 1 << 22              # bytes per read / write call when streaming an index
 
 
 class IndexBuildError(ValueError):
@@ -285,18 +287,32 @@ def query_rate(index, queries: np.ndarray, k: int = RECALL_K) -> float:
     return len(queries) / max(time.perf_counter() - start, 1e-9)
 
 
-def serialize(index) -> bytes:
-    return faiss.serialize_index(index).tobytes()
+def write_index(index, path: str) -> tuple[int, str]:
+    """Stream the index to any Beam filesystem path, never as one bytes object (that would be
+    a second copy of the index in memory): (bytes written, sha256)."""
+    digest, size = hashlib.sha256(), 0
+    with fileio.open_write(path) as f:
+        def write(block: bytes) -> int:
+            nonlocal size
+            digest.update(block)
+            f.write(block)
+            size += len(block)
+            return len(block)
+
+        faiss.write_index(index, faiss.PyCallbackIOWriter(write, IO_BLOCK))
+    return size, digest.hexdigest()
 
 
-def deserialize(data: bytes):
-    return faiss.deserialize_index(np.frombuffer(data, dtype=np.uint8))
+def read_index(path: str):
+    """Read an index file from any Beam filesystem path, streamed (no bytes copy)."""
+    with fileio.open_read(path) as f:
+        return faiss.read_index(faiss.PyCallbackIOReader(f.read, IO_BLOCK))
 
 
 def load_index(path: str, depth: int | None = None):
-    """Read an index file from any Beam filesystem path; local IVF files are memory-mapped."""
+    """`read_index`, but local IVF files are memory-mapped."""
     if "://" in path:
-        index = deserialize(fileio.read_bytes(path))
+        index = read_index(path)
     else:
         try:
             index = faiss.read_index(path, faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY)
@@ -381,12 +397,48 @@ def _stack(rows, dim: int):
     return np.array([r[0] for r in rows], np.int64), np.stack([r[1] for r in rows]).astype(np.float32)
 
 
-def _train(sample_rows, plan, out_dir):
+def _file_stem(path: str) -> str:
+    return posixpath.basename(path).rsplit(".", 1)[0]
+
+
+def _write_sample(path: str, plan: dict, out_dir: str):
+    """One embeddings file's share of the training sample, written as sample/<file>.npz: the
+    sample travels as files, not as Beam rows, so it is held once, by the trainer."""
+    ids, vectors = [], []
+    for batch_ids, batch_vectors in read_embeddings(path):
+        keep = in_sample(batch_ids, plan["train_size"], plan["count"], TRAIN_SALT)
+        ids.append(batch_ids[keep])
+        vectors.append(batch_vectors[keep])
+    buffer = io.BytesIO()
+    np.savez(buffer, ids=np.concatenate(ids) if ids else np.zeros(0, np.int64),
+             vectors=np.concatenate(vectors) if vectors else np.zeros((0, plan["dim"]), np.float32))
+    sample_path = fileio.join(out_dir, "sample", f"{_file_stem(path)}.npz")
+    fileio.write_bytes(sample_path, buffer.getvalue())
+    return sample_path
+
+
+def _read_npz(path: str):
+    data = np.load(io.BytesIO(fileio.read_bytes(path)))
+    return data["ids"], data["vectors"]
+
+
+def _gather_sample(sample_paths, dim: int) -> np.ndarray:
+    """The sample files' vectors in chunk-id order, copied once into one [n, d] array."""
+    ids = np.sort(np.concatenate([_read_npz(p)[0] for p in sample_paths] or [np.zeros(0, np.int64)]))
+    sample = np.empty((len(ids), dim), np.float32)
+    for path in sample_paths:
+        file_ids, vectors = _read_npz(path)
+        sample[np.searchsorted(ids, file_ids)] = vectors
+    return sample
+
+
+def _train(sample_paths, plan, out_dir):
     """One worker: train the empty index on the sample, write it for the fill workers."""
-    _, sample = _stack(sample_rows, plan["dim"])
+    sample = _gather_sample(sorted(sample_paths), plan["dim"])
     path = fileio.join(out_dir, TRAINED_FILE)
-    fileio.write_bytes(path, serialize(train_index(plan["factory"], sample)))
+    write_index(train_index(plan["factory"], sample), path)
     Metrics.counter(METRICS_NAMESPACE, "index_training_vectors").inc(len(sample))
+    beam.io.filesystems.FileSystems.delete(list(sample_paths))
     return path
 
 
@@ -404,16 +456,15 @@ class _FillPart(beam.DoFn):
         self.out_dir = out_dir
 
     def process(self, path, trained_path, queries):
-        index = deserialize(fileio.read_bytes(trained_path))
+        index = read_index(trained_path)
         truth = None
         for ids, vectors in read_embeddings(path):
             index.add_with_ids(vectors, ids)
             found = _truth_of(queries, ids, vectors)
             truth = found if truth is None else merge_nearest(truth, found)
             Metrics.counter(METRICS_NAMESPACE, "index_vectors_added").inc(len(ids))
-        name = posixpath.basename(path).rsplit(".", 1)[0]
-        part_path = fileio.join(self.out_dir, "parts", f"part-{name}.faiss")
-        fileio.write_bytes(part_path, serialize(index))
+        part_path = fileio.join(self.out_dir, "parts", f"part-{_file_stem(path)}.faiss")
+        write_index(index, part_path)
         if truth is not None:
             yield beam.pvalue.TaggedOutput("truth", truth)
         yield path, part_path
@@ -439,10 +490,10 @@ class _MergeTruth(beam.CombineFn):
 
 def _merge_and_tune(parts, trained_path, plan, queries, truth, cfg: IndexConfig, out_dir):
     """One worker: merge the parts into the trained index in input-file order, tune, write."""
-    index = deserialize(fileio.read_bytes(trained_path))
+    index = read_index(trained_path)
     part_paths = [part for _, part in sorted(parts)]
     for path in part_paths:
-        merge_part(index, deserialize(fileio.read_bytes(path)))
+        merge_part(index, read_index(path))
     info = _finish(index, plan, queries, truth, cfg, out_dir, len(part_paths))
     beam.io.filesystems.FileSystems.delete(part_paths + [trained_path])  # only once it is written
     return info
@@ -468,8 +519,7 @@ def _finish(index, plan, queries, truth, cfg: IndexConfig, out_dir, parts: int):
     else:
         depth, recall = tune_search_depth(index, query_ids, query_vectors, truth_ids,
                                           cfg.target_recall)
-    data = serialize(index)
-    fileio.write_bytes(fileio.join(out_dir, INDEX_FILE), data)
+    index_bytes, index_sha256 = write_index(index, fileio.join(out_dir, INDEX_FILE))
     info = {"index_factory": plan["factory"], "nprobe": depth, "dim": plan["dim"],
             "metric": "inner_product", "num_vectors": int(index.ntotal),
             "training_vectors": plan["train_size"], "parts": parts,
@@ -477,7 +527,7 @@ def _finish(index, plan, queries, truth, cfg: IndexConfig, out_dir, parts: int):
                             "sample_size": int(len(query_ids)), "nprobe": depth,
                             "target": cfg.target_recall},
             "queries_per_second": round(query_rate(index, query_vectors), 1),
-            "index_bytes": len(data), "index_sha256": fileio.sha256_bytes(data),
+            "index_bytes": index_bytes, "index_sha256": index_sha256,
             "memory_budget": cfg.memory_budget}
     fileio.write_json_atomic(fileio.join(out_dir, BUILD_INFO_FILE), info)
     return info
@@ -514,11 +564,10 @@ class BuildIndex(beam.PTransform):
         trained = (
             paths
             | "TrainSample" >> beam.FlatMap(
-                lambda path, p: _sample_rows(path, p, "train_size", TRAIN_SALT) if p["mergeable"] else [],
-                plan)
+                lambda path, p: [_write_sample(path, p, out_dir)] if p["mergeable"] else [], plan)
             | "GatherSample" >> beam.combiners.ToList()
             | "Train" >> beam.FlatMap(
-                lambda rows, p: [_train(rows, p, out_dir)] if p["mergeable"] else [], plan))
+                lambda paths, p: [_train(paths, p, out_dir)] if p["mergeable"] else [], plan))
         trained_path = beam.pvalue.AsSingleton(trained, default_value=None)
         filled = (
             paths

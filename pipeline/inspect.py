@@ -9,7 +9,8 @@ import pyarrow.ipc as ipc
 
 from pipeline import fileio
 from pipeline.chunking import load_tokenizer
-from pipeline.embed import resolve_tokenizer
+from pipeline.models import resolve_tokenizer
+from pipeline.shards import chunk_overlap
 from pipeline.validate import _manifest
 from schemas.arrow import check_schema_version, tensor_column_to_numpy
 from schemas.manifest import IndexManifest, ShardsManifest
@@ -41,10 +42,13 @@ def inspect_shards(directory: str, count: int, max_chunks: int = 4) -> list[str]
                 return lines
             count -= 1
             chunks = neighbours.shape[1] if max_chunks <= 0 else min(max_chunks, neighbours.shape[1])
+            overlap = chunk_overlap(tokens[row, :neighbours.shape[1] * m].reshape(-1, m),
+                                    neighbours[row], manifest.pad_id)
             lines.append(f"== sequence {table['seq_id'][row].as_py()} (documents "
                          f"{table['doc_ids'][row].as_py()}), first {chunks} of {neighbours.shape[1]} chunks")
             for j in range(chunks):
-                lines.append(f"-- chunk {j}: {_text(tokenizer, tokens[row, j * m:(j + 1) * m])}")
+                lines.append(f"-- chunk {j} (overlap r(C) = {overlap[j]:.3f}): "
+                             f"{_text(tokenizer, tokens[row, j * m:(j + 1) * m])}")
                 for q in range(neighbours.shape[2]):
                     if ids[row, j, q] < 0:
                         lines.append(f"   neighbour {q}: (none)")

@@ -6,6 +6,7 @@ sequence by sequence id. No process holds the chunk database.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import apache_beam as beam
@@ -37,6 +38,7 @@ class Candidate:
     score: float
     chunk_id: int
     doc_id: int
+    token_key: int = 0  # hash of the hit's m tokens when deduplicating, else 0
 
 
 @dataclass(frozen=True)
@@ -60,17 +62,67 @@ def pack_sequence(seq_id: int, chunks: list[Chunk], next_token: int | None,
     return Sequence(seq_id, tokens.astype(np.int32), tuple(sorted(docs)))
 
 
-def select_neighbours(candidates: list[Candidate], exclude_docs, k: int) -> list[tuple]:
-    """Per chunk j, the k best-ranked candidates from documents outside `exclude_docs`:
-    [(j, slot, chunk_id, score)]."""
-    picks, filled, excluded = [], {}, set(exclude_docs)
+def select_neighbours(candidates: list[Candidate], exclude_docs, k: int,
+                      dedupe: bool = False) -> tuple[list[tuple], dict[str, int]]:
+    """Per chunk j, the k best-ranked candidates from documents outside `exclude_docs` (and,
+    with `dedupe`, whose tokens differ from those already kept for j):
+    ([(j, slot, chunk_id, score)], candidates dropped by reason)."""
+    picks, kept, excluded = [], {}, set(exclude_docs)
+    dropped = {"own_document": 0, "duplicate_tokens": 0}
     for c in sorted(candidates, key=lambda c: (c.j, c.rank)):
-        slot = filled.get(c.j, 0)
-        if c.doc_id in excluded or slot >= k:
+        keys = kept.setdefault(c.j, [])
+        if len(keys) >= k:
             continue
-        picks.append((c.j, slot, c.chunk_id, c.score))
-        filled[c.j] = slot + 1
-    return picks
+        if c.doc_id in excluded:
+            dropped["own_document"] += 1
+            continue
+        if dedupe and c.token_key in keys:
+            dropped["duplicate_tokens"] += 1
+            continue
+        picks.append((c.j, len(keys), c.chunk_id, c.score))
+        keys.append(c.token_key)
+    return picks, dropped
+
+
+def token_key(tokens: np.ndarray) -> int:
+    """A 63-bit hash of a chunk's tokens, equal for equal tokens."""
+    return int.from_bytes(hashlib.blake2b(np.ascontiguousarray(tokens, np.int32).tobytes(),
+                                          digest_size=8).digest(), "little") >> 1
+
+
+OVERLAP_BUCKETS = (0.0, 0.125, 0.25, 0.5, 0.75, 1.0)  # RETRO's r(C) thresholds
+
+
+def chunk_overlap(chunks: np.ndarray, neighbours: np.ndarray, pad_id: int) -> np.ndarray:
+    """RETRO's leakage measure r(C) per chunk: the longest run of tokens the chunk shares
+    with any of its neighbours (chunk + continuation), divided by m. Padding never matches.
+    chunks [L, m], neighbours [L, k, 2m] -> float64 [L] in [0, 1]."""
+    m = chunks.shape[1]
+    equal = ((chunks[:, None, :, None] == neighbours[:, :, None, :])
+             & (chunks != pad_id)[:, None, :, None])                     # [L, k, m, 2m]
+    run = np.zeros(neighbours.shape, np.int32)     # [L, k, 2m]: run ending at (i, col)
+    longest = np.zeros(len(chunks), np.int32)
+    for i in range(m):
+        extended = np.zeros_like(run)
+        extended[..., 1:] = run[..., :-1] + 1     # diagonal step (i-1, col-1) -> (i, col)
+        extended[..., 0] = 1
+        run = np.where(equal[:, :, i, :], extended, 0)
+        longest = np.maximum(longest, run.max(axis=(1, 2), initial=0))
+    return longest / m
+
+
+def overlap_bucket(ratio: float) -> str:
+    """The histogram key of r(C): the smallest threshold at or above it."""
+    return str(next(t for t in OVERLAP_BUCKETS if ratio <= t))
+
+
+OVERLAP_COUNTER = "overlap_r_le_"
+
+
+def overlap_histogram(counters: dict[str, int]) -> dict[str, int]:
+    """Take the overlap counters out of a job's counters: {threshold: chunks}, every threshold
+    present (chunks whose r(C) is ≤ it and above the one before)."""
+    return {str(t): counters.pop(f"{OVERLAP_COUNTER}{t}", 0) for t in OVERLAP_BUCKETS}
 
 
 def neighbour_arrays(picks: list[tuple], chunks_per_seq: int, k: int, m: int, pad_id: int):
@@ -157,15 +209,19 @@ def _candidates_with_docs(keyed):
     docs = grouped["doc"]
     if not docs:
         raise ValueError(f"index returned chunk id {chunk_id} that is not in the chunk database")
+    doc_id, key = docs[0]
     for seq_id, j, rank, score in grouped["hits"]:
-        yield seq_id, (j, rank, score, chunk_id, docs[0])
+        yield seq_id, (j, rank, score, chunk_id, doc_id, key)
 
 
-def _select(keyed, k: int):
+def _select(keyed, k: int, dedupe: bool):
     seq_id, grouped = keyed
     (sequence,) = grouped["sequence"]
     candidates = [Candidate(*c) for c in grouped["candidates"]]
-    for j, slot, chunk_id, score in select_neighbours(candidates, sequence.doc_ids, k):
+    picks, dropped = select_neighbours(candidates, sequence.doc_ids, k, dedupe)
+    for reason, count in dropped.items():
+        Metrics.counter(METRICS_NAMESPACE, f"candidates_dropped_{reason}").inc(count)
+    for j, slot, chunk_id, score in picks:
         yield chunk_id, (seq_id, j, slot, score)
 
 
@@ -183,6 +239,9 @@ def _to_row(keyed, chunks_per_seq: int, k: int, m: int, pad_id: int):
     picks = grouped["picks"]
     neighbours, ids, scores = neighbour_arrays(picks, chunks_per_seq, k, m, pad_id)
     Metrics.counter(METRICS_NAMESPACE, "neighbour_slots_padded").inc(chunks_per_seq * k - len(picks))
+    chunks = sequence.tokens[:chunks_per_seq * m].reshape(chunks_per_seq, m)
+    for ratio in chunk_overlap(chunks, neighbours, pad_id):
+        Metrics.counter(METRICS_NAMESPACE, OVERLAP_COUNTER + overlap_bucket(ratio)).inc()
     yield ShardRow(sequence.seq_id, sequence.tokens, neighbours, ids, scores, sequence.doc_ids)
 
 
@@ -195,15 +254,15 @@ class RetrieveNeighbours(beam.PTransform):
     """
 
     def __init__(self, index_path: str, nprobe, chunks_per_seq: int, chunk_tokens: int,
-                 neighbours: int, candidates: int, pad_id: int):
+                 neighbours: int, candidates: int, pad_id: int, dedupe: bool = False):
         super().__init__()
         self.index_path, self.nprobe = index_path, nprobe
         self.L, self.m, self.k = chunks_per_seq, chunk_tokens, neighbours
-        self.candidates, self.pad_id = candidates, pad_id
+        self.candidates, self.pad_id, self.dedupe = candidates, pad_id, dedupe
 
     def expand(self, inputs):
         sequences, embeddings, chunk_db = inputs
-        L, batch = self.L, SEQUENCES_PER_SEARCH
+        L, batch, dedupe = self.L, SEQUENCES_PER_SEARCH, self.dedupe
         by_seq = sequences | "SeqById" >> beam.Map(lambda s: (s.seq_id, s))
         hits = (
             {"sequences": sequences | "SeqBySearchBatch" >> beam.Map(
@@ -213,13 +272,14 @@ class RetrieveNeighbours(beam.PTransform):
             | "JoinQueries" >> beam.CoGroupByKey()
             | "Search" >> beam.ParDo(_Search(self.index_path, self.nprobe, L, self.candidates)))
         candidates = (
-            {"hits": hits, "doc": chunk_db | "DocByChunk" >> beam.Map(lambda c: (c.chunk_id, c.doc_id))}
+            {"hits": hits, "doc": chunk_db | "DocByChunk" >> beam.Map(
+                lambda c: (c.chunk_id, (c.doc_id, token_key(c.tokens) if dedupe else 0)))}
             | "JoinCandidateDocs" >> beam.CoGroupByKey()
             | "CandidatesBySequence" >> beam.FlatMap(_candidates_with_docs))
         picks = (
             {"sequence": by_seq, "candidates": candidates}
             | "JoinCandidates" >> beam.CoGroupByKey()
-            | "DropOwnDocuments" >> beam.FlatMap(_select, self.k))
+            | "DropOwnDocuments" >> beam.FlatMap(_select, self.k, dedupe))
         picks_with_tokens = (
             {"picks": picks, "chunk": chunk_db | "ChunkById" >> beam.Map(lambda c: (c.chunk_id, c))}
             | "JoinNeighbourTokens" >> beam.CoGroupByKey()

@@ -20,12 +20,11 @@ from apache_beam.metrics.metric import MetricsFilter
 from pipeline import __version__, fileio
 from pipeline.chunking import Chunk, ChunkDocuments, load_tokenizer, pad_id_of
 from pipeline.corpus import METRICS_NAMESPACE, ReadCorpus
-from pipeline.embed import (DEFAULT_MODEL_NAMES, EmbedChunks, fingerprint_path, resolve_model,
-                            resolve_tokenizer)
 from pipeline.index import BUILD_INFO_FILE, INDEX_FILE, BuildIndex
+from pipeline.models import DEFAULT_MODEL_NAMES, fingerprint_path, resolve_model, resolve_tokenizer
 from pipeline.options import pipeline_options
 from pipeline.progress import ReportProgress, StageTimer
-from pipeline.shards import PackSequences, RetrieveNeighbours, WriteShards
+from pipeline.shards import PackSequences, RetrieveNeighbours, WriteShards, overlap_histogram
 from pipeline.writers import (WriteGroupedFiles, WriteRejected, chunks_table, embeddings_table,
                               parquet_bytes)
 from schemas.arrow import check_schema_version, tensor_column_to_numpy
@@ -147,6 +146,8 @@ def build_index(cfg: PipelineConfig, beam_args: list[str], force: bool = False) 
             fileio.join(staging, "chunks"), staging, "chunks", "parquet",
             key=lambda c: c.chunk_id, rows_per_file=cfg.chunk_file_rows,
             to_bytes=lambda rows: parquet_bytes(chunks_table(rows, m)))
+        from pipeline.embed import EmbedChunks  # imports torch, which the index command never needs
+
         embeddings = (chunks
                       | "EmbedChunks" >> EmbedChunks(cfg.embedding, tok.path)
                       | "EmbedProgress" >> ReportProgress("embed", "chunks"))
@@ -305,15 +306,17 @@ def build_shards(cfg: PipelineConfig, beam_args: list[str]) -> ShardsManifest:
                                         | "ReadTrainingCorpus" >> ReadCorpus(cfg.training_corpus))
             training_chunks, unusable = documents | "ChunkTrainingDocuments" >> ChunkDocuments(
                 tok.path, m, tok.pad_id)
+            from pipeline.embed import EmbedChunks  # imports torch: only when embedding
+
             queries = training_chunks | "EmbedTrainingChunks" >> EmbedChunks(cfg.embedding, tok.path)
             rejected = (read_rejected, unusable) | "MergeRejected" >> beam.Flatten()
         sequences = training_chunks | "PackSequences" >> PackSequences(L, tok.pad_id)
         rows = ((sequences, queries, chunk_db)
                 | "RetrieveNeighbours" >> RetrieveNeighbours(
                     fileio.join(idx, "faiss", INDEX_FILE), index_manifest.nprobe, L, m, k,
-                    cfg.neighbour_candidates, tok.pad_id)
+                    cfg.neighbour_candidates, tok.pad_id, cfg.dedupe_neighbours)
                 | "ShardProgress" >> ReportProgress("retrieve", "sequences"))
-        shard_files = rows | "WriteShards" >> WriteShards(staging, cfg.shard_rows, tok.pad_id)
+        shard_files = rows | "WriteShards" >> WriteShards(staging, cfg.rows_per_shard(), tok.pad_id)
         _ = rejected | "WriteRejected" >> WriteRejected(
             fileio.join(staging, REJECTED_STAGING), "build-shards")
         _collect_entries("ShardFiles", (shard_files,), staging)
@@ -327,7 +330,8 @@ def build_shards(cfg: PipelineConfig, beam_args: list[str]) -> ShardsManifest:
         training_corpus="same" if cfg.training_corpus == "same" else "separate",
         sequence_tokens=cfg.sequence_tokens, chunk_tokens=m, neighbours=k,
         neighbour_tokens=2 * m, pad_id=tok.pad_id,
-        num_sequences=sum(s["rows"] for s in shards), shards=shards, counters=counters,
+        num_sequences=sum(s["rows"] for s in shards), shards=shards,
+        overlap=overlap_histogram(counters), counters=counters,
         created_by=f"ratrain-pipeline {__version__}")
     _publish_rejected(staging, cfg.output)
     fileio.commit_directory(staging, shards_dir(cfg), manifest.model_dump(mode="json"))

@@ -100,7 +100,13 @@ class PipelineConfig(_Strict):
     neighbours: int = Field(2, ge=1, le=256, description="k: neighbours kept per chunk.")
     neighbour_candidates: int = Field(20, ge=1, le=4096, description="Candidates searched per "
                                       "chunk before same-document ones are dropped.")
+    dedupe_neighbours: bool = Field(False, description="Drop a candidate whose m tokens equal "
+                                    "those of a neighbour already kept for the same chunk "
+                                    "(boilerplate repeated across documents).")
     shard_rows: int = Field(1024, ge=1, description="Training sequences per Arrow shard.")
+    shard_bytes: int | None = Field(None, gt=0, description="Target bytes per Arrow shard "
+                                       "(e.g. '256MB'); when set it decides the rows per shard "
+                                       "(rows have a fixed size) instead of shard_rows.")
     chunk_file_rows: int = Field(65536, ge=1, description="Rows per chunks/embeddings Parquet file.")
     embedding: EmbeddingConfig = EmbeddingConfig()
     index: IndexConfig = IndexConfig()
@@ -115,9 +121,23 @@ class PipelineConfig(_Strict):
                              f"least neighbours ({self.neighbours})")
         return self
 
+    @field_validator("shard_bytes", mode="before")
+    @classmethod
+    def _size(cls, value):
+        return None if value is None else parse_size(value)
+
     @property
     def chunks_per_sequence(self) -> int:
         return self.sequence_tokens // self.chunk_tokens
+
+    def rows_per_shard(self) -> int:
+        """shard_rows, or the rows that fill shard_bytes: a row holds seq_id, n + 1 tokens,
+        L·k neighbours of 2m tokens with an id and a score each, and a few doc ids."""
+        if self.shard_bytes is None:
+            return self.shard_rows
+        slots = self.chunks_per_sequence * self.neighbours
+        row = 8 + 4 * (self.sequence_tokens + 1) + slots * (4 * 2 * self.chunk_tokens + 8 + 4) + 32
+        return max(1, self.shard_bytes // row)
 
     def training(self) -> CorpusConfig:
         return self.retrieval_corpus if self.training_corpus == "same" else self.training_corpus
@@ -133,8 +153,9 @@ class PipelineConfig(_Strict):
 
     def shards_hash(self) -> str:
         """Hash of the shard stage's own settings (the index is pinned by its manifest hash)."""
-        return stable_hash(self.model_dump(include={"training_corpus", "sequence_tokens", "neighbours",
-                                              "neighbour_candidates", "shard_rows"}))
+        return stable_hash({**self.model_dump(include={"training_corpus", "sequence_tokens", "neighbours",
+                                                       "neighbour_candidates", "dedupe_neighbours"}),
+                            "rows_per_shard": self.rows_per_shard()})
 
 
 def stable_hash(obj) -> str:

@@ -87,3 +87,7 @@ class ShardsManifest(_Committed):
     pad_id: int
     num_sequences: int
     shards: list[FileEntry]
+    overlap: dict[str, int] = Field(description="Leakage audit, RETRO's chunk overlap r(C) = "
+                                    "longest common token run between a training chunk and its "
+                                    "neighbours / m: training chunks per threshold t, counting "
+                                    "those with r(C) <= t and above the threshold before.")

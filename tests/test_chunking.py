@@ -5,7 +5,7 @@ from apache_beam.testing.util import assert_that, equal_to
 from pipeline.chunking import (ChunkDocuments, chunk_document, chunk_offsets, chunk_tokens,
                                load_tokenizer, pad_id_of, tokenize_batch)
 from pipeline.corpus import Document
-from pipeline.embed import resolve_tokenizer
+from pipeline.models import resolve_tokenizer
 from tests.conftest import local_pipeline
 
 PAD = 0

@@ -3,7 +3,8 @@ import numpy as np
 from apache_beam.testing.util import assert_that
 
 from pipeline.chunking import chunk_document, load_tokenizer, tokenize_batch
-from pipeline.embed import EmbedChunks, chunk_texts, encode_texts, load_encoder, resolve_tokenizer
+from pipeline.embed import EmbedChunks, chunk_texts, encode_texts, load_encoder
+from pipeline.models import resolve_tokenizer
 from schemas.config import EmbeddingConfig
 from tests.conftest import local_pipeline, sample_documents
 

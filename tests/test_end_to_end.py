@@ -5,18 +5,19 @@ import shutil
 import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
+import pyarrow.parquet as pq
 import pytest
 
 from pipeline.cli import main
+from pipeline.fileio import sha256_bytes
 from pipeline.run import run_all
 from pipeline.stages import build_shards
-from pipeline.validate import ChunkDatabase, ValidationFailed, validate_path, validate_shards
-from schemas.arrow import shard_table, tensor_column_to_numpy
+from pipeline.validate import ValidationFailed, validate_index, validate_path, validate_shards
+from pipeline.writers import arrow_ipc_bytes, parquet_bytes
+from schemas.arrow import fixed_size_list, shard_table, tensor_column_to_numpy
 from schemas.config import config_from_dict
-from schemas.manifest import IndexManifest, ShardsManifest
+from schemas.manifest import ShardsManifest
 from tests.conftest import BAD_REASONS, sample_documents, write_jsonl
-from pipeline.writers import arrow_ipc_bytes
-from pipeline.fileio import sha256_bytes
 
 
 def _shard_tables(shards_dir):
@@ -25,9 +26,22 @@ def _shard_tables(shards_dir):
         yield entry, ipc.open_file(pa.memory_map(str(shards_dir / entry.path))).read_all()
 
 
+class _ChunkDatabase:
+    """The whole chunk database in memory, by chunk id (small test corpora only)."""
+
+    def __init__(self, out):
+        table = pa.concat_tables([pq.read_table(p) for p in sorted((out / "index" / "chunks").glob("*.parquet"))])
+        order = np.argsort(table["chunk_id"].to_numpy())
+        self.docs = table["doc_id"].to_numpy()[order]
+        self.tokens = tensor_column_to_numpy(table["tokens"])[order]
+        self.continuations = tensor_column_to_numpy(table["continuation"])[order]
+
+    def values(self, ids):
+        return np.concatenate([self.tokens[ids], self.continuations[ids]], axis=-1)
+
+
 def _chunk_db(out):
-    manifest = IndexManifest.model_validate_json((out / "index" / "manifest.json").read_text())
-    return ChunkDatabase(str(out / "index"), manifest)
+    return _ChunkDatabase(out)
 
 
 def test_run_commits_both_stages_and_validate_passes(built_output):
@@ -202,3 +216,62 @@ def test_changing_only_the_index_rebuilds_only_the_faiss_index(built_output, tmp
     assert manifest["counters"]["chunks"] == json.loads(
         (root / "out" / "index" / "manifest.json").read_text())["counters"]["chunks"]
     assert all(line.startswith("OK") for line in validate_path(str(out)))
+
+
+def _without_timings(manifest_path):
+    manifest = json.loads(manifest_path.read_text())
+    manifest.pop("queries_per_second", None)  # a measurement of this run's machine load
+    manifest.pop("index_manifest_sha256", None)  # pins the index manifest, which holds that
+    return manifest
+
+
+def test_two_worker_processes_write_byte_identical_outputs(built_output, tmp_path, monkeypatch):
+    root, config, _ = built_output
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # pipeline_options shares the cores
+    run_all(config_from_dict({**config, "output": str(tmp_path / "out")}),
+            ["--direct_num_workers=2", "--direct_running_mode=multi_processing"])
+
+    timed = {"manifest.json", "build_info.json"}
+
+    def files(out):
+        return {p.relative_to(out): p.read_bytes() for p in out.rglob("*")
+                if p.is_file() and p.name not in timed}
+
+    assert files(tmp_path / "out") == files(root / "out")
+    for path in (root / "out").rglob("*.json"):
+        if path.name in timed:
+            assert _without_timings(tmp_path / "out" / path.relative_to(root / "out")) == _without_timings(path)
+
+
+def test_shards_manifest_carries_the_overlap_audit(built_output):
+    root, config, _ = built_output
+    manifest = json.loads((root / "out" / "shards" / "manifest.json").read_text())
+    L = config["sequence_tokens"] // config["chunk_tokens"]
+    assert list(manifest["overlap"]) == ["0.0", "0.125", "0.25", "0.5", "0.75", "1.0"]
+    assert sum(manifest["overlap"].values()) == manifest["num_sequences"] * L
+    assert not any(name.startswith("overlap") for name in manifest["counters"])
+
+
+def test_validate_catches_own_tokens_that_differ_from_the_chunks(tampered):
+    def corrupt(columns):
+        columns["tokens"][0, 3] += 1
+    _rewrite_shard(tampered / "shards", corrupt)
+    with pytest.raises(ValidationFailed, match="tokens differ from its chunks"):
+        validate_shards(str(tampered / "shards"))
+
+
+def test_validate_catches_a_continuation_across_chunk_files(tampered):
+    manifest_path = tampered / "index" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    entry = next(e for e in manifest["files"] if e["path"] == "chunks/chunks-00000.parquet")
+    table = pq.read_table(tampered / "index" / entry["path"])
+    continuations = tensor_column_to_numpy(table["continuation"]).copy()
+    continuations[-1] += 1  # the last chunk of file 0: its continuation is checked against file 1
+    table = table.set_column(table.schema.get_field_index("continuation"), table.schema.field("continuation"),
+                             fixed_size_list(continuations, continuations.shape[1]))
+    data = parquet_bytes(table)
+    (tampered / "index" / entry["path"]).write_bytes(data)
+    entry.update(bytes=len(data), sha256=sha256_bytes(data))
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(ValidationFailed, match="chunk 199 continuation"):
+        validate_index(str(tampered / "index"))

@@ -10,8 +10,7 @@ from pipeline.index import (BuildIndex, IndexBuildError, build_index, choose_ind
                             estimated_bytes, exact_nearest_other, in_sample, load_index, merge_part,
                             nlist_for, one_recall_at_k, plan_index, train_index, training_size,
                             tune_search_depth)
-from apache_beam.options.pipeline_options import PipelineOptions
-
+from pipeline.options import pipeline_options
 from pipeline.writers import embeddings_table, parquet_bytes
 from schemas.config import IndexConfig
 from tests.conftest import local_pipeline
@@ -125,7 +124,7 @@ def write_embedding_files(directory, ids, vectors, files: int) -> list[str]:
 
 
 def _build(paths, cfg, out_dir, beam_args=()):
-    with beam.Pipeline(options=PipelineOptions(["--runner=FnApiRunner", *beam_args])) as p:
+    with beam.Pipeline(options=pipeline_options(list(beam_args))) as p:
         _ = p | beam.Create(paths) | BuildIndex(cfg, str(out_dir))
     return json.loads((out_dir / "build_info.json").read_text())
 
@@ -156,7 +155,7 @@ def test_build_index_transform_ivf_in_parts(tmp_path):
 
 
 def test_one_and_two_workers_build_the_same_index(tmp_path, monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # 2 worker processes x 2 faiss threads on 2 cores spin
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # pipeline_options shares the cores
     vectors = clustered(12_000, clusters=100, seed=3)
     paths = write_embedding_files(tmp_path / "emb", np.arange(12_000), vectors, files=3)
     cfg = IndexConfig(type="IVF32,PQ8x8np", target_recall=0.5, recall_sample=100)

@@ -6,6 +6,7 @@ import faiss
 import numpy as np
 import pytest
 
+from benchmarks.synthetic import LowRankClusters
 from pipeline.cli import main
 from pipeline.index import load_index
 from tests.test_index import write_embedding_files
@@ -13,28 +14,10 @@ from tests.test_index import write_embedding_files
 N, D, BUDGET = 300_000, 384, 64 * 10**6
 
 
-def clustered_384(n, clusters=1000, rank=8, seed=0):
-    """Unit vectors around `clusters` centres, each cluster spread along its own `rank`-dim
-    subspace plus a little isotropic noise: like sentence embeddings, the data has low
-    intrinsic dimension. (Isotropic 384-d Gaussian clusters make every point of a cluster
-    nearly equidistant, so no compressed index can rank their neighbours.)"""
-    rng = np.random.default_rng(seed)
-    centres = rng.normal(size=(clusters, D)).astype(np.float32)
-    bases = rng.normal(size=(clusters, rank, D)).astype(np.float32)
-    labels = rng.integers(0, clusters, n)
-    x = np.empty((n, D), np.float32)
-    for start in range(0, n, 8192):
-        lab = labels[start:start + 8192]
-        z = rng.normal(size=(len(lab), rank)).astype(np.float32)
-        x[start:start + 8192] = (centres[lab] + 0.5 * np.einsum("nr,nrd->nd", z, bases[lab])
-                                 + 0.1 * rng.normal(size=(len(lab), D)).astype(np.float32))
-    return x / np.linalg.norm(x, axis=1, keepdims=True)
-
-
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     root = tmp_path_factory.mktemp("scale")
-    vectors = clustered_384(N)
+    vectors = LowRankClusters(D).sample(N, np.random.default_rng(1))
     ids = np.arange(N, dtype=np.int64) * 2 + 1_000_000  # not positions: ids must survive as-is
     write_embedding_files(root / "emb", ids, vectors, files=5)
     main(["index", "--embeddings", str(root / "emb" / "*.parquet"), "--output", str(root / "idx"),

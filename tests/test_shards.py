@@ -8,7 +8,8 @@ from apache_beam.testing.util import assert_that, equal_to
 from pipeline.chunking import chunk_document
 from pipeline.index import build_index
 from pipeline.shards import (Candidate, PackSequences, RetrieveNeighbours, WriteShards,
-                             neighbour_arrays, pack_sequence, select_neighbours)
+                             chunk_overlap, neighbour_arrays, overlap_bucket, overlap_histogram,
+                             pack_sequence, select_neighbours, token_key)
 from schemas.arrow import tensor_column_to_numpy
 from tests.conftest import local_pipeline
 
@@ -27,13 +28,61 @@ def test_select_neighbours_drops_own_documents_and_pads():
     candidates = [Candidate(0, 0, 1.0, 10, doc_id=1), Candidate(0, 1, 0.9, 11, doc_id=2),
                   Candidate(0, 2, 0.8, 12, doc_id=3), Candidate(0, 3, 0.7, 13, doc_id=4),
                   Candidate(1, 0, 1.0, 14, doc_id=1)]
-    picks = select_neighbours(candidates, {1}, K)
+    picks, dropped = select_neighbours(candidates, {1}, K)
     assert picks == [(0, 0, 11, 0.9), (0, 1, 12, 0.8)]
+    assert dropped == {"own_document": 2, "duplicate_tokens": 0}
     values = [p + (np.full(2 * M, p[2], np.int32),) for p in picks]
     tokens, ids, scores = neighbour_arrays(values, L, K, M, PAD)
     assert ids.tolist() == [[11, 12], [-1, -1]]
     assert scores.tolist() == [[np.float32(0.9), np.float32(0.8)], [0, 0]]
     assert (tokens[0, 0] == 11).all() and (tokens[1] == PAD).all()
+
+
+def test_dedupe_skips_candidates_repeating_a_kept_neighbour():
+    same, other = token_key(np.array([5, 6, 7, 8])), token_key(np.array([5, 6, 7, 9]))
+    assert same == token_key(np.array([5, 6, 7, 8], dtype=np.int64)) and same != other
+    candidates = [Candidate(0, 0, 1.0, 10, 2, same), Candidate(0, 1, 0.9, 11, 3, same),
+                  Candidate(0, 2, 0.8, 12, 4, other)]
+    assert select_neighbours(candidates, set(), K)[0] == [(0, 0, 10, 1.0), (0, 1, 11, 0.9)]
+    picks, dropped = select_neighbours(candidates, set(), K, dedupe=True)
+    assert picks == [(0, 0, 10, 1.0), (0, 1, 12, 0.8)] and dropped["duplicate_tokens"] == 1
+
+
+def _longest_common_run(a, b, pad):
+    """The obvious quadratic definition, to check the vectorised one against."""
+    best = 0
+    for i in range(len(a)):
+        for j in range(len(b)):
+            run = 0
+            while i + run < len(a) and j + run < len(b) and a[i + run] == b[j + run] != pad:
+                run += 1
+            best = max(best, run)
+    return best
+
+
+def test_chunk_overlap_is_the_longest_common_token_run_over_m():
+    m = 8
+    chunks = np.array([[1, 2, 3, 4, 5, 6, 7, 8],      # shares 1..4 (4) with n0, 6..8 (3) with n1
+                       [9, 9, 9, 9, 9, 9, 9, 9],      # all of it with n0's continuation
+                       [1, 2, 3, 4, 0, 0, 0, 0]])     # 1..4, padding never counts
+    neighbours = np.zeros((3, 2, 2 * m), np.int32)
+    neighbours[0, 0, 3:7] = [1, 2, 3, 4]
+    neighbours[0, 1, :5] = [6, 7, 8, 1, 1]
+    neighbours[1, 0, m:] = 9
+    neighbours[2, 1, 2:12] = [1, 2, 3, 4, 0, 0, 0, 0, 0, 0]
+    assert chunk_overlap(chunks, neighbours, pad_id=0).tolist() == [4 / m, 1.0, 4 / m]
+    rng = np.random.default_rng(5)
+    chunks, neighbours = rng.integers(0, 4, (6, m)), rng.integers(0, 4, (6, 3, 2 * m))
+    expected = [max(_longest_common_run(c, n, 0) for n in ns) / m for c, ns in zip(chunks, neighbours)]
+    assert chunk_overlap(chunks, neighbours, pad_id=0).tolist() == expected
+
+
+def test_overlap_buckets_and_histogram():
+    assert [overlap_bucket(r) for r in (0, 0.01, 0.125, 0.2, 0.5, 0.9, 1.0)] == \
+        ["0.0", "0.125", "0.125", "0.25", "0.5", "1.0", "1.0"]
+    counters = {"overlap_r_le_0.0": 3, "overlap_r_le_1.0": 1, "sequences": 2}
+    assert overlap_histogram(counters) == {"0.0": 3, "0.125": 0, "0.25": 0, "0.5": 0, "0.75": 0, "1.0": 1}
+    assert counters == {"sequences": 2}
 
 
 def _database():

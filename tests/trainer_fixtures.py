@@ -3,11 +3,13 @@ ShardsManifest (rows, bytes and sha256 of the files as written)."""
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 
+from pipeline.shards import OVERLAP_BUCKETS, chunk_overlap, overlap_bucket
 from schemas.arrow import shard_table
 from schemas.manifest import FileEntry, ShardsManifest
 
@@ -68,8 +70,11 @@ def write_shard_dir(directory: Path, *, shard_rows: list[int], sequence_tokens: 
         entries.append(FileEntry(path=path.name, rows=count, bytes=len(data),
                                  sha256=hashlib.sha256(data).hexdigest()))
         start += count
+    L = sequence_tokens // chunk_tokens
+    overlap = Counter(overlap_bucket(r) for tokens, values in zip(rows["tokens"], rows["neighbours"])
+                      for r in chunk_overlap(tokens[:-1].reshape(L, chunk_tokens), values, pad_id))
     manifest = ShardsManifest(
-        config_hash="test", index_manifest_sha256="test", training_corpus="separate",
+        overlap={str(t): overlap[str(t)] for t in OVERLAP_BUCKETS}, config_hash="test", index_manifest_sha256="test", training_corpus="separate",
         sequence_tokens=sequence_tokens,
         chunk_tokens=chunk_tokens, neighbours=neighbours, neighbour_tokens=2 * chunk_tokens,
         pad_id=pad_id, num_sequences=total, shards=entries,

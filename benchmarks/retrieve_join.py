@@ -1,0 +1,270 @@
+"""Retrieval + join (the build-shards stage): throughput against an in-process floor, and
+peak memory as the chunk database grows.
+
+    .venv/bin/python benchmarks/retrieve_join.py [--sizes 50000 100000 200000]
+        [--query-chunks 8192] [--workdir DIR]
+
+Per chunk-database size N (same seed, so each database extends the smaller ones):
+
+1. Data: N chunks of m = 64 random tokens in documents of 1-40 chunks (`chunk_document`, so
+   continuations are real), their 384-d `LowRankClusters` embeddings, both as the pipeline's
+   own Parquet files (65,536 rows each), and an `IVF1024,PQ32x8np` index (nprobe 16) over all
+   of them: its size grows by 40 B per chunk, so what grows with N is the chunk database.
+2. The training sequences are fixed: the first `--query-chunks` chunks, packed into
+   sequences of n = 512 tokens (L = 8 chunks), k = 2 neighbours from 32 candidates.
+3. Builders, each a subprocess of its own, one after the other:
+   - ours: a Beam job wiring the stage's own transforms as `build-shards` does
+     (`PackSequences` -> `RetrieveNeighbours` -> `WriteShards`) over the whole chunk
+     database, run twice: in-process (FnApiRunner, one process) and with
+     `--direct_num_workers=2 --direct_running_mode=multi_processing`;
+   - floor: numpy and faiss in one process: every chunk read into arrays, one faiss search
+     for all queries, the same-document exclusion and the token gather done with array
+     indexing, the same Arrow shards written. It holds the whole chunk database: that is
+     what the Beam stage must never do, and why it is the speed floor, not a competitor.
+4. Both write their shards; the benchmark checks that ours and the floor chose the same
+   neighbour ids for at least 99% of the slots (faiss ties can differ between a batched and a
+   one-call search) before reporting anything.
+
+Reported: sequences/s (training sequences written per second of wall time, interpreter
+start included), peak RSS of the main process and, for the multi-process run, of the largest
+worker process (`getrusage(RUSAGE_CHILDREN)` inside the job process). With Beam's local runner
+the main process holds every shuffle in memory, as a cluster's shuffle service would hold it
+on disk; the workers are where a Dataflow or Flink job's memory goes, and theirs is the figure
+that must stay flat as N grows 4x. Results: a table on stdout, JSON in
+benchmarks/results/retrieve_join.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+from benchmarks.synthetic import LowRankClusters  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results" / "retrieve_join.json"
+M, SEQ_TOKENS, K, CANDIDATES, DIM = 64, 512, 2, 32, 384
+L = SEQ_TOKENS // M
+FILE_ROWS, SHARD_ROWS, PAD, VOCAB = 65536, 256, 0, 30000
+FACTORY, NPROBE = "IVF1024,PQ32x8np", 16
+SEED = 20261130
+MB = 1e6
+
+
+# --- data --------------------------------------------------------------------------------------
+
+def make_chunks(n: int):
+    """N chunks in documents of 1-40 chunks (the last one partly padded), dense ids."""
+    from pipeline.chunking import chunk_document
+
+    rng = np.random.default_rng([SEED, 0])
+    chunks, doc = [], 0
+    while len(chunks) < n:
+        length = int(rng.integers(1, 41)) * M - int(rng.integers(0, M))
+        tokens = rng.integers(1, VOCAB, length).astype(np.int32)
+        chunks += list(chunk_document(doc, tokens, len(chunks), M, PAD))
+        doc += 1
+    last = chunks[n - 1]
+    if n < len(chunks) and chunks[n].doc_id == last.doc_id:  # cut a document: it ends here now
+        chunks[n - 1] = type(last)(last.chunk_id, last.doc_id, last.position, last.tokens,
+                                   np.full(M, PAD, np.int32))
+    return chunks[:n]
+
+
+def ensure_data(workdir: Path, n: int) -> Path:
+    import faiss
+
+    from pipeline.index import build_index, set_search_depth
+    from pipeline.writers import chunks_table, embeddings_table, parquet_bytes
+
+    root = workdir / f"db-{n}"
+    if (root / "done").exists():
+        print(f"[data] reusing {root}", flush=True)
+        return root
+    shutil.rmtree(root, ignore_errors=True)
+    (root / "chunks").mkdir(parents=True)
+    (root / "embeddings").mkdir()
+    start = time.perf_counter()
+    chunks = make_chunks(n)
+    vectors = LowRankClusters(DIM, seed=SEED).sample(n, np.random.default_rng([SEED, 1]))
+    for number, begin in enumerate(range(0, n, FILE_ROWS)):
+        part = slice(begin, begin + FILE_ROWS)
+        (root / "chunks" / f"chunks-{number:05d}.parquet").write_bytes(parquet_bytes(chunks_table(chunks[part], M)))
+        rows = list(zip(range(begin, min(begin + FILE_ROWS, n)), vectors[part]))
+        (root / "embeddings" / f"embeddings-{number:05d}.parquet").write_bytes(parquet_bytes(embeddings_table(rows)))
+    index = build_index(np.arange(n, dtype=np.int64), vectors, FACTORY)
+    set_search_depth(index, NPROBE)
+    faiss.write_index(index, str(root / "index.faiss"))
+    (root / "done").write_text("")
+    print(f"[data] {n:,} chunks, embeddings and {FACTORY}: {time.perf_counter() - start:.1f} s", flush=True)
+    return root
+
+
+# --- the two builders (each runs as its own subprocess) ----------------------------------------
+
+def ours_main(root: str, out: str, query_chunks: int, beam_args: list[str]) -> None:
+    import apache_beam as beam
+    from apache_beam.io.parquetio import ReadFromParquetBatched
+
+    from pipeline.options import pipeline_options
+    from pipeline.shards import PackSequences, RetrieveNeighbours, WriteShards
+    from pipeline.stages import _chunks_from_table, _embeddings_from_table
+
+    limit = query_chunks
+    with beam.Pipeline(options=pipeline_options(beam_args)) as p:
+        chunk_db = (p | "ReadChunkDatabase" >> ReadFromParquetBatched(f"{root}/chunks/*.parquet")
+                    | "ChunkRows" >> beam.FlatMap(_chunks_from_table))
+        # chunk `limit` too: it gives the last sequence its target token (then is left over)
+        training = chunk_db | "TrainingChunks" >> beam.Filter(lambda c: c.chunk_id <= limit)
+        queries = (p | "ReadEmbeddings" >> ReadFromParquetBatched(f"{root}/embeddings/*.parquet")
+                   | "EmbeddingRows" >> beam.FlatMap(_embeddings_from_table)
+                   | "TrainingQueries" >> beam.Filter(lambda e: e[0] < limit))
+        sequences = training | "PackSequences" >> PackSequences(L, PAD)
+        rows = ((sequences, queries, chunk_db)
+                | "RetrieveNeighbours" >> RetrieveNeighbours(f"{root}/index.faiss", NPROBE, L, M, K,
+                                                             CANDIDATES, PAD))
+        _ = rows | "WriteShards" >> WriteShards(out, SHARD_ROWS, PAD)
+    workers = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    Path(out, "workers_rss_kb").write_text(str(workers))
+
+
+def floor_main(root: str, out: str, query_chunks: int) -> None:
+    import faiss
+    import pyarrow.parquet as pq
+
+    from pipeline.shards import ShardRow, rows_to_ipc
+    from schemas.arrow import tensor_column_to_numpy
+
+    tables = [pq.read_table(p) for p in sorted(Path(root, "chunks").glob("*.parquet"))]
+    docs = np.concatenate([t["doc_id"].to_numpy() for t in tables])
+    tokens = np.concatenate([tensor_column_to_numpy(t["tokens"]) for t in tables])
+    continuations = np.concatenate([tensor_column_to_numpy(t["continuation"]) for t in tables])
+    emb = pq.read_table(sorted(Path(root, "embeddings").glob("*.parquet"))[0])
+    queries = tensor_column_to_numpy(emb["embedding"])[:query_chunks].astype(np.float32)
+    index = faiss.read_index(f"{root}/index.faiss")
+    faiss.extract_index_ivf(index).nprobe = NPROBE
+    scores, found = index.search(queries, CANDIDATES)                 # [Q, C]
+    sequences = query_chunks // L
+    seq_docs = docs[:sequences * L].reshape(sequences, L)             # each sequence's documents,
+    following = docs[np.minimum(np.arange(1, sequences + 1) * L, len(docs) - 1)]  # + the target's
+    own = np.concatenate([seq_docs, following[:, None]], axis=1)      # [S, L + 1]
+    found = found[:sequences * L].reshape(sequences, L, CANDIDATES)
+    scores = scores[:sequences * L].reshape(sequences, L, CANDIDATES)
+    allowed = (found >= 0) & ~(docs[np.maximum(found, 0)][..., None] == own[:, None, None, :]).any(-1)
+    order = np.argsort(~allowed, axis=-1, kind="stable")[..., :K]     # first k allowed, by rank
+    picked = np.take_along_axis(found, order, -1)
+    ok = np.take_along_axis(allowed, order, -1)
+    ids = np.where(ok, picked, -1)
+    values = np.concatenate([tokens[np.maximum(ids, 0)], continuations[np.maximum(ids, 0)]], -1)
+    values[~ok] = PAD
+    kept_scores = np.where(ok, np.take_along_axis(scores, order, -1), 0).astype(np.float32)
+    seq_tokens = np.concatenate([tokens[:sequences * L].reshape(sequences, -1),
+                                 tokens[np.minimum(np.arange(1, sequences + 1) * L, len(docs) - 1), :1]], 1)
+    Path(out).mkdir(parents=True, exist_ok=True)
+    for begin in range(0, sequences, SHARD_ROWS):
+        rows = [ShardRow(s, seq_tokens[s], values[s], ids[s], kept_scores[s], tuple(sorted(set(own[s].tolist()))))
+                for s in range(begin, min(begin + SHARD_ROWS, sequences))]
+        Path(out, f"shard-{begin // SHARD_ROWS:05d}.arrow").write_bytes(rows_to_ipc(rows, PAD))
+
+
+# --- measuring -----------------------------------------------------------------------------------
+
+def measured(args: list[str], out: Path) -> dict:
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    start = time.perf_counter()
+    with open(out.with_suffix(".log"), "w") as log:
+        proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *args], stdout=log,
+                                stderr=subprocess.STDOUT, cwd=REPO)
+        _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - start
+    if status != 0:
+        raise SystemExit(f"{args[0]} failed, see {out.with_suffix('.log')}")
+    workers = out / "workers_rss_kb"
+    return {"wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime, "peak_rss_mb": usage.ru_maxrss * 1024 / MB,
+            "worker_peak_rss_mb": int(workers.read_text()) * 1024 / MB if workers.exists() else None}
+
+
+def neighbour_ids(directory: Path) -> np.ndarray:
+    import pyarrow.ipc as ipc
+
+    from schemas.arrow import tensor_column_to_numpy
+
+    tables = [ipc.open_file(str(p)).read_all() for p in sorted(directory.glob("shard-*.arrow"))]
+    order = np.argsort(np.concatenate([t["seq_id"].to_numpy() for t in tables]))
+    return np.concatenate([tensor_column_to_numpy(t["neighbour_ids"]) for t in tables])[order]
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "_ours":
+        return ours_main(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5:])
+    if len(sys.argv) > 1 and sys.argv[1] == "_floor":
+        return floor_main(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser.add_argument("--sizes", type=int, nargs="+", default=[50_000, 100_000, 200_000])
+    parser.add_argument("--query-chunks", type=int, default=8192)
+    parser.add_argument("--workdir", help="keep (and reuse) data here; default: a temp dir")
+    parser.add_argument("--output", default=str(RESULTS))
+    args = parser.parse_args()
+    temp = None if args.workdir else tempfile.TemporaryDirectory(prefix="retrieve-bench-")
+    workdir = Path(args.workdir or temp.name).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    sequences = args.query_chunks // L
+    results = {"query_chunks": args.query_chunks, "sequences": sequences, "m": M, "n": SEQ_TOKENS, "k": K,
+               "candidates": CANDIDATES, "factory": FACTORY, "nprobe": NPROBE, "sizes": []}
+    multi = ["--direct_num_workers=2", "--direct_running_mode=multi_processing"]
+    try:
+        for n in args.sizes:
+            root = ensure_data(workdir, n)
+            runs = {}
+            for name, extra in (("ours 1 process", ["_ours"]), ("ours 2 workers", ["_ours"]),
+                                ("floor", ["_floor"])):
+                out = workdir / f"run-{n}-{name.replace(' ', '-')}"
+                beam_args = multi if name == "ours 2 workers" else []
+                print(f"[{name}] N = {n:,} ...", flush=True)
+                runs[name] = measured([*extra, str(root), str(out), str(args.query_chunks), *beam_args], out)
+                runs[name]["sequences_per_s"] = sequences / runs[name]["wall_s"]
+                runs[name]["out"] = out
+            floor_ids = neighbour_ids(runs["floor"].pop("out"))
+            for name in ("ours 1 process", "ours 2 workers"):
+                agree = float(np.mean(neighbour_ids(runs[name].pop("out")) == floor_ids))
+                if agree < 0.99:
+                    raise SystemExit(f"{name} and the floor agree on only {agree:.1%} of neighbour ids")
+                runs[name]["same_ids_as_floor"] = agree
+                runs[name]["throughput_vs_floor"] = runs[name]["sequences_per_s"] / runs["floor"]["sequences_per_s"]
+            results["sizes"].append({"chunks": n, "runs": runs})
+            print(f"\n== chunk database {n:,} chunks, {sequences:,} sequences")
+            print(f"{'builder':<16} {'wall s':>7} {'cpu s':>7} {'seq/s':>8} {'vs floor':>8} "
+                  f"{'main RSS MB':>11} {'worker RSS MB':>13}")
+            for name, r in runs.items():
+                worker = f"{r['worker_peak_rss_mb']:.0f}" if r["worker_peak_rss_mb"] else "-"
+                print(f"{name:<16} {r['wall_s']:>7.1f} {r['cpu_s']:>7.1f} {r['sequences_per_s']:>8.1f} "
+                      f"{r.get('throughput_vs_floor', 1.0):>8.3f} {r['peak_rss_mb']:>11.0f} {worker:>13}")
+    finally:
+        if temp is not None:
+            temp.cleanup()
+    first, last = results["sizes"][0], results["sizes"][-1]
+    growth = {name: last["runs"][name]["worker_peak_rss_mb" if "2 workers" in name else "peak_rss_mb"]
+              / first["runs"][name]["worker_peak_rss_mb" if "2 workers" in name else "peak_rss_mb"]
+              for name in first["runs"]}
+    results["rss_growth"] = {"chunks": last["chunks"] / first["chunks"], **growth}
+    print(f"\nchunk database x{last['chunks'] / first['chunks']:.0f}: peak RSS x" +
+          ", x".join(f"{v:.2f} ({k}{' worker' if '2 workers' in k else ''})" for k, v in growth.items()))
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""Synthetic embeddings shaped like sentence embeddings, for the index tests and benchmarks.
+
+Isotropic Gaussian clusters in 384 dimensions make every point of a cluster nearly equidistant
+from every other, so no compressed index can rank their neighbours (measured: PQ48 reached
+0.456 1-recall@10 at 1M probing every list). Real sentence embeddings have a low intrinsic
+dimension; here each cluster spreads along its own `rank`-dim subspace, plus a little
+isotropic noise.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+BLOCK = 8192  # vectors generated at a time: bounds the [block, rank, d] temporaries
+
+
+class LowRankClusters:
+    """Unit vectors around `clusters` random centres; cluster c spreads as
+    `spread · z · bases[c]` (z ~ N(0, I_rank)) plus `noise` · N(0, I_d)."""
+
+    def __init__(self, dim: int, clusters: int = 1000, rank: int = 8, spread: float = 0.5,
+                 noise: float = 0.1, seed: int = 0):
+        model = np.random.default_rng([seed, 0])
+        self.centres = model.normal(size=(clusters, dim)).astype(np.float32)
+        self.bases = model.normal(size=(clusters, rank, dim)).astype(np.float32)
+        self.spread, self.noise = spread, noise
+
+    def sample(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        """float32 [n, d], L2-normalised."""
+        clusters, rank, dim = self.bases.shape
+        out = np.empty((n, dim), np.float32)
+        for start in range(0, n, BLOCK):
+            size = min(BLOCK, n - start)
+            label = rng.integers(0, clusters, size)
+            z = rng.normal(size=(size, rank)).astype(np.float32)
+            out[start:start + size] = (self.centres[label]
+                                       + self.spread * np.einsum("nr,nrd->nd", z, self.bases[label])
+                                       + self.noise * rng.normal(size=(size, dim)).astype(np.float32))
+        out /= np.linalg.norm(out, axis=1, keepdims=True)
+        return out
