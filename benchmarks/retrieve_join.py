@@ -8,7 +8,7 @@ Per chunk-database size N (same seed, so each database extends the smaller ones)
 
 1. Data: N chunks of m = 64 random tokens in documents of 1-40 chunks (`chunk_document`, so
    continuations are real), their 384-d `LowRankClusters` embeddings, both as the pipeline's
-   own Parquet files (65,536 rows each), and an `IVF1024,PQ32x8np` index (nprobe 16) over all
+   own Parquet files (65,536 rows each), and an `IVF256,PQ32x8np` index (nprobe 16) over all
    of them: its size grows by 40 B per chunk, so what grows with N is the chunk database.
 2. The training sequences are fixed: the first `--query-chunks` chunks, packed into
    sequences of n = 512 tokens (L = 8 chunks), k = 2 neighbours from 32 candidates.
@@ -26,8 +26,8 @@ Per chunk-database size N (same seed, so each database extends the smaller ones)
    one-call search) before reporting anything.
 
 Reported: sequences/s (training sequences written per second of wall time, interpreter
-start included), peak RSS of the main process and, for the multi-process run, of the largest
-worker process (`getrusage(RUSAGE_CHILDREN)` inside the job process). With Beam's local runner
+start included), peak RSS (VmHWM) of the main process and, for the multi-process run, of the
+largest worker process (polled from /proc every 0.2 s inside the job process). With Beam's local runner
 the main process holds every shuffle in memory, as a cluster's shuffle service would hold it
 on disk; the workers are where a Dataflow or Flink job's memory goes, and theirs is the figure
 that must stay flat as N grows 4x. Results: a table on stdout, JSON in
@@ -38,11 +38,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -56,7 +56,7 @@ RESULTS = REPO / "benchmarks" / "results" / "retrieve_join.json"
 M, SEQ_TOKENS, K, CANDIDATES, DIM = 64, 512, 2, 32, 384
 L = SEQ_TOKENS // M
 FILE_ROWS, SHARD_ROWS, PAD, VOCAB = 65536, 256, 0, 30000
-FACTORY, NPROBE = "IVF1024,PQ32x8np", 16
+FACTORY, NPROBE = "IVF256,PQ32x8np", 16
 SEED = 20261130
 MB = 1e6
 
@@ -121,6 +121,7 @@ def ours_main(root: str, out: str, query_chunks: int, beam_args: list[str]) -> N
     from pipeline.stages import _chunks_from_table, _embeddings_from_table
 
     limit = query_chunks
+    workers = WorkerPeak()
     with beam.Pipeline(options=pipeline_options(beam_args)) as p:
         chunk_db = (p | "ReadChunkDatabase" >> ReadFromParquetBatched(f"{root}/chunks/*.parquet")
                     | "ChunkRows" >> beam.FlatMap(_chunks_from_table))
@@ -134,8 +135,7 @@ def ours_main(root: str, out: str, query_chunks: int, beam_args: list[str]) -> N
                 | "RetrieveNeighbours" >> RetrieveNeighbours(f"{root}/index.faiss", NPROBE, L, M, K,
                                                              CANDIDATES, PAD))
         _ = rows | "WriteShards" >> WriteShards(out, SHARD_ROWS, PAD)
-    workers = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    Path(out, "workers_rss_kb").write_text(str(workers))
+    record_rss(out, workers.stop())
 
 
 def floor_main(root: str, out: str, query_chunks: int) -> None:
@@ -175,9 +175,55 @@ def floor_main(root: str, out: str, query_chunks: int) -> None:
         rows = [ShardRow(s, seq_tokens[s], values[s], ids[s], kept_scores[s], tuple(sorted(set(own[s].tolist()))))
                 for s in range(begin, min(begin + SHARD_ROWS, sequences))]
         Path(out, f"shard-{begin // SHARD_ROWS:05d}.arrow").write_bytes(rows_to_ipc(rows, PAD))
+    record_rss(out)
 
 
 # --- measuring -----------------------------------------------------------------------------------
+
+def peak_rss_kb(pid="self") -> int:
+    """VmHWM: the peak resident set of one process since it exec'd (ru_maxrss would carry the
+    parent's peak over a fork + exec)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return 0
+
+
+def descendants(pid: str) -> list[str]:
+    found = []
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            for child in children.read_text().split():
+                found += [child, *descendants(child)]
+        except OSError:  # it exited meanwhile
+            pass
+    return found
+
+
+class WorkerPeak:
+    """Polls the peak RSS of this process's descendants (Beam's worker processes) until stopped."""
+
+    def __init__(self):
+        self.peak_kb, self.running = 0, True
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+        self.thread.start()
+
+    def _poll(self):
+        while self.running:
+            for pid in descendants(str(os.getpid())):
+                self.peak_kb = max(self.peak_kb, peak_rss_kb(pid))
+            time.sleep(0.2)
+
+    def stop(self) -> int:
+        self.running = False
+        self.thread.join()
+        return self.peak_kb
+
+
+def record_rss(out: str, workers_kb: int = 0) -> None:
+    Path(out, "rss.json").write_text(json.dumps({"self_kb": peak_rss_kb(), "children_kb": workers_kb}))
+
 
 def measured(args: list[str], out: Path) -> dict:
     shutil.rmtree(out, ignore_errors=True)
@@ -190,9 +236,10 @@ def measured(args: list[str], out: Path) -> dict:
     wall = time.perf_counter() - start
     if status != 0:
         raise SystemExit(f"{args[0]} failed, see {out.with_suffix('.log')}")
-    workers = out / "workers_rss_kb"
-    return {"wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime, "peak_rss_mb": usage.ru_maxrss * 1024 / MB,
-            "worker_peak_rss_mb": int(workers.read_text()) * 1024 / MB if workers.exists() else None}
+    rss = json.loads((out / "rss.json").read_text())
+    return {"wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime,  # workers' CPU included
+            "peak_rss_mb": rss["self_kb"] * 1024 / MB,
+            "worker_peak_rss_mb": rss["children_kb"] * 1024 / MB or None}
 
 
 def neighbour_ids(directory: Path) -> np.ndarray:

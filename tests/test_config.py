@@ -48,6 +48,18 @@ def test_output_does_not_change_config_hashes(tmp_path):
     assert a.index_hash() == c.index_hash() and a.shards_hash() != c.shards_hash()
 
 
+def test_shard_bytes_decides_rows_per_shard(tmp_path):
+    rows_only = config_from_dict(small_config(tmp_path, "x", shard_rows=16))
+    assert rows_only.rows_per_shard() == 16
+    # n=128, m=32, k=2: 8 + 4·129 + 8 slots · (4·64 + 12) + 32 = 2,700 bytes a row
+    by_size = config_from_dict(small_config(tmp_path, "x", shard_bytes="1MB"))
+    assert by_size.rows_per_shard() == 1_000_000 // 2_700
+    assert config_from_dict(small_config(tmp_path, "x", shard_bytes=10)).rows_per_shard() == 1
+    assert by_size.shards_hash() != rows_only.shards_hash()
+    with pytest.raises(ConfigError, match="shard_bytes"):
+        config_from_dict(small_config(tmp_path, "x", shard_bytes="-3"))
+
+
 def _cli_error(args, capsys) -> str:
     with pytest.raises(SystemExit) as exit_info:
         main(args)

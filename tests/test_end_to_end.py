@@ -275,3 +275,11 @@ def test_validate_catches_a_continuation_across_chunk_files(tampered):
     manifest_path.write_text(json.dumps(manifest))
     with pytest.raises(ValidationFailed, match="chunk 199 continuation"):
         validate_index(str(tampered / "index"))
+
+
+def test_validate_checks_references_in_blocks(built_output, monkeypatch):
+    import pipeline.validate as validate
+
+    root, _, _ = built_output
+    monkeypatch.setattr(validate, "REFERENCE_BLOCK", 7)  # many blocks per chunk file
+    assert all(line.startswith("OK") for line in validate.validate_path(str(root / "out")))

@@ -145,3 +145,36 @@ def test_write_shards_is_sorted_and_split_by_seq_id(tmp_path):
     assert table["seq_id"].to_pylist() == [2, 3]
     assert tensor_column_to_numpy(table["neighbours"]).shape == (2, L, K, 2 * M)
     assert table.schema.metadata[b"schema_version"] == b"1"
+
+
+def test_retrieve_neighbours_dedupe_skips_repeated_tokens(tmp_path):
+    """Documents 101 and 102 are copies; both are the nearest to document 100 (sequence 3, the
+    last). With dedupe the second neighbour of each of its chunks comes from document 103."""
+    rng = np.random.default_rng(1)
+    copy = rng.integers(1, 1000, 2 * M).astype(np.int32)
+    texts = {101: copy, 102: copy, 103: rng.integers(1, 1000, 2 * M), 100: rng.integers(1, 1000, 2 * M)}
+    chunks = []
+    for doc, tokens in texts.items():
+        chunks += list(chunk_document(doc, np.asarray(tokens, np.int32), len(chunks), M, PAD))
+    base = rng.normal(size=(2, 16))
+    spread = {100: 0.0, 101: 0.1, 102: 0.12, 103: 0.5}
+    vectors = np.stack([base[c.position] + spread[c.doc_id] * rng.normal(size=16) for c in chunks])
+    vectors = vectors.astype(np.float32) / np.linalg.norm(vectors, axis=1, keepdims=True)
+    index_path = str(tmp_path / "index.faiss")
+    faiss.write_index(build_index(np.arange(len(chunks), dtype=np.int64), vectors, "Flat"), index_path)
+    docs = {c.chunk_id: c.doc_id for c in chunks}
+
+    def second_neighbour_docs(dedupe):
+        def check(rows):
+            (row,) = [r for r in rows if r.seq_id == 3]
+            assert [docs[i] for i in row.neighbour_ids[:, 1]] == ([103, 103] if dedupe else [102, 102])
+            assert [docs[i] for i in row.neighbour_ids[:, 0]] == [101, 101]
+        return check
+
+    for dedupe in (False, True):
+        with local_pipeline() as p:
+            db = p | "Chunks" >> beam.Create(chunks)
+            sequences = db | PackSequences(L, PAD)
+            queries = p | "Queries" >> beam.Create([(i, vectors[i]) for i in range(len(chunks))])
+            rows = (sequences, queries, db) | RetrieveNeighbours(index_path, None, L, M, K, 8, PAD, dedupe)
+            assert_that(rows, second_neighbour_docs(dedupe))
