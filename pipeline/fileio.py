@@ -77,19 +77,18 @@ def sha256_bytes(data: bytes) -> str:
 
 
 def list_files(directory: str) -> list[str]:
-    """Every file below `directory` (recursively), sorted."""
+    """Every file below `directory` (recursively), sorted; [] when there is none (an object
+    store has no directories, only names under a prefix)."""
     pattern = join(directory, "**") if "://" in directory else directory.rstrip("/") + "/**"
     result = FileSystems.match([pattern])[0]
     return sorted(m.path for m in result.metadata_list)
 
 
 def delete_tree(directory: str) -> None:
-    if not exists(directory):
-        return
     files = list_files(directory)
     if files:
         FileSystems.delete(files)
-    if exists(directory):  # local directories outlive their files
+    if "://" not in directory and exists(directory):  # local directories outlive their files
         FileSystems.delete([directory])
 
 

@@ -89,8 +89,6 @@ def _collect_entries(pipeline_label: str, entry_lists, staging: str):
 def _publish_rejected(staging: str, output: str) -> list[dict]:
     """Move the job's rejected-record files to `<output>/rejected/`."""
     source_dir = fileio.join(staging, REJECTED_STAGING)
-    if not fileio.exists(source_dir):
-        return []
     moved = []
     for source in fileio.list_files(source_dir):
         target = fileio.join(output, "rejected", posixpath.basename(source))

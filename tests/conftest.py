@@ -73,6 +73,75 @@ def built_output(tmp_path_factory):
     return root, config, report
 
 
+class GcsEmulator:
+    """A `gcp-storage-emulator` on 127.0.0.1 (in memory), the one stand-in for the cloud."""
+
+    def __init__(self):
+        import socket
+        import subprocess
+        import sys
+        import time
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        command = [str(Path(sys.executable).parent / "gcp-storage-emulator"), "start", "--host", "127.0.0.1",
+                   "--port", str(self.port), "--in-memory"]
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while True:  # wait until it accepts connections (a readiness poll, not a timing sleep)
+            try:
+                socket.create_connection(("127.0.0.1", self.port), 0.2).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or self.process.poll() is not None:
+                    raise RuntimeError("gcp-storage-emulator did not start")
+                time.sleep(0.05)
+        self.host = f"http://127.0.0.1:{self.port}"
+
+    def client(self):
+        from google.auth.credentials import AnonymousCredentials
+        from google.cloud import storage
+
+        return storage.Client(credentials=AnonymousCredentials(), project="test")
+
+    def bucket(self, name: str) -> str:
+        """Create a bucket; its gs:// URL."""
+        self.client().create_bucket(name)
+        return f"gs://{name}"
+
+    def upload(self, directory: Path, url: str) -> str:
+        """Copy a local directory tree to gs://bucket/prefix; the URL."""
+        bucket_name, _, prefix = url[len("gs://"):].partition("/")
+        bucket = self.client().bucket(bucket_name)
+        for path in sorted(Path(directory).rglob("*")):
+            if path.is_file():
+                bucket.blob(f"{prefix}/{path.relative_to(directory).as_posix()}").upload_from_filename(str(path))
+        return url
+
+    def stop(self):
+        self.process.terminate()
+        self.process.wait(10)
+
+
+@pytest.fixture(scope="session")
+def gcs():
+    """The emulator, with STORAGE_EMULATOR_HOST pointing at it for the whole session (Beam's GCS
+    client, google-cloud-storage and the trainer's pyarrow client all honour it)."""
+    from pipeline import fileio
+
+    emulator = GcsEmulator()
+    previous = os.environ.get("STORAGE_EMULATOR_HOST")
+    os.environ["STORAGE_EMULATOR_HOST"] = emulator.host
+    fileio.use_anonymous_gcs_for_emulator()
+    yield emulator
+    emulator.stop()
+    if previous is None:
+        del os.environ["STORAGE_EMULATOR_HOST"]
+    else:
+        os.environ["STORAGE_EMULATOR_HOST"] = previous
+
+
 def local_pipeline():
     """A TestPipeline on the in-process runner (the default DirectRunner would try a download)."""
     from apache_beam.options.pipeline_options import PipelineOptions

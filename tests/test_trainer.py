@@ -216,6 +216,60 @@ def test_refuses_a_missing_shard(tmp_path):
         ShardDataset(tmp_path)
 
 
+# -- gs:// (against the local GCS emulator) -----------------------------------------------
+
+@pytest.fixture(scope="module")
+def gcs_shards(gcs, shard_dir) -> str:
+    url = gcs.bucket("trainer-shards") + "/run/shards"
+    return gcs.upload(shard_dir, url)
+
+
+def _samples_by_id(dataset) -> dict[int, dict]:
+    return {int(s["seq_id"]): {k: v.numpy() for k, v in s.items()} for s in dataset}
+
+
+def test_gcs_stream_equals_the_local_one(gcs_shards, shard_dir):
+    remote, local = ShardDataset(gcs_shards, seed=2), ShardDataset(shard_dir, seed=2)
+    assert [int(s["seq_id"]) for s in remote] == [int(s["seq_id"]) for s in local]
+    a, b = _samples_by_id(remote), _samples_by_id(local)
+    assert a.keys() == SEQ_IDS and all(np.array_equal(a[i][k], b[i][k]) for i in a for k in a[i])
+
+
+def test_gcs_two_ranks_two_workers_cover_each_sequence_once(gcs_shards):
+    seen = []
+    for rank in (0, 1):
+        dataset = ShardDataset(gcs_shards, rank=rank, world_size=2, seed=1, batch_size=2)
+        seen.extend(loader_ids(dataset, batch_size=2, num_workers=2))
+    assert sorted(seen) == sorted(SEQ_IDS)
+
+
+def test_gcs_reads_ahead_one_shard(gcs_shards, monkeypatch):
+    from trainer import dataset as dataset_module
+
+    fetched, opened = [], []
+    real_fetch, real_open = dataset_module._RemoteFiles._fetch, dataset_module._RemoteFiles.open
+    monkeypatch.setattr(dataset_module._RemoteFiles, "_fetch",
+                        lambda self, path: fetched.append(path) or real_fetch(self, path))
+    monkeypatch.setattr(dataset_module._RemoteFiles, "open",
+                        lambda self, path: opened.append(path) or real_open(self, path))
+    dataset = ShardDataset(gcs_shards, seed=4)
+    fetched.clear()
+    assert len(list(dataset)) == len(SEQ_IDS)
+    shards = [p for p in fetched if p.endswith(".arrow")]
+    assert len(opened) == len(SHARD_ROWS) and sorted(shards) == sorted(opened)  # each fetched once
+    assert dataset._files._pending == {}  # the last shard had no successor to fetch
+
+
+def test_gcs_missing_manifest_and_shard_name_the_url(gcs, shard_dir, tmp_path):
+    url = gcs.bucket("trainer-broken") + "/shards"
+    with pytest.raises(ShardDataError, match="trainer-broken/shards/manifest.json: no manifest"):
+        ShardDataset(url)
+    gcs.upload(shard_dir, url)
+    gcs.client().bucket("trainer-broken").blob("shards/shard-00002.arrow").delete()
+    with pytest.raises(ShardDataError, match="shard-00002.arrow: shard listed in the manifest is missing"):
+        ShardDataset(url)
+
+
 # -- model ----------------------------------------------------------------------------------
 
 M = 4  # chunk tokens in the model tests
@@ -329,6 +383,15 @@ def test_training_loss_decreases(train_dir, capsys):
     first, last = np.mean([by_step[s] for s in (1, 2, 3)]), np.mean([by_step[s] for s in (28, 29, 30)])
     assert first > math.log(64) - 0.5  # starts near chance
     assert last < first - 1.5, by_step
+
+
+def test_validation_on_held_out_shards_is_scored_and_falls(train_dir, tmp_path, capsys):
+    held_out = tmp_path / "val"
+    write_shard_dir(held_out, shard_rows=[16], vocab_size=64, seed=9, first_seq_id=5000)
+    main(["--shards", str(train_dir), "--steps", "30", "--batch-size", "8", "--lr", "1e-2",
+          "--log-every", "10", "--seed", "1", "--val-shards", str(held_out), "--val-every", "10", *TINY_MODEL])
+    val = {int(s): float(v) for s, v in re.findall(r"step=(\d+) val_loss=(\S+)", capsys.readouterr().out)}
+    assert sorted(val) == [10, 20, 30] and val[30] < val[10] - 0.5, val
 
 
 def test_resumed_training_continues_the_uninterrupted_run(train_dir, tmp_path, capsys):

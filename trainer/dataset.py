@@ -13,6 +13,11 @@ batches from its workers round-robin in worker order, so with the same batch siz
 trainer the rank stream in order, whatever num_workers is, and every sequence exactly once
 per epoch across world_size × num_workers.
 
+Sources. A local directory (shards memory-mapped) or a gs:// URL (pyarrow's GCS client, which
+finds credentials as Google's libraries do; with STORAGE_EMULATOR_HOST set, an anonymous client
+of that emulator). A remote shard is fetched whole with one sequential read while the shard
+before it is being consumed (read-ahead of one shard), so memory stays at two shards.
+
 Resume. The state is (seed, epoch, position): position = samples of this rank's stream the
 trainer has consumed this epoch. The dataset object in the trainer's process never sees what
 worker copies yield, so the trainer reports consumption with `advance(n)` after each batch.
@@ -23,9 +28,12 @@ from __future__ import annotations
 
 import json
 import os
+import posixpath
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 import torch
 from pydantic import ValidationError
 from torch.utils.data import IterableDataset, get_worker_info
@@ -42,11 +50,7 @@ class ShardDataError(ValueError):
 
 
 class _LocalFiles:
-    """Local files, shards memory-mapped.
-
-    The only place files are touched: a gs:// source plugs in as another class with these
-    three methods over a pyarrow filesystem (`open_input_file` gives ranged reads).
-    """
+    """Local files, shards memory-mapped."""
 
     def read_text(self, path: str) -> str:
         with open(path, encoding="utf-8") as f:
@@ -58,10 +62,81 @@ class _LocalFiles:
     def open(self, path: str) -> pa.NativeFile:
         return pa.memory_map(path, "r")
 
+    def prefetch(self, path: str) -> None:
+        """Nothing to do: the page cache reads ahead."""
 
-def _files_for(source: str) -> _LocalFiles:
+
+class _RemoteFiles:
+    """gs:// through pyarrow's GCS filesystem. A shard is fetched whole into memory (one
+    sequential read, then zero-copy views), and `prefetch` fetches the next shard in a
+    background thread while the current one is consumed: at most two shards are held."""
+
+    def __init__(self):
+        self._pid = None  # the process that owns the client and the thread (DataLoader workers fork)
+        self._fs = None
+        self._pending: dict[str, Future] = {}
+        self._pool: ThreadPoolExecutor | None = None
+
+    def _own(self) -> None:
+        if self._pid != os.getpid():
+            self._pid, self._fs, self._pool, self._pending = os.getpid(), gcs_filesystem(), None, {}
+
+    @staticmethod
+    def _key(path: str) -> str:
+        return path.split("://", 1)[1]
+
+    def read_text(self, path: str) -> str:
+        return self._fetch(path).decode("utf-8")
+
+    def size(self, path: str) -> int:
+        self._own()
+        info = self._fs.get_file_info(self._key(path))
+        if info.type == pafs.FileType.NotFound:
+            raise FileNotFoundError(path)
+        return info.size
+
+    def _fetch(self, path: str) -> bytes:
+        self._own()
+        try:
+            with self._fs.open_input_stream(self._key(path)) as f:
+                return f.read()
+        except FileNotFoundError:
+            raise
+        except OSError as err:
+            if "not found" in str(err).lower() or "No such" in str(err):
+                raise FileNotFoundError(path) from None
+            raise
+
+    def prefetch(self, path: str) -> None:
+        self._own()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1)
+        if path not in self._pending:
+            self._pending = {path: self._pool.submit(self._fetch, path)}  # one shard ahead at most
+
+    def open(self, path: str) -> pa.NativeFile:
+        self._own()
+        pending = self._pending.pop(path, None)
+        return pa.BufferReader(pending.result() if pending is not None else self._fetch(path))
+
+    def __getstate__(self):  # spawned DataLoader workers: a fresh client and thread each
+        return {"_pid": None, "_fs": None, "_pending": {}, "_pool": None}
+
+
+def gcs_filesystem():
+    """pyarrow's GCS client; against the emulator named by STORAGE_EMULATOR_HOST, anonymous."""
+    emulator = os.environ.get("STORAGE_EMULATOR_HOST")
+    if emulator:
+        scheme, _, host = emulator.rpartition("://")
+        return pafs.GcsFileSystem(anonymous=True, endpoint_override=host, scheme=scheme or "http")
+    return pafs.GcsFileSystem()
+
+
+def _files_for(source: str):
+    if source.startswith("gs://"):
+        return _RemoteFiles()
     if "://" in source:
-        raise NotImplementedError(f"{source}: only local shard directories are supported yet")
+        raise ValueError(f"{source}: shard directories are local paths or gs:// URLs")
     return _LocalFiles()
 
 
@@ -136,13 +211,16 @@ class ShardDataset(IterableDataset):
         self._expected_metadata = {k.decode(): v.decode() for k, v in self._expected_schema.metadata.items()}
         self._shard_rows = np.array([entry.rows for entry in self.manifest.shards], dtype=np.int64)
         for entry in self.manifest.shards:  # fail now, not hours into an epoch
-            file, _ = self._open_checked(entry)
-            file.close()
+            if isinstance(self._files, _LocalFiles):
+                file, _ = self._open_checked(entry)
+                file.close()
+            else:  # remote: sizes now (one listing call each), the rest when a shard is read
+                self._check_size(entry)
 
     # -- manifest and shard checks ------------------------------------------------------
 
     def _path(self, relative: str) -> str:
-        return os.path.join(self.source, relative)
+        return posixpath.join(self.source, relative) if "://" in self.source else os.path.join(self.source, relative)
 
     def _read_manifest(self) -> ShardsManifest:
         path = self._path(MANIFEST_NAME)
@@ -168,8 +246,7 @@ class ShardDataset(IterableDataset):
             raise ShardDataError(f"{path}: num_sequences {manifest.num_sequences} != {total} rows over its shards")
         return manifest
 
-    def _open_checked(self, entry: FileEntry) -> tuple[pa.NativeFile, pa.ipc.RecordBatchFileReader]:
-        """Open a shard, refusing it unless size, rows, schema version and shapes match the manifest."""
+    def _check_size(self, entry: FileEntry) -> str:
         path = self._path(entry.path)
         try:
             size = self._files.size(path)
@@ -177,6 +254,11 @@ class ShardDataset(IterableDataset):
             raise ShardDataError(f"{path}: shard listed in the manifest is missing") from None
         if size != entry.bytes:
             raise ShardDataError(f"{path}: {size} bytes on disk, the manifest says {entry.bytes}")
+        return path
+
+    def _open_checked(self, entry: FileEntry) -> tuple[pa.NativeFile, pa.ipc.RecordBatchFileReader]:
+        """Open a shard, refusing it unless size, rows, schema version and shapes match the manifest."""
+        path = self._check_size(entry)
         file = self._files.open(path)
         try:
             try:
@@ -237,7 +319,7 @@ class ShardDataset(IterableDataset):
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         shard_order, shard_starts = self._shard_order()
-        rank_start, _ = self._rank_range()
+        rank_start, rank_stop = self._rank_range()
         slot, shard = -1, None
         try:
             for position in self._worker_positions(worker, num_workers):
@@ -249,6 +331,8 @@ class ShardDataset(IterableDataset):
                     shard_index = int(shard_order[slot])
                     file, reader = self._open_checked(self.manifest.shards[shard_index])
                     shard = _OpenShard(file, reader, self._row_order(shard_index))
+                    if slot + 1 < len(shard_order) and shard_starts[slot + 1] < rank_stop:
+                        self._files.prefetch(self._path(self.manifest.shards[int(shard_order[slot + 1])].path))
                 yield shard.sample(index - int(shard_starts[slot]))
         finally:
             if shard is not None:

@@ -55,6 +55,9 @@ class TrainConfig:
     checkpoint_every: int | None = None
     resume: str | None = None            # checkpoint to continue from
     log_every: int = 10
+    val_shards: str | None = None        # held-out shard directory, scored every val_every steps
+    val_every: int = 50                  # and at the last step
+    val_batches: int | None = None       # score only this many batches of it; None: all
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
@@ -82,9 +85,15 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     parser.add_argument("--checkpoint-every", type=int, default=None, help="also checkpoint every K steps")
     parser.add_argument("--resume", help="continue from this checkpoint")
     parser.add_argument("--log-every", type=int, default=TrainConfig.log_every)
+    parser.add_argument("--val-shards", help="held-out shard directory (local or gs://) to score")
+    parser.add_argument("--val-every", type=int, default=TrainConfig.val_every,
+                        help="score --val-shards every K steps and at the end")
+    parser.add_argument("--val-batches", type=int, default=None, help="score only this many batches")
     args = parser.parse_args(argv)
-    if min(args.steps, args.batch_size, args.log_every, args.decay_steps or 1, args.checkpoint_every or 1) < 1:
-        parser.error("--steps, --decay-steps, --batch-size, --log-every and --checkpoint-every must be at least 1")
+    if min(args.steps, args.batch_size, args.log_every, args.decay_steps or 1, args.checkpoint_every or 1,
+           args.val_every, args.val_batches or 1) < 1:
+        parser.error("--steps, --decay-steps, --batch-size, --log-every, --checkpoint-every, "
+                     "--val-every and --val-batches must be at least 1")
     return TrainConfig(**vars(args))
 
 
@@ -121,6 +130,31 @@ def check_token_range(batch: dict, vocab_size: int) -> None:
         if low < 0 or high >= vocab_size:
             raise TrainError(f"{name} hold ids in [{low}, {high}], outside the vocabulary "
                              f"[0, {vocab_size}): pass --vocab-size")
+
+
+def model_inputs(batch: dict, device: torch.device, retrieval: bool):
+    """(inputs [b, n], targets [b, n], neighbours [b, n/m, k, 2m] or None) on the device."""
+    tokens = batch["tokens"].to(device, non_blocking=True)
+    neighbours = batch["neighbours"].to(device, non_blocking=True) if retrieval else None
+    return tokens[:, :-1], tokens[:, 1:], neighbours
+
+
+@torch.no_grad()
+def validation_loss(model: Retro, loader: DataLoader, device: torch.device, pad_id: int,
+                    max_batches: int | None) -> float:
+    """Mean next-token loss over the held-out shards (every non-pad target counts once)."""
+    model.eval()
+    total, count = 0.0, 0
+    for i, batch in enumerate(loader):
+        if max_batches is not None and i == max_batches:
+            break
+        inputs, targets, neighbours = model_inputs(batch, device, model.config.uses_retrieval)
+        logits = model(inputs, neighbours)
+        total += F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=pad_id,
+                                 reduction="sum").item()
+        count += int((targets != pad_id).sum())
+    model.train()
+    return total / max(count, 1)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -174,15 +208,20 @@ def train(config: TrainConfig) -> None:
 
     loader = DataLoader(dataset, batch_size=config.batch_size, num_workers=config.num_workers,
                         pin_memory=device.type == "cuda")
+    val_loader = None
+    if config.val_shards:
+        val_set = ShardDataset(config.val_shards, shuffle=False, batch_size=config.batch_size)
+        if (val_set.sequence_tokens, val_set.chunk_tokens, val_set.neighbours) != \
+                (dataset.sequence_tokens, dataset.chunk_tokens, dataset.neighbours):
+            raise TrainError(f"--val-shards {config.val_shards}: shapes differ from the training shards")
+        val_loader = DataLoader(val_set, batch_size=config.batch_size, num_workers=config.num_workers)
     batches = epochs(loader, dataset)
     model.train()
     tokens_since_log, last_log = 0, time.perf_counter()
     while step < config.steps:
         batch = next(batches)
         check_token_range(batch, model_config.vocab_size)
-        tokens = batch["tokens"].to(device, non_blocking=True)
-        inputs, targets = tokens[:, :-1], tokens[:, 1:]                    # [b, n] each
-        neighbours = batch["neighbours"].to(device, non_blocking=True) if model_config.uses_retrieval else None
+        inputs, targets, neighbours = model_inputs(batch, device, model_config.uses_retrieval)
         logits = model(inputs, neighbours)                                 # [b, n, vocab]
         loss = next_token_loss(logits, targets, dataset.pad_id)
         optimizer.zero_grad(set_to_none=True)
@@ -190,7 +229,7 @@ def train(config: TrainConfig) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
         optimizer.step()
         scheduler.step()
-        dataset.advance(len(tokens))
+        dataset.advance(len(inputs))
         step += 1
         tokens_since_log += inputs.numel()
         if step % config.log_every == 0 or step == config.steps:
@@ -198,6 +237,9 @@ def train(config: TrainConfig) -> None:
             log(f"step={step} loss={loss.item():.4f} tok/s={tokens_since_log / (now - last_log):.0f} "
                 f"lr={scheduler.get_last_lr()[0]:.3g}")
             tokens_since_log, last_log = 0, now
+        if val_loader is not None and (step % config.val_every == 0 or step == config.steps):
+            log(f"step={step} val_loss={validation_loss(model, val_loader, device, dataset.pad_id, config.val_batches):.4f}")
+            last_log = time.perf_counter()  # tok/s counts training only
         if config.checkpoint and (step == config.steps or
                                   (config.checkpoint_every and step % config.checkpoint_every == 0)):
             save_checkpoint(config.checkpoint, {
