@@ -113,6 +113,20 @@ def test_worker_count_does_not_change_the_order(shard_dir):
     assert loader_ids(dataset, batch_size=3, num_workers=3) == in_process
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_batched_mode_yields_the_collated_batches(shard_dir, workers):
+    """One batch per block, gathered at once: equal to collating the per-sample stream
+    (batches cross shard boundaries: shards of 7, 5, 9, 6 rows, batches of 4)."""
+    def loader(batched):
+        dataset = ShardDataset(shard_dir, rank=1, world_size=2, seed=6, batch_size=4, batched=batched)
+        return list(DataLoader(dataset, batch_size=None if batched else 4, num_workers=workers))
+
+    batched, collated = loader(True), loader(False)
+    assert len(batched) == len(collated) == 4  # 14 sequences: 4 + 4 + 4 + 2
+    for a, b in zip(batched, collated):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
+
+
 def test_shuffle_is_deterministic_per_epoch_and_differs_between_epochs(shard_dir):
     def order(epoch, seed=0, shuffle=True):
         dataset = ShardDataset(shard_dir, seed=seed, shuffle=shuffle)

@@ -43,6 +43,7 @@ from schemas.manifest import FileEntry, ShardsManifest
 
 MANIFEST_NAME = "manifest.json"
 _TENSOR_COLUMNS = ("tokens", "neighbours", "neighbour_ids", "neighbour_scores")
+_WIDENED = ("seq_id", "tokens", "neighbours")  # int32 in the shard, int64 for torch embeddings
 
 
 class ShardDataError(ValueError):
@@ -141,14 +142,13 @@ def _files_for(source: str):
 
 
 class _OpenShard:
-    """One shard's record batches as numpy views of the mapped file, read one row at a time."""
+    """One shard's record batches as numpy views of the mapped (or fetched) file."""
 
-    def __init__(self, file: pa.NativeFile, reader: pa.ipc.RecordBatchFileReader, row_order: np.ndarray):
+    def __init__(self, file: pa.NativeFile, batches: list[pa.RecordBatch], row_order: np.ndarray):
         self._file = file
         self._batches = []  # per record batch: column name -> numpy [rows, ...] (zero-copy view)
         batch_rows = []
-        for i in range(reader.num_record_batches):
-            batch = reader.get_batch(i)
+        for batch in batches:
             columns = {"seq_id": batch.column("seq_id").to_numpy()}
             columns.update({name: tensor_column_to_numpy(batch.column(name)) for name in _TENSOR_COLUMNS})
             self._batches.append(columns)
@@ -156,27 +156,34 @@ class _OpenShard:
         self._batch_starts = np.concatenate([[0], np.cumsum(batch_rows)])
         self.row_order = row_order
 
-    def sample(self, offset: int) -> dict[str, torch.Tensor]:
-        """The row at `offset` in this epoch's row order, copied out of the mapping.
-
-        Copying the one sample is what makes it safe to unmap the shard later and to hand the
-        tensors to collate / pin_memory (mapped buffers are read-only); tokens and neighbours
-        are widened int32 -> int64 here anyway, which copies.
-        """
-        row = int(self.row_order[offset])
-        b = int(np.searchsorted(self._batch_starts, row, side="right")) - 1
-        columns, i = self._batches[b], row - int(self._batch_starts[b])
-        return {
-            "seq_id": torch.tensor(int(columns["seq_id"][i]), dtype=torch.int64),
-            "tokens": torch.from_numpy(columns["tokens"][i].astype(np.int64)),
-            "neighbours": torch.from_numpy(columns["neighbours"][i].astype(np.int64)),
-            "neighbour_ids": torch.from_numpy(np.array(columns["neighbour_ids"][i])),
-            "neighbour_scores": torch.from_numpy(np.array(columns["neighbour_scores"][i])),
-        }
+    def rows(self, offsets: np.ndarray) -> dict[str, np.ndarray]:
+        """The rows at `offsets` in this epoch's row order, copied out of the mapping (safe to
+        keep after the shard is unmapped, and writable); tokens and neighbours widened to int64
+        as they are copied, row by row, so each byte is touched once."""
+        rows = self.row_order[offsets]
+        which = np.searchsorted(self._batch_starts, rows, side="right") - 1
+        local = rows - self._batch_starts[which]
+        out = {name: np.empty((len(rows), *column.shape[1:]),
+                              np.int64 if name in _WIDENED else column.dtype)
+               for name, column in self._batches[0].items()}
+        for b in np.unique(which).tolist():
+            mine = np.flatnonzero(which == b)
+            for name, column in self._batches[b].items():
+                if column.ndim == 1 or column[0].nbytes < 4096:  # small: one fancy-indexing copy
+                    out[name][mine] = column[local[mine]]
+                else:  # large rows: copy (and widen) each once, no temporary
+                    for i, row in zip(mine.tolist(), local[mine].tolist()):
+                        out[name][i] = column[row]
+        return out
 
     def close(self) -> None:
         self._batches = []  # drop the views before the mapping
         self._file.close()
+
+
+def to_tensors(rows: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    """Gathered rows -> the trainer's tensors, sharing their memory."""
+    return {name: torch.from_numpy(array) for name, array in rows.items()}
 
 
 class ShardDataset(IterableDataset):
@@ -186,10 +193,13 @@ class ShardDataset(IterableDataset):
     batch_size: the DataLoader's batch size (None batching = 1). Workers own blocks of this
     many samples; with num_workers > 1 it must match the DataLoader's for the trainer to see
     the rank stream in order, which exact resume relies on.
+    batched: yield each block as one batch (dicts of [b, ...] tensors, gathered with array
+    indexing: several times faster than per-sample reads and collation); use it with
+    `DataLoader(dataset, batch_size=None)`. Same order, same partition, same state.
     """
 
     def __init__(self, source: str | os.PathLike, *, rank: int = 0, world_size: int = 1,
-                 shuffle: bool = True, seed: int = 0, batch_size: int = 1):
+                 shuffle: bool = True, seed: int = 0, batch_size: int = 1, batched: bool = False):
         super().__init__()
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
@@ -197,7 +207,7 @@ class ShardDataset(IterableDataset):
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
         self.source = os.fspath(source)
         self.rank, self.world_size = rank, world_size
-        self.shuffle, self.seed, self.batch_size = shuffle, seed, batch_size
+        self.shuffle, self.seed, self.batch_size, self.batched = shuffle, seed, batch_size, batched
         self.epoch = 0
         self.position = 0
         self._files = _files_for(self.source)
@@ -256,7 +266,7 @@ class ShardDataset(IterableDataset):
             raise ShardDataError(f"{path}: {size} bytes on disk, the manifest says {entry.bytes}")
         return path
 
-    def _open_checked(self, entry: FileEntry) -> tuple[pa.NativeFile, pa.ipc.RecordBatchFileReader]:
+    def _open_checked(self, entry: FileEntry) -> tuple[pa.NativeFile, list[pa.RecordBatch]]:
         """Open a shard, refusing it unless size, rows, schema version and shapes match the manifest."""
         path = self._check_size(entry)
         file = self._files.open(path)
@@ -275,13 +285,14 @@ class ShardDataset(IterableDataset):
                 raise ShardDataError(
                     f"{path}: columns do not match the manifest's shapes (n={self.sequence_tokens}, "
                     f"m={self.chunk_tokens}, k={self.neighbours}): {reader.schema.remove_metadata()}")
-            rows = sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
+            batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+            rows = sum(batch.num_rows for batch in batches)
             if rows != entry.rows:
                 raise ShardDataError(f"{path}: {rows} rows in the file, the manifest says {entry.rows}")
         except BaseException:
             file.close()
             raise
-        return file, reader
+        return file, batches
 
     # -- order --------------------------------------------------------------------------
 
@@ -309,11 +320,11 @@ class ShardDataset(IterableDataset):
         start, stop = self._rank_range()
         return stop - start
 
-    def _worker_positions(self, worker: int, num_workers: int):
-        """Rank-stream positions this worker yields, ascending: its blocks from `position` on."""
+    def _worker_blocks(self, worker: int, num_workers: int):
+        """[start, stop) rank-stream positions of this worker's blocks, ascending, from `position` on."""
         length, block = len(self), self.batch_size
         for start in range(self.position + worker * block, length, num_workers * block):
-            yield from range(start, min(start + block, length))
+            yield start, min(start + block, length)
 
     def __iter__(self):
         info = get_worker_info()
@@ -322,18 +333,30 @@ class ShardDataset(IterableDataset):
         rank_start, rank_stop = self._rank_range()
         slot, shard = -1, None
         try:
-            for position in self._worker_positions(worker, num_workers):
-                index = rank_start + position  # in the epoch's global order
-                if shard is None or index >= shard_starts[slot + 1]:
-                    if shard is not None:
-                        shard.close()  # one shard mapped at a time
-                    slot = int(np.searchsorted(shard_starts, index, side="right")) - 1
-                    shard_index = int(shard_order[slot])
-                    file, reader = self._open_checked(self.manifest.shards[shard_index])
-                    shard = _OpenShard(file, reader, self._row_order(shard_index))
-                    if slot + 1 < len(shard_order) and shard_starts[slot + 1] < rank_stop:
-                        self._files.prefetch(self._path(self.manifest.shards[int(shard_order[slot + 1])].path))
-                yield shard.sample(index - int(shard_starts[slot]))
+            for start, stop in self._worker_blocks(worker, num_workers):
+                pieces = []  # (rows of one shard) making up this block
+                index, stop = rank_start + start, rank_start + stop  # in the epoch's global order
+                while index < stop:
+                    if shard is None or index >= shard_starts[slot + 1]:
+                        if shard is not None:
+                            shard.close()  # one shard mapped at a time
+                        slot = int(np.searchsorted(shard_starts, index, side="right")) - 1
+                        shard_index = int(shard_order[slot])
+                        file, batches = self._open_checked(self.manifest.shards[shard_index])
+                        shard = _OpenShard(file, batches, self._row_order(shard_index))
+                        if slot + 1 < len(shard_order) and shard_starts[slot + 1] < rank_stop:
+                            self._files.prefetch(self._path(self.manifest.shards[int(shard_order[slot + 1])].path))
+                    end = min(stop, int(shard_starts[slot + 1]))
+                    pieces.append(shard.rows(np.arange(index, end) - int(shard_starts[slot])))
+                    index = end
+                rows = pieces[0] if len(pieces) == 1 else \
+                    {name: np.concatenate([p[name] for p in pieces]) for name in pieces[0]}
+                tensors = to_tensors(rows)
+                if self.batched:
+                    yield tensors
+                else:
+                    for i in range(len(tensors["seq_id"])):
+                        yield {name: tensor[i] for name, tensor in tensors.items()}
         finally:
             if shard is not None:
                 shard.close()

@@ -171,7 +171,8 @@ def log(line: str) -> None:
 def train(config: TrainConfig) -> None:
     device = resolve_device(config.device)
     torch.manual_seed(config.seed)
-    dataset = ShardDataset(config.shards, shuffle=True, seed=config.seed, batch_size=config.batch_size)
+    dataset = ShardDataset(config.shards, shuffle=True, seed=config.seed, batch_size=config.batch_size,
+                           batched=True)
     if len(dataset) == 0:
         raise TrainError(f"{config.shards}: no sequences")
     if config.resume and not os.path.isfile(config.resume):
@@ -206,15 +207,15 @@ def train(config: TrainConfig) -> None:
         f"n={dataset.sequence_tokens} m={dataset.chunk_tokens} k={dataset.neighbours}, "
         f"{len(dataset)} sequences per epoch, starting at step {step}")
 
-    loader = DataLoader(dataset, batch_size=config.batch_size, num_workers=config.num_workers,
+    loader = DataLoader(dataset, batch_size=None, num_workers=config.num_workers,  # batched by the dataset
                         pin_memory=device.type == "cuda")
     val_loader = None
     if config.val_shards:
-        val_set = ShardDataset(config.val_shards, shuffle=False, batch_size=config.batch_size)
+        val_set = ShardDataset(config.val_shards, shuffle=False, batch_size=config.batch_size, batched=True)
         if (val_set.sequence_tokens, val_set.chunk_tokens, val_set.neighbours) != \
                 (dataset.sequence_tokens, dataset.chunk_tokens, dataset.neighbours):
             raise TrainError(f"--val-shards {config.val_shards}: shapes differ from the training shards")
-        val_loader = DataLoader(val_set, batch_size=config.batch_size, num_workers=config.num_workers)
+        val_loader = DataLoader(val_set, batch_size=None, num_workers=config.num_workers)
     batches = epochs(loader, dataset)
     model.train()
     tokens_since_log, last_log = 0, time.perf_counter()
