@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 QUICKSTART := examples/quickstart.yaml
 
-.PHONY: install quickstart test benchmark clean
+.PHONY: install quickstart test benchmark experiment clean
 
 install: $(STAMP)
 
@@ -28,6 +28,9 @@ test: install
 
 benchmark: install
 	$(BIN)/python benchmarks/embed_vs_encoder.py
+
+experiment: install
+	$(BIN)/python examples/retrieval_experiment.py --steps 400 --out out/experiment
 
 clean:
 	rm -rf out .pytest_cache

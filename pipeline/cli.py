@@ -5,6 +5,7 @@ stderr and a non-zero exit; `--debug` shows the traceback.
 """
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import time
@@ -54,16 +55,29 @@ def _summary(counters: dict[str, int], title: str) -> None:
         click.echo(f"  {name:<{width}}  {value:,}", err=True)
 
 
+DRY_RUN = click.option("--dry-run", is_flag=True,
+                       help="Build the pipeline graph and print the options and stages (JSON); "
+                            "read no input, write nothing, submit nothing.")
+
+
+def _print_plan(plan: dict) -> None:
+    click.echo(json.dumps(plan, indent=2, sort_keys=True, default=str))
+
+
 @cli.command("build-index", **BEAM_ARGS)
 @click.option("--config", "config_path", required=True, help="Pipeline config (YAML).")
 @click.argument("beam_args", nargs=-1, type=click.UNPROCESSED)
 @click.option("--force", is_flag=True, help="Rebuild chunks and embeddings even when they match.")
-def build_index_cmd(config_path, beam_args, force):
+@DRY_RUN
+def build_index_cmd(config_path, beam_args, force, dry_run):
     """Stages 1-3: chunk, embed and index the retrieval corpus -> <output>/index/."""
     from pipeline.stages import build_index
 
-    manifest = build_index(_config(config_path), list(beam_args), force=force)
-    _summary(manifest.counters, "build-index counters")
+    result = build_index(_config(config_path), list(beam_args), force=force, dry_run=dry_run)
+    if dry_run:
+        _print_plan({"build-index": result})
+    else:
+        _summary(result.counters, "build-index counters")
 
 
 @cli.command("index", **BEAM_ARGS)
@@ -96,22 +110,33 @@ def index_cmd(embeddings, output, index_type, memory_budget, target_recall, npro
 @cli.command("build-shards", **BEAM_ARGS)
 @click.option("--config", "config_path", required=True, help="Pipeline config (YAML).")
 @click.argument("beam_args", nargs=-1, type=click.UNPROCESSED)
-def build_shards_cmd(config_path, beam_args):
+@DRY_RUN
+def build_shards_cmd(config_path, beam_args, dry_run):
     """Stages 4-5: retrieve neighbours for the training corpus -> <output>/shards/."""
     from pipeline.stages import build_shards
 
-    manifest = build_shards(_config(config_path), list(beam_args))
-    _summary(manifest.counters, "build-shards counters")
+    result = build_shards(_config(config_path), list(beam_args), dry_run=dry_run)
+    if dry_run:
+        _print_plan({"build-shards": result})
+    else:
+        _summary(result.counters, "build-shards counters")
 
 
 @cli.command("run", **BEAM_ARGS)
 @click.option("--config", "config_path", required=True, help="Pipeline config (YAML).")
 @click.option("--force", is_flag=True, help="Rebuild stages even when their manifest matches.")
 @click.argument("beam_args", nargs=-1, type=click.UNPROCESSED)
-def run_cmd(config_path, force, beam_args):
+@DRY_RUN
+def run_cmd(config_path, force, beam_args, dry_run):
     """Both stages; a stage whose committed manifest matches the config is skipped."""
     from pipeline.run import run_all
+    from pipeline.stages import build_index, build_shards
 
+    if dry_run:
+        cfg, args = _config(config_path), list(beam_args)
+        _print_plan({"build-index": build_index(cfg, args, dry_run=True),
+                     "build-shards": build_shards(cfg, args, dry_run=True)})
+        return
     start = time.monotonic()
     report = run_all(_config(config_path), list(beam_args), force=force)
     for stage, (status, counters) in report.items():

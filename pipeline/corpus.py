@@ -208,10 +208,11 @@ def _keep_first(keyed) -> Iterator[Record]:
 class ReadCorpus(beam.PTransform):
     """Files matched by a CorpusConfig -> (documents, rejected); doc ids are unique."""
 
-    def __init__(self, cfg: CorpusConfig):
+    def __init__(self, cfg: CorpusConfig, match: bool = True):
         super().__init__()
         self.cfg = cfg
-        self.files = match_corpus(cfg)  # at construction: a glob that matches nothing fails early
+        # at construction: a glob that matches nothing fails early (a dry run lists no files)
+        self.files = match_corpus(cfg) if match else [(p, glob_base(p)) for p in cfg.paths]
 
     def expand(self, pbegin):
         parsed = (pbegin

