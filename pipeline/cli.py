@@ -34,9 +34,16 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def _config(path: str):
-    from schemas.config import load_config
+    """A local config file, or one on gs:// (a flex template's parameter)."""
+    from schemas.config import ConfigError, config_from_yaml, load_config
 
-    return load_config(path)
+    if "://" not in path:
+        return load_config(path)
+    from pipeline import fileio
+
+    if not fileio.exists(path):
+        raise ConfigError(f"config file not found: {path}")
+    return config_from_yaml(fileio.read_bytes(path).decode("utf-8"), path)
 
 
 @click.group()

@@ -196,13 +196,17 @@ def config_from_dict(data: dict, source: str = "config") -> PipelineConfig:
         raise ConfigError(format_validation_error(err, source)) from None
 
 
+def config_from_yaml(text: str, source: str) -> PipelineConfig:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{source}: not valid YAML ({str(err).splitlines()[0]})") from None
+    return config_from_dict(data, source)
+
+
 def load_config(path: str | Path) -> PipelineConfig:
-    """Read and validate a YAML config; relative corpus paths resolve against the cwd."""
+    """Read and validate a local YAML config; relative corpus paths resolve against the cwd."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
-    return config_from_dict(data, str(path))
+    return config_from_yaml(path.read_text(), str(path))

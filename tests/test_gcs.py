@@ -3,6 +3,8 @@ commits its outputs to a bucket through Beam's FileSystems, `validate` checks th
 trainer streams the shards from there."""
 import json
 
+import pytest
+
 from pipeline.run import run_all
 from pipeline.validate import validate_path
 from schemas.config import config_from_dict
@@ -44,3 +46,19 @@ def test_run_on_gcs_gives_the_local_bytes_and_streams_to_the_trainer(gcs, built_
     assert sorted(int(s["seq_id"]) for s in dataset) == list(range(manifest["num_sequences"]))
     assert [status for status, _ in run_all(config_from_dict(config), []).values()] == ["skipped", "skipped"]
     assert _blobs(gcs, "ratrain-e2e", "out") == remote  # the re-run changed nothing
+
+
+def test_a_config_on_gcs_is_read_from_there(gcs, tmp_path, capsys):
+    from pipeline.cli import main
+    from tests.conftest import write_config
+
+    bucket = gcs.bucket("ratrain-config")
+    (tmp_path / "conf").mkdir()
+    write_config(tmp_path / "conf" / "c.yaml", small_config(f"{bucket}/out", f"{bucket}/corpus/*.jsonl",
+                                                             neighbours=3))
+    gcs.upload(tmp_path / "conf", f"{bucket}/conf")
+    main(["build-shards", "--config", f"{bucket}/conf/c.yaml", "--dry-run"])
+    assert json.loads(capsys.readouterr().out)["build-shards"]["stages"]
+    with pytest.raises(SystemExit):
+        main(["build-shards", "--config", f"{bucket}/conf/missing.yaml", "--dry-run"])
+    assert "config file not found: gs://ratrain-config/conf/missing.yaml" in capsys.readouterr().err

@@ -317,7 +317,6 @@ class Converter:
 
     def explicit(self, lines: list[str], i: int, out: list[tuple]) -> int:
         s = lines[i].rstrip()
-        n = len(lines)
         end = take_indented(lines, i + 1, 1)
         m = RE_FOOTNOTE.match(s)
         if m:
