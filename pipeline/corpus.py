@@ -174,6 +174,16 @@ def match_corpus(cfg: CorpusConfig) -> list[tuple[str, str]]:
     return sorted(files.items())
 
 
+AFTER_PARSING = ("rejected_duplicate_id", "rejected_no_tokens")  # of documents already read
+
+
+def rejected_share(counters: dict[str, int]) -> tuple[int, int]:
+    """(records rejected, input records) of a job, from its counters."""
+    rejected = sum(v for k, v in counters.items() if k.startswith("rejected_"))
+    refused_unread = rejected - sum(counters.get(k, 0) for k in AFTER_PARSING)
+    return rejected, counters.get("documents_read", 0) + refused_unread
+
+
 class _ParseFile(beam.DoFn):
     REJECTED = "rejected"
 

@@ -131,8 +131,13 @@ def commit_directory(staging: str, final: str, manifest: dict,
         ensure_parent(target)
     if sources:
         FileSystems.rename(sources, targets)
+    discard_staging(staging)
+    write_json_atomic(join(final, MANIFEST), manifest)
+
+
+def discard_staging(staging: str) -> None:
+    """Delete a staging directory; the last stage out removes `.staging/` too."""
     delete_tree(staging)
     parent = posixpath.dirname(staging.rstrip("/"))
     if "://" not in parent and exists(parent) and not list_files(parent):
-        FileSystems.delete([parent])  # the last stage out removes `.staging/`
-    write_json_atomic(join(final, MANIFEST), manifest)
+        FileSystems.delete([parent])

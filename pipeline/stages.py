@@ -19,7 +19,7 @@ from apache_beam.metrics.metric import MetricsFilter
 
 from pipeline import __version__, fileio
 from pipeline.chunking import Chunk, ChunkDocuments, load_tokenizer, pad_id_of
-from pipeline.corpus import METRICS_NAMESPACE, ReadCorpus
+from pipeline.corpus import METRICS_NAMESPACE, ReadCorpus, rejected_share
 from pipeline.index import BUILD_INFO_FILE, INDEX_FILE, BuildIndex
 from pipeline.models import DEFAULT_MODEL_NAMES, fingerprint_path, resolve_model, resolve_tokenizer
 from pipeline.options import pipeline_options
@@ -84,6 +84,20 @@ def _collect_entries(pipeline_label: str, entry_lists, staging: str):
             | f"{pipeline_label}Write" >> beam.Map(
                 lambda entries: fileio.write_json_atomic(
                     fileio.join(staging, FILES_LIST), sorted(entries, key=lambda e: e["path"]))))
+
+
+def _check_rejected(counters: dict[str, int], cfg: PipelineConfig, stage: str, staging: str) -> None:
+    """Too many rejected records: publish them (the user needs to see why) and fail the stage
+    before it commits."""
+    rejected, records = rejected_share(counters)
+    if records and rejected / records > cfg.max_rejected_fraction:
+        _publish_rejected(staging, cfg.output)
+        fileio.discard_staging(staging)
+        reasons = ", ".join(f"{k[len('rejected_'):]} {v:,}" for k, v in counters.items()
+                            if k.startswith("rejected_") and v)
+        raise StageError(f"{stage}: {rejected:,} of {records:,} input records rejected "
+                         f"({rejected / records:.0%}: {reasons}), more than max_rejected_fraction "
+                         f"{cfg.max_rejected_fraction:.0%}; see {fileio.join(cfg.output, 'rejected')}")
 
 
 def _publish_rejected(staging: str, output: str) -> list[dict]:
@@ -189,6 +203,7 @@ def build_index(cfg: PipelineConfig, beam_args: list[str], force: bool = False,
             return describe(pipeline)
         counters = run_and_count(pipeline)
         timer.done(counters, "chunks")
+    _check_rejected(counters, cfg, "build-index", staging)
 
     info, index_entry = _index_files(staging)
     files = fileio.read_json(fileio.join(staging, FILES_LIST)) + [index_entry]
@@ -352,6 +367,7 @@ def build_shards(cfg: PipelineConfig, beam_args: list[str], dry_run: bool = Fals
             return describe(pipeline)
         counters = run_and_count(pipeline)
         timer.done(counters, "sequences")
+    _check_rejected(counters, cfg, "build-shards", staging)
 
     shards = fileio.read_json(fileio.join(staging, FILES_LIST))
     beam.io.filesystems.FileSystems.delete([fileio.join(staging, FILES_LIST)])

@@ -115,6 +115,9 @@ class PipelineConfig(_Strict):
     dedupe_neighbours: bool = Field(False, description="Drop a candidate whose m tokens equal "
                                     "those of a neighbour already kept for the same chunk "
                                     "(boilerplate repeated across documents).")
+    max_rejected_fraction: float = Field(0.5, ge=0, le=1, description="Fail a stage (and commit "
+                                         "nothing) when more than this share of its input records "
+                                         "is rejected: most often a wrong text_field or format.")
     shard_rows: int = Field(1024, ge=1, description="Training sequences per Arrow shard.")
     shard_bytes: int | None = Field(None, gt=0, description="Target bytes per Arrow shard "
                                        "(e.g. '256MB'); when set it decides the rows per shard "

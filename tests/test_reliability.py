@@ -1,0 +1,58 @@
+"""Hostile input: every kind of bad record or file ends in rejected/ with its reason, the good
+ones are all indexed, and too many rejections fail the stage before anything is committed."""
+import gzip
+import json
+
+import pytest
+
+from pipeline.stages import StageError, build_index
+from schemas.config import config_from_dict
+from tests.conftest import sample_documents, small_config
+
+GOOD = sample_documents(3)
+SHORT = {"id": "short", "text": "Too short for one chunk."}        # kept: one padded chunk
+LARGE = {"id": "large", "text": " ".join(d["text"] for d in sample_documents(12, start=20))}  # kept
+BAD_LINES = [  # (line bytes, reason)
+    (b'{"id": "broken", "text": "no closing brace"', "malformed_json"),
+    (b'["not", "an", "object"]', "not_an_object"),
+    (b'{"id": "no-text"}', "missing_text"),
+    (b'{"id": "numeric", "text": 12}', "text_not_a_string"),
+    (b'{"id": "blank", "text": "  \\n\\t "}', "empty_text"),
+    (b'{"id": "latin1", "text": "caf\xe9"}', "invalid_utf8"),
+    (json.dumps({"id": GOOD[0]["id"], "text": "a second document with a taken id"}).encode(), "duplicate_id"),
+]
+BAD_FILES = {"garbage.jsonl.gz": b"this is not gzip at all" * 10,                      # unreadable_file
+             "truncated.jsonl.gz": gzip.compress(b'{"id": "t", "text": "cut short"}\n' * 200)[:60]}
+
+
+def hostile_corpus(directory):
+    directory.mkdir()
+    lines = [json.dumps(d).encode() for d in GOOD + [SHORT, LARGE]]
+    lines[1:1] = [line for line, _ in BAD_LINES]  # bad records between good ones
+    (directory / "mixed.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    for name, data in BAD_FILES.items():
+        (directory / name).write_bytes(data)
+    return str(directory / "*")
+
+
+def test_every_bad_kind_is_rejected_with_its_reason_and_every_good_record_indexed(tmp_path):
+    corpus = hostile_corpus(tmp_path / "corpus")
+    cfg = config_from_dict(small_config(tmp_path / "out", corpus, max_rejected_fraction=1.0))
+    manifest = build_index(cfg, [])
+    assert manifest.num_documents == len(GOOD) + 2  # the short and the large one too
+    assert manifest.num_chunks > 40                  # the large document is chunked whole
+    rejected = [json.loads(line) for line in (tmp_path / "out" / "rejected" / "build-index.jsonl").read_text().splitlines()]
+    by_reason = sorted(r["reason"] for r in rejected)
+    assert by_reason == sorted([reason for _, reason in BAD_LINES] + ["unreadable_file"] * len(BAD_FILES))
+    assert all(r["source"] and "position" in r and len(r.get("excerpt", "")) <= 240 for r in rejected)
+    assert sum(v for k, v in manifest.counters.items() if k.startswith("rejected_")) == len(rejected)
+
+
+def test_too_many_rejections_fail_the_stage_before_it_commits(tmp_path):
+    corpus = hostile_corpus(tmp_path / "corpus")
+    cfg = config_from_dict(small_config(tmp_path / "out", corpus, max_rejected_fraction=0.25))
+    with pytest.raises(StageError, match=r"build-index: 9 of 14 input records rejected .*max_rejected_fraction 25%"):
+        build_index(cfg, [])
+    assert not (tmp_path / "out" / "index" / "manifest.json").exists()
+    assert not (tmp_path / "out" / ".staging").exists()
+    assert len((tmp_path / "out" / "rejected" / "build-index.jsonl").read_text().splitlines()) == 9
