@@ -111,6 +111,16 @@ def new_staging_dir(output: str, stage: str) -> str:
     return join(output, ".staging", f"{stage}-{uuid.uuid4().hex[:12]}")
 
 
+def clear_stale_staging(output: str, stage: str) -> None:
+    """Delete what a killed run of `stage` left in `<output>/.staging/` (one run per output
+    directory at a time)."""
+    root = join(output, ".staging")
+    stale = {posixpath.relpath(path.replace("\\", "/"), root.rstrip("/")).split("/")[0]
+             for path in list_files(root)}
+    for name in sorted(n for n in stale if n.startswith(f"{stage}-")):
+        delete_tree(join(root, name))
+
+
 def commit_directory(staging: str, final: str, manifest: dict,
                      replace: tuple[str, ...] | None = None) -> None:
     """Move the files of `staging` into `final`, then write its manifest last.
