@@ -223,6 +223,17 @@ def test_refuses_a_size_mismatch_naming_the_file(tmp_path):
         ShardDataset(tmp_path)
 
 
+def test_verify_refuses_a_shard_whose_bytes_changed_naming_it(tmp_path):
+    write_shard_dir(tmp_path, shard_rows=[4, 4])
+    path = tmp_path / "shard-00001.arrow"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, same structure, different bytes
+    path.write_bytes(bytes(data))
+    assert len(list(ShardDataset(tmp_path, shuffle=False))) == 8  # unverified: read as it is
+    with pytest.raises(ShardDataError, match=r"shard-00001\.arrow: sha256 \w+ differs"):
+        list(ShardDataset(tmp_path, shuffle=False, verify=True))
+
+
 def test_refuses_a_missing_shard(tmp_path):
     write_shard_dir(tmp_path, shard_rows=[4, 5])
     (tmp_path / "shard-00001.arrow").unlink()

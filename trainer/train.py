@@ -58,6 +58,7 @@ class TrainConfig:
     val_shards: str | None = None        # held-out shard directory, scored every val_every steps
     val_every: int = 50                  # and at the last step
     val_batches: int | None = None       # score only this many batches of it; None: all
+    verify_shards: bool = False          # check each shard's sha256 against the manifest when opened
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
@@ -89,6 +90,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     parser.add_argument("--val-every", type=int, default=TrainConfig.val_every,
                         help="score --val-shards every K steps and at the end")
     parser.add_argument("--val-batches", type=int, default=None, help="score only this many batches")
+    parser.add_argument("--verify-shards", action="store_true",
+                        help="check each shard's sha256 against the manifest whenever it is opened")
     args = parser.parse_args(argv)
     if min(args.steps, args.batch_size, args.log_every, args.decay_steps or 1, args.checkpoint_every or 1,
            args.val_every, args.val_batches or 1) < 1:
@@ -172,7 +175,7 @@ def train(config: TrainConfig) -> None:
     device = resolve_device(config.device)
     torch.manual_seed(config.seed)
     dataset = ShardDataset(config.shards, shuffle=True, seed=config.seed, batch_size=config.batch_size,
-                           batched=True)
+                           batched=True, verify=config.verify_shards)
     if len(dataset) == 0:
         raise TrainError(f"{config.shards}: no sequences")
     if config.resume and not os.path.isfile(config.resume):
@@ -211,7 +214,8 @@ def train(config: TrainConfig) -> None:
                         pin_memory=device.type == "cuda")
     val_loader = None
     if config.val_shards:
-        val_set = ShardDataset(config.val_shards, shuffle=False, batch_size=config.batch_size, batched=True)
+        val_set = ShardDataset(config.val_shards, shuffle=False, batch_size=config.batch_size, batched=True,
+                               verify=config.verify_shards)
         if (val_set.sequence_tokens, val_set.chunk_tokens, val_set.neighbours) != \
                 (dataset.sequence_tokens, dataset.chunk_tokens, dataset.neighbours):
             raise TrainError(f"--val-shards {config.val_shards}: shapes differ from the training shards")
