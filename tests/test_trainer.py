@@ -234,6 +234,19 @@ def test_verify_refuses_a_shard_whose_bytes_changed_naming_it(tmp_path):
         list(ShardDataset(tmp_path, shuffle=False, verify=True))
 
 
+def test_skip_bad_shards_leaves_out_a_truncated_one_with_a_warning(tmp_path):
+    write_shard_dir(tmp_path, shard_rows=[4, 5, 6])
+    path = tmp_path / "shard-00001.arrow"
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(ShardDataError, match="shard-00001.arrow"):
+        ShardDataset(tmp_path)
+    with pytest.warns(UserWarning, match="skipping a bad shard: .*shard-00001.arrow"):
+        dataset = ShardDataset(tmp_path, skip_bad_shards=True, seed=3)
+    assert len(dataset) == 10 and len(dataset.skipped) == 1
+    ids = [int(s["seq_id"]) for s in dataset]
+    assert sorted(ids) == list(range(1000, 1004)) + list(range(1009, 1015))  # shards 0 and 2, once each
+
+
 def test_refuses_a_missing_shard(tmp_path):
     write_shard_dir(tmp_path, shard_rows=[4, 5])
     (tmp_path / "shard-00001.arrow").unlink()

@@ -30,6 +30,7 @@ import hashlib
 import json
 import os
 import posixpath
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -197,6 +198,9 @@ class ShardDataset(IterableDataset):
     verify: check each shard's sha256 against the manifest whenever it is opened (reads the
     whole shard once more; off by default, since sizes, row counts and schemas are always
     checked).
+    skip_bad_shards: leave out, with a warning, a shard that fails those checks when the
+    dataset is built, instead of refusing the directory (`skipped` lists why). Every rank sees
+    the same files, so the partition stays consistent; a resumed run must skip the same ones.
     batched: yield each block as one batch (dicts of [b, ...] tensors, gathered with array
     indexing: several times faster than per-sample reads and collation); use it with
     `DataLoader(dataset, batch_size=None)`. Same order, same partition, same state.
@@ -204,7 +208,7 @@ class ShardDataset(IterableDataset):
 
     def __init__(self, source: str | os.PathLike, *, rank: int = 0, world_size: int = 1,
                  shuffle: bool = True, seed: int = 0, batch_size: int = 1, batched: bool = False,
-                 verify: bool = False):
+                 verify: bool = False, skip_bad_shards: bool = False):
         super().__init__()
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
@@ -225,13 +229,29 @@ class ShardDataset(IterableDataset):
         self._expected_schema = shard_schema(self.sequence_tokens, self.chunk_tokens,
                                              self.neighbours, self.pad_id)
         self._expected_metadata = {k.decode(): v.decode() for k, v in self._expected_schema.metadata.items()}
+        self.skipped: list[str] = []  # the errors of shards left out (skip_bad_shards)
+        good = [entry for entry in self.manifest.shards if self._usable(entry, skip_bad_shards)]
+        if len(good) < len(self.manifest.shards):  # the stream is the good shards' sequences
+            self.manifest = self.manifest.model_copy(update={
+                "shards": good, "num_sequences": sum(entry.rows for entry in good)})
         self._shard_rows = np.array([entry.rows for entry in self.manifest.shards], dtype=np.int64)
-        for entry in self.manifest.shards:  # fail now, not hours into an epoch
-            if isinstance(self._files, _LocalFiles):
+
+    def _usable(self, entry: FileEntry, skip: bool) -> bool:
+        """Check a shard now, not hours into an epoch: locally in full; remotely its size (one
+        listing call), or in full when bad shards are to be skipped (which reads each once)."""
+        try:
+            if isinstance(self._files, _LocalFiles) or skip:
                 file, _ = self._open_checked(entry)
                 file.close()
-            else:  # remote: sizes now (one listing call each), the rest when a shard is read
+            else:
                 self._check_size(entry)
+            return True
+        except ShardDataError as err:
+            if not skip:
+                raise
+            warnings.warn(f"skipping a bad shard: {err}", stacklevel=3)
+            self.skipped.append(str(err))
+            return False
 
     # -- manifest and shard checks ------------------------------------------------------
 

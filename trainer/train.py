@@ -59,6 +59,7 @@ class TrainConfig:
     val_every: int = 50                  # and at the last step
     val_batches: int | None = None       # score only this many batches of it; None: all
     verify_shards: bool = False          # check each shard's sha256 against the manifest when opened
+    skip_bad_shards: bool = False        # leave out (with a warning) shards that fail their checks
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
@@ -92,6 +93,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     parser.add_argument("--val-batches", type=int, default=None, help="score only this many batches")
     parser.add_argument("--verify-shards", action="store_true",
                         help="check each shard's sha256 against the manifest whenever it is opened")
+    parser.add_argument("--skip-bad-shards", action="store_true",
+                        help="leave out, with a warning, shards that fail their checks (default: refuse)")
     args = parser.parse_args(argv)
     if min(args.steps, args.batch_size, args.log_every, args.decay_steps or 1, args.checkpoint_every or 1,
            args.val_every, args.val_batches or 1) < 1:
@@ -175,7 +178,7 @@ def train(config: TrainConfig) -> None:
     device = resolve_device(config.device)
     torch.manual_seed(config.seed)
     dataset = ShardDataset(config.shards, shuffle=True, seed=config.seed, batch_size=config.batch_size,
-                           batched=True, verify=config.verify_shards)
+                           batched=True, verify=config.verify_shards, skip_bad_shards=config.skip_bad_shards)
     if len(dataset) == 0:
         raise TrainError(f"{config.shards}: no sequences")
     if config.resume and not os.path.isfile(config.resume):
