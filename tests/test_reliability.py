@@ -56,3 +56,19 @@ def test_too_many_rejections_fail_the_stage_before_it_commits(tmp_path):
     assert not (tmp_path / "out" / "index" / "manifest.json").exists()
     assert not (tmp_path / "out" / ".staging").exists()
     assert len((tmp_path / "out" / "rejected" / "build-index.jsonl").read_text().splitlines()) == 9
+
+
+def test_credentials_never_reach_logs_manifests_or_rejected_records(tmp_path, capfd, monkeypatch):
+    secret = "s3cr3t-token-7f9a"
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", f"/nonexistent/{secret}.json")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.jsonl").write_text("".join(json.dumps(d) + "\n" for d in GOOD) + '{"id": "x", "text": 1}\n')
+    from pipeline.cli import main
+    from tests.conftest import write_config
+
+    config = write_config(tmp_path / "c.yaml", small_config(tmp_path / "out", str(corpus / "*.jsonl")))
+    main(["run", "--config", str(config), "--", f"--api_token={secret}", f"--service_account_email={secret}@x"])
+    captured = capfd.readouterr()
+    written = [p.read_text(errors="replace") for p in (tmp_path / "out").rglob("*") if p.suffix in (".json", ".jsonl")]
+    assert written and all(secret not in text for text in written + [captured.out, captured.err])
