@@ -12,7 +12,6 @@ Prints the times and the ratios; writes them as JSON to benchmarks/results/.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -22,6 +21,8 @@ from pathlib import Path
 import apache_beam as beam
 import pyarrow.parquet as pq
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+from benchmarks.report import write_results  # noqa: E402
 from pipeline.chunking import load_tokenizer
 from pipeline.embed import EmbedChunks, chunk_texts, encode_texts, load_encoder
 from pipeline.models import resolve_tokenizer
@@ -68,8 +69,7 @@ def main() -> None:
         "run_vs_raw": round((t_index + t_shards) / t_raw, 3),
         "cpu_count": os.cpu_count(), "python": sys.version.split()[0],
     }
-    Path("benchmarks/results").mkdir(parents=True, exist_ok=True)
-    Path("benchmarks/results/embed_vs_encoder.json").write_text(json.dumps(result, indent=2))
+    write_results(result, "benchmarks/results/embed_vs_encoder.json")
     width = max(map(len, result))
     for key, value in result.items():
         print(f"{key:<{width}}  {value}")

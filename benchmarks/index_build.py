@@ -100,6 +100,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+from benchmarks.report import write_results  # noqa: E402
 from benchmarks.synthetic import LowRankClusters  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -531,10 +532,7 @@ def main() -> None:
     finally:
         if temp is not None:
             temp.cleanup()
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2, default=float))
-    print(f"\nwrote {out}")
+    write_results(results, args.output)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+from benchmarks.report import peak_rss_kb, write_results  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "loader.json"
@@ -51,11 +52,6 @@ def make_shards(directory: Path, rows_per_shard: int, shards: int) -> None:
 
     write_shard_dir(directory, shard_rows=[rows_per_shard] * shards, sequence_tokens=N, chunk_tokens=M, neighbours=K,
                     vocab_size=VOCAB, batch_rows=256)
-
-
-def peak_rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
 
 
 def read_raw(directory: str, batch_size: int) -> int:
@@ -103,7 +99,7 @@ def reader_main(kind: str, directory: str, batch_size: int, workers: int) -> Non
         start = time.perf_counter()
         seen = read()
         times.append(time.perf_counter() - start)
-    print(json.dumps({"sequences": seen, "seconds": float(np.median(times)), "peak_rss_mb": peak_rss_mb()}))
+    print(json.dumps({"sequences": seen, "seconds": float(np.median(times)), "peak_rss_mb": peak_rss_kb() / 1024}))
 
 
 def run_reader(kind: str, directory: Path, batch_size: int, workers: int) -> dict:
@@ -142,10 +138,7 @@ def main() -> None:
             print(f"{shards:>3} shards, {shards * args.rows_per_shard:,} sequences, {size:,.0f} MB: raw {raw['sequences_per_s']:,.0f} "
                   f"seq/s ({raw['peak_rss_mb']:.0f} MB), ours {ours['sequences_per_s']:,.0f} seq/s "
                   f"({ours['peak_rss_mb']:.0f} MB): ours/raw = {entry['ratio']:.2f}", flush=True)
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {out}")
+    write_results(results, args.output)
 
 
 if __name__ == "__main__":

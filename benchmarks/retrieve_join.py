@@ -49,6 +49,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+from benchmarks.report import peak_rss_kb, write_results  # noqa: E402
 from benchmarks.synthetic import LowRankClusters  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -180,16 +181,6 @@ def floor_main(root: str, out: str, query_chunks: int) -> None:
 
 # --- measuring -----------------------------------------------------------------------------------
 
-def peak_rss_kb(pid="self") -> int:
-    """VmHWM: the peak resident set of one process since it exec'd (ru_maxrss would carry the
-    parent's peak over a fork + exec)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
-    except (OSError, StopIteration):
-        return 0
-
-
 def descendants(pid: str) -> list[str]:
     found = []
     for children in Path(f"/proc/{pid}/task").glob("*/children"):
@@ -307,10 +298,7 @@ def main() -> None:
     results["rss_growth"] = {"chunks": last["chunks"] / first["chunks"], **growth}
     print(f"\nchunk database x{last['chunks'] / first['chunks']:.0f}: peak RSS x" +
           ", x".join(f"{v:.2f} ({k}{' worker' if '2 workers' in k else ''})" for k, v in growth.items()))
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {out}")
+    write_results(results, args.output)
 
 
 if __name__ == "__main__":

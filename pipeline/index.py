@@ -401,44 +401,50 @@ def _file_stem(path: str) -> str:
     return posixpath.basename(path).rsplit(".", 1)[0]
 
 
-def _write_sample(path: str, plan: dict, out_dir: str):
-    """One embeddings file's share of the training sample, written as sample/<file>.npz: the
-    sample travels as files, not as Beam rows, so it is held once, by the trainer."""
-    ids, vectors = [], []
+def _npy_bytes(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return buffer.getvalue()
+
+
+def _read_npy(path: str) -> np.ndarray:
+    return np.load(io.BytesIO(fileio.read_bytes(path)))
+
+
+def _write_sample(path: str, plan: dict, out_dir: str) -> str:
+    """One embeddings file's share of the training sample, written as sample/<file>.ids.npy and
+    .vectors.npy: the sample travels as files, not as Beam rows, so it is held once, by the
+    trainer. Yields the path prefix."""
+    ids, vectors = [np.zeros(0, np.int64)], [np.zeros((0, plan["dim"]), np.float32)]
     for batch_ids, batch_vectors in read_embeddings(path):
         keep = in_sample(batch_ids, plan["train_size"], plan["count"], TRAIN_SALT)
         ids.append(batch_ids[keep])
         vectors.append(batch_vectors[keep])
-    buffer = io.BytesIO()
-    np.savez(buffer, ids=np.concatenate(ids) if ids else np.zeros(0, np.int64),
-             vectors=np.concatenate(vectors) if vectors else np.zeros((0, plan["dim"]), np.float32))
-    sample_path = fileio.join(out_dir, "sample", f"{_file_stem(path)}.npz")
-    fileio.write_bytes(sample_path, buffer.getvalue())
-    return sample_path
+    prefix = fileio.join(out_dir, "sample", _file_stem(path))
+    fileio.write_bytes(f"{prefix}.ids.npy", _npy_bytes(np.concatenate(ids)))
+    fileio.write_bytes(f"{prefix}.vectors.npy", _npy_bytes(np.concatenate(vectors)))
+    return prefix
 
 
-def _read_npz(path: str):
-    data = np.load(io.BytesIO(fileio.read_bytes(path)))
-    return data["ids"], data["vectors"]
-
-
-def _gather_sample(sample_paths, dim: int) -> np.ndarray:
-    """The sample files' vectors in chunk-id order, copied once into one [n, d] array."""
-    ids = np.sort(np.concatenate([_read_npz(p)[0] for p in sample_paths] or [np.zeros(0, np.int64)]))
+def _gather_sample(prefixes, dim: int) -> np.ndarray:
+    """The sample files' vectors in chunk-id order, copied once into one [n, d] array (the ids
+    are read first, alone, to place them)."""
+    file_ids = [_read_npy(f"{p}.ids.npy") for p in prefixes]
+    ids = np.sort(np.concatenate(file_ids or [np.zeros(0, np.int64)]))
     sample = np.empty((len(ids), dim), np.float32)
-    for path in sample_paths:
-        file_ids, vectors = _read_npz(path)
-        sample[np.searchsorted(ids, file_ids)] = vectors
+    for prefix, these in zip(prefixes, file_ids):
+        sample[np.searchsorted(ids, these)] = _read_npy(f"{prefix}.vectors.npy")
     return sample
 
 
-def _train(sample_paths, plan, out_dir):
+def _train(sample_prefixes, plan, out_dir):
     """One worker: train the empty index on the sample, write it for the fill workers."""
-    sample = _gather_sample(sorted(sample_paths), plan["dim"])
+    sample = _gather_sample(sorted(sample_prefixes), plan["dim"])
     path = fileio.join(out_dir, TRAINED_FILE)
     write_index(train_index(plan["factory"], sample), path)
     Metrics.counter(METRICS_NAMESPACE, "index_training_vectors").inc(len(sample))
-    beam.io.filesystems.FileSystems.delete(list(sample_paths))
+    beam.io.filesystems.FileSystems.delete([f"{p}.{kind}.npy" for p in sample_prefixes
+                                            for kind in ("ids", "vectors")])
     return path
 
 
@@ -569,7 +575,7 @@ class BuildIndex(beam.PTransform):
                 lambda path, p: [_write_sample(path, p, out_dir)] if p["mergeable"] else [], plan)
             | "GatherSample" >> beam.combiners.ToList()
             | "Train" >> beam.FlatMap(
-                lambda paths, p: [_train(paths, p, out_dir)] if p["mergeable"] else [], plan))
+                lambda prefixes, p: [_train(prefixes, p, out_dir)] if p["mergeable"] else [], plan))
         trained_path = beam.pvalue.AsSingleton(trained, default_value=None)
         filled = (
             paths

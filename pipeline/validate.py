@@ -243,11 +243,16 @@ class _References:
                    np.array(values[begin:begin + REFERENCE_BLOCK]), docs)
 
 
+def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The indexes starts[r] ... starts[r] + counts[r] - 1 of every r, concatenated."""
+    within = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+    return np.repeat(starts, counts) + within
+
+
 def _contains(docs: np.ndarray, starts: np.ndarray, counts: np.ndarray, wanted: np.ndarray) -> np.ndarray:
     """Per reference r: is wanted[r] among docs[starts[r] : starts[r] + counts[r]]?"""
     owner = np.repeat(np.arange(len(starts)), counts)
-    within = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-    hits = np.asarray(docs[np.repeat(starts, counts) + within]) == wanted[owner]
+    hits = np.asarray(docs[_ranges(starts, counts)]) == wanted[owner]
     return np.bincount(owner, weights=hits, minlength=len(starts)) > 0
 
 
@@ -273,7 +278,7 @@ def _file_references(table: pa.Table, chunk_files: ChunkFiles, references: _Refe
         here = numbers == number
         rows_here = np.unique(row[here])
         counts = doc_offsets[rows_here + 1] - doc_offsets[rows_here]
-        docs = np.concatenate([doc_values[doc_offsets[r]:doc_offsets[r + 1]] for r in rows_here])
+        docs = doc_values[_ranges(doc_offsets[rows_here], counts)]
         local_start = np.cumsum(counts) - counts
         where = np.searchsorted(rows_here, row[here])
         refs = np.zeros(int(here.sum()), REFERENCE)

@@ -99,16 +99,10 @@ class _RemoteFiles:
         return info.size
 
     def _fetch(self, path: str) -> bytes:
+        """The whole object (pyarrow raises FileNotFoundError for a missing one)."""
         self._own()
-        try:
-            with self._fs.open_input_stream(self._key(path)) as f:
-                return f.read()
-        except FileNotFoundError:
-            raise
-        except OSError as err:
-            if "not found" in str(err).lower() or "No such" in str(err):
-                raise FileNotFoundError(path) from None
-            raise
+        with self._fs.open_input_stream(self._key(path)) as f:
+            return f.read()
 
     def prefetch(self, path: str) -> None:
         self._own()

@@ -125,9 +125,10 @@ def epochs(loader: DataLoader, dataset: ShardDataset):
         dataset.set_epoch(dataset.epoch + 1)
 
 
-def next_token_loss(logits: torch.Tensor, targets: torch.Tensor, pad_id: int) -> torch.Tensor:
-    """Mean cross-entropy of logits [b, n, vocab] against targets [b, n], pad targets left out."""
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=pad_id)
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor, pad_id: int,
+                    reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of logits [b, n, vocab] against targets [b, n], pad targets left out."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=pad_id, reduction=reduction)
 
 
 def check_token_range(batch: dict, vocab_size: int) -> None:
@@ -156,8 +157,7 @@ def validation_loss(model: Retro, loader: DataLoader, device: torch.device, pad_
             break
         inputs, targets, neighbours = model_inputs(batch, device, model.config.uses_retrieval)
         logits = model(inputs, neighbours)
-        total += F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=pad_id,
-                                 reduction="sum").item()
+        total += next_token_loss(logits, targets, pad_id, reduction="sum").item()
         count += int((targets != pad_id).sum())
     model.train()
     return total / max(count, 1)

@@ -1,0 +1,23 @@
+"""What the benchmark scripts share: peak memory of a process and writing their results."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def peak_rss_kb(pid="self") -> int:
+    """VmHWM: the peak resident set of one process since it exec'd (ru_maxrss would carry the
+    parent's peak over a fork + exec); 0 once the process is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return 0
+
+
+def write_results(results: dict, path: str | Path) -> None:
+    """The run's numbers as JSON (benchmarks/results/ is not committed)."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2, default=float))
+    print(f"wrote {out}")
