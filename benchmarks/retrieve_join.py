@@ -1,7 +1,7 @@
 """Retrieval + join (the build-shards stage): throughput against an in-process floor, and
 peak memory as the chunk database grows.
 
-    .venv/bin/python benchmarks/retrieve_join.py [--sizes 50000 100000 200000]
+    .venv/bin/python benchmarks/retrieve_join.py [--sizes 50000 200000 800000]
         [--query-chunks 8192] [--workdir DIR]
 
 Per chunk-database size N (same seed, so each database extends the smaller ones):
@@ -10,12 +10,13 @@ Per chunk-database size N (same seed, so each database extends the smaller ones)
    continuations are real), their 384-d `LowRankClusters` embeddings, both as the pipeline's
    own Parquet files (65,536 rows each), and an `IVF256,PQ32x8np` index (nprobe 16) over all
    of them: its size grows by 40 B per chunk, so what grows with N is the chunk database.
-2. The training sequences are fixed: the first `--query-chunks` chunks, packed into
-   sequences of n = 512 tokens (L = 8 chunks), k = 2 neighbours from 32 candidates.
+2. The training sequences are fixed: the first `--query-chunks` chunks (all in the first
+   chunk file), packed into sequences of n = 512 tokens (L = 8 chunks), k = 2 neighbours
+   from 32 candidates.
 3. Builders, each a subprocess of its own, one after the other:
    - ours: a Beam job wiring the stage's own transforms as `build-shards` does
-     (`PackSequences` -> `RetrieveNeighbours` -> `WriteShards`) over the whole chunk
-     database, run twice: in-process (FnApiRunner, one process) and with
+     (`PackSequences` -> `RetrieveNeighbours` -> `WriteShards`), retrieving from the whole
+     chunk database (its files are read where a hit or a kept neighbour lies), run twice: in-process (FnApiRunner, one process) and with
      `--direct_num_workers=2 --direct_running_mode=multi_processing`;
    - floor: numpy and faiss in one process: every chunk read into arrays, one faiss search
      for all queries, the same-document exclusion and the token gather done with array
@@ -45,6 +46,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -115,25 +117,31 @@ def ensure_data(workdir: Path, n: int) -> Path:
 
 def ours_main(root: str, out: str, query_chunks: int, beam_args: list[str]) -> None:
     import apache_beam as beam
+    import pyarrow.parquet as pq
     from apache_beam.io.parquetio import ReadFromParquetBatched
 
+    from pipeline.chunkdb import ChunkFileRanges
     from pipeline.options import pipeline_options
     from pipeline.shards import PackSequences, RetrieveNeighbours, WriteShards
     from pipeline.stages import _chunks_from_table, _embeddings_from_table
 
     limit = query_chunks
+    files = sorted(Path(root, "chunks").glob("*.parquet"))
+    chunk_files = ChunkFileRanges.from_entries(root, [  # what the index manifest would list
+        SimpleNamespace(path=f"chunks/{p.name}", rows=pq.ParquetFile(p).metadata.num_rows) for p in files])
     workers = WorkerPeak()
     with beam.Pipeline(options=pipeline_options(beam_args)) as p:
-        chunk_db = (p | "ReadChunkDatabase" >> ReadFromParquetBatched(f"{root}/chunks/*.parquet")
-                    | "ChunkRows" >> beam.FlatMap(_chunks_from_table))
-        # chunk `limit` too: it gives the last sequence its target token (then is left over)
-        training = chunk_db | "TrainingChunks" >> beam.Filter(lambda c: c.chunk_id <= limit)
-        queries = (p | "ReadEmbeddings" >> ReadFromParquetBatched(f"{root}/embeddings/*.parquet")
+        # the training chunks are the first file's first `limit` + 1 (the last gives the last
+        # sequence its target token, then is left over)
+        training = (p | "ReadTrainingChunks" >> ReadFromParquetBatched(str(files[0]))
+                    | "ChunkRows" >> beam.FlatMap(_chunks_from_table)
+                    | "TrainingChunks" >> beam.Filter(lambda c: c.chunk_id <= limit))
+        queries = (p | "ReadEmbeddings" >> ReadFromParquetBatched(f"{root}/embeddings/embeddings-00000.parquet")
                    | "EmbeddingRows" >> beam.FlatMap(_embeddings_from_table)
                    | "TrainingQueries" >> beam.Filter(lambda e: e[0] < limit))
         sequences = training | "PackSequences" >> PackSequences(L, PAD)
-        rows = ((sequences, queries, chunk_db)
-                | "RetrieveNeighbours" >> RetrieveNeighbours(f"{root}/index.faiss", NPROBE, L, M, K,
+        rows = ((sequences, queries)
+                | "RetrieveNeighbours" >> RetrieveNeighbours(f"{root}/index.faiss", NPROBE, chunk_files, L, M, K,
                                                              CANDIDATES, PAD))
         _ = rows | "WriteShards" >> WriteShards(out, SHARD_ROWS, PAD)
     record_rss(out, workers.stop())
@@ -249,11 +257,13 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_floor":
         return floor_main(sys.argv[2], sys.argv[3], int(sys.argv[4]))
     parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    parser.add_argument("--sizes", type=int, nargs="+", default=[50_000, 100_000, 200_000])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[50_000, 200_000, 800_000])
     parser.add_argument("--query-chunks", type=int, default=8192)
     parser.add_argument("--workdir", help="keep (and reuse) data here; default: a temp dir")
     parser.add_argument("--output", default=str(RESULTS))
     args = parser.parse_args()
+    if args.query_chunks >= FILE_ROWS:
+        parser.error(f"--query-chunks must be under {FILE_ROWS} (the training chunks come from the first file)")
     temp = None if args.workdir else tempfile.TemporaryDirectory(prefix="retrieve-bench-")
     workdir = Path(args.workdir or temp.name).resolve()
     workdir.mkdir(parents=True, exist_ok=True)

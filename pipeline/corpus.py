@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Iterator, Union
 
 import apache_beam as beam
+import pyarrow as pa
 import pyarrow.parquet as pq
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
@@ -110,13 +111,27 @@ def parse_jsonl(data: bytes, cfg: CorpusConfig, source: str, relative: str) -> I
         yield _document(record.get(cfg.text_field), identity, source, number, line.decode("utf-8"))
 
 
+def _schema_problem(schema: pa.Schema, cfg: CorpusConfig) -> str | None:
+    """Why a Parquet file's schema cannot give documents, or None: a missing text or id column,
+    or a text column that does not hold strings."""
+    missing = [f for f in (cfg.text_field, cfg.id_field) if f and f not in schema.names]
+    if missing:
+        return f"missing column(s) {missing}; has {schema.names}"
+    text_type = schema.field(cfg.text_field).type
+    if pa.types.is_dictionary(text_type):
+        text_type = text_type.value_type
+    if not (pa.types.is_string(text_type) or pa.types.is_large_string(text_type)
+            or pa.types.is_string_view(text_type)):
+        return f"column {cfg.text_field!r} is {text_type}, not string"
+    return None
+
+
 def parse_parquet(data: bytes, cfg: CorpusConfig, source: str, relative: str) -> Iterator[Record]:
     """One row per document; positions are row numbers starting at 0."""
     parquet = pq.ParquetFile(io.BytesIO(data))
-    names = parquet.schema_arrow.names
-    if cfg.text_field not in names or (cfg.id_field and cfg.id_field not in names):
-        missing = [f for f in (cfg.text_field, cfg.id_field) if f and f not in names]
-        yield Rejected(source, -1, "wrong_schema", f"missing column(s) {missing}; has {names}")
+    problem = _schema_problem(parquet.schema_arrow, cfg)
+    if problem:  # the whole file is refused: say how many rows that is
+        yield Rejected(source, -1, "wrong_schema", f"{problem}; rows in file: {parquet.metadata.num_rows}"[:EXCERPT_CHARS])
         return
     columns = [c for c in (cfg.text_field, cfg.id_field) if c]
     row = 0

@@ -1,8 +1,11 @@
 """Pack training sequences, retrieve their neighbours, join neighbour tokens, write shards.
 
 Everything moves through Beam shuffles keyed by ids: sequences meet their query embeddings by
-search batch, candidates meet their chunk rows by chunk id, and neighbours meet their
-sequence by sequence id. No process holds the chunk database.
+search batch; search hits, and later the kept neighbours, are shuffled by the chunk file that
+holds their chunk id and look up their document (or tokens) in one read of that file; and
+neighbours meet their sequence by sequence id. No process holds the chunk database, and
+nothing shuffles it: only the hits and picks move, so the work grows with the training
+sequences, not with the database.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import numpy as np
 from apache_beam.metrics import Metrics
 from apache_beam.utils import shared
 
+from pipeline.chunkdb import ChunkFileRanges
 from pipeline.chunking import Chunk
 from pipeline.corpus import METRICS_NAMESPACE
 from pipeline.index import load_index
@@ -204,14 +208,43 @@ class _Search(beam.DoFn):
                     yield int(chunk_id), (s.seq_id, j, rank, float(score))
 
 
-def _candidates_with_docs(keyed):
-    chunk_id, grouped = keyed
-    docs = grouped["doc"]
-    if not docs:
-        raise ValueError(f"index returned chunk id {chunk_id} that is not in the chunk database")
-    doc_id, key = docs[0]
-    for seq_id, j, rank, score in grouped["hits"]:
-        yield seq_id, (j, rank, score, chunk_id, doc_id, key)
+def _by_chunk_file(item, chunk_files: ChunkFileRanges):
+    chunk_id, _ = item
+    return chunk_files.file_of(chunk_id), item
+
+
+class _CandidateDocs(beam.DoFn):
+    """(chunk file, search hits in it) -> candidates keyed by sequence, each with its chunk's
+    document (and token hash when deduplicating), from one read of that file."""
+
+    def __init__(self, chunk_files: ChunkFileRanges, dedupe: bool):
+        self.chunk_files, self.dedupe = chunk_files, dedupe
+
+    def process(self, keyed):
+        number, hits = keyed
+        rows = self.chunk_files.read(number, ["doc_id", "tokens"] if self.dedupe else ["doc_id"])
+        start, keys = self.chunk_files.starts[number], {}
+        for chunk_id, (seq_id, j, rank, score) in hits:
+            row = chunk_id - start
+            if self.dedupe and row not in keys:  # a chunk is hit by many queries: hash it once
+                keys[row] = token_key(rows["tokens"][row])
+            yield seq_id, (j, rank, score, chunk_id, int(rows["doc_id"][row]), keys.get(row, 0))
+
+
+class _NeighbourTokens(beam.DoFn):
+    """(chunk file, kept neighbours in it) -> neighbours keyed by sequence, each with its
+    chunk + continuation [2m] as raw int32 bytes (compact through the next shuffle)."""
+
+    def __init__(self, chunk_files: ChunkFileRanges):
+        self.chunk_files = chunk_files
+
+    def process(self, keyed):
+        number, picks = keyed
+        rows = self.chunk_files.read(number, ["tokens", "continuation"])
+        values = np.concatenate([rows["tokens"], rows["continuation"]], axis=1).astype(np.int32)
+        start = self.chunk_files.starts[number]
+        for chunk_id, (seq_id, j, slot, score) in picks:
+            yield seq_id, (j, slot, chunk_id, score, values[chunk_id - start].tobytes())
 
 
 def _select(keyed, k: int, dedupe: bool):
@@ -225,24 +258,11 @@ def _select(keyed, k: int, dedupe: bool):
         yield chunk_id, (seq_id, j, slot, score)
 
 
-def neighbour_value(chunk: Chunk) -> bytes:
-    """What a kept neighbour needs of its chunk row: chunk + continuation [2m] as raw int32
-    bytes. Half the bytes of a pickled Chunk through the join shuffle, and no pickling."""
-    return np.concatenate([chunk.tokens, chunk.continuation]).astype(np.int32).tobytes()
-
-
-def _picks_with_tokens(keyed):
-    chunk_id, grouped = keyed
-    (value,) = grouped["chunk"]
-    value = np.frombuffer(value, dtype=np.int32)
-    for seq_id, j, slot, score in grouped["picks"]:
-        yield seq_id, (j, slot, chunk_id, score, value)
-
-
 def _to_row(keyed, chunks_per_seq: int, k: int, m: int, pad_id: int):
     _, grouped = keyed
     (sequence,) = grouped["sequence"]
-    picks = grouped["picks"]
+    picks = [(j, slot, chunk_id, score, np.frombuffer(value, np.int32))
+             for j, slot, chunk_id, score, value in grouped["picks"]]
     neighbours, ids, scores = neighbour_arrays(picks, chunks_per_seq, k, m, pad_id)
     Metrics.counter(METRICS_NAMESPACE, "neighbour_slots_padded").inc(chunks_per_seq * k - len(picks))
     chunks = sequence.tokens[:chunks_per_seq * m].reshape(chunks_per_seq, m)
@@ -252,50 +272,48 @@ def _to_row(keyed, chunks_per_seq: int, k: int, m: int, pad_id: int):
 
 
 class RetrieveNeighbours(beam.PTransform):
-    """(sequences, query embeddings, chunk DB) -> ShardRows with k neighbours per chunk, none
-    from a document the sequence holds.
+    """(sequences, query embeddings) -> ShardRows with k neighbours per chunk from the chunk
+    database `chunk_files`, none from a document the sequence holds.
 
-    Candidates travel as small tuples: they meet their chunk's document by chunk id, are
-    filtered per sequence, and only the k kept per chunk meet their tokens.
+    Candidates travel as small tuples: they meet their chunk's document in its chunk file,
+    are filtered per sequence, and only the k kept per chunk fetch their tokens.
     """
 
-    def __init__(self, index_path: str, nprobe, chunks_per_seq: int, chunk_tokens: int,
-                 neighbours: int, candidates: int, pad_id: int, dedupe: bool = False,
-                 min_ram: str | None = None):
+    def __init__(self, index_path: str, nprobe, chunk_files: ChunkFileRanges, chunks_per_seq: int,
+                 chunk_tokens: int, neighbours: int, candidates: int, pad_id: int,
+                 dedupe: bool = False, min_ram: str | None = None):
         super().__init__()
         if min_ram:  # every worker holds the index
             self.with_resource_hints(min_ram=min_ram)
-        self.index_path, self.nprobe = index_path, nprobe
+        self.index_path, self.nprobe, self.chunk_files = index_path, nprobe, chunk_files
         self.L, self.m, self.k = chunks_per_seq, chunk_tokens, neighbours
         self.candidates, self.pad_id, self.dedupe = candidates, pad_id, dedupe
 
     def expand(self, inputs):
-        sequences, embeddings, chunk_db = inputs
-        L, batch, dedupe = self.L, SEQUENCES_PER_SEARCH, self.dedupe
+        sequences, embeddings = inputs
+        L, batch, files = self.L, SEQUENCES_PER_SEARCH, self.chunk_files
         by_seq = sequences | "SeqById" >> beam.Map(lambda s: (s.seq_id, s))
-        hits = (
+        candidates = (
             {"sequences": sequences | "SeqBySearchBatch" >> beam.Map(
                 lambda s: (s.seq_id // batch, s)),
              "embeddings": embeddings | "QueryBySearchBatch" >> beam.Map(
                 lambda e: (e[0] // L // batch, e))}
             | "JoinQueries" >> beam.CoGroupByKey()
-            | "Search" >> beam.ParDo(_Search(self.index_path, self.nprobe, L, self.candidates)))
-        candidates = (
-            {"hits": hits, "doc": chunk_db | "DocByChunk" >> beam.Map(
-                lambda c: (c.chunk_id, (c.doc_id, token_key(c.tokens) if dedupe else 0)))}
-            | "JoinCandidateDocs" >> beam.CoGroupByKey()
-            | "CandidatesBySequence" >> beam.FlatMap(_candidates_with_docs))
+            | "Search" >> beam.ParDo(_Search(self.index_path, self.nprobe, L, self.candidates))
+            | "HitsByChunkFile" >> beam.Map(_by_chunk_file, files)
+            | "GroupHitsByChunkFile" >> beam.GroupByKey()
+            | "CandidateDocs" >> beam.ParDo(_CandidateDocs(files, self.dedupe)))
         picks = (
             {"sequence": by_seq, "candidates": candidates}
             | "JoinCandidates" >> beam.CoGroupByKey()
-            | "DropOwnDocuments" >> beam.FlatMap(_select, self.k, dedupe))
-        picks_with_tokens = (
-            {"picks": picks, "chunk": chunk_db | "ChunkById" >> beam.Map(
-                lambda c: (c.chunk_id, neighbour_value(c)))}
-            | "JoinNeighbourTokens" >> beam.CoGroupByKey()
-            | "PicksBySequence" >> beam.FlatMap(_picks_with_tokens))
+            | "DropOwnDocuments" >> beam.FlatMap(_select, self.k, self.dedupe))
+        neighbours = (
+            picks
+            | "PicksByChunkFile" >> beam.Map(_by_chunk_file, files)
+            | "GroupPicksByChunkFile" >> beam.GroupByKey()
+            | "NeighbourTokens" >> beam.ParDo(_NeighbourTokens(files)))
         return (
-            {"sequence": by_seq, "picks": picks_with_tokens}
+            {"sequence": by_seq, "picks": neighbours}
             | "JoinNeighbours" >> beam.CoGroupByKey()
             | "AssembleRows" >> beam.FlatMap(_to_row, L, self.k, self.m, self.pad_id))
 

@@ -18,6 +18,7 @@ from apache_beam.io.parquetio import ReadFromParquetBatched
 from apache_beam.metrics.metric import MetricsFilter
 
 from pipeline import __version__, fileio
+from pipeline.chunkdb import ChunkFileRanges
 from pipeline.chunking import Chunk, ChunkDocuments, load_tokenizer, pad_id_of
 from pipeline.corpus import METRICS_NAMESPACE, ReadCorpus, rejected_share
 from pipeline.index import BUILD_INFO_FILE, INDEX_FILE, BuildIndex
@@ -338,12 +339,12 @@ def build_shards(cfg: PipelineConfig, beam_args: list[str], dry_run: bool = Fals
     idx = index_dir(cfg)
     with StageTimer("build-shards") as timer:
         pipeline = new_pipeline(beam_args, dry_run)
-        chunk_db = (pipeline
-                    | "ReadChunkDatabase" >> ReadFromParquetBatched(fileio.join(idx, "chunks", "*.parquet"),
-                                                                  validate=not dry_run)
-                    | "ChunkRows" >> beam.FlatMap(_chunks_from_table))
+        chunk_files = ChunkFileRanges.from_entries(idx, [] if dry_run else index_manifest.files)
         if cfg.training_corpus == "same":
-            training_chunks = chunk_db
+            training_chunks = (pipeline
+                               | "ReadChunkDatabase" >> ReadFromParquetBatched(
+                                   fileio.join(idx, "chunks", "*.parquet"), validate=not dry_run)
+                               | "ChunkRows" >> beam.FlatMap(_chunks_from_table))
             queries = (pipeline
                        | "ReadEmbeddings" >> ReadFromParquetBatched(
                            fileio.join(idx, "embeddings", "*.parquet"), validate=not dry_run)
@@ -360,10 +361,11 @@ def build_shards(cfg: PipelineConfig, beam_args: list[str], dry_run: bool = Fals
             queries = training_chunks | "EmbedTrainingChunks" >> EmbedChunks(cfg.embedding, tok.path)
             rejected = (read_rejected, unusable) | "MergeRejected" >> beam.Flatten()
         sequences = training_chunks | "PackSequences" >> PackSequences(L, tok.pad_id)
-        rows = ((sequences, queries, chunk_db)
+        rows = ((sequences, queries)
                 | "RetrieveNeighbours" >> RetrieveNeighbours(
-                    fileio.join(idx, "faiss", INDEX_FILE), None if dry_run else index_manifest.nprobe, L, m, k,
-                    cfg.neighbour_candidates, tok.pad_id, cfg.dedupe_neighbours, cfg.index.min_ram)
+                    fileio.join(idx, "faiss", INDEX_FILE), None if dry_run else index_manifest.nprobe,
+                    chunk_files, L, m, k, cfg.neighbour_candidates, tok.pad_id, cfg.dedupe_neighbours,
+                    cfg.index.min_ram)
                 | "ShardProgress" >> ReportProgress("retrieve", "sequences"))
         shard_files = rows | "WriteShards" >> WriteShards(staging, cfg.rows_per_shard(), tok.pad_id)
         _ = rejected | "WriteRejected" >> WriteRejected(

@@ -16,7 +16,6 @@ import hashlib
 import json
 import os
 import posixpath
-import re
 import tempfile
 
 import numpy as np
@@ -25,6 +24,7 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 from pipeline import fileio
+from pipeline.chunkdb import ChunkFileRanges, in_file_order
 from pipeline.index import load_index
 from schemas.arrow import SHARD_METADATA_KEYS, check_schema_version, tensor_column_to_numpy
 from schemas.manifest import FileEntry, IndexManifest, ShardsManifest, VectorIndexManifest
@@ -80,26 +80,19 @@ def _parquet(directory: str, entry: FileEntry) -> pa.Table:
     return table
 
 
-def _in_file_order(entries, prefix: str) -> list[FileEntry]:
-    """The manifest's `prefix/` files by their number (`name-NNNNN.ext`, NNNNN = id // rows)."""
-    def number(entry):
-        found = re.search(r"-(\d+)\.\w+$", entry.path)
-        return int(found.group(1)) if found else -1
-    return sorted((e for e in entries if e.path.startswith(prefix + "/")), key=number)
-
-
 class ChunkFiles:
     """The chunk files of an index directory, in chunk-id order: file f holds the dense ids
     starts[f] ... starts[f + 1] - 1 (checked by `validate_index`)."""
 
     def __init__(self, directory: str, manifest: IndexManifest):
         self.directory = directory
-        self.entries = _in_file_order(manifest.files, "chunks")
+        self.entries = in_file_order(manifest.files, "chunks")
         _require(self.entries, f"{directory}: manifest lists no chunk files")
-        self.starts = np.cumsum([0] + [e.rows for e in self.entries])
+        self.ranges = ChunkFileRanges.from_entries(directory, self.entries)
+        self.starts = np.asarray(self.ranges.starts)
 
     def file_of(self, chunk_ids: np.ndarray) -> np.ndarray:
-        return np.searchsorted(self.starts, chunk_ids, side="right") - 1
+        return self.ranges.files_of(chunk_ids)
 
     def read(self, number: int) -> dict:
         table = _parquet(self.directory, self.entries[number])
@@ -164,7 +157,7 @@ def validate_index(directory: str) -> str:
     probes = np.linspace(0, n - 1, min(n, INDEX_PROBES)).astype(np.int64)
     probe_vectors = np.zeros((len(probes), manifest.dim), np.float32)
     covered = 0
-    for entry in _in_file_order(manifest.files, "embeddings"):
+    for entry in in_file_order(manifest.files, "embeddings"):
         table = _parquet(directory, entry)
         ids = table["chunk_id"].to_numpy()
         _require(np.array_equal(ids, np.arange(covered, covered + len(ids))),

@@ -49,22 +49,65 @@ def _data_files(out: Path) -> dict:
             if p.is_file() and p.suffix in (".parquet", ".faiss", ".arrow")}
 
 
-@pytest.mark.parametrize("point", list(KILL_POINTS))
-def test_killed_run_leaves_nothing_half_committed_and_a_rerun_finishes_it(point, built_output, tmp_path):
-    root, _, _ = built_output
+# Kill points inside a commit, too short to hit by polling: the run kills itself there.
+# "moving files": half of the stage's files have been moved into place; "manifest unwritten":
+# all of them have, and the manifest's temporary file is written but not yet renamed.
+COMMIT_KILLER = """
+import os, signal, sys
+from apache_beam.io.filesystems import FileSystems
+from pipeline.cli import main
+
+final, point = sys.argv[1].rstrip("/") + "/", sys.argv[2]
+rename = FileSystems.rename
+
+def rename_then_die(sources, targets, *args, **kwargs):
+    if point == "moving files" and len(targets) > 1 and targets[0].startswith(final):
+        rename(sources[:len(sources) // 2], targets[:len(targets) // 2], *args, **kwargs)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if point == "manifest unwritten" and targets == [final + "manifest.json"]:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return rename(sources, targets, *args, **kwargs)
+
+FileSystems.rename = rename_then_die
+sys.exit(main(sys.argv[3:]))
+"""
+COMMIT_POINTS = [(stage, point) for stage in ("index", "shards") for point in ("moving files", "manifest unwritten")]
+
+
+def _hostile_run_config(tmp_path: Path) -> tuple[Path, Path]:
     docs = sample_documents(16)  # the corpus of `built_output`
     write_jsonl(tmp_path / "corpus" / "a.jsonl", docs[:8])
     write_jsonl(tmp_path / "corpus" / "b.jsonl", docs[8:] + BAD_RECORDS)
     out = tmp_path / "out"
-    config = write_config(tmp_path / "c.yaml", small_config(out, str(tmp_path / "corpus" / "*.jsonl")))
+    return write_config(tmp_path / "c.yaml", small_config(out, str(tmp_path / "corpus" / "*.jsonl"))), out
 
-    assert _run_until(config, out, KILL_POINTS[point]), f"the run finished before '{point}'"
+
+def _nothing_half_committed_and_rerun_matches(config: Path, out: Path, uninterrupted: Path) -> None:
     if (out / "index" / "manifest.json").exists():  # whatever claims to be committed is whole
         validate_index(str(out / "index"))
     if (out / "shards" / "manifest.json").exists():
         validate_shards(str(out / "shards"))
-
     subprocess.run([CLI, "run", "--config", str(config)], check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    assert _data_files(out) == _data_files(root / "out")
+    assert _data_files(out) == _data_files(uninterrupted)
     assert not (out / ".staging").exists()
+    assert not list(out.rglob("*.tmp-*"))
+
+
+@pytest.mark.parametrize("point", list(KILL_POINTS))
+def test_killed_run_leaves_nothing_half_committed_and_a_rerun_finishes_it(point, built_output, tmp_path):
+    root, _, _ = built_output
+    config, out = _hostile_run_config(tmp_path)
+    assert _run_until(config, out, KILL_POINTS[point]), f"the run finished before '{point}'"
+    _nothing_half_committed_and_rerun_matches(config, out, root / "out")
+
+
+@pytest.mark.parametrize("stage,point", COMMIT_POINTS)
+def test_run_killed_inside_a_commit_is_finished_by_the_next_run(stage, point, built_output, tmp_path):
+    root, _, _ = built_output
+    config, out = _hostile_run_config(tmp_path)
+    killed = subprocess.run([sys.executable, "-c", COMMIT_KILLER, str(out / stage), point, "run", "--config", str(config)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    assert killed.returncode == -signal.SIGKILL, f"the run was not killed {point} of {stage}"
+    assert not (out / stage / "manifest.json").exists()
+    _nothing_half_committed_and_rerun_matches(config, out, root / "out")

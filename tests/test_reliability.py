@@ -1,8 +1,11 @@
 """Hostile input: every kind of bad record or file ends in rejected/ with its reason, the good
 ones are all indexed, and too many rejections fail the stage before anything is committed."""
 import gzip
+import io
 import json
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from pipeline.stages import StageError, build_index
@@ -46,6 +49,49 @@ def test_every_bad_kind_is_rejected_with_its_reason_and_every_good_record_indexe
     assert by_reason == sorted([reason for _, reason in BAD_LINES] + ["unreadable_file"] * len(BAD_FILES))
     assert all(r["source"] and "position" in r and len(r.get("excerpt", "")) <= 240 for r in rejected)
     assert sum(v for k, v in manifest.counters.items() if k.startswith("rejected_")) == len(rejected)
+
+
+def parquet_bytes(table: pa.Table) -> bytes:
+    sink = io.BytesIO()
+    pq.write_table(table, sink)
+    return sink.getvalue()
+
+
+PARQUET_ROWS = [  # (id, text, reason or None for a good row)
+    *[(d["id"], d["text"], None) for d in GOOD + [SHORT, LARGE]],
+    ("null-text", None, "missing_text"),
+    (None, "a document without an id", "missing_id"),
+    ("blank", " \n ", "empty_text"),
+    (GOOD[1]["id"], "a second document with a taken id", "duplicate_id"),
+]
+PARQUET_FILES = {  # name -> (bytes, reason)
+    "renamed.parquet": (parquet_bytes(pa.table({"id": ["r1", "r2"], "body": ["one", "two"]})), "wrong_schema"),
+    "numbers.parquet": (parquet_bytes(pa.table({"id": ["n1"], "text": [12]})), "wrong_schema"),
+    "garbage.parquet": (b"PAR1 this is not parquet at all PAR1", "unreadable_file"),
+    "truncated.parquet": (parquet_bytes(pa.table({"id": ["t"], "text": ["cut short"]}))[:-20], "unreadable_file"),
+}
+
+
+def test_a_parquet_corpus_with_wrong_schemas_and_bad_rows_completes(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    ids, texts, _ = zip(*PARQUET_ROWS)
+    (corpus / "good.parquet").write_bytes(parquet_bytes(pa.table({"id": list(ids), "text": list(texts)})))
+    for name, (data, _) in PARQUET_FILES.items():
+        (corpus / name).write_bytes(data)
+    settings = {"paths": [str(corpus / "*.parquet")], "format": "parquet", "id_field": "id"}
+    cfg = config_from_dict(small_config(tmp_path / "out", "", retrieval_corpus=settings,
+                                        max_rejected_fraction=1.0))
+    manifest = build_index(cfg, [])
+    assert manifest.num_documents == sum(reason is None for *_, reason in PARQUET_ROWS)
+    rejected = [json.loads(line) for line in (tmp_path / "out" / "rejected" / "build-index.jsonl").read_text().splitlines()]
+    expected = [(str(corpus / "good.parquet"), reason) for *_, reason in PARQUET_ROWS if reason]
+    expected += [(str(corpus / name), reason) for name, (_, reason) in PARQUET_FILES.items()]
+    assert sorted((r["source"], r["reason"]) for r in rejected) == sorted(expected)
+    schema_refusals = {r["source"].rsplit("/", 1)[1]: r["excerpt"] for r in rejected if r["reason"] == "wrong_schema"}
+    assert schema_refusals == {"renamed.parquet": "missing column(s) ['text']; has ['id', 'body']; rows in file: 2",
+                               "numbers.parquet": "column 'text' is int64, not string; rows in file: 1"}
+    assert manifest.counters["rejected_wrong_schema"] == 2
 
 
 def test_too_many_rejections_fail_the_stage_before_it_commits(tmp_path):

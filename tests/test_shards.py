@@ -3,14 +3,18 @@ import faiss
 import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
+import pytest
 from apache_beam.testing.util import assert_that, equal_to
 
+from pipeline.chunkdb import ChunkFileRanges
 from pipeline.chunking import chunk_document
 from pipeline.index import build_index
 from pipeline.shards import (Candidate, PackSequences, RetrieveNeighbours, WriteShards,
                              chunk_overlap, neighbour_arrays, overlap_bucket, overlap_histogram,
                              pack_sequence, select_neighbours, token_key)
+from pipeline.writers import chunks_table, parquet_bytes
 from schemas.arrow import tensor_column_to_numpy
+from schemas.manifest import FileEntry
 from tests.conftest import local_pipeline
 
 M, L, K, PAD = 4, 2, 2, 0
@@ -99,10 +103,39 @@ def _database():
     return chunks, vectors
 
 
+def write_chunk_files(directory, chunks, rows_per_file=5) -> ChunkFileRanges:
+    """The chunk database as the index stage writes it: `chunks/chunks-NNNNN.parquet`, file
+    NNNNN holding ids NNNNN·rows_per_file ... (several files, so lookups cross them)."""
+    (directory / "chunks").mkdir(parents=True)
+    entries = []
+    for number, begin in enumerate(range(0, len(chunks), rows_per_file)):
+        part = chunks[begin:begin + rows_per_file]
+        path = f"chunks/chunks-{number:05d}.parquet"
+        (directory / path).write_bytes(parquet_bytes(chunks_table(part, M)))
+        entries.append(FileEntry(path=path, rows=len(part), bytes=0, sha256=""))
+    return ChunkFileRanges.from_entries(str(directory), entries)
+
+
+def test_chunk_file_ranges_locate_ids_and_check_what_they_read(tmp_path):
+    chunks, _ = _database()  # 12 chunks -> files of 5, 5 and 2
+    files = write_chunk_files(tmp_path, chunks)
+    assert [files.file_of(c) for c in (0, 4, 5, 9, 10, 11)] == [0, 0, 1, 1, 2, 2]
+    assert files.files_of(np.array([0, 5, 11])).tolist() == [0, 1, 2]
+    with pytest.raises(ValueError, match="chunk id 12 is not in the chunk database"):
+        files.file_of(12)
+    rows = files.read(1, ["doc_id", "tokens"])
+    assert rows["doc_id"].tolist() == [c.doc_id for c in chunks[5:10]]
+    assert rows["tokens"].tolist() == [c.tokens.tolist() for c in chunks[5:10]]
+    lying = ChunkFileRanges(files.directory, files.paths, (0, 4, 10, 12))  # manifest rows disagree
+    with pytest.raises(ValueError, match="does not hold the chunk ids 4..9"):
+        lying.read(1, ["doc_id"])
+
+
 def test_retrieve_neighbours_excludes_the_sequence_documents(tmp_path):
     chunks, vectors = _database()
     index_path = str(tmp_path / "index.faiss")
     faiss.write_index(build_index(np.arange(len(chunks), dtype=np.int64), vectors, "Flat"), index_path)
+    chunk_files = write_chunk_files(tmp_path / "index", chunks)
     by_id = {c.chunk_id: c for c in chunks}
 
     def check(rows):
@@ -123,10 +156,9 @@ def test_retrieve_neighbours_excludes_the_sequence_documents(tmp_path):
                 [by_id[row.seq_id * L + j].tokens for j in range(L)]).tolist()
 
     with local_pipeline() as p:
-        db = p | "Chunks" >> beam.Create(chunks)
-        sequences = db | PackSequences(L, PAD)
+        sequences = p | "Chunks" >> beam.Create(chunks) | PackSequences(L, PAD)
         queries = p | "Queries" >> beam.Create([(i, vectors[i]) for i in range(len(chunks))])
-        rows = (sequences, queries, db) | RetrieveNeighbours(index_path, None, L, M, K, 8, PAD)
+        rows = (sequences, queries) | RetrieveNeighbours(index_path, None, chunk_files, L, M, K, 8, PAD)
         assert_that(rows, check)
 
 
@@ -162,6 +194,7 @@ def test_retrieve_neighbours_dedupe_skips_repeated_tokens(tmp_path):
     vectors = vectors.astype(np.float32) / np.linalg.norm(vectors, axis=1, keepdims=True)
     index_path = str(tmp_path / "index.faiss")
     faiss.write_index(build_index(np.arange(len(chunks), dtype=np.int64), vectors, "Flat"), index_path)
+    chunk_files = write_chunk_files(tmp_path / "index", chunks, rows_per_file=3)
     docs = {c.chunk_id: c.doc_id for c in chunks}
 
     def second_neighbour_docs(dedupe):
@@ -173,8 +206,8 @@ def test_retrieve_neighbours_dedupe_skips_repeated_tokens(tmp_path):
 
     for dedupe in (False, True):
         with local_pipeline() as p:
-            db = p | "Chunks" >> beam.Create(chunks)
-            sequences = db | PackSequences(L, PAD)
+            sequences = p | "Chunks" >> beam.Create(chunks) | PackSequences(L, PAD)
             queries = p | "Queries" >> beam.Create([(i, vectors[i]) for i in range(len(chunks))])
-            rows = (sequences, queries, db) | RetrieveNeighbours(index_path, None, L, M, K, 8, PAD, dedupe)
+            rows = (sequences, queries) | RetrieveNeighbours(index_path, None, chunk_files, L, M, K, 8, PAD,
+                                                             dedupe)
             assert_that(rows, second_neighbour_docs(dedupe))

@@ -183,7 +183,7 @@ def train(config: TrainConfig) -> None:
         raise TrainError(f"{config.shards}: no sequences")
     if config.resume and not os.path.isfile(config.resume):
         raise TrainError(f"--resume {config.resume}: no such checkpoint")
-    checkpoint = torch.load(config.resume, map_location="cpu") if config.resume else None
+    checkpoint = torch.load(config.resume, map_location="cpu", weights_only=True) if config.resume else None
     if checkpoint is not None:
         model_config = RetroConfig(**checkpoint["model_config"])
     else:
