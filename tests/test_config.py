@@ -96,3 +96,21 @@ def test_cli_build_shards_without_index(tmp_path, capsys):
 def test_load_config_reads_yaml(tmp_path):
     path = write_config(tmp_path / "c.yaml", small_config(tmp_path / "out", "x/*.jsonl"))
     assert load_config(path).neighbours == 2
+
+
+def test_the_default_encoder_width_is_read_without_loading_it():
+    from pipeline.models import embedding_dim
+
+    assert embedding_dim("all-MiniLM-L6-v2") == 384
+    assert embedding_dim("some-org/a-hub-model") is None  # not local: checked when it is built
+
+
+def test_an_unbuildable_index_type_fails_before_reading_anything(tmp_path):
+    from pipeline.index import IndexBuildError
+    from pipeline.stages import build_index
+
+    cfg = config_from_dict(small_config(tmp_path / "out", str(tmp_path / "no-such-corpus-*.jsonl"),
+                                        index={"type": "IVF64,PQ7"}))
+    with pytest.raises(IndexBuildError, match=r"'IVF64,PQ7' is not a valid faiss factory string for dim 384"):
+        build_index(cfg, [])  # the corpus glob matches nothing: the index type was checked first
+    assert not (tmp_path / "out").exists()
