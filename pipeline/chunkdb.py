@@ -30,6 +30,9 @@ def in_file_order(entries, prefix: str) -> list:
 
 @dataclass(frozen=True)
 class ChunkFileRanges:
+    """Where each chunk id of an index directory lives (small and picklable: it travels with
+    the transforms that look chunks up)."""
+
     directory: str                # the index directory
     paths: tuple[str, ...]        # chunk files relative to it, in chunk-id order
     starts: tuple[int, ...]       # file f holds ids starts[f] ... starts[f + 1] - 1
