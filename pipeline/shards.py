@@ -34,15 +34,10 @@ class Sequence:
     doc_ids: tuple          # sorted ids of every document whose tokens it holds
 
 
-@dataclass(frozen=True)
-class Candidate:
-    """One search hit for chunk `j` of a sequence, with the document it comes from."""
-    j: int
-    rank: int
-    score: float
-    chunk_id: int
-    doc_id: int
-    token_key: int = 0  # hash of the hit's m tokens when deduplicating, else 0
+# Search hits travel in numpy blocks, one per (search batch, chunk file), not one tuple each.
+# doc_id and token_key are filled from the hit's chunk file (token_key only when deduplicating).
+CANDIDATE = np.dtype([("seq_id", "<i8"), ("j", "<i4"), ("rank", "<i4"), ("chunk_id", "<i8"),
+                      ("score", "<f4"), ("doc_id", "<i8"), ("token_key", "<i8")])
 
 
 @dataclass(frozen=True)
@@ -66,25 +61,28 @@ def pack_sequence(seq_id: int, chunks: list[Chunk], next_token: int | None,
     return Sequence(seq_id, tokens.astype(np.int32), tuple(sorted(docs)))
 
 
-def select_neighbours(candidates: list[Candidate], exclude_docs, k: int,
+def select_neighbours(candidates: np.ndarray, exclude_docs, k: int,
                       dedupe: bool = False) -> tuple[list[tuple], dict[str, int]]:
-    """Per chunk j, the k best-ranked candidates from documents outside `exclude_docs` (and,
-    with `dedupe`, whose tokens differ from those already kept for j):
+    """Per chunk j, the k best-ranked CANDIDATE rows from documents outside `exclude_docs`
+    (and, with `dedupe`, whose tokens differ from those already kept for j):
     ([(j, slot, chunk_id, score)], candidates dropped by reason)."""
-    picks, kept, excluded = [], {}, set(exclude_docs)
+    c = candidates[np.lexsort((candidates["rank"], candidates["j"]))]
+    own = np.isin(c["doc_id"], np.asarray(list(exclude_docs), np.int64))
+    picks, kept = [], {}
     dropped = {"own_document": 0, "duplicate_tokens": 0}
-    for c in sorted(candidates, key=lambda c: (c.j, c.rank)):
-        keys = kept.setdefault(c.j, [])
+    for j, chunk_id, score, key, excluded in zip(c["j"].tolist(), c["chunk_id"].tolist(), c["score"].tolist(),
+                                                 c["token_key"].tolist(), own.tolist()):
+        keys = kept.setdefault(j, [])
         if len(keys) >= k:
             continue
-        if c.doc_id in excluded:
+        if excluded:
             dropped["own_document"] += 1
             continue
-        if dedupe and c.token_key in keys:
+        if dedupe and key in keys:
             dropped["duplicate_tokens"] += 1
             continue
-        picks.append((c.j, len(keys), c.chunk_id, c.score))
-        keys.append(c.token_key)
+        picks.append((j, len(keys), chunk_id, score))
+        keys.append(key)
     return picks, dropped
 
 
@@ -176,13 +174,14 @@ class PackSequences(beam.PTransform):
 
 
 class _Search(beam.DoFn):
-    """A search batch of sequences -> candidates keyed by chunk id (index loaded once per
-    process through Beam `Shared`)."""
+    """A search batch of sequences -> its hits as CANDIDATE blocks keyed by the chunk file
+    holding them (index loaded once per process through Beam `Shared`)."""
 
     _shared_index = shared.Shared()
 
-    def __init__(self, index_path: str, nprobe, chunks_per_seq: int, candidates: int):
-        self.index_path, self.nprobe = index_path, nprobe
+    def __init__(self, index_path: str, nprobe, chunk_files: ChunkFileRanges, chunks_per_seq: int,
+                 candidates: int):
+        self.index_path, self.nprobe, self.chunk_files = index_path, nprobe, chunk_files
         self.chunks_per_seq, self.candidates = chunks_per_seq, candidates
 
     def setup(self):
@@ -198,37 +197,45 @@ class _Search(beam.DoFn):
         _, grouped = keyed
         sequences = sorted(grouped["sequences"], key=lambda s: s.seq_id)
         vectors = dict(grouped["embeddings"])
-        L = self.chunks_per_seq
+        L, C = self.chunks_per_seq, self.candidates
         queries = np.stack([vectors[s.seq_id * L + j] for s in sequences for j in range(L)])
-        scores, found = self.index.search(queries.astype(np.float32), self.candidates)
+        scores, found = self.index.search(queries.astype(np.float32), C)   # [Q, C], Q = S·L
         Metrics.counter(METRICS_NAMESPACE, "queries").inc(len(queries))
-        for row, (s, j) in enumerate((s, j) for s in sequences for j in range(L)):
-            for rank, (chunk_id, score) in enumerate(zip(found[row], scores[row])):
-                if chunk_id >= 0:
-                    yield int(chunk_id), (s.seq_id, j, rank, float(score))
-
-
-def _by_chunk_file(item, chunk_files: ChunkFileRanges):
-    chunk_id, _ = item
-    return chunk_files.file_of(chunk_id), item
+        hits = np.zeros(found.size, CANDIDATE)
+        hits["seq_id"] = np.repeat([s.seq_id for s in sequences], L * C)
+        hits["j"] = np.tile(np.repeat(np.arange(L), C), len(sequences))
+        hits["rank"] = np.tile(np.arange(C), len(queries))
+        hits["chunk_id"], hits["score"] = found.ravel(), scores.ravel()
+        hits = hits[hits["chunk_id"] >= 0]  # -1: fewer than C vectors reachable
+        unknown = hits["chunk_id"][hits["chunk_id"] >= self.chunk_files.num_chunks]
+        if len(unknown):
+            raise ValueError(f"the index returned chunk id {unknown[0]}, which is not in the chunk "
+                             f"database ({self.chunk_files.num_chunks} chunks): index and chunks disagree")
+        files = self.chunk_files.files_of(hits["chunk_id"])
+        for number in np.unique(files):
+            yield int(number), hits[files == number]
 
 
 class _CandidateDocs(beam.DoFn):
-    """(chunk file, search hits in it) -> candidates keyed by sequence, each with its chunk's
-    document (and token hash when deduplicating), from one read of that file."""
+    """(chunk file, hit blocks in it) -> one CANDIDATE block per sequence, each hit with its
+    chunk's document (and token hash when deduplicating), from one read of that file."""
 
     def __init__(self, chunk_files: ChunkFileRanges, dedupe: bool):
         self.chunk_files, self.dedupe = chunk_files, dedupe
 
     def process(self, keyed):
-        number, hits = keyed
+        number, blocks = keyed
         rows = self.chunk_files.read(number, ["doc_id", "tokens"] if self.dedupe else ["doc_id"])
-        start, keys = self.chunk_files.starts[number], {}
-        for chunk_id, (seq_id, j, rank, score) in hits:
-            row = chunk_id - start
-            if self.dedupe and row not in keys:  # a chunk is hit by many queries: hash it once
-                keys[row] = token_key(rows["tokens"][row])
-            yield seq_id, (j, rank, score, chunk_id, int(rows["doc_id"][row]), keys.get(row, 0))
+        hits = np.concatenate(list(blocks))
+        local = hits["chunk_id"] - self.chunk_files.starts[number]
+        hits["doc_id"] = rows["doc_id"][local]
+        if self.dedupe:  # a chunk is hit by many queries: hash each once
+            unique, inverse = np.unique(local, return_inverse=True)
+            hits["token_key"] = np.array([token_key(rows["tokens"][r]) for r in unique], np.int64)[inverse]
+        hits = hits[np.argsort(hits["seq_id"], kind="stable")]
+        seq_ids, starts = np.unique(hits["seq_id"], return_index=True)
+        for seq_id, block in zip(seq_ids.tolist(), np.split(hits, starts[1:])):
+            yield seq_id, block
 
 
 class _NeighbourTokens(beam.DoFn):
@@ -250,7 +257,8 @@ class _NeighbourTokens(beam.DoFn):
 def _select(keyed, k: int, dedupe: bool):
     seq_id, grouped = keyed
     (sequence,) = grouped["sequence"]
-    candidates = [Candidate(*c) for c in grouped["candidates"]]
+    blocks = list(grouped["candidates"])  # none when the index reached no chunk for it
+    candidates = np.concatenate(blocks) if blocks else np.zeros(0, CANDIDATE)
     picks, dropped = select_neighbours(candidates, sequence.doc_ids, k, dedupe)
     for reason, count in dropped.items():
         Metrics.counter(METRICS_NAMESPACE, f"candidates_dropped_{reason}").inc(count)
@@ -299,8 +307,7 @@ class RetrieveNeighbours(beam.PTransform):
              "embeddings": embeddings | "QueryBySearchBatch" >> beam.Map(
                 lambda e: (e[0] // L // batch, e))}
             | "JoinQueries" >> beam.CoGroupByKey()
-            | "Search" >> beam.ParDo(_Search(self.index_path, self.nprobe, L, self.candidates))
-            | "HitsByChunkFile" >> beam.Map(_by_chunk_file, files)
+            | "Search" >> beam.ParDo(_Search(self.index_path, self.nprobe, files, L, self.candidates))
             | "GroupHitsByChunkFile" >> beam.GroupByKey()
             | "CandidateDocs" >> beam.ParDo(_CandidateDocs(files, self.dedupe)))
         picks = (
@@ -309,7 +316,7 @@ class RetrieveNeighbours(beam.PTransform):
             | "DropOwnDocuments" >> beam.FlatMap(_select, self.k, self.dedupe))
         neighbours = (
             picks
-            | "PicksByChunkFile" >> beam.Map(_by_chunk_file, files)
+            | "PicksByChunkFile" >> beam.Map(lambda pick: (files.file_of(pick[0]), pick))
             | "GroupPicksByChunkFile" >> beam.GroupByKey()
             | "NeighbourTokens" >> beam.ParDo(_NeighbourTokens(files)))
         return (

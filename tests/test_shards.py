@@ -9,7 +9,7 @@ from apache_beam.testing.util import assert_that, equal_to
 from pipeline.chunkdb import ChunkFileRanges
 from pipeline.chunking import chunk_document
 from pipeline.index import build_index
-from pipeline.shards import (Candidate, PackSequences, RetrieveNeighbours, WriteShards,
+from pipeline.shards import (CANDIDATE, PackSequences, RetrieveNeighbours, WriteShards,
                              chunk_overlap, neighbour_arrays, overlap_bucket, overlap_histogram,
                              pack_sequence, select_neighbours, token_key)
 from pipeline.writers import chunks_table, parquet_bytes
@@ -28,28 +28,32 @@ def test_pack_sequence_adds_the_next_token_and_its_document():
     assert pack_sequence(0, chunks, None, None, PAD).tokens[-1] == PAD
 
 
+def candidates(*rows):
+    """CANDIDATE rows from (j, rank, score, chunk_id, doc_id[, token_key]) tuples."""
+    return np.array([(0, j, rank, chunk, score, doc, key) for j, rank, score, chunk, doc, key in
+                     (row + (0,) * (6 - len(row)) for row in rows)], CANDIDATE)
+
+
 def test_select_neighbours_drops_own_documents_and_pads():
-    candidates = [Candidate(0, 0, 1.0, 10, doc_id=1), Candidate(0, 1, 0.9, 11, doc_id=2),
-                  Candidate(0, 2, 0.8, 12, doc_id=3), Candidate(0, 3, 0.7, 13, doc_id=4),
-                  Candidate(1, 0, 1.0, 14, doc_id=1)]
-    picks, dropped = select_neighbours(candidates, {1}, K)
-    assert picks == [(0, 0, 11, 0.9), (0, 1, 12, 0.8)]
+    found = candidates((0, 3, 0.125, 13, 4), (0, 1, 0.5, 11, 2), (0, 0, 1.0, 10, 1),  # any order
+                       (0, 2, 0.25, 12, 3), (1, 0, 1.0, 14, 1))
+    picks, dropped = select_neighbours(found, {1}, K)
+    assert picks == [(0, 0, 11, 0.5), (0, 1, 12, 0.25)]
     assert dropped == {"own_document": 2, "duplicate_tokens": 0}
     values = [p + (np.full(2 * M, p[2], np.int32),) for p in picks]
     tokens, ids, scores = neighbour_arrays(values, L, K, M, PAD)
     assert ids.tolist() == [[11, 12], [-1, -1]]
-    assert scores.tolist() == [[np.float32(0.9), np.float32(0.8)], [0, 0]]
+    assert scores.tolist() == [[0.5, 0.25], [0, 0]]
     assert (tokens[0, 0] == 11).all() and (tokens[1] == PAD).all()
 
 
 def test_dedupe_skips_candidates_repeating_a_kept_neighbour():
     same, other = token_key(np.array([5, 6, 7, 8])), token_key(np.array([5, 6, 7, 9]))
     assert same == token_key(np.array([5, 6, 7, 8], dtype=np.int64)) and same != other
-    candidates = [Candidate(0, 0, 1.0, 10, 2, same), Candidate(0, 1, 0.9, 11, 3, same),
-                  Candidate(0, 2, 0.8, 12, 4, other)]
-    assert select_neighbours(candidates, set(), K)[0] == [(0, 0, 10, 1.0), (0, 1, 11, 0.9)]
-    picks, dropped = select_neighbours(candidates, set(), K, dedupe=True)
-    assert picks == [(0, 0, 10, 1.0), (0, 1, 12, 0.8)] and dropped["duplicate_tokens"] == 1
+    found = candidates((0, 0, 1.0, 10, 2, same), (0, 1, 0.5, 11, 3, same), (0, 2, 0.25, 12, 4, other))
+    assert select_neighbours(found, set(), K)[0] == [(0, 0, 10, 1.0), (0, 1, 11, 0.5)]
+    picks, dropped = select_neighbours(found, set(), K, dedupe=True)
+    assert picks == [(0, 0, 10, 1.0), (0, 1, 12, 0.25)] and dropped["duplicate_tokens"] == 1
 
 
 def _longest_common_run(a, b, pad):
