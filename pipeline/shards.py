@@ -196,6 +196,8 @@ class _Search(beam.DoFn):
     def process(self, keyed):
         _, grouped = keyed
         sequences = sorted(grouped["sequences"], key=lambda s: s.seq_id)
+        if not sequences:  # only the embeddings of chunks left over after the last sequence
+            return
         vectors = dict(grouped["embeddings"])
         L, C = self.chunks_per_seq, self.candidates
         queries = np.stack([vectors[s.seq_id * L + j] for s in sequences for j in range(L)])

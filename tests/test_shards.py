@@ -215,3 +215,27 @@ def test_retrieve_neighbours_dedupe_skips_repeated_tokens(tmp_path):
             rows = (sequences, queries) | RetrieveNeighbours(index_path, None, chunk_files, L, M, K, 8, PAD,
                                                              dedupe)
             assert_that(rows, second_neighbour_docs(dedupe))
+
+
+def test_a_search_batch_with_only_leftover_chunks_is_skipped(tmp_path):
+    """64 whole sequences fill search batch 0 exactly; the one chunk after them (too few for a
+    sequence) still has an embedding, keyed to batch 1, which therefore holds no sequence."""
+    from pipeline.shards import SEQUENCES_PER_SEARCH
+
+    rng = np.random.default_rng(2)
+    whole = SEQUENCES_PER_SEARCH * L
+    chunks = []
+    for doc in range(whole // 4 + 1):  # documents of 4 chunks, then one of a single chunk
+        length = 4 * M if len(chunks) < whole else M
+        chunks += list(chunk_document(doc, rng.integers(1, 1000, length).astype(np.int32), len(chunks), M, PAD))
+    assert len(chunks) == whole + 1
+    vectors = rng.normal(size=(len(chunks), 16)).astype(np.float32)
+    faiss.normalize_L2(vectors)
+    index_path = str(tmp_path / "index.faiss")
+    faiss.write_index(build_index(np.arange(len(chunks), dtype=np.int64), vectors, "Flat"), index_path)
+    chunk_files = write_chunk_files(tmp_path / "index", chunks, rows_per_file=50)
+    with local_pipeline() as p:
+        sequences = p | "Chunks" >> beam.Create(chunks) | PackSequences(L, PAD)
+        queries = p | "Queries" >> beam.Create([(i, vectors[i]) for i in range(len(chunks))])
+        rows = (sequences, queries) | RetrieveNeighbours(index_path, None, chunk_files, L, M, K, 8, PAD)
+        assert_that(rows | beam.Map(lambda r: r.seq_id), equal_to(list(range(SEQUENCES_PER_SEARCH))))
