@@ -24,6 +24,7 @@ from pipeline.index import load_index
 from pipeline.writers import WriteGroupedFiles, arrow_ipc_bytes
 from schemas.arrow import shard_table
 
+SENT = "sent"  # tagged output: (seq_id, elements it sent through the next shuffle)
 SEQUENCES_PER_SEARCH = 64  # fixed search batches: faiss scores depend on batch shape
 
 
@@ -213,6 +214,10 @@ class _Search(beam.DoFn):
         if len(unknown):
             raise ValueError(f"the index returned chunk id {unknown[0]}, which is not in the chunk "
                              f"database ({self.chunk_files.num_chunks} chunks): index and chunks disagree")
+        seq_ids, counts = np.unique(hits["seq_id"], return_counts=True)
+        sent = dict(zip(seq_ids.tolist(), counts.tolist()))
+        for s in sequences:  # what each sequence must receive back, checked in _select
+            yield beam.pvalue.TaggedOutput(SENT, (s.seq_id, sent.get(s.seq_id, 0)))
         files = self.chunk_files.files_of(hits["chunk_id"])
         for number in np.unique(files):
             yield int(number), hits[files == number]
@@ -256,14 +261,24 @@ class _NeighbourTokens(beam.DoFn):
             yield seq_id, (j, slot, chunk_id, score, values[chunk_id - start].tobytes())
 
 
+def _arrived(seq_id: int, what: str, received: int, sent: list[int]) -> None:
+    """Each sequence counts what it sent through a shuffle; fail loudly if any went missing
+    rather than write a shard with silently padded neighbours."""
+    if len(sent) != 1 or received != sent[0]:
+        raise RuntimeError(f"sequence {seq_id}: {received} {what} arrived, {sent or 'no count'} were "
+                           "sent: the runner lost data; nothing is committed, run the stage again")
+
+
 def _select(keyed, k: int, dedupe: bool):
     seq_id, grouped = keyed
     (sequence,) = grouped["sequence"]
     blocks = list(grouped["candidates"])  # none when the index reached no chunk for it
     candidates = np.concatenate(blocks) if blocks else np.zeros(0, CANDIDATE)
+    _arrived(seq_id, "search hits", len(candidates), list(grouped["sent"]))
     picks, dropped = select_neighbours(candidates, sequence.doc_ids, k, dedupe)
     for reason, count in dropped.items():
         Metrics.counter(METRICS_NAMESPACE, f"candidates_dropped_{reason}").inc(count)
+    yield beam.pvalue.TaggedOutput(SENT, (seq_id, len(picks)))
     for j, slot, chunk_id, score in picks:
         yield chunk_id, (seq_id, j, slot, score)
 
@@ -273,6 +288,7 @@ def _to_row(keyed, chunks_per_seq: int, k: int, m: int, pad_id: int):
     (sequence,) = grouped["sequence"]
     picks = [(j, slot, chunk_id, score, np.frombuffer(value, np.int32))
              for j, slot, chunk_id, score, value in grouped["picks"]]
+    _arrived(sequence.seq_id, "neighbours", len(picks), list(grouped["sent"]))
     neighbours, ids, scores = neighbour_arrays(picks, chunks_per_seq, k, m, pad_id)
     Metrics.counter(METRICS_NAMESPACE, "neighbour_slots_padded").inc(chunks_per_seq * k - len(picks))
     chunks = sequence.tokens[:chunks_per_seq * m].reshape(chunks_per_seq, m)
@@ -303,26 +319,29 @@ class RetrieveNeighbours(beam.PTransform):
         sequences, embeddings = inputs
         L, batch, files = self.L, SEQUENCES_PER_SEARCH, self.chunk_files
         by_seq = sequences | "SeqById" >> beam.Map(lambda s: (s.seq_id, s))
-        candidates = (
+        hits = (
             {"sequences": sequences | "SeqBySearchBatch" >> beam.Map(
                 lambda s: (s.seq_id // batch, s)),
              "embeddings": embeddings | "QueryBySearchBatch" >> beam.Map(
                 lambda e: (e[0] // L // batch, e))}
             | "JoinQueries" >> beam.CoGroupByKey()
             | "Search" >> beam.ParDo(_Search(self.index_path, self.nprobe, files, L, self.candidates))
+            .with_outputs(SENT, main="hits"))
+        candidates = (
+            hits.hits
             | "GroupHitsByChunkFile" >> beam.GroupByKey()
             | "CandidateDocs" >> beam.ParDo(_CandidateDocs(files, self.dedupe)))
         picks = (
-            {"sequence": by_seq, "candidates": candidates}
+            {"sequence": by_seq, "candidates": candidates, "sent": hits[SENT]}
             | "JoinCandidates" >> beam.CoGroupByKey()
-            | "DropOwnDocuments" >> beam.FlatMap(_select, self.k, self.dedupe))
+            | "DropOwnDocuments" >> beam.FlatMap(_select, self.k, self.dedupe).with_outputs(SENT, main="picks"))
         neighbours = (
-            picks
+            picks.picks
             | "PicksByChunkFile" >> beam.Map(lambda pick: (files.file_of(pick[0]), pick))
             | "GroupPicksByChunkFile" >> beam.GroupByKey()
             | "NeighbourTokens" >> beam.ParDo(_NeighbourTokens(files)))
         return (
-            {"sequence": by_seq, "picks": neighbours}
+            {"sequence": by_seq, "picks": neighbours, "sent": picks[SENT]}
             | "JoinNeighbours" >> beam.CoGroupByKey()
             | "AssembleRows" >> beam.FlatMap(_to_row, L, self.k, self.m, self.pad_id))
 

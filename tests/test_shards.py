@@ -239,3 +239,13 @@ def test_a_search_batch_with_only_leftover_chunks_is_skipped(tmp_path):
         queries = p | "Queries" >> beam.Create([(i, vectors[i]) for i in range(len(chunks))])
         rows = (sequences, queries) | RetrieveNeighbours(index_path, None, chunk_files, L, M, K, 8, PAD)
         assert_that(rows | beam.Map(lambda r: r.seq_id), equal_to(list(range(SEQUENCES_PER_SEARCH))))
+
+
+def test_a_shuffle_that_loses_elements_fails_loudly():
+    from pipeline.shards import _arrived
+
+    _arrived(7, "search hits", 256, [256])  # all arrived
+    with pytest.raises(RuntimeError, match="sequence 7: 200 search hits arrived, \\[256\\] were sent"):
+        _arrived(7, "search hits", 200, [256])
+    with pytest.raises(RuntimeError, match="sequence 7: 0 neighbours arrived, no count were sent"):
+        _arrived(7, "neighbours", 0, [])  # the count itself went missing
