@@ -107,18 +107,16 @@ def move(source: str, target: str) -> None:
     FileSystems.rename([source], [target])
 
 
-def new_staging_dir(output: str, stage: str) -> str:
-    return join(output, ".staging", f"{stage}-{uuid.uuid4().hex[:12]}")
-
-
-def clear_stale_staging(output: str, stage: str) -> None:
-    """Delete what a killed run of `stage` left in `<output>/.staging/` (one run per output
-    directory at a time)."""
+def new_staging_dir(output: str, stage: str, dry_run: bool = False) -> str:
+    """A fresh staging directory for `stage`, after deleting what a killed run of it left in
+    `<output>/.staging/` (one run per output directory at a time; a dry run deletes nothing)."""
     root = join(output, ".staging")
-    stale = {posixpath.relpath(path.replace("\\", "/"), root.rstrip("/")).split("/")[0]
-             for path in list_files(root)}
-    for name in sorted(n for n in stale if n.startswith(f"{stage}-")):
-        delete_tree(join(root, name))
+    if not dry_run:
+        stale = {posixpath.relpath(path.replace("\\", "/"), root.rstrip("/")).split("/")[0]
+                 for path in list_files(root)}
+        for name in sorted(n for n in stale if n.startswith(f"{stage}-")):
+            delete_tree(join(root, name))
+    return join(root, f"{stage}-{uuid.uuid4().hex[:12]}")
 
 
 def commit_directory(staging: str, final: str, manifest: dict,

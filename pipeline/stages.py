@@ -182,9 +182,7 @@ def build_index(cfg: PipelineConfig, beam_args: list[str], force: bool = False,
     if previous is not None and previous.embed_config_hash == cfg.embed_hash():
         return _rebuild_faiss(cfg, previous, beam_args)
     tok = Tokenization.of(cfg)
-    if not dry_run:
-        fileio.clear_stale_staging(cfg.output, "index")
-    staging = fileio.new_staging_dir(cfg.output, "index")
+    staging = fileio.new_staging_dir(cfg.output, "index", dry_run)
     m = cfg.chunk_tokens
     with StageTimer("build-index") as timer:
         pipeline = new_pipeline(beam_args, dry_run)
@@ -263,7 +261,6 @@ def _rebuild_faiss(cfg: PipelineConfig, previous: IndexManifest, beam_args: list
     directory = index_dir(cfg)
     kept = [f for f in previous.files if not f.path.startswith("faiss/")]
     paths = [fileio.join(directory, f.path) for f in kept if f.path.startswith("embeddings/")]
-    fileio.clear_stale_staging(cfg.output, "faiss")
     staging = fileio.new_staging_dir(cfg.output, "faiss")
     counters = _run_build_index(paths, cfg.index, staging, beam_args, "build-index (faiss only)")
     info, index_entry = _index_files(staging)
@@ -286,7 +283,6 @@ def build_vector_index(embeddings: list[str], output: str, cfg_index, beam_args:
     paths = sorted({m.path for pattern, result in zip(embeddings, FileSystems.match(embeddings))
                     for m in _nonempty(pattern, result)})
     sizes = {m.path: m.size_in_bytes for r in FileSystems.match(paths) for m in r.metadata_list}
-    fileio.clear_stale_staging(output, "faiss")
     staging = fileio.new_staging_dir(output, "faiss")
     counters = _run_build_index(paths, cfg_index, staging, beam_args, "index")
     info, index_entry = _index_files(staging)
@@ -342,9 +338,7 @@ def build_shards(cfg: PipelineConfig, beam_args: list[str], dry_run: bool = Fals
     dry_run: as for `build_index` (no committed index is needed)."""
     index_manifest, index_sha = (None, None) if dry_run else load_index_manifest(cfg)
     tok = Tokenization.of(cfg)
-    if not dry_run:
-        fileio.clear_stale_staging(cfg.output, "shards")
-    staging = fileio.new_staging_dir(cfg.output, "shards")
+    staging = fileio.new_staging_dir(cfg.output, "shards", dry_run)
     L, m, k = cfg.chunks_per_sequence, cfg.chunk_tokens, cfg.neighbours
     idx = index_dir(cfg)
     with StageTimer("build-shards") as timer:
