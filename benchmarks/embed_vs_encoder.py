@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 from benchmarks.report import write_results  # noqa: E402
 from pipeline.chunking import load_tokenizer
-from pipeline.embed import EmbedChunks, chunk_texts, encode_texts, load_encoder
+from pipeline.embed import EmbedChunks, chunk_texts, encode_texts, load_encoder, torch_threads
 from pipeline.models import resolve_tokenizer
 from pipeline.options import pipeline_options
 from pipeline.stages import _chunks_from_table, build_index, build_shards
@@ -49,12 +49,13 @@ def main() -> None:
         chunks = [c for f in chunk_files for c in _chunks_from_table(pq.read_table(f))]
         texts = chunk_texts(load_tokenizer(resolve_tokenizer(cfg.tokenizer)), chunks)
         model, t_load = timed(lambda: load_encoder(cfg.embedding))
-        _, t_raw = timed(lambda: encode_texts(model, texts, cfg.embedding.batch_size))
+        with torch_threads(manifest.encoder_threads):  # the threads the stage used
+            _, t_raw = timed(lambda: encode_texts(model, texts, cfg.embedding.batch_size))
 
         def embed_stage():
             with beam.Pipeline(options=pipeline_options([])) as p:
                 _ = (p | beam.Create(chunks, reshuffle=False)
-                     | EmbedChunks(cfg.embedding, resolve_tokenizer(cfg.tokenizer))
+                     | EmbedChunks(cfg.embedding, resolve_tokenizer(cfg.tokenizer), manifest.encoder_threads)
                      | beam.combiners.Count.Globally())
 
         _, t_embed = timed(embed_stage)
@@ -67,7 +68,7 @@ def main() -> None:
         "embed_stage_vs_raw": round(t_embed / t_raw, 3),
         "build_index_vs_raw": round(t_index / t_raw, 3),
         "run_vs_raw": round((t_index + t_shards) / t_raw, 3),
-        "cpu_count": os.cpu_count(), "python": sys.version.split()[0],
+        "encoder_threads": manifest.encoder_threads, "cpu_count": os.cpu_count(), "python": sys.version.split()[0],
     }
     write_results(result, "benchmarks/results/embed_vs_encoder.json")
     width = max(map(len, result))

@@ -24,7 +24,7 @@ from pipeline.corpus import METRICS_NAMESPACE, ReadCorpus, rejected_share
 from pipeline.index import BUILD_INFO_FILE, INDEX_FILE, BuildIndex, new_index
 from pipeline.models import (DEFAULT_MODEL_NAMES, embedding_dim, fingerprint_path, resolve_model,
                              resolve_tokenizer)
-from pipeline.options import pipeline_options
+from pipeline.options import encoder_threads, pipeline_options
 from pipeline.progress import ReportProgress, StageTimer
 from pipeline.shards import PackSequences, RetrieveNeighbours, WriteShards, overlap_histogram
 from pipeline.writers import (WriteGroupedFiles, WriteRejected, chunks_table, embeddings_table,
@@ -186,6 +186,7 @@ def build_index(cfg: PipelineConfig, beam_args: list[str], force: bool = False,
     m = cfg.chunk_tokens
     with StageTimer("build-index") as timer:
         pipeline = new_pipeline(beam_args, dry_run)
+        threads = encoder_threads(cfg.embedding.cpu_threads, cfg.embedding.device, pipeline.options)
         documents, rejected = pipeline | "ReadRetrievalCorpus" >> ReadCorpus(cfg.retrieval_corpus,
                                                                              match=not dry_run)
         chunks, unusable = (documents | "DocumentProgress" >> ReportProgress("read", "documents")
@@ -197,7 +198,7 @@ def build_index(cfg: PipelineConfig, beam_args: list[str], force: bool = False,
         from pipeline.embed import EmbedChunks  # imports torch, which the index command never needs
 
         embeddings = (chunks
-                      | "EmbedChunks" >> EmbedChunks(cfg.embedding, tok.path)
+                      | "EmbedChunks" >> EmbedChunks(cfg.embedding, tok.path, threads)
                       | "EmbedProgress" >> ReportProgress("embed", "chunks"))
         embedding_files = embeddings | "WriteEmbeddings" >> WriteGroupedFiles(
             fileio.join(staging, "embeddings"), staging, "embeddings", "parquet",
@@ -224,7 +225,7 @@ def build_index(cfg: PipelineConfig, beam_args: list[str], force: bool = False,
         tokenizer=Fingerprint(name=tok.name, fingerprint=fingerprint_path(tok.path)),
         embedding_model=Fingerprint(name=cfg.embedding.model,
                                     fingerprint=fingerprint_path(resolve_model(cfg.embedding.model))),
-        num_documents=counters.get("documents_chunked", 0),
+        encoder_threads=threads, num_documents=counters.get("documents_chunked", 0),
         num_chunks=counters.get("chunks", 0), chunk_tokens=m, pad_id=tok.pad_id,
         files=sorted(files, key=lambda f: f["path"]), counters=counters,
         created_by=f"ratrain-pipeline {__version__}", **_vector_index_fields(info))
@@ -343,6 +344,7 @@ def build_shards(cfg: PipelineConfig, beam_args: list[str], dry_run: bool = Fals
     idx = index_dir(cfg)
     with StageTimer("build-shards") as timer:
         pipeline = new_pipeline(beam_args, dry_run)
+        threads = None
         chunk_files = ChunkFileRanges.from_entries(idx, [] if dry_run else index_manifest.files)
         if cfg.training_corpus == "same":
             training_chunks = (pipeline
@@ -362,7 +364,8 @@ def build_shards(cfg: PipelineConfig, beam_args: list[str], dry_run: bool = Fals
                 tok.path, m, tok.pad_id)
             from pipeline.embed import EmbedChunks  # imports torch: only when embedding
 
-            queries = training_chunks | "EmbedTrainingChunks" >> EmbedChunks(cfg.embedding, tok.path)
+            threads = encoder_threads(cfg.embedding.cpu_threads, cfg.embedding.device, pipeline.options)
+            queries = training_chunks | "EmbedTrainingChunks" >> EmbedChunks(cfg.embedding, tok.path, threads)
             rejected = (read_rejected, unusable) | "MergeRejected" >> beam.Flatten()
         sequences = training_chunks | "PackSequences" >> PackSequences(L, tok.pad_id)
         rows = ((sequences, queries)
@@ -386,7 +389,7 @@ def build_shards(cfg: PipelineConfig, beam_args: list[str], dry_run: bool = Fals
     manifest = ShardsManifest(
         config_hash=cfg.shards_hash(), index_manifest_sha256=index_sha,
         training_corpus="same" if cfg.training_corpus == "same" else "separate",
-        sequence_tokens=cfg.sequence_tokens, chunk_tokens=m, neighbours=k,
+        encoder_threads=threads, sequence_tokens=cfg.sequence_tokens, chunk_tokens=m, neighbours=k,
         neighbour_tokens=2 * m, pad_id=tok.pad_id,
         num_sequences=sum(s["rows"] for s in shards), shards=shards,
         overlap=overlap_histogram(counters), counters=counters,

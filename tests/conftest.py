@@ -67,7 +67,10 @@ def built_output(tmp_path_factory):
     docs = sample_documents(16)
     write_jsonl(root / "corpus" / "a.jsonl", docs[:8])
     write_jsonl(root / "corpus" / "b.jsonl", docs[8:] + BAD_RECORDS)
-    config = small_config(root / "out", str(root / "corpus" / "*.jsonl"))
+    # One encoder thread, as each process of a two-worker run has: embedding bytes are
+    # reproducible for the same config, hardware and encoder threads, and tests compare them.
+    config = small_config(root / "out", str(root / "corpus" / "*.jsonl"),
+                          embedding={"batch_size": 32, "cpu_threads": 1})
     write_config(root / "config.yaml", config)
     report = run_all(config_from_dict(config), [])
     return root, config, report

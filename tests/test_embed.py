@@ -3,7 +3,7 @@ import numpy as np
 from apache_beam.testing.util import assert_that
 
 from pipeline.chunking import chunk_document, load_tokenizer, tokenize_batch
-from pipeline.embed import EmbedChunks, chunk_texts, encode_texts, load_encoder
+from pipeline.embed import EmbedChunks, chunk_texts, encode_texts, load_encoder, torch_threads
 from pipeline.models import resolve_tokenizer
 from schemas.config import EmbeddingConfig
 from tests.conftest import local_pipeline, sample_documents
@@ -25,8 +25,10 @@ def test_embed_chunks_equals_the_raw_encoder_on_the_same_batches():
     tokenizer, chunks = _chunks()
     model = load_encoder(CFG)
     texts = chunk_texts(tokenizer, chunks)
-    # the stage batches by chunk-id range (ids 0-7, 8-15, ...): the same batches, raw
-    expected = np.concatenate([encode_texts(model, texts[i:i + 8], 8) for i in range(0, len(texts), 8)])
+    # the stage batches by chunk-id range (ids 0-7, 8-15, ...): the same batches, raw, on the
+    # stage's one thread
+    with torch_threads(1):
+        expected = np.concatenate([encode_texts(model, texts[i:i + 8], 8) for i in range(0, len(texts), 8)])
 
     def check(rows):
         rows = sorted(rows, key=lambda r: r[0])
@@ -37,7 +39,7 @@ def test_embed_chunks_equals_the_raw_encoder_on_the_same_batches():
         np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
 
     with local_pipeline() as p:
-        embeddings = p | beam.Create(chunks) | EmbedChunks(CFG, resolve_tokenizer(None))
+        embeddings = p | beam.Create(chunks) | EmbedChunks(CFG, resolve_tokenizer(None), 1)
         assert_that(embeddings, check)
 
 
@@ -48,3 +50,14 @@ def test_chunk_texts_drop_padding():
                             np.concatenate([last.tokens[:3], np.zeros(29, np.int32)]), last.continuation)
     (text,) = chunk_texts(tokenizer, [padded])
     assert "[PAD]" not in text and text == tokenizer.decode(last.tokens[:3].tolist())
+
+
+def test_torch_threads_applies_a_count_and_restores_the_processes():
+    import torch
+
+    before = torch.get_num_threads()
+    with torch_threads(before + 1):
+        assert torch.get_num_threads() == before + 1
+    assert torch.get_num_threads() == before
+    with torch_threads(None):
+        assert torch.get_num_threads() == before

@@ -227,6 +227,7 @@ def _without_timings(manifest_path):
 
 def test_two_worker_processes_write_byte_identical_outputs(built_output, tmp_path, monkeypatch):
     root, config, _ = built_output
+    assert config["embedding"]["cpu_threads"] == 1  # both runs encode on one thread per process
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # pipeline_options shares the cores
     run_all(config_from_dict({**config, "output": str(tmp_path / "out")}),
             ["--direct_num_workers=2", "--direct_running_mode=multi_processing"])
@@ -241,6 +242,30 @@ def test_two_worker_processes_write_byte_identical_outputs(built_output, tmp_pat
     for path in (root / "out").rglob("*.json"):
         if path.name in timed:
             assert _without_timings(tmp_path / "out" / path.relative_to(root / "out")) == _without_timings(path)
+
+
+def test_another_encoder_thread_count_gives_the_same_neighbours(built_output, tmp_path):
+    """Bytes are promised for equal encoder threads only (CPU kernels split sums by thread
+    count); another count moves embeddings by float rounding, not the neighbours."""
+    root, config, _ = built_output
+    out = tmp_path / "out"
+    run_all(config_from_dict({**config, "output": str(out), "embedding": {"batch_size": 32, "cpu_threads": 2}}), [])
+    one, two = (json.loads((o / "index" / "manifest.json").read_text()) for o in (root / "out", out))
+    assert (one["encoder_threads"], two["encoder_threads"]) == (1, 2)
+    assert one["embed_config_hash"] == two["embed_config_hash"]  # placement, not content
+
+    def embeddings(o):
+        files = sorted((o / "index" / "embeddings").glob("*.parquet"))
+        return np.concatenate([tensor_column_to_numpy(pq.read_table(f)["embedding"]) for f in files])
+
+    np.testing.assert_allclose(embeddings(out), embeddings(root / "out"), atol=1e-5)
+
+    def neighbour_ids(o):
+        return np.concatenate([tensor_column_to_numpy(t["neighbour_ids"]).ravel()
+                               for _, t in _shard_tables(o / "shards")])
+
+    ids_one, ids_two = neighbour_ids(root / "out"), neighbour_ids(out)
+    assert ids_one.shape == ids_two.shape and np.mean(ids_one == ids_two) >= 0.999
 
 
 def test_shards_manifest_carries_the_overlap_audit(built_output):
