@@ -122,7 +122,7 @@ def ours_main(root: str, out: str, query_chunks: int, beam_args: list[str]) -> N
 
     from pipeline.chunkdb import ChunkFileRanges
     from pipeline.options import pipeline_options
-    from pipeline.shards import PackSequences, RetrieveNeighbours, WriteShards
+    from pipeline.shards import DocumentSpans, PackSequences, RetrieveNeighbours, Retrieval, WriteShards
     from pipeline.stages import _chunks_from_table, _embeddings_from_table
 
     limit = query_chunks
@@ -140,9 +140,9 @@ def ours_main(root: str, out: str, query_chunks: int, beam_args: list[str]) -> N
                    | "EmbeddingRows" >> beam.FlatMap(_embeddings_from_table)
                    | "TrainingQueries" >> beam.Filter(lambda e: e[0] < limit))
         sequences = training | "PackSequences" >> PackSequences(L, PAD)
-        rows = ((sequences, queries)
-                | "RetrieveNeighbours" >> RetrieveNeighbours(f"{root}/index.faiss", NPROBE, chunk_files, L, M, K,
-                                                             CANDIDATES, PAD))
+        spans = p | "DocumentSpans" >> DocumentSpans(f"{root}/chunks/*.parquet")
+        spec = Retrieval(f"{root}/index.faiss", NPROBE, chunk_files, L, M, K, CANDIDATES, PAD)
+        rows, _ = (sequences, queries, spans) | "RetrieveNeighbours" >> RetrieveNeighbours(spec)
         _ = rows | "WriteShards" >> WriteShards(out, SHARD_ROWS, PAD)
     record_rss(out, workers.stop())
 

@@ -7,7 +7,7 @@ into Beam so that, for IVF types, no process ever holds all embeddings:
     embeddings ─► stats (count, dims) ─► sample ─► train (one worker) ─► trained.faiss
          │                                                                   │
          └─► parts by chunk id ─► add_with_ids to the trained index ─► part-NNNNN.faiss
-                              └─► exact top-1 of the query sample ─► ground truth
+                              └─► exact top 100 of the query sample ─► ground truth
     parts ─► merge (IVF lists, in part order) ─► index.faiss ─► tune nprobe to target recall
 
 Chunk ids are the faiss ids, so a search answers chunk ids.
@@ -33,8 +33,12 @@ from schemas.arrow import tensor_column_to_numpy
 from schemas.config import IndexConfig
 
 RECALL_K = 10
-RECALL_MEASURE = f"1-recall@{RECALL_K}"  # share of queries whose exact nearest other vector
-                                         # is among the index's top 10 (the query excluded)
+TIE_TOLERANCE = 1e-3  # ann-benchmarks' epsilon: similarities this close are a tie
+# Share of queries for which one of the index's top 10 (the query excluded) is as similar as
+# the exact nearest other vector, within TIE_TOLERANCE: near-duplicates are interchangeable.
+RECALL_MEASURE = f"1-recall@{RECALL_K} with ties within {TIE_TOLERANCE:g}"
+TRUTH_DEPTH = 100     # exact best per query kept as ground truth (ties beyond it count as misses)
+PLATEAU_GAIN = 0.005  # stop deepening the search when doubling the depth gains less recall
 INDEX_FILE = "index.faiss"
 TRAINED_FILE = "trained.faiss"
 BUILD_INFO_FILE = "build_info.json"
@@ -223,10 +227,66 @@ def set_search_depth(index, depth: int) -> None:
     """nprobe for IVF, efSearch for HNSW."""
     if is_ivf(index):
         faiss.extract_index_ivf(index).nprobe = depth
-    else:
-        hnsw = faiss.downcast_index(index.index if isinstance(index, faiss.IndexIDMap) else index)
-        if hasattr(hnsw, "hnsw"):
-            hnsw.hnsw.efSearch = depth
+    elif _hnsw(index) is not None:
+        _hnsw(index).efSearch = depth
+
+
+def _hnsw(index):
+    inner = faiss.downcast_index(index.index) if isinstance(index, faiss.IndexIDMap) else index
+    return inner.hnsw if hasattr(inner, "hnsw") else None
+
+
+def search_depth(index) -> int | None:
+    """The depth searches run at: nprobe (IVF), efSearch (HNSW), None (exhaustive types)."""
+    if is_ivf(index):
+        return faiss.extract_index_ivf(index).nprobe
+    hnsw = _hnsw(index)
+    return None if hnsw is None else hnsw.efSearch
+
+
+def deepest_search(index) -> int | None:
+    """The depth at which a search reaches every vector: all lists (IVF), a candidate list as
+    long as the index (HNSW); None for exhaustive types."""
+    if is_ivf(index):
+        return faiss.extract_index_ivf(index).nlist
+    return None if _hnsw(index) is None else max(int(index.ntotal), 1)
+
+
+def _search_params(index, selector, depth: int | None):
+    """faiss SearchParameters with `selector` at `depth` (faiss params replace the index's own
+    nprobe / efSearch, so the depth is always given)."""
+    if is_ivf(index):
+        return faiss.SearchParametersIVF(sel=selector, nprobe=depth)
+    if _hnsw(index) is not None:
+        return faiss.SearchParametersHNSW(sel=selector, efSearch=depth)
+    return faiss.SearchParameters(sel=selector)
+
+
+def search_excluding(index, queries: np.ndarray, k: int, excluded: list[tuple[int, int]]):
+    """The k best ids outside the id ranges `excluded` ([start, end) each) per query, skipped
+    by faiss during the search itself, so they never take a place in the top k. A query that
+    comes back with fewer than k (an IVF whose probed lists, or an HNSW walk, hold mostly
+    excluded vectors) is searched again at twice the depth, up to the deepest: a slot stays
+    empty only when the index holds fewer than k vectors outside the ranges.
+    -> (scores [q, k], ids [q, k] (-1 = none), deeper searches made)."""
+    parts = [faiss.IDSelectorRange(int(start), int(end)) for start, end in excluded]
+    keep, union = list(parts), parts[0] if parts else None  # selectors hold raw pointers: keep all alive
+    for part in parts[1:]:
+        union = faiss.IDSelectorOr(union, part)
+        keep.append(union)
+    selector = faiss.IDSelectorNot(union) if parts else None
+    queries = np.ascontiguousarray(queries, dtype=np.float32)
+    depth, deepest = search_depth(index), deepest_search(index)
+    scores, ids = index.search(queries, k, params=_search_params(index, selector, depth))
+    deeper = 0
+    while deepest is not None and depth < deepest and (ids < 0).any():
+        depth = min(2 * depth, deepest)
+        deeper += 1
+        # the same query block again (fixed shape), keeping the rows that were already full
+        more_scores, more_ids = index.search(queries, k, params=_search_params(index, selector, depth))
+        short = (ids < 0).any(axis=1)
+        scores[short], ids[short] = more_scores[short], more_ids[short]
+    return scores, ids, deeper
 
 
 def search_depth_range(index) -> list[int] | None:
@@ -234,51 +294,88 @@ def search_depth_range(index) -> list[int] | None:
     if is_ivf(index):
         nlist = faiss.extract_index_ivf(index).nlist
         return sorted({min(2 ** i, nlist) for i in range(int(math.log2(nlist)) + 2)})
-    inner = faiss.downcast_index(index.index) if isinstance(index, faiss.IndexIDMap) else index
-    return [16, 32, 64, 128, 256, 512, 1024] if hasattr(inner, "hnsw") else None
+    return [16, 32, 64, 128, 256, 512, 1024] if _hnsw(index) is not None else None
 
 
 EXACT_BLOCK = 32768  # vectors per block of the exact search: bounds its [q, block] scores
 
 
-def exact_nearest_other(query_ids, queries, ids, vectors):
-    """Per query, (score, id) of the nearest vector among `ids` other than itself."""
+def exact_top(scores: np.ndarray, ids: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of scores [n, r] over `ids` [r] (excluded entries -inf), the k best (higher
+    score, then lower id): (scores [n, k] float32, ids [n, k]); -inf / -1 past the reachable."""
+    n = len(scores)
+    top_scores, top_ids = np.full((n, k), -np.inf, np.float32), np.full((n, k), -1, np.int64)
+    if scores.shape[1] > k:  # the k best in linear time, then only those sorted
+        best = np.argpartition(-scores, k - 1, axis=1)[:, :k]
+        scores, candidates = np.take_along_axis(scores, best, axis=1), ids[best]
+    else:
+        candidates = np.broadcast_to(ids, scores.shape)
+    order = np.lexsort((candidates, -scores), axis=1)
+    found = np.take_along_axis(scores, order, axis=1)
+    top_scores[:, :found.shape[1]] = found
+    top_ids[:, :found.shape[1]] = np.where(np.isfinite(found), np.take_along_axis(candidates, order, axis=1), -1)
+    return top_scores, top_ids
+
+
+def merge_top(a, b, k: int):
+    """Associative merge of two (scores, ids) top-k lists of the same queries."""
+    scores = np.concatenate([a[0], b[0]], axis=1)
+    ids = np.concatenate([a[1], b[1]], axis=1)
+    order = np.lexsort((ids, -scores), axis=1)[:, :k]
+    return np.take_along_axis(scores, order, axis=1), np.take_along_axis(ids, order, axis=1)
+
+
+def exact_nearest_other(query_ids, queries, ids, vectors, depth: int = TRUTH_DEPTH):
+    """Per query, the `depth` nearest vectors among `ids` other than itself: (scores, ids)
+    [q, depth], merged over blocks with `merge_top`."""
     result = None
     for start in range(0, len(ids), EXACT_BLOCK):
         block_ids = ids[start:start + EXACT_BLOCK]
         scores = queries @ vectors[start:start + EXACT_BLOCK].T      # [q, block]
         scores[query_ids[:, None] == block_ids[None, :]] = -np.inf
-        best = np.argmax(scores, axis=1)
-        found = scores[np.arange(len(queries)), best], block_ids[best]
-        result = found if result is None else merge_nearest(result, found)
+        found = exact_top(scores, block_ids, depth)
+        result = found if result is None else merge_top(result, found, depth)
     return result
 
 
 def merge_nearest(a, b):
-    """Associative merge of two (scores, ids) ground truths: higher score, then lower id."""
-    (sa, ia), (sb, ib) = a, b
-    take_b = (sb > sa) | ((sb == sa) & (ib < ia))
-    return np.where(take_b, sb, sa), np.where(take_b, ib, ia)
+    """Associative merge of two ground truths (`exact_nearest_other` results)."""
+    return merge_top(a, b, a[0].shape[1])
 
 
-def one_recall_at_k(index, query_ids, queries, truth_ids, k: int = RECALL_K) -> float:
-    """Share of queries whose exact nearest other vector is in the index's top k (self excluded)."""
+def one_recall_at_k(index, query_ids, queries, truth, k: int = RECALL_K) -> float:
+    """RECALL_MEASURE: share of queries one of whose top k from the index (self excluded) is
+    within TIE_TOLERANCE of the exact nearest other vector's similarity. A returned vector's
+    exact similarity comes from the truth list; one beyond it is a miss unless the list
+    ends above the tie line (then it cannot be told, and counts as a miss)."""
+    truth_scores, truth_ids = truth
     _, found = index.search(np.ascontiguousarray(queries, dtype=np.float32), k + 1)
-    hits = [t in [f for f in row if f != q][:k] for q, t, row in zip(query_ids, truth_ids, found)]
-    return float(np.mean(hits)) if hits else 1.0
+    hits = 0
+    for q, row, t_scores, t_ids in zip(query_ids, found, truth_scores, truth_ids):
+        returned = [f for f in row if f != q and f >= 0][:k]
+        similarity = dict(zip(t_ids.tolist(), t_scores.tolist()))
+        hits += any(similarity.get(f, -np.inf) >= t_scores[0] - TIE_TOLERANCE for f in returned)
+    return hits / len(query_ids) if len(query_ids) else 1.0
 
 
-def tune_search_depth(index, query_ids, queries, truth_ids, target: float):
-    """Smallest search depth reaching `target` (or the deepest tried): (depth, recall)."""
+def tune_search_depth(index, query_ids, queries, truth, target: float):
+    """Smallest search depth reaching `target`; or, when doubling the depth gains less than
+    PLATEAU_GAIN first, the depth before that plateau (deeper would cost time for nothing:
+    the codes, not the depth, limit recall): (depth, recall, plateaued)."""
     depths = search_depth_range(index)
     if depths is None:
-        return None, one_recall_at_k(index, query_ids, queries, truth_ids)
+        return None, one_recall_at_k(index, query_ids, queries, truth), False
+    previous = None
     for depth in depths:
         set_search_depth(index, depth)
-        recall = one_recall_at_k(index, query_ids, queries, truth_ids)
+        recall = one_recall_at_k(index, query_ids, queries, truth)
         if recall >= target:
-            break
-    return depth, recall
+            return depth, recall, False
+        if previous is not None and recall - previous[1] < PLATEAU_GAIN:
+            set_search_depth(index, previous[0])
+            return previous[0], previous[1], True
+        previous = (depth, recall)
+    return depth, recall, False
 
 
 def query_rate(index, queries: np.ndarray, k: int = RECALL_K) -> float:
@@ -518,20 +615,18 @@ def _build_in_one(paths, plan, queries, cfg: IndexConfig, out_dir):
 
 def _finish(index, plan, queries, truth, cfg: IndexConfig, out_dir, parts: int):
     query_ids, query_vectors = queries
-    truth_ids = truth[1]
     if cfg.nprobe is not None and search_depth_range(index) is not None:
         set_search_depth(index, cfg.nprobe)
-        depth, recall = cfg.nprobe, one_recall_at_k(index, query_ids, query_vectors, truth_ids)
+        depth, recall, plateau = cfg.nprobe, one_recall_at_k(index, query_ids, query_vectors, truth), False
     else:
-        depth, recall = tune_search_depth(index, query_ids, query_vectors, truth_ids,
-                                          cfg.target_recall)
+        depth, recall, plateau = tune_search_depth(index, query_ids, query_vectors, truth, cfg.target_recall)
     index_bytes, index_sha256 = write_index(index, fileio.join(out_dir, INDEX_FILE))
     info = {"index_factory": plan["factory"], "nprobe": depth, "dim": plan["dim"],
             "metric": "inner_product", "num_vectors": int(index.ntotal),
             "training_vectors": plan["train_size"], "parts": parts,
             "recall_at_k": {"measure": RECALL_MEASURE, "value": recall,
                             "sample_size": int(len(query_ids)), "nprobe": depth,
-                            "target": cfg.target_recall},
+                            "target": cfg.target_recall, "plateau": plateau},
             "queries_per_second": round(query_rate(index, query_vectors), 1),
             "index_bytes": index_bytes, "index_sha256": index_sha256,
             "memory_budget": cfg.memory_budget}

@@ -30,7 +30,7 @@ def inspect_shards(directory: str, count: int, max_chunks: int = 4) -> list[str]
     index_raw, _ = _manifest(posixpath.join(posixpath.dirname(directory.rstrip("/")), "index"))
     tokenizer = load_tokenizer(resolve_tokenizer(IndexManifest.model_validate(index_raw).tokenizer.name))
     m = manifest.chunk_tokens
-    lines: list[str] = []
+    lines: list[str] = [f"{directory}: {manifest.num_sequences} sequences, {manifest.neighbour_summary()}"]
     for entry in manifest.shards:
         table = ipc.open_file(pa.BufferReader(fileio.read_bytes(fileio.join(directory, entry.path)))).read_all()
         tokens = tensor_column_to_numpy(table["tokens"])

@@ -1,11 +1,13 @@
 """Pack training sequences, retrieve their neighbours, join neighbour tokens, write shards.
 
-Everything moves through Beam shuffles keyed by ids: sequences meet their query embeddings by
-search batch; search hits, and later the kept neighbours, are shuffled by the chunk file that
-holds their chunk id and look up their document (or tokens) in one read of that file; and
-neighbours meet their sequence by sequence id. No process holds the chunk database, and
-nothing shuffles it: only the hits and picks move, so the work grows with the training
-sequences, not with the database.
+Everything moves through Beam shuffles keyed by ids: a sequence's documents meet their chunk-id
+ranges by document id; sequences meet their query embeddings and those ranges by search batch;
+the search skips the ranges inside faiss, so the k best hits are already the neighbours (with
+`dedupe_neighbours`, the candidates first fetch their tokens from the chunk file holding
+them); the kept neighbours are shuffled by the chunk file that holds them and read their
+tokens in one read of that file; and neighbours meet their sequence by sequence id. No
+process holds the chunk database, and nothing shuffles it: what moves grows with the
+training sequences (plus one (doc id, range) per database document), not with the chunks.
 """
 from __future__ import annotations
 
@@ -15,15 +17,17 @@ from dataclasses import dataclass
 import apache_beam as beam
 import numpy as np
 from apache_beam.metrics import Metrics
+from apache_beam.io.parquetio import ReadFromParquetBatched
 from apache_beam.utils import shared
 
 from pipeline.chunkdb import ChunkFileRanges
 from pipeline.chunking import Chunk
 from pipeline.corpus import METRICS_NAMESPACE
-from pipeline.index import load_index
+from pipeline.index import load_index, sample_keys, search_excluding
 from pipeline.writers import WriteGroupedFiles, arrow_ipc_bytes
 from schemas.arrow import shard_table
 
+FILLED = "neighbour_slots_filled"  # per shard in the manifest: slots holding a neighbour
 SENT = "sent"  # tagged output: (seq_id, elements it sent through the next shuffle)
 SEQUENCES_PER_SEARCH = 64  # fixed search batches: faiss scores depend on batch shape
 
@@ -35,10 +39,12 @@ class Sequence:
     doc_ids: tuple          # sorted ids of every document whose tokens it holds
 
 
-# Search hits travel in numpy blocks, one per (search batch, chunk file), not one tuple each.
-# doc_id and token_key are filled from the hit's chunk file (token_key only when deduplicating).
+# With dedupe_neighbours, search hits travel in numpy blocks, one per (search batch, chunk
+# file), not one tuple each; token_key is filled from the hit's chunk file.
 CANDIDATE = np.dtype([("seq_id", "<i8"), ("j", "<i4"), ("rank", "<i4"), ("chunk_id", "<i8"),
-                      ("score", "<f4"), ("doc_id", "<i8"), ("token_key", "<i8")])
+                      ("score", "<f4"), ("token_key", "<i8")])
+PROBE = "probe"  # tagged output: the search batch's queries in the neighbour-recall sample
+PROBE_SALT = 3
 
 
 @dataclass(frozen=True)
@@ -62,25 +68,45 @@ def pack_sequence(seq_id: int, chunks: list[Chunk], next_token: int | None,
     return Sequence(seq_id, tokens.astype(np.int32), tuple(sorted(docs)))
 
 
-def select_neighbours(candidates: np.ndarray, exclude_docs, k: int,
-                      dedupe: bool = False) -> tuple[list[tuple], dict[str, int]]:
-    """Per chunk j, the k best-ranked CANDIDATE rows from documents outside `exclude_docs`
-    (and, with `dedupe`, whose tokens differ from those already kept for j):
-    ([(j, slot, chunk_id, score)], candidates dropped by reason)."""
+def document_spans(chunk_ids: np.ndarray, doc_ids: np.ndarray) -> list[tuple[int, tuple[int, int]]]:
+    """(doc_id, (first chunk id, last + 1)) of each document among these chunk rows; a document
+    cut by the rows' edges gives a partial span, which `widest_span` merges."""
+    order = np.argsort(chunk_ids, kind="stable")
+    ids, docs = chunk_ids[order], doc_ids[order]
+    starts = np.flatnonzero(np.r_[True, docs[1:] != docs[:-1]])
+    ends = np.r_[starts[1:], len(ids)]
+    return [(int(docs[a]), (int(ids[a]), int(ids[b - 1]) + 1)) for a, b in zip(starts, ends)]
+
+
+def widest_span(spans) -> tuple[int, int]:
+    """Merge partial spans of one document (associative, so Beam can combine it anywhere)."""
+    spans = list(spans)
+    return min(a for a, _ in spans), max(b for _, b in spans)
+
+
+def merge_ranges(ranges) -> list[tuple[int, int]]:
+    """Sorted [start, end) ranges with overlapping and adjacent ones joined."""
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(ranges):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def select_distinct(candidates: np.ndarray, k: int) -> tuple[list[tuple], int]:
+    """Per chunk j, the k best-ranked CANDIDATE rows whose tokens differ from those already
+    kept for j: ([(j, slot, chunk_id, score)], candidates dropped as duplicates)."""
     c = candidates[np.lexsort((candidates["rank"], candidates["j"]))]
-    own = np.isin(c["doc_id"], np.asarray(list(exclude_docs), np.int64))
-    picks, kept = [], {}
-    dropped = {"own_document": 0, "duplicate_tokens": 0}
-    for j, chunk_id, score, key, excluded in zip(c["j"].tolist(), c["chunk_id"].tolist(), c["score"].tolist(),
-                                                 c["token_key"].tolist(), own.tolist()):
+    picks, kept, dropped = [], {}, 0
+    for j, chunk_id, score, key in zip(c["j"].tolist(), c["chunk_id"].tolist(), c["score"].tolist(),
+                                       c["token_key"].tolist()):
         keys = kept.setdefault(j, [])
         if len(keys) >= k:
             continue
-        if excluded:
-            dropped["own_document"] += 1
-            continue
-        if dedupe and key in keys:
-            dropped["duplicate_tokens"] += 1
+        if key in keys:
+            dropped += 1
             continue
         picks.append((j, len(keys), chunk_id, score))
         keys.append(key)
@@ -174,71 +200,131 @@ class PackSequences(beam.PTransform):
                 | "Assemble" >> beam.FlatMap(_assemble, self.chunks_per_seq, self.pad_id))
 
 
+class DocumentSpans(beam.PTransform):
+    """Chunk files (a glob) -> (doc_id, (first chunk id, last + 1)) per database document: a
+    document's chunks are one contiguous id range, so excluding it is excluding a range."""
+
+    def __init__(self, pattern: str, validate: bool = True):
+        super().__init__()
+        self.pattern, self.validate = pattern, validate
+
+    def expand(self, pbegin):
+        return (pbegin
+                | "ReadDocumentIds" >> ReadFromParquetBatched(self.pattern, columns=["chunk_id", "doc_id"],
+                                                              validate=self.validate)
+                | "SpansInBatch" >> beam.FlatMap(
+                    lambda t: document_spans(t["chunk_id"].to_numpy(), t["doc_id"].to_numpy()))
+                | "WidestSpan" >> beam.CombinePerKey(widest_span))
+
+
+@dataclass(frozen=True)
+class Retrieval:
+    """What `RetrieveNeighbours` needs (small and picklable: it travels with the transforms)."""
+    index_path: str
+    depth: int | None             # search depth the index was tuned to (nprobe, efSearch)
+    chunk_files: ChunkFileRanges  # the chunk database
+    chunks_per_seq: int           # L
+    chunk_tokens: int             # m
+    neighbours: int               # k
+    candidates: int               # hits searched per chunk when deduplicating
+    pad_id: int
+    dedupe: bool = False
+    probes: int = 0               # training chunks sampled for the neighbour-recall check
+
+
+def _excluded_ranges(keyed):
+    """(doc_id, its span and the sequences holding it) -> (seq_id, span) per sequence; a
+    document not in the database (a separate training corpus) excludes nothing."""
+    _, grouped = keyed
+    spans = list(grouped["span"])
+    if spans:
+        for seq_id in grouped["seq"]:
+            yield seq_id, spans[0]
+
+
 class _Search(beam.DoFn):
-    """A search batch of sequences -> its hits as CANDIDATE blocks keyed by the chunk file
-    holding them (index loaded once per process through Beam `Shared`)."""
+    """A search batch of sequences -> per sequence, its queries searched with the chunk-id
+    ranges of its own documents skipped inside faiss (index loaded once per process through
+    Beam `Shared`). Emits the k neighbours as picks keyed by chunk id, or (deduplicating) the
+    candidates as CANDIDATE blocks keyed by the chunk file holding them; plus the batch's
+    queries that fall in the neighbour-recall sample (tagged PROBE)."""
 
     _shared_index = shared.Shared()
 
-    def __init__(self, index_path: str, nprobe, chunk_files: ChunkFileRanges, chunks_per_seq: int,
-                 candidates: int):
-        self.index_path, self.nprobe, self.chunk_files = index_path, nprobe, chunk_files
-        self.chunks_per_seq, self.candidates = chunks_per_seq, candidates
+    def __init__(self, spec: Retrieval):
+        self.spec = spec
 
     def setup(self):
-        path, nprobe = self.index_path, self.nprobe
+        path, depth = self.spec.index_path, self.spec.depth
 
         class _Holder:  # Shared needs a weak-referenceable object
             def __init__(self):
-                self.index = load_index(path, nprobe)
+                self.index = load_index(path, depth)
 
-        self.index = self._shared_index.acquire(_Holder, tag=f"{path}:{nprobe}").index
+        self.index = self._shared_index.acquire(_Holder, tag=f"{path}:{depth}").index
 
     def process(self, keyed):
         _, grouped = keyed
         sequences = sorted(grouped["sequences"], key=lambda s: s.seq_id)
         if not sequences:  # only the embeddings of chunks left over after the last sequence
             return
-        vectors = dict(grouped["embeddings"])
-        L, C = self.chunks_per_seq, self.candidates
-        queries = np.stack([vectors[s.seq_id * L + j] for s in sequences for j in range(L)])
-        scores, found = self.index.search(queries.astype(np.float32), C)   # [Q, C], Q = S·L
-        Metrics.counter(METRICS_NAMESPACE, "queries").inc(len(queries))
-        hits = np.zeros(found.size, CANDIDATE)
-        hits["seq_id"] = np.repeat([s.seq_id for s in sequences], L * C)
-        hits["j"] = np.tile(np.repeat(np.arange(L), C), len(sequences))
-        hits["rank"] = np.tile(np.arange(C), len(queries))
-        hits["chunk_id"], hits["score"] = found.ravel(), scores.ravel()
-        hits = hits[hits["chunk_id"] >= 0]  # -1: fewer than C vectors reachable
-        unknown = hits["chunk_id"][hits["chunk_id"] >= self.chunk_files.num_chunks]
+        spec, vectors = self.spec, dict(grouped["embeddings"])
+        excluded: dict[int, list] = {}
+        for seq_id, span in grouped["excluded"]:
+            excluded.setdefault(seq_id, []).append(span)
+        L = spec.chunks_per_seq
+        width = spec.candidates if spec.dedupe else spec.neighbours
+        blocks, probes = [], []
+        for s in sequences:
+            queries = np.stack([vectors[s.seq_id * L + j] for j in range(L)])   # [L, d]
+            ranges = merge_ranges(excluded.get(s.seq_id, []))
+            scores, found, deeper = search_excluding(self.index, queries, width, ranges)  # [L, width]
+            Metrics.counter(METRICS_NAMESPACE, "queries").inc(L)
+            Metrics.counter(METRICS_NAMESPACE, "queries_searched_deeper").inc(int(deeper > 0) * L)
+            block = np.zeros(found.size, CANDIDATE)
+            block["seq_id"], block["j"] = s.seq_id, np.repeat(np.arange(L), width)
+            block["rank"] = np.tile(np.arange(width), L)
+            block["chunk_id"], block["score"] = found.ravel(), scores.ravel()
+            blocks.append(block[block["chunk_id"] >= 0])  # -1: fewer than `width` reachable
+            if spec.probes:
+                keys = sample_keys(s.seq_id * L + np.arange(L), PROBE_SALT)
+                probes += [(int(key), s.seq_id, j, queries[j], tuple(ranges)) for j, key in enumerate(keys)]
+        hits = np.concatenate(blocks)
+        unknown = hits["chunk_id"][hits["chunk_id"] >= spec.chunk_files.num_chunks]
         if len(unknown):
             raise ValueError(f"the index returned chunk id {unknown[0]}, which is not in the chunk "
-                             f"database ({self.chunk_files.num_chunks} chunks): index and chunks disagree")
+                             f"database ({spec.chunk_files.num_chunks} chunks): index and chunks disagree")
+        if probes:
+            yield beam.pvalue.TaggedOutput(PROBE, sorted(probes, key=lambda p: p[:3])[:spec.probes])
         seq_ids, counts = np.unique(hits["seq_id"], return_counts=True)
         sent = dict(zip(seq_ids.tolist(), counts.tolist()))
-        for s in sequences:  # what each sequence must receive back, checked in _select
+        for s in sequences:  # what each sequence must receive back, checked when it arrives
             yield beam.pvalue.TaggedOutput(SENT, (s.seq_id, sent.get(s.seq_id, 0)))
-        files = self.chunk_files.files_of(hits["chunk_id"])
+        if not spec.dedupe:  # the k hits are the neighbours (rank = slot)
+            for seq_id, j, slot, chunk_id, score in zip(hits["seq_id"].tolist(), hits["j"].tolist(),
+                                                        hits["rank"].tolist(), hits["chunk_id"].tolist(),
+                                                        hits["score"].tolist()):
+                yield chunk_id, (seq_id, j, slot, score)
+            return
+        files = spec.chunk_files.files_of(hits["chunk_id"])
         for number in np.unique(files):
             yield int(number), hits[files == number]
 
 
-class _CandidateDocs(beam.DoFn):
-    """(chunk file, hit blocks in it) -> one CANDIDATE block per sequence, each hit with its
-    chunk's document (and token hash when deduplicating), from one read of that file."""
+class _CandidateTokens(beam.DoFn):
+    """(chunk file, candidate blocks in it) -> one CANDIDATE block per sequence, each hit with
+    its chunk's token hash, from one read of that file's tokens."""
 
-    def __init__(self, chunk_files: ChunkFileRanges, dedupe: bool):
-        self.chunk_files, self.dedupe = chunk_files, dedupe
+    def __init__(self, chunk_files: ChunkFileRanges):
+        self.chunk_files = chunk_files
 
     def process(self, keyed):
         number, blocks = keyed
-        rows = self.chunk_files.read(number, ["doc_id", "tokens"] if self.dedupe else ["doc_id"])
+        tokens = self.chunk_files.read(number, ["tokens"])["tokens"]
         hits = np.concatenate(list(blocks))
         local = hits["chunk_id"] - self.chunk_files.starts[number]
-        hits["doc_id"] = rows["doc_id"][local]
-        if self.dedupe:  # a chunk is hit by many queries: hash each once
-            unique, inverse = np.unique(local, return_inverse=True)
-            hits["token_key"] = np.array([token_key(rows["tokens"][r]) for r in unique], np.int64)[inverse]
+        unique, inverse = np.unique(local, return_inverse=True)  # a chunk is hit by many queries
+        hits["token_key"] = np.array([token_key(tokens[r]) for r in unique], np.int64)[inverse]
         hits = hits[np.argsort(hits["seq_id"], kind="stable")]
         seq_ids, starts = np.unique(hits["seq_id"], return_index=True)
         for seq_id, block in zip(seq_ids.tolist(), np.split(hits, starts[1:])):
@@ -269,15 +355,13 @@ def _arrived(seq_id: int, what: str, received: int, sent: list[int]) -> None:
                            "sent: the runner lost data; nothing is committed, run the stage again")
 
 
-def _select(keyed, k: int, dedupe: bool):
+def _select_distinct(keyed, k: int):
     seq_id, grouped = keyed
-    (sequence,) = grouped["sequence"]
     blocks = list(grouped["candidates"])  # none when the index reached no chunk for it
     candidates = np.concatenate(blocks) if blocks else np.zeros(0, CANDIDATE)
     _arrived(seq_id, "search hits", len(candidates), list(grouped["sent"]))
-    picks, dropped = select_neighbours(candidates, sequence.doc_ids, k, dedupe)
-    for reason, count in dropped.items():
-        Metrics.counter(METRICS_NAMESPACE, f"candidates_dropped_{reason}").inc(count)
+    picks, dropped = select_distinct(candidates, k)
+    Metrics.counter(METRICS_NAMESPACE, "candidates_dropped_duplicate_tokens").inc(dropped)
     yield beam.pvalue.TaggedOutput(SENT, (seq_id, len(picks)))
     for j, slot, chunk_id, score in picks:
         yield chunk_id, (seq_id, j, slot, score)
@@ -298,52 +382,58 @@ def _to_row(keyed, chunks_per_seq: int, k: int, m: int, pad_id: int):
 
 
 class RetrieveNeighbours(beam.PTransform):
-    """(sequences, query embeddings) -> ShardRows with k neighbours per chunk from the chunk
-    database `chunk_files`, none from a document the sequence holds.
+    """(sequences, query embeddings, database document spans) -> (ShardRows with the k nearest
+    chunks of the database outside each sequence's documents, neighbour-recall probes).
 
-    Candidates travel as small tuples: they meet their chunk's document in its chunk file,
-    are filtered per sequence, and only the k kept per chunk fetch their tokens.
+    The exclusion happens inside the search (faiss skips the sequences' documents' chunk-id
+    ranges), so long documents, whose nearest chunks are mostly their own, cannot starve the
+    k slots. Only the kept neighbours (or, deduplicating, the candidates) travel on.
     """
 
-    def __init__(self, index_path: str, nprobe, chunk_files: ChunkFileRanges, chunks_per_seq: int,
-                 chunk_tokens: int, neighbours: int, candidates: int, pad_id: int,
-                 dedupe: bool = False, min_ram: str | None = None):
+    def __init__(self, spec: Retrieval, min_ram: str | None = None):
         super().__init__()
         if min_ram:  # every worker holds the index
             self.with_resource_hints(min_ram=min_ram)
-        self.index_path, self.nprobe, self.chunk_files = index_path, nprobe, chunk_files
-        self.L, self.m, self.k = chunks_per_seq, chunk_tokens, neighbours
-        self.candidates, self.pad_id, self.dedupe = candidates, pad_id, dedupe
+        self.spec = spec
 
     def expand(self, inputs):
-        sequences, embeddings = inputs
-        L, batch, files = self.L, SEQUENCES_PER_SEARCH, self.chunk_files
+        sequences, embeddings, doc_spans = inputs
+        spec, batch = self.spec, SEQUENCES_PER_SEARCH
+        L, files = spec.chunks_per_seq, spec.chunk_files
         by_seq = sequences | "SeqById" >> beam.Map(lambda s: (s.seq_id, s))
-        hits = (
-            {"sequences": sequences | "SeqBySearchBatch" >> beam.Map(
-                lambda s: (s.seq_id // batch, s)),
-             "embeddings": embeddings | "QueryBySearchBatch" >> beam.Map(
-                lambda e: (e[0] // L // batch, e))}
+        excluded = (
+            {"span": doc_spans,
+             "seq": sequences | "SeqDocuments" >> beam.FlatMap(lambda s: [(d, s.seq_id) for d in s.doc_ids])}
+            | "JoinDocumentSpans" >> beam.CoGroupByKey()
+            | "ExcludedRanges" >> beam.FlatMap(_excluded_ranges))
+        searched = (
+            {"sequences": sequences | "SeqBySearchBatch" >> beam.Map(lambda s: (s.seq_id // batch, s)),
+             "embeddings": embeddings | "QueryBySearchBatch" >> beam.Map(lambda e: (e[0] // L // batch, e)),
+             "excluded": excluded | "ExcludedBySearchBatch" >> beam.Map(lambda e: (e[0] // batch, e))}
             | "JoinQueries" >> beam.CoGroupByKey()
-            | "Search" >> beam.ParDo(_Search(self.index_path, self.nprobe, files, L, self.candidates))
-            .with_outputs(SENT, main="hits"))
-        candidates = (
-            hits.hits
-            | "GroupHitsByChunkFile" >> beam.GroupByKey()
-            | "CandidateDocs" >> beam.ParDo(_CandidateDocs(files, self.dedupe)))
-        picks = (
-            {"sequence": by_seq, "candidates": candidates, "sent": hits[SENT]}
-            | "JoinCandidates" >> beam.CoGroupByKey()
-            | "DropOwnDocuments" >> beam.FlatMap(_select, self.k, self.dedupe).with_outputs(SENT, main="picks"))
+            | "Search" >> beam.ParDo(_Search(spec)).with_outputs(SENT, PROBE, main="found"))
+        if spec.dedupe:
+            picked = (
+                {"candidates": (searched.found
+                                | "GroupHitsByChunkFile" >> beam.GroupByKey()
+                                | "CandidateTokens" >> beam.ParDo(_CandidateTokens(files))),
+                 "sent": searched[SENT]}
+                | "JoinCandidates" >> beam.CoGroupByKey()
+                | "DropDuplicateTokens" >> beam.FlatMap(_select_distinct, spec.neighbours)
+                .with_outputs(SENT, main="picks"))
+            picks, sent = picked.picks, picked[SENT]
+        else:
+            picks, sent = searched.found, searched[SENT]
         neighbours = (
-            picks.picks
+            picks
             | "PicksByChunkFile" >> beam.Map(lambda pick: (files.file_of(pick[0]), pick))
             | "GroupPicksByChunkFile" >> beam.GroupByKey()
             | "NeighbourTokens" >> beam.ParDo(_NeighbourTokens(files)))
-        return (
-            {"sequence": by_seq, "picks": neighbours, "sent": picks[SENT]}
+        rows = (
+            {"sequence": by_seq, "picks": neighbours, "sent": sent}
             | "JoinNeighbours" >> beam.CoGroupByKey()
-            | "AssembleRows" >> beam.FlatMap(_to_row, L, self.k, self.m, self.pad_id))
+            | "AssembleRows" >> beam.FlatMap(_to_row, L, spec.neighbours, spec.chunk_tokens, spec.pad_id))
+        return rows, searched[PROBE]
 
 
 def rows_to_ipc(rows: list[ShardRow], pad_id: int) -> bytes:
@@ -368,4 +458,5 @@ class WriteShards(beam.PTransform):
         pad_id = self.pad_id
         return rows | "WriteShardFiles" >> WriteGroupedFiles(
             self.directory, self.directory, "shard", "arrow", key=lambda r: r.seq_id,
-            rows_per_file=self.shard_rows, to_bytes=lambda rs: rows_to_ipc(rs, pad_id))
+            rows_per_file=self.shard_rows, to_bytes=lambda rs: rows_to_ipc(rs, pad_id),
+            facts=lambda rs: {FILLED: sum(int((r.neighbour_ids >= 0).sum()) for r in rs)})

@@ -26,16 +26,21 @@ from pipeline.models import (DEFAULT_MODEL_NAMES, embedding_dim, fingerprint_pat
                              resolve_tokenizer)
 from pipeline.options import encoder_threads, pipeline_options
 from pipeline.progress import ReportProgress, StageTimer
-from pipeline.shards import PackSequences, RetrieveNeighbours, WriteShards, overlap_histogram
+from pipeline.neighbour_recall import MeasureNeighbourRecall
+from pipeline.shards import (FILLED, DocumentSpans, PackSequences, RetrieveNeighbours, Retrieval, WriteShards,
+                             overlap_histogram)
 from pipeline.writers import (WriteGroupedFiles, WriteRejected, chunks_table, embeddings_table,
                               parquet_bytes)
 from schemas.arrow import check_schema_version, tensor_column_to_numpy
 from schemas.config import PipelineConfig, stable_hash
-from schemas.manifest import (FileEntry, Fingerprint, IndexManifest, Recall, ShardsManifest,
+from schemas.manifest import (FileEntry, Fingerprint, IndexManifest, NeighbourRecall, Recall, ShardsManifest,
                               VectorIndex, VectorIndexManifest)
 
 log = logging.getLogger("ratrain")
 FILES_LIST = "_files.json"
+RECALL_FILE = "_neighbour_recall.json"
+MIN_FILL = 0.99          # below this share of filled neighbour slots, the stage warns
+MIN_NEIGHBOUR_RECALL = 0.95
 REJECTED_STAGING = "_rejected"
 
 
@@ -241,9 +246,12 @@ def _log_index(directory: str, manifest) -> None:
              manifest.index_factory, recall.measure, recall.value, manifest.nprobe,
              f"{manifest.index_bytes:,}")
     if recall.target is not None and recall.value < recall.target:
-        log.warning("%s: %s = %.3f misses the target %.2f even at the deepest search; a larger "
-                    "index.memory_budget (bigger codes) or another index.type would reach it",
-                    directory, recall.measure, recall.value, recall.target)
+        where = (f"and doubling the search depth beyond {manifest.nprobe} gained less than 0.005 "
+                 "(a plateau: the codes limit recall, not the depth)" if recall.plateau
+                 else "even at the deepest search")
+        log.warning("%s: %s = %.3f misses the target %.2f %s; a larger index.memory_budget "
+                    "(bigger codes) or another index.type would reach it",
+                    directory, recall.measure, recall.value, recall.target, where)
 
 
 def _run_build_index(paths: list[str], cfg_index, staging: str, beam_args: list[str], name: str):
@@ -368,13 +376,22 @@ def build_shards(cfg: PipelineConfig, beam_args: list[str], dry_run: bool = Fals
             queries = training_chunks | "EmbedTrainingChunks" >> EmbedChunks(cfg.embedding, tok.path, threads)
             rejected = (read_rejected, unusable) | "MergeRejected" >> beam.Flatten()
         sequences = training_chunks | "PackSequences" >> PackSequences(L, tok.pad_id)
-        rows = ((sequences, queries)
-                | "RetrieveNeighbours" >> RetrieveNeighbours(
-                    fileio.join(idx, "faiss", INDEX_FILE), None if dry_run else index_manifest.nprobe,
-                    chunk_files, L, m, k, cfg.neighbour_candidates, tok.pad_id, cfg.dedupe_neighbours,
-                    cfg.index.min_ram)
-                | "ShardProgress" >> ReportProgress("retrieve", "sequences"))
+        spans = pipeline | "DocumentSpans" >> DocumentSpans(fileio.join(idx, "chunks", "*.parquet"),
+                                                            validate=not dry_run)
+        spec = Retrieval(fileio.join(idx, "faiss", INDEX_FILE), None if dry_run else index_manifest.nprobe,
+                         chunk_files, L, m, k, cfg.neighbour_candidates, tok.pad_id, cfg.dedupe_neighbours,
+                         cfg.neighbour_recall_sample)
+        rows, probes = (sequences, queries, spans) | "RetrieveNeighbours" >> RetrieveNeighbours(
+            spec, cfg.index.min_ram)
+        rows = rows | "ShardProgress" >> ReportProgress("retrieve", "sequences")
         shard_files = rows | "WriteShards" >> WriteShards(staging, cfg.rows_per_shard(), tok.pad_id)
+        if cfg.neighbour_recall_sample:
+            _ = ((probes, rows)
+                 | "MeasureNeighbourRecall" >> MeasureNeighbourRecall(
+                     fileio.join(idx, "embeddings", "*.parquet"), k, cfg.neighbour_recall_sample,
+                     validate=not dry_run)
+                 | "WriteNeighbourRecall" >> beam.Map(
+                     lambda result: fileio.write_json_atomic(fileio.join(staging, RECALL_FILE), result)))
         _ = rejected | "WriteRejected" >> WriteRejected(
             fileio.join(staging, REJECTED_STAGING), "build-shards")
         _collect_entries("ShardFiles", (shard_files,), staging)
@@ -385,17 +402,50 @@ def build_shards(cfg: PipelineConfig, beam_args: list[str], dry_run: bool = Fals
     _check_rejected(counters, cfg, "build-shards", staging)
 
     shards = fileio.read_json(fileio.join(staging, FILES_LIST))
+    recall = None
+    if cfg.neighbour_recall_sample:
+        recall = fileio.read_json(fileio.join(staging, RECALL_FILE))
+        beam.io.filesystems.FileSystems.delete([fileio.join(staging, RECALL_FILE)])
     beam.io.filesystems.FileSystems.delete([fileio.join(staging, FILES_LIST)])
+    num_sequences = sum(s["rows"] for s in shards)
+    slots = num_sequences * L * k
     manifest = ShardsManifest(
         config_hash=cfg.shards_hash(), index_manifest_sha256=index_sha,
         training_corpus="same" if cfg.training_corpus == "same" else "separate",
         encoder_threads=threads, sequence_tokens=cfg.sequence_tokens, chunk_tokens=m, neighbours=k,
         neighbour_tokens=2 * m, pad_id=tok.pad_id,
-        num_sequences=sum(s["rows"] for s in shards), shards=shards,
+        num_sequences=num_sequences, shards=shards,
+        neighbour_fill=sum(s[FILLED] for s in shards) / slots if slots else 1.0,
+        neighbour_recall=None if recall is None else NeighbourRecall(**recall),
         overlap=overlap_histogram(counters), counters=counters,
         created_by=f"ratrain-pipeline {__version__}")
     _publish_rejected(staging, cfg.output)
     fileio.commit_directory(staging, shards_dir(cfg), manifest.model_dump(mode="json"))
-    log.info("committed %s (%d sequences in %d shards)", shards_dir(cfg),
-             manifest.num_sequences, len(shards))
+    log.info("committed %s (%d sequences in %d shards, %s)", shards_dir(cfg),
+             manifest.num_sequences, len(shards), manifest.neighbour_summary())
+    for warning in neighbour_warnings(manifest, cfg):
+        log.warning("%s: %s", shards_dir(cfg), warning)
     return manifest
+
+
+def neighbour_warnings(manifest: ShardsManifest, cfg: PipelineConfig) -> list[str]:
+    """What makes the shards worse than they look, with the cause."""
+    warnings = []
+    fill = manifest.neighbour_fill
+    if fill is not None and fill < MIN_FILL:
+        slots = manifest.num_sequences * manifest.sequence_tokens // manifest.chunk_tokens * manifest.neighbours
+        empty = slots - sum(entry.neighbour_slots_filled or 0 for entry in manifest.shards)
+        if cfg.dedupe_neighbours and manifest.counters.get("candidates_dropped_duplicate_tokens", 0):
+            cause = (f"after dropping repeated tokens fewer than k of the {cfg.neighbour_candidates} "
+                     "candidates were left (raise neighbour_candidates)")
+        else:
+            cause = ("the chunk database holds fewer than k chunks outside a sequence's own "
+                     "documents for these chunks (a database of few, long documents)")
+        warnings.append(f"only {fill:.1%} of neighbour slots are filled ({empty:,} empty): {cause}; "
+                        "a RETRO model sees these slots as padding")
+    recall = manifest.neighbour_recall
+    if recall is not None and recall.value < MIN_NEIGHBOUR_RECALL:
+        warnings.append(f"neighbour recall {recall.value:.3f} against exact search is below "
+                        f"{MIN_NEIGHBOUR_RECALL}: the index misses near neighbours (raise "
+                        "index.target_recall or index.nprobe, or a larger index.memory_budget)")
+    return warnings

@@ -349,6 +349,9 @@ def validate_shards(directory: str, index_directory: str | None = None) -> str:
                      f"{path}: an absent neighbour (id -1) is not padding")
             _file_references(table, chunk_files, references, present, ids, neighbours, tokens,
                              manifest.training_corpus == "same", m, pad)
+            _require(entry.neighbour_slots_filled in (None, int(present.sum())),
+                     f"{path}: {int(present.sum())} neighbour slots filled, manifest says "
+                     f"{entry.neighbour_slots_filled}")
             rows_total += table.num_rows
             filled += int(present.sum())
             slots += present.size
@@ -358,9 +361,12 @@ def validate_shards(directory: str, index_directory: str | None = None) -> str:
         _check_references(chunk_files, references, m)
     _require(rows_total == manifest.num_sequences,
              f"{directory}: {rows_total} rows, manifest says {manifest.num_sequences}")
+    _require(manifest.neighbour_fill is None or abs(manifest.neighbour_fill - (filled / slots if slots else 1.0)) < 1e-9,
+             f"{directory}: neighbour_fill {manifest.neighbour_fill} disagrees with the shards "
+             f"({filled}/{slots})")
     return (f"OK shards {directory}: {rows_total} sequences in {len(manifest.shards)} shards, "
             f"{filled}/{slots} neighbour slots filled, no same-document neighbour, "
-            "neighbour tokens equal the chunk database")
+            f"neighbour tokens equal the chunk database; {manifest.neighbour_summary()}")
 
 
 def validate_path(path: str) -> list[str]:

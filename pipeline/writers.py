@@ -58,14 +58,17 @@ def write_file(directory: str, name: str, data: bytes, rows: int, relative_to: s
 
 class WriteGroupedFiles(beam.PTransform):
     """Rows -> files `<directory>/<prefix>-NNNNN.<ext>`, file NNNNN holding the rows with
-    `key(row) // rows_per_file == NNNNN`, sorted by key. Yields manifest entries."""
+    `key(row) // rows_per_file == NNNNN`, sorted by key. Yields manifest entries, with what
+    `facts(rows)` says of the rows written added to each (facts from the data, not metrics)."""
 
     def __init__(self, directory: str, relative_to: str, prefix: str, extension: str,
-                 key: Callable, rows_per_file: int, to_bytes: Callable[[list], bytes]):
+                 key: Callable, rows_per_file: int, to_bytes: Callable[[list], bytes],
+                 facts: Callable[[list], dict] | None = None):
         super().__init__()
         self.directory, self.relative_to = directory, relative_to
         self.prefix, self.extension = prefix, extension
         self.key, self.rows_per_file, self.to_bytes = key, rows_per_file, to_bytes
+        self.facts = facts
 
     def expand(self, rows):
         key, per_file = self.key, self.rows_per_file
@@ -73,8 +76,9 @@ class WriteGroupedFiles(beam.PTransform):
         def write(group):
             number, members = group
             members = sorted(members, key=key)
-            return write_file(self.directory, f"{self.prefix}-{number:05d}.{self.extension}",
-                              self.to_bytes(members), len(members), self.relative_to)
+            entry = write_file(self.directory, f"{self.prefix}-{number:05d}.{self.extension}",
+                               self.to_bytes(members), len(members), self.relative_to)
+            return {**entry, **(self.facts(members) if self.facts else {})}
 
         return (rows
                 | "KeyByFile" >> beam.Map(lambda row: (key(row) // per_file, row))

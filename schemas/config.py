@@ -116,8 +116,13 @@ class PipelineConfig(_Strict):
     sequence_tokens: int = Field(2048, ge=2, description="n: tokens per training sequence, a "
                                  "multiple of chunk_tokens.")
     neighbours: int = Field(2, ge=1, le=256, description="k: neighbours kept per chunk.")
-    neighbour_candidates: int = Field(20, ge=1, le=4096, description="Candidates searched per "
-                                      "chunk before same-document ones are dropped.")
+    neighbour_candidates: int = Field(20, ge=1, le=4096, description="With dedupe_neighbours: "
+                                      "hits searched per chunk, of which the k best with distinct "
+                                      "tokens are kept. (The search itself skips the sequence's own "
+                                      "documents, so without deduplication exactly k are searched.)")
+    neighbour_recall_sample: int = Field(200, ge=0, le=100_000, description="Training chunks whose "
+                                         "neighbours build-shards checks against an exact search "
+                                         "(one scan of the embedding files); 0 skips the check.")
     dedupe_neighbours: bool = Field(False, description="Drop a candidate whose m tokens equal "
                                     "those of a neighbour already kept for the same chunk "
                                     "(boilerplate repeated across documents).")
@@ -177,7 +182,8 @@ class PipelineConfig(_Strict):
     def shards_hash(self) -> str:
         """Hash of the shard stage's own settings (the index is pinned by its manifest hash)."""
         return stable_hash({**self.model_dump(include={"training_corpus", "sequence_tokens", "neighbours",
-                                                       "neighbour_candidates", "dedupe_neighbours"}),
+                                                       "neighbour_candidates", "dedupe_neighbours",
+                                                       "neighbour_recall_sample"}),
                             "rows_per_shard": self.rows_per_shard()})
 
 

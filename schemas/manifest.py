@@ -26,13 +26,16 @@ class Fingerprint(_Model):
 
 
 class Recall(_Model):
-    measure: str = Field(description="'1-recall@10': share of sampled indexed vectors whose "
-                         "exact nearest other vector is among the index's top 10 (self excluded).")
+    measure: str = Field(description="'1-recall@10 with ties within 0.001': share of sampled "
+                         "indexed vectors for which one of the index's top 10 (self excluded) is "
+                         "as similar as the exact nearest other vector, within the tolerance.")
     value: float
     sample_size: int
     nprobe: int | None = Field(None, description="Search depth it was measured at (nprobe for "
                                "IVF, efSearch for HNSW; None for exact indexes).")
     target: float | None = None
+    plateau: bool = Field(False, description="The tuning stopped below the target because "
+                          "doubling the search depth gained less than 0.005 recall.")
 
 
 class VectorIndex(_Model):
@@ -82,6 +85,22 @@ class IndexManifest(VectorIndex, _Committed):
     files: list[FileEntry]
 
 
+class ShardEntry(FileEntry):
+    neighbour_slots_filled: int | None = Field(None, description="Neighbour slots of this shard "
+                                               "holding a neighbour (None: an older manifest).")
+
+
+class NeighbourRecall(_Model):
+    measure: str = Field(description="Share of sampled training chunks' neighbour slots whose "
+                         "neighbour is as near as exact search's k-th best (within tolerance), "
+                         "exact search applying the same own-document exclusion; an empty slot "
+                         "is a miss unless the database has fewer than k chunks to offer.")
+    value: float
+    sample_size: int = Field(description="Training chunks sampled (deterministically by id).")
+    slots: int = Field(description="Neighbour slots that exact search fills for them.")
+    tolerance: float
+
+
 class ShardsManifest(_Committed):
     index_manifest_sha256: str
     training_corpus: str = Field(description="'same' (sequences packed from the index's own "
@@ -93,8 +112,21 @@ class ShardsManifest(_Committed):
     neighbour_tokens: int
     pad_id: int
     num_sequences: int
-    shards: list[FileEntry]
+    shards: list[ShardEntry]
+    neighbour_fill: float | None = Field(None, description="Neighbour slots filled / all slots, "
+                                         "counted in the shards written.")
+    neighbour_recall: NeighbourRecall | None = Field(None, description="The neighbour-quality "
+                                                     "check (None when neighbour_recall_sample is 0).")
     overlap: dict[str, int] = Field(description="Leakage audit, RETRO's chunk overlap r(C) = "
                                     "longest common token run between a training chunk and its "
                                     "neighbours / m: training chunks per threshold t, counting "
                                     "those with r(C) <= t and above the threshold before.")
+
+    def neighbour_summary(self) -> str:
+        """'neighbour fill 1.000, neighbour recall 0.990 against exact search on 200 sampled
+        chunks' (the stage's log, validate, inspect)."""
+        text = "neighbour fill " + ("not recorded" if self.neighbour_fill is None else f"{self.neighbour_fill:.3f}")
+        if self.neighbour_recall is not None:
+            text += (f", neighbour recall {self.neighbour_recall.value:.3f} against exact search on "
+                     f"{self.neighbour_recall.sample_size} sampled chunks")
+        return text

@@ -8,8 +8,9 @@ from apache_beam.testing.util import assert_that, equal_to
 
 from pipeline.index import (BuildIndex, IndexBuildError, build_index, choose_index_factory,
                             estimated_bytes, exact_nearest_other, in_sample, load_index, merge_part,
-                            nlist_for, one_recall_at_k, plan_index, train_index, training_size,
-                            tune_search_depth)
+                            nlist_for, one_recall_at_k, plan_index, search_excluding, set_search_depth,
+                            train_index,
+                            training_size, tune_search_depth)
 from pipeline.options import pipeline_options
 from pipeline.writers import embeddings_table, parquet_bytes
 from schemas.config import IndexConfig
@@ -97,12 +98,71 @@ def test_ivf_depth_is_tuned_to_the_target_recall():
     ids = np.arange(len(vectors), dtype=np.int64)
     index = build_index(ids, vectors, "IVF64,Flat")
     query_ids = ids[::40]
-    _, truth = exact_nearest_other(query_ids, vectors[query_ids], ids, vectors)
-    depth, recall = tune_search_depth(index, query_ids, vectors[query_ids], truth, 0.9)
-    assert recall >= 0.9 and 1 <= depth <= 64
+    truth = exact_nearest_other(query_ids, vectors[query_ids], ids, vectors)
+    depth, recall, plateau = tune_search_depth(index, query_ids, vectors[query_ids], truth, 0.9)
+    assert recall >= 0.9 and 1 <= depth <= 64 and not plateau
     if depth > 1:  # one step shallower misses the target: the smallest depth was chosen
         faiss.extract_index_ivf(index).nprobe = depth // 2
         assert one_recall_at_k(index, query_ids, vectors[query_ids], truth) < 0.9
+
+
+def test_recall_counts_a_tied_neighbour_as_found():
+    """40 groups of 25 identical vectors: every copy is an exact nearest neighbour, so any of
+    them in the top 10 is a hit, whichever id exact search happened to list first."""
+    base = clustered(40, clusters=40, seed=3)
+    vectors = np.repeat(base, 25, axis=0)
+    ids = np.arange(len(vectors), dtype=np.int64)
+    query_ids = ids[::50]
+    truth = exact_nearest_other(query_ids, vectors[query_ids], ids, vectors)
+    assert (truth[0][:, :24] == truth[0][:, :1]).all()  # 24 ties per query
+    index = faiss.IndexIDMap2(faiss.IndexFlatIP(vectors.shape[1]))
+    index.add_with_ids(vectors[::-1].copy(), ids[::-1].copy())  # ties come back in another order
+    assert one_recall_at_k(index, query_ids, vectors[query_ids], truth) == 1.0
+    strict = [t in [f for f in row if f != q][:10] for q, t, row in
+              zip(query_ids, truth[1][:, 0], index.search(vectors[query_ids], 11)[1])]
+    assert np.mean(strict) < 1.0  # what counting the exact nearest id alone would have said
+
+
+def test_tuning_stops_at_a_plateau_below_an_unreachable_target():
+    vectors = clustered(8000, clusters=200)
+    ids = np.arange(len(vectors), dtype=np.int64)
+    index = build_index(ids, vectors, "IVF64,PQ4x4np")  # 2 bytes a vector: recall is capped
+    query_ids = ids[::40]
+    truth = exact_nearest_other(query_ids, vectors[query_ids], ids, vectors)
+    depth, recall, plateau = tune_search_depth(index, query_ids, vectors[query_ids], truth, 0.999)
+    assert plateau and recall < 0.999 and depth < 64  # never the exhaustive nlist
+    faiss.extract_index_ivf(index).nprobe = 2 * depth
+    assert one_recall_at_k(index, query_ids, vectors[query_ids], truth) - recall < 0.005
+
+
+def _exact_excluding(vectors, queries, k, excluded):
+    scores = queries @ vectors.T
+    for start, end in excluded:
+        scores[:, start:end] = -np.inf
+    return np.argsort(-scores, axis=1, kind="stable")[:, :k], scores
+
+
+@pytest.mark.parametrize("factory", ["Flat", "IVF64,Flat", "HNSW16"])
+def test_search_excluding_skips_the_ranges_and_fills_every_slot(factory):
+    """Clusters are contiguous id ranges; each query's own cluster (its nearest vectors) is
+    excluded, so at the tuned depth its probed lists hold almost only excluded vectors."""
+    rng = np.random.default_rng(4)
+    centres = rng.normal(size=(40, 32))
+    vectors = np.repeat(centres, 200, axis=0) + 0.05 * rng.normal(size=(8000, 32))
+    vectors = (vectors / np.linalg.norm(vectors, axis=1, keepdims=True)).astype(np.float32)
+    ids = np.arange(len(vectors), dtype=np.int64)
+    index = build_index(ids, vectors, factory)
+    set_search_depth(index, 1 if "IVF" in factory else 16)  # no-op for Flat
+    queries = vectors[[10, 2010, 4010]]
+    excluded = [(0, 200), (2000, 2200), (4000, 4200)]
+    scores, found, deeper = search_excluding(index, queries, 5, excluded)
+    assert (found >= 0).all()
+    assert not any(start <= f < end for f in found.ravel() for start, end in excluded)
+    expected, exact = _exact_excluding(vectors, queries, 5, excluded)
+    if factory == "Flat":
+        assert deeper == 0 and np.allclose(scores, np.take_along_axis(exact, expected, 1), atol=1e-5)
+    if "IVF" in factory:
+        assert deeper > 0  # one list held only excluded vectors: the search went deeper
 
 
 def test_plan_errors_are_clear():

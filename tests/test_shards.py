@@ -9,9 +9,10 @@ from apache_beam.testing.util import assert_that, equal_to
 from pipeline.chunkdb import ChunkFileRanges
 from pipeline.chunking import chunk_document
 from pipeline.index import build_index
-from pipeline.shards import (CANDIDATE, PackSequences, RetrieveNeighbours, WriteShards,
-                             chunk_overlap, neighbour_arrays, overlap_bucket, overlap_histogram,
-                             pack_sequence, select_neighbours, token_key)
+from pipeline.shards import (CANDIDATE, DocumentSpans, PackSequences, RetrieveNeighbours, Retrieval,
+                             WriteShards, chunk_overlap, document_spans, merge_ranges, neighbour_arrays,
+                             overlap_bucket, overlap_histogram, pack_sequence, select_distinct, token_key,
+                             widest_span)
 from pipeline.writers import chunks_table, parquet_bytes
 from schemas.arrow import tensor_column_to_numpy
 from schemas.manifest import FileEntry
@@ -29,17 +30,13 @@ def test_pack_sequence_adds_the_next_token_and_its_document():
 
 
 def candidates(*rows):
-    """CANDIDATE rows from (j, rank, score, chunk_id, doc_id[, token_key]) tuples."""
-    return np.array([(0, j, rank, chunk, score, doc, key) for j, rank, score, chunk, doc, key in
-                     (row + (0,) * (6 - len(row)) for row in rows)], CANDIDATE)
+    """CANDIDATE rows from (j, rank, score, chunk_id[, token_key]) tuples."""
+    return np.array([(0, j, rank, chunk, score, key) for j, rank, score, chunk, key in
+                     (row + (0,) * (5 - len(row)) for row in rows)], CANDIDATE)
 
 
-def test_select_neighbours_drops_own_documents_and_pads():
-    found = candidates((0, 3, 0.125, 13, 4), (0, 1, 0.5, 11, 2), (0, 0, 1.0, 10, 1),  # any order
-                       (0, 2, 0.25, 12, 3), (1, 0, 1.0, 14, 1))
-    picks, dropped = select_neighbours(found, {1}, K)
-    assert picks == [(0, 0, 11, 0.5), (0, 1, 12, 0.25)]
-    assert dropped == {"own_document": 2, "duplicate_tokens": 0}
+def test_neighbour_arrays_pad_the_slots_without_a_neighbour():
+    picks = [(0, 0, 11, 0.5), (0, 1, 12, 0.25)]
     values = [p + (np.full(2 * M, p[2], np.int32),) for p in picks]
     tokens, ids, scores = neighbour_arrays(values, L, K, M, PAD)
     assert ids.tolist() == [[11, 12], [-1, -1]]
@@ -47,13 +44,22 @@ def test_select_neighbours_drops_own_documents_and_pads():
     assert (tokens[0, 0] == 11).all() and (tokens[1] == PAD).all()
 
 
-def test_dedupe_skips_candidates_repeating_a_kept_neighbour():
+def test_select_distinct_skips_candidates_repeating_a_kept_neighbour():
     same, other = token_key(np.array([5, 6, 7, 8])), token_key(np.array([5, 6, 7, 9]))
     assert same == token_key(np.array([5, 6, 7, 8], dtype=np.int64)) and same != other
-    found = candidates((0, 0, 1.0, 10, 2, same), (0, 1, 0.5, 11, 3, same), (0, 2, 0.25, 12, 4, other))
-    assert select_neighbours(found, set(), K)[0] == [(0, 0, 10, 1.0), (0, 1, 11, 0.5)]
-    picks, dropped = select_neighbours(found, set(), K, dedupe=True)
-    assert picks == [(0, 0, 10, 1.0), (0, 1, 12, 0.25)] and dropped["duplicate_tokens"] == 1
+    found = candidates((0, 2, 0.25, 12, other), (0, 1, 0.5, 11, same), (0, 0, 1.0, 10, same),  # any order
+                       (1, 0, 0.75, 13, same))
+    picks, dropped = select_distinct(found, K)
+    assert picks == [(0, 0, 10, 1.0), (0, 1, 12, 0.25), (1, 0, 13, 0.75)] and dropped == 1
+
+
+def test_document_spans_and_ranges():
+    ids = np.array([7, 3, 4, 5, 6, 8])          # any order; doc 20 continues past this batch
+    docs = np.array([20, 10, 10, 20, 20, 20])
+    assert document_spans(ids, docs) == [(10, (3, 5)), (20, (5, 9))]
+    assert widest_span([(5, 9), (9, 12), (7, 8)]) == (5, 12)
+    assert merge_ranges([(9, 12), (0, 3), (3, 5), (10, 11), (20, 21)]) == [(0, 5), (9, 12), (20, 21)]
+    assert merge_ranges([]) == []
 
 
 def _longest_common_run(a, b, pad):
@@ -135,6 +141,16 @@ def test_chunk_file_ranges_locate_ids_and_check_what_they_read(tmp_path):
         lying.read(1, ["doc_id"])
 
 
+def retrieve(p, chunks, vectors, index_path, chunk_files, dedupe=False, candidates=8):
+    """RetrieveNeighbours as build-shards wires it: document spans read from the chunk files."""
+    sequences = p | "Chunks" >> beam.Create(chunks) | PackSequences(L, PAD)
+    queries = p | "Queries" >> beam.Create([(i, vectors[i]) for i in range(len(chunks))])
+    spans = p | DocumentSpans(f"{chunk_files.directory}/chunks/*.parquet")
+    spec = Retrieval(index_path, None, chunk_files, L, M, K, candidates, PAD, dedupe)
+    rows, _ = (sequences, queries, spans) | RetrieveNeighbours(spec)
+    return rows
+
+
 def test_retrieve_neighbours_excludes_the_sequence_documents(tmp_path):
     chunks, vectors = _database()
     index_path = str(tmp_path / "index.faiss")
@@ -160,10 +176,7 @@ def test_retrieve_neighbours_excludes_the_sequence_documents(tmp_path):
                 [by_id[row.seq_id * L + j].tokens for j in range(L)]).tolist()
 
     with local_pipeline() as p:
-        sequences = p | "Chunks" >> beam.Create(chunks) | PackSequences(L, PAD)
-        queries = p | "Queries" >> beam.Create([(i, vectors[i]) for i in range(len(chunks))])
-        rows = (sequences, queries) | RetrieveNeighbours(index_path, None, chunk_files, L, M, K, 8, PAD)
-        assert_that(rows, check)
+        assert_that(retrieve(p, chunks, vectors, index_path, chunk_files), check)
 
 
 def test_write_shards_is_sorted_and_split_by_seq_id(tmp_path):
@@ -210,11 +223,7 @@ def test_retrieve_neighbours_dedupe_skips_repeated_tokens(tmp_path):
 
     for dedupe in (False, True):
         with local_pipeline() as p:
-            sequences = p | "Chunks" >> beam.Create(chunks) | PackSequences(L, PAD)
-            queries = p | "Queries" >> beam.Create([(i, vectors[i]) for i in range(len(chunks))])
-            rows = (sequences, queries) | RetrieveNeighbours(index_path, None, chunk_files, L, M, K, 8, PAD,
-                                                             dedupe)
-            assert_that(rows, second_neighbour_docs(dedupe))
+            assert_that(retrieve(p, chunks, vectors, index_path, chunk_files, dedupe), second_neighbour_docs(dedupe))
 
 
 def test_a_search_batch_with_only_leftover_chunks_is_skipped(tmp_path):
@@ -235,9 +244,7 @@ def test_a_search_batch_with_only_leftover_chunks_is_skipped(tmp_path):
     faiss.write_index(build_index(np.arange(len(chunks), dtype=np.int64), vectors, "Flat"), index_path)
     chunk_files = write_chunk_files(tmp_path / "index", chunks, rows_per_file=50)
     with local_pipeline() as p:
-        sequences = p | "Chunks" >> beam.Create(chunks) | PackSequences(L, PAD)
-        queries = p | "Queries" >> beam.Create([(i, vectors[i]) for i in range(len(chunks))])
-        rows = (sequences, queries) | RetrieveNeighbours(index_path, None, chunk_files, L, M, K, 8, PAD)
+        rows = retrieve(p, chunks, vectors, index_path, chunk_files)
         assert_that(rows | beam.Map(lambda r: r.seq_id), equal_to(list(range(SEQUENCES_PER_SEARCH))))
 
 

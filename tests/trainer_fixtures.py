@@ -11,7 +11,7 @@ import pyarrow as pa
 
 from pipeline.shards import OVERLAP_BUCKETS, chunk_overlap, overlap_bucket
 from schemas.arrow import shard_table
-from schemas.manifest import FileEntry, ShardsManifest
+from schemas.manifest import ShardEntry, ShardsManifest
 
 
 def synthetic_rows(num_sequences: int, *, sequence_tokens: int, chunk_tokens: int, neighbours: int,
@@ -67,8 +67,9 @@ def write_shard_dir(directory: Path, *, shard_rows: list[int], sequence_tokens: 
         with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
             writer.write_table(table, max_chunksize=batch_rows)
         data = path.read_bytes()
-        entries.append(FileEntry(path=path.name, rows=count, bytes=len(data),
-                                 sha256=hashlib.sha256(data).hexdigest()))
+        entries.append(ShardEntry(path=path.name, rows=count, bytes=len(data),
+                                  sha256=hashlib.sha256(data).hexdigest(),
+                                  neighbour_slots_filled=int((rows["neighbour_ids"][part] >= 0).sum())))
         start += count
     L = sequence_tokens // chunk_tokens
     overlap = Counter(overlap_bucket(r) for tokens, values in zip(rows["tokens"], rows["neighbours"])
