@@ -71,20 +71,37 @@ def _print_plan(plan: dict) -> None:
     click.echo(json.dumps(plan, indent=2, sort_keys=True, default=str))
 
 
+DETACH = click.option("--detach", is_flag=True,
+                      help="Submit the job and exit; it commits its own manifest when it finishes "
+                           "(for cluster runners).")
+
+
+def _report(result, title: str) -> None:
+    """A committed stage's counters, or where a detached one will commit."""
+    from pipeline.stages import Submitted
+
+    if isinstance(result, Submitted):
+        job = f" as job {result.job}" if result.job else ""
+        click.echo(f"{result.stage} submitted{job}; it commits {result.manifest} when it finishes", err=True)
+    else:
+        _summary(result.counters, title)
+
+
 @cli.command("build-index", **BEAM_ARGS)
 @click.option("--config", "config_path", required=True, help="Pipeline config (YAML).")
 @click.argument("beam_args", nargs=-1, type=click.UNPROCESSED)
 @click.option("--force", is_flag=True, help="Rebuild chunks and embeddings even when they match.")
 @DRY_RUN
-def build_index_cmd(config_path, beam_args, force, dry_run):
+@DETACH
+def build_index_cmd(config_path, beam_args, force, dry_run, detach):
     """Stages 1-3: chunk, embed and index the retrieval corpus -> <output>/index/."""
     from pipeline.stages import build_index
 
-    result = build_index(_config(config_path), list(beam_args), force=force, dry_run=dry_run)
+    result = build_index(_config(config_path), list(beam_args), force=force, dry_run=dry_run, detach=detach)
     if dry_run:
         _print_plan({"build-index": result})
     else:
-        _summary(result.counters, "build-index counters")
+        _report(result, "build-index counters")
 
 
 @cli.command("index", **BEAM_ARGS)
@@ -118,15 +135,26 @@ def index_cmd(embeddings, output, index_type, memory_budget, target_recall, npro
 @click.option("--config", "config_path", required=True, help="Pipeline config (YAML).")
 @click.argument("beam_args", nargs=-1, type=click.UNPROCESSED)
 @DRY_RUN
-def build_shards_cmd(config_path, beam_args, dry_run):
+@DETACH
+@click.option("--wait-for-index", is_flag=True,
+              help="First wait until the index this config describes is committed (e.g. by a "
+                   "detached build-index), polling its manifest.")
+@click.option("--wait-timeout", default=7 * 24 * 3600.0, show_default=True, type=float,
+              help="Seconds --wait-for-index waits before giving up.")
+@click.option("--poll-every", default=30.0, show_default=True, type=float,
+              help="Seconds between looks at the index manifest while waiting.")
+def build_shards_cmd(config_path, beam_args, dry_run, detach, wait_for_index, wait_timeout, poll_every):
     """Stages 4-5: retrieve neighbours for the training corpus -> <output>/shards/."""
-    from pipeline.stages import build_shards
+    from pipeline.stages import build_shards, wait_for_index as wait
 
-    result = build_shards(_config(config_path), list(beam_args), dry_run=dry_run)
+    cfg = _config(config_path)
+    if wait_for_index and not dry_run:
+        wait(cfg, wait_timeout, poll_every)
+    result = build_shards(cfg, list(beam_args), dry_run=dry_run, detach=detach)
     if dry_run:
         _print_plan({"build-shards": result})
     else:
-        _summary(result.counters, "build-shards counters")
+        _report(result, "build-shards counters")
 
 
 @cli.command("run", **BEAM_ARGS)
@@ -134,8 +162,11 @@ def build_shards_cmd(config_path, beam_args, dry_run):
 @click.option("--force", is_flag=True, help="Rebuild stages even when their manifest matches.")
 @click.argument("beam_args", nargs=-1, type=click.UNPROCESSED)
 @DRY_RUN
-def run_cmd(config_path, force, beam_args, dry_run):
-    """Both stages; a stage whose committed manifest matches the config is skipped."""
+@DETACH
+def run_cmd(config_path, force, beam_args, dry_run, detach):
+    """Both stages; a stage whose committed manifest matches the config is skipped. With
+    --detach, the first stage to build is submitted and the command exits (follow a detached
+    build-index with `build-shards --wait-for-index`)."""
     from pipeline.run import run_all
     from pipeline.stages import build_index, build_shards
 
@@ -145,10 +176,13 @@ def run_cmd(config_path, force, beam_args, dry_run):
                      "build-shards": build_shards(cfg, args, dry_run=True)})
         return
     start = time.monotonic()
-    report = run_all(_config(config_path), list(beam_args), force=force)
-    for stage, (status, counters) in report.items():
-        _summary(counters, f"{stage} ({status})")
-    click.echo(f"run finished in {time.monotonic() - start:.1f} s", err=True)
+    report = run_all(_config(config_path), list(beam_args), force=force, detach=detach)
+    for stage, (status, result) in report.items():
+        if status == "submitted":
+            _report(result, stage)
+        else:
+            _summary(result, f"{stage} ({status})")
+    click.echo(f"run {'submitted' if detach else 'finished'} in {time.monotonic() - start:.1f} s", err=True)
 
 
 @cli.command("validate")

@@ -1,6 +1,11 @@
-"""Dataflow flex-template entry point: the launcher runs this file with the template's
-parameters and the pipeline options as flags (`--config=gs://... --command=run --runner=...`).
-The project's own flags are taken out; everything else goes to Beam."""
+"""What the Dataflow flex-template entry script (`deploy/dataflow/main.py`) runs: the template's
+parameters and the pipeline options arrive as flags (`--config=gs://... --command=run
+--runner=...`). The project's own flags are taken out; everything else goes to Beam.
+
+The launcher must exit once the job is submitted, so the command always runs detached: the job
+commits its own output. `run` submits the first stage that needs building; launch it again
+once that stage has committed (or launch `build-shards`, which then finds the index).
+"""
 from __future__ import annotations
 
 import argparse
@@ -22,8 +27,4 @@ def main(argv: list[str] | None = None) -> None:
     from pipeline import cli
 
     config, command, beam_args = split_args(sys.argv[1:] if argv is None else argv)
-    cli.main([command, "--config", config, "--", *beam_args])
-
-
-if __name__ == "__main__":
-    main()
+    cli.main([command, "--config", config, "--detach", "--", *beam_args])

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 
 from pipeline import fileio
-from pipeline.stages import build_index, build_shards, index_dir, load_index_manifest, shards_dir
+from pipeline.stages import Submitted, build_index, build_shards, index_dir, load_index_manifest, shards_dir
 from schemas.config import PipelineConfig
 
 log = logging.getLogger("ratrain")
@@ -15,15 +15,20 @@ def _committed(directory: str) -> dict | None:
     return fileio.read_json(path) if fileio.exists(path) else None
 
 
-def run_all(cfg: PipelineConfig, beam_args: list[str], force: bool = False) -> dict:
-    """{stage: (built|skipped, counters)}."""
+def run_all(cfg: PipelineConfig, beam_args: list[str], force: bool = False, detach: bool = False) -> dict:
+    """{stage: (built|skipped, counters) or (submitted, Submitted)}. Detached, the first stage
+    that needs building is submitted and nothing after it (build-shards needs the index)."""
     report = {}
     index = _committed(index_dir(cfg))
     if not force and index and index.get("config_hash") == cfg.index_hash():
         log.info("build-index: skipped, %s matches the config", index_dir(cfg))
         report["build-index"] = ("skipped", index["counters"])
     else:
-        report["build-index"] = ("built", build_index(cfg, beam_args, force=force).counters)
+        built = build_index(cfg, beam_args, force=force, detach=detach)
+        if isinstance(built, Submitted):
+            report["build-index"] = ("submitted", built)
+            return report
+        report["build-index"] = ("built", built.counters)
     _, index_sha = load_index_manifest(cfg)
     shards = _committed(shards_dir(cfg))
     if (not force and shards and shards.get("config_hash") == cfg.shards_hash()
@@ -31,5 +36,6 @@ def run_all(cfg: PipelineConfig, beam_args: list[str], force: bool = False) -> d
         log.info("build-shards: skipped, %s matches the config and index", shards_dir(cfg))
         report["build-shards"] = ("skipped", shards["counters"])
     else:
-        report["build-shards"] = ("built", build_shards(cfg, beam_args).counters)
+        built = build_shards(cfg, beam_args, detach=detach)
+        report["build-shards"] = ("submitted", built) if isinstance(built, Submitted) else ("built", built.counters)
     return report

@@ -16,13 +16,11 @@ from dataclasses import dataclass
 
 import apache_beam as beam
 import numpy as np
-from apache_beam.metrics import Metrics
 from apache_beam.io.parquetio import ReadFromParquetBatched
 from apache_beam.utils import shared
 
 from pipeline.chunkdb import ChunkFileRanges
 from pipeline.chunking import Chunk
-from pipeline.corpus import METRICS_NAMESPACE
 from pipeline.index import load_index, sample_keys, search_excluding
 from pipeline.writers import WriteGroupedFiles, arrow_ipc_bytes
 from schemas.arrow import shard_table
@@ -44,6 +42,7 @@ class Sequence:
 CANDIDATE = np.dtype([("seq_id", "<i8"), ("j", "<i4"), ("rank", "<i4"), ("chunk_id", "<i8"),
                       ("score", "<f4"), ("token_key", "<i8")])
 PROBE = "probe"  # tagged output: the search batch's queries in the neighbour-recall sample
+TALLY = "tally"  # tagged output: (name, count) pairs, counted as data (pipeline.tally)
 PROBE_SALT = 3
 
 
@@ -148,6 +147,13 @@ def overlap_bucket(ratio: float) -> str:
 OVERLAP_COUNTER = "overlap_r_le_"
 
 
+def overlap_tally(row: "ShardRow", m: int, pad_id: int):
+    """(overlap counter of its bucket, 1) per chunk of a shard row: the audit, counted as data."""
+    chunks = row.tokens[:len(row.neighbours) * m].reshape(-1, m)
+    for ratio in chunk_overlap(chunks, row.neighbours, pad_id):
+        yield OVERLAP_COUNTER + overlap_bucket(ratio), 1
+
+
 def overlap_histogram(counters: dict[str, int]) -> dict[str, int]:
     """Take the overlap counters out of a job's counters: {threshold: chunks}, every threshold
     present (chunks whose r(C) is ≤ it and above the one before)."""
@@ -179,10 +185,8 @@ def _assemble(keyed, chunks_per_seq: int, pad_id: int):
     chunks = sorted((p for kind, p in parts if kind == "chunk"), key=lambda c: c.chunk_id)
     following = [p for kind, p in parts if kind == "next"]
     if len(chunks) < chunks_per_seq:  # the chunk database's tail: too short for a sequence
-        Metrics.counter(METRICS_NAMESPACE, "chunks_not_in_a_sequence").inc(len(chunks))
         return
     next_token, next_doc = following[0] if following else (None, None)
-    Metrics.counter(METRICS_NAMESPACE, "sequences").inc()
     yield pack_sequence(seq_id, chunks, next_token, next_doc, pad_id)
 
 
@@ -274,13 +278,12 @@ class _Search(beam.DoFn):
             excluded.setdefault(seq_id, []).append(span)
         L = spec.chunks_per_seq
         width = spec.candidates if spec.dedupe else spec.neighbours
-        blocks, probes = [], []
+        blocks, probes, searched_deeper = [], [], 0
         for s in sequences:
             queries = np.stack([vectors[s.seq_id * L + j] for j in range(L)])   # [L, d]
             ranges = merge_ranges(excluded.get(s.seq_id, []))
             scores, found, deeper = search_excluding(self.index, queries, width, ranges)  # [L, width]
-            Metrics.counter(METRICS_NAMESPACE, "queries").inc(L)
-            Metrics.counter(METRICS_NAMESPACE, "queries_searched_deeper").inc(int(deeper > 0) * L)
+            searched_deeper += int(deeper > 0) * L
             block = np.zeros(found.size, CANDIDATE)
             block["seq_id"], block["j"] = s.seq_id, np.repeat(np.arange(L), width)
             block["rank"] = np.tile(np.arange(width), L)
@@ -294,6 +297,8 @@ class _Search(beam.DoFn):
         if len(unknown):
             raise ValueError(f"the index returned chunk id {unknown[0]}, which is not in the chunk "
                              f"database ({spec.chunk_files.num_chunks} chunks): index and chunks disagree")
+        yield beam.pvalue.TaggedOutput(TALLY, ("queries", len(sequences) * L))
+        yield beam.pvalue.TaggedOutput(TALLY, ("queries_searched_deeper", searched_deeper))
         if probes:
             yield beam.pvalue.TaggedOutput(PROBE, sorted(probes, key=lambda p: p[:3])[:spec.probes])
         seq_ids, counts = np.unique(hits["seq_id"], return_counts=True)
@@ -361,7 +366,7 @@ def _select_distinct(keyed, k: int):
     candidates = np.concatenate(blocks) if blocks else np.zeros(0, CANDIDATE)
     _arrived(seq_id, "search hits", len(candidates), list(grouped["sent"]))
     picks, dropped = select_distinct(candidates, k)
-    Metrics.counter(METRICS_NAMESPACE, "candidates_dropped_duplicate_tokens").inc(dropped)
+    yield beam.pvalue.TaggedOutput(TALLY, ("candidates_dropped_duplicate_tokens", dropped))
     yield beam.pvalue.TaggedOutput(SENT, (seq_id, len(picks)))
     for j, slot, chunk_id, score in picks:
         yield chunk_id, (seq_id, j, slot, score)
@@ -374,16 +379,12 @@ def _to_row(keyed, chunks_per_seq: int, k: int, m: int, pad_id: int):
              for j, slot, chunk_id, score, value in grouped["picks"]]
     _arrived(sequence.seq_id, "neighbours", len(picks), list(grouped["sent"]))
     neighbours, ids, scores = neighbour_arrays(picks, chunks_per_seq, k, m, pad_id)
-    Metrics.counter(METRICS_NAMESPACE, "neighbour_slots_padded").inc(chunks_per_seq * k - len(picks))
-    chunks = sequence.tokens[:chunks_per_seq * m].reshape(chunks_per_seq, m)
-    for ratio in chunk_overlap(chunks, neighbours, pad_id):
-        Metrics.counter(METRICS_NAMESPACE, OVERLAP_COUNTER + overlap_bucket(ratio)).inc()
     yield ShardRow(sequence.seq_id, sequence.tokens, neighbours, ids, scores, sequence.doc_ids)
 
 
 class RetrieveNeighbours(beam.PTransform):
     """(sequences, query embeddings, database document spans) -> (ShardRows with the k nearest
-    chunks of the database outside each sequence's documents, neighbour-recall probes).
+    chunks of the database outside each sequence's documents, neighbour-recall probes, tallies).
 
     The exclusion happens inside the search (faiss skips the sequences' documents' chunk-id
     ranges), so long documents, whose nearest chunks are mostly their own, cannot starve the
@@ -411,7 +412,8 @@ class RetrieveNeighbours(beam.PTransform):
              "embeddings": embeddings | "QueryBySearchBatch" >> beam.Map(lambda e: (e[0] // L // batch, e)),
              "excluded": excluded | "ExcludedBySearchBatch" >> beam.Map(lambda e: (e[0] // batch, e))}
             | "JoinQueries" >> beam.CoGroupByKey()
-            | "Search" >> beam.ParDo(_Search(spec)).with_outputs(SENT, PROBE, main="found"))
+            | "Search" >> beam.ParDo(_Search(spec)).with_outputs(SENT, PROBE, TALLY, main="found"))
+        tallies = [searched[TALLY]]
         if spec.dedupe:
             picked = (
                 {"candidates": (searched.found
@@ -420,8 +422,9 @@ class RetrieveNeighbours(beam.PTransform):
                  "sent": searched[SENT]}
                 | "JoinCandidates" >> beam.CoGroupByKey()
                 | "DropDuplicateTokens" >> beam.FlatMap(_select_distinct, spec.neighbours)
-                .with_outputs(SENT, main="picks"))
+                .with_outputs(SENT, TALLY, main="picks"))
             picks, sent = picked.picks, picked[SENT]
+            tallies.append(picked[TALLY])
         else:
             picks, sent = searched.found, searched[SENT]
         neighbours = (
@@ -433,7 +436,7 @@ class RetrieveNeighbours(beam.PTransform):
             {"sequence": by_seq, "picks": neighbours, "sent": sent}
             | "JoinNeighbours" >> beam.CoGroupByKey()
             | "AssembleRows" >> beam.FlatMap(_to_row, L, spec.neighbours, spec.chunk_tokens, spec.pad_id))
-        return rows, searched[PROBE]
+        return rows, searched[PROBE], tallies | "RetrievalTallies" >> beam.Flatten()
 
 
 def rows_to_ipc(rows: list[ShardRow], pad_id: int) -> bytes:

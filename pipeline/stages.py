@@ -1,51 +1,63 @@
-"""The two Beam jobs (build-index: stages 1-3; build-shards: stages 4-5) and their commits.
+"""The two Beam jobs (build-index: stages 1-3; build-shards: stages 4-5), each ending in its own
+commit.
 
-Each job writes into a staging directory under `<output>/.staging/`, and the driver commits it
-after the pipeline succeeded: rejected records to `<output>/rejected/`, the files into place,
-manifest.json last (DESIGN §4).
+Each job writes into a staging directory under `<output>/.staging/`; its last step, on a worker,
+builds the manifest from the data the job wrote (file entries, counts computed as data:
+`pipeline.tally`) and commits (`pipeline.commit`): rejected records to `<output>/rejected/`,
+the files into place, manifest.json last (DESIGN §4). So a job submitted to a cluster and left
+(`detach`) commits itself; attached, the driver waits and reads the committed manifest.
 """
 from __future__ import annotations
 
 import logging
 import os
-import posixpath
+import time
 from dataclasses import dataclass
 
 import apache_beam as beam
 import numpy as np
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.io.parquetio import ReadFromParquetBatched
-from apache_beam.metrics.metric import MetricsFilter
 
 from pipeline import __version__, fileio
 from pipeline.chunkdb import ChunkFileRanges
 from pipeline.chunking import Chunk, ChunkDocuments, load_tokenizer, pad_id_of
-from pipeline.corpus import METRICS_NAMESPACE, ReadCorpus, rejected_share
+from pipeline.commit import (REJECTED_STAGING, commit_directory, discard_staging, new_staging_dir,
+                             publish_rejected)
+from pipeline.corpus import ReadCorpus, rejected_share
 from pipeline.index import BUILD_INFO_FILE, INDEX_FILE, BuildIndex, new_index
 from pipeline.models import (DEFAULT_MODEL_NAMES, embedding_dim, fingerprint_path, resolve_model,
                              resolve_tokenizer)
+from pipeline.neighbour_recall import MeasureNeighbourRecall
 from pipeline.options import encoder_threads, pipeline_options
 from pipeline.progress import ReportProgress, StageTimer
-from pipeline.neighbour_recall import MeasureNeighbourRecall
 from pipeline.shards import (FILLED, DocumentSpans, PackSequences, RetrieveNeighbours, Retrieval, WriteShards,
-                             overlap_histogram)
+                             overlap_histogram, overlap_tally)
+from pipeline.tally import Tally, counted
 from pipeline.writers import (WriteGroupedFiles, WriteRejected, chunks_table, embeddings_table,
                               parquet_bytes)
 from schemas.arrow import check_schema_version, tensor_column_to_numpy
 from schemas.config import PipelineConfig, stable_hash
-from schemas.manifest import (FileEntry, Fingerprint, IndexManifest, NeighbourRecall, Recall, ShardsManifest,
-                              VectorIndex, VectorIndexManifest)
+from schemas.manifest import (Fingerprint, IndexManifest, NeighbourRecall, ShardsManifest, VectorIndex,
+                              VectorIndexManifest)
 
 log = logging.getLogger("ratrain")
-FILES_LIST = "_files.json"
-RECALL_FILE = "_neighbour_recall.json"
 MIN_FILL = 0.99          # below this share of filled neighbour slots, the stage warns
 MIN_NEIGHBOUR_RECALL = 0.95
-REJECTED_STAGING = "_rejected"
+CREATED_BY = f"ratrain-pipeline {__version__}"
+INDEX_FILES = (f"faiss/{INDEX_FILE}", f"faiss/{BUILD_INFO_FILE}")  # what BuildIndex stages
 
 
 class StageError(RuntimeError):
     """A stage that cannot run on what it was given (e.g. no committed index)."""
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """A detached stage: submitted, committing itself when it finishes."""
+    stage: str
+    manifest: str             # where its manifest appears once committed
+    job: str | None = None    # the runner's job id, where it has one
 
 
 @dataclass(frozen=True)
@@ -71,77 +83,26 @@ def shards_dir(cfg: PipelineConfig) -> str:
     return fileio.join(cfg.output, "shards")
 
 
-def run_and_count(pipeline: beam.Pipeline) -> dict[str, int]:
-    """Run to completion; the job's counters by name (summed over steps)."""
-    result = pipeline.run()
-    result.wait_until_finish()
-    counters: dict[str, int] = {}
-    query = result.metrics().query(MetricsFilter().with_namespace(METRICS_NAMESPACE))
-    for counter in query["counters"]:
-        value = counter.committed if counter.committed is not None else counter.attempted
-        counters[counter.key.metric.name] = counters.get(counter.key.metric.name, 0) + int(value or 0)
-    return dict(sorted(counters.items()))
+# --- the commit step (runs on a worker, last in each job) -------------------------------------
+
+def _sorted_entries(entries) -> list[dict]:
+    return sorted(entries, key=lambda e: e["path"])
 
 
-def _collect_entries(pipeline_label: str, entry_lists, staging: str):
-    """Write the manifest entries the writers yielded to `<staging>/_files.json`."""
-    return (tuple(entry_lists)
-            | f"{pipeline_label}Flatten" >> beam.Flatten()
-            | f"{pipeline_label}Gather" >> beam.combiners.ToList()
-            | f"{pipeline_label}Write" >> beam.Map(
-                lambda entries: fileio.write_json_atomic(
-                    fileio.join(staging, FILES_LIST), sorted(entries, key=lambda e: e["path"]))))
-
-
-def _check_rejected(counters: dict[str, int], cfg: PipelineConfig, stage: str, staging: str) -> None:
-    """Too many rejected records: publish them (the user needs to see why) and fail the stage
-    before it commits."""
-    rejected, records = rejected_share(counters)
-    if records and rejected / records > cfg.max_rejected_fraction:
-        _publish_rejected(staging, cfg.output)
-        fileio.discard_staging(staging)
-        reasons = ", ".join(f"{k[len('rejected_'):]} {v:,}" for k, v in counters.items()
+def _commit(manifest: dict, staging: str, output: str, final: str, stage: str, staged: list[str],
+            max_rejected_fraction: float = 1.0, replace: tuple[str, ...] | None = None) -> None:
+    """Publish the rejected records, refuse a job that rejected too much (nothing committed),
+    else move the staged files into `final` and write the manifest last."""
+    publish_rejected(staging, output)
+    rejected, records = rejected_share(manifest["counters"])
+    if records and rejected / records > max_rejected_fraction:
+        discard_staging(staging)
+        reasons = ", ".join(f"{k[len('rejected_'):]} {v:,}" for k, v in manifest["counters"].items()
                             if k.startswith("rejected_") and v)
         raise StageError(f"{stage}: {rejected:,} of {records:,} input records rejected "
                          f"({rejected / records:.0%}: {reasons}), more than max_rejected_fraction "
-                         f"{cfg.max_rejected_fraction:.0%}; see {fileio.join(cfg.output, 'rejected')}")
-
-
-def _publish_rejected(staging: str, output: str) -> list[dict]:
-    """Move the job's rejected-record files to `<output>/rejected/`."""
-    source_dir = fileio.join(staging, REJECTED_STAGING)
-    moved = []
-    for source in fileio.list_files(source_dir):
-        target = fileio.join(output, "rejected", posixpath.basename(source))
-        fileio.move(source, target)
-        moved.append(target)
-    fileio.delete_tree(source_dir)
-    return moved
-
-
-# --- build-index ----------------------------------------------------------------------------
-
-def _index_files(staging: str, out_subdir: str = "faiss") -> tuple[dict, dict]:
-    """The build info BuildIndex wrote, and the manifest entry of its index file (hashed by the
-    writer: a budget-sized index is not read back)."""
-    info = fileio.read_json(fileio.join(staging, out_subdir, BUILD_INFO_FILE))
-    entry = {"path": f"{out_subdir}/{INDEX_FILE}", "rows": info["num_vectors"],
-             "bytes": info["index_bytes"], "sha256": info["index_sha256"]}
-    return info, entry
-
-
-def _vector_index_fields(info: dict) -> dict:
-    return {key: info[key] for key in VectorIndex.model_fields}
-
-
-def _committed_index(cfg: PipelineConfig) -> IndexManifest | None:
-    path = fileio.join(index_dir(cfg), fileio.MANIFEST)
-    if not fileio.exists(path):
-        return None
-    try:
-        return IndexManifest.model_validate_json(fileio.read_bytes(path))
-    except ValueError:  # an older or foreign manifest: rebuild from scratch
-        return None
+                         f"{max_rejected_fraction:.0%}; see {fileio.join(output, 'rejected')}")
+    commit_directory(staging, final, manifest, staged, replace)
 
 
 def describe(pipeline: beam.Pipeline) -> dict:
@@ -166,6 +127,23 @@ def new_pipeline(beam_args: list[str], dry_run: bool = False) -> beam.Pipeline:
     return beam.Pipeline(options=options)
 
 
+def run_stage(pipeline: beam.Pipeline, name: str, directory: str, model, detach: bool, main: str):
+    """Run a job that commits itself. Attached: wait, then read and return the committed
+    manifest. Detached: return once the runner has the job (`Submitted`)."""
+    manifest_path = fileio.join(directory, fileio.MANIFEST)
+    with StageTimer(name) as timer:
+        result = pipeline.run()
+        if detach:
+            job = getattr(result, "job_id", lambda: None)()
+            log.info("%s: submitted%s; it commits %s when it finishes", name,
+                     f" (job {job})" if job else "", manifest_path)
+            return Submitted(name, manifest_path, job)
+        result.wait_until_finish()
+        manifest = model.model_validate_json(fileio.read_bytes(manifest_path))
+        timer.done(manifest.counters, main)
+    return manifest
+
+
 def check_index_type(cfg: PipelineConfig) -> None:
     """A faiss factory string that cannot be built fails now, not after hours of embedding
     (when the encoder's width can be read without loading it)."""
@@ -174,69 +152,129 @@ def check_index_type(cfg: PipelineConfig) -> None:
         new_index(cfg.index.type, dim)
 
 
-def build_index(cfg: PipelineConfig, beam_args: list[str], force: bool = False,
-                dry_run: bool = False) -> IndexManifest | dict:
-    """Stages 1-3: retrieval corpus -> chunks, embeddings, faiss index, committed manifest.
+# --- build-index ----------------------------------------------------------------------------
 
-    When the committed chunks and embeddings match the config (only `index.*` changed), only
-    the faiss index is rebuilt from them. dry_run: build the graph, touch no input or output,
-    run nothing; return `describe(pipeline)`.
-    """
-    check_index_type(cfg)
-    previous = None if force or dry_run else _committed_index(cfg)
-    if previous is not None and previous.embed_config_hash == cfg.embed_hash():
-        return _rebuild_faiss(cfg, previous, beam_args)
-    tok = Tokenization.of(cfg)
-    staging = fileio.new_staging_dir(cfg.output, "index", dry_run)
-    m = cfg.chunk_tokens
-    with StageTimer("build-index") as timer:
-        pipeline = new_pipeline(beam_args, dry_run)
-        threads = encoder_threads(cfg.embedding.cpu_threads, cfg.embedding.device, pipeline.options)
-        documents, rejected = pipeline | "ReadRetrievalCorpus" >> ReadCorpus(cfg.retrieval_corpus,
-                                                                             match=not dry_run)
-        chunks, unusable = (documents | "DocumentProgress" >> ReportProgress("read", "documents")
-                            | "ChunkDocuments" >> ChunkDocuments(tok.path, m, tok.pad_id))
-        chunk_files = chunks | "WriteChunks" >> WriteGroupedFiles(
-            fileio.join(staging, "chunks"), staging, "chunks", "parquet",
-            key=lambda c: c.chunk_id, rows_per_file=cfg.chunk_file_rows,
-            to_bytes=lambda rows: parquet_bytes(chunks_table(rows, m)))
-        from pipeline.embed import EmbedChunks  # imports torch, which the index command never needs
+def _index_entry(info: dict) -> dict:
+    """The manifest entry of the index file (hashed by its writer: it is never read back)."""
+    return {"path": f"faiss/{INDEX_FILE}", "rows": info["num_vectors"], "bytes": info["index_bytes"],
+            "sha256": info["index_sha256"]}
 
-        embeddings = (chunks
-                      | "EmbedChunks" >> EmbedChunks(cfg.embedding, tok.path, threads)
-                      | "EmbedProgress" >> ReportProgress("embed", "chunks"))
-        embedding_files = embeddings | "WriteEmbeddings" >> WriteGroupedFiles(
-            fileio.join(staging, "embeddings"), staging, "embeddings", "parquet",
-            key=lambda e: e[0], rows_per_file=cfg.chunk_file_rows,
-            to_bytes=lambda rows: parquet_bytes(embeddings_table(rows)))
-        _ = (embedding_files
-             | "EmbeddingPaths" >> beam.Map(lambda entry: fileio.join(staging, entry["path"]))
-             | "BuildIndex" >> BuildIndex(cfg.index, fileio.join(staging, "faiss")))
-        _ = ((rejected, unusable) | "MergeRejected" >> beam.Flatten()
-             | "WriteRejected" >> WriteRejected(fileio.join(staging, REJECTED_STAGING),
-                                                "build-index"))
-        _collect_entries("IndexFiles", (chunk_files, embedding_files), staging)
-        if dry_run:
-            return describe(pipeline)
-        counters = run_and_count(pipeline)
-        timer.done(counters, "chunks")
-    _check_rejected(counters, cfg, "build-index", staging)
 
-    info, index_entry = _index_files(staging)
-    files = fileio.read_json(fileio.join(staging, FILES_LIST)) + [index_entry]
-    beam.io.filesystems.FileSystems.delete([fileio.join(staging, FILES_LIST)])
-    manifest = IndexManifest(
+def _vector_index_fields(info: dict) -> dict:
+    return {key: info[key] for key in VectorIndex.model_fields}
+
+
+def _index_counters(info: dict) -> dict[str, int]:
+    return {"index_vectors_added": info["num_vectors"], "index_training_vectors": info["training_vectors"]}
+
+
+def _committed_index(cfg: PipelineConfig) -> IndexManifest | None:
+    path = fileio.join(index_dir(cfg), fileio.MANIFEST)
+    if not fileio.exists(path):
+        return None
+    try:
+        return IndexManifest.model_validate_json(fileio.read_bytes(path))
+    except ValueError:  # an older or foreign manifest: rebuild from scratch
+        return None
+
+
+def tokens_in_chunk(chunk: Chunk, pad_id: int) -> int:
+    """The document tokens a chunk holds: all m but in a document's last chunk (its
+    continuation is padding), which ends at its last non-pad token."""
+    if (chunk.continuation != pad_id).any():
+        return len(chunk.tokens)
+    held = np.flatnonzero(chunk.tokens != pad_id)
+    return int(held[-1]) + 1 if len(held) else 0
+
+
+def _rejected_tally(rejected, label: str):
+    return rejected | label >> beam.Map(lambda r: (f"rejected_{r.reason}", 1))
+
+
+def _documents_read_tally(documents, rejected, prefix: str):
+    """Documents parsed: those kept, plus those refused after parsing (a duplicate id)."""
+    return (counted("documents_read", documents, label=f"{prefix}DocumentsKept"),
+            rejected | f"{prefix}DuplicatesRead" >> beam.FlatMap(
+                lambda r: [("documents_read", 1)] if r.reason == "duplicate_id" else []))
+
+
+def _index_manifest(entries, info, tallies, cfg: PipelineConfig, tok: Tokenization, threads) -> dict:
+    files = _sorted_entries(list(entries) + [_index_entry(info)])
+    return IndexManifest(
         config_hash=cfg.index_hash(), embed_config_hash=cfg.embed_hash(),
         tokenizer=Fingerprint(name=tok.name, fingerprint=fingerprint_path(tok.path)),
         embedding_model=Fingerprint(name=cfg.embedding.model,
                                     fingerprint=fingerprint_path(resolve_model(cfg.embedding.model))),
-        encoder_threads=threads, num_documents=counters.get("documents_chunked", 0),
-        num_chunks=counters.get("chunks", 0), chunk_tokens=m, pad_id=tok.pad_id,
-        files=sorted(files, key=lambda f: f["path"]), counters=counters,
-        created_by=f"ratrain-pipeline {__version__}", **_vector_index_fields(info))
-    _publish_rejected(staging, cfg.output)
-    fileio.commit_directory(staging, index_dir(cfg), manifest.model_dump(mode="json"))
-    _log_index(index_dir(cfg), manifest)
+        encoder_threads=threads, num_documents=tallies.get("documents_chunked", 0),
+        num_chunks=sum(e["rows"] for e in files if e["path"].startswith("chunks/")),
+        chunk_tokens=cfg.chunk_tokens, pad_id=tok.pad_id, files=files,
+        counters=dict(sorted({**tallies, **_index_counters(info)}.items())),
+        created_by=CREATED_BY, **_vector_index_fields(info)).model_dump(mode="json")
+
+
+def build_index(cfg: PipelineConfig, beam_args: list[str], force: bool = False,
+                dry_run: bool = False, detach: bool = False) -> IndexManifest | Submitted | dict:
+    """Stages 1-3: retrieval corpus -> chunks, embeddings, faiss index, committed manifest.
+
+    When the committed chunks and embeddings match the config (only `index.*` changed), only
+    the faiss index is rebuilt from them. dry_run: build the graph, touch no input or output,
+    run nothing; return `describe(pipeline)`. detach: submit and return.
+    """
+    check_index_type(cfg)
+    previous = None if force or dry_run else _committed_index(cfg)
+    if previous is not None and previous.embed_config_hash == cfg.embed_hash():
+        return _rebuild_faiss(cfg, previous, beam_args, detach)
+    tok = Tokenization.of(cfg)
+    staging = new_staging_dir(cfg.output, "index", dry_run)
+    m, pad = cfg.chunk_tokens, tok.pad_id
+    pipeline = new_pipeline(beam_args, dry_run)
+    threads = encoder_threads(cfg.embedding.cpu_threads, cfg.embedding.device, pipeline.options)
+    documents, rejected = pipeline | "ReadRetrievalCorpus" >> ReadCorpus(cfg.retrieval_corpus, match=not dry_run)
+    chunks, unusable = (documents | "DocumentProgress" >> ReportProgress("read", "documents")
+                        | "ChunkDocuments" >> ChunkDocuments(tok.path, m, pad))
+    chunk_files = chunks | "WriteChunks" >> WriteGroupedFiles(
+        fileio.join(staging, "chunks"), staging, "chunks", "parquet",
+        key=lambda c: c.chunk_id, rows_per_file=cfg.chunk_file_rows,
+        to_bytes=lambda rows: parquet_bytes(chunks_table(rows, m)))
+    from pipeline.embed import EmbedChunks  # imports torch, which the index command never needs
+
+    embeddings = (chunks
+                  | "EmbedChunks" >> EmbedChunks(cfg.embedding, tok.path, threads)
+                  | "EmbedProgress" >> ReportProgress("embed", "chunks"))
+    embedding_files = embeddings | "WriteEmbeddings" >> WriteGroupedFiles(
+        fileio.join(staging, "embeddings"), staging, "embeddings", "parquet",
+        key=lambda e: e[0], rows_per_file=cfg.chunk_file_rows,
+        to_bytes=lambda rows: parquet_bytes(embeddings_table(rows)))
+    info = (embedding_files
+            | "EmbeddingPaths" >> beam.Map(lambda entry: fileio.join(staging, entry["path"]))
+            | "BuildIndex" >> BuildIndex(cfg.index, fileio.join(staging, "faiss")))
+    all_rejected = (rejected, unusable) | "MergeRejected" >> beam.Flatten()
+    rejected_files = all_rejected | "WriteRejected" >> WriteRejected(
+        fileio.join(staging, REJECTED_STAGING), "build-index")
+    tallies = ((*_documents_read_tally(documents, all_rejected, "Index"),
+                _rejected_tally(all_rejected, "TallyRejected"),
+                chunks | "TallyDocumentsChunked" >> beam.FlatMap(
+                    lambda c: [("documents_chunked", 1)] if c.position == 0 else []),
+                counted("chunks", chunks),
+                counted("tokens", chunks, lambda c: tokens_in_chunk(c, pad)),
+                counted("chunks_embedded", embeddings))
+               | "Tallies" >> Tally())
+    entries = (chunk_files, embedding_files) | "FileEntries" >> beam.Flatten()
+    manifest = (entries
+                | "GatherEntries" >> beam.combiners.ToList()
+                | "IndexManifest" >> beam.Map(_index_manifest, beam.pvalue.AsSingleton(info),
+                                              beam.pvalue.AsDict(tallies), cfg, tok, threads))
+    staged = beam.pvalue.AsSingleton(
+        entries | "StagedPaths" >> beam.Map(lambda e: e["path"]) | "AllStaged" >> beam.combiners.ToList())
+    _ = manifest | "Commit" >> beam.Map(
+        lambda manifest, staged, *after: _commit(manifest, staging, cfg.output, index_dir(cfg), "build-index",
+                                                 staged + list(INDEX_FILES), cfg.max_rejected_fraction),
+        staged, beam.pvalue.AsList(rejected_files))
+    if dry_run:
+        return describe(pipeline)
+    manifest = run_stage(pipeline, "build-index", index_dir(cfg), IndexManifest, detach, "chunks")
+    if isinstance(manifest, IndexManifest):
+        _log_index(index_dir(cfg), manifest)
     return manifest
 
 
@@ -254,35 +292,43 @@ def _log_index(directory: str, manifest) -> None:
                     directory, recall.measure, recall.value, recall.target, where)
 
 
-def _run_build_index(paths: list[str], cfg_index, staging: str, beam_args: list[str], name: str):
-    with StageTimer(name) as timer:
-        pipeline = new_pipeline(beam_args)
-        _ = (pipeline | "EmbeddingFiles" >> beam.Create(paths)
-             | "BuildIndex" >> BuildIndex(cfg_index, fileio.join(staging, "faiss")))
-        counters = run_and_count(pipeline)
-        timer.done(counters, "index_vectors_added")
-    return counters
+def _index_only_pipeline(paths: list[str], cfg_index, staging: str, beam_args: list[str], to_manifest,
+                         final: str):
+    """A job that builds a faiss index from embedding files and commits it into `final/faiss/`
+    (the rest of `final` stays): `to_manifest(info)` makes the manifest dict."""
+    pipeline = new_pipeline(beam_args)
+    _ = (pipeline
+         | "EmbeddingFiles" >> beam.Create(paths)
+         | "BuildIndex" >> BuildIndex(cfg_index, fileio.join(staging, "faiss"))
+         | "Manifest" >> beam.Map(to_manifest)
+         | "Commit" >> beam.Map(lambda manifest: _commit(manifest, staging, final, final, "index",
+                                                         list(INDEX_FILES), replace=("faiss",))))
+    return pipeline
 
 
-def _rebuild_faiss(cfg: PipelineConfig, previous: IndexManifest, beam_args: list[str]) -> IndexManifest:
+def _rebuild_faiss(cfg: PipelineConfig, previous: IndexManifest, beam_args: list[str],
+                   detach: bool = False) -> IndexManifest | Submitted:
     """Only `index.*` changed: a new faiss index from the committed embeddings."""
     log.info("build-index: chunks and embeddings match the config; rebuilding the faiss index only")
     directory = index_dir(cfg)
-    kept = [f for f in previous.files if not f.path.startswith("faiss/")]
-    paths = [fileio.join(directory, f.path) for f in kept if f.path.startswith("embeddings/")]
-    staging = fileio.new_staging_dir(cfg.output, "faiss")
-    counters = _run_build_index(paths, cfg.index, staging, beam_args, "build-index (faiss only)")
-    info, index_entry = _index_files(staging)
-    merged_counters = {**{k: v for k, v in previous.counters.items() if not k.startswith("index_")},
-                       **counters}
-    manifest = previous.model_copy(update={
-        "config_hash": cfg.index_hash(), "files": sorted([*kept, FileEntry(**index_entry)], key=lambda f: f.path),
-        "counters": dict(sorted(merged_counters.items())),
-        "created_by": f"ratrain-pipeline {__version__}",
-        **{key: (Recall(**value) if key == "recall_at_k" else value)
-           for key, value in _vector_index_fields(info).items()}})
-    fileio.commit_directory(staging, directory, manifest.model_dump(mode="json"), replace=("faiss",))
-    _log_index(directory, manifest)
+    kept = [f.model_dump(mode="json") for f in previous.files if not f.path.startswith("faiss/")]
+    paths = [fileio.join(directory, f["path"]) for f in kept if f["path"].startswith("embeddings/")]
+    staging = new_staging_dir(cfg.output, "faiss")
+    earlier = {k: v for k, v in previous.counters.items() if not k.startswith("index_")}
+    base = previous.model_dump(mode="json")
+    index_hash = cfg.index_hash()
+
+    def to_manifest(info: dict) -> dict:
+        return IndexManifest.model_validate({
+            **base, "config_hash": index_hash, "files": _sorted_entries(kept + [_index_entry(info)]),
+            "counters": dict(sorted({**earlier, **_index_counters(info)}.items())),
+            "created_by": CREATED_BY, **_vector_index_fields(info)}).model_dump(mode="json")
+
+    pipeline = _index_only_pipeline(paths, cfg.index, staging, beam_args, to_manifest, directory)
+    manifest = run_stage(pipeline, "build-index (faiss only)", directory, IndexManifest, detach,
+                         "index_vectors_added")
+    if isinstance(manifest, IndexManifest):
+        _log_index(directory, manifest)
     return manifest
 
 
@@ -292,15 +338,18 @@ def build_vector_index(embeddings: list[str], output: str, cfg_index, beam_args:
     paths = sorted({m.path for pattern, result in zip(embeddings, FileSystems.match(embeddings))
                     for m in _nonempty(pattern, result)})
     sizes = {m.path: m.size_in_bytes for r in FileSystems.match(paths) for m in r.metadata_list}
-    staging = fileio.new_staging_dir(output, "faiss")
-    counters = _run_build_index(paths, cfg_index, staging, beam_args, "index")
-    info, index_entry = _index_files(staging)
+    staging = new_staging_dir(output, "faiss")
     inputs = [{"path": p, "bytes": sizes[p]} for p in paths]
-    manifest = VectorIndexManifest(
-        config_hash=stable_hash({"index": cfg_index.model_dump(), "inputs": inputs}),
-        num_vectors=info["num_vectors"], inputs=inputs, files=[index_entry], counters=counters,
-        created_by=f"ratrain-pipeline {__version__}", **_vector_index_fields(info))
-    fileio.commit_directory(staging, output, manifest.model_dump(mode="json"), replace=("faiss",))
+    config_hash = stable_hash({"index": cfg_index.model_dump(), "inputs": inputs})
+
+    def to_manifest(info: dict) -> dict:
+        return VectorIndexManifest(
+            config_hash=config_hash, num_vectors=info["num_vectors"], inputs=inputs,
+            files=[_index_entry(info)], counters=_index_counters(info), created_by=CREATED_BY,
+            **_vector_index_fields(info)).model_dump(mode="json")
+
+    pipeline = _index_only_pipeline(paths, cfg_index, staging, beam_args, to_manifest, output)
+    manifest = run_stage(pipeline, "index", output, VectorIndexManifest, False, "index_vectors_added")
     _log_index(output, manifest)
     return manifest
 
@@ -327,6 +376,21 @@ def load_index_manifest(cfg: PipelineConfig) -> tuple[IndexManifest, str]:
     return manifest, fileio.sha256_bytes(data)
 
 
+def wait_for_index(cfg: PipelineConfig, timeout_s: float, poll_s: float = 30.0) -> None:
+    """Wait until the index this config describes is committed (a detached build-index on a
+    cluster): its manifest exists with this config's index hash."""
+    path = fileio.join(index_dir(cfg), fileio.MANIFEST)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        committed = _committed_index(cfg)
+        if committed is not None and committed.config_hash == cfg.index_hash():
+            return
+        if time.monotonic() >= deadline:
+            raise StageError(f"no index matching the config was committed at {path} within {timeout_s:.0f} s")
+        log.info("build-shards: waiting for %s", path)
+        time.sleep(poll_s)
+
+
 def _chunks_from_table(table) -> list[Chunk]:
     ids = table["chunk_id"].to_numpy()
     docs = table["doc_id"].to_numpy()
@@ -342,89 +406,101 @@ def _embeddings_from_table(table) -> list[tuple[int, np.ndarray]]:
     return list(zip(table["chunk_id"].to_numpy().tolist(), vectors))
 
 
-def build_shards(cfg: PipelineConfig, beam_args: list[str], dry_run: bool = False) -> ShardsManifest | dict:
-    """Stages 4-5: training sequences + retrieved neighbours -> Arrow shards, committed.
-    dry_run: as for `build_index` (no committed index is needed)."""
-    index_manifest, index_sha = (None, None) if dry_run else load_index_manifest(cfg)
-    tok = Tokenization.of(cfg)
-    staging = fileio.new_staging_dir(cfg.output, "shards", dry_run)
-    L, m, k = cfg.chunks_per_sequence, cfg.chunk_tokens, cfg.neighbours
-    idx = index_dir(cfg)
-    with StageTimer("build-shards") as timer:
-        pipeline = new_pipeline(beam_args, dry_run)
-        threads = None
-        chunk_files = ChunkFileRanges.from_entries(idx, [] if dry_run else index_manifest.files)
-        if cfg.training_corpus == "same":
-            training_chunks = (pipeline
-                               | "ReadChunkDatabase" >> ReadFromParquetBatched(
-                                   fileio.join(idx, "chunks", "*.parquet"), validate=not dry_run)
-                               | "ChunkRows" >> beam.FlatMap(_chunks_from_table))
-            queries = (pipeline
-                       | "ReadEmbeddings" >> ReadFromParquetBatched(
-                           fileio.join(idx, "embeddings", "*.parquet"), validate=not dry_run)
-                       | "EmbeddingRows" >> beam.FlatMap(_embeddings_from_table))
-            rejected = pipeline | "NoRejected" >> beam.Create([])
-        else:
-            documents, read_rejected = (pipeline
-                                        | "ReadTrainingCorpus" >> ReadCorpus(cfg.training_corpus,
-                                                                             match=not dry_run))
-            training_chunks, unusable = documents | "ChunkTrainingDocuments" >> ChunkDocuments(
-                tok.path, m, tok.pad_id)
-            from pipeline.embed import EmbedChunks  # imports torch: only when embedding
-
-            threads = encoder_threads(cfg.embedding.cpu_threads, cfg.embedding.device, pipeline.options)
-            queries = training_chunks | "EmbedTrainingChunks" >> EmbedChunks(cfg.embedding, tok.path, threads)
-            rejected = (read_rejected, unusable) | "MergeRejected" >> beam.Flatten()
-        sequences = training_chunks | "PackSequences" >> PackSequences(L, tok.pad_id)
-        spans = pipeline | "DocumentSpans" >> DocumentSpans(fileio.join(idx, "chunks", "*.parquet"),
-                                                            validate=not dry_run)
-        spec = Retrieval(fileio.join(idx, "faiss", INDEX_FILE), None if dry_run else index_manifest.nprobe,
-                         chunk_files, L, m, k, cfg.neighbour_candidates, tok.pad_id, cfg.dedupe_neighbours,
-                         cfg.neighbour_recall_sample)
-        rows, probes = (sequences, queries, spans) | "RetrieveNeighbours" >> RetrieveNeighbours(
-            spec, cfg.index.min_ram)
-        rows = rows | "ShardProgress" >> ReportProgress("retrieve", "sequences")
-        shard_files = rows | "WriteShards" >> WriteShards(staging, cfg.rows_per_shard(), tok.pad_id)
-        if cfg.neighbour_recall_sample:
-            _ = ((probes, rows)
-                 | "MeasureNeighbourRecall" >> MeasureNeighbourRecall(
-                     fileio.join(idx, "embeddings", "*.parquet"), k, cfg.neighbour_recall_sample,
-                     validate=not dry_run)
-                 | "WriteNeighbourRecall" >> beam.Map(
-                     lambda result: fileio.write_json_atomic(fileio.join(staging, RECALL_FILE), result)))
-        _ = rejected | "WriteRejected" >> WriteRejected(
-            fileio.join(staging, REJECTED_STAGING), "build-shards")
-        _collect_entries("ShardFiles", (shard_files,), staging)
-        if dry_run:
-            return describe(pipeline)
-        counters = run_and_count(pipeline)
-        timer.done(counters, "sequences")
-    _check_rejected(counters, cfg, "build-shards", staging)
-
-    shards = fileio.read_json(fileio.join(staging, FILES_LIST))
-    recall = None
-    if cfg.neighbour_recall_sample:
-        recall = fileio.read_json(fileio.join(staging, RECALL_FILE))
-        beam.io.filesystems.FileSystems.delete([fileio.join(staging, RECALL_FILE)])
-    beam.io.filesystems.FileSystems.delete([fileio.join(staging, FILES_LIST)])
+def _shards_manifest(entries, tallies, recall, cfg: PipelineConfig, index_sha: str, threads, pad_id: int) -> dict:
+    shards = _sorted_entries(entries)
+    L, k = cfg.chunks_per_sequence, cfg.neighbours
     num_sequences = sum(s["rows"] for s in shards)
     slots = num_sequences * L * k
-    manifest = ShardsManifest(
+    counters = dict(tallies)
+    counters["chunks_not_in_a_sequence"] = counters.pop("training_chunks", 0) - num_sequences * L
+    return ShardsManifest(
         config_hash=cfg.shards_hash(), index_manifest_sha256=index_sha,
         training_corpus="same" if cfg.training_corpus == "same" else "separate",
-        encoder_threads=threads, sequence_tokens=cfg.sequence_tokens, chunk_tokens=m, neighbours=k,
-        neighbour_tokens=2 * m, pad_id=tok.pad_id,
+        encoder_threads=threads, sequence_tokens=cfg.sequence_tokens, chunk_tokens=cfg.chunk_tokens,
+        neighbours=k, neighbour_tokens=2 * cfg.chunk_tokens, pad_id=pad_id,
         num_sequences=num_sequences, shards=shards,
         neighbour_fill=sum(s[FILLED] for s in shards) / slots if slots else 1.0,
         neighbour_recall=None if recall is None else NeighbourRecall(**recall),
-        overlap=overlap_histogram(counters), counters=counters,
-        created_by=f"ratrain-pipeline {__version__}")
-    _publish_rejected(staging, cfg.output)
-    fileio.commit_directory(staging, shards_dir(cfg), manifest.model_dump(mode="json"))
-    log.info("committed %s (%d sequences in %d shards, %s)", shards_dir(cfg),
-             manifest.num_sequences, len(shards), manifest.neighbour_summary())
-    for warning in neighbour_warnings(manifest, cfg):
-        log.warning("%s: %s", shards_dir(cfg), warning)
+        overlap=overlap_histogram(counters), counters=dict(sorted(counters.items())),
+        created_by=CREATED_BY).model_dump(mode="json")
+
+
+def build_shards(cfg: PipelineConfig, beam_args: list[str], dry_run: bool = False,
+                 detach: bool = False) -> ShardsManifest | Submitted | dict:
+    """Stages 4-5: training sequences + retrieved neighbours -> Arrow shards, committed.
+    dry_run, detach: as for `build_index` (a dry run needs no committed index)."""
+    index_manifest, index_sha = (None, None) if dry_run else load_index_manifest(cfg)
+    tok = Tokenization.of(cfg)
+    staging = new_staging_dir(cfg.output, "shards", dry_run)
+    L, m, k = cfg.chunks_per_sequence, cfg.chunk_tokens, cfg.neighbours
+    idx = index_dir(cfg)
+    pipeline = new_pipeline(beam_args, dry_run)
+    threads = None
+    chunk_files = ChunkFileRanges.from_entries(idx, [] if dry_run else index_manifest.files)
+    if cfg.training_corpus == "same":
+        training_chunks = (pipeline
+                           | "ReadChunkDatabase" >> ReadFromParquetBatched(
+                               fileio.join(idx, "chunks", "*.parquet"), validate=not dry_run)
+                           | "ChunkRows" >> beam.FlatMap(_chunks_from_table))
+        queries = (pipeline
+                   | "ReadEmbeddings" >> ReadFromParquetBatched(
+                       fileio.join(idx, "embeddings", "*.parquet"), validate=not dry_run)
+                   | "EmbeddingRows" >> beam.FlatMap(_embeddings_from_table))
+        rejected = pipeline | "NoRejected" >> beam.Create([])
+        read_tallies = ()
+    else:
+        documents, read_rejected = (pipeline
+                                    | "ReadTrainingCorpus" >> ReadCorpus(cfg.training_corpus, match=not dry_run))
+        training_chunks, unusable = documents | "ChunkTrainingDocuments" >> ChunkDocuments(tok.path, m, tok.pad_id)
+        from pipeline.embed import EmbedChunks  # imports torch: only when embedding
+
+        threads = encoder_threads(cfg.embedding.cpu_threads, cfg.embedding.device, pipeline.options)
+        queries = training_chunks | "EmbedTrainingChunks" >> EmbedChunks(cfg.embedding, tok.path, threads)
+        rejected = (read_rejected, unusable) | "MergeRejected" >> beam.Flatten()
+        read_tallies = _documents_read_tally(documents, rejected, "Training")
+    sequences = training_chunks | "PackSequences" >> PackSequences(L, tok.pad_id)
+    spans = pipeline | "DocumentSpans" >> DocumentSpans(fileio.join(idx, "chunks", "*.parquet"),
+                                                        validate=not dry_run)
+    spec = Retrieval(fileio.join(idx, "faiss", INDEX_FILE), None if dry_run else index_manifest.nprobe,
+                     chunk_files, L, m, k, cfg.neighbour_candidates, tok.pad_id, cfg.dedupe_neighbours,
+                     cfg.neighbour_recall_sample)
+    rows, probes, retrieval_tallies = (sequences, queries, spans) | "RetrieveNeighbours" >> RetrieveNeighbours(
+        spec, cfg.index.min_ram)
+    rows = rows | "ShardProgress" >> ReportProgress("retrieve", "sequences")
+    shard_files = rows | "WriteShards" >> WriteShards(staging, cfg.rows_per_shard(), tok.pad_id)
+    rejected_files = rejected | "WriteRejected" >> WriteRejected(
+        fileio.join(staging, REJECTED_STAGING), "build-shards")
+    if cfg.neighbour_recall_sample:
+        recall = (probes, rows) | "MeasureNeighbourRecall" >> MeasureNeighbourRecall(
+            fileio.join(idx, "embeddings", "*.parquet"), k, cfg.neighbour_recall_sample, validate=not dry_run)
+    else:
+        recall = pipeline | "NoRecallCheck" >> beam.Create([None])
+    tallies = ((*read_tallies, retrieval_tallies,
+                _rejected_tally(rejected, "TallyRejected"),
+                counted("training_chunks", training_chunks),
+                counted("sequences", rows),
+                counted("neighbour_slots_padded", rows, lambda r: (r.neighbour_ids < 0).sum()),
+                rows | "TallyOverlap" >> beam.FlatMap(overlap_tally, m, tok.pad_id))
+               | "Tallies" >> Tally())
+    manifest = (shard_files
+                | "GatherShards" >> beam.combiners.ToList()
+                | "ShardsManifest" >> beam.Map(_shards_manifest, beam.pvalue.AsDict(tallies),
+                                               beam.pvalue.AsSingleton(recall), cfg, index_sha, threads,
+                                               tok.pad_id))
+    staged = beam.pvalue.AsSingleton(
+        shard_files | "StagedPaths" >> beam.Map(lambda e: e["path"]) | "AllStaged" >> beam.combiners.ToList())
+    _ = manifest | "Commit" >> beam.Map(
+        lambda manifest, staged, *after: _commit(manifest, staging, cfg.output, shards_dir(cfg), "build-shards",
+                                                 staged, cfg.max_rejected_fraction),
+        staged, beam.pvalue.AsList(rejected_files))
+    if dry_run:
+        return describe(pipeline)
+    manifest = run_stage(pipeline, "build-shards", shards_dir(cfg), ShardsManifest, detach, "sequences")
+    if isinstance(manifest, ShardsManifest):
+        log.info("committed %s (%d sequences in %d shards, %s)", shards_dir(cfg),
+                 manifest.num_sequences, len(manifest.shards), manifest.neighbour_summary())
+        for warning in neighbour_warnings(manifest, cfg):
+            log.warning("%s: %s", shards_dir(cfg), warning)
     return manifest
 
 

@@ -72,10 +72,19 @@ class EmbeddingConfig(_Strict):
                                     "(Dataflow GPU workers; set device: cuda with it).")
     model_copies: int | None = Field(None, ge=1, description="Encoder copies per worker machine "
                                      "(RunInference model_copies): 1 shares one model per GPU "
-                                     "between a machine's processes.")
+                                     "between a machine's processes. Default: 1 with an "
+                                     "accelerator (every SDK process on a GPU worker sees the "
+                                     "GPU), else one per process.")
 
     # Where and how it runs, not what it computes: changing them re-embeds nothing.
     PLACEMENT: ClassVar[tuple[str, ...]] = ("accelerator", "model_copies", "cpu_threads")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_model_per_gpu(cls, data):
+        if isinstance(data, dict) and data.get("accelerator") and data.get("model_copies") is None:
+            return {**data, "model_copies": 1}
+        return data
 
 
 class IndexConfig(_Strict):

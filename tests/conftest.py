@@ -38,7 +38,10 @@ def small_config(output: Path, corpus_glob: str, **overrides) -> dict:
         "training_corpus": "same",
         "chunk_tokens": 32, "sequence_tokens": 128, "neighbours": 2,
         "neighbour_candidates": 16, "shard_rows": 16, "chunk_file_rows": 200,
-        "embedding": {"batch_size": 32},
+        # One encoder thread, as each process of a two-worker run has: embedding bytes are
+        # reproducible for the same config, hardware and encoder threads, and tests compare
+        # bytes across runs, runners and worker counts.
+        "embedding": {"batch_size": 32, "cpu_threads": 1},
     }
     config.update(overrides)
     return config
@@ -67,10 +70,7 @@ def built_output(tmp_path_factory):
     docs = sample_documents(16)
     write_jsonl(root / "corpus" / "a.jsonl", docs[:8])
     write_jsonl(root / "corpus" / "b.jsonl", docs[8:] + BAD_RECORDS)
-    # One encoder thread, as each process of a two-worker run has: embedding bytes are
-    # reproducible for the same config, hardware and encoder threads, and tests compare them.
-    config = small_config(root / "out", str(root / "corpus" / "*.jsonl"),
-                          embedding={"batch_size": 32, "cpu_threads": 1})
+    config = small_config(root / "out", str(root / "corpus" / "*.jsonl"))
     write_config(root / "config.yaml", config)
     report = run_all(config_from_dict(config), [])
     return root, config, report

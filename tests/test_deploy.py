@@ -15,13 +15,28 @@ from pipeline.options import pipeline_options
 from tests.conftest import REPO, small_config, write_config
 
 DEPLOY = REPO / "deploy"
+# The variables deploy/README.md has the user export before `envsubst`.
 ENV = {"PROJECT": "p", "REGION": "europe-west4", "BUCKET": "b",
-       "IMAGE": "europe-west4-docker.pkg.dev/p/ratrain/worker:0.1.0"}
+       "IMAGE": "europe-west4-docker.pkg.dev/p/ratrain/worker:0.1.0", "JOB_HOST": "localhost",
+       "CONFIG": "gs://b/config.yaml"}
+
+
+def rendered(path) -> str:
+    """A deploy file as `envsubst` writes it: every ${VAR} one the README exports."""
+    return string.Template(path.read_text()).substitute(ENV)
 
 
 def options(name: str) -> list[str]:
-    text = string.Template((DEPLOY / name / "options.txt").read_text()).substitute(ENV)
-    return text.split()
+    return rendered(DEPLOY / name / "options.txt").split()
+
+
+@pytest.mark.parametrize("path", sorted(p.relative_to(DEPLOY).as_posix() for p in DEPLOY.rglob("*")
+                                        if p.suffix in (".yaml", ".txt")))
+def test_applied_files_have_no_placeholder_left(path):
+    text = rendered(DEPLOY / path)
+    assert "${" not in text and "$(" not in text
+    if path.endswith(".yaml"):
+        assert list(yaml.safe_load_all(text))
 
 
 def test_dataflow_image_matches_the_project():
@@ -29,11 +44,44 @@ def test_dataflow_image_matches_the_project():
     base = re.search(r"^FROM apache/beam_python(\d+\.\d+)_sdk:(\S+)$", dockerfile, re.M)
     assert base and base.group(1) == f"{sys.version_info.major}.{sys.version_info.minor}"
     assert base.group(2) == apache_beam.__version__
+    version = "".join(base.group(1).split("."))
+    assert f"FROM gcr.io/dataflow-templates-base/python{version}-template-launcher-base" in dockerfile
+    assert "COPY --from=launcher /opt/google/dataflow/python_template_launcher" in dockerfile
     pinned = re.search(r"torch==(\S+)", (REPO / "constraints.txt").read_text()).group(1)
     assert f"torch=={pinned} " in dockerfile and "download.pytorch.org/whl/cu" in dockerfile
-    assert (REPO / dockerfile.split("FLEX_TEMPLATE_PYTHON_PY_FILE=/opt/ratrain/")[1].split()[0]).is_file()
+    assert "pip install --no-cache-dir -c constraints.txt ." in dockerfile
+    entry = re.search(r"^ENV FLEX_TEMPLATE_PYTHON_PY_FILE=/opt/ratrain/(\S+)$", dockerfile, re.M).group(1)
+    assert f"COPY deploy/dataflow/main.py ./{entry}" in dockerfile
+    assert "FLEX_TEMPLATE_PYTHON_SETUP_FILE" not in dockerfile.replace("No FLEX_TEMPLATE_PYTHON_SETUP_FILE", "")
     metadata = json.loads((DEPLOY / "dataflow" / "metadata.json").read_text())
     assert {p["name"] for p in metadata["parameters"]} == {"config", "command"}
+
+
+def test_the_entry_script_shadows_no_standard_module():
+    """A script's directory comes first on sys.path: nothing beside it may share a name with
+    the standard library (pipeline/inspect.py did, when the entry script lived in pipeline/)."""
+    beside = {p.stem for p in (DEPLOY / "dataflow").iterdir() if p.suffix == ".py"} - {"main"}
+    assert not beside & set(sys.stdlib_module_names)
+
+
+def test_the_flex_template_entry_runs_as_a_file_and_submits_detached(tmp_path):
+    """As the launcher runs it: the entry script alone in its directory, run as a file with the
+    template's parameters and Beam options as flags. On the local runner the submitted job
+    commits before the script returns; run again, it submits the next stage."""
+    import shutil
+    import subprocess
+
+    from tests.conftest import sample_documents, write_jsonl
+
+    write_jsonl(tmp_path / "corpus" / "a.jsonl", sample_documents(2))
+    config = write_config(tmp_path / "c.yaml", small_config(tmp_path / "out", str(tmp_path / "corpus" / "*.jsonl")))
+    shutil.copy(DEPLOY / "dataflow" / "main.py", tmp_path / "main.py")
+    for stage in ("index", "shards"):
+        launched = subprocess.run([sys.executable, str(tmp_path / "main.py"), f"--config={config}", "--command=run",
+                                   "--runner=FnApiRunner"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        assert launched.returncode == 0, launched.stderr[-2000:]
+        assert f"build-{stage} submitted" in launched.stderr
+        assert (tmp_path / "out" / stage / "manifest.json").exists()
 
 
 def test_dataflow_options_parse():
@@ -43,12 +91,12 @@ def test_dataflow_options_parse():
 
 
 def test_flink_manifests_name_the_worker_image_and_beam_version():
-    (deployment,) = yaml.safe_load_all((DEPLOY / "flink" / "flink-deployment.yaml").read_text())
+    (deployment,) = yaml.safe_load_all(rendered(DEPLOY / "flink" / "flink-deployment.yaml"))
     assert deployment["kind"] == "FlinkDeployment"
-    (pool,) = deployment["spec"]["taskManager"]["podTemplate"]["spec"]["containers"]
-    assert pool["image"] == "${IMAGE}" and pool["args"] == ["--worker_pool"]
-    assert pool["ports"][0]["containerPort"] == 50000
-    server, service = yaml.safe_load_all((DEPLOY / "flink" / "beam-job-server.yaml").read_text())
+    main, pool = deployment["spec"]["taskManager"]["podTemplate"]["spec"]["containers"]
+    assert pool["image"] == ENV["IMAGE"] and pool["args"] == ["--worker_pool"]
+    assert pool["ports"][0]["containerPort"] == 50000 and pool["resources"]["requests"]
+    server, service = yaml.safe_load_all(rendered(DEPLOY / "flink" / "beam-job-server.yaml"))
     (container,) = server["spec"]["template"]["spec"]["containers"]
     flink = deployment["spec"]["flinkVersion"].replace("v", "").replace("_", ".")
     assert container["image"] == f"apache/beam_flink{flink}_job_server:{apache_beam.__version__}"
@@ -57,6 +105,40 @@ def test_flink_manifests_name_the_worker_image_and_beam_version():
     parsed = pipeline_options(options("flink")).get_all_options()
     assert parsed["runner"] == "PortableRunner" and parsed["environment_type"] == "EXTERNAL"
     assert parsed["environment_config"] == "localhost:50000" and parsed["job_endpoint"].endswith(":8099")
+    assert int(parsed["sdk_worker_parallelism"]) == 4
+
+
+def _mounts(pod_spec: dict, container: dict) -> dict:
+    """{mount path: claim name} of a container's volumes that are persistent volume claims."""
+    claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod_spec.get("volumes", [])
+              if "persistentVolumeClaim" in v}
+    return {m["mountPath"]: claims[m["name"]] for m in container.get("volumeMounts", []) if m["name"] in claims}
+
+
+def test_job_server_and_task_managers_share_the_artifacts_directory():
+    """The job server stages artifacts under --artifacts-dir; task managers read that path:
+    it must be the same volume in both (else every job fails to find its artifacts)."""
+    (deployment,) = yaml.safe_load_all(rendered(DEPLOY / "flink" / "flink-deployment.yaml"))
+    server, _ = yaml.safe_load_all(rendered(DEPLOY / "flink" / "beam-job-server.yaml"))
+    (claim,) = yaml.safe_load_all(rendered(DEPLOY / "flink" / "artifacts-pvc.yaml"))
+    server_pod = server["spec"]["template"]["spec"]
+    (container,) = server_pod["containers"]
+    artifacts = next(a.split("=", 1)[1] for a in container["args"] if a.startswith("--artifacts-dir="))
+    expected = {artifacts: claim["metadata"]["name"]}
+    assert _mounts(server_pod, container) == expected and "ReadWriteMany" in claim["spec"]["accessModes"]
+    task_pod = deployment["spec"]["taskManager"]["podTemplate"]["spec"]
+    for task_container in task_pod["containers"]:
+        assert _mounts(task_pod, task_container) == expected, task_container["name"]
+
+
+def test_in_cluster_submission_uses_the_documented_options():
+    (job,) = yaml.safe_load_all(rendered(DEPLOY / "flink" / "submit-job.yaml"))
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    command = container["command"]
+    assert container["image"] == ENV["IMAGE"] and command[:5] == ["ratrain-pipeline", "run", "--config", ENV["CONFIG"], "--detach"]
+    beam_args = command[command.index("--") + 1:]
+    in_cluster = [a.replace("localhost:809", "ratrain-beam-job-server:809") for a in options("flink")]
+    assert sorted(beam_args) == sorted(in_cluster)
 
 
 @pytest.mark.parametrize("runner", ["dataflow", "flink"])

@@ -1,0 +1,87 @@
+"""The commit protocol (DESIGN §4): a stage writes into `<output>/.staging/<stage>-<id>/`; the
+commit moves the staged files into place and writes `manifest.json` last, so a directory with a
+manifest is whole.
+
+The commit runs as the last step of the stage's own pipeline, on a worker, so a job submitted
+to a cluster commits itself with no driver waiting for it. Runners retry a failed step, so
+every function here can run again after dying half-way: it picks up where the last attempt
+stopped and ends in the same state.
+"""
+from __future__ import annotations
+
+import posixpath
+import uuid
+
+from apache_beam.io.filesystems import FileSystems
+
+from pipeline import fileio
+
+REJECTED_STAGING = "_rejected"
+
+
+def new_staging_dir(output: str, stage: str, dry_run: bool = False) -> str:
+    """A fresh staging directory for `stage`, after deleting what a killed run of it left in
+    `<output>/.staging/` (one run per output directory at a time; a dry run deletes nothing)."""
+    root = fileio.join(output, ".staging")
+    if not dry_run:
+        stale = {posixpath.relpath(path.replace("\\", "/"), root.rstrip("/")).split("/")[0]
+                 for path in fileio.list_files(root)}
+        for name in sorted(n for n in stale if n.startswith(f"{stage}-")):
+            fileio.delete_tree(fileio.join(root, name))
+    return fileio.join(root, f"{stage}-{uuid.uuid4().hex[:12]}")
+
+
+def _relative(path: str, directory: str) -> str:
+    return posixpath.relpath(path.replace("\\", "/"), directory.rstrip("/"))
+
+
+def publish_rejected(staging: str, output: str) -> None:
+    """Move the job's rejected-record files to `<output>/rejected/`."""
+    source_dir = fileio.join(staging, REJECTED_STAGING)
+    for source in fileio.list_files(source_dir):
+        fileio.move(source, fileio.join(output, "rejected", posixpath.basename(source)))
+
+
+def commit_directory(staging: str, final: str, manifest: dict, staged: list[str],
+                     replace: tuple[str, ...] | None = None) -> None:
+    """Move the files `staged` (paths relative to both directories) from `staging` into
+    `final`, then write `final/manifest.json` last.
+
+    replace=None: `final` is the stage's own directory and keeps nothing else. Otherwise only
+    these subdirectories of `final` are cleared of what the new manifest does not list (the
+    rest, e.g. reused chunks, stays). The old manifest goes first, so a crash in between
+    leaves a directory without a manifest (rebuilt on the next run), never a manifest over
+    mixed content. Run again after a crash, it moves what is still staged, checks that the
+    rest arrived, and writes the same manifest; after a finished commit it changes nothing.
+    """
+    manifest_path = fileio.join(final, fileio.MANIFEST)
+    if fileio.exists(manifest_path) and fileio.read_json(manifest_path) == manifest:
+        return  # an earlier attempt of this commit finished
+    if fileio.exists(manifest_path):
+        FileSystems.delete([manifest_path])
+    wanted = set(staged)
+    scopes = [final] if replace is None else [fileio.join(final, sub) for sub in replace]
+    stale = [path for scope in scopes for path in fileio.list_files(scope)
+             if _relative(path, final) not in wanted]
+    if stale:
+        FileSystems.delete(stale)
+    waiting = {_relative(path, staging) for path in fileio.list_files(staging)} & wanted
+    for path in sorted(wanted - waiting):
+        if not fileio.exists(fileio.join(final, path)):
+            raise FileNotFoundError(f"commit of {final}: {path} is neither staged nor in place")
+    sources = [fileio.join(staging, path) for path in sorted(waiting)]
+    targets = [fileio.join(final, path) for path in sorted(waiting)]
+    for target in targets:
+        fileio.ensure_parent(target)
+    if sources:
+        FileSystems.rename(sources, targets)
+    discard_staging(staging)
+    fileio.write_json_atomic(manifest_path, manifest)
+
+
+def discard_staging(staging: str) -> None:
+    """Delete a staging directory; the last stage out removes `.staging/` too."""
+    fileio.delete_tree(staging)
+    parent = posixpath.dirname(staging.rstrip("/"))
+    if "://" not in parent and fileio.exists(parent) and not fileio.list_files(parent):
+        FileSystems.delete([parent])
