@@ -9,6 +9,7 @@ thread count (`options.encoder_threads`), recorded in the manifest.
 """
 from __future__ import annotations
 
+import functools
 import os
 from contextlib import contextmanager
 from typing import Iterable, Optional, Sequence
@@ -31,10 +32,46 @@ def load_encoder(cfg: EmbeddingConfig):
     return SentenceTransformer(resolve_model(cfg.model), device=cfg.device)
 
 
-def encode_texts(model, texts: Sequence[str], batch_size: int) -> np.ndarray:
-    """L2-normalised float32 embeddings [len(texts), d] (inner product = cosine)."""
-    return model.encode(list(texts), batch_size=batch_size, normalize_embeddings=True,
-                        convert_to_numpy=True, show_progress_bar=False).astype(np.float32)
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return {flag for line in f if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
+    except OSError:
+        return set()
+
+
+@functools.lru_cache(maxsize=8)
+def resolve_precision(precision: str, device: str) -> str:
+    """`embedding.precision` on this worker's device: auto is bfloat16 where the device runs it
+    natively (a CUDA GPU with bf16; a CPU with AVX512-BF16 or AMX), else float32."""
+    if precision != "auto":
+        return precision
+    if device.startswith("cuda"):
+        import torch
+
+        return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
+    return "bfloat16" if _cpu_flags() & {"avx512_bf16", "amx_bf16"} else "float32"
+
+
+@contextmanager
+def arithmetic(precision: str, device: str):
+    """torch autocast to `precision` (resolved) on `device`; float32 runs as it is."""
+    import torch
+
+    if precision == "float32":
+        yield
+        return
+    with torch.autocast(device_type=device.split(":")[0], dtype=getattr(torch, precision)):
+        yield
+
+
+def encode_texts(model, texts: Sequence[str], batch_size: int, precision: str = "float32") -> np.ndarray:
+    """L2-normalised float32 embeddings [len(texts), d] (inner product = cosine), computed in
+    `precision` (resolved: float32, bfloat16 or float16)."""
+    with arithmetic(precision, str(model.device)):
+        encoded = model.encode(list(texts), batch_size=batch_size, normalize_embeddings=True,
+                               convert_to_tensor=True, show_progress_bar=False)
+    return encoded.float().cpu().numpy()
 
 
 @contextmanager
@@ -74,9 +111,10 @@ class SentenceEncoderHandler(ModelHandler):
         return load_encoder(self.cfg)
 
     def run_inference(self, batch, model, inference_args=None) -> Iterable:
+        precision = resolve_precision(self.cfg.precision, self.cfg.device)
         for chunk_ids, texts in batch:
             with torch_threads(self.threads):
-                embeddings = encode_texts(model, texts, self.cfg.batch_size)
+                embeddings = encode_texts(model, texts, self.cfg.batch_size, precision)
             yield chunk_ids, embeddings
 
     def get_num_bytes(self, batch) -> int:
@@ -106,10 +144,64 @@ def _split_batch(result):
     yield from zip(chunk_ids.tolist(), embeddings)
 
 
+class PrecisionTooLow(RuntimeError):
+    """Embeddings in reduced precision whose neighbours disagree with float32's."""
+
+
+TIE_TOLERANCE = 1e-3  # a neighbour as similar as float32's within this agrees (near-duplicates)
+PRECISION_SALT = 4
+
+
+def top2_agreement(reference: np.ndarray, reduced: np.ndarray) -> float:
+    """Share of the sample's top-2 neighbours (within the sample, self excluded) found in
+    reduced precision that are float32's, or as similar as float32's 2nd best within
+    TIE_TOLERANCE (exact ties between duplicate chunks have no order)."""
+    k = min(2, len(reference) - 1)
+    if k < 1:
+        return 1.0
+    exact, approximate = reference @ reference.T, reduced @ reduced.T
+    np.fill_diagonal(exact, -np.inf)
+    np.fill_diagonal(approximate, -np.inf)
+    kth = -np.sort(-exact, axis=1)[:, k - 1]
+    found = np.argsort(-approximate, axis=1, kind="stable")[:, :k]
+    return float(np.mean(np.take_along_axis(exact, found, axis=1) >= kth[:, None] - TIE_TOLERANCE))
+
+
+def check_precision(sample, stored, cfg: EmbeddingConfig, tokenizer_path: str, threads: Optional[int]) -> dict:
+    """The precision check: the sampled chunks embedded again in float32, compared with what
+    the stage stored. Raises PrecisionTooLow below cfg.min_agreement."""
+    precision = resolve_precision(cfg.precision, cfg.device)
+    chunks = sorted((chunk for _, chunk in sample), key=lambda c: c.chunk_id)
+    report = {"precision": precision, "sample_size": len(chunks), "top2_agreement": 1.0,
+              "min_cosine": 1.0, "min_agreement": cfg.min_agreement}
+    if precision == "float32" or not chunks:
+        return report
+    stored = dict(stored)
+    reduced = np.stack([stored[c.chunk_id] for c in chunks])
+    with torch_threads(threads):
+        reference = encode_texts(load_encoder(cfg), chunk_texts(load_tokenizer(tokenizer_path), chunks),
+                                 cfg.batch_size)
+    report.update(top2_agreement=top2_agreement(reference, reduced),
+                  min_cosine=float(np.min(np.sum(reference * reduced, axis=1))))
+    if report["top2_agreement"] < cfg.min_agreement:
+        raise PrecisionTooLow(
+            f"embedding.precision {precision}: only {report['top2_agreement']:.3f} of the top-2 neighbours of "
+            f"{len(chunks)} sampled chunks agree with float32 (min_agreement {cfg.min_agreement}); "
+            "set embedding.precision: float32")
+    return report
+
+
+def _in_sample(embedding, sampled: set) -> bool:
+    return embedding[0] in sampled
+
+
 class EmbedChunks(beam.PTransform):
-    """Chunk rows -> (chunk_id, float32 embedding [d]), batched by chunk-id range, encoded with
-    `threads` intra-op threads on a CPU. With `embedding.accelerator` set, the stage carries
-    that Beam resource hint (GPU workers)."""
+    """Chunk rows -> ((chunk_id, float32 embedding [d]), precision check report), batched by
+    chunk-id range, encoded in `embedding.precision` with `threads` intra-op threads on a CPU.
+    With `embedding.accelerator` set, the stage carries that Beam resource hint (GPU workers).
+
+    The check: `precision_sample` chunks (the smallest hashes of their ids, so the same ones
+    whatever the bundling) are embedded again in float32 and compared with what was stored."""
 
     def __init__(self, cfg: EmbeddingConfig, tokenizer_path: str, threads: Optional[int]):
         super().__init__()
@@ -118,10 +210,24 @@ class EmbedChunks(beam.PTransform):
             self.with_resource_hints(accelerator=cfg.accelerator)
 
     def expand(self, chunks):
-        size = self.cfg.batch_size
-        return (chunks
-                | "KeyByBatch" >> beam.Map(lambda c: (c.chunk_id // size, c))
-                | "GroupBatches" >> beam.GroupByKey()
-                | "DecodeTexts" >> beam.ParDo(_PrepareBatch(self.tokenizer_path))
-                | "Encode" >> RunInference(SentenceEncoderHandler(self.cfg, self.threads, self.cfg.model_copies))
-                | "SplitBatches" >> beam.FlatMap(_split_batch))
+        from pipeline.index import sample_keys
+
+        cfg, size = self.cfg, self.cfg.batch_size
+        embeddings = (chunks
+                      | "KeyByBatch" >> beam.Map(lambda c: (c.chunk_id // size, c))
+                      | "GroupBatches" >> beam.GroupByKey()
+                      | "DecodeTexts" >> beam.ParDo(_PrepareBatch(self.tokenizer_path))
+                      | "Encode" >> RunInference(SentenceEncoderHandler(cfg, self.threads, cfg.model_copies))
+                      | "SplitBatches" >> beam.FlatMap(_split_batch))
+        sample = (chunks
+                  | "KeyForPrecisionCheck" >> beam.Map(
+                      lambda c: (int(sample_keys(np.array([c.chunk_id]), PRECISION_SALT)[0]), c.chunk_id, c))
+                  | "PrecisionSample" >> beam.combiners.Top.Smallest(cfg.precision_sample, key=lambda s: s[:2])
+                  | "SampleChunks" >> beam.Map(lambda picked: [(key, chunk) for key, _, chunk in picked]))
+        sampled = sample | "SampledIds" >> beam.Map(lambda picked: {c.chunk_id for _, c in picked})
+        stored = (embeddings
+                  | "StoredForCheck" >> beam.Filter(_in_sample, beam.pvalue.AsSingleton(sampled))
+                  | "GatherStored" >> beam.combiners.ToList())
+        report = sample | "CheckPrecision" >> beam.Map(
+            check_precision, beam.pvalue.AsSingleton(stored), cfg, self.tokenizer_path, self.threads)
+        return embeddings, report

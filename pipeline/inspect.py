@@ -28,9 +28,14 @@ def inspect_shards(directory: str, count: int, max_chunks: int = 4) -> list[str]
     check_schema_version(raw.get("schema_version"), fileio.join(directory, fileio.MANIFEST))
     manifest = ShardsManifest.model_validate(raw)
     index_raw, _ = _manifest(posixpath.join(posixpath.dirname(directory.rstrip("/")), "index"))
-    tokenizer = load_tokenizer(resolve_tokenizer(IndexManifest.model_validate(index_raw).tokenizer.name))
+    index = IndexManifest.model_validate(index_raw)
+    tokenizer = load_tokenizer(resolve_tokenizer(index.tokenizer.name))
     m = manifest.chunk_tokens
     lines: list[str] = [f"{directory}: {manifest.num_sequences} sequences, {manifest.neighbour_summary()}"]
+    check = index.embedding_precision
+    if check is not None:
+        lines.append(f"embeddings in {check.precision}: top-2 neighbours of {check.sample_size} sampled chunks "
+                     f"agree with float32 on {check.top2_agreement:.3f}, least cosine {check.min_cosine:.4f}")
     for entry in manifest.shards:
         table = ipc.open_file(pa.BufferReader(fileio.read_bytes(fileio.join(directory, entry.path)))).read_all()
         tokens = tensor_column_to_numpy(table["tokens"])

@@ -198,14 +198,15 @@ def _documents_read_tally(documents, rejected, prefix: str):
                 lambda r: [("documents_read", 1)] if r.reason == "duplicate_id" else []))
 
 
-def _index_manifest(entries, info, tallies, cfg: PipelineConfig, tok: Tokenization, threads) -> dict:
+def _index_manifest(entries, info, tallies, precision, cfg: PipelineConfig, tok: Tokenization, threads) -> dict:
     files = _sorted_entries(list(entries) + [_index_entry(info)])
     return IndexManifest(
         config_hash=cfg.index_hash(), embed_config_hash=cfg.embed_hash(),
         tokenizer=Fingerprint(name=tok.name, fingerprint=fingerprint_path(tok.path)),
         embedding_model=Fingerprint(name=cfg.embedding.model,
                                     fingerprint=fingerprint_path(resolve_model(cfg.embedding.model))),
-        encoder_threads=threads, num_documents=tallies.get("documents_chunked", 0),
+        encoder_threads=threads, embedding_precision=precision,
+        num_documents=tallies.get("documents_chunked", 0),
         num_chunks=sum(e["rows"] for e in files if e["path"].startswith("chunks/")),
         chunk_tokens=cfg.chunk_tokens, pad_id=tok.pad_id, files=files,
         counters=dict(sorted({**tallies, **_index_counters(info)}.items())),
@@ -238,9 +239,8 @@ def build_index(cfg: PipelineConfig, beam_args: list[str], force: bool = False,
         to_bytes=lambda rows: parquet_bytes(chunks_table(rows, m)))
     from pipeline.embed import EmbedChunks  # imports torch, which the index command never needs
 
-    embeddings = (chunks
-                  | "EmbedChunks" >> EmbedChunks(cfg.embedding, tok.path, threads)
-                  | "EmbedProgress" >> ReportProgress("embed", "chunks"))
+    embeddings, precision = chunks | "EmbedChunks" >> EmbedChunks(cfg.embedding, tok.path, threads)
+    embeddings = embeddings | "EmbedProgress" >> ReportProgress("embed", "chunks")
     embedding_files = embeddings | "WriteEmbeddings" >> WriteGroupedFiles(
         fileio.join(staging, "embeddings"), staging, "embeddings", "parquet",
         key=lambda e: e[0], rows_per_file=cfg.chunk_file_rows,
@@ -263,7 +263,8 @@ def build_index(cfg: PipelineConfig, beam_args: list[str], force: bool = False,
     manifest = (entries
                 | "GatherEntries" >> beam.combiners.ToList()
                 | "IndexManifest" >> beam.Map(_index_manifest, beam.pvalue.AsSingleton(info),
-                                              beam.pvalue.AsDict(tallies), cfg, tok, threads))
+                                              beam.pvalue.AsDict(tallies), beam.pvalue.AsSingleton(precision),
+                                              cfg, tok, threads))
     staged = beam.pvalue.AsSingleton(
         entries | "StagedPaths" >> beam.Map(lambda e: e["path"]) | "AllStaged" >> beam.combiners.ToList())
     _ = manifest | "Commit" >> beam.Map(
@@ -406,7 +407,8 @@ def _embeddings_from_table(table) -> list[tuple[int, np.ndarray]]:
     return list(zip(table["chunk_id"].to_numpy().tolist(), vectors))
 
 
-def _shards_manifest(entries, tallies, recall, cfg: PipelineConfig, index_sha: str, threads, pad_id: int) -> dict:
+def _shards_manifest(entries, tallies, recall, precision, cfg: PipelineConfig, index_sha: str, threads,
+                     pad_id: int) -> dict:
     shards = _sorted_entries(entries)
     L, k = cfg.chunks_per_sequence, cfg.neighbours
     num_sequences = sum(s["rows"] for s in shards)
@@ -416,7 +418,8 @@ def _shards_manifest(entries, tallies, recall, cfg: PipelineConfig, index_sha: s
     return ShardsManifest(
         config_hash=cfg.shards_hash(), index_manifest_sha256=index_sha,
         training_corpus="same" if cfg.training_corpus == "same" else "separate",
-        encoder_threads=threads, sequence_tokens=cfg.sequence_tokens, chunk_tokens=cfg.chunk_tokens,
+        encoder_threads=threads, embedding_precision=precision,
+        sequence_tokens=cfg.sequence_tokens, chunk_tokens=cfg.chunk_tokens,
         neighbours=k, neighbour_tokens=2 * cfg.chunk_tokens, pad_id=pad_id,
         num_sequences=num_sequences, shards=shards,
         neighbour_fill=sum(s[FILLED] for s in shards) / slots if slots else 1.0,
@@ -447,6 +450,7 @@ def build_shards(cfg: PipelineConfig, beam_args: list[str], dry_run: bool = Fals
                        fileio.join(idx, "embeddings", "*.parquet"), validate=not dry_run)
                    | "EmbeddingRows" >> beam.FlatMap(_embeddings_from_table))
         rejected = pipeline | "NoRejected" >> beam.Create([])
+        precision = pipeline | "NothingEmbedded" >> beam.Create([None])
         read_tallies = ()
     else:
         documents, read_rejected = (pipeline
@@ -455,7 +459,7 @@ def build_shards(cfg: PipelineConfig, beam_args: list[str], dry_run: bool = Fals
         from pipeline.embed import EmbedChunks  # imports torch: only when embedding
 
         threads = encoder_threads(cfg.embedding.cpu_threads, cfg.embedding.device, pipeline.options)
-        queries = training_chunks | "EmbedTrainingChunks" >> EmbedChunks(cfg.embedding, tok.path, threads)
+        queries, precision = training_chunks | "EmbedTrainingChunks" >> EmbedChunks(cfg.embedding, tok.path, threads)
         rejected = (read_rejected, unusable) | "MergeRejected" >> beam.Flatten()
         read_tallies = _documents_read_tally(documents, rejected, "Training")
     sequences = training_chunks | "PackSequences" >> PackSequences(L, tok.pad_id)
@@ -485,8 +489,8 @@ def build_shards(cfg: PipelineConfig, beam_args: list[str], dry_run: bool = Fals
     manifest = (shard_files
                 | "GatherShards" >> beam.combiners.ToList()
                 | "ShardsManifest" >> beam.Map(_shards_manifest, beam.pvalue.AsDict(tallies),
-                                               beam.pvalue.AsSingleton(recall), cfg, index_sha, threads,
-                                               tok.pad_id))
+                                               beam.pvalue.AsSingleton(recall), beam.pvalue.AsSingleton(precision),
+                                               cfg, index_sha, threads, tok.pad_id))
     staged = beam.pvalue.AsSingleton(
         shard_files | "StagedPaths" >> beam.Map(lambda e: e["path"]) | "AllStaged" >> beam.combiners.ToList())
     _ = manifest | "Commit" >> beam.Map(

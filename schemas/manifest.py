@@ -67,6 +67,21 @@ class VectorIndexManifest(VectorIndex, _Committed):
     files: list[FileEntry]
 
 
+class PrecisionCheck(_Model):
+    """The embed stage's check of its arithmetic against float32, on sampled chunks."""
+    precision: str = Field(description="What the encoder ran in: float32, bfloat16 or float16.")
+    sample_size: int = Field(description="Chunks embedded again in float32 (chosen by id hash).")
+    top2_agreement: float = Field(description="Share of the sample's top-2 neighbours (within the "
+                                  "sample) equal to float32's, ties within 0.001 counted equal.")
+    min_cosine: float = Field(description="Least cosine between a chunk's stored embedding and its "
+                              "float32 one.")
+    min_agreement: float = Field(description="The agreement below which the build fails.")
+
+
+PRECISION_CHECK = Field(None, description="The precision check of the embed stage (None: nothing "
+                        "embedded, or an older manifest).")
+
+
 ENCODER_THREADS = Field(None, description="Intra-op threads of every CPU encoder process (None: "
                        "a GPU, or nothing embedded). Embedding bytes are reproducible for the same "
                        "config, hardware and this count.")
@@ -78,6 +93,7 @@ class IndexManifest(VectorIndex, _Committed):
     tokenizer: Fingerprint
     embedding_model: Fingerprint
     encoder_threads: int | None = ENCODER_THREADS
+    embedding_precision: PrecisionCheck | None = PRECISION_CHECK
     num_documents: int
     num_chunks: int
     chunk_tokens: int
@@ -106,6 +122,7 @@ class ShardsManifest(_Committed):
     training_corpus: str = Field(description="'same' (sequences packed from the index's own "
                                  "chunks, seq s = chunks s*L ... s*L+L-1) or 'separate'.")
     encoder_threads: int | None = ENCODER_THREADS
+    embedding_precision: PrecisionCheck | None = PRECISION_CHECK
     sequence_tokens: int
     chunk_tokens: int
     neighbours: int

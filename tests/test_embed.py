@@ -1,9 +1,11 @@
 import apache_beam as beam
 import numpy as np
+import pytest
 from apache_beam.testing.util import assert_that
 
 from pipeline.chunking import chunk_document, load_tokenizer, tokenize_batch
-from pipeline.embed import EmbedChunks, chunk_texts, encode_texts, load_encoder, torch_threads
+from pipeline.embed import (PrecisionTooLow, EmbedChunks, check_precision, chunk_texts, encode_texts, load_encoder,
+                           resolve_precision, top2_agreement, torch_threads)
 from pipeline.models import resolve_tokenizer
 from schemas.config import EmbeddingConfig
 from tests.conftest import local_pipeline, sample_documents
@@ -27,8 +29,9 @@ def test_embed_chunks_equals_the_raw_encoder_on_the_same_batches():
     texts = chunk_texts(tokenizer, chunks)
     # the stage batches by chunk-id range (ids 0-7, 8-15, ...): the same batches, raw, on the
     # stage's one thread
+    precision = resolve_precision(CFG.precision, CFG.device)
     with torch_threads(1):
-        expected = np.concatenate([encode_texts(model, texts[i:i + 8], 8) for i in range(0, len(texts), 8)])
+        expected = np.concatenate([encode_texts(model, texts[i:i + 8], 8, precision) for i in range(0, len(texts), 8)])
 
     def check(rows):
         rows = sorted(rows, key=lambda r: r[0])
@@ -38,9 +41,15 @@ def test_embed_chunks_equals_the_raw_encoder_on_the_same_batches():
         np.testing.assert_array_equal(got, expected)
         np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
 
+    def checked(reports):
+        (report,) = reports
+        assert report["precision"] == precision and report["sample_size"] == len(chunks)  # all, < 256
+        assert report["top2_agreement"] >= CFG.min_agreement and report["min_cosine"] > 0.99
+
     with local_pipeline() as p:
-        embeddings = p | beam.Create(chunks) | EmbedChunks(CFG, resolve_tokenizer(None), 1)
+        embeddings, report = p | beam.Create(chunks) | EmbedChunks(CFG, resolve_tokenizer(None), 1)
         assert_that(embeddings, check)
+        assert_that(report, checked, label="CheckReport")
 
 
 def test_chunk_texts_drop_padding():
@@ -61,3 +70,32 @@ def test_torch_threads_applies_a_count_and_restores_the_processes():
     assert torch.get_num_threads() == before
     with torch_threads(None):
         assert torch.get_num_threads() == before
+
+
+def test_top2_agreement_counts_equal_and_tied_neighbours():
+    rng = np.random.default_rng(0)
+
+    def unit(x):
+        return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+
+    base = rng.normal(size=(12, 8))
+    base[3] = base[2]                                            # chunks 2 and 3 are duplicates
+    base = unit(base)
+    assert top2_agreement(base, base) == 1.0
+    rounded = unit(base + rng.normal(scale=1e-5, size=base.shape))  # reorders the tie, nothing else
+    assert top2_agreement(base, rounded) == 1.0
+    assert top2_agreement(base, base[rng.permutation(len(base))]) < 0.5   # neighbours moved
+
+
+def test_a_precision_that_moves_the_neighbours_fails_the_build():
+    _, chunks = _chunks()
+    model = load_encoder(CFG)
+    texts = chunk_texts(load_tokenizer(resolve_tokenizer(None)), chunks)
+    exact = encode_texts(model, texts, 8)
+    scrambled = exact[np.random.default_rng(1).permutation(len(exact))]   # every neighbour moved
+    sample = [(i, c) for i, c in enumerate(chunks)]
+    cfg = CFG.model_copy(update={"precision": "bfloat16"})
+    report = check_precision(sample, [(c.chunk_id, v) for c, v in zip(chunks, exact)], cfg, resolve_tokenizer(None), 1)
+    assert report["precision"] == "bfloat16" and report["top2_agreement"] > 0.98 and report["min_cosine"] > 0.999
+    with pytest.raises(PrecisionTooLow, match="set embedding.precision: float32"):
+        check_precision(sample, [(c.chunk_id, v) for c, v in zip(chunks, scrambled)], cfg, resolve_tokenizer(None), 1)

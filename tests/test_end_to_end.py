@@ -268,6 +268,29 @@ def test_another_encoder_thread_count_gives_the_same_neighbours(built_output, tm
     assert ids_one.shape == ids_two.shape and np.mean(ids_one == ids_two) >= 0.999
 
 
+def test_bfloat16_and_float32_give_the_same_neighbours_and_the_manifest_says_which(built_output, tmp_path):
+    from pipeline.embed import resolve_precision
+
+    root, config, _ = built_output
+    built = json.loads((root / "out" / "index" / "manifest.json").read_text())
+    assert built["embedding_precision"]["precision"] == resolve_precision("auto", "cpu")  # the default
+    other = "float32" if built["embedding_precision"]["precision"] == "bfloat16" else "bfloat16"
+    out = tmp_path / "out"
+    run_all(config_from_dict({**config, "output": str(out), "embedding": {**config["embedding"], "precision": other}}), [])
+    again = json.loads((out / "index" / "manifest.json").read_text())
+    by_precision = {m["embedding_precision"]["precision"]: m for m in (built, again)}
+    assert set(by_precision) == {"bfloat16", "float32"}
+    assert built["embed_config_hash"] != again["embed_config_hash"]  # the precision is part of it
+    check = by_precision["bfloat16"]["embedding_precision"]
+    assert check["sample_size"] == min(256, built["num_chunks"]) and check["top2_agreement"] >= 0.98
+    assert check["min_cosine"] > 0.99 and by_precision["float32"]["embedding_precision"]["top2_agreement"] == 1.0
+
+    def neighbour_ids(o):
+        return np.concatenate([tensor_column_to_numpy(t["neighbour_ids"]).ravel() for _, t in _shard_tables(o / "shards")])
+
+    assert np.mean(neighbour_ids(root / "out") == neighbour_ids(out)) >= 0.95
+
+
 def test_shards_manifest_carries_the_overlap_audit(built_output):
     root, config, _ = built_output
     manifest = json.loads((root / "out" / "shards" / "manifest.json").read_text())

@@ -92,7 +92,9 @@ def test_a_separate_training_corpus_sharing_documents_is_filled_and_exact(long_o
     shutil.copytree(root / "out" / "index", out / "index")
     training = {"paths": [str(root / "training" / "*.jsonl")], "format": "jsonl", "id_field": "id"}
     cfg = config_from_dict({**config, "output": str(out), "training_corpus": training,
-                            "neighbour_recall_sample": 100_000})
+                            "neighbour_recall_sample": 100_000,
+                            # queries in float32, as this test embeds them again below
+                            "embedding": {**config["embedding"], "precision": "float32"}})
     manifest = build_shards(cfg, [])
     assert manifest.neighbour_fill == 1.0
     assert manifest.neighbour_recall.value == 1.0  # every training chunk sampled
