@@ -1,9 +1,13 @@
-"""Tokenise documents, cut them into chunks, pack training sequences.
+"""Tokenise documents and cut them into chunks with dense, stable chunk ids.
 
 Chunk ids are dense (0 … N-1) and stable: documents are ordered by doc id and each takes the
-next `ceil(tokens / m)` ids. A chunk row carries its continuation — the next chunk of the
+next `ceil(tokens / m)` ids. They are assigned without any table of all documents: doc ids
+are uniform 63-bit hashes, so their top bits split them into 2^16 buckets that are contiguous,
+ordered doc-id ranges; a prefix sum over the buckets' chunk counts (a side input of at most
+2^16 entries) gives each bucket its first id, and each bucket, grouped on one worker, numbers
+its own documents in doc-id order. A chunk row carries its continuation — the next chunk of the
 same document, or pad where the document ends — so a neighbour never runs into another
-document (DESIGN §5).
+document (DESIGN §5). (Training sequences are packed in `shards.py`.)
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from tokenizers import Tokenizer
 from pipeline.corpus import METRICS_NAMESPACE, Document, Rejected
 
 TOKENIZE_BATCH = 256
+BUCKET_BITS = 16  # doc-id buckets of the chunk-id prefix sum: 65,536 offsets at most
 
 
 @dataclass(frozen=True)
@@ -76,7 +81,7 @@ def chunk_document(doc_id: int, tokens: np.ndarray, first_chunk_id: int, m: int,
 
 
 def chunk_offsets(chunk_counts: Iterable[tuple[int, int]]) -> dict[int, int]:
-    """{doc_id: first chunk id}: documents in doc-id order, ids dense from 0."""
+    """{key: first chunk id}: keys (doc ids, or buckets of them) in order, ids dense from 0."""
     offsets, next_id = {}, 0
     for doc_id, count in sorted(chunk_counts):
         offsets[doc_id] = next_id
@@ -105,20 +110,29 @@ class _Tokenize(beam.DoFn):
             yield doc.doc_id, tokens
 
 
-def _emit_chunks(doc, offsets, m, pad_id):
-    doc_id, tokens = doc
-    Metrics.counter(METRICS_NAMESPACE, "documents_chunked").inc()
-    for chunk in chunk_document(doc_id, tokens, offsets[doc_id], m, pad_id):
-        Metrics.counter(METRICS_NAMESPACE, "chunks").inc()
-        yield chunk
+def bucket_of(doc_id: int, bits: int = BUCKET_BITS) -> int:
+    """The doc-id bucket: the top `bits` of the 63-bit doc id, so buckets are contiguous doc-id
+    ranges in doc-id order."""
+    return doc_id >> (63 - bits)
+
+
+def _cut_bucket(keyed, offsets: dict[int, int], m: int, pad_id: int):
+    """One bucket's documents, numbered in doc-id order from the bucket's first chunk id."""
+    bucket, docs = keyed
+    next_id = offsets[bucket]
+    for doc_id, tokens in sorted(docs, key=lambda d: d[0]):
+        Metrics.counter(METRICS_NAMESPACE, "documents_chunked").inc()
+        yield from chunk_document(doc_id, tokens, next_id, m, pad_id)
+        next_id += num_chunks(len(tokens), m)
 
 
 class ChunkDocuments(beam.PTransform):
     """Documents -> (Chunk rows with dense stable ids, rejected documents)."""
 
-    def __init__(self, tokenizer_path: str, chunk_tokens: int, pad_id: int):
+    def __init__(self, tokenizer_path: str, chunk_tokens: int, pad_id: int, bucket_bits: int = BUCKET_BITS):
         super().__init__()
         self.tokenizer_path, self.m, self.pad_id = tokenizer_path, chunk_tokens, pad_id
+        self.bucket_bits = bucket_bits
 
     def expand(self, documents):
         tokenized = (documents
@@ -126,11 +140,15 @@ class ChunkDocuments(beam.PTransform):
                                                               max_batch_size=TOKENIZE_BATCH)
                      | "Tokenize" >> beam.ParDo(_Tokenize(self.tokenizer_path)).with_outputs(
                          "rejected", main="tokens"))
-        m = self.m
-        offsets = (tokenized.tokens
-                   | "CountChunks" >> beam.Map(lambda d: (d[0], num_chunks(len(d[1]), m)))
-                   | "CollectCounts" >> beam.combiners.ToList()
-                   | "AssignChunkIds" >> beam.Map(chunk_offsets))
-        chunks = tokenized.tokens | "CutChunks" >> beam.FlatMap(
-            _emit_chunks, offsets=beam.pvalue.AsSingleton(offsets), m=m, pad_id=self.pad_id)
+        m, bits = self.m, self.bucket_bits
+        by_bucket = tokenized.tokens | "KeyByBucket" >> beam.Map(lambda d: (bucket_of(d[0], bits), d))
+        offsets = (by_bucket
+                   | "CountChunks" >> beam.Map(lambda b: (b[0], num_chunks(len(b[1][1]), m)))
+                   | "ChunksPerBucket" >> beam.CombinePerKey(sum)
+                   | "CollectBuckets" >> beam.combiners.ToList()
+                   | "BucketOffsets" >> beam.Map(chunk_offsets))
+        chunks = (by_bucket
+                  | "GroupBuckets" >> beam.GroupByKey()
+                  | "CutChunks" >> beam.FlatMap(_cut_bucket, offsets=beam.pvalue.AsSingleton(offsets),
+                                                m=m, pad_id=self.pad_id))
         return chunks, tokenized.rejected

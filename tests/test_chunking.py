@@ -2,8 +2,8 @@ import apache_beam as beam
 import numpy as np
 from apache_beam.testing.util import assert_that, equal_to
 
-from pipeline.chunking import (ChunkDocuments, chunk_document, chunk_offsets, chunk_tokens,
-                               load_tokenizer, pad_id_of, tokenize_batch)
+from pipeline.chunking import (ChunkDocuments, bucket_of, chunk_document, chunk_offsets, chunk_tokens,
+                               load_tokenizer, num_chunks, pad_id_of, tokenize_batch)
 from pipeline.corpus import Document
 from pipeline.models import resolve_tokenizer
 from tests.conftest import local_pipeline
@@ -47,3 +47,28 @@ def test_chunk_documents_gives_dense_stable_ids():
                     equal_to([(0, 3, 0), (1, 3, 1), (2, 5, 0), (3, 5, 1), (4, 5, 2)]), label="Ids")
         assert_that(rejected | "Reasons" >> beam.Map(lambda r: r.reason), equal_to(["no_tokens"]),
                     label="Rejected")
+
+
+def test_buckets_are_contiguous_doc_id_ranges_in_order():
+    ids = sorted(np.random.default_rng(0).integers(0, 2**63, 1000, dtype=np.int64).tolist())
+    buckets = [bucket_of(i, 4) for i in ids]
+    assert buckets == sorted(buckets) and set(buckets) <= set(range(16))
+    assert bucket_of(2**63 - 1) == 2**16 - 1 and bucket_of(0) == 0
+
+
+def test_bucketed_ids_equal_one_global_table_with_full_and_empty_buckets():
+    """Many documents per bucket (2 bits: 4 buckets), one bucket left empty: the ids equal
+    those one sorted table of every document gives."""
+    rng = np.random.default_rng(1)
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    ids = rng.integers(0, 2**61, 40).tolist() + rng.integers(2**62, 2**63, 40).tolist()  # bucket 1 empty
+    docs = [Document(doc_id=int(d), identity=str(d), text=" ".join(rng.choice(words, int(rng.integers(1, 12)))),
+                     source="s", position=i) for i, d in enumerate(ids)]
+    tokenizer = load_tokenizer(resolve_tokenizer(None))
+    lengths = {d.doc_id: len(t) for d, t in zip(docs, tokenize_batch(tokenizer, [d.text for d in docs]))}
+    offsets = chunk_offsets((d, num_chunks(n, 2)) for d, n in lengths.items())
+    expected = sorted((offsets[d] + i, d, i) for d, n in lengths.items() for i in range(num_chunks(n, 2)))
+    assert {bucket_of(d, 2) for d in lengths} == {0, 2, 3} and len(expected) > 100
+    with local_pipeline() as p:
+        chunks, _ = p | beam.Create(docs) | ChunkDocuments(resolve_tokenizer(None), 2, PAD, bucket_bits=2)
+        assert_that(chunks | beam.Map(lambda c: (c.chunk_id, c.doc_id, c.position)), equal_to(expected))

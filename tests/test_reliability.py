@@ -118,3 +118,34 @@ def test_credentials_never_reach_logs_manifests_or_rejected_records(tmp_path, ca
     captured = capfd.readouterr()
     written = [p.read_text(errors="replace") for p in (tmp_path / "out").rglob("*") if p.suffix in (".json", ".jsonl")]
     assert written and all(secret not in text for text in written + [captured.out, captured.err])
+
+
+def test_manifest_facts_come_from_the_data_not_from_metrics(tmp_path, monkeypatch):
+    """Every metric counted twice, as a retried bundle's attempted metrics would be: the
+    manifests still state what their files hold, and validate passes."""
+    from apache_beam.metrics import Metrics
+
+    from pipeline.run import run_all
+    from pipeline.validate import validate_path
+    from tests.conftest import write_jsonl
+
+    counter = Metrics.counter
+
+    class Twice:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def inc(self, n=1):
+            self.inner.inc(2 * n)
+
+    monkeypatch.setattr(Metrics, "counter", staticmethod(lambda namespace, name: Twice(counter(namespace, name))))
+    write_jsonl(tmp_path / "corpus" / "a.jsonl", sample_documents(4) + ['{"id": "x", "text": 1}'])
+    run_all(config_from_dict(small_config(tmp_path / "out", str(tmp_path / "corpus" / "*.jsonl"))), [])
+    index = json.loads((tmp_path / "out" / "index" / "manifest.json").read_text())
+    shards = json.loads((tmp_path / "out" / "shards" / "manifest.json").read_text())
+    chunk_rows = sum(f["rows"] for f in index["files"] if f["path"].startswith("chunks/"))
+    assert index["num_chunks"] == index["counters"]["chunks"] == chunk_rows
+    assert index["num_documents"] == index["counters"]["documents_chunked"] == 4
+    assert index["counters"]["documents_read"] == 4 and index["counters"]["rejected_text_not_a_string"] == 1
+    assert shards["num_sequences"] == shards["counters"]["sequences"] == sum(s["rows"] for s in shards["shards"])
+    assert all(line.startswith("OK") for line in validate_path(str(tmp_path / "out")))
