@@ -2,6 +2,7 @@
 names, so a file's bytes never depend on bundling or on the number of workers."""
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 from typing import Callable
@@ -91,20 +92,32 @@ def rejected_jsonl(records: list[Rejected]) -> bytes:
     return "".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in ordered).encode()
 
 
+REJECTED_FILES = 256  # rejected records spread over this many files by a hash of their source
+
+
+def rejected_file_of(record: Rejected) -> int:
+    """The file a rejected record goes to: a stable hash of its source file, so one input
+    file's records stay together and no worker gathers them all."""
+    digest = hashlib.blake2b(record.source.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % REJECTED_FILES
+
+
 class WriteRejected(beam.PTransform):
-    """Rejected records -> one sorted JSONL file `<directory>/<name>.jsonl` (if any)."""
+    """Rejected records -> `<directory>/<name>-NNNNN.jsonl`, NNNNN chosen by `rejected_file_of`,
+    each sorted by (source, position, reason); written by whichever workers hold them."""
 
     def __init__(self, directory: str, name: str):
         super().__init__()
         self.directory, self.name = directory, name
 
     def expand(self, rejected):
-        def write(records):
-            if records:
-                data = rejected_jsonl(records)
-                yield write_file(self.directory, f"{self.name}.jsonl", data, len(records),
-                                 self.directory)
+        def write(group):
+            number, records = group
+            records = list(records)
+            return write_file(self.directory, f"{self.name}-{number:05d}.jsonl", rejected_jsonl(records),
+                              len(records), self.directory)
 
         return (rejected
-                | "GatherRejected" >> beam.combiners.ToList()
-                | "WriteRejectedFile" >> beam.FlatMap(write))
+                | "KeyByRejectedFile" >> beam.Map(lambda r: (rejected_file_of(r), r))
+                | "GroupRejected" >> beam.GroupByKey()
+                | "WriteRejectedFile" >> beam.Map(write))

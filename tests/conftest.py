@@ -52,6 +52,12 @@ def write_config(path: Path, config: dict) -> Path:
     return path
 
 
+def read_rejected(out: Path, stage: str) -> list[dict]:
+    """Every rejected record a stage published (`rejected/<stage>-NNNNN.jsonl`)."""
+    return [json.loads(line) for path in sorted((out / "rejected").glob(f"{stage}-*.jsonl"))
+            for line in path.read_text().splitlines()]
+
+
 # one of each kind of bad record, with the reason it must be rejected for
 BAD_RECORDS = ['{"id": "broken", "text": "no closing brace"', '["not", "an", "object"]',
                '{"id": "blank", "text": "   "}', '{"id": "numeric", "text": 12}',

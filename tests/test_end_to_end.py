@@ -17,7 +17,7 @@ from pipeline.writers import arrow_ipc_bytes, parquet_bytes
 from schemas.arrow import fixed_size_list, shard_table, tensor_column_to_numpy
 from schemas.config import config_from_dict
 from schemas.manifest import ShardsManifest
-from tests.conftest import BAD_REASONS, sample_documents, write_jsonl
+from tests.conftest import BAD_REASONS, read_rejected, sample_documents, write_jsonl
 
 
 def _shard_tables(shards_dir):
@@ -61,7 +61,7 @@ def test_run_commits_both_stages_and_validate_passes(built_output):
 def test_every_input_record_is_in_the_index_or_rejected(built_output):
     root, _, _ = built_output
     out = root / "out"
-    rejected = [json.loads(line) for line in (out / "rejected" / "build-index.jsonl").read_text().splitlines()]
+    rejected = read_rejected(out, "build-index")
     assert sorted(r["reason"] for r in rejected) == sorted(BAD_REASONS)
     assert all(r["source"].endswith("b.jsonl") and r["position"] > 0 for r in rejected)
     index = json.loads((out / "index" / "manifest.json").read_text())

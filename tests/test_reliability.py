@@ -10,7 +10,7 @@ import pytest
 
 from pipeline.stages import StageError, build_index
 from schemas.config import config_from_dict
-from tests.conftest import sample_documents, small_config
+from tests.conftest import read_rejected, sample_documents, small_config
 
 GOOD = sample_documents(3)
 SHORT = {"id": "short", "text": "Too short for one chunk."}        # kept: one padded chunk
@@ -44,7 +44,7 @@ def test_every_bad_kind_is_rejected_with_its_reason_and_every_good_record_indexe
     manifest = build_index(cfg, [])
     assert manifest.num_documents == len(GOOD) + 2  # the short and the large one too
     assert manifest.num_chunks > 40                  # the large document is chunked whole
-    rejected = [json.loads(line) for line in (tmp_path / "out" / "rejected" / "build-index.jsonl").read_text().splitlines()]
+    rejected = read_rejected(tmp_path / "out", "build-index")
     by_reason = sorted(r["reason"] for r in rejected)
     assert by_reason == sorted([reason for _, reason in BAD_LINES] + ["unreadable_file"] * len(BAD_FILES))
     assert all(r["source"] and "position" in r and len(r.get("excerpt", "")) <= 240 for r in rejected)
@@ -84,7 +84,7 @@ def test_a_parquet_corpus_with_wrong_schemas_and_bad_rows_completes(tmp_path):
                                         max_rejected_fraction=1.0))
     manifest = build_index(cfg, [])
     assert manifest.num_documents == sum(reason is None for *_, reason in PARQUET_ROWS)
-    rejected = [json.loads(line) for line in (tmp_path / "out" / "rejected" / "build-index.jsonl").read_text().splitlines()]
+    rejected = read_rejected(tmp_path / "out", "build-index")
     expected = [(str(corpus / "good.parquet"), reason) for *_, reason in PARQUET_ROWS if reason]
     expected += [(str(corpus / name), reason) for name, (_, reason) in PARQUET_FILES.items()]
     assert sorted((r["source"], r["reason"]) for r in rejected) == sorted(expected)
@@ -101,7 +101,7 @@ def test_too_many_rejections_fail_the_stage_before_it_commits(tmp_path):
         build_index(cfg, [])
     assert not (tmp_path / "out" / "index" / "manifest.json").exists()
     assert not (tmp_path / "out" / ".staging").exists()
-    assert len((tmp_path / "out" / "rejected" / "build-index.jsonl").read_text().splitlines()) == 9
+    assert len(read_rejected(tmp_path / "out", "build-index")) == 9
 
 
 def test_credentials_never_reach_logs_manifests_or_rejected_records(tmp_path, capfd, monkeypatch):
@@ -149,3 +149,24 @@ def test_manifest_facts_come_from_the_data_not_from_metrics(tmp_path, monkeypatc
     assert index["counters"]["documents_read"] == 4 and index["counters"]["rejected_text_not_a_string"] == 1
     assert shards["num_sequences"] == shards["counters"]["sequences"] == sum(s["rows"] for s in shards["shards"])
     assert all(line.startswith("OK") for line in validate_path(str(tmp_path / "out")))
+
+
+def test_rejected_records_are_spread_over_stably_named_files(tmp_path):
+    """Each bad record's file is chosen by its source, so no worker gathers them all; the same
+    input gives the same files."""
+    import apache_beam as beam
+    from apache_beam.testing.util import assert_that, equal_to
+
+    from pipeline.corpus import Rejected
+    from pipeline.writers import WriteRejected, rejected_file_of
+    from tests.conftest import local_pipeline
+
+    records = [Rejected(f"gs://b/corpus/part-{i % 7}.jsonl", i, "malformed_json", "x") for i in range(40)]
+    with local_pipeline() as p:
+        entries = p | beam.Create(records) | WriteRejected(str(tmp_path / "rejected"), "build-index")
+        assert_that(entries | beam.Map(lambda e: e["rows"]) | beam.combiners.ToList()
+                    | beam.Map(sum), equal_to([40]))
+    files = {p.name for p in (tmp_path / "rejected").iterdir()}
+    assert files == {f"build-index-{rejected_file_of(r):05d}.jsonl" for r in records} and len(files) > 1
+    written = read_rejected(tmp_path, "build-index")
+    assert sorted((r["source"], r["position"]) for r in written) == sorted((r.source, r.position) for r in records)
