@@ -1,21 +1,24 @@
 """Read corpora (JSONL, Parquet, plain text; plain or gzip) into documents.
 
-Pure functions turn one file's bytes into `Document`s or `Rejected` records; `ReadCorpus`
-only matches the globs and fans the files out. A record that cannot be used is never dropped
-silently: it becomes a `Rejected` with its source, position and reason.
+Files are read as streams, record by record, so a worker's memory does not grow with a file's
+size; an uncompressed JSONL or Parquet file larger than `SPLIT_BYTES` is cut into ranges that
+several workers parse (`FileRange`). Pure functions turn one range into `Document`s or
+`Rejected` records; `ReadCorpus` only lists, splits and fans out. A record that cannot be used is
+never dropped silently: it becomes a `Rejected` with its source, position and reason.
 """
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
-import io
 import json
 import posixpath
 import re
-from dataclasses import dataclass
-from typing import Iterator, Union
+from dataclasses import dataclass, replace
+from typing import BinaryIO, Iterable, Iterator, Union
 
 import apache_beam as beam
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from apache_beam.io.filesystem import CompressionTypes
@@ -26,6 +29,9 @@ from schemas.config import CorpusConfig
 
 METRICS_NAMESPACE = "ratrain"
 EXCERPT_CHARS = 200
+SPLIT_BYTES = 64 << 20        # an uncompressed JSONL or Parquet file larger than this is read in ranges
+PARQUET_BATCH_ROWS = 1024     # rows decoded at a time: bounds memory for long documents
+COUNT_BLOCK_BYTES = 1 << 20   # read size when counting the lines before a range
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,25 @@ class Rejected:
 
 
 Record = Union[Document, Rejected]
+
+
+@dataclass(frozen=True)
+class FileRange:
+    """The part of one input file that one worker parses.
+
+    JSONL: bytes [start, end); a line belongs to the range that holds its first byte.
+    Parquet: row groups [start, end). end None: to the end of the file.
+    records_before: lines (JSONL) or rows (Parquet) of the file before `start`, which number the
+    range's records as if the file were read whole; None until they are counted."""
+    path: str
+    base: str
+    start: int = 0
+    end: int | None = None
+    records_before: int | None = 0
+
+    @property
+    def relative(self) -> str:
+        return posixpath.relpath(self.path, self.base) if self.path.startswith(self.base) else self.path
 
 
 def doc_id_for(identity: str) -> int:
@@ -88,27 +113,31 @@ def _identity(record: dict, id_field: str | None, relative: str, position: int) 
     return str(value)
 
 
-def parse_jsonl(data: bytes, cfg: CorpusConfig, source: str, relative: str) -> Iterator[Record]:
-    """One JSON object per line; line numbers start at 1."""
-    for number, line in enumerate(data.splitlines(), start=1):
+def parse_jsonl(lines: Iterable[bytes], cfg: CorpusConfig, source: str, relative: str,
+                first_line: int = 1) -> Iterator[Record]:
+    """One JSON object per line (lines end in \\n); `first_line` numbers the first one."""
+    for number, line in enumerate(lines, start=first_line):
+        line = line.rstrip(b"\r\n")
         if not line.strip():
             continue
         try:
-            record = json.loads(line.decode("utf-8"))
+            text = line.decode("utf-8")
         except UnicodeDecodeError:
             yield Rejected(source, number, "invalid_utf8", _excerpt(line[:EXCERPT_CHARS]))
             continue
+        try:
+            record = json.loads(text)
         except json.JSONDecodeError:
-            yield Rejected(source, number, "malformed_json", _excerpt(line.decode("utf-8")))
+            yield Rejected(source, number, "malformed_json", _excerpt(text))
             continue
         if not isinstance(record, dict):
-            yield Rejected(source, number, "not_an_object", _excerpt(line.decode("utf-8")))
+            yield Rejected(source, number, "not_an_object", _excerpt(text))
             continue
         identity = _identity(record, cfg.id_field, relative, number)
         if identity is None:
-            yield Rejected(source, number, "missing_id", _excerpt(line.decode("utf-8")))
+            yield Rejected(source, number, "missing_id", _excerpt(text))
             continue
-        yield _document(record.get(cfg.text_field), identity, source, number, line.decode("utf-8"))
+        yield _document(record.get(cfg.text_field), identity, source, number, text)
 
 
 def _schema_problem(schema: pa.Schema, cfg: CorpusConfig) -> str | None:
@@ -126,16 +155,19 @@ def _schema_problem(schema: pa.Schema, cfg: CorpusConfig) -> str | None:
     return None
 
 
-def parse_parquet(data: bytes, cfg: CorpusConfig, source: str, relative: str) -> Iterator[Record]:
-    """One row per document; positions are row numbers starting at 0."""
-    parquet = pq.ParquetFile(io.BytesIO(data))
+def parse_parquet(parquet: pq.ParquetFile, cfg: CorpusConfig, source: str, relative: str,
+                  row_groups: range | None = None, first_row: int = 0) -> Iterator[Record]:
+    """One row per document; positions are row numbers of the file, starting at 0."""
     problem = _schema_problem(parquet.schema_arrow, cfg)
-    if problem:  # the whole file is refused: say how many rows that is
-        yield Rejected(source, -1, "wrong_schema", f"{problem}; rows in file: {parquet.metadata.num_rows}"[:EXCERPT_CHARS])
+    if problem:  # the whole file is refused (by its first range only): say how many rows that is
+        if first_row == 0:
+            yield Rejected(source, -1, "wrong_schema",
+                           f"{problem}; rows in file: {parquet.metadata.num_rows}"[:EXCERPT_CHARS])
         return
     columns = [c for c in (cfg.text_field, cfg.id_field) if c]
-    row = 0
-    for batch in parquet.iter_batches(columns=columns, batch_size=4096):
+    row = first_row
+    for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns,
+                                      row_groups=row_groups):
         for record in batch.to_pylist():
             identity = _identity(record, cfg.id_field, relative, row)
             if identity is None:
@@ -155,38 +187,128 @@ def parse_text(data: bytes, cfg: CorpusConfig, source: str, relative: str) -> It
     yield _document(text, relative, source, 0, text)
 
 
-PARSERS = {"jsonl": parse_jsonl, "parquet": parse_parquet, "text": parse_text}
+@contextlib.contextmanager
+def open_input(path: str) -> Iterator[BinaryIO]:
+    """A stream of the file's bytes, gunzipped as they are read when its name ends in .gz."""
+    with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as raw:
+        if not path.endswith(".gz"):
+            yield raw
+            return
+        with gzip.GzipFile(fileobj=raw, mode="rb") as unzipped:
+            yield unzipped
 
 
-def read_file_bytes(path: str) -> bytes:
-    """The file's content, gunzipped when its name ends in .gz."""
-    with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as f:
-        data = f.read()
-    return gzip.decompress(data) if path.endswith(".gz") else data
+def lines_in_range(f: BinaryIO, start: int, end: int | None) -> tuple[bool, Iterator[bytes]]:
+    """(whether a line that began before `start` was skipped, the lines whose first byte lies in
+    [start, end)). A stream that cannot seek is read from its start (start must be 0)."""
+    skipped = False
+    if start > 0:
+        f.seek(start - 1)
+        if f.read(1) != b"\n":
+            start += len(f.readline())
+            skipped = True
+
+    def lines():
+        offset = start
+        for line in f:
+            if end is not None and offset >= end:
+                return
+            yield line
+            offset += len(line)
+    return skipped, lines()
+
+
+def count_lines(path: str, start: int, end: int) -> int:
+    """The number of line ends in bytes [start, end) of an uncompressed file."""
+    count = 0
+    with open_input(path) as f:
+        f.seek(start)
+        remaining = end - start
+        while remaining > 0:
+            block = f.read(min(COUNT_BLOCK_BYTES, remaining))
+            if not block:
+                break
+            count += block.count(b"\n")
+            remaining -= len(block)
+    return count
+
+
+def _records(r: FileRange, cfg: CorpusConfig, f: BinaryIO) -> Iterator[Record]:
+    if cfg.format == "jsonl":
+        skipped, lines = lines_in_range(f, r.start, r.end)
+        yield from parse_jsonl(lines, cfg, r.path, r.relative, r.records_before + 1 + skipped)
+    elif cfg.format == "parquet":
+        parquet = pq.ParquetFile(f)
+        groups = None if r.end is None else range(r.start, r.end)
+        yield from parse_parquet(parquet, cfg, r.path, r.relative, groups, r.records_before)
+    else:
+        yield from parse_text(f.read(), cfg, r.path, r.relative)
+
+
+def parse_range(r: FileRange, cfg: CorpusConfig) -> Iterator[Record]:
+    """Every record of one range, streamed. A file that cannot be read becomes one Rejected
+    record: at position -1 when nothing of it was read, else at the position where reading
+    broke off (the records before it are kept)."""
+    position = -1
+    try:
+        with open_input(r.path) as f:
+            for record in _records(r, cfg, f):
+                position = record.position
+                yield record
+    except (OSError, EOFError, ValueError) as err:  # gzip, parquet and I/O errors
+        at = -1 if position == -1 else position + 1
+        yield Rejected(r.path, at, "unreadable_file", f"{type(err).__name__}: {err}"[:EXCERPT_CHARS])
 
 
 def parse_file(path: str, base: str, cfg: CorpusConfig) -> Iterator[Record]:
-    """Every record of one file; an unreadable file becomes one Rejected record."""
-    relative = posixpath.relpath(path, base) if path.startswith(base) else path
+    """Every record of one whole file."""
+    return parse_range(FileRange(path, base), cfg)
+
+
+def split_file(path: str, base: str, size: int, cfg: CorpusConfig,
+               split_bytes: int = SPLIT_BYTES) -> list[FileRange]:
+    """The ranges one file is read in: byte ranges of an uncompressed JSONL file (lines before
+    each not yet counted), groups of row groups of about `split_bytes` of a Parquet file, else
+    the whole file."""
+    whole = [FileRange(path, base)]
+    if size <= split_bytes or path.endswith(".gz") or cfg.format == "text":
+        return whole
+    if cfg.format == "jsonl":
+        return [FileRange(path, base, start, min(start + split_bytes, size), None)
+                for start in range(0, size, split_bytes)]
     try:
-        data = read_file_bytes(path)
-        records = list(PARSERS[cfg.format](data, cfg, path, relative))
-    except (OSError, EOFError, ValueError) as err:  # gzip, parquet and I/O errors
-        yield Rejected(path, -1, "unreadable_file", f"{type(err).__name__}: {err}"[:EXCERPT_CHARS])
-        return
-    yield from records
+        with open_input(path) as f:
+            meta = pq.ParquetFile(f).metadata
+    except (OSError, ValueError):
+        return whole  # parse_range reports it
+    sizes = np.array([meta.row_group(g).total_byte_size for g in range(meta.num_row_groups)])
+    rows = np.array([meta.row_group(g).num_rows for g in range(meta.num_row_groups)])
+    cut = np.flatnonzero(np.diff(np.cumsum(sizes) // split_bytes)) + 1  # first group of each range
+    starts = [0, *cut.tolist()]
+    ends = [*cut.tolist(), meta.num_row_groups]
+    return [FileRange(path, base, s, e, int(rows[:s].sum())) for s, e in zip(starts, ends)]
 
 
-def match_corpus(cfg: CorpusConfig) -> list[tuple[str, str]]:
-    """(path, glob base) of every file the globs match, sorted; error if a glob matches nothing."""
+def number_ranges(keyed: tuple[str, Iterable[tuple[FileRange, int]]]) -> Iterator[FileRange]:
+    """The byte ranges of one JSONL file with their line ends counted -> the ranges with the
+    lines before each (a prefix sum in file order)."""
+    _, counted = keyed
+    before = 0
+    for r, lines in sorted(counted, key=lambda rc: rc[0].start):
+        yield replace(r, records_before=before)
+        before += lines
+
+
+def match_corpus(cfg: CorpusConfig) -> list[tuple[str, str, int]]:
+    """(path, glob base, size in bytes) of every file the globs match, sorted; error if a glob
+    matches nothing."""
     files = {}
     for pattern, result in zip(cfg.paths, FileSystems.match(cfg.paths)):
-        paths = [m.path for m in result.metadata_list]
-        if not paths:
+        if not result.metadata_list:
             raise FileNotFoundError(f"input glob matches no file: {pattern}")
-        for path in paths:
-            files.setdefault(path, glob_base(pattern))
-    return sorted(files.items())
+        for meta in result.metadata_list:
+            files.setdefault(meta.path, (glob_base(pattern), meta.size_in_bytes))
+    return sorted((path, base, size) for path, (base, size) in files.items())
 
 
 AFTER_PARSING = ("rejected_duplicate_id", "rejected_no_tokens")  # of documents already read
@@ -199,16 +321,15 @@ def rejected_share(counters: dict[str, int]) -> tuple[int, int]:
     return rejected, counters.get("documents_read", 0) + refused_unread
 
 
-class _ParseFile(beam.DoFn):
+class _ParseRange(beam.DoFn):
     REJECTED = "rejected"
 
     def __init__(self, cfg: CorpusConfig):
         self.cfg = cfg
         self.documents = Metrics.counter(METRICS_NAMESPACE, "documents_read")
 
-    def process(self, file):
-        path, base = file
-        for record in parse_file(path, base, self.cfg):
+    def process(self, file_range: FileRange):
+        for record in parse_range(file_range, self.cfg):
             if isinstance(record, Rejected):
                 Metrics.counter(METRICS_NAMESPACE, f"rejected_{record.reason}").inc()
                 yield beam.pvalue.TaggedOutput(self.REJECTED, record)
@@ -225,31 +346,56 @@ def _keep_first(keyed) -> Iterator[Record]:
     for dup in rest:
         Metrics.counter(METRICS_NAMESPACE, "rejected_duplicate_id").inc()
         yield beam.pvalue.TaggedOutput(
-            _ParseFile.REJECTED,
+            _ParseRange.REJECTED,
             Rejected(dup.source, dup.position, "duplicate_id",
                      f"id {dup.identity!r} first seen at {first.source}:{first.position}"))
+
+
+class SplitFiles(beam.PTransform):
+    """(path, base, size) of input files -> the FileRanges to parse, each numbered: the line
+    ends of a split JSONL file are counted range by range (in parallel) and summed per file."""
+
+    def __init__(self, cfg: CorpusConfig, split_bytes: int = SPLIT_BYTES):
+        super().__init__()
+        self.cfg = cfg
+        self.split_bytes = split_bytes
+
+    def expand(self, files):
+        ranges = (files
+                  | "Split" >> beam.FlatMap(lambda file, cfg, most: split_file(*file, cfg, most),
+                                            self.cfg, self.split_bytes)
+                  | "ByNumbering" >> beam.Partition(lambda r, _: int(r.records_before is None), 2))
+        numbered = (ranges[1]
+                    | "SpreadCounts" >> beam.Reshuffle()
+                    | "CountLines" >> beam.Map(lambda r: (r.path, (r, count_lines(r.path, r.start, r.end))))
+                    | "GroupByFile" >> beam.GroupByKey()
+                    | "NumberRanges" >> beam.FlatMap(number_ranges))
+        return (ranges[0], numbered) | "AllRanges" >> beam.Flatten()
 
 
 class ReadCorpus(beam.PTransform):
     """Files matched by a CorpusConfig -> (documents, rejected); doc ids are unique."""
 
-    def __init__(self, cfg: CorpusConfig, match: bool = True):
+    def __init__(self, cfg: CorpusConfig, match: bool = True, split_bytes: int = SPLIT_BYTES):
         super().__init__()
         self.cfg = cfg
+        self.split_bytes = split_bytes
         # at construction: a glob that matches nothing fails early (a dry run lists no files)
-        self.files = match_corpus(cfg) if match else [(p, glob_base(p)) for p in cfg.paths]
+        self.files = match_corpus(cfg) if match else [(p, glob_base(p), 0) for p in cfg.paths]
 
     def expand(self, pbegin):
         parsed = (pbegin
                   | "ListFiles" >> beam.Create(self.files)
                   | "SpreadFiles" >> beam.Reshuffle()
-                  | "ParseFiles" >> beam.ParDo(_ParseFile(self.cfg)).with_outputs(
-                      _ParseFile.REJECTED, main="documents"))
+                  | "SplitFiles" >> SplitFiles(self.cfg, self.split_bytes)
+                  | "SpreadRanges" >> beam.Reshuffle()
+                  | "ParseRanges" >> beam.ParDo(_ParseRange(self.cfg)).with_outputs(
+                      _ParseRange.REJECTED, main="documents"))
         unique = (parsed.documents
                   | "KeyByDocId" >> beam.Map(lambda d: (d.doc_id, d))
                   | "GroupByDocId" >> beam.GroupByKey()
                   | "DropDuplicateIds" >> beam.FlatMap(_keep_first).with_outputs(
-                      _ParseFile.REJECTED, main="documents"))
+                      _ParseRange.REJECTED, main="documents"))
         rejected = ((parsed.rejected, unique.rejected)
                     | "MergeRejected" >> beam.Flatten())
         return unique.documents, rejected
