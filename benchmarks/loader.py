@@ -88,7 +88,7 @@ def reader_main(kind: str, directory: str, batch_size: int, workers: int) -> Non
     else:
         from trainer import ShardDataset
 
-        # built once, as a trainer does (its constructor checks every shard against the manifest)
+        # built once, as a trainer does (its constructor reads the manifest)
         dataset = ShardDataset(directory, shuffle=True, seed=0, batch_size=batch_size, batched=True)
 
         def read():

@@ -200,7 +200,7 @@ def test_refuses_a_shard_with_an_unknown_schema_version(tmp_path):
     size = path.stat().st_size
     rewrite_manifest(tmp_path, lambda m: m["shards"][1].update(bytes=size))
     with pytest.raises(SchemaVersionError, match=r"shard-00001\.arrow.*schema_version '2'"):
-        ShardDataset(tmp_path)
+        list(ShardDataset(tmp_path))
 
 
 def test_refuses_a_row_count_mismatch_naming_the_file(tmp_path):
@@ -212,7 +212,7 @@ def test_refuses_a_row_count_mismatch_naming_the_file(tmp_path):
 
     rewrite_manifest(tmp_path, claim_six_rows)
     with pytest.raises(ShardDataError, match=r"shard-00001\.arrow: 5 rows in the file, the manifest says 6"):
-        ShardDataset(tmp_path)
+        list(ShardDataset(tmp_path))
 
 
 def test_refuses_a_size_mismatch_naming_the_file(tmp_path):
@@ -220,7 +220,7 @@ def test_refuses_a_size_mismatch_naming_the_file(tmp_path):
     with open(tmp_path / "shard-00000.arrow", "ab") as f:
         f.write(b"\0")
     with pytest.raises(ShardDataError, match=r"shard-00000\.arrow: \d+ bytes on disk, the manifest says"):
-        ShardDataset(tmp_path)
+        list(ShardDataset(tmp_path))
 
 
 def test_verify_refuses_a_shard_whose_bytes_changed_naming_it(tmp_path):
@@ -234,24 +234,77 @@ def test_verify_refuses_a_shard_whose_bytes_changed_naming_it(tmp_path):
         list(ShardDataset(tmp_path, shuffle=False, verify=True))
 
 
-def test_skip_bad_shards_leaves_out_a_truncated_one_with_a_warning(tmp_path):
-    write_shard_dir(tmp_path, shard_rows=[4, 5, 6])
-    path = tmp_path / "shard-00001.arrow"
+def truncated_middle_shard(directory: Path) -> list[int]:
+    """Shards of 4, 5 and 6 rows, the middle one cut short; the seq_ids of that shard."""
+    write_shard_dir(directory, shard_rows=[4, 5, 6])
+    path = directory / "shard-00001.arrow"
     path.write_bytes(path.read_bytes()[:-100])
-    with pytest.raises(ShardDataError, match="shard-00001.arrow"):
-        ShardDataset(tmp_path)
-    with pytest.warns(UserWarning, match="skipping a bad shard: .*shard-00001.arrow"):
-        dataset = ShardDataset(tmp_path, skip_bad_shards=True, seed=3)
-    assert len(dataset) == 10 and len(dataset.skipped) == 1
-    ids = [int(s["seq_id"]) for s in dataset]
-    assert sorted(ids) == list(range(1000, 1004)) + list(range(1009, 1015))  # shards 0 and 2, once each
+    return list(range(1004, 1009))
+
+
+def test_a_bad_shard_met_mid_epoch_raises_naming_it(tmp_path):
+    truncated_middle_shard(tmp_path)
+    dataset = ShardDataset(tmp_path, shuffle=False)  # the manifest is all that is read
+    samples = iter(dataset)
+    assert [int(next(samples)["seq_id"]) for _ in range(4)] == [1000, 1001, 1002, 1003]  # shard 0 reads
+    with pytest.raises(ShardDataError, match=r"shard-00001\.arrow: \d+ bytes on disk, the manifest says"):
+        next(samples)
+
+
+def test_skip_bad_shards_leaves_out_a_shard_met_mid_epoch_with_a_warning(tmp_path):
+    write_shard_dir(tmp_path / "good", shard_rows=[4, 5, 6])
+    bad = truncated_middle_shard(tmp_path / "bad")
+    in_full = [int(s["seq_id"]) for s in ShardDataset(tmp_path / "good", seed=3)]
+    dataset = ShardDataset(tmp_path / "bad", skip_bad_shards=True, seed=3)
+    assert len(dataset) == 15 and dataset.skipped == []  # nothing opened yet
+    with pytest.warns(UserWarning, match=r"skipping a bad shard: .*shard-00001\.arrow: \d+ bytes on disk"):
+        ids = [int(s["seq_id"]) for s in dataset]
+    assert ids == [i for i in in_full if i not in bad]  # every other row in its place
+    assert len(dataset.skipped) == 1 and "shard-00001.arrow" in dataset.skipped[0]
+
+
+@pytest.mark.filterwarnings("ignore:skipping a bad shard")
+@pytest.mark.parametrize("workers", [0, 2])
+def test_skip_bad_shards_in_batched_mode_keeps_the_good_rows_in_order(tmp_path, workers):
+    """Blocks of 4 over shards of 4, 5 (bad), 6 rows in manifest order: block 1 is all in the
+    bad shard and yields no batch, block 2 keeps its shard-2 rows only. With two workers,
+    worker 1 (blocks 1, 3) hands over block 3 in block 1's turn."""
+    truncated_middle_shard(tmp_path)
+    dataset = ShardDataset(tmp_path, shuffle=False, batch_size=4, batched=True, skip_bad_shards=True)
+    batches = [b["seq_id"].tolist() for b in DataLoader(dataset, batch_size=None, num_workers=workers)]
+    blocks = [[1000, 1001, 1002, 1003], [1009, 1010, 1011], [1012, 1013, 1014]]
+    assert batches == (blocks if workers == 0 else [blocks[0], blocks[2], blocks[1]])
 
 
 def test_refuses_a_missing_shard(tmp_path):
     write_shard_dir(tmp_path, shard_rows=[4, 5])
     (tmp_path / "shard-00001.arrow").unlink()
     with pytest.raises(ShardDataError, match=r"shard-00001\.arrow: shard listed in the manifest is missing"):
-        ShardDataset(tmp_path)
+        list(ShardDataset(tmp_path))
+
+
+def test_construction_reads_the_manifest_and_no_shard(shard_dir, monkeypatch):
+    from trainer import dataset as dataset_module
+
+    calls = []
+    for name in ("read_text", "open", "prefetch"):
+        real = getattr(dataset_module._LocalFiles, name)
+        monkeypatch.setattr(dataset_module._LocalFiles, name,
+                            lambda self, path, name=name, real=real: calls.append((name, path)) or real(self, path))
+    dataset = ShardDataset(shard_dir, verify=True, skip_bad_shards=True)
+    assert calls == [("read_text", str(shard_dir / "manifest.json"))]
+    assert len(list(dataset)) == len(SEQ_IDS)
+    assert sorted(path for name, path in calls if name == "open") == \
+        [str(shard_dir / f"shard-{i:05d}.arrow") for i in range(len(SHARD_ROWS))]  # each once, as reached
+
+
+def test_a_manifest_without_its_shards_builds_and_fails_on_the_first_one_read(shard_dir, tmp_path):
+    (tmp_path / "manifest.json").write_bytes((shard_dir / "manifest.json").read_bytes())  # no shard files
+    dataset = ShardDataset(tmp_path, seed=4)
+    assert len(dataset) == len(SEQ_IDS)
+    first = dataset.manifest.shards[int(dataset._shard_order()[0][0])].path
+    with pytest.raises(ShardDataError, match=rf"{re.escape(first)}: shard listed in the manifest is missing"):
+        next(iter(dataset))
 
 
 # -- gs:// (against the local GCS emulator) -----------------------------------------------
@@ -291,6 +344,7 @@ def test_gcs_reads_ahead_one_shard(gcs_shards, monkeypatch):
     monkeypatch.setattr(dataset_module._RemoteFiles, "open",
                         lambda self, path: opened.append(path) or real_open(self, path))
     dataset = ShardDataset(gcs_shards, seed=4)
+    assert fetched == [gcs_shards + "/manifest.json"] and opened == []  # building reads the manifest only
     fetched.clear()
     assert len(list(dataset)) == len(SEQ_IDS)
     shards = [p for p in fetched if p.endswith(".arrow")]
@@ -304,8 +358,12 @@ def test_gcs_missing_manifest_and_shard_name_the_url(gcs, shard_dir, tmp_path):
         ShardDataset(url)
     gcs.upload(shard_dir, url)
     gcs.client().bucket("trainer-broken").blob("shards/shard-00002.arrow").delete()
+    dataset = ShardDataset(url, shuffle=False)
     with pytest.raises(ShardDataError, match="shard-00002.arrow: shard listed in the manifest is missing"):
-        ShardDataset(url)
+        list(dataset)
+    with pytest.warns(UserWarning, match="skipping a bad shard: .*shard-00002.arrow"):
+        ids = [int(s["seq_id"]) for s in ShardDataset(url, shuffle=False, skip_bad_shards=True)]
+    assert ids == sorted(SEQ_IDS - set(range(1012, 1021)))  # shard 2's rows (7 + 5 = 12 before it) left out
 
 
 # -- model ----------------------------------------------------------------------------------

@@ -13,6 +13,10 @@ batches from its workers round-robin in worker order, so with the same batch siz
 trainer the rank stream in order, whatever num_workers is, and every sequence exactly once
 per epoch across world_size × num_workers.
 
+Checks. Building the dataset reads the manifest and nothing else: shard sizes and row counts
+come from it, so a trainer starts in the same time whatever the number of shards. Each shard is
+checked against its manifest entry when an epoch reaches it.
+
 Sources. A local directory (shards memory-mapped) or a gs:// URL (pyarrow's GCS client, which
 finds credentials as Google's libraries do; with STORAGE_EMULATOR_HOST set, an anonymous client
 of that emulator). A remote shard is fetched whole with one sequential read while the shard
@@ -59,9 +63,6 @@ class _LocalFiles:
         with open(path, encoding="utf-8") as f:
             return f.read()
 
-    def size(self, path: str) -> int:
-        return os.stat(path).st_size
-
     def open(self, path: str) -> pa.NativeFile:
         return pa.memory_map(path, "r")
 
@@ -90,13 +91,6 @@ class _RemoteFiles:
 
     def read_text(self, path: str) -> str:
         return self._fetch(path).decode("utf-8")
-
-    def size(self, path: str) -> int:
-        self._own()
-        info = self._fs.get_file_info(self._key(path))
-        if info.type == pafs.FileType.NotFound:
-            raise FileNotFoundError(path)
-        return info.size
 
     def _fetch(self, path: str) -> bytes:
         """The whole object (pyarrow raises FileNotFoundError for a missing one)."""
@@ -192,9 +186,13 @@ class ShardDataset(IterableDataset):
     verify: check each shard's sha256 against the manifest whenever it is opened (reads the
     whole shard once more; off by default, since sizes, row counts and schemas are always
     checked).
-    skip_bad_shards: leave out, with a warning, a shard that fails those checks when the
-    dataset is built, instead of refusing the directory (`skipped` lists why). Every rank sees
-    the same files, so the partition stays consistent; a resumed run must skip the same ones.
+    skip_bad_shards: a shard that fails those checks when an epoch reaches it yields nothing,
+    with a warning (`skipped` lists why, in the process that read it), instead of raising
+    ShardDataError. Partition and positions still count the manifest's rows: the epoch on that
+    rank is shorter by the shard's rows (`__len__` still counts them), every other row keeps its
+    place (with several workers, blocks after a wholly skipped one can come out of turn), and
+    since the trainer counts only the samples it got, a state saved after a skip resumes up to
+    that many samples early, repeating them.
     batched: yield each block as one batch (dicts of [b, ...] tensors, gathered with array
     indexing: several times faster than per-sample reads and collation); use it with
     `DataLoader(dataset, batch_size=None)`. Same order, same partition, same state.
@@ -211,7 +209,7 @@ class ShardDataset(IterableDataset):
         self.source = os.fspath(source)
         self.rank, self.world_size = rank, world_size
         self.shuffle, self.seed, self.batch_size, self.batched = shuffle, seed, batch_size, batched
-        self.verify = verify
+        self.verify, self.skip_bad_shards = verify, skip_bad_shards
         self.epoch = 0
         self.position = 0
         self._files = _files_for(self.source)
@@ -224,28 +222,8 @@ class ShardDataset(IterableDataset):
                                              self.neighbours, self.pad_id)
         self._expected_metadata = {k.decode(): v.decode() for k, v in self._expected_schema.metadata.items()}
         self.skipped: list[str] = []  # the errors of shards left out (skip_bad_shards)
-        good = [entry for entry in self.manifest.shards if self._usable(entry, skip_bad_shards)]
-        if len(good) < len(self.manifest.shards):  # the stream is the good shards' sequences
-            self.manifest = self.manifest.model_copy(update={
-                "shards": good, "num_sequences": sum(entry.rows for entry in good)})
+        # Rows as the manifest says: no request per shard here (each is checked when opened).
         self._shard_rows = np.array([entry.rows for entry in self.manifest.shards], dtype=np.int64)
-
-    def _usable(self, entry: FileEntry, skip: bool) -> bool:
-        """Check a shard now, not hours into an epoch: locally in full; remotely its size (one
-        listing call), or in full when bad shards are to be skipped (which reads each once)."""
-        try:
-            if isinstance(self._files, _LocalFiles) or skip:
-                file, _ = self._open_checked(entry)
-                file.close()
-            else:
-                self._check_size(entry)
-            return True
-        except ShardDataError as err:
-            if not skip:
-                raise
-            warnings.warn(f"skipping a bad shard: {err}", stacklevel=3)
-            self.skipped.append(str(err))
-            return False
 
     # -- manifest and shard checks ------------------------------------------------------
 
@@ -276,21 +254,16 @@ class ShardDataset(IterableDataset):
             raise ShardDataError(f"{path}: num_sequences {manifest.num_sequences} != {total} rows over its shards")
         return manifest
 
-    def _check_size(self, entry: FileEntry) -> str:
-        path = self._path(entry.path)
-        try:
-            size = self._files.size(path)
-        except FileNotFoundError:
-            raise ShardDataError(f"{path}: shard listed in the manifest is missing") from None
-        if size != entry.bytes:
-            raise ShardDataError(f"{path}: {size} bytes on disk, the manifest says {entry.bytes}")
-        return path
-
     def _open_checked(self, entry: FileEntry) -> tuple[pa.NativeFile, list[pa.RecordBatch]]:
         """Open a shard, refusing it unless size, rows, schema version and shapes match the manifest."""
-        path = self._check_size(entry)
-        file = self._files.open(path)
+        path = self._path(entry.path)
         try:
+            file = self._files.open(path)
+        except FileNotFoundError:
+            raise ShardDataError(f"{path}: shard listed in the manifest is missing") from None
+        try:
+            if file.size() != entry.bytes:  # the mapping's or the fetched object's size: no request
+                raise ShardDataError(f"{path}: {file.size()} bytes on disk, the manifest says {entry.bytes}")
             if self.verify:
                 digest = hashlib.sha256(memoryview(file.read_buffer())).hexdigest()  # zero-copy view
                 file.seek(0)
@@ -310,7 +283,10 @@ class ShardDataset(IterableDataset):
                 raise ShardDataError(
                     f"{path}: columns do not match the manifest's shapes (n={self.sequence_tokens}, "
                     f"m={self.chunk_tokens}, k={self.neighbours}): {reader.schema.remove_metadata()}")
-            batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+            try:
+                batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+            except pa.ArrowInvalid as err:
+                raise ShardDataError(f"{path}: unreadable record batch ({err})") from None
             rows = sum(batch.num_rows for batch in batches)
             if rows != entry.rows:
                 raise ShardDataError(f"{path}: {rows} rows in the file, the manifest says {entry.rows}")
@@ -318,6 +294,19 @@ class ShardDataset(IterableDataset):
             file.close()
             raise
         return file, batches
+
+    def _open_shard(self, shard: int) -> _OpenShard | None:
+        """Shard `shard`, checked; None (with a warning) for a bad one when bad shards are skipped."""
+        try:
+            file, batches = self._open_checked(self.manifest.shards[shard])
+        except ShardDataError as err:
+            if not self.skip_bad_shards:
+                raise
+            warnings.warn(f"skipping a bad shard: {err}", stacklevel=2)
+            if str(err) not in self.skipped:  # met again in later epochs
+                self.skipped.append(str(err))
+            return None
+        return _OpenShard(file, batches, self._row_order(shard))
 
     # -- order --------------------------------------------------------------------------
 
@@ -356,24 +345,25 @@ class ShardDataset(IterableDataset):
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         shard_order, shard_starts = self._shard_order()
         rank_start, rank_stop = self._rank_range()
-        slot, shard = -1, None
+        slot, shard = -1, None  # shard: the open shard of `slot`, None when it was skipped
         try:
             for start, stop in self._worker_blocks(worker, num_workers):
                 pieces = []  # (rows of one shard) making up this block
                 index, stop = rank_start + start, rank_start + stop  # in the epoch's global order
                 while index < stop:
-                    if shard is None or index >= shard_starts[slot + 1]:
+                    if slot < 0 or index >= shard_starts[slot + 1]:
                         if shard is not None:
                             shard.close()  # one shard mapped at a time
                         slot = int(np.searchsorted(shard_starts, index, side="right")) - 1
-                        shard_index = int(shard_order[slot])
-                        file, batches = self._open_checked(self.manifest.shards[shard_index])
-                        shard = _OpenShard(file, batches, self._row_order(shard_index))
+                        shard = self._open_shard(int(shard_order[slot]))
                         if slot + 1 < len(shard_order) and shard_starts[slot + 1] < rank_stop:
                             self._files.prefetch(self._path(self.manifest.shards[int(shard_order[slot + 1])].path))
                     end = min(stop, int(shard_starts[slot + 1]))
-                    pieces.append(shard.rows(np.arange(index, end) - int(shard_starts[slot])))
+                    if shard is not None:
+                        pieces.append(shard.rows(np.arange(index, end) - int(shard_starts[slot])))
                     index = end
+                if not pieces:  # the whole block lay in skipped shards
+                    continue
                 rows = pieces[0] if len(pieces) == 1 else \
                     {name: np.concatenate([p[name] for p in pieces]) for name in pieces[0]}
                 tensors = to_tensors(rows)
