@@ -67,7 +67,18 @@ DRY_RUN = click.option("--dry-run", is_flag=True,
                             "read no input, write nothing, submit nothing.")
 
 
-def _print_plan(plan: dict) -> None:
+CORPUS_CHUNKS = click.option("--corpus-chunks", type=float, default=None,
+                             help="With --dry-run: estimate memory per worker for a corpus of this "
+                                  "many chunks (e.g. 1e8); default: from the input files' sizes.")
+CORPUS_DOCUMENTS = click.option("--corpus-documents", type=float, default=None,
+                                help="With --corpus-chunks: documents in it (default: chunks / 10).")
+
+
+def _print_plan(plan: dict, cfg, chunks: float | None, documents: float | None) -> None:
+    """The dry-run plan with the memory model's estimate per worker process."""
+    from pipeline.memory_model import estimate
+
+    plan = {**plan, "memory_estimate": estimate(cfg, chunks, documents)}
     click.echo(json.dumps(plan, indent=2, sort_keys=True, default=str))
 
 
@@ -92,14 +103,17 @@ def _report(result, title: str) -> None:
 @click.argument("beam_args", nargs=-1, type=click.UNPROCESSED)
 @click.option("--force", is_flag=True, help="Rebuild chunks and embeddings even when they match.")
 @DRY_RUN
+@CORPUS_CHUNKS
+@CORPUS_DOCUMENTS
 @DETACH
-def build_index_cmd(config_path, beam_args, force, dry_run, detach):
+def build_index_cmd(config_path, beam_args, force, dry_run, corpus_chunks, corpus_documents, detach):
     """Stages 1-3: chunk, embed and index the retrieval corpus -> <output>/index/."""
     from pipeline.stages import build_index
 
-    result = build_index(_config(config_path), list(beam_args), force=force, dry_run=dry_run, detach=detach)
+    cfg = _config(config_path)
+    result = build_index(cfg, list(beam_args), force=force, dry_run=dry_run, detach=detach)
     if dry_run:
-        _print_plan({"build-index": result})
+        _print_plan({"build-index": result}, cfg, corpus_chunks, corpus_documents)
     else:
         _report(result, "build-index counters")
 
@@ -135,6 +149,8 @@ def index_cmd(embeddings, output, index_type, memory_budget, target_recall, npro
 @click.option("--config", "config_path", required=True, help="Pipeline config (YAML).")
 @click.argument("beam_args", nargs=-1, type=click.UNPROCESSED)
 @DRY_RUN
+@CORPUS_CHUNKS
+@CORPUS_DOCUMENTS
 @DETACH
 @click.option("--wait-for-index", is_flag=True,
               help="First wait until the index this config describes is committed (e.g. by a "
@@ -143,7 +159,8 @@ def index_cmd(embeddings, output, index_type, memory_budget, target_recall, npro
               help="Seconds --wait-for-index waits before giving up.")
 @click.option("--poll-every", default=30.0, show_default=True, type=float,
               help="Seconds between looks at the index manifest while waiting.")
-def build_shards_cmd(config_path, beam_args, dry_run, detach, wait_for_index, wait_timeout, poll_every):
+def build_shards_cmd(config_path, beam_args, dry_run, corpus_chunks, corpus_documents, detach,
+                     wait_for_index, wait_timeout, poll_every):
     """Stages 4-5: retrieve neighbours for the training corpus -> <output>/shards/."""
     from pipeline.stages import build_shards, wait_for_index as wait
 
@@ -152,7 +169,7 @@ def build_shards_cmd(config_path, beam_args, dry_run, detach, wait_for_index, wa
         wait(cfg, wait_timeout, poll_every)
     result = build_shards(cfg, list(beam_args), dry_run=dry_run, detach=detach)
     if dry_run:
-        _print_plan({"build-shards": result})
+        _print_plan({"build-shards": result}, cfg, corpus_chunks, corpus_documents)
     else:
         _report(result, "build-shards counters")
 
@@ -162,8 +179,10 @@ def build_shards_cmd(config_path, beam_args, dry_run, detach, wait_for_index, wa
 @click.option("--force", is_flag=True, help="Rebuild stages even when their manifest matches.")
 @click.argument("beam_args", nargs=-1, type=click.UNPROCESSED)
 @DRY_RUN
+@CORPUS_CHUNKS
+@CORPUS_DOCUMENTS
 @DETACH
-def run_cmd(config_path, force, beam_args, dry_run, detach):
+def run_cmd(config_path, force, beam_args, dry_run, corpus_chunks, corpus_documents, detach):
     """Both stages; a stage whose committed manifest matches the config is skipped. With
     --detach, the first stage to build is submitted and the command exits (follow a detached
     build-index with `build-shards --wait-for-index`)."""
@@ -173,7 +192,7 @@ def run_cmd(config_path, force, beam_args, dry_run, detach):
     if dry_run:
         cfg, args = _config(config_path), list(beam_args)
         _print_plan({"build-index": build_index(cfg, args, dry_run=True),
-                     "build-shards": build_shards(cfg, args, dry_run=True)})
+                     "build-shards": build_shards(cfg, args, dry_run=True)}, cfg, corpus_chunks, corpus_documents)
         return
     start = time.monotonic()
     report = run_all(_config(config_path), list(beam_args), force=force, detach=detach)
@@ -185,13 +204,29 @@ def run_cmd(config_path, force, beam_args, dry_run, detach):
     click.echo(f"run {'submitted' if detach else 'finished'} in {time.monotonic() - start:.1f} s", err=True)
 
 
-@cli.command("validate")
+@cli.command("validate", **BEAM_ARGS)
 @click.argument("directory")
-def validate_cmd(directory):
-    """Check an index, shards or output directory end to end; exit 0 only if sound."""
-    from pipeline.validate import validate_path
+@click.option("--sample", default=1.0, show_default=True, type=click.FloatRange(0, 1, min_open=True),
+              help="Check this share of the shards (the same ones every run, chosen by file name) and "
+                   "the chunk files they reference, and the same share of chunk and embedding files; "
+                   "sizes and sha256 of every listed file are checked whatever the share.")
+@click.argument("beam_args", nargs=-1, type=click.UNPROCESSED)
+def validate_cmd(directory, sample, beam_args):
+    """Check an index, shards or output directory end to end; exit 0 only if sound. In this
+    process, or as a Beam job when pipeline options follow `--`."""
+    from pipeline.validate import ValidationFailed, validate_path
 
-    for line in validate_path(directory):
+    try:
+        if beam_args:
+            from pipeline.validate_job import validate_with_beam
+
+            lines = validate_with_beam(directory, list(beam_args), sample)
+        else:
+            lines = validate_path(directory, sample)
+    except ValidationFailed as failed:  # a Beam job's report holds a line per problem
+        click.echo(f"error: {failed}", err=True)
+        sys.exit(1)
+    for line in lines:
         click.echo(line)
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from pipeline.run import run_all
 from pipeline.validate import validate_path
+from pipeline.validate_job import validate_with_beam
 from schemas.config import config_from_dict
 from tests.conftest import sample_documents, small_config, write_config, write_jsonl
 
@@ -100,11 +101,13 @@ def test_portable_runner_writes_the_fnapi_runners_bytes(job_service, tmp_path):
     write_jsonl(tmp_path / "corpus" / "a.jsonl", sample_documents(6))
     corpus = str(tmp_path / "corpus" / "*.jsonl")
     portable = config_from_dict(small_config(tmp_path / "portable", corpus))
-    report = run_all(portable, ["--runner=PortableRunner", f"--job_endpoint={job_service}",
-                                "--environment_type=LOOPBACK"])
+    beam_args = ["--runner=PortableRunner", f"--job_endpoint={job_service}", "--environment_type=LOOPBACK"]
+    report = run_all(portable, beam_args)
     assert [status for status, _ in report.values()] == ["built", "built"]
     assert report["build-shards"][1]["sequences"] > 0
-    assert all(line.startswith("OK") for line in validate_path(str(tmp_path / "portable")))
+    lines = validate_path(str(tmp_path / "portable"))
+    assert all(line.startswith("OK") for line in lines)
+    assert validate_with_beam(str(tmp_path / "portable"), beam_args) == lines  # validate as a job on that runner
 
     _assert_in_process_bytes(tmp_path / "portable", corpus)
 

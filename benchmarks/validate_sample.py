@@ -1,0 +1,183 @@
+"""`validate --sample`: its time as the number of shards grows, apart from the whole-file hashes.
+
+    .venv/bin/python benchmarks/validate_sample.py [--shards 1000 10000] [--sample 0.01] [--full-up-to 10000]
+
+Data: one synthetic output per shard count, written with the project's own writers and
+schemas under real manifests, so `validate` accepts it: one index shared by all of them
+(`training_corpus: same`, m = 8, n = 16 so L = 2, documents of 2 chunks, the largest count's
+sequences' worth of chunks, 1,000 rows a chunk file, 16-dim unit embeddings, a faiss Flat
+index) and, per count, that many one-row shards (seq s = document s), each neighbour
+(k = 2) a chunk of another document with its tokens and continuation.
+
+For each count, with the files in the page cache (just written):
+- `plan`: reading the manifests and choosing the sample;
+- `hashes`: size and sha256 of the listed files no content check reads (the unsampled
+  shards and embedding files, the faiss index), timed on their own;
+- `total`: `validate_path(DIR, sample)` end to end (its hashes included), best of 5;
+- the same at the fraction that checks as many shards as the smallest count does;
+- `full`: the whole check (`--sample 1`), for counts up to --full-up-to.
+`total - hashes` is what the sample itself costs: it grows with the shards checked, and at
+an equal number checked it should stay flat however many shards the output holds.
+Results: a table on stdout, JSON in benchmarks/results/validate_sample.json.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+import pyarrow as pa  # noqa: E402
+
+from benchmarks.report import write_results  # noqa: E402
+from pipeline.fileio import sha256_bytes  # noqa: E402
+from pipeline.validate import check_listed_file, plan_validation, validate_path  # noqa: E402
+from pipeline.writers import arrow_ipc_bytes, parquet_bytes  # noqa: E402
+from schemas.arrow import chunk_schema, embedding_schema, fixed_size_list, shard_table  # noqa: E402
+from schemas.manifest import (FileEntry, Fingerprint, IndexManifest, Recall, ShardEntry,  # noqa: E402
+                              ShardsManifest)
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results" / "validate_sample.json"
+M, L, K, DIM, PAD = 8, 2, 2, 16, 0
+CHUNK_FILE_ROWS = 1000
+REPEATS = 5  # timed runs of each validation; the fastest counts (this machine is shared)
+
+
+def _write(directory: Path, name: str, data: bytes, rows: int) -> dict:
+    path = directory / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return {"path": name, "rows": rows, "bytes": len(data), "sha256": sha256_bytes(data)}
+
+
+def write_index(directory: Path, sequences: int, rng: np.random.Generator) -> dict:
+    """An index of `sequences` documents of L chunks; returns the chunk database in memory."""
+    import faiss
+
+    chunks = sequences * L
+    ids = np.arange(chunks, dtype=np.int64)
+    docs = rng.choice(np.iinfo(np.int64).max, size=sequences, replace=False)[ids // L]
+    positions = (ids % L).astype(np.int32)
+    tokens = rng.integers(1, 30000, size=(chunks, M), dtype=np.int32)
+    continuations = np.full_like(tokens, PAD)
+    inside = positions < L - 1  # a continuation is the next chunk of the document, padding at its end
+    continuations[inside] = tokens[1:][inside[:-1]]
+    vectors = rng.normal(size=(chunks, DIM)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    files = []
+    for number, start in enumerate(range(0, chunks, CHUNK_FILE_ROWS)):
+        part = slice(start, min(start + CHUNK_FILE_ROWS, chunks))
+        table = pa.Table.from_arrays([pa.array(ids[part]), pa.array(docs[part]), pa.array(positions[part]),
+                                      fixed_size_list(tokens[part], M), fixed_size_list(continuations[part], M)],
+                                     schema=chunk_schema(M))
+        files.append(_write(directory, f"chunks/chunks-{number:05d}.parquet", parquet_bytes(table), len(ids[part])))
+        table = pa.Table.from_arrays([pa.array(ids[part]), fixed_size_list(vectors[part], DIM)],
+                                     schema=embedding_schema(DIM))
+        files.append(_write(directory, f"embeddings/embeddings-{number:05d}.parquet", parquet_bytes(table),
+                            len(ids[part])))
+    index = faiss.IndexFlatIP(DIM)
+    index.add(vectors)
+    (directory / "faiss").mkdir(parents=True)
+    faiss.write_index(index, str(directory / "faiss" / "index.faiss"))
+    files.append(_write(directory, "faiss/index.faiss", (directory / "faiss" / "index.faiss").read_bytes(), chunks))
+    fingerprint = Fingerprint(name="synthetic", fingerprint="0" * 64)
+    manifest = IndexManifest(
+        config_hash="synthetic", embed_config_hash="synthetic", tokenizer=fingerprint, embedding_model=fingerprint,
+        num_documents=sequences, num_chunks=chunks, chunk_tokens=M, pad_id=PAD,
+        files=[FileEntry(**f) for f in sorted(files, key=lambda f: f["path"])],
+        index_factory="Flat", nprobe=None, dim=DIM, metric="inner_product",
+        recall_at_k=Recall(measure="synthetic", value=1.0, sample_size=0), index_bytes=files[-1]["bytes"],
+        memory_budget=0, training_vectors=0, queries_per_second=None, counters={"chunks": chunks},
+        created_by="benchmarks/validate_sample.py")
+    (directory / "manifest.json").write_text(manifest.model_dump_json(indent=2))
+    return {"docs": docs, "tokens": tokens, "continuations": continuations}
+
+
+def write_shards(directory: Path, index_directory: Path, db: dict, shards: int, rng: np.random.Generator) -> None:
+    """`shards` one-row shards: sequence s is document s (chunks s·L ... s·L + L - 1)."""
+    chunks = len(db["tokens"])
+    entries = []
+    for s in range(shards):
+        own = np.arange(s * L, (s + 1) * L)
+        tokens = np.concatenate([db["tokens"][own].reshape(-1), db["continuations"][own[-1]][:1]])
+        neighbour_ids = rng.integers(0, chunks - L, size=(1, L, K))
+        neighbour_ids += (neighbour_ids >= s * L) * L  # never a chunk of its own document
+        values = np.concatenate([db["tokens"][neighbour_ids], db["continuations"][neighbour_ids]], axis=-1)
+        table = shard_table(np.array([s]), tokens[None], values, neighbour_ids,
+                            rng.random((1, L, K), dtype=np.float32), [[db["docs"][s * L]]], pad_id=PAD)
+        entry = _write(directory, f"shard-{s:05d}.arrow", arrow_ipc_bytes(table), 1)
+        entries.append(ShardEntry(**entry, neighbour_slots_filled=L * K))
+    manifest = ShardsManifest(
+        config_hash="synthetic", index_manifest_sha256=sha256_bytes((index_directory / "manifest.json").read_bytes()),
+        training_corpus="same", sequence_tokens=L * M, chunk_tokens=M, neighbours=K, neighbour_tokens=2 * M,
+        pad_id=PAD, num_sequences=shards, shards=entries, neighbour_fill=1.0, overlap={},
+        counters={"sequences": shards}, created_by="benchmarks/validate_sample.py")
+    (directory / "manifest.json").write_text(manifest.model_dump_json(indent=2))
+
+
+def _median_seconds(run) -> float:
+    times = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def measure(output: Path, sample: float) -> dict:
+    start = time.perf_counter()
+    plan = plan_validation(str(output), sample)
+    planned = time.perf_counter() - start
+    hashes = _median_seconds(lambda: [check_listed_file(d, e) for d, e in plan.listed_files])
+    total = _median_seconds(lambda: validate_path(str(output), sample))
+    return {"sample": sample, "shards_checked": len(plan.shard_entries), "files_hashed": len(plan.listed_files),
+            "plan_s": planned, "hashes_s": hashes, "total_s": total, "sample_s": total - hashes,
+            "lines": validate_path(str(output), sample)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser.add_argument("--shards", type=int, nargs="+", default=[1000, 10000])
+    parser.add_argument("--sample", type=float, default=0.01)
+    parser.add_argument("--full-up-to", type=int, default=10000, help="time the full check for counts up to this")
+    parser.add_argument("--output", default=str(RESULTS))
+    args = parser.parse_args()
+    results = {"sample": args.sample, "m": M, "L": L, "k": K, "chunk_file_rows": CHUNK_FILE_ROWS, "by_shards": []}
+    rng = np.random.default_rng(0)
+    fewest = min(args.shards)
+    with tempfile.TemporaryDirectory(prefix="validate-sample-bench-") as temp:
+        index = Path(temp) / "index"
+        db = write_index(index, max(args.shards), rng)
+        print(f"index: {len(db['tokens']):,} chunks in {-(-len(db['tokens']) // CHUNK_FILE_ROWS)} chunk files; "
+              f"seconds, best of {REPEATS}")
+        print(f"{'shards':>7} | {'sample':>7} {'checked':>7} {'hashed':>7} {'plan':>5} {'hashes':>6} {'total':>6} "
+              f"{'total-hashes':>12} | {'full':>6}")
+        for shards in args.shards:
+            output = Path(temp) / f"out-{shards}"
+            output.mkdir()
+            (output / "index").symlink_to(index)  # the same index for every count
+            write_shards(output / "shards", index, db, shards, rng)
+            # at the sample asked for, and at the fraction that checks as many shards as the smallest count's
+            runs = [measure(output, args.sample)]
+            if shards != fewest:
+                runs.append(measure(output, args.sample * fewest / shards))
+            entry = {"shards": shards, "runs": runs}
+            if shards <= args.full_up_to:
+                entry["full_s"] = _median_seconds(lambda: validate_path(str(output)))
+            results["by_shards"].append(entry)
+            for i, run in enumerate(runs):
+                full = f"{entry['full_s']:6.2f}" if "full_s" in entry and i == 0 else f"{'':>6}"
+                print(f"{shards if i == 0 else '':>7} | {run['sample']:7.4f} {run['shards_checked']:>7,} "
+                      f"{run['files_hashed']:>7,} {run['plan_s']:5.2f} {run['hashes_s']:6.2f} {run['total_s']:6.2f} "
+                      f"{run['sample_s']:12.2f} | {full}", flush=True)
+        print("\n".join(runs[0]["lines"]))
+    write_results(results, args.output)
+
+
+if __name__ == "__main__":
+    main()
