@@ -32,7 +32,7 @@ from benchmarks.embed_vs_encoder import time_embed_stage, timed  # noqa: E402
 from benchmarks.report import write_results  # noqa: E402
 from pipeline.chunking import load_tokenizer  # noqa: E402
 from pipeline.embed import chunk_texts, encode_texts, load_encoder, torch_threads  # noqa: E402
-from pipeline.index import load_index, query_rate  # noqa: E402
+from pipeline.faiss_index import load_index, query_rate  # noqa: E402
 from pipeline.models import resolve_tokenizer  # noqa: E402
 from pipeline.stages import _chunks_from_table, build_index, build_shards  # noqa: E402
 from schemas.arrow import tensor_column_to_numpy  # noqa: E402

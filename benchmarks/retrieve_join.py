@@ -87,7 +87,7 @@ def make_chunks(n: int):
 def ensure_data(workdir: Path, n: int) -> Path:
     import faiss
 
-    from pipeline.index import build_index, set_search_depth
+    from pipeline.faiss_index import build_index, set_search_depth
     from pipeline.writers import chunks_table, embeddings_table, parquet_bytes
 
     root = workdir / f"db-{n}"

@@ -210,7 +210,7 @@ class EmbedChunks(beam.PTransform):
             self.with_resource_hints(accelerator=cfg.accelerator)
 
     def expand(self, chunks):
-        from pipeline.index import sample_keys
+        from pipeline.faiss_index import sample_keys
 
         cfg, size = self.cfg, self.cfg.batch_size
         embeddings = (chunks

@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass
 
 from pipeline.chunking import BUCKET_BITS
-from pipeline.index import (READ_BATCH, choose_index_factory, estimated_bytes, ivf_lists,
-                            training_size)
+from pipeline.faiss_index import (READ_BATCH, choose_index_factory, estimated_bytes, ivf_lists,
+                                  training_size)
 from schemas.config import PipelineConfig
 
 MB = 2**20

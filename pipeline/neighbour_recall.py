@@ -16,7 +16,7 @@ import apache_beam as beam
 import numpy as np
 from apache_beam.io.parquetio import ReadFromParquetBatched
 
-from pipeline.index import TIE_TOLERANCE, exact_top, merge_top
+from pipeline.faiss_index import TIE_TOLERANCE, exact_top, merge_top
 from schemas.arrow import tensor_column_to_numpy
 
 MEASURE = f"recall@k with ties within {TIE_TOLERANCE:g} (empty slot = miss)"

@@ -21,7 +21,7 @@ from apache_beam.utils import shared
 
 from pipeline.chunkdb import ChunkFileRanges
 from pipeline.chunking import Chunk
-from pipeline.index import load_index, sample_keys, search_excluding
+from pipeline.faiss_index import load_index, sample_keys, search_excluding
 from pipeline.writers import WriteGroupedFiles, arrow_ipc_bytes
 from schemas.arrow import shard_table
 

@@ -25,7 +25,8 @@ from pipeline.chunking import Chunk, ChunkDocuments, load_tokenizer, pad_id_of
 from pipeline.commit import (REJECTED_STAGING, commit_directory, discard_staging, new_staging_dir,
                              publish_rejected)
 from pipeline.corpus import ReadCorpus, rejected_share
-from pipeline.index import BUILD_INFO_FILE, INDEX_FILE, BuildIndex, new_index
+from pipeline.faiss_index import new_index
+from pipeline.index import BUILD_INFO_FILE, INDEX_FILE, BuildIndex
 from pipeline.models import (DEFAULT_MODEL_NAMES, embedding_dim, fingerprint_path, resolve_model,
                              resolve_tokenizer)
 from pipeline.neighbour_recall import MeasureNeighbourRecall

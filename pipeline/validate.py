@@ -37,7 +37,7 @@ import pyarrow.parquet as pq
 
 from pipeline import fileio
 from pipeline.chunkdb import in_file_order
-from pipeline.index import load_index
+from pipeline.faiss_index import load_index
 from schemas.arrow import SHARD_METADATA_KEYS, check_schema_version, tensor_column_to_numpy
 from schemas.manifest import FileEntry, IndexManifest, ShardEntry, ShardsManifest, VectorIndexManifest
 

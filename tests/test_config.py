@@ -106,7 +106,7 @@ def test_the_default_encoder_width_is_read_without_loading_it():
 
 
 def test_an_unbuildable_index_type_fails_before_reading_anything(tmp_path):
-    from pipeline.index import IndexBuildError
+    from pipeline.faiss_index import IndexBuildError
     from pipeline.stages import build_index
 
     cfg = config_from_dict(small_config(tmp_path / "out", str(tmp_path / "no-such-corpus-*.jsonl"),

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from apache_beam.testing.util import assert_that, equal_to
 
-from pipeline.index import (BuildIndex, IndexBuildError, build_index, choose_index_factory,
-                            estimated_bytes, exact_nearest_other, in_sample, load_index, merge_part,
-                            nlist_for, one_recall_at_k, plan_index, search_excluding, set_search_depth,
-                            train_index,
-                            training_size, tune_search_depth)
+from pipeline.faiss_index import (IndexBuildError, build_index, choose_index_factory, estimated_bytes,
+                                  exact_nearest_other, in_sample, load_index, merge_part, nlist_for,
+                                  one_recall_at_k, plan_index, search_excluding, set_search_depth,
+                                  train_index, training_size, tune_search_depth)
+from pipeline.index import BuildIndex
 from pipeline.options import pipeline_options
 from pipeline.writers import embeddings_table, parquet_bytes
 from schemas.config import IndexConfig

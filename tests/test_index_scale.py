@@ -8,7 +8,7 @@ import pytest
 
 from benchmarks.synthetic import LowRankClusters
 from pipeline.cli import main
-from pipeline.index import RECALL_MEASURE, load_index
+from pipeline.faiss_index import RECALL_MEASURE, load_index
 from tests.test_index import write_embedding_files
 
 N, D, BUDGET = 300_000, 384, 64 * 10**6

@@ -2,7 +2,7 @@ import apache_beam as beam
 import numpy as np
 from apache_beam.testing.util import assert_that
 
-from pipeline.index import exact_top, merge_top
+from pipeline.faiss_index import exact_top, merge_top
 from pipeline.neighbour_recall import (TIE_TOLERANCE, MeasureNeighbourRecall, SmallestProbes,
                                        recall_with_ties, scan_batch)
 from pipeline.shards import ShardRow

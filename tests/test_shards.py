@@ -8,7 +8,7 @@ from apache_beam.testing.util import assert_that, equal_to
 
 from pipeline.chunkdb import ChunkFileRanges
 from pipeline.chunking import chunk_document
-from pipeline.index import build_index
+from pipeline.faiss_index import build_index
 from pipeline.shards import (CANDIDATE, DocumentSpans, PackSequences, RetrieveNeighbours, Retrieval,
                              WriteShards, chunk_overlap, document_spans, merge_ranges, neighbour_arrays,
                              overlap_bucket, overlap_histogram, pack_sequence, select_distinct, token_key,

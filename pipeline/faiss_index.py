@@ -1,0 +1,461 @@
+"""The faiss side of the chunk index, without Beam: the factory chosen from a memory budget,
+the deterministic training and query samples, training, filling and merging IVF parts,
+searching with id ranges excluded, exact search and the recall measured against it, tuning the
+search depth to a target recall, the build plan, and reading and writing index and embedding
+files.
+
+Chunk ids are the faiss ids, so a search answers chunk ids. `pipeline.index` wires these
+functions into the Beam index stage; the shards stage, validation and the benchmarks call them
+directly. Importing this module imports no Beam: files go through `pipeline.fileio` (Beam's
+FileSystems, for local paths and gs://), imported inside the functions that open one, so only
+those calls load Beam (`load_index` memory-maps a local file with faiss alone).
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+
+import faiss
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from schemas.arrow import tensor_column_to_numpy
+from schemas.config import IndexConfig
+
+RECALL_K = 10
+TIE_TOLERANCE = 1e-3  # ann-benchmarks' epsilon: similarities this close are a tie
+# Share of queries for which one of the index's top 10 (the query excluded) is as similar as
+# the exact nearest other vector, within TIE_TOLERANCE: near-duplicates are interchangeable.
+RECALL_MEASURE = f"1-recall@{RECALL_K} with ties within {TIE_TOLERANCE:g}"
+TRUTH_DEPTH = 100     # exact best per query kept as ground truth (ties beyond it count as misses)
+PLATEAU_GAIN = 0.005  # stop deepening the search when doubling the depth gains less recall
+ID_BYTES = 8                    # faiss keeps an int64 id per vector
+FLAT_MAX_VECTORS = 100_000      # exact search stays fast below this
+IVF_FLAT_MAX_VECTORS = 1_000_000
+HNSW_QUANTIZER_MIN_LISTS = 16384  # above this many lists, assign with a graph, not a scan
+HNSW_M = 32
+PQ_CHOICES = (128, 96, 64, 48, 32, 24, 16, 8, 4)  # sub-quantizers (bytes per code), largest first
+MIN_POINTS_PER_CENTROID = 39    # faiss k-means warns below this
+MAX_POINTS_PER_CENTROID = 256   # and subsamples above it
+TRAIN_POINTS_PER_CENTROID = 64  # what we sample, between the two
+IO_BLOCK = 1 << 22              # bytes per read / write call when streaming an index
+
+
+class IndexBuildError(ValueError):
+    """An index that cannot be built as configured; the message says why."""
+
+
+# --- choosing the factory string ------------------------------------------------------------
+
+def nlist_for(num_vectors: int) -> int:
+    """IVF lists: ≈ 4√N (a power of two) below 10M vectors, 2^16 … 2^20 above, lowered until
+    every list gets at least 39 training points. (autofaiss switches to 2^16 at 1M; training
+    2^16 lists is hours of k-means on a CPU worker, 4√N is minutes.)"""
+    if num_vectors < 10_000_000:
+        nlist = 2 ** max(0, round(math.log2(4 * math.sqrt(max(num_vectors, 1)))))
+    elif num_vectors < 100_000_000:
+        nlist = 2 ** 16
+    elif num_vectors < 1_000_000_000:
+        nlist = 2 ** 18
+    else:
+        nlist = 2 ** 20
+    while nlist > 1 and num_vectors < MIN_POINTS_PER_CENTROID * nlist:
+        nlist //= 2
+    return nlist
+
+
+def _coarse(nlist: int) -> str:
+    return f"IVF{nlist}_HNSW{HNSW_M}" if nlist >= HNSW_QUANTIZER_MIN_LISTS else f"IVF{nlist}"
+
+
+def estimated_bytes(factory: str, num_vectors: int, dim: int) -> int:
+    """Memory (≈ file size) of an index of this factory string holding num_vectors."""
+    parts = factory.split(",")
+    nlist = ivf_lists(factory)
+    width = dim
+    total = 0
+    for part in parts:
+        if part.startswith("OPQ"):
+            width = int(part.split("_")[1])
+            total += 4 * dim * width
+    if nlist:
+        total += 4 * nlist * width
+        if "_HNSW" in factory:
+            total += nlist * (4 * width + 2 * 4 * HNSW_M)
+    codec = parts[-1]
+    if codec.startswith("PQ"):
+        pq = int(codec[2:].split("x")[0])
+        per_vector = pq + ID_BYTES
+        total += 4 * width * 256  # PQ centroids: 256 per sub-quantizer
+    elif codec.startswith("HNSW"):
+        per_vector = 4 * dim + 2 * 4 * int(codec[4:] or HNSW_M) + ID_BYTES
+    else:  # Flat
+        per_vector = 4 * width + ID_BYTES
+    return total + num_vectors * per_vector
+
+
+def choose_index_factory(num_vectors: int, dim: int, memory_budget: int) -> str:
+    """`index.type: auto`: the most exact index that fits `memory_budget` bytes.
+
+    1. `Flat` (exact) up to 100k vectors;
+    2. `IVF{nlist},Flat` up to 1M vectors (nlist from `nlist_for`);
+    3. `IVF{nlist}[_HNSW32],PQ{pq}x8np` with the largest pq in 128 … 4 (dividing d) that fits;
+    each only if its estimated memory fits the budget. Never chosen, but honoured when given:
+    plain HNSW (it can be neither trained on a sample nor filled in parallel) and an OPQ
+    rotation (training OPQ128 on 65k vectors took 137 s for 10 of its default 50 iterations
+    on 2 cores; with ≤ 4 dims per sub-quantizer PQ alone is already fine-grained).
+    """
+    if num_vectors <= 0:
+        raise IndexBuildError("no vectors to index: every input record was rejected or empty")
+    nlist = nlist_for(num_vectors)
+    candidates = []
+    if num_vectors <= FLAT_MAX_VECTORS:
+        candidates.append("Flat")
+    if num_vectors <= IVF_FLAT_MAX_VECTORS and nlist > 1:
+        candidates.append(f"{_coarse(nlist)},Flat")
+    if nlist > 1:
+        # "np": no polysemous training, which searches never use and which took 178 s of a
+        # 10k-vector IVF64,PQ48x8 build on one core (14 s without)
+        candidates += [f"{_coarse(nlist)},PQ{pq}x8np" for pq in PQ_CHOICES if dim % pq == 0]
+    else:
+        candidates.append("Flat")
+    for factory in candidates:
+        if estimated_bytes(factory, num_vectors, dim) <= memory_budget:
+            return factory
+    smallest = min(estimated_bytes(f, num_vectors, dim) for f in candidates)
+    raise IndexBuildError(
+        f"index.memory_budget of {memory_budget:,} B is too small for any index of "
+        f"{num_vectors:,} x {dim} vectors: the smallest ({candidates[-1]}) needs about "
+        f"{smallest:,} B")
+
+
+def ivf_lists(factory: str) -> int | None:
+    for part in factory.split(","):
+        if part.startswith("IVF"):
+            return int(part[3:].split("_")[0])
+    return None
+
+
+def training_size(num_vectors: int, factory: str) -> int:
+    """Vectors to train on: 64 per IVF list (faiss wants 39 … 256), at least PQ's 256 × 256
+    when there is a PQ; 0 for types that need no training."""
+    nlist = ivf_lists(factory)
+    if nlist is None:
+        return min(num_vectors, 256 * 256) if "PQ" in factory else 0
+    if num_vectors < MIN_POINTS_PER_CENTROID * nlist:
+        raise IndexBuildError(
+            f"{factory} needs at least {MIN_POINTS_PER_CENTROID * nlist:,} vectors to train "
+            f"({MIN_POINTS_PER_CENTROID} per list), got {num_vectors:,}: use fewer lists or 'auto'")
+    return min(num_vectors, max(TRAIN_POINTS_PER_CENTROID * nlist, 256 * 256 if "PQ" in factory else 0))
+
+
+def sample_keys(ids: np.ndarray, salt: int) -> np.ndarray:
+    """A deterministic pseudo-random 32-bit key per id (splitmix64 finaliser): samples do not
+    depend on input order or on the number of workers."""
+    with np.errstate(over="ignore"):
+        x = ids.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(salt)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return (x ^ (x >> np.uint64(31))) >> np.uint64(32)
+
+
+def in_sample(ids, size: int, population: int, salt: int):
+    """True for about `size` of `population` ids, chosen by `sample_keys`."""
+    keys = sample_keys(np.asarray(ids, dtype=np.int64), salt)
+    return keys < np.uint64(min(size, population) * (1 << 32) // max(population, 1)) \
+        if size < population else np.ones(keys.shape, dtype=bool)
+
+
+TRAIN_SALT, QUERY_SALT = 1, 2
+
+
+# --- building, filling, measuring -----------------------------------------------------------
+
+def new_index(factory: str, dim: int):
+    try:
+        index = faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
+    except RuntimeError as err:
+        raise IndexBuildError(f"index.type {factory!r} is not a valid faiss factory string for "
+                              f"dim {dim}: {str(err).strip().splitlines()[-1]}") from None
+    return index if is_ivf(index) else faiss.IndexIDMap2(index)  # others keep no ids of their own
+
+
+def is_ivf(index) -> bool:
+    try:
+        faiss.extract_index_ivf(index)
+        return True
+    except RuntimeError:
+        return False
+
+
+def train_index(factory: str, sample: np.ndarray):
+    index = new_index(factory, sample.shape[1])
+    if not index.is_trained:
+        index.train(np.ascontiguousarray(sample, dtype=np.float32))
+    return index
+
+
+def build_index(ids: np.ndarray, vectors: np.ndarray, factory: str):
+    """In one process: a trained, filled index whose faiss ids are `ids`, trained on the same
+    sample the Beam stage would draw (for small sets, the non-mergeable types and baselines)."""
+    index = train_index(factory, vectors[in_sample(ids, training_size(len(ids), factory),
+                                                   len(ids), TRAIN_SALT)])
+    index.add_with_ids(np.ascontiguousarray(vectors, dtype=np.float32), ids.astype(np.int64))
+    return index
+
+
+def merge_part(merged, part) -> None:
+    """Move the inverted lists of a filled IVF part into `merged` (same trained index)."""
+    faiss.extract_index_ivf(merged).merge_from(faiss.extract_index_ivf(part), 0)
+    merged.ntotal = faiss.extract_index_ivf(merged).ntotal  # a pre-transform wrapper counts too
+
+
+def set_search_depth(index, depth: int) -> None:
+    """nprobe for IVF, efSearch for HNSW."""
+    if is_ivf(index):
+        faiss.extract_index_ivf(index).nprobe = depth
+    elif _hnsw(index) is not None:
+        _hnsw(index).efSearch = depth
+
+
+def _hnsw(index):
+    inner = faiss.downcast_index(index.index) if isinstance(index, faiss.IndexIDMap) else index
+    return inner.hnsw if hasattr(inner, "hnsw") else None
+
+
+def search_depth(index) -> int | None:
+    """The depth searches run at: nprobe (IVF), efSearch (HNSW), None (exhaustive types)."""
+    if is_ivf(index):
+        return faiss.extract_index_ivf(index).nprobe
+    hnsw = _hnsw(index)
+    return None if hnsw is None else hnsw.efSearch
+
+
+def deepest_search(index) -> int | None:
+    """The depth at which a search reaches every vector: all lists (IVF), a candidate list as
+    long as the index (HNSW); None for exhaustive types."""
+    if is_ivf(index):
+        return faiss.extract_index_ivf(index).nlist
+    return None if _hnsw(index) is None else max(int(index.ntotal), 1)
+
+
+def _search_params(index, selector, depth: int | None):
+    """faiss SearchParameters with `selector` at `depth` (faiss params replace the index's own
+    nprobe / efSearch, so the depth is always given)."""
+    if is_ivf(index):
+        return faiss.SearchParametersIVF(sel=selector, nprobe=depth)
+    if _hnsw(index) is not None:
+        return faiss.SearchParametersHNSW(sel=selector, efSearch=depth)
+    return faiss.SearchParameters(sel=selector)
+
+
+def search_excluding(index, queries: np.ndarray, k: int, excluded: list[tuple[int, int]]):
+    """The k best ids outside the id ranges `excluded` ([start, end) each) per query, skipped
+    by faiss during the search itself, so they never take a place in the top k. A query that
+    comes back with fewer than k (an IVF whose probed lists, or an HNSW walk, hold mostly
+    excluded vectors) is searched again at twice the depth, up to the deepest: a slot stays
+    empty only when the index holds fewer than k vectors outside the ranges.
+    -> (scores [q, k], ids [q, k] (-1 = none), deeper searches made)."""
+    parts = [faiss.IDSelectorRange(int(start), int(end)) for start, end in excluded]
+    keep, union = list(parts), parts[0] if parts else None  # selectors hold raw pointers: keep all alive
+    for part in parts[1:]:
+        union = faiss.IDSelectorOr(union, part)
+        keep.append(union)
+    selector = faiss.IDSelectorNot(union) if parts else None
+    queries = np.ascontiguousarray(queries, dtype=np.float32)
+    depth, deepest = search_depth(index), deepest_search(index)
+    scores, ids = index.search(queries, k, params=_search_params(index, selector, depth))
+    deeper = 0
+    while deepest is not None and depth < deepest and (ids < 0).any():
+        depth = min(2 * depth, deepest)
+        deeper += 1
+        # the same query block again (fixed shape), keeping the rows that were already full
+        more_scores, more_ids = index.search(queries, k, params=_search_params(index, selector, depth))
+        short = (ids < 0).any(axis=1)
+        scores[short], ids[short] = more_scores[short], more_ids[short]
+    return scores, ids, deeper
+
+
+def search_depth_range(index) -> list[int] | None:
+    """Depths to try, smallest first; None when the index is exact or has no depth knob."""
+    if is_ivf(index):
+        nlist = faiss.extract_index_ivf(index).nlist
+        return sorted({min(2 ** i, nlist) for i in range(int(math.log2(nlist)) + 2)})
+    return [16, 32, 64, 128, 256, 512, 1024] if _hnsw(index) is not None else None
+
+
+EXACT_BLOCK = 32768  # vectors per block of the exact search: bounds its [q, block] scores
+
+
+def exact_top(scores: np.ndarray, ids: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of scores [n, r] over `ids` [r] (excluded entries -inf), the k best (higher
+    score, then lower id): (scores [n, k] float32, ids [n, k]); -inf / -1 past the reachable."""
+    n = len(scores)
+    top_scores, top_ids = np.full((n, k), -np.inf, np.float32), np.full((n, k), -1, np.int64)
+    if scores.shape[1] > k:  # the k best in linear time, then only those sorted
+        best = np.argpartition(-scores, k - 1, axis=1)[:, :k]
+        scores, candidates = np.take_along_axis(scores, best, axis=1), ids[best]
+    else:
+        candidates = np.broadcast_to(ids, scores.shape)
+    order = np.lexsort((candidates, -scores), axis=1)
+    found = np.take_along_axis(scores, order, axis=1)
+    top_scores[:, :found.shape[1]] = found
+    top_ids[:, :found.shape[1]] = np.where(np.isfinite(found), np.take_along_axis(candidates, order, axis=1), -1)
+    return top_scores, top_ids
+
+
+def merge_top(a, b, k: int):
+    """Associative merge of two (scores, ids) top-k lists of the same queries."""
+    scores = np.concatenate([a[0], b[0]], axis=1)
+    ids = np.concatenate([a[1], b[1]], axis=1)
+    order = np.lexsort((ids, -scores), axis=1)[:, :k]
+    return np.take_along_axis(scores, order, axis=1), np.take_along_axis(ids, order, axis=1)
+
+
+def exact_nearest_other(query_ids, queries, ids, vectors, depth: int = TRUTH_DEPTH):
+    """Per query, the `depth` nearest vectors among `ids` other than itself: (scores, ids)
+    [q, depth], merged over blocks with `merge_top`."""
+    result = None
+    for start in range(0, len(ids), EXACT_BLOCK):
+        block_ids = ids[start:start + EXACT_BLOCK]
+        scores = queries @ vectors[start:start + EXACT_BLOCK].T      # [q, block]
+        scores[query_ids[:, None] == block_ids[None, :]] = -np.inf
+        found = exact_top(scores, block_ids, depth)
+        result = found if result is None else merge_top(result, found, depth)
+    return result
+
+
+def merge_nearest(a, b):
+    """Associative merge of two ground truths (`exact_nearest_other` results)."""
+    return merge_top(a, b, a[0].shape[1])
+
+
+def one_recall_at_k(index, query_ids, queries, truth, k: int = RECALL_K) -> float:
+    """RECALL_MEASURE: share of queries one of whose top k from the index (self excluded) is
+    within TIE_TOLERANCE of the exact nearest other vector's similarity. A returned vector's
+    exact similarity comes from the truth list; one beyond it is a miss unless the list
+    ends above the tie line (then it cannot be told, and counts as a miss)."""
+    truth_scores, truth_ids = truth
+    _, found = index.search(np.ascontiguousarray(queries, dtype=np.float32), k + 1)
+    hits = 0
+    for q, row, t_scores, t_ids in zip(query_ids, found, truth_scores, truth_ids):
+        returned = [f for f in row if f != q and f >= 0][:k]
+        similarity = dict(zip(t_ids.tolist(), t_scores.tolist()))
+        hits += any(similarity.get(f, -np.inf) >= t_scores[0] - TIE_TOLERANCE for f in returned)
+    return hits / len(query_ids) if len(query_ids) else 1.0
+
+
+def tune_search_depth(index, query_ids, queries, truth, target: float):
+    """Smallest search depth reaching `target`; or, when doubling the depth gains less than
+    PLATEAU_GAIN first, the depth before that plateau (deeper would cost time for nothing:
+    the codes, not the depth, limit recall): (depth, recall, plateaued)."""
+    depths = search_depth_range(index)
+    if depths is None:
+        return None, one_recall_at_k(index, query_ids, queries, truth), False
+    previous = None
+    for depth in depths:
+        set_search_depth(index, depth)
+        recall = one_recall_at_k(index, query_ids, queries, truth)
+        if recall >= target:
+            return depth, recall, False
+        if previous is not None and recall - previous[1] < PLATEAU_GAIN:
+            set_search_depth(index, previous[0])
+            return previous[0], previous[1], True
+        previous = (depth, recall)
+    return depth, recall, False
+
+
+def query_rate(index, queries: np.ndarray, k: int = RECALL_K) -> float:
+    start = time.perf_counter()
+    index.search(np.ascontiguousarray(queries, dtype=np.float32), k)
+    return len(queries) / max(time.perf_counter() - start, 1e-9)
+
+
+def write_index(index, path: str) -> tuple[int, str]:
+    """Stream the index to any Beam filesystem path, never as one bytes object (that would be
+    a second copy of the index in memory): (bytes written, sha256)."""
+    from pipeline import fileio
+
+    digest, size = hashlib.sha256(), 0
+    with fileio.open_write(path) as f:
+        def write(block: bytes) -> int:
+            nonlocal size
+            digest.update(block)
+            f.write(block)
+            size += len(block)
+            return len(block)
+
+        faiss.write_index(index, faiss.PyCallbackIOWriter(write, IO_BLOCK))
+    return size, digest.hexdigest()
+
+
+def read_index(path: str):
+    """Read an index file from any Beam filesystem path, streamed (no bytes copy)."""
+    from pipeline import fileio
+
+    with fileio.open_read(path) as f:
+        return faiss.read_index(faiss.PyCallbackIOReader(f.read, IO_BLOCK))
+
+
+def load_index(path: str, depth: int | None = None):
+    """`read_index`, but local IVF files are memory-mapped."""
+    if "://" in path:
+        index = read_index(path)
+    else:
+        try:
+            index = faiss.read_index(path, faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY)
+        except RuntimeError:
+            index = faiss.read_index(path)
+    if depth is not None:
+        set_search_depth(index, depth)
+    return index
+
+
+# --- embedding files and the build plan -----------------------------------------------------
+
+READ_BATCH = 16384  # rows per record batch read from an embeddings file
+
+
+def embedding_file_info(path: str) -> dict:
+    """Rows and vector width of one embeddings Parquet file (from its footer only)."""
+    from pipeline import fileio
+
+    with fileio.open_read(path) as f:
+        parquet = pq.ParquetFile(f)
+        schema = parquet.schema_arrow
+        if "chunk_id" not in schema.names or "embedding" not in schema.names:
+            raise IndexBuildError(f"{path}: needs columns chunk_id and embedding, has {schema.names}")
+        vector = schema.field("embedding").type
+        if not pa.types.is_fixed_size_list(vector) or vector.value_type not in (pa.float32(), pa.float16()):
+            raise IndexBuildError(f"{path}: embedding must be fixed_size_list<float32 or float16>[d], "
+                                  f"is {vector}")
+        return {"rows": parquet.metadata.num_rows, "dim": vector.list_size}
+
+
+def read_embeddings(path: str):
+    """(ids int64 [b], vectors float32 [b, d]) record batch by record batch."""
+    from pipeline import fileio
+
+    with fileio.open_read(path) as f:
+        for batch in pq.ParquetFile(f).iter_batches(batch_size=READ_BATCH, columns=["chunk_id", "embedding"]):
+            ids = batch.column("chunk_id").to_numpy().astype(np.int64)
+            yield ids, tensor_column_to_numpy(batch.column("embedding")).astype(np.float32)
+
+
+def plan_index(stats: dict, cfg: IndexConfig) -> dict:
+    """Factory string, training size and query sample size from the stats."""
+    if len(stats["dims"]) > 1:
+        raise IndexBuildError(f"embeddings have mixed dimensions {stats['dims']}: one index "
+                              "needs one dimension")
+    count = stats["count"]
+    if count == 0:
+        raise IndexBuildError("no vectors to index: every input record was rejected or empty")
+    dim = stats["dims"][0]
+    factory = choose_index_factory(count, dim, cfg.memory_budget) if cfg.type == "auto" else cfg.type
+    new_index(factory, dim)  # a bad factory string fails here, with its reason
+    return {"factory": factory, "dim": dim, "count": count,
+            "train_size": training_size(count, factory),
+            "mergeable": ivf_lists(factory) is not None,
+            "queries": min(cfg.recall_sample, count)}
