@@ -251,6 +251,34 @@ def _search_params(index, selector, depth: int | None):
     return faiss.SearchParameters(sel=selector)
 
 
+def exclusion_selector(excluded: list[tuple[int, int]]):
+    """(a faiss selector of every id outside the [start, end) ranges, or None for no ranges;
+    the selectors it is built of, which the caller keeps alive while searching: they hold raw
+    pointers to each other)."""
+    parts = [faiss.IDSelectorRange(int(start), int(end)) for start, end in excluded]
+    keep, union = list(parts), parts[0] if parts else None
+    for part in parts[1:]:
+        union = faiss.IDSelectorOr(union, part)
+        keep.append(union)
+    return (faiss.IDSelectorNot(union) if parts else None), keep
+
+
+def search_deepening(search_at, depth: int | None, deepest: int | None):
+    """`search_at(depth)` -> (scores, ids); the rows that come back with an empty slot are
+    searched again at twice the depth, up to `deepest` (None: never).
+    -> (scores [q, k], ids [q, k] (-1 = none), deeper searches made)."""
+    scores, ids = search_at(depth)
+    deeper = 0
+    while deepest is not None and depth < deepest and (ids < 0).any():
+        depth = min(2 * depth, deepest)
+        deeper += 1
+        # the same query block again (fixed shape), keeping the rows that were already full
+        more_scores, more_ids = search_at(depth)
+        short = (ids < 0).any(axis=1)
+        scores[short], ids[short] = more_scores[short], more_ids[short]
+    return scores, ids, deeper
+
+
 def search_excluding(index, queries: np.ndarray, k: int, excluded: list[tuple[int, int]]):
     """The k best ids outside the id ranges `excluded` ([start, end) each) per query, skipped
     by faiss during the search itself, so they never take a place in the top k. A query that
@@ -258,24 +286,10 @@ def search_excluding(index, queries: np.ndarray, k: int, excluded: list[tuple[in
     excluded vectors) is searched again at twice the depth, up to the deepest: a slot stays
     empty only when the index holds fewer than k vectors outside the ranges.
     -> (scores [q, k], ids [q, k] (-1 = none), deeper searches made)."""
-    parts = [faiss.IDSelectorRange(int(start), int(end)) for start, end in excluded]
-    keep, union = list(parts), parts[0] if parts else None  # selectors hold raw pointers: keep all alive
-    for part in parts[1:]:
-        union = faiss.IDSelectorOr(union, part)
-        keep.append(union)
-    selector = faiss.IDSelectorNot(union) if parts else None
+    selector, _keep = exclusion_selector(excluded)
     queries = np.ascontiguousarray(queries, dtype=np.float32)
-    depth, deepest = search_depth(index), deepest_search(index)
-    scores, ids = index.search(queries, k, params=_search_params(index, selector, depth))
-    deeper = 0
-    while deepest is not None and depth < deepest and (ids < 0).any():
-        depth = min(2 * depth, deepest)
-        deeper += 1
-        # the same query block again (fixed shape), keeping the rows that were already full
-        more_scores, more_ids = index.search(queries, k, params=_search_params(index, selector, depth))
-        short = (ids < 0).any(axis=1)
-        scores[short], ids[short] = more_scores[short], more_ids[short]
-    return scores, ids, deeper
+    return search_deepening(lambda depth: index.search(queries, k, params=_search_params(index, selector, depth)),
+                            search_depth(index), deepest_search(index))
 
 
 def search_depth_range(index) -> list[int] | None:
@@ -347,24 +361,36 @@ def one_recall_at_k(index, query_ids, queries, truth, k: int = RECALL_K) -> floa
     return hits / len(query_ids) if len(query_ids) else 1.0
 
 
-def tune_search_depth(index, query_ids, queries, truth, target: float):
-    """Smallest search depth reaching `target`; or, when doubling the depth gains less than
-    PLATEAU_GAIN first, the depth before that plateau (deeper would cost time for nothing:
-    the codes, not the depth, limit recall): (depth, recall, plateaued)."""
-    depths = search_depth_range(index)
-    if depths is None:
-        return None, one_recall_at_k(index, query_ids, queries, truth), False
+def tune_depth(depths: list[int], recall_at, target: float):
+    """Over `depths` (smallest first), `recall_at(depth)` until one reaches `target`, or until
+    doubling the depth gains less than PLATEAU_GAIN (then the depth before that plateau: deeper
+    would cost time for nothing, the codes, not the depth, limit recall):
+    (depth, recall, plateaued)."""
     previous = None
     for depth in depths:
-        set_search_depth(index, depth)
-        recall = one_recall_at_k(index, query_ids, queries, truth)
+        recall = recall_at(depth)
         if recall >= target:
             return depth, recall, False
         if previous is not None and recall - previous[1] < PLATEAU_GAIN:
-            set_search_depth(index, previous[0])
             return previous[0], previous[1], True
         previous = (depth, recall)
     return depth, recall, False
+
+
+def tune_search_depth(index, query_ids, queries, truth, target: float):
+    """Smallest search depth of `index` reaching `target` (`tune_depth`), set on it:
+    (depth, recall, plateaued); depth None for an index without a depth knob."""
+    depths = search_depth_range(index)
+    if depths is None:
+        return None, one_recall_at_k(index, query_ids, queries, truth), False
+
+    def recall_at(depth):
+        set_search_depth(index, depth)
+        return one_recall_at_k(index, query_ids, queries, truth)
+
+    depth, recall, plateau = tune_depth(depths, recall_at, target)
+    set_search_depth(index, depth)
+    return depth, recall, plateau
 
 
 def query_rate(index, queries: np.ndarray, k: int = RECALL_K) -> float:

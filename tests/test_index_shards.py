@@ -1,0 +1,186 @@
+"""Index shards by chunk-id range (`pipeline.index_shards`): the plan, and 300,000 clustered
+384-d vectors under a 64 MiB budget's factory cut into 12 MiB shards that, searched together,
+answer what the one merged index answers."""
+import faiss
+import numpy as np
+import pytest
+
+from benchmarks.synthetic import LowRankClusters
+from pipeline.faiss_index import (TRAIN_SALT, IndexBuildError, choose_index_factory, estimated_bytes,
+                                  exact_nearest_other, in_sample, load_index, merge_part, one_recall_at_k,
+                                  search_excluding, set_search_depth, train_index, training_size,
+                                  tune_search_depth)
+from pipeline.index_shards import (assemble_shard, plan_shards, recall_of_shards, search_shards,
+                                   tune_shards_depth)
+
+N, D, BUDGET, SHARD_BYTES, PART_ROWS = 300_000, 384, 64 * 2**20, 12 * 2**20, 32_768
+FACTORY = "IVF2048,PQ128x8np"  # choose_index_factory(N, D, BUDGET), checked below
+
+
+# --- the plan -------------------------------------------------------------------------------
+
+def test_everything_that_fits_is_one_shard():
+    assert plan_shards([PART_ROWS] * 4, FACTORY, D, 10**9) == [range(0, 4)]
+    assert plan_shards([], FACTORY, D, SHARD_BYTES) == []
+
+
+def test_shards_are_the_fewest_consecutive_groups_that_fit():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        rows = rng.integers(0, 40_000, rng.integers(1, 30)).tolist()
+        shards = plan_shards(rows, FACTORY, D, SHARD_BYTES)
+        assert [p for s in shards for p in s] == list(range(len(rows)))
+        sizes = [sum(rows[p] for p in s) for s in shards]
+        assert all(estimated_bytes(FACTORY, n, D) <= SHARD_BYTES for n in sizes)
+        # greedy: each shard is full, the next shard's first part would not have fitted
+        assert all(estimated_bytes(FACTORY, n + rows[s.stop], D) > SHARD_BYTES
+                   for n, s in zip(sizes, shards[:-1]))
+
+
+def test_a_part_larger_than_a_shard_is_an_error():
+    with pytest.raises(IndexBuildError, match=r"file 1 holds 70,000 vectors.*at most 66,499: lower "
+                                              r"chunk_file_rows"):
+        plan_shards([PART_ROWS, 70_000], FACTORY, D, SHARD_BYTES)
+
+
+def test_a_shard_smaller_than_the_trained_index_is_an_error():
+    with pytest.raises(IndexBuildError, match="alone .* more than the shard size.*larger shard size"):
+        plan_shards([10], FACTORY, D, estimated_bytes(FACTORY, 0, D) - 1)
+
+
+# --- exact ties: the single index's order ---------------------------------------------------
+
+@pytest.mark.parametrize("factory", ["IVF16,Flat", "IVF16,PQ4x8np"])
+def test_exact_ties_come_back_as_the_single_index_gives_them(factory):
+    rng = np.random.default_rng(3)
+    vectors = rng.normal(size=(3000, 16)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    copies = [5, 17, 1040, 1041, 2077]  # one vector five times, in three parts
+    vectors[copies] = vectors[0]
+    ids = np.arange(len(vectors), dtype=np.int64)
+    trained = train_index(factory, vectors)
+    parts = []
+    for start in range(0, len(ids), 1000):
+        parts.append(faiss.clone_index(trained))
+        parts[-1].add_with_ids(vectors[start:start + 1000], ids[start:start + 1000])
+    single = assemble_shard(trained, [faiss.clone_index(p) for p in parts])
+    shards = [assemble_shard(trained, [p]) for p in parts]
+    for index in [single, *shards]:
+        set_search_depth(index, 4)
+    for k in (2, 3, 4, 6, 8):
+        expected = single.search(vectors[:1], k)
+        scores, found, _ = search_shards(shards, vectors[:1], k)
+        assert found.tolist() == expected[1].tolist() and np.array_equal(scores, expected[0])
+    assert search_shards(shards, vectors[:1], 3)[1][0].tolist() == [17, 5, 0]  # lowest kept, highest first
+
+
+def test_shards_must_share_one_depth():
+    vectors = np.random.default_rng(4).normal(size=(2000, 16)).astype(np.float32)
+    trained = train_index("IVF16,Flat", vectors)
+    shards = [faiss.clone_index(trained), faiss.clone_index(trained)]
+    set_search_depth(shards[1], 2)
+    with pytest.raises(ValueError, match="one nprobe"):
+        search_shards(shards, vectors[:2], 3)
+    assert search_shards(shards, vectors[:2], 3, depth=2)[1].shape == (2, 3)  # an explicit depth is one depth
+
+
+# --- 300,000 vectors, 12 MiB shards ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """Trained once; each part filled once; the single index merged from copies of the parts,
+    the shards assembled from the parts and read back from their files, one by one."""
+    assert choose_index_factory(N, D, BUDGET) == FACTORY
+    model = LowRankClusters(D)
+    vectors = model.sample(N, np.random.default_rng(1))
+    ids = np.arange(N, dtype=np.int64) * 2 + 1_000_000  # not positions: ids must survive as-is
+    trained = train_index(FACTORY, vectors[in_sample(ids, training_size(N, FACTORY), N, TRAIN_SALT)])
+    parts = []
+    for start in range(0, N, PART_ROWS):
+        parts.append(faiss.clone_index(trained))
+        parts[-1].add_with_ids(vectors[start:start + PART_ROWS], ids[start:start + PART_ROWS])
+    single = faiss.clone_index(trained)
+    for part in parts:
+        merge_part(single, faiss.clone_index(part))
+    plan = plan_shards([p.ntotal for p in parts], FACTORY, D, SHARD_BYTES)
+    root = tmp_path_factory.mktemp("index_shards")
+    paths = []
+    for number, group in enumerate(plan):
+        paths.append(root / f"shard-{number:05d}.faiss")
+        faiss.write_index(assemble_shard(trained, [parts[p] for p in group]), str(paths[-1]))
+    shards = [load_index(str(path)) for path in paths]  # each file alone
+    queries = model.sample(1000, np.random.default_rng(2))  # held out: in no part, no sample
+    query_ids = np.arange(len(queries), dtype=np.int64) + 10**9
+    truth = exact_nearest_other(query_ids, queries, ids, vectors)
+    depth, _, _ = tune_search_depth(single, query_ids, queries, truth, 0.95)
+    for shard in shards:
+        set_search_depth(shard, depth)
+    return {"ids": ids, "vectors": vectors, "single": single, "shards": shards, "paths": paths,
+            "plan": plan, "queries": queries, "query_ids": query_ids, "truth": truth, "depth": depth}
+
+
+def test_shards_fit_their_size_and_hold_their_id_range(built):
+    plan, shards, ids = built["plan"], built["shards"], built["ids"]
+    assert len(plan) >= 4
+    assert all(path.stat().st_size <= SHARD_BYTES for path in built["paths"])
+    assert sum(s.ntotal for s in shards) == N
+    for group, shard in zip(plan, shards):
+        own = ids[group.start * PART_ROWS:group.stop * PART_ROWS]
+        _, found = shard.search(built["queries"][:200], 10)
+        assert shard.ntotal == len(own) and np.isin(found[found >= 0], own).all()
+
+
+@pytest.mark.parametrize("depth", [None, 16])  # the depth tuned on the single index, and a deeper one
+def test_shards_answer_what_the_single_index_answers(built, depth):
+    single, shards, queries = built["single"], built["shards"], built["queries"]
+    nprobe = depth or built["depth"]
+    set_search_depth(single, nprobe)
+    expected_scores, expected = single.search(queries, 10)
+    scores, found, deeper = search_shards(shards, queries, 10, depth=depth)
+    assert deeper == 0 and np.mean(found == expected) >= 0.995
+    assert np.allclose(scores[found == expected], expected_scores[found == expected], rtol=0, atol=1e-6)
+    args = built["query_ids"], queries, built["truth"]
+    single_recall, sharded_recall = one_recall_at_k(single, *args), recall_of_shards(shards, *args, depth=depth)
+    assert single_recall >= 0.95 and abs(sharded_recall - single_recall) <= 0.01
+
+
+def test_tuning_over_shards_finds_the_single_index_depth(built):
+    shards, args = built["shards"], (built["query_ids"], built["queries"], built["truth"])
+    depth, recall, _ = tune_shards_depth(shards, *args, 0.95)
+    assert depth == built["depth"] and recall >= 0.95
+    assert all(faiss.extract_index_ivf(s).nprobe == depth for s in shards)
+
+
+def _outside(found, excluded):
+    return all(not ((found >= start) & (found < end)).any() for start, end in excluded)
+
+
+def test_excluded_ranges_as_one_index_excludes_them(built):
+    """Sequences of 32 indexed chunks, each with its own chunk-id span excluded (as the
+    retrieval stage searches)."""
+    single, shards, ids, vectors = built["single"], built["shards"], built["ids"], built["vectors"]
+    set_search_depth(single, built["depth"])
+    same = total = 0
+    for start in np.random.default_rng(5).choice(N - 32, 60, replace=False):
+        excluded = [(int(ids[start]) - 100, int(ids[start + 31]) + 101)]
+        expected = search_excluding(single, vectors[start:start + 32], 10, excluded)
+        scores, found, deeper = search_shards(shards, vectors[start:start + 32], 10, excluded)
+        assert _outside(found, excluded) and (found >= 0).all() and deeper == expected[2]
+        same, total = same + (found == expected[1]).sum(), total + found.size
+    assert same / total >= 0.995
+
+
+def test_exclusion_deepens_as_one_index_does(built):
+    """All but 150 vectors of each shard excluded: at the tuned depth the probed lists hold
+    fewer than k, so the search deepens; decided on the merged result, as one index decides."""
+    single, shards, ids, plan = built["single"], built["shards"], built["ids"], built["plan"]
+    starts = [int(ids[group.start * PART_ROWS]) for group in plan]
+    kept = [(s, s + 2 * 150) for s in starts]  # ids step by 2
+    excluded = [(0, kept[0][0])] + [(a[1], b[0]) for a, b in zip(kept, kept[1:])] + [(kept[-1][1], 2**62)]
+    set_search_depth(single, built["depth"])
+    queries = built["queries"][:300]
+    expected_scores, expected, expected_deeper = search_excluding(single, queries, 10, excluded)
+    scores, found, deeper = search_shards(shards, queries, 10, excluded)
+    assert expected_deeper > 0 and deeper == expected_deeper
+    assert _outside(found, excluded) and (found >= 0).all()
+    assert np.mean(found == expected) >= 0.995
