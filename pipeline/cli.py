@@ -122,15 +122,17 @@ def build_index_cmd(config_path, beam_args, force, dry_run, corpus_chunks, corpu
 @click.option("--embeddings", "embeddings", required=True, multiple=True,
               help="Glob of Parquet files with chunk_id: int64 and embedding: "
                    "fixed_size_list<float32|float16>[d] (repeatable).")
-@click.option("--output", required=True, help="Directory for faiss/index.faiss and manifest.json.")
+@click.option("--output", required=True, help="Directory for faiss/index.faiss (or its shards) and manifest.json.")
 @click.option("--type", "index_type", default="auto", show_default=True,
               help="'auto' or a faiss index_factory string.")
 @click.option("--memory-budget", default="4GiB", show_default=True, help="e.g. 64MB, 2GiB.")
 @click.option("--target-recall", default=0.95, show_default=True, type=float,
               help="1-recall@10 the tuned nprobe must reach.")
 @click.option("--nprobe", default=None, type=int, help="Fixed search depth instead of tuning.")
+@click.option("--shard-bytes", default=None,
+              help="Split an IVF index into shards of at most this size (e.g. 12MB), by chunk-id range.")
 @click.argument("beam_args", nargs=-1, type=click.UNPROCESSED)
-def index_cmd(embeddings, output, index_type, memory_budget, target_recall, nprobe, beam_args):
+def index_cmd(embeddings, output, index_type, memory_budget, target_recall, nprobe, shard_bytes, beam_args):
     """Build a faiss index over embeddings you already have (the index stage alone)."""
     from pipeline.stages import build_vector_index
     from schemas.config import ConfigError, IndexConfig, format_validation_error
@@ -138,7 +140,7 @@ def index_cmd(embeddings, output, index_type, memory_budget, target_recall, npro
 
     try:
         cfg = IndexConfig(type=index_type, memory_budget=memory_budget,
-                          target_recall=target_recall, nprobe=nprobe)
+                          target_recall=target_recall, nprobe=nprobe, shard_bytes=shard_bytes)
     except ValidationError as err:
         raise ConfigError(format_validation_error(err, "index options")) from None
     manifest = build_vector_index(list(embeddings), output, cfg, list(beam_args))

@@ -12,12 +12,20 @@ ever holds all embeddings:
                               └─► exact top 100 of the query sample ─► ground truth
     parts ─► merge (IVF lists, in part order) ─► index.faiss ─► tune nprobe to target recall
 
+With `index.shard_bytes`, consecutive parts are grouped into shards instead (`index_shards`):
+each shard is assembled by its own worker into shard-NNNNN.faiss and searches the query sample
+at every depth; one worker merges those results by score and tunes the one nprobe of all
+shards. No worker holds more than one shard and the trained index.
+
 Chunk ids are the faiss ids, so a search answers chunk ids.
 """
 from __future__ import annotations
 
 import io
+import logging
 import posixpath
+import time
+import types
 
 import apache_beam as beam
 import numpy as np
@@ -25,13 +33,18 @@ from apache_beam.metrics import Metrics
 
 from pipeline import fileio
 from pipeline.corpus import METRICS_NAMESPACE
-from pipeline.faiss_index import (QUERY_SALT, RECALL_MEASURE, TRAIN_SALT, build_index, embedding_file_info,
-                                  exact_nearest_other, in_sample, merge_nearest, merge_part, one_recall_at_k,
-                                  plan_index, query_rate, read_embeddings, read_index, search_depth_range,
-                                  set_search_depth, train_index, tune_search_depth, write_index)
+from pipeline.faiss_index import (QUERY_SALT, RECALL_K, RECALL_MEASURE, TRAIN_SALT, build_index,
+                                  embedding_file_info, exact_nearest_other, in_sample, merge_nearest,
+                                  merge_part, one_recall_at_k, plan_index, query_rate, read_embeddings,
+                                  read_index, search_depth_range, set_search_depth, train_index, tune_depth,
+                                  tune_search_depth, write_index)
+from pipeline.index_shards import assemble_shard, assign_shards, merge_shard_results
 from schemas.config import IndexConfig
 
 INDEX_FILE = "index.faiss"
+SHARD_FILE = "shard-{:05d}.faiss"
+
+log = logging.getLogger("ratrain")
 TRAINED_FILE = "trained.faiss"
 BUILD_INFO_FILE = "build_info.json"
 
@@ -193,16 +206,78 @@ def _finish(index, plan, queries, truth, cfg: IndexConfig, out_dir, parts: int):
     else:
         depth, recall, plateau = tune_search_depth(index, query_ids, query_vectors, truth, cfg.target_recall)
     index_bytes, index_sha256 = write_index(index, fileio.join(out_dir, INDEX_FILE))
+    files = [{"path": INDEX_FILE, "rows": int(index.ntotal), "bytes": index_bytes, "sha256": index_sha256}]
+    return _build_info(plan, cfg, out_dir, parts, files, (depth, recall, plateau, len(query_ids)),
+                       query_rate(index, query_vectors))
+
+
+def _build_info(plan, cfg: IndexConfig, out_dir, parts: int, files: list[dict], tuned, rate: float) -> dict:
+    """build_info.json: what the manifest records of the index, and its faiss files."""
+    depth, recall, plateau, sample_size = tuned
     info = {"index_factory": plan["factory"], "nprobe": depth, "dim": plan["dim"],
-            "metric": "inner_product", "num_vectors": int(index.ntotal),
+            "metric": "inner_product", "num_vectors": sum(f["rows"] for f in files),
             "training_vectors": plan["train_size"], "parts": parts,
             "recall_at_k": {"measure": RECALL_MEASURE, "value": recall,
-                            "sample_size": int(len(query_ids)), "nprobe": depth,
+                            "sample_size": int(sample_size), "nprobe": depth,
                             "target": cfg.target_recall, "plateau": plateau},
-            "queries_per_second": round(query_rate(index, query_vectors), 1),
-            "index_bytes": index_bytes, "index_sha256": index_sha256,
-            "memory_budget": cfg.memory_budget}
+            "queries_per_second": round(rate, 1),
+            "index_bytes": sum(f["bytes"] for f in files), "files": files,
+            "memory_budget": cfg.memory_budget, "shard_bytes": cfg.shard_bytes if len(files) > 1 else None}
     fileio.write_json_atomic(fileio.join(out_dir, BUILD_INFO_FILE), info)
+    return info
+
+
+def _plan_shards(footers: list[dict], plan: dict, shard_bytes: int | None) -> dict[str, int]:
+    """{embeddings file: shard} for an IVF index in shards; {} for one index file."""
+    if shard_bytes is not None and not plan["mergeable"]:
+        log.warning("index.shard_bytes applies to IVF indexes; %s is built as one file", plan["factory"])
+        return {}
+    return assign_shards({f["path"]: f["rows"] for f in footers}, plan["factory"], plan["dim"], shard_bytes)
+
+
+def _assemble(keyed, trained_path, queries, cfg: IndexConfig, out_dir):
+    """One worker per shard: its parts (in chunk-id order) merged into a copy of the trained
+    index, written as shard-NNNNN.faiss; then the query sample searched at every depth the
+    tuning may pick, for the merge step to combine with the other shards' results."""
+    number, parts = keyed
+    part_paths = [part for _, part in sorted(parts)]
+    shard = assemble_shard(read_index(trained_path), (read_index(p) for p in part_paths))
+    name = SHARD_FILE.format(number)
+    shard_bytes, sha256 = write_index(shard, fileio.join(out_dir, name))
+    _, query_vectors = queries
+    results = {}
+    for depth in [cfg.nprobe] if cfg.nprobe is not None else search_depth_range(shard):
+        set_search_depth(shard, depth)
+        start = time.perf_counter()
+        scores, ids = shard.search(np.ascontiguousarray(query_vectors, np.float32), RECALL_K + 1)
+        results[depth] = (scores, ids, time.perf_counter() - start)
+    beam.io.filesystems.FileSystems.delete(part_paths)
+    return {"file": {"path": name, "rows": int(shard.ntotal), "bytes": shard_bytes, "sha256": sha256},
+            "number": number, "parts": len(part_paths), "results": results}
+
+
+def _tune_shards(shards, trained_path, plan, queries, truth, cfg: IndexConfig, out_dir):
+    """One worker: the shards' results merged by score per depth, the one nprobe of all shards
+    tuned on them as on one index (the same lists are probed, so the same recall)."""
+    shards = sorted(shards, key=lambda s: s["number"])
+    query_ids, query_vectors = queries
+
+    def merged(depth):
+        return merge_shard_results([s["results"][depth][:2] for s in shards], RECALL_K + 1)
+
+    def recall_at(depth):
+        searcher = types.SimpleNamespace(search=lambda q, k: merged(depth))
+        return one_recall_at_k(searcher, query_ids, query_vectors, truth)
+
+    depths = sorted(shards[0]["results"])
+    if cfg.nprobe is not None:
+        tuned = (cfg.nprobe, recall_at(cfg.nprobe), False)
+    else:
+        tuned = tune_depth(depths, recall_at, cfg.target_recall)
+    seconds = sum(s["results"][tuned[0]][2] for s in shards)
+    info = _build_info(plan, cfg, out_dir, sum(s["parts"] for s in shards), [s["file"] for s in shards],
+                       (*tuned, len(query_ids)), len(query_ids) / seconds if seconds else 0.0)
+    beam.io.filesystems.FileSystems.delete([trained_path])
     return info
 
 
@@ -224,11 +299,15 @@ class BuildIndex(beam.PTransform):
     def expand(self, paths):
         cfg, out_dir = self.cfg, self.out_dir
         paths = paths | "SpreadFiles" >> beam.Reshuffle()
+        footers = paths | "ReadFooters" >> beam.Map(lambda path: {**embedding_file_info(path), "path": path})
         plan = beam.pvalue.AsSingleton(
-            paths
-            | "ReadFooters" >> beam.Map(embedding_file_info)
+            footers
             | "Stats" >> beam.CombineGlobally(_Stats())
             | "Plan" >> beam.Map(plan_index, cfg))
+        shard_of = beam.pvalue.AsSingleton(  # {embeddings file: shard}, empty for one index file
+            footers
+            | "GatherFileRows" >> beam.combiners.ToList()
+            | "PlanShards" >> beam.Map(_plan_shards, plan, cfg.shard_bytes))
         queries = beam.pvalue.AsSingleton(
             paths
             | "QuerySample" >> beam.FlatMap(lambda path, p: _sample_rows(path, p, "queries", QUERY_SALT), plan)
@@ -249,14 +328,27 @@ class BuildIndex(beam.PTransform):
             | "ForMerge" >> beam.Filter(lambda path, p: p["mergeable"], plan)
             | "FillParts" >> beam.ParDo(_FillPart(out_dir), trained_path, queries).with_outputs(
                 "truth", main="parts"))
-        truth = filled.truth | "MergeTruth" >> beam.CombineGlobally(_MergeTruth()).without_defaults()
+        truth = beam.pvalue.AsSingleton(
+            filled.truth | "MergeTruth" >> beam.CombineGlobally(_MergeTruth()).without_defaults(),
+            default_value=None)
         merged = (
             filled.parts
             | "GatherParts" >> beam.combiners.ToList()
             | "MergeAndTune" >> beam.FlatMap(
-                lambda parts, trained, p, q, t: [_merge_and_tune(parts, trained, p, q, t, cfg, out_dir)]
-                if p["mergeable"] else [],
-                trained_path, plan, queries, beam.pvalue.AsSingleton(truth, default_value=None)))
+                lambda parts, trained, p, q, t, shards: [_merge_and_tune(parts, trained, p, q, t, cfg, out_dir)]
+                if p["mergeable"] and not shards else [],
+                trained_path, plan, queries, truth, shard_of))
+        sharded = (
+            filled.parts
+            | "KeyByShard" >> beam.FlatMap(lambda part, shards: [(shards[part[0]], part)] if shards else [],
+                                           shard_of)
+            | "GroupShards" >> beam.GroupByKey()
+            | "AssembleShards" >> beam.Map(_assemble, trained_path, queries, cfg, out_dir)
+            | "GatherShards" >> beam.combiners.ToList()
+            | "TuneShards" >> beam.FlatMap(
+                lambda shards, trained, p, q, t: [_tune_shards(shards, trained, p, q, t, cfg, out_dir)]
+                if shards else [],
+                trained_path, plan, queries, truth))
 
         # Flat / HNSW: one worker.
         whole = (
@@ -265,4 +357,4 @@ class BuildIndex(beam.PTransform):
             | "BuildInOne" >> beam.FlatMap(
                 lambda all_paths, p, q: [] if p["mergeable"] else [_build_in_one(all_paths, p, q, cfg, out_dir)],
                 plan, queries))
-        return (merged, whole) | "Info" >> beam.Flatten()
+        return (merged, sharded, whole) | "Info" >> beam.Flatten()

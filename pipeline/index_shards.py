@@ -51,6 +51,18 @@ def plan_shards(part_rows: list[int], factory: str, dim: int, shard_bytes: int) 
     return shards
 
 
+def assign_shards(file_rows: dict[str, int], factory: str, dim: int, shard_bytes: int | None) -> dict[str, int]:
+    """{embeddings file path: shard number} (files in path order, which is chunk-id order);
+    empty when the index is one file: no shard size, or everything fits one shard."""
+    if shard_bytes is None:
+        return {}
+    paths = sorted(file_rows)
+    shards = plan_shards([file_rows[p] for p in paths], factory, dim, shard_bytes)
+    if len(shards) <= 1:
+        return {}
+    return {paths[position]: number for number, positions in enumerate(shards) for position in positions}
+
+
 def assemble_shard(trained, parts):
     """A copy of the trained index with the lists of `parts` (filled from that same trained
     index, in chunk-id order) merged in; `trained` stays empty for the next shard, the parts

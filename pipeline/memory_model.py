@@ -54,6 +54,11 @@ def stage_memory(cfg: PipelineConfig, corpus: Corpus, dim: int = 384) -> list[di
     # index.type auto: the lists (up to 2^20) and the codes follow the corpus size and the budget
     auto_grows = [0, 1] if cfg.index.type == "auto" else []
     index_bytes = estimated_bytes(factory, C, dim)
+    if cfg.index.shard_bytes is not None and index_bytes > cfg.index.shard_bytes:  # merged and searched by shard
+        held, held_bytes, held_grows = f"one index shard (of {index_bytes / cfg.index.shard_bytes:,.0f})", \
+            cfg.index.shard_bytes, []
+    else:
+        held, held_bytes, held_grows = f"the whole index ({C:,} vectors)", index_bytes, [0]
     per_vector = estimated_bytes(factory, 1, dim) - estimated_bytes(factory, 0, dim)
     L, k = cfg.sequence_tokens // m, cfg.neighbours
     shard_row = (cfg.sequence_tokens + 1 + L * k * 2 * m) * 4 + L * k * 12 + ROW_OVERHEAD
@@ -71,10 +76,10 @@ def stage_memory(cfg: PipelineConfig, corpus: Corpus, dim: int = 384) -> list[di
         ("index: fill one embeddings file", {
             "trained index": estimated_bytes(factory, 0, dim),
             f"codes of {rows:,} vectors": rows * per_vector, "a read batch": READ_BATCH * dim * 4}, auto_grows),
-        ("index: merge", {f"the whole index ({C:,} vectors)": index_bytes}, [0]),
-        ("build-shards: search", {"the whole index, one copy per process": index_bytes,
+        ("index: merge", {held: held_bytes}, held_grows),
+        ("build-shards: search", {f"{held}, one copy per process": held_bytes,
                                   f"{SEARCH_BATCH:,} queries and candidates": SEARCH_BATCH * (dim * 4 + 64 * 12)},
-         [0]),
+         held_grows),
         ("build-shards: join one chunk file", {f"tokens and continuations of {rows:,} chunks": rows * chunk_row}, []),
         ("build-shards: write one shard", {f"{cfg.rows_per_shard():,} rows and their Arrow bytes":
                                            cfg.rows_per_shard() * shard_row * 2}, []),

@@ -224,7 +224,7 @@ class DocumentSpans(beam.PTransform):
 @dataclass(frozen=True)
 class Retrieval:
     """What `RetrieveNeighbours` needs (small and picklable: it travels with the transforms)."""
-    index_path: str
+    index_paths: tuple            # index.faiss, or its shards in chunk-id order
     depth: int | None             # search depth the index was tuned to (nprobe, efSearch)
     chunk_files: ChunkFileRanges  # the chunk database
     chunks_per_seq: int           # L
@@ -246,10 +246,94 @@ def _excluded_ranges(keyed):
             yield seq_id, spans[0]
 
 
+def _loaded_index(holder: shared.Shared, path: str, depth: int | None):
+    """The faiss file at `path`, loaded once per process through Beam `Shared` (which keeps the
+    last one acquired alive: a process searching shards in turn holds one at a time)."""
+
+    class _Holder:  # Shared needs a weak-referenceable object
+        def __init__(self):
+            self.index = load_index(path, depth)
+
+    return holder.acquire(_Holder, tag=f"{path}:{depth}")
+
+
+def search_batch(index, grouped, spec: "Retrieval"):
+    """One search batch (sequences, their query embeddings, their excluded chunk-id ranges) ->
+    (sequences, CANDIDATE hits with the best `width` per query outside the ranges, seq ids
+    whose search went deeper, neighbour-recall probes)."""
+    sequences = sorted(grouped["sequences"], key=lambda s: s.seq_id)
+    vectors = dict(grouped["embeddings"])
+    excluded: dict[int, list] = {}
+    for seq_id, span in grouped["excluded"]:
+        excluded.setdefault(seq_id, []).append(span)
+    L = spec.chunks_per_seq
+    width = spec.candidates if spec.dedupe else spec.neighbours
+    blocks, probes, deeper_seqs = [np.zeros(0, CANDIDATE)], [], set()
+    for s in sequences:
+        queries = np.stack([vectors[s.seq_id * L + j] for j in range(L)])   # [L, d]
+        ranges = merge_ranges(excluded.get(s.seq_id, []))
+        scores, found, deeper = search_excluding(index, queries, width, ranges)  # [L, width]
+        if deeper:
+            deeper_seqs.add(s.seq_id)
+        block = np.zeros(found.size, CANDIDATE)
+        block["seq_id"], block["j"] = s.seq_id, np.repeat(np.arange(L), width)
+        block["rank"] = np.tile(np.arange(width), L)
+        block["chunk_id"], block["score"] = found.ravel(), scores.ravel()
+        blocks.append(block[block["chunk_id"] >= 0])  # -1: fewer than `width` reachable
+        if spec.probes:
+            keys = sample_keys(s.seq_id * L + np.arange(L), PROBE_SALT)
+            probes += [(int(key), s.seq_id, j, queries[j], tuple(ranges)) for j, key in enumerate(keys)]
+    return sequences, np.concatenate(blocks), deeper_seqs, sorted(probes, key=lambda p: p[:3])[:spec.probes]
+
+
+def merge_shard_hits(blocks: list[np.ndarray], width: int) -> np.ndarray:
+    """The shards' hits of the same queries -> the best `width` per query (seq_id, j) by score,
+    ranked as one index ranks them: of exact ties the lowest chunk ids are kept (the first an
+    index scans) and listed highest id first (faiss's top-k heap pops them so)."""
+    hits = np.concatenate(blocks)
+    hits = hits[np.lexsort((hits["chunk_id"], -hits["score"], hits["j"], hits["seq_id"]))]
+    query = np.stack([hits["seq_id"], hits["j"]], axis=1)
+    first = np.ones(len(hits), bool)
+    first[1:] = (query[1:] != query[:-1]).any(axis=1)
+    starts = np.flatnonzero(first)
+    place = np.arange(len(hits)) - np.repeat(starts, np.diff(np.append(starts, len(hits))))
+    hits = hits[place < width]
+    hits = hits[np.lexsort((-hits["chunk_id"], -hits["score"], hits["j"], hits["seq_id"]))]
+    hits["rank"] = place[place < width]
+    return hits
+
+
+def emit_hits(spec: "Retrieval", seq_ids: list[int], hits: np.ndarray, deeper_seqs, probes):
+    """What a searched batch sends on: tallies, probes, the count each sequence will receive,
+    and the hits (the k neighbours keyed by chunk id, or candidate blocks by chunk file)."""
+    unknown = hits["chunk_id"][hits["chunk_id"] >= spec.chunk_files.num_chunks]
+    if len(unknown):
+        raise ValueError(f"the index returned chunk id {unknown[0]}, which is not in the chunk "
+                         f"database ({spec.chunk_files.num_chunks} chunks): index and chunks disagree")
+    L = spec.chunks_per_seq
+    yield beam.pvalue.TaggedOutput(TALLY, ("queries", len(seq_ids) * L))
+    yield beam.pvalue.TaggedOutput(TALLY, ("queries_searched_deeper", len(deeper_seqs) * L))
+    if probes:
+        yield beam.pvalue.TaggedOutput(PROBE, probes)
+    hit_seqs, counts = np.unique(hits["seq_id"], return_counts=True)
+    sent = dict(zip(hit_seqs.tolist(), counts.tolist()))
+    for seq_id in seq_ids:  # what each sequence must receive back, checked when it arrives
+        yield beam.pvalue.TaggedOutput(SENT, (seq_id, sent.get(seq_id, 0)))
+    if not spec.dedupe:  # the k hits are the neighbours (rank = slot)
+        for seq_id, j, slot, chunk_id, score in zip(hits["seq_id"].tolist(), hits["j"].tolist(),
+                                                    hits["rank"].tolist(), hits["chunk_id"].tolist(),
+                                                    hits["score"].tolist()):
+            yield chunk_id, (seq_id, j, slot, score)
+        return
+    files = spec.chunk_files.files_of(hits["chunk_id"])
+    for number in np.unique(files):
+        yield int(number), hits[files == number]
+
+
 class _Search(beam.DoFn):
     """A search batch of sequences -> per sequence, its queries searched with the chunk-id
-    ranges of its own documents skipped inside faiss (index loaded once per process through
-    Beam `Shared`). Emits the k neighbours as picks keyed by chunk id, or (deduplicating) the
+    ranges of its own documents skipped inside faiss (the one index file, loaded once per
+    process). Emits the k neighbours as picks keyed by chunk id, or (deduplicating) the
     candidates as CANDIDATE blocks keyed by the chunk file holding them; plus the batch's
     queries that fall in the neighbour-recall sample (tagged PROBE)."""
 
@@ -259,61 +343,46 @@ class _Search(beam.DoFn):
         self.spec = spec
 
     def setup(self):
-        path, depth = self.spec.index_path, self.spec.depth
-
-        class _Holder:  # Shared needs a weak-referenceable object
-            def __init__(self):
-                self.index = load_index(path, depth)
-
-        self.index = self._shared_index.acquire(_Holder, tag=f"{path}:{depth}").index
+        self.holder = _loaded_index(self._shared_index, self.spec.index_paths[0], self.spec.depth)
 
     def process(self, keyed):
         _, grouped = keyed
-        sequences = sorted(grouped["sequences"], key=lambda s: s.seq_id)
-        if not sequences:  # only the embeddings of chunks left over after the last sequence
-            return
-        spec, vectors = self.spec, dict(grouped["embeddings"])
-        excluded: dict[int, list] = {}
-        for seq_id, span in grouped["excluded"]:
-            excluded.setdefault(seq_id, []).append(span)
-        L = spec.chunks_per_seq
-        width = spec.candidates if spec.dedupe else spec.neighbours
-        blocks, probes, searched_deeper = [], [], 0
-        for s in sequences:
-            queries = np.stack([vectors[s.seq_id * L + j] for j in range(L)])   # [L, d]
-            ranges = merge_ranges(excluded.get(s.seq_id, []))
-            scores, found, deeper = search_excluding(self.index, queries, width, ranges)  # [L, width]
-            searched_deeper += int(deeper > 0) * L
-            block = np.zeros(found.size, CANDIDATE)
-            block["seq_id"], block["j"] = s.seq_id, np.repeat(np.arange(L), width)
-            block["rank"] = np.tile(np.arange(width), L)
-            block["chunk_id"], block["score"] = found.ravel(), scores.ravel()
-            blocks.append(block[block["chunk_id"] >= 0])  # -1: fewer than `width` reachable
-            if spec.probes:
-                keys = sample_keys(s.seq_id * L + np.arange(L), PROBE_SALT)
-                probes += [(int(key), s.seq_id, j, queries[j], tuple(ranges)) for j, key in enumerate(keys)]
-        hits = np.concatenate(blocks)
-        unknown = hits["chunk_id"][hits["chunk_id"] >= spec.chunk_files.num_chunks]
-        if len(unknown):
-            raise ValueError(f"the index returned chunk id {unknown[0]}, which is not in the chunk "
-                             f"database ({spec.chunk_files.num_chunks} chunks): index and chunks disagree")
-        yield beam.pvalue.TaggedOutput(TALLY, ("queries", len(sequences) * L))
-        yield beam.pvalue.TaggedOutput(TALLY, ("queries_searched_deeper", searched_deeper))
-        if probes:
-            yield beam.pvalue.TaggedOutput(PROBE, sorted(probes, key=lambda p: p[:3])[:spec.probes])
-        seq_ids, counts = np.unique(hits["seq_id"], return_counts=True)
-        sent = dict(zip(seq_ids.tolist(), counts.tolist()))
-        for s in sequences:  # what each sequence must receive back, checked when it arrives
-            yield beam.pvalue.TaggedOutput(SENT, (s.seq_id, sent.get(s.seq_id, 0)))
-        if not spec.dedupe:  # the k hits are the neighbours (rank = slot)
-            for seq_id, j, slot, chunk_id, score in zip(hits["seq_id"].tolist(), hits["j"].tolist(),
-                                                        hits["rank"].tolist(), hits["chunk_id"].tolist(),
-                                                        hits["score"].tolist()):
-                yield chunk_id, (seq_id, j, slot, score)
-            return
-        files = spec.chunk_files.files_of(hits["chunk_id"])
-        for number in np.unique(files):
-            yield int(number), hits[files == number]
+        sequences, hits, deeper, probes = search_batch(self.holder.index, grouped, self.spec)
+        if sequences:  # none: only the embeddings of chunks left over after the last sequence
+            yield from emit_hits(self.spec, [s.seq_id for s in sequences], hits, deeper, probes)
+
+
+class _SearchShard(beam.DoFn):
+    """((shard, group), search batches) -> (batch, (shard, its hits, deeper seq ids, probes)):
+    each process loads the shard of the group it is given, and searches every batch of the
+    group with it."""
+
+    _shared_index = shared.Shared()
+
+    def __init__(self, spec: Retrieval):
+        self.spec = spec
+
+    def process(self, keyed):
+        (shard, _), batches = keyed
+        index = _loaded_index(self._shared_index, self.spec.index_paths[shard], self.spec.depth).index
+        for batch, grouped in batches:
+            sequences, hits, deeper, probes = search_batch(index, grouped, self.spec)
+            if sequences:
+                yield batch, (shard, [s.seq_id for s in sequences], hits, deeper, probes if shard == 0 else [])
+
+
+def _merge_shards(keyed, spec: Retrieval):
+    """(batch, every shard's search of it) -> what one index's search would send on."""
+    _, results = keyed
+    results = sorted(results, key=lambda r: r[0])
+    seq_ids, probes = results[0][1], results[0][4]
+    width = spec.candidates if spec.dedupe else spec.neighbours
+    hits = merge_shard_hits([r[2] for r in results], width)
+    deeper = set().union(*(r[3] for r in results))
+    yield from emit_hits(spec, seq_ids, hits, deeper, probes)
+
+
+SEARCH_GROUPS_PER_SHARD = 64  # search batches of a shard split over this many groups (parallelism)
 
 
 class _CandidateTokens(beam.DoFn):
@@ -382,6 +451,32 @@ def _to_row(keyed, chunks_per_seq: int, k: int, m: int, pad_id: int):
     yield ShardRow(sequence.seq_id, sequence.tokens, neighbours, ids, scores, sequence.doc_ids)
 
 
+class _SearchIndex(beam.PTransform):
+    """Joined search batches -> the search's outputs (found, SENT, PROBE, TALLY). One index
+    file: each batch searched where it is. Shards: each batch goes to every shard, the batches
+    of a shard grouped so a process loads one shard per group, and each batch's hits from all
+    shards merged by score (a query's candidates are those one index would find, up to ties
+    and the depth each shard deepens to alone)."""
+
+    def __init__(self, spec: Retrieval):
+        super().__init__()
+        self.spec = spec
+
+    def expand(self, batches):
+        spec = self.spec
+        outputs = (SENT, PROBE, TALLY)
+        if len(spec.index_paths) == 1:
+            return batches | "SearchBatches" >> beam.ParDo(_Search(spec)).with_outputs(*outputs, main="found")
+        shards = len(spec.index_paths)
+        return (batches
+                | "ToEveryShard" >> beam.FlatMap(
+                    lambda b: [((shard, b[0] % SEARCH_GROUPS_PER_SHARD), b) for shard in range(shards)])
+                | "GroupByShard" >> beam.GroupByKey()
+                | "SearchShards" >> beam.ParDo(_SearchShard(spec))
+                | "GroupShardHits" >> beam.GroupByKey()
+                | "MergeShards" >> beam.FlatMap(_merge_shards, spec).with_outputs(*outputs, main="found"))
+
+
 class RetrieveNeighbours(beam.PTransform):
     """(sequences, query embeddings, database document spans) -> (ShardRows with the k nearest
     chunks of the database outside each sequence's documents, neighbour-recall probes, tallies).
@@ -412,7 +507,7 @@ class RetrieveNeighbours(beam.PTransform):
              "embeddings": embeddings | "QueryBySearchBatch" >> beam.Map(lambda e: (e[0] // L // batch, e)),
              "excluded": excluded | "ExcludedBySearchBatch" >> beam.Map(lambda e: (e[0] // batch, e))}
             | "JoinQueries" >> beam.CoGroupByKey()
-            | "Search" >> beam.ParDo(_Search(spec)).with_outputs(SENT, PROBE, TALLY, main="found"))
+            | "Search" >> _SearchIndex(spec))
         tallies = [searched[TALLY]]
         if spec.dedupe:
             picked = (

@@ -46,7 +46,6 @@ log = logging.getLogger("ratrain")
 MIN_FILL = 0.99          # below this share of filled neighbour slots, the stage warns
 MIN_NEIGHBOUR_RECALL = 0.95
 CREATED_BY = f"ratrain-pipeline {__version__}"
-INDEX_FILES = (f"faiss/{INDEX_FILE}", f"faiss/{BUILD_INFO_FILE}")  # what BuildIndex stages
 
 
 class StageError(RuntimeError):
@@ -155,10 +154,21 @@ def check_index_type(cfg: PipelineConfig) -> None:
 
 # --- build-index ----------------------------------------------------------------------------
 
-def _index_entry(info: dict) -> dict:
-    """The manifest entry of the index file (hashed by its writer: it is never read back)."""
-    return {"path": f"faiss/{INDEX_FILE}", "rows": info["num_vectors"], "bytes": info["index_bytes"],
-            "sha256": info["index_sha256"]}
+def _index_entries(info: dict) -> list[dict]:
+    """The manifest entries of the faiss files, index.faiss or its shards (hashed by their
+    writer: they are never read back)."""
+    return [{**entry, "path": f"faiss/{entry['path']}"} for entry in info["files"]]
+
+
+def _index_staged(manifest: dict) -> list[str]:
+    """What BuildIndex staged: the faiss files the manifest lists, and the build info."""
+    return [e["path"] for e in manifest["files"] if e["path"].startswith("faiss/")] + [f"faiss/{BUILD_INFO_FILE}"]
+
+
+def index_files(manifest) -> list[str]:
+    """The faiss files of an index manifest (index.faiss, or its shards in chunk-id order),
+    relative to its directory."""
+    return [f.path for f in manifest.files if f.path.startswith("faiss/")]
 
 
 def _vector_index_fields(info: dict) -> dict:
@@ -200,7 +210,7 @@ def _documents_read_tally(documents, rejected, prefix: str):
 
 
 def _index_manifest(entries, info, tallies, precision, cfg: PipelineConfig, tok: Tokenization, threads) -> dict:
-    files = _sorted_entries(list(entries) + [_index_entry(info)])
+    files = _sorted_entries(list(entries) + _index_entries(info))
     return IndexManifest(
         config_hash=cfg.index_hash(), embed_config_hash=cfg.embed_hash(),
         tokenizer=Fingerprint(name=tok.name, fingerprint=fingerprint_path(tok.path)),
@@ -270,7 +280,7 @@ def build_index(cfg: PipelineConfig, beam_args: list[str], force: bool = False,
         entries | "StagedPaths" >> beam.Map(lambda e: e["path"]) | "AllStaged" >> beam.combiners.ToList())
     _ = manifest | "Commit" >> beam.Map(
         lambda manifest, staged, *after: _commit(manifest, staging, cfg.output, index_dir(cfg), "build-index",
-                                                 staged + list(INDEX_FILES), cfg.max_rejected_fraction),
+                                                 staged + _index_staged(manifest), cfg.max_rejected_fraction),
         staged, beam.pvalue.AsList(rejected_files))
     if dry_run:
         return describe(pipeline)
@@ -304,7 +314,7 @@ def _index_only_pipeline(paths: list[str], cfg_index, staging: str, beam_args: l
          | "BuildIndex" >> BuildIndex(cfg_index, fileio.join(staging, "faiss"))
          | "Manifest" >> beam.Map(to_manifest)
          | "Commit" >> beam.Map(lambda manifest: _commit(manifest, staging, final, final, "index",
-                                                         list(INDEX_FILES), replace=("faiss",))))
+                                                         _index_staged(manifest), replace=("faiss",))))
     return pipeline
 
 
@@ -322,7 +332,7 @@ def _rebuild_faiss(cfg: PipelineConfig, previous: IndexManifest, beam_args: list
 
     def to_manifest(info: dict) -> dict:
         return IndexManifest.model_validate({
-            **base, "config_hash": index_hash, "files": _sorted_entries(kept + [_index_entry(info)]),
+            **base, "config_hash": index_hash, "files": _sorted_entries(kept + _index_entries(info)),
             "counters": dict(sorted({**earlier, **_index_counters(info)}.items())),
             "created_by": CREATED_BY, **_vector_index_fields(info)}).model_dump(mode="json")
 
@@ -347,7 +357,7 @@ def build_vector_index(embeddings: list[str], output: str, cfg_index, beam_args:
     def to_manifest(info: dict) -> dict:
         return VectorIndexManifest(
             config_hash=config_hash, num_vectors=info["num_vectors"], inputs=inputs,
-            files=[_index_entry(info)], counters=_index_counters(info), created_by=CREATED_BY,
+            files=_index_entries(info), counters=_index_counters(info), created_by=CREATED_BY,
             **_vector_index_fields(info)).model_dump(mode="json")
 
     pipeline = _index_only_pipeline(paths, cfg_index, staging, beam_args, to_manifest, output)
@@ -466,7 +476,8 @@ def build_shards(cfg: PipelineConfig, beam_args: list[str], dry_run: bool = Fals
     sequences = training_chunks | "PackSequences" >> PackSequences(L, tok.pad_id)
     spans = pipeline | "DocumentSpans" >> DocumentSpans(fileio.join(idx, "chunks", "*.parquet"),
                                                         validate=not dry_run)
-    spec = Retrieval(fileio.join(idx, "faiss", INDEX_FILE), None if dry_run else index_manifest.nprobe,
+    faiss_files = [f"faiss/{INDEX_FILE}"] if dry_run else index_files(index_manifest)
+    spec = Retrieval(tuple(fileio.join(idx, path) for path in faiss_files), None if dry_run else index_manifest.nprobe,
                      chunk_files, L, m, k, cfg.neighbour_candidates, tok.pad_id, cfg.dedupe_neighbours,
                      cfg.neighbour_recall_sample)
     rows, probes, retrieval_tallies = (sequences, queries, spans) | "RetrieveNeighbours" >> RetrieveNeighbours(

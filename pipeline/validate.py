@@ -38,6 +38,7 @@ import pyarrow.parquet as pq
 from pipeline import fileio
 from pipeline.chunkdb import in_file_order
 from pipeline.faiss_index import load_index
+from pipeline.index_shards import merge_shard_results
 from schemas.arrow import SHARD_METADATA_KEYS, check_schema_version, tensor_column_to_numpy
 from schemas.manifest import FileEntry, IndexManifest, ShardEntry, ShardsManifest, VectorIndexManifest
 
@@ -196,6 +197,13 @@ class FaissFacts:
     nprobe: int | None
     num_vectors: int
     dim: int
+    files: tuple          # (path, vectors, bytes) of index.faiss or of each shard, in chunk-id order
+    shard_bytes: int | None
+
+    @classmethod
+    def of(cls, directory: str, manifest, num_vectors: int) -> "FaissFacts":
+        files = tuple((f.path, f.rows, f.bytes) for f in manifest.files if f.path.startswith("faiss/"))
+        return cls(directory, manifest.nprobe, num_vectors, manifest.dim, files, manifest.shard_bytes)
 
 
 # --- index checks -----------------------------------------------------------------------------
@@ -308,20 +316,30 @@ def check_embedding_file(index: IndexFacts, position: int, probes_per_file: int)
 
 @_kind("faiss index")
 def check_faiss_index(faiss_index: FaissFacts, probes: list[Probes]) -> None:
-    """The index holds the manifest's vectors, and the probes find themselves in it."""
+    """The index (or each of its shards, one at a time, each within the shard size) holds the
+    manifest's vectors, and the probes find themselves in it (shards' results merged by score)."""
     directory, n = faiss_index.directory, faiss_index.num_vectors
-    path = fileio.join(directory, "faiss", "index.faiss")
-    try:
-        index = load_index(path, faiss_index.nprobe)
-    except RuntimeError as err:
-        raise ValidationFailed(f"{path}: faiss cannot read it: {err}") from None
-    _require(index.ntotal == n and index.d == faiss_index.dim,
-             f"{directory}: faiss index holds {index.ntotal} x {index.d}, manifest says {n} x {faiss_index.dim}")
-    if not probes:
+    listed = sum(rows for _, rows, _ in faiss_index.files)
+    _require(listed == n, f"{directory}: the faiss files hold {listed} vectors, manifest says {n}")
+    ids = np.concatenate([p.ids for p in probes]) if probes else np.zeros(0, np.int64)
+    vectors = np.concatenate([p.vectors for p in probes]).astype(np.float32) if probes else None
+    results = []
+    for relative, rows, size in faiss_index.files:  # size: checked against the file with every hash
+        path = fileio.join(directory, relative)
+        try:
+            index = load_index(path, faiss_index.nprobe)
+        except RuntimeError as err:
+            raise ValidationFailed(f"{path}: faiss cannot read it: {err}") from None
+        _require(index.ntotal == rows and index.d == faiss_index.dim,
+                 f"{path}: holds {index.ntotal} x {index.d}, manifest says {rows} x {faiss_index.dim}")
+        _require(faiss_index.shard_bytes is None or size <= faiss_index.shard_bytes,
+                 f"{path}: {size} bytes, more than the shard size {faiss_index.shard_bytes}")
+        if vectors is not None:
+            results.append(index.search(vectors, 10))
+        del index
+    if not results:
         return
-    ids = np.concatenate([p.ids for p in probes])
-    vectors = np.concatenate([p.vectors for p in probes]).astype(np.float32)
-    _, found = index.search(vectors, 10)
+    _, found = merge_shard_results(results, 10)
     _require(((found >= 0) & (found < n) | (found == -1)).all(), f"{directory}: index returns unknown ids")
     self_hits = np.mean([chunk_id in row for chunk_id, row in zip(ids, found)])
     _require(self_hits >= 0.5, f"{directory}: only {self_hits:.0%} of indexed vectors find themselves")
@@ -528,7 +546,7 @@ def _plan_index(plan: ValidationPlan, directory: str) -> None:
     plan.chunks = chunks
     plan.index = IndexFacts(directory, manifest.chunk_tokens, manifest.pad_id, manifest.num_documents, chunks,
                             tuple(embeddings), tuple(int(s) for s in np.cumsum([0] + [e.rows for e in embeddings])))
-    plan.faiss_index = FaissFacts(directory, manifest.nprobe, manifest.num_chunks, manifest.dim)
+    plan.faiss_index = FaissFacts.of(directory, manifest, manifest.num_chunks)
     chosen = {entry.path for entry in sampled(chunks.entries, plan.sample)}
     plan.sampled_chunk_files = [i for i, entry in enumerate(chunks.entries) if entry.path in chosen]
     plan.unsampled_chunk_files = [i for i, entry in enumerate(chunks.entries) if entry.path not in chosen]
@@ -595,7 +613,7 @@ def _plan_shards(plan: ValidationPlan, directory: str, index_directory: str) -> 
 def _plan_vector_index(plan: ValidationPlan, directory: str, raw: dict) -> None:
     manifest = VectorIndexManifest.model_validate(raw)
     plan.listed_files += [(directory, entry) for entry in manifest.files]
-    plan.faiss_index = FaissFacts(directory, manifest.nprobe, manifest.num_vectors, manifest.dim)
+    plan.faiss_index = FaissFacts.of(directory, manifest, manifest.num_vectors)
     plan.lines.append(f"OK vector index {directory}: {manifest.num_vectors} vectors, {manifest.index_factory}, "
                       f"{manifest.recall_at_k.measure} = {manifest.recall_at_k.value:.3f} at depth {manifest.nprobe}")
 

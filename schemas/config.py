@@ -114,13 +114,18 @@ class IndexConfig(_Strict):
                                "to measure recall.")
     min_ram: str | None = Field(None, description="Beam min_ram resource hint for the stages that "
                                 "hold the index (build, search), e.g. '32GB': high-memory workers.")
+    shard_bytes: int | None = Field(None, gt=0, description="Split an IVF index into shards of at "
+                                    "most this size ('12MB', '4GiB'), by chunk-id range: files "
+                                    "faiss/shard-NNNNN.faiss sharing one trained quantizer, each "
+                                    "loadable alone, searched by different workers. Default: one "
+                                    "index file.")
 
     PLACEMENT: ClassVar[tuple[str, ...]] = ("min_ram",)
 
-    @field_validator("memory_budget", mode="before")
+    @field_validator("memory_budget", "shard_bytes", mode="before")
     @classmethod
     def _size(cls, v):
-        return parse_size(v)
+        return None if v is None else parse_size(v)
 
 
 class PipelineConfig(_Strict):

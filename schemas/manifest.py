@@ -49,6 +49,9 @@ class VectorIndex(_Model):
     memory_budget: int
     training_vectors: int
     queries_per_second: float | None
+    shard_bytes: int | None = Field(None, description="The index's faiss files are shards of at "
+                                    "most this size (faiss/shard-NNNNN.faiss, chunk-id ranges in "
+                                    "order); None: one file, faiss/index.faiss.")
 
 
 class _Committed(_Model):

@@ -265,3 +265,19 @@ def test_index_command_writes_index_and_manifest(tmp_path):
     assert len(manifest["inputs"]) == 3
     assert validate_path(str(tmp_path / "out"))[0].startswith("OK vector index")
     assert (tmp_path / "emb").is_dir() and len(list((tmp_path / "emb").iterdir())) == 3  # inputs untouched
+
+
+def test_shard_bytes_on_an_index_that_cannot_be_sharded_builds_one_file_and_says_so(tmp_path, caplog):
+    from pipeline.faiss_index import embedding_file_info
+    from pipeline.index import _plan_shards
+
+    vectors = np.random.default_rng(0).standard_normal((300, 8)).astype(np.float32)
+    paths = write_embedding_files(tmp_path, np.arange(300, dtype=np.int64), vectors, files=3)
+    footers = [{**embedding_file_info(str(p)), "path": str(p)} for p in paths]
+    flat = {"factory": "Flat", "dim": 8, "mergeable": False}
+    with caplog.at_level("WARNING", logger="ratrain"):
+        assert _plan_shards(footers, flat, 10_000) == {}
+    assert "applies to IVF indexes" in caplog.text
+    ivf = {"factory": "IVF4,Flat", "dim": 8, "mergeable": True}
+    assert sorted(set(_plan_shards(footers, ivf, 4 * 4 * 8 + 120 * 40).values())) == [0, 1, 2]
+    assert _plan_shards(footers, ivf, None) == {}

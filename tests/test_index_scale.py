@@ -62,3 +62,50 @@ def test_validate_accepts_the_stand_alone_index(built):
     root, _, _, _ = built
     (line,) = validate_path(str(root / "idx"))
     assert line.startswith("OK vector index") and "300000 vectors" in line
+
+
+SHARD_BYTES = 12 * 10**6
+
+
+@pytest.fixture(scope="module")
+def sharded(built):
+    root, ids, vectors, _ = built
+    main(["index", "--embeddings", str(root / "emb" / "*.parquet"), "--output", str(root / "sharded"),
+          "--memory-budget", "64MB", "--shard-bytes", "12MB"])
+    return root / "sharded", json.loads((root / "sharded" / "manifest.json").read_text())
+
+
+def outside_recall(search, ids, vectors, rows):
+    """1-recall@10 of held-out queries against exact search (self excluded)."""
+    exact = faiss.IndexFlatIP(D)
+    exact.add(vectors)
+    _, truth = exact.search(vectors[rows], 2)           # [self, nearest other]
+    found = search(vectors[rows], 11)
+    return float(np.mean([ids[t[1]] in [f for f in row if f != ids[r]][:10] for r, t, row in zip(rows, truth, found)]))
+
+
+def test_a_sharded_index_is_shards_within_the_size_that_search_as_the_single_index(built, sharded):
+    from pipeline.index_shards import search_shards
+
+    root, ids, vectors, single = built
+    directory, manifest = sharded
+    files = [f for f in manifest["files"] if f["path"].startswith("faiss/")]
+    assert len(files) >= 4 and all(f["path"].startswith("faiss/shard-") for f in files)
+    assert all((directory / f["path"]).stat().st_size <= SHARD_BYTES for f in files)
+    assert sum(f["rows"] for f in files) == N and manifest["shard_bytes"] == SHARD_BYTES
+    assert manifest["index_factory"] == single["index_factory"] and manifest["nprobe"] == single["nprobe"]
+    shards = [load_index(str(directory / f["path"]), manifest["nprobe"]) for f in files]
+    index = load_index(str(root / "idx" / "faiss" / "index.faiss"), single["nprobe"])
+    rows = np.random.default_rng(7).choice(N, 1000, replace=False)
+    ours = outside_recall(lambda q, k: search_shards(shards, q, k)[1], ids, vectors, rows)
+    one = outside_recall(lambda q, k: index.search(q, k)[1], ids, vectors, rows)
+    assert ours >= 0.95 and abs(ours - one) <= 0.01
+    assert abs(manifest["recall_at_k"]["value"] - single["recall_at_k"]["value"]) <= 0.01
+
+
+def test_validate_checks_every_shard(sharded):
+    from pipeline.validate import validate_path
+
+    directory, _ = sharded
+    (line,) = validate_path(str(directory))
+    assert line.startswith("OK vector index") and "300000 vectors" in line

@@ -10,9 +10,10 @@ from schemas.config import config_from_dict
 from tests.conftest import sample_documents, small_config, write_config, write_jsonl
 
 
-def model_config(index_type="auto", **overrides):
+def model_config(index_type="auto", index=None, **overrides):
     return config_from_dict(small_config("/tmp/unused", "/tmp/unused/*.jsonl",
-                                         index={"memory_budget": "2TB", "type": index_type}, **overrides))
+                                         index={"memory_budget": "2TB", "type": index_type, **(index or {})},
+                                         **overrides))
 
 
 @pytest.mark.parametrize("index_type", ["auto", "IVF65536_HNSW32,PQ32x8np"])
@@ -55,3 +56,10 @@ def test_dry_run_prints_the_estimate_for_a_given_size_and_for_the_input_files(tm
     text_bytes = (tmp_path / "corpus" / "a.jsonl").stat().st_size
     assert listed["chunks"] == pytest.approx(text_bytes / 4 / config_from_dict(settings).chunk_tokens, rel=0.01)
     assert not (tmp_path / "out").exists()
+
+
+def test_with_index_shards_a_worker_holds_one_shard_whatever_the_corpus():
+    small, large = (stage_memory(model_config(index={"shard_bytes": "4GiB"}), Corpus.of(c)) for c in (1e8, 3e10))
+    for a, b in zip(small, large):
+        if a["stage"] in ("index: merge", "build-shards: search"):
+            assert not b["grows_with_corpus"] and a["bytes"] == b["bytes"] < 5 * 2**30, a["stage"]

@@ -1,0 +1,38 @@
+"""build-shards over an index split into shards: each search batch goes to every shard, a
+process loads one shard per group of batches, and each batch's hits from all shards are merged
+by score; the neighbours are those of the same index in one file."""
+import json
+
+import pyarrow as pa
+import numpy as np
+
+from pipeline.run import run_all
+from pipeline.validate import validate_path
+from schemas.config import config_from_dict
+from tests.conftest import sample_documents, small_config, write_jsonl
+
+
+def neighbour_ids(out):
+    tables = [pa.ipc.open_file(pa.memory_map(str(p))).read_all() for p in sorted((out / "shards").glob("*.arrow"))]
+    return np.concatenate([np.stack(t["neighbour_ids"].to_numpy(zero_copy_only=False)).reshape(len(t), -1)
+                           for t in tables])
+
+
+def test_build_shards_over_a_sharded_index_finds_the_neighbours_of_one_index(tmp_path):
+    write_jsonl(tmp_path / "corpus" / "a.jsonl", sample_documents(24))
+    index = {"type": "IVF8,Flat", "nprobe": 2}
+    config = small_config(tmp_path / "out", str(tmp_path / "corpus" / "*.jsonl"), index=index)
+    run_all(config_from_dict(config), [])
+    one = neighbour_ids(tmp_path / "out")
+
+    # only index.* changes: the chunks and embeddings are kept, the index is rebuilt in shards
+    config["index"] = {**index, "shard_bytes": "400KB"}
+    report = run_all(config_from_dict(config), [])
+    assert [status for status, _ in report.values()] == ["built", "built"]
+    manifest = json.loads((tmp_path / "out" / "index" / "manifest.json").read_text())
+    shards = [f for f in manifest["files"] if f["path"].startswith("faiss/")]
+    assert len(shards) >= 3 and all(f["path"].startswith("faiss/shard-") and f["bytes"] <= 400_000 for f in shards)
+    sharded = neighbour_ids(tmp_path / "out")
+    assert sharded.shape == one.shape and (sharded >= 0).all()
+    assert np.mean(sharded == one) >= 0.995
+    assert all(line.startswith("OK") for line in validate_path(str(tmp_path / "out")))
