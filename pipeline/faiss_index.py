@@ -207,9 +207,30 @@ def build_index(ids: np.ndarray, vectors: np.ndarray, factory: str):
 
 
 def merge_part(merged, part) -> None:
-    """Move the inverted lists of a filled IVF part into `merged` (same trained index)."""
-    faiss.extract_index_ivf(merged).merge_from(faiss.extract_index_ivf(part), 0)
-    merged.ntotal = faiss.extract_index_ivf(merged).ntotal  # a pre-transform wrapper counts too
+    """Move the inverted lists of a filled IVF part into `merged` (same trained index). Only the
+    lists move, so a part written without its coarse quantizer (`write_part`) merges too."""
+    target, source = faiss.extract_index_ivf(merged), faiss.extract_index_ivf(part)
+    if (target.nlist, target.code_size) != (source.nlist, source.code_size):
+        raise IndexBuildError(f"a part of {source.nlist} lists of {source.code_size} B codes does not "
+                              f"merge into an index of {target.nlist} lists of {target.code_size} B")
+    target.invlists.merge_from(source.invlists, 0)
+    target.ntotal += source.ntotal
+    source.ntotal = 0
+    merged.ntotal = target.ntotal  # a pre-transform wrapper counts too
+
+
+def write_part(index, path: str) -> tuple[int, str]:
+    """`write_index` of a filled IVF part with an empty coarse quantizer in place of the trained
+    one: every part shares it (it comes back from the trained index at merge time), and at
+    2^20 lists it is ~2 GB per file while a part's codes are a few MB."""
+    ivf = faiss.extract_index_ivf(index)
+    trained, owned = ivf.quantizer, ivf.own_fields
+    empty = faiss.IndexFlat(ivf.d, ivf.metric_type)
+    ivf.quantizer, ivf.own_fields = empty, False
+    try:
+        return write_index(index, path)
+    finally:
+        ivf.quantizer, ivf.own_fields = trained, owned
 
 
 def set_search_depth(index, depth: int) -> None:

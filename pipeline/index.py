@@ -37,7 +37,7 @@ from pipeline.faiss_index import (QUERY_SALT, RECALL_K, RECALL_MEASURE, TRAIN_SA
                                   embedding_file_info, exact_nearest_other, in_sample, merge_nearest,
                                   merge_part, one_recall_at_k, plan_index, query_rate, read_embeddings,
                                   read_index, search_depth_range, set_search_depth, train_index, tune_depth,
-                                  tune_search_depth, write_index)
+                                  tune_search_depth, write_index, write_part)
 from pipeline.index_shards import assemble_shard, assign_shards, merge_shard_results
 from schemas.config import IndexConfig
 
@@ -137,8 +137,9 @@ def _truth_of(queries, ids, vectors):
 
 class _FillPart(beam.DoFn):
     """One embeddings file = one part: its vectors added (chunk ids as faiss ids) to a copy of
-    the trained index, streamed batch by batch, written as part-<file>.faiss; plus the part's
-    exact nearest neighbour of every query of the recall sample."""
+    the trained index, streamed batch by batch, written as part-<file>.faiss without the coarse
+    quantizer (only its lists and codes travel); plus the part's exact nearest neighbour of
+    every query of the recall sample."""
 
     def __init__(self, out_dir):
         self.out_dir = out_dir
@@ -152,7 +153,7 @@ class _FillPart(beam.DoFn):
             truth = found if truth is None else merge_nearest(truth, found)
             Metrics.counter(METRICS_NAMESPACE, "index_vectors_added").inc(len(ids))
         part_path = fileio.join(self.out_dir, "parts", f"part-{_file_stem(path)}.faiss")
-        write_index(index, part_path)
+        write_part(index, part_path)
         if truth is not None:
             yield beam.pvalue.TaggedOutput("truth", truth)
         yield path, part_path

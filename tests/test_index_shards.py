@@ -9,7 +9,7 @@ from benchmarks.synthetic import LowRankClusters
 from pipeline.faiss_index import (TRAIN_SALT, IndexBuildError, choose_index_factory, estimated_bytes,
                                   exact_nearest_other, in_sample, load_index, merge_part, one_recall_at_k,
                                   search_excluding, set_search_depth, train_index, training_size,
-                                  tune_search_depth)
+                                  tune_search_depth, write_index)
 from pipeline.index_shards import (assemble_shard, plan_shards, recall_of_shards, search_shards,
                                    tune_shards_depth)
 
@@ -184,3 +184,23 @@ def test_exclusion_deepens_as_one_index_does(built):
     assert expected_deeper > 0 and deeper == expected_deeper
     assert _outside(found, excluded) and (found >= 0).all()
     assert np.mean(found == expected) >= 0.995
+
+
+def test_a_part_is_written_without_the_coarse_quantizer_and_merges_as_a_whole_one(tmp_path):
+    from pipeline.faiss_index import read_index, write_part
+
+    rng = np.random.default_rng(3)
+    vectors = rng.standard_normal((4000, 32)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    trained = train_index("IVF256,Flat", vectors)
+    whole, part = faiss.clone_index(trained), faiss.clone_index(trained)
+    whole.add_with_ids(vectors, np.arange(4000))
+    part.add_with_ids(vectors, np.arange(4000))
+    stripped, _ = write_part(part, str(tmp_path / "part.faiss"))
+    full, _ = write_index(part, str(tmp_path / "full.faiss"))
+    assert full - stripped >= 256 * 32 * 4  # the quantizer's centroids stayed behind
+    merged = faiss.clone_index(trained)
+    merge_part(merged, read_index(str(tmp_path / "part.faiss")))
+    for index in (merged, whole):
+        set_search_depth(index, 8)
+    assert np.array_equal(merged.search(vectors[:100], 10)[1], whole.search(vectors[:100], 10)[1])
