@@ -322,7 +322,8 @@ class BuildIndex(beam.PTransform):
                 lambda path, p: [_write_sample(path, p, out_dir)] if p["mergeable"] else [], plan)
             | "GatherSample" >> beam.combiners.ToList()
             | "Train" >> beam.FlatMap(
-                lambda prefixes, p: [_train(prefixes, p, out_dir)] if p["mergeable"] else [], plan))
+                lambda prefixes, p: [_train(prefixes, p, out_dir)] if p["mergeable"] else [], plan
+            ).with_resource_hints(**({"accelerator": cfg.accelerator} if cfg.accelerator else {})))
         trained_path = beam.pvalue.AsSingleton(trained, default_value=None)
         filled = (
             paths

@@ -107,11 +107,20 @@ def _commit(manifest: dict, staging: str, output: str, final: str, stage: str, s
 
 def describe(pipeline: beam.Pipeline) -> dict:
     """What `--dry-run` prints: the resolved Beam options and the top-level stages with their
-    resource hints (accelerator, min_ram)."""
+    resource hints (accelerator, min_ram), and any step inside one with hints of its own."""
+    def hints(applied) -> dict:
+        return {urn.split(":")[2]: value.decode() for urn, value in (applied.resource_hints or {}).items()}
+
+    def hinted_steps(applied):  # steps inside a stage that carry hints of their own
+        for part in applied.parts:
+            if hints(part) and hints(part) != hints(applied):
+                yield {"stage": part.full_label, "resource_hints": hints(part)}
+            yield from hinted_steps(part)
+
     stages = []
     for applied in pipeline.transforms_stack[0].parts:
-        hints = {urn.split(":")[2]: value.decode() for urn, value in (applied.resource_hints or {}).items()}
-        stages.append({"stage": applied.full_label, **({"resource_hints": hints} if hints else {})})
+        stages.append({"stage": applied.full_label, **({"resource_hints": hints(applied)} if hints(applied) else {})})
+        stages += hinted_steps(applied)
     options = pipeline.options.get_all_options(drop_default=True, retain_unknown_options=True)
     return {"options": options, "stages": stages}
 

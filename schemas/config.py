@@ -114,13 +114,17 @@ class IndexConfig(_Strict):
                                "to measure recall.")
     min_ram: str | None = Field(None, description="Beam min_ram resource hint for the stages that "
                                 "hold the index (build, search), e.g. '32GB': high-memory workers.")
+    accelerator: str | None = Field(None, description="Beam accelerator resource hint for the step "
+                                    "that trains the index (k-means on one worker), e.g. "
+                                    "'type:nvidia-l4;count:1;install-nvidia-driver'; with a CUDA "
+                                    "build of faiss there, the clustering runs on the GPUs.")
     shard_bytes: int | None = Field(None, gt=0, description="Split an IVF index into shards of at "
                                     "most this size ('12MB', '4GiB'), by chunk-id range: files "
                                     "faiss/shard-NNNNN.faiss sharing one trained quantizer, each "
                                     "loadable alone, searched by different workers. Default: one "
                                     "index file.")
 
-    PLACEMENT: ClassVar[tuple[str, ...]] = ("min_ram",)
+    PLACEMENT: ClassVar[tuple[str, ...]] = ("min_ram", "accelerator")
 
     @field_validator("memory_budget", "shard_bytes", mode="before")
     @classmethod

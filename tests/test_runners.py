@@ -123,13 +123,14 @@ def test_dry_run_shows_the_dataflow_plan_offline(tmp_path, capsys):
     config = small_config("gs://no-such-bucket/out", "gs://no-such-bucket/corpus/*.jsonl",
                           embedding={"device": "cuda", "accelerator": "type:nvidia-l4;count:1;install-nvidia-driver",
                                      "model_copies": 1},
-                          index={"min_ram": "64GB"})
+                          index={"min_ram": "64GB", "accelerator": "type:nvidia-l4;count:1"})
     path = write_config(tmp_path / "c.yaml", config)
     main(["run", "--config", str(path), "--dry-run", "--", *DATAFLOW])
     plan = json.loads(capsys.readouterr().out)
     index_stages = {s["stage"]: s.get("resource_hints", {}) for s in plan["build-index"]["stages"]}
     assert index_stages["EmbedChunks"] == {"accelerator": "type:nvidia-l4;count:1;install-nvidia-driver"}
     assert index_stages["BuildIndex"] == {"min_ram_bytes": "64000000000"}
+    assert index_stages["BuildIndex/Train"] == {"min_ram_bytes": "64000000000", "accelerator": "type:nvidia-l4;count:1"}
     shard_stages = {s["stage"]: s.get("resource_hints", {}) for s in plan["build-shards"]["stages"]}
     assert shard_stages["RetrieveNeighbours"] == {"min_ram_bytes": "64000000000"}
     for stage in ("build-index", "build-shards"):
