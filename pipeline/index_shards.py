@@ -22,19 +22,24 @@ from pipeline.faiss_index import (RECALL_K, IndexBuildError, estimated_bytes, ex
                                   search_depth_range, set_search_depth, tune_depth)
 
 
+def vectors_per_shard(factory: str, dim: int, shard_bytes: int) -> int:
+    """Vectors a shard of `shard_bytes` holds: every shard carries the trained tables (coarse
+    quantizer, its graph, PQ codebooks), the rest is codes and ids."""
+    empty = estimated_bytes(factory, 0, dim)
+    if empty > shard_bytes:
+        raise IndexBuildError(
+            f"the trained {factory} index alone (quantizer and codebooks, no vectors) needs about "
+            f"{empty:,} B, more than the shard size of {shard_bytes:,} B: use a larger shard size")
+    return (shard_bytes - empty) // (estimated_bytes(factory, 1, dim) - empty)
+
+
 def plan_shards(part_rows: list[int], factory: str, dim: int, shard_bytes: int) -> list[range]:
     """Consecutive parts (embeddings files in chunk-id order, with their row counts) grouped
     into shards, each as many parts as fit `shard_bytes` by `estimated_bytes` (which counts the
     quantizer and PQ tables every shard carries): ranges of part positions, in order. Parts are
     the unit (a part is filled once, by one worker), so a part that alone does not fit is an
     error; greedy filling gives the fewest shards any consecutive grouping can."""
-    empty = estimated_bytes(factory, 0, dim)
-    if empty > shard_bytes:
-        raise IndexBuildError(
-            f"the trained {factory} index alone (quantizer and codebooks, no vectors) needs about "
-            f"{empty:,} B, more than the shard size of {shard_bytes:,} B: use a larger shard size")
-    # vectors a shard holds: the estimate is the trained tables plus bytes per vector
-    fits = (shard_bytes - empty) // (estimated_bytes(factory, 1, dim) - empty)
+    fits = vectors_per_shard(factory, dim, shard_bytes)
     shards, start, rows = [], 0, 0
     for position, count in enumerate(part_rows):
         if count > fits:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pipeline.chunking import BUCKET_BITS
 from pipeline.faiss_index import (READ_BATCH, choose_index_factory, estimated_bytes, ivf_lists,
                                   training_size)
+from pipeline.index_shards import vectors_per_shard
 from schemas.config import PipelineConfig
 
 MB = 2**20
@@ -55,8 +56,8 @@ def stage_memory(cfg: PipelineConfig, corpus: Corpus, dim: int = 384) -> list[di
     auto_grows = [0, 1] if cfg.index.type == "auto" else []
     index_bytes = estimated_bytes(factory, C, dim)
     if cfg.index.shard_bytes is not None and index_bytes > cfg.index.shard_bytes:  # merged and searched by shard
-        held, held_bytes, held_grows = f"one index shard (of {index_bytes / cfg.index.shard_bytes:,.0f})", \
-            cfg.index.shard_bytes, []
+        shards = math.ceil(C / vectors_per_shard(factory, dim, cfg.index.shard_bytes))
+        held, held_bytes, held_grows = f"one index shard (of {shards:,})", cfg.index.shard_bytes, []
     else:
         held, held_bytes, held_grows = f"the whole index ({C:,} vectors)", index_bytes, [0]
     per_vector = estimated_bytes(factory, 1, dim) - estimated_bytes(factory, 0, dim)
