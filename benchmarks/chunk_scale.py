@@ -41,8 +41,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
-from benchmarks.report import peak_rss_kb, write_results  # noqa: E402
-from benchmarks.retrieve_join import WorkerPeak  # noqa: E402
+from benchmarks.report import write_results  # noqa: E402
+from benchmarks.retrieve_join import WorkerPeak, record_rss  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "chunk_scale.json"
@@ -65,7 +65,7 @@ def write_corpus(directory: Path, documents: int) -> None:
         (directory / f"part-{f:02d}.jsonl").write_text("\n".join(lines) + "\n")
 
 
-def job_main(corpus: str, out: str, documents: str) -> None:
+def job_main(corpus: str, out: str) -> None:
     """The stage's transforms up to the chunk files, on 2 worker processes."""
     import apache_beam as beam
 
@@ -85,7 +85,7 @@ def job_main(corpus: str, out: str, documents: str) -> None:
         _ = chunks | "WriteChunks" >> WriteGroupedFiles(
             f"{out}/chunks", out, "chunks", "parquet", key=lambda c: c.chunk_id,
             rows_per_file=CHUNK_FILE_ROWS, to_bytes=lambda rows: parquet_bytes(chunks_table(rows, M)))
-    Path(out, "rss.json").write_text(json.dumps({"self_kb": peak_rss_kb(), "children_kb": workers.stop()}))
+    record_rss(out, workers.stop())
 
 
 def floor_main(corpus: str, out: str, documents: str) -> None:
@@ -114,7 +114,7 @@ def floor_main(corpus: str, out: str, documents: str) -> None:
              | "WriteChunks" >> WriteGroupedFiles(
                  f"{out}/chunks", out, "chunks", "parquet", key=lambda c: c.doc_id % files * CHUNK_FILE_ROWS,
                  rows_per_file=CHUNK_FILE_ROWS, to_bytes=lambda rows: parquet_bytes(chunks_table(rows, M))))
-    Path(out, "rss.json").write_text(json.dumps({"self_kb": peak_rss_kb(), "children_kb": workers.stop()}))
+    record_rss(out, workers.stop())
 
 
 def check_chunks(out: Path, documents: int) -> None:
@@ -134,7 +134,7 @@ def measure(job: str, corpus: Path, out: Path, documents: int) -> dict:
     start = time.perf_counter()
     with open(out.with_suffix(".log"), "w") as log:
         status = subprocess.call([sys.executable, str(Path(__file__).resolve()), job, str(corpus), str(out),
-                                  str(documents)],
+                                  *([str(documents)] if job == "floor" else [])],
                                  stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     wall = time.perf_counter() - start
     if status != 0:
@@ -174,7 +174,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["job"]:
-        job_main(*sys.argv[2:5])
+        job_main(*sys.argv[2:4])
     elif sys.argv[1:2] == ["floor"]:
         floor_main(*sys.argv[2:5])
     else:

@@ -19,26 +19,19 @@ import argparse
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import apache_beam as beam
 import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
-from benchmarks.report import write_results  # noqa: E402
+from benchmarks.report import timed, write_results  # noqa: E402
 from pipeline.chunking import load_tokenizer
 from pipeline.embed import EmbedChunks, chunk_texts, encode_texts, load_encoder, torch_threads
 from pipeline.models import resolve_tokenizer
 from pipeline.options import pipeline_options
 from pipeline.stages import _chunks_from_table, build_index, build_shards
 from schemas.config import load_config
-
-
-def timed(fn):
-    start = time.perf_counter()
-    value = fn()
-    return value, time.perf_counter() - start
 
 
 def time_embed_stage(cfg, chunks, threads) -> float:

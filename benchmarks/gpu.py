@@ -28,7 +28,8 @@ import numpy as np
 import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
-from benchmarks.embed_vs_encoder import time_embed_stage, timed  # noqa: E402
+from benchmarks.embed_vs_encoder import time_embed_stage  # noqa: E402
+from benchmarks.report import timed  # noqa: E402
 from benchmarks.report import write_results  # noqa: E402
 from pipeline.chunking import load_tokenizer  # noqa: E402
 from pipeline.embed import chunk_texts, encode_texts, load_encoder, torch_threads  # noqa: E402

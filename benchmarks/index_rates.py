@@ -22,24 +22,17 @@ import argparse
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 from benchmarks.index_build import ensure_data  # noqa: E402
-from benchmarks.report import write_results  # noqa: E402
+from benchmarks.report import timed, write_results  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "index_rates.json"
 DIM, FILES, ROW_GROUP, FILE_ROWS, QUERIES, NPROBE = 384, 16, 16384, 65536, 4096, 16
-
-
-def timed(fn):
-    start = time.perf_counter()
-    result = fn()
-    return result, time.perf_counter() - start
 
 
 def main() -> None:

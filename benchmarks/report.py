@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 
@@ -13,6 +14,13 @@ def peak_rss_kb(pid="self") -> int:
             return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
     except (OSError, StopIteration):
         return 0
+
+
+def timed(fn):
+    """(fn(), seconds it took)."""
+    start = time.perf_counter()
+    value = fn()
+    return value, time.perf_counter() - start
 
 
 def write_results(results: dict, path: str | Path) -> None:

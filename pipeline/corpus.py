@@ -160,7 +160,7 @@ def parse_parquet(parquet: pq.ParquetFile, cfg: CorpusConfig, source: str, relat
     """One row per document; positions are row numbers of the file, starting at 0."""
     problem = _schema_problem(parquet.schema_arrow, cfg)
     if problem:  # the whole file is refused (by its first range only): say how many rows that is
-        if first_row == 0:
+        if row_groups is None or row_groups.start == 0:
             yield Rejected(source, -1, "wrong_schema",
                            f"{problem}; rows in file: {parquet.metadata.num_rows}"[:EXCERPT_CHARS])
         return

@@ -55,7 +55,8 @@ def stage_memory(cfg: PipelineConfig, corpus: Corpus, dim: int = 384) -> list[di
     # index.type auto: the lists (up to 2^20) and the codes follow the corpus size and the budget
     auto_grows = [0, 1] if cfg.index.type == "auto" else []
     index_bytes = estimated_bytes(factory, C, dim)
-    if cfg.index.shard_bytes is not None and index_bytes > cfg.index.shard_bytes:  # merged and searched by shard
+    # merged and searched by shard: IVF indexes only, as the build does
+    if cfg.index.shard_bytes is not None and ivf_lists(factory) and index_bytes > cfg.index.shard_bytes:
         shards = math.ceil(C / vectors_per_shard(factory, dim, cfg.index.shard_bytes))
         held, held_bytes, held_grows = f"one index shard (of {shards:,})", cfg.index.shard_bytes, []
     else:

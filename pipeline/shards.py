@@ -257,7 +257,7 @@ def _loaded_index(holder: shared.Shared, path: str, depth: int | None):
     return holder.acquire(_Holder, tag=f"{path}:{depth}")
 
 
-def search_batch(index, grouped, spec: "Retrieval"):
+def search_batch(index, grouped, spec: "Retrieval", probing: bool = True):
     """One search batch (sequences, their query embeddings, their excluded chunk-id ranges) ->
     (sequences, CANDIDATE hits with the best `width` per query outside the ranges, seq ids
     whose search went deeper, neighbour-recall probes)."""
@@ -280,7 +280,7 @@ def search_batch(index, grouped, spec: "Retrieval"):
         block["rank"] = np.tile(np.arange(width), L)
         block["chunk_id"], block["score"] = found.ravel(), scores.ravel()
         blocks.append(block[block["chunk_id"] >= 0])  # -1: fewer than `width` reachable
-        if spec.probes:
+        if spec.probes and probing:
             keys = sample_keys(s.seq_id * L + np.arange(L), PROBE_SALT)
             probes += [(int(key), s.seq_id, j, queries[j], tuple(ranges)) for j, key in enumerate(keys)]
     return sequences, np.concatenate(blocks), deeper_seqs, sorted(probes, key=lambda p: p[:3])[:spec.probes]
@@ -366,9 +366,9 @@ class _SearchShard(beam.DoFn):
         (shard, _), batches = keyed
         index = _loaded_index(self._shared_index, self.spec.index_paths[shard], self.spec.depth).index
         for batch, grouped in batches:
-            sequences, hits, deeper, probes = search_batch(index, grouped, self.spec)
+            sequences, hits, deeper, probes = search_batch(index, grouped, self.spec, probing=shard == 0)
             if sequences:
-                yield batch, (shard, [s.seq_id for s in sequences], hits, deeper, probes if shard == 0 else [])
+                yield batch, (shard, [s.seq_id for s in sequences], hits, deeper, probes)
 
 
 def _merge_shards(keyed, spec: Retrieval):

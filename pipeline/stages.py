@@ -169,15 +169,15 @@ def _index_entries(info: dict) -> list[dict]:
     return [{**entry, "path": f"faiss/{entry['path']}"} for entry in info["files"]]
 
 
+def faiss_files(paths: list[str]) -> list[str]:
+    """Of an index manifest's file paths, the faiss files (index.faiss, or its shards in
+    chunk-id order)."""
+    return [path for path in paths if path.startswith("faiss/")]
+
+
 def _index_staged(manifest: dict) -> list[str]:
     """What BuildIndex staged: the faiss files the manifest lists, and the build info."""
-    return [e["path"] for e in manifest["files"] if e["path"].startswith("faiss/")] + [f"faiss/{BUILD_INFO_FILE}"]
-
-
-def index_files(manifest) -> list[str]:
-    """The faiss files of an index manifest (index.faiss, or its shards in chunk-id order),
-    relative to its directory."""
-    return [f.path for f in manifest.files if f.path.startswith("faiss/")]
+    return faiss_files([e["path"] for e in manifest["files"]]) + [f"faiss/{BUILD_INFO_FILE}"]
 
 
 def _vector_index_fields(info: dict) -> dict:
@@ -485,8 +485,8 @@ def build_shards(cfg: PipelineConfig, beam_args: list[str], dry_run: bool = Fals
     sequences = training_chunks | "PackSequences" >> PackSequences(L, tok.pad_id)
     spans = pipeline | "DocumentSpans" >> DocumentSpans(fileio.join(idx, "chunks", "*.parquet"),
                                                         validate=not dry_run)
-    faiss_files = [f"faiss/{INDEX_FILE}"] if dry_run else index_files(index_manifest)
-    spec = Retrieval(tuple(fileio.join(idx, path) for path in faiss_files), None if dry_run else index_manifest.nprobe,
+    index_paths = [f"faiss/{INDEX_FILE}"] if dry_run else faiss_files([f.path for f in index_manifest.files])
+    spec = Retrieval(tuple(fileio.join(idx, path) for path in index_paths), None if dry_run else index_manifest.nprobe,
                      chunk_files, L, m, k, cfg.neighbour_candidates, tok.pad_id, cfg.dedupe_neighbours,
                      cfg.neighbour_recall_sample)
     rows, probes, retrieval_tallies = (sequences, queries, spans) | "RetrieveNeighbours" >> RetrieveNeighbours(

@@ -39,7 +39,7 @@ from pipeline import fileio
 from pipeline.chunkdb import in_file_order
 from pipeline.faiss_index import load_index
 from pipeline.index_shards import merge_shard_results
-from schemas.arrow import SHARD_METADATA_KEYS, check_schema_version, tensor_column_to_numpy
+from schemas.arrow import SHARD_METADATA_KEYS, SchemaVersionError, check_schema_version, tensor_column_to_numpy
 from schemas.manifest import FileEntry, IndexManifest, ShardEntry, ShardsManifest, VectorIndexManifest
 
 NORM_TOLERANCE = 1e-3
@@ -72,6 +72,8 @@ def _kind(kind: str):
             except ValidationFailed as problem:
                 problem.kind = problem.kind or kind
                 raise
+            except SchemaVersionError as err:  # a problem of the data like any other
+                raise ValidationFailed(str(err), kind) from None
         return run
     return wrap
 
@@ -173,6 +175,7 @@ class IndexFacts:
     chunks: ChunkFiles
     embeddings: tuple                 # the embedding files' entries, in chunk-id order
     embedding_starts: tuple           # embedding file e holds chunk ids from embedding_starts[e]
+    dim: int                          # the embeddings' width
 
 
 @dataclass(frozen=True)
@@ -307,6 +310,7 @@ def check_embedding_file(index: IndexFacts, position: int, probes_per_file: int)
     _require(np.array_equal(ids, np.arange(start, start + len(ids))),
              f"{where}: embeddings do not cover the chunks one to one, in order")
     vectors = tensor_column_to_numpy(table["embedding"])
+    _require(vectors.shape[1] == index.dim, f"{where}: embeddings of width {vectors.shape[1]}, manifest says {index.dim}")
     norms = np.linalg.norm(vectors, axis=1)
     _require(np.isfinite(vectors).all() and (np.abs(norms - 1) < NORM_TOLERANCE).all(),
              f"{where}: embeddings are not finite unit vectors")
@@ -544,8 +548,9 @@ def _plan_index(plan: ValidationPlan, directory: str) -> None:
     _require(embedded == manifest.num_chunks, f"{directory}: {embedded} embeddings for {manifest.num_chunks} chunks",
              "manifest")
     plan.chunks = chunks
+    starts = tuple(int(s) for s in np.cumsum([0] + [e.rows for e in embeddings]))
     plan.index = IndexFacts(directory, manifest.chunk_tokens, manifest.pad_id, manifest.num_documents, chunks,
-                            tuple(embeddings), tuple(int(s) for s in np.cumsum([0] + [e.rows for e in embeddings])))
+                            tuple(embeddings), starts, manifest.dim)
     plan.faiss_index = FaissFacts.of(directory, manifest, manifest.num_chunks)
     chosen = {entry.path for entry in sampled(chunks.entries, plan.sample)}
     plan.sampled_chunk_files = [i for i, entry in enumerate(chunks.entries) if entry.path in chosen]

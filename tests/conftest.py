@@ -52,6 +52,31 @@ def write_config(path: Path, config: dict) -> Path:
     return path
 
 
+def rewrite_shard(shards_dir: Path, change, name: str | None = None) -> None:
+    """Apply `change(columns)` to one shard (`name`, default the first) and re-sign it in the
+    manifest, so only the content checks can notice."""
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+
+    from pipeline.fileio import sha256_bytes
+    from pipeline.writers import arrow_ipc_bytes
+    from schemas.arrow import shard_table, tensor_column_to_numpy
+
+    manifest_path = shards_dir / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    entry = next(e for e in manifest["shards"] if name is None or e["path"] == name)
+    table = ipc.open_file(pa.memory_map(str(shards_dir / entry["path"]))).read_all()
+    columns = {column: tensor_column_to_numpy(table[column]).copy()
+               for column in ("tokens", "neighbours", "neighbour_ids", "neighbour_scores")}
+    change(columns)
+    data = arrow_ipc_bytes(shard_table(table["seq_id"].to_numpy(), columns["tokens"], columns["neighbours"],
+                                       columns["neighbour_ids"], columns["neighbour_scores"],
+                                       table["doc_ids"].to_pylist(), pad_id=manifest["pad_id"]))
+    (shards_dir / entry["path"]).write_bytes(data)
+    entry.update(bytes=len(data), sha256=sha256_bytes(data))
+    manifest_path.write_text(json.dumps(manifest))
+
+
 def read_rejected(out: Path, stage: str) -> list[dict]:
     """Every rejected record a stage published (`rejected/<stage>-NNNNN.jsonl`)."""
     return [json.loads(line) for path in sorted((out / "rejected").glob(f"{stage}-*.jsonl"))

@@ -13,11 +13,11 @@ from pipeline.fileio import sha256_bytes
 from pipeline.run import run_all
 from pipeline.stages import build_shards
 from pipeline.validate import ValidationFailed, validate_index, validate_path, validate_shards
-from pipeline.writers import arrow_ipc_bytes, parquet_bytes
-from schemas.arrow import fixed_size_list, shard_table, tensor_column_to_numpy
+from pipeline.writers import parquet_bytes
+from schemas.arrow import fixed_size_list, tensor_column_to_numpy
 from schemas.config import config_from_dict
 from schemas.manifest import ShardsManifest
-from tests.conftest import BAD_REASONS, read_rejected, sample_documents, write_jsonl
+from tests.conftest import BAD_REASONS, read_rejected, rewrite_shard, sample_documents, write_jsonl
 
 
 def _shard_tables(shards_dir):
@@ -116,24 +116,6 @@ def test_shards_do_not_depend_on_the_output_location(built_output, tmp_path):
             (root / "out" / "shards" / entry.path).read_bytes()
 
 
-def _rewrite_shard(shards_dir, change):
-    """Apply `change(columns)` to the first shard and re-sign it in the manifest, so only the
-    content checks can notice."""
-    manifest_path = shards_dir / "manifest.json"
-    manifest = json.loads(manifest_path.read_text())
-    entry = manifest["shards"][0]
-    table = ipc.open_file(pa.memory_map(str(shards_dir / entry["path"]))).read_all()
-    columns = {name: tensor_column_to_numpy(table[name]).copy()
-               for name in ("tokens", "neighbours", "neighbour_ids", "neighbour_scores")}
-    change(columns)
-    data = arrow_ipc_bytes(shard_table(table["seq_id"].to_numpy(), columns["tokens"], columns["neighbours"],
-                                       columns["neighbour_ids"], columns["neighbour_scores"],
-                                       table["doc_ids"].to_pylist(), pad_id=manifest["pad_id"]))
-    (shards_dir / entry["path"]).write_bytes(data)
-    entry.update(bytes=len(data), sha256=sha256_bytes(data))
-    manifest_path.write_text(json.dumps(manifest))
-
-
 @pytest.fixture
 def tampered(built_output, tmp_path):
     root, _, _ = built_output
@@ -144,7 +126,7 @@ def tampered(built_output, tmp_path):
 def test_validate_catches_wrong_neighbour_tokens(tampered):
     def corrupt(columns):
         columns["neighbours"][0, 0, 0, 0] += 1
-    _rewrite_shard(tampered / "shards", corrupt)
+    rewrite_shard(tampered / "shards", corrupt)
     with pytest.raises(ValidationFailed, match="neighbour tokens differ"):
         validate_shards(str(tampered / "shards"))
 
@@ -155,7 +137,7 @@ def test_validate_catches_a_same_document_neighbour(tampered):
     def leak(columns):  # make seq 0's first neighbour its own first chunk, tokens and all
         columns["neighbour_ids"][0, 0, 0] = 0
         columns["neighbours"][0, 0, 0] = db.values(np.array([0]))[0]
-    _rewrite_shard(tampered / "shards", leak)
+    rewrite_shard(tampered / "shards", leak)
     with pytest.raises(ValidationFailed, match="own document"):
         validate_shards(str(tampered / "shards"))
 
@@ -303,7 +285,7 @@ def test_shards_manifest_carries_the_overlap_audit(built_output):
 def test_validate_catches_own_tokens_that_differ_from_the_chunks(tampered):
     def corrupt(columns):
         columns["tokens"][0, 3] += 1
-    _rewrite_shard(tampered / "shards", corrupt)
+    rewrite_shard(tampered / "shards", corrupt)
     with pytest.raises(ValidationFailed, match="tokens differ from its chunks"):
         validate_shards(str(tampered / "shards"))
 

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from pipeline.faiss_index import estimated_bytes
-from pipeline.memory_model import Corpus, estimate, stage_memory
+from pipeline.memory_model import Corpus, stage_memory
 from schemas.config import config_from_dict
 from tests.conftest import sample_documents, small_config, write_config, write_jsonl
 

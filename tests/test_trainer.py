@@ -528,3 +528,14 @@ def test_trainer_imports_neither_beam_nor_faiss_nor_sentence_transformers():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                             cwd=Path(__file__).resolve().parents[1])
     assert result.stdout.strip() == "[]"
+
+
+@pytest.mark.filterwarnings("ignore:skipping a bad shard")
+def test_an_epoch_with_every_shard_skipped_stops_training_instead_of_looping(tmp_path):
+    from trainer.train import TrainError, epochs
+
+    write_shard_dir(tmp_path, shard_rows=[4])
+    (tmp_path / "shard-00000.arrow").write_bytes(b"not arrow")
+    dataset = ShardDataset(tmp_path, batch_size=2, batched=True, skip_bad_shards=True)
+    with pytest.raises(TrainError, match="yielded no batch: every shard was skipped"):
+        next(epochs(DataLoader(dataset, batch_size=None), dataset))

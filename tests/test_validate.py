@@ -1,22 +1,17 @@
 """`validate --sample` and the validation as a Beam job, on copies of the session's built output."""
-import json
 import shutil
 
 import apache_beam as beam
 import numpy as np
-import pyarrow as pa
-import pyarrow.ipc as ipc
 import pytest
 from apache_beam.testing.util import assert_that, equal_to
 
 from pipeline.cli import main
-from pipeline.fileio import sha256_bytes
 from pipeline.validate import Problems, ValidationFailed, plan_validation, sampled, validate_path
 from pipeline.validate_job import ValidateOutput
-from pipeline.writers import arrow_ipc_bytes
-from schemas.arrow import shard_table, tensor_column_to_numpy
+from schemas.arrow import tensor_column_to_numpy
 from schemas.manifest import FileEntry
-from tests.conftest import local_pipeline
+from tests.conftest import local_pipeline, rewrite_shard
 
 SAMPLE = 0.2  # 2 of the built output's 6 shards
 
@@ -61,24 +56,6 @@ def _shard_names(out, sample):
     return [entry.path for entry in plan_validation(str(out), sample).shard_entries]
 
 
-def _rewrite_shard(out, name, change):
-    """Apply `change(columns)` to one shard and re-sign it in the manifest, so only the content
-    checks can notice."""
-    manifest_path = out / "shards" / "manifest.json"
-    manifest = json.loads(manifest_path.read_text())
-    entry = next(e for e in manifest["shards"] if e["path"] == name)
-    table = ipc.open_file(pa.memory_map(str(out / "shards" / name))).read_all()
-    columns = {column: tensor_column_to_numpy(table[column]).copy()
-               for column in ("tokens", "neighbours", "neighbour_ids", "neighbour_scores")}
-    change(columns)
-    data = arrow_ipc_bytes(shard_table(table["seq_id"].to_numpy(), columns["tokens"], columns["neighbours"],
-                                       columns["neighbour_ids"], columns["neighbour_scores"],
-                                       table["doc_ids"].to_pylist(), pad_id=manifest["pad_id"]))
-    (out / "shards" / name).write_bytes(data)
-    entry.update(bytes=len(data), sha256=sha256_bytes(data))
-    manifest_path.write_text(json.dumps(manifest))
-
-
 def _wrong_neighbour_tokens(columns):
     columns["neighbours"][0, 0, 0, 0] += 1
 
@@ -94,7 +71,7 @@ def test_a_sample_says_what_it_checked(output, capsys):
 
 
 def test_a_sample_catches_a_corrupt_sampled_shard(output):
-    _rewrite_shard(output, _shard_names(output, SAMPLE)[0], _wrong_neighbour_tokens)
+    rewrite_shard(output / "shards", _wrong_neighbour_tokens, _shard_names(output, SAMPLE)[0])
     with pytest.raises(ValidationFailed, match="neighbour tokens differ from the chunk database"):
         validate_path(str(output), SAMPLE)
 
@@ -103,7 +80,7 @@ def test_a_sample_reads_only_the_sampled_shards(output):
     """A re-signed corrupt shard outside the sample passes a sampled check; the full check
     finds it."""
     unsampled = next(name for name in _shard_names(output, 1.0) if name not in _shard_names(output, SAMPLE))
-    _rewrite_shard(output, unsampled, _wrong_neighbour_tokens)
+    rewrite_shard(output / "shards", _wrong_neighbour_tokens, unsampled)
     assert all(line.startswith("OK") for line in validate_path(str(output), SAMPLE))
     with pytest.raises(ValidationFailed, match="neighbour tokens differ"):
         validate_path(str(output))
@@ -153,7 +130,7 @@ def _same_document_neighbour(out):
     def leak(columns):
         columns["neighbour_ids"][0, 0, 0] = 0
         columns["neighbours"][0, 0, 0] = value
-    _rewrite_shard(out, "shard-00000.arrow", leak)
+    rewrite_shard(out / "shards", leak, "shard-00000.arrow")
 
 
 def _truncated_shard(out):
@@ -164,7 +141,7 @@ def _truncated_shard(out):
 def _own_tokens_changed(out):
     def change(columns):
         columns["tokens"][0, 3] += 1
-    _rewrite_shard(out, "shard-00001.arrow", change)
+    rewrite_shard(out / "shards", change, "shard-00001.arrow")
 
 
 @pytest.mark.parametrize("corrupt", [_same_document_neighbour, _truncated_shard, _own_tokens_changed])
@@ -182,7 +159,7 @@ def test_the_beam_job_reports_what_the_in_process_check_finds(output, corrupt):
 def test_the_beam_job_reports_every_problem_and_fails_the_command(output, capsys):
     """Where the in-process check stops at the first problem, the job reports them all."""
     _truncated_shard(output)
-    _rewrite_shard(output, "shard-00004.arrow", _wrong_neighbour_tokens)
+    rewrite_shard(output / "shards", _wrong_neighbour_tokens, "shard-00004.arrow")
     with pytest.raises(SystemExit) as exit_info:
         main(["validate", str(output), "--", "--runner=FnApiRunner"])
     err = capsys.readouterr().err.splitlines()

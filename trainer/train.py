@@ -119,9 +119,16 @@ def build_optimizer(model: Retro, config: TrainConfig) -> torch.optim.AdamW:
 
 
 def epochs(loader: DataLoader, dataset: ShardDataset):
-    """Batches forever; each exhausted epoch moves the dataset to the next one."""
+    """Batches forever; each exhausted epoch moves the dataset to the next one. An epoch that
+    yields nothing (every shard skipped as bad) is an error, not an endless loop."""
     while True:
-        yield from loader  # a fresh iterator (and fresh worker copies) per epoch
+        batches = 0
+        for batch in loader:  # a fresh iterator (and fresh worker copies) per epoch
+            batches += 1
+            yield batch
+        if batches == 0:
+            raise TrainError(f"epoch {dataset.epoch} of {dataset.source} yielded no batch: every shard was "
+                             "skipped as bad (see the warnings) or the rank got no rows")
         dataset.set_epoch(dataset.epoch + 1)
 
 
