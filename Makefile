@@ -13,7 +13,7 @@ install: $(STAMP)
 # CPU build of torch (an unpinned torch would pull a multi-GB CUDA build).
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev]'
+	$(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,report]'
 	touch $(STAMP)
 
 quickstart: install
@@ -22,6 +22,7 @@ quickstart: install
 	$(BIN)/ratrain-pipeline inspect out/quickstart/shards --n 1
 	$(BIN)/ratrain-train --shards out/quickstart/shards --steps 20 --log-every 5 \
 		--dim 128 --depth 4 --heads 4 --batch-size 4
+	$(BIN)/ratrain-pipeline report out/quickstart
 
 test: install
 	$(BIN)/python -m pytest

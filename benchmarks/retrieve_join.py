@@ -118,7 +118,7 @@ def ensure_data(workdir: Path, n: int) -> Path:
 def ours_main(root: str, out: str, query_chunks: int, beam_args: list[str]) -> None:
     import apache_beam as beam
     import pyarrow.parquet as pq
-    from apache_beam.io.parquetio import ReadFromParquetBatched
+    from apache_beam.io.parquetio import ReadAllFromParquetBatched
 
     from pipeline.chunkdb import ChunkFileRanges
     from pipeline.options import pipeline_options
@@ -131,12 +131,16 @@ def ours_main(root: str, out: str, query_chunks: int, beam_args: list[str]) -> N
         SimpleNamespace(path=f"chunks/{p.name}", rows=pq.ParquetFile(p).metadata.num_rows) for p in files])
     workers = WorkerPeak()
     with beam.Pipeline(options=pipeline_options(beam_args)) as p:
-        # the training chunks are the first file's first `limit` + 1 (the last gives the last
-        # sequence its target token, then is left over)
-        training = (p | "ReadTrainingChunks" >> ReadFromParquetBatched(str(files[0]))
+        # the training chunks are the first `limit` + 1 (the last gives the last sequence its
+        # target token, then is left over), from as many files as hold them
+        used = limit // FILE_ROWS + 1
+        training = (p | "TrainingFiles" >> beam.Create([str(f) for f in files[:used]])
+                    | "ReadTrainingChunks" >> ReadAllFromParquetBatched()
                     | "ChunkRows" >> beam.FlatMap(_chunks_from_table)
                     | "TrainingChunks" >> beam.Filter(lambda c: c.chunk_id <= limit))
-        queries = (p | "ReadEmbeddings" >> ReadFromParquetBatched(f"{root}/embeddings/embeddings-00000.parquet")
+        queries = (p | "EmbeddingFiles" >> beam.Create([f"{root}/embeddings/embeddings-{i:05d}.parquet"
+                                                        for i in range(used)])
+                   | "ReadEmbeddings" >> ReadAllFromParquetBatched()
                    | "EmbeddingRows" >> beam.FlatMap(_embeddings_from_table)
                    | "TrainingQueries" >> beam.Filter(lambda e: e[0] < limit))
         sequences = training | "PackSequences" >> PackSequences(L, PAD)

@@ -1,4 +1,4 @@
-"""`ratrain-pipeline`: build-index, build-shards, run, validate, inspect (DESIGN §3).
+"""`ratrain-pipeline`: build-index, build-shards, run, validate, inspect, report (DESIGN §3).
 
 Anything after `--` goes to Beam as pipeline options. User errors end with one line on
 stderr and a non-zero exit; `--debug` shows the traceback.
@@ -243,6 +243,17 @@ def inspect_cmd(directory, count, max_chunks):
 
     for line in inspect_shards(directory, count, max_chunks):
         click.echo(line)
+
+
+@cli.command("report")
+@click.argument("directory")
+def report_cmd(directory):
+    """Write DIRECTORY/report.html: one self-contained page on an output, index or shards
+    directory (manifests, neighbour scores and fill, overlap, recall against search depth,
+    stage timings, rejected records, sample sequences); prints its path."""
+    from pipeline.report import write_report
+
+    click.echo(write_report(directory))
 
 
 def main(argv=None) -> None:

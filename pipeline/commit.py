@@ -42,6 +42,11 @@ def publish_rejected(staging: str, output: str) -> None:
         fileio.move(source, fileio.join(output, "rejected", posixpath.basename(source)))
 
 
+def _without_timings(manifest: dict) -> dict:
+    """A manifest less its `timings`: a retried commit step reads its clock again."""
+    return {key: value for key, value in manifest.items() if key != "timings"}
+
+
 def commit_directory(staging: str, final: str, manifest: dict, staged: list[str],
                      replace: tuple[str, ...] | None = None) -> None:
     """Move the files `staged` (paths relative to both directories) from `staging` into
@@ -55,8 +60,8 @@ def commit_directory(staging: str, final: str, manifest: dict, staged: list[str]
     rest arrived, and writes the same manifest; after a finished commit it changes nothing.
     """
     manifest_path = fileio.join(final, fileio.MANIFEST)
-    if fileio.exists(manifest_path) and fileio.read_json(manifest_path) == manifest:
-        return  # an earlier attempt of this commit finished
+    if fileio.exists(manifest_path) and _without_timings(fileio.read_json(manifest_path)) == _without_timings(manifest):
+        return  # an earlier attempt of this commit finished (its timings stand)
     if fileio.exists(manifest_path):
         FileSystems.delete([manifest_path])
     wanted = set(staged)

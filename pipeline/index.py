@@ -33,11 +33,15 @@ from apache_beam.metrics import Metrics
 
 from pipeline import fileio
 from pipeline.corpus import METRICS_NAMESPACE
-from pipeline.faiss_index import (QUERY_SALT, RECALL_K, RECALL_MEASURE, TRAIN_SALT, build_index,
-                                  embedding_file_info, exact_nearest_other, in_sample, merge_nearest,
-                                  merge_part, one_recall_at_k, plan_index, query_rate, read_embeddings,
-                                  read_index, search_depth_range, set_search_depth, train_index, tune_depth,
-                                  tune_search_depth, write_index, write_part)
+from pipeline.faiss_index import (QUERY_SALT, RECALL_K, RECALL_MEASURE, REFINE_ITERATIONS, TRAIN_SALT,
+                                  assign_first_level, build_index, embedding_file_info, encoder_size,
+                                  exact_nearest_other, first_level_clusters, first_level_size, in_sample,
+                                  index_from_centroids, ivf_lists, list_assigner, list_sums,
+                                  lists_per_cluster, merge_nearest, merge_part, moved_centroids,
+                                  one_recall_at_k, plan_index, query_rate, read_embeddings, read_index,
+                                  search_depth_range, second_level_centroids, set_search_depth,
+                                  spherical_kmeans, train_index, tune_depth, tune_search_depth, write_index,
+                                  write_part)
 from pipeline.index_shards import assemble_shard, assign_shards, merge_shard_results
 from schemas.config import IndexConfig
 
@@ -125,9 +129,151 @@ def _train(sample_prefixes, plan, out_dir):
     path = fileio.join(out_dir, TRAINED_FILE)
     write_index(train_index(plan["factory"], sample), path)
     Metrics.counter(METRICS_NAMESPACE, "index_training_vectors").inc(len(sample))
-    beam.io.filesystems.FileSystems.delete([f"{p}.{kind}.npy" for p in sample_prefixes
-                                            for kind in ("ids", "vectors")])
+    _delete_sample(sample_prefixes)
     return path
+
+
+def _read_sample(prefixes, keep) -> tuple[np.ndarray, np.ndarray]:
+    """Of the sample files, the rows whose ids `keep` selects, in chunk-id order."""
+    ids, vectors = [np.zeros(0, np.int64)], []
+    for prefix in sorted(prefixes):
+        file_ids = _read_npy(f"{prefix}.ids.npy")
+        chosen = keep(file_ids)
+        ids.append(file_ids[chosen])
+        vectors.append(_read_npy(f"{prefix}.vectors.npy")[chosen])
+    order = np.argsort(np.concatenate(ids), kind="stable")
+    return np.concatenate(ids)[order], np.concatenate(vectors)[order]
+
+
+def _first_level(prefixes, plan) -> np.ndarray:
+    """One worker: the first-level centroids, trained on a bounded subset of the sample."""
+    size = first_level_size(plan["train_size"], ivf_lists(plan["factory"]))
+    _, vectors = _read_sample(prefixes, lambda ids: in_sample(ids, size, plan["count"], TRAIN_SALT))
+    return spherical_kmeans(vectors, first_level_clusters(ivf_lists(plan["factory"])))
+
+
+def _assign_sample(prefix: str, first: np.ndarray):
+    """One sample file's vectors keyed by their first-level cluster: (cluster, (ids, vectors))."""
+    ids, vectors = _read_npy(f"{prefix}.ids.npy"), _read_npy(f"{prefix}.vectors.npy")
+    cluster = assign_first_level(first, vectors)
+    for c in np.unique(cluster):
+        yield int(c), (ids[cluster == c], vectors[cluster == c])
+
+
+def _lists_per_cluster(sizes, plan) -> np.ndarray:
+    counts = np.zeros(first_level_clusters(ivf_lists(plan["factory"])), np.int64)
+    for cluster, size in sizes:
+        counts[cluster] = size
+    return lists_per_cluster(counts, ivf_lists(plan["factory"]))
+
+
+def _second_level(keyed, lists):
+    """One first-level cluster (all its training vectors, in chunk-id order) -> its lists'
+    centroids."""
+    cluster, blocks = keyed
+    ids = np.concatenate([b[0] for b in blocks])
+    vectors = np.concatenate([b[1] for b in blocks])[np.argsort(ids, kind="stable")]
+    return cluster, second_level_centroids(vectors, int(lists[cluster]))
+
+
+def _concatenated(clusters) -> np.ndarray:
+    """The lists' centroids, in first-level cluster order."""
+    return np.concatenate([c for _, c in sorted(clusters, key=lambda kv: kv[0])])
+
+
+def _file_list_sums(prefix: str, first: np.ndarray, centroids: np.ndarray):
+    """One sample file's share of a Lloyd step: (list, (vector sum, count)) per list touched."""
+    touched, sums, counts = list_sums(list_assigner(first, centroids), _read_npy(f"{prefix}.vectors.npy"))
+    yield from zip(touched.tolist(), zip(sums, counts.tolist()))
+
+
+def _moved(sums, centroids: np.ndarray) -> np.ndarray:
+    sums = sorted(sums, key=lambda kv: kv[0])
+    touched = np.array([lst for lst, _ in sums], np.int64)
+    return moved_centroids(centroids, touched, np.stack([total for _, (total, _) in sums]))
+
+
+def _add_sums(pairs):
+    pairs = list(pairs)
+    return sum(p[0] for p in pairs), sum(p[1] for p in pairs)
+
+
+def _assemble_trained(centroids, prefixes, plan, out_dir) -> str:
+    """One worker: the lists' centroids into the coarse quantizer, the encoder trained on its
+    share of the sample; written for the fill workers."""
+    size = encoder_size(plan["factory"])
+    _, encoder_sample = _read_sample(prefixes, lambda ids: in_sample(ids, size, plan["count"], TRAIN_SALT))
+    path = fileio.join(out_dir, TRAINED_FILE)
+    write_index(index_from_centroids(plan["factory"], centroids, encoder_sample), path)
+    Metrics.counter(METRICS_NAMESPACE, "index_training_vectors").inc(plan["train_size"])
+    _delete_sample(prefixes)
+    return path
+
+
+def _delete_sample(prefixes) -> None:
+    beam.io.filesystems.FileSystems.delete([f"{p}.{kind}.npy" for p in prefixes for kind in ("ids", "vectors")])
+
+
+class TrainIndex(beam.PTransform):
+    """Sample file prefixes -> the path of the trained empty index (IVF types only).
+
+    'flat' clustering: one worker gathers the sample and trains. 'two_level': one worker
+    trains √nlist first-level centroids on a bounded subset; every sample file's vectors are
+    assigned to them where the file is; each first-level cluster is split into its share of
+    the lists by its own worker (the sample goes through one shuffle, grouped by cluster);
+    REFINE_ITERATIONS Lloyd steps move the lists' centroids (each sample file sums its vectors
+    per list; the sums are combined per list); one worker puts the centroids into the
+    quantizer and trains the encoder (PQ) on 65,536 of the vectors. No worker holds the whole
+    sample; the centroids (nlist × d) travel as side inputs. Both branches are in the graph;
+    the plan picks one."""
+
+    def __init__(self, plan, out_dir: str, accelerator: str | None):
+        super().__init__()
+        self.plan, self.out_dir, self.accelerator = plan, out_dir, accelerator
+
+    def expand(self, prefixes):
+        plan, out_dir = self.plan, self.out_dir
+
+        def picked(p, clustering):
+            return p["mergeable"] and p["clustering"] == clustering
+
+        one_level = (
+            prefixes
+            | "GatherSample" >> beam.combiners.ToList()
+            | "Train" >> beam.FlatMap(
+                lambda ps, p: [_train(ps, p, out_dir)] if picked(p, "flat") else [], plan
+            ).with_resource_hints(**({"accelerator": self.accelerator} if self.accelerator else {})))
+        all_prefixes = prefixes | "GatherPrefixes" >> beam.combiners.ToList()
+        first = beam.pvalue.AsSingleton(
+            all_prefixes | "TrainFirstLevel" >> beam.FlatMap(
+                lambda ps, p: [_first_level(ps, p)] if picked(p, "two_level") else [], plan),
+            default_value=None)
+        blocks = prefixes | "AssignFirstLevel" >> beam.FlatMap(
+            lambda prefix, c: _assign_sample(prefix, c) if c is not None else [], first)
+        lists = beam.pvalue.AsSingleton(
+            blocks
+            | "ClusterSizes" >> beam.Map(lambda kv: (kv[0], len(kv[1][0])))
+            | "SumClusterSizes" >> beam.CombinePerKey(sum)
+            | "GatherClusterSizes" >> beam.combiners.ToList()
+            | "ListsPerCluster" >> beam.Map(lambda sizes, p: _lists_per_cluster(sizes, p) if sizes else None, plan))
+        centroids = (
+            blocks
+            | "GroupByFirstLevel" >> beam.GroupByKey()
+            | "TrainSecondLevel" >> beam.Map(_second_level, lists)
+            | "GatherCentroids" >> beam.combiners.ToList()
+            | "ConcatenateCentroids" >> beam.FlatMap(lambda clusters: [_concatenated(clusters)] if clusters else []))
+        for step in range(REFINE_ITERATIONS):  # Lloyd steps: sums per list where the sample files are
+            current = beam.pvalue.AsSingleton(centroids)
+            centroids = (
+                prefixes
+                | f"AssignLists{step}" >> beam.FlatMap(
+                    lambda prefix, f, c: _file_list_sums(prefix, f, c) if f is not None else [], first, current)
+                | f"SumLists{step}" >> beam.CombinePerKey(_add_sums)
+                | f"GatherSums{step}" >> beam.combiners.ToList()
+                | f"MoveCentroids{step}" >> beam.FlatMap(lambda sums, c: [_moved(sums, c)] if sums else [], current))
+        two_level = centroids | "AssembleQuantizer" >> beam.FlatMap(
+            lambda c, ps, p: [_assemble_trained(c, ps, p, out_dir)], beam.pvalue.AsSingleton(all_prefixes), plan)
+        return (one_level, two_level) | "Trained" >> beam.Flatten()
 
 
 def _truth_of(queries, ids, vectors):
@@ -201,26 +347,30 @@ def _build_in_one(paths, plan, queries, cfg: IndexConfig, out_dir):
 
 def _finish(index, plan, queries, truth, cfg: IndexConfig, out_dir, parts: int):
     query_ids, query_vectors = queries
+    curve = []
     if cfg.nprobe is not None and search_depth_range(index) is not None:
         set_search_depth(index, cfg.nprobe)
         depth, recall, plateau = cfg.nprobe, one_recall_at_k(index, query_ids, query_vectors, truth), False
+        curve.append({"depth": depth, "recall": recall})
     else:
-        depth, recall, plateau = tune_search_depth(index, query_ids, query_vectors, truth, cfg.target_recall)
+        depth, recall, plateau = tune_search_depth(index, query_ids, query_vectors, truth, cfg.target_recall, curve)
     index_bytes, index_sha256 = write_index(index, fileio.join(out_dir, INDEX_FILE))
     files = [{"path": INDEX_FILE, "rows": int(index.ntotal), "bytes": index_bytes, "sha256": index_sha256}]
     return _build_info(plan, cfg, out_dir, parts, files, (depth, recall, plateau, len(query_ids)),
-                       query_rate(index, query_vectors))
+                       query_rate(index, query_vectors), curve or None)
 
 
-def _build_info(plan, cfg: IndexConfig, out_dir, parts: int, files: list[dict], tuned, rate: float) -> dict:
-    """build_info.json: what the manifest records of the index, and its faiss files."""
+def _build_info(plan, cfg: IndexConfig, out_dir, parts: int, files: list[dict], tuned, rate: float,
+                curve: list[dict] | None) -> dict:
+    """build_info.json: what the manifest records of the index, and its faiss files; `curve`:
+    the recall at each depth measured (None for an exact index)."""
     depth, recall, plateau, sample_size = tuned
     info = {"index_factory": plan["factory"], "nprobe": depth, "dim": plan["dim"],
             "metric": "inner_product", "num_vectors": sum(f["rows"] for f in files),
-            "training_vectors": plan["train_size"], "parts": parts,
+            "training_vectors": plan["train_size"], "clustering": plan["clustering"], "parts": parts,
             "recall_at_k": {"measure": RECALL_MEASURE, "value": recall,
                             "sample_size": int(sample_size), "nprobe": depth,
-                            "target": cfg.target_recall, "plateau": plateau},
+                            "target": cfg.target_recall, "plateau": plateau, "curve": curve},
             "queries_per_second": round(rate, 1),
             "index_bytes": sum(f["bytes"] for f in files), "files": files,
             "memory_budget": cfg.memory_budget, "shard_bytes": cfg.shard_bytes if len(files) > 1 else None}
@@ -271,13 +421,15 @@ def _tune_shards(shards, trained_path, plan, queries, truth, cfg: IndexConfig, o
         return one_recall_at_k(searcher, query_ids, query_vectors, truth)
 
     depths = sorted(shards[0]["results"])
+    curve = []
     if cfg.nprobe is not None:
         tuned = (cfg.nprobe, recall_at(cfg.nprobe), False)
+        curve.append({"depth": cfg.nprobe, "recall": tuned[1]})
     else:
-        tuned = tune_depth(depths, recall_at, cfg.target_recall)
+        tuned = tune_depth(depths, recall_at, cfg.target_recall, curve)
     seconds = sum(s["results"][tuned[0]][2] for s in shards)
     info = _build_info(plan, cfg, out_dir, sum(s["parts"] for s in shards), [s["file"] for s in shards],
-                       (*tuned, len(query_ids)), len(query_ids) / seconds if seconds else 0.0)
+                       (*tuned, len(query_ids)), len(query_ids) / seconds if seconds else 0.0, curve)
     beam.io.filesystems.FileSystems.delete([trained_path])
     return info
 
@@ -320,10 +472,7 @@ class BuildIndex(beam.PTransform):
             paths
             | "TrainSample" >> beam.FlatMap(
                 lambda path, p: [_write_sample(path, p, out_dir)] if p["mergeable"] else [], plan)
-            | "GatherSample" >> beam.combiners.ToList()
-            | "Train" >> beam.FlatMap(
-                lambda prefixes, p: [_train(prefixes, p, out_dir)] if p["mergeable"] else [], plan
-            ).with_resource_hints(**({"accelerator": cfg.accelerator} if cfg.accelerator else {})))
+            | "TrainIndex" >> TrainIndex(plan, out_dir, cfg.accelerator))
         trained_path = beam.pvalue.AsSingleton(trained, default_value=None)
         filled = (
             paths

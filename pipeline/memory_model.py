@@ -11,7 +11,8 @@ import math
 from dataclasses import dataclass
 
 from pipeline.chunking import BUCKET_BITS
-from pipeline.faiss_index import (READ_BATCH, choose_index_factory, estimated_bytes, ivf_lists,
+from pipeline.faiss_index import (READ_BATCH, choose_index_factory, encoder_size, estimated_bytes,
+                                  first_level_clusters, first_level_size, ivf_lists, resolve_clustering,
                                   training_size)
 from pipeline.index_shards import vectors_per_shard
 from schemas.config import PipelineConfig
@@ -72,9 +73,8 @@ def stage_memory(cfg: PipelineConfig, corpus: Corpus, dim: int = 384) -> list[di
         ("write chunks", {f"one file: {rows:,} chunk rows and their Parquet bytes": rows * chunk_row * 2}, []),
         ("embed", {"encoder": ENCODER,
                    f"one file: {rows:,} embeddings and their Parquet bytes": rows * (dim * 4 + ROW_OVERHEAD) * 2}, []),
-        (f"index: train {factory}", {
-            f"{training_size(C, factory):,} training vectors": training_size(C, factory) * dim * 4 * 2,
-            "centroids": (ivf_lists(factory) or 1) * dim * 4}, auto_grows),
+        *_training_steps(factory, C, dim, cfg.index.clustering, cfg.index.accelerator is not None,
+                          cfg.index.type == "auto"),
         ("index: fill one embeddings file", {
             "trained index": estimated_bytes(factory, 0, dim),
             f"codes of {rows:,} vectors": rows * per_vector, "a read batch": READ_BATCH * dim * 4}, auto_grows),
@@ -92,6 +92,28 @@ def stage_memory(cfg: PipelineConfig, corpus: Corpus, dim: int = 384) -> list[di
         out.append({"stage": name, "bytes": int(total), "terms": {k: int(v) for k, v in terms.items()},
                     "grows_with_corpus": [list(terms)[i] for i in growing]})
     return out
+
+
+def _training_steps(factory: str, C: int, dim: int, clustering: str, accelerator: bool,
+                    auto: bool) -> list[tuple]:
+    """The index training steps: one worker with the whole sample ('flat'), or the two-level
+    steps, none of which holds the sample (a first-level cluster is assumed twice its share).
+    With index.type auto every term follows the corpus (through the lists)."""
+    sample, nlist = training_size(C, factory), ivf_lists(factory) or 1
+    vector, centroids = dim * 4, nlist * dim * 4
+    if resolve_clustering(clustering, factory, accelerator) != "two_level":
+        steps = [(f"index: train {factory}", {f"{sample:,} training vectors": sample * vector * 2,
+                                              "centroids": centroids})]
+    else:
+        cluster = 2 * math.ceil(sample / first_level_clusters(nlist))
+        steps = [
+            ("index: train first level", {f"{first_level_size(sample, nlist):,} training vectors":
+                                          first_level_size(sample, nlist) * vector * 2}),
+            ("index: train one first-level cluster", {f"~{cluster:,} training vectors": cluster * vector * 2}),
+            ("index: Lloyd step over one sample file", {"centroids and their assigner": centroids * 3}),
+            (f"index: assemble trained {factory}", {"centroids and the quantizer": centroids * 3,
+                                                    "encoder sample": encoder_size(factory) * vector})]
+    return [(name, terms, list(range(len(terms))) if auto else []) for name, terms in steps]
 
 
 def largest(stages: list[dict]) -> dict:

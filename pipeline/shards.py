@@ -421,12 +421,15 @@ class _NeighbourTokens(beam.DoFn):
             yield seq_id, (j, slot, chunk_id, score, values[chunk_id - start].tobytes())
 
 
+LOST_DATA = "the runner lost data"  # build_shards retries a stage that failed with this, once
+
+
 def _arrived(seq_id: int, what: str, received: int, sent: list[int]) -> None:
     """Each sequence counts what it sent through a shuffle; fail loudly if any went missing
     rather than write a shard with silently padded neighbours."""
     if len(sent) != 1 or received != sent[0]:
         raise RuntimeError(f"sequence {seq_id}: {received} {what} arrived, {sent or 'no count'} were "
-                           "sent: the runner lost data; nothing is committed, run the stage again")
+                           f"sent: {LOST_DATA}; nothing is committed")
 
 
 def _select_distinct(keyed, k: int):

@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
 
 import apache_beam as beam
 import numpy as np
@@ -25,22 +26,22 @@ from pipeline.chunking import Chunk, ChunkDocuments, load_tokenizer, pad_id_of
 from pipeline.commit import (REJECTED_STAGING, commit_directory, discard_staging, new_staging_dir,
                              publish_rejected)
 from pipeline.corpus import ReadCorpus, rejected_share
-from pipeline.faiss_index import new_index
+from pipeline.faiss_index import new_index, resolve_clustering
 from pipeline.index import BUILD_INFO_FILE, INDEX_FILE, BuildIndex
 from pipeline.models import (DEFAULT_MODEL_NAMES, embedding_dim, fingerprint_path, resolve_model,
                              resolve_tokenizer)
 from pipeline.neighbour_recall import MeasureNeighbourRecall
 from pipeline.options import encoder_threads, pipeline_options
 from pipeline.progress import ReportProgress, StageTimer
-from pipeline.shards import (FILLED, DocumentSpans, PackSequences, RetrieveNeighbours, Retrieval, WriteShards,
-                             overlap_histogram, overlap_tally)
+from pipeline.shards import (FILLED, LOST_DATA, DocumentSpans, PackSequences, RetrieveNeighbours, Retrieval,
+                             WriteShards, overlap_histogram, overlap_tally)
 from pipeline.tally import Tally, counted
 from pipeline.writers import (WriteGroupedFiles, WriteRejected, chunks_table, embeddings_table,
                               parquet_bytes)
 from schemas.arrow import check_schema_version, tensor_column_to_numpy
 from schemas.config import PipelineConfig, stable_hash
-from schemas.manifest import (Fingerprint, IndexManifest, NeighbourRecall, ShardsManifest, VectorIndex,
-                              VectorIndexManifest)
+from schemas.manifest import (Fingerprint, IndexManifest, NeighbourRecall, ShardsManifest, StageTimings,
+                              VectorIndex, VectorIndexManifest)
 
 log = logging.getLogger("ratrain")
 MIN_FILL = 0.99          # below this share of filled neighbour slots, the stage warns
@@ -75,6 +76,34 @@ class Tokenization:
         return cls(name, path, pad_id_of(load_tokenizer(path)))
 
 
+def stage_timings(stage: str, started: float, committed: float, counters: dict[str, int], records: str) -> dict:
+    """A manifest's `timings`: the wall time from `started` to `committed` (seconds since the
+    epoch) and the throughput in the counter `records` (None when the clocks disagree so far
+    that the wall time is not positive)."""
+    wall = committed - started
+    return StageTimings(stage=stage, started=_utc(started), committed=_utc(committed), wall_seconds=round(wall, 3),
+                        records=records,
+                        records_per_second=round(counters.get(records, 0) / wall, 1) if wall > 0 else None
+                        ).model_dump(mode="json")
+
+
+def _utc(seconds: float) -> str:
+    return datetime.fromtimestamp(seconds, timezone.utc).isoformat(timespec="seconds")
+
+
+@dataclass(frozen=True)
+class StageClock:
+    """A job's name, the counter its throughput counts, and when the driver built its pipeline.
+    The commit step runs on a worker, maybe long after the driver left (detached): it reads
+    its own clock against `started` (wall-clock time, comparable across machines)."""
+    stage: str
+    records: str
+    started: float = field(default_factory=time.time)
+
+    def timings(self, counters: dict[str, int]) -> dict:
+        return stage_timings(self.stage, self.started, time.time(), counters, self.records)
+
+
 def index_dir(cfg: PipelineConfig) -> str:
     return fileio.join(cfg.output, "index")
 
@@ -89,20 +118,20 @@ def _sorted_entries(entries) -> list[dict]:
     return sorted(entries, key=lambda e: e["path"])
 
 
-def _commit(manifest: dict, staging: str, output: str, final: str, stage: str, staged: list[str],
+def _commit(manifest: dict, staging: str, output: str, final: str, clock: StageClock, staged: list[str],
             max_rejected_fraction: float = 1.0, replace: tuple[str, ...] | None = None) -> None:
     """Publish the rejected records, refuse a job that rejected too much (nothing committed),
-    else move the staged files into `final` and write the manifest last."""
+    else move the staged files into `final` and write the manifest, with the job's timings, last."""
     publish_rejected(staging, output)
     rejected, records = rejected_share(manifest["counters"])
     if records and rejected / records > max_rejected_fraction:
         discard_staging(staging)
         reasons = ", ".join(f"{k[len('rejected_'):]} {v:,}" for k, v in manifest["counters"].items()
                             if k.startswith("rejected_") and v)
-        raise StageError(f"{stage}: {rejected:,} of {records:,} input records rejected "
+        raise StageError(f"{clock.stage}: {rejected:,} of {records:,} input records rejected "
                          f"({rejected / records:.0%}: {reasons}), more than max_rejected_fraction "
                          f"{max_rejected_fraction:.0%}; see {fileio.join(output, 'rejected')}")
-    commit_directory(staging, final, manifest, staged, replace)
+    commit_directory(staging, final, {**manifest, "timings": clock.timings(manifest["counters"])}, staged, replace)
 
 
 def describe(pipeline: beam.Pipeline) -> dict:
@@ -136,9 +165,10 @@ def new_pipeline(beam_args: list[str], dry_run: bool = False) -> beam.Pipeline:
     return beam.Pipeline(options=options)
 
 
-def run_stage(pipeline: beam.Pipeline, name: str, directory: str, model, detach: bool, main: str):
+def run_stage(pipeline: beam.Pipeline, clock: StageClock, directory: str, model, detach: bool):
     """Run a job that commits itself. Attached: wait, then read and return the committed
     manifest. Detached: return once the runner has the job (`Submitted`)."""
+    name, main = clock.stage, clock.records
     manifest_path = fileio.join(directory, fileio.MANIFEST)
     with StageTimer(name) as timer:
         result = pipeline.run()
@@ -154,11 +184,12 @@ def run_stage(pipeline: beam.Pipeline, name: str, directory: str, model, detach:
 
 
 def check_index_type(cfg: PipelineConfig) -> None:
-    """A faiss factory string that cannot be built fails now, not after hours of embedding
-    (when the encoder's width can be read without loading it)."""
+    """A faiss factory string that cannot be built, or a clustering it cannot take, fails now,
+    not after hours of embedding (when the encoder's width can be read without loading it)."""
     dim = embedding_dim(cfg.embedding.model)
     if cfg.index.type != "auto" and dim is not None:
         new_index(cfg.index.type, dim)
+        resolve_clustering(cfg.index.clustering, cfg.index.type)
 
 
 # --- build-index ----------------------------------------------------------------------------
@@ -249,6 +280,7 @@ def build_index(cfg: PipelineConfig, beam_args: list[str], force: bool = False,
     staging = new_staging_dir(cfg.output, "index", dry_run)
     m, pad = cfg.chunk_tokens, tok.pad_id
     pipeline = new_pipeline(beam_args, dry_run)
+    clock = StageClock("build-index", "chunks")
     threads = encoder_threads(cfg.embedding.cpu_threads, cfg.embedding.device, pipeline.options)
     documents, rejected = pipeline | "ReadRetrievalCorpus" >> ReadCorpus(cfg.retrieval_corpus, match=not dry_run)
     chunks, unusable = (documents | "DocumentProgress" >> ReportProgress("read", "documents")
@@ -288,12 +320,12 @@ def build_index(cfg: PipelineConfig, beam_args: list[str], force: bool = False,
     staged = beam.pvalue.AsSingleton(
         entries | "StagedPaths" >> beam.Map(lambda e: e["path"]) | "AllStaged" >> beam.combiners.ToList())
     _ = manifest | "Commit" >> beam.Map(
-        lambda manifest, staged, *after: _commit(manifest, staging, cfg.output, index_dir(cfg), "build-index",
+        lambda manifest, staged, *after: _commit(manifest, staging, cfg.output, index_dir(cfg), clock,
                                                  staged + _index_staged(manifest), cfg.max_rejected_fraction),
         staged, beam.pvalue.AsList(rejected_files))
     if dry_run:
         return describe(pipeline)
-    manifest = run_stage(pipeline, "build-index", index_dir(cfg), IndexManifest, detach, "chunks")
+    manifest = run_stage(pipeline, clock, index_dir(cfg), IndexManifest, detach)
     if isinstance(manifest, IndexManifest):
         _log_index(index_dir(cfg), manifest)
     return manifest
@@ -314,17 +346,18 @@ def _log_index(directory: str, manifest) -> None:
 
 
 def _index_only_pipeline(paths: list[str], cfg_index, staging: str, beam_args: list[str], to_manifest,
-                         final: str):
+                         final: str, stage: str) -> tuple[beam.Pipeline, StageClock]:
     """A job that builds a faiss index from embedding files and commits it into `final/faiss/`
     (the rest of `final` stays): `to_manifest(info)` makes the manifest dict."""
     pipeline = new_pipeline(beam_args)
+    clock = StageClock(stage, "index_vectors_added")
     _ = (pipeline
          | "EmbeddingFiles" >> beam.Create(paths)
          | "BuildIndex" >> BuildIndex(cfg_index, fileio.join(staging, "faiss"))
          | "Manifest" >> beam.Map(to_manifest)
-         | "Commit" >> beam.Map(lambda manifest: _commit(manifest, staging, final, final, "index",
+         | "Commit" >> beam.Map(lambda manifest: _commit(manifest, staging, final, final, clock,
                                                          _index_staged(manifest), replace=("faiss",))))
-    return pipeline
+    return pipeline, clock
 
 
 def _rebuild_faiss(cfg: PipelineConfig, previous: IndexManifest, beam_args: list[str],
@@ -345,9 +378,9 @@ def _rebuild_faiss(cfg: PipelineConfig, previous: IndexManifest, beam_args: list
             "counters": dict(sorted({**earlier, **_index_counters(info)}.items())),
             "created_by": CREATED_BY, **_vector_index_fields(info)}).model_dump(mode="json")
 
-    pipeline = _index_only_pipeline(paths, cfg.index, staging, beam_args, to_manifest, directory)
-    manifest = run_stage(pipeline, "build-index (faiss only)", directory, IndexManifest, detach,
-                         "index_vectors_added")
+    pipeline, clock = _index_only_pipeline(paths, cfg.index, staging, beam_args, to_manifest, directory,
+                                           "build-index (faiss only)")
+    manifest = run_stage(pipeline, clock, directory, IndexManifest, detach)
     if isinstance(manifest, IndexManifest):
         _log_index(directory, manifest)
     return manifest
@@ -369,8 +402,8 @@ def build_vector_index(embeddings: list[str], output: str, cfg_index, beam_args:
             files=_index_entries(info), counters=_index_counters(info), created_by=CREATED_BY,
             **_vector_index_fields(info)).model_dump(mode="json")
 
-    pipeline = _index_only_pipeline(paths, cfg_index, staging, beam_args, to_manifest, output)
-    manifest = run_stage(pipeline, "index", output, VectorIndexManifest, False, "index_vectors_added")
+    pipeline, clock = _index_only_pipeline(paths, cfg_index, staging, beam_args, to_manifest, output, "index")
+    manifest = run_stage(pipeline, clock, output, VectorIndexManifest, False)
     _log_index(output, manifest)
     return manifest
 
@@ -451,13 +484,30 @@ def _shards_manifest(entries, tallies, recall, precision, cfg: PipelineConfig, i
 def build_shards(cfg: PipelineConfig, beam_args: list[str], dry_run: bool = False,
                  detach: bool = False) -> ShardsManifest | Submitted | dict:
     """Stages 4-5: training sequences + retrieved neighbours -> Arrow shards, committed.
-    dry_run, detach: as for `build_index` (a dry run needs no committed index)."""
+    dry_run, detach: as for `build_index` (a dry run needs no committed index).
+
+    A job that fails because the runner lost shuffle data (Beam's local multi-process runner
+    does, now and then: README, "Running at scale") committed nothing; it runs once more,
+    from fresh staging, and says so. A second loss fails the stage."""
+    try:
+        return _build_shards(cfg, beam_args, dry_run, detach)
+    except Exception as err:  # the runner reraises the worker's error wrapped in its own type
+        if dry_run or detach or LOST_DATA not in str(err):
+            raise
+        log.warning("build-shards: the runner lost shuffle data (%s); nothing was committed, so the "
+                    "stage runs once more", str(err).strip().splitlines()[-1][:300])
+        return _build_shards(cfg, beam_args, dry_run, detach)
+
+
+def _build_shards(cfg: PipelineConfig, beam_args: list[str], dry_run: bool,
+                  detach: bool) -> ShardsManifest | Submitted | dict:
     index_manifest, index_sha = (None, None) if dry_run else load_index_manifest(cfg)
     tok = Tokenization.of(cfg)
     staging = new_staging_dir(cfg.output, "shards", dry_run)
     L, m, k = cfg.chunks_per_sequence, cfg.chunk_tokens, cfg.neighbours
     idx = index_dir(cfg)
     pipeline = new_pipeline(beam_args, dry_run)
+    clock = StageClock("build-shards", "sequences")
     threads = None
     chunk_files = ChunkFileRanges.from_entries(idx, [] if dry_run else index_manifest.files)
     if cfg.training_corpus == "same":
@@ -515,12 +565,12 @@ def build_shards(cfg: PipelineConfig, beam_args: list[str], dry_run: bool = Fals
     staged = beam.pvalue.AsSingleton(
         shard_files | "StagedPaths" >> beam.Map(lambda e: e["path"]) | "AllStaged" >> beam.combiners.ToList())
     _ = manifest | "Commit" >> beam.Map(
-        lambda manifest, staged, *after: _commit(manifest, staging, cfg.output, shards_dir(cfg), "build-shards",
+        lambda manifest, staged, *after: _commit(manifest, staging, cfg.output, shards_dir(cfg), clock,
                                                  staged, cfg.max_rejected_fraction),
         staged, beam.pvalue.AsList(rejected_files))
     if dry_run:
         return describe(pipeline)
-    manifest = run_stage(pipeline, "build-shards", shards_dir(cfg), ShardsManifest, detach, "sequences")
+    manifest = run_stage(pipeline, clock, shards_dir(cfg), ShardsManifest, detach)
     if isinstance(manifest, ShardsManifest):
         log.info("committed %s (%d sequences in %d shards, %s)", shards_dir(cfg),
                  manifest.num_sequences, len(manifest.shards), manifest.neighbour_summary())

@@ -114,6 +114,11 @@ class IndexConfig(_Strict):
                                "to measure recall.")
     min_ram: str | None = Field(None, description="Beam min_ram resource hint for the stages that "
                                 "hold the index (build, search), e.g. '32GB': high-memory workers.")
+    clustering: Literal["auto", "flat", "two_level"] = Field(
+        "auto", description="How an IVF index's lists are trained: 'flat' (one k-means over all "
+        "lists), 'two_level' (faiss's two-level k-means: √lists clusters, each split in "
+        "proportion to its size, then 3 Lloyd steps; no worker holds the sample) or 'auto' "
+        "(two_level from 4,096 lists, flat when `accelerator` is set: one k-means on the GPUs).")
     accelerator: str | None = Field(None, description="Beam accelerator resource hint for the step "
                                     "that trains the index (k-means on one worker), e.g. "
                                     "'type:nvidia-l4;count:1;install-nvidia-driver'; with a CUDA "

@@ -25,6 +25,11 @@ class Fingerprint(_Model):
     fingerprint: str = Field(description="sha256 over the files that define it.")
 
 
+class DepthRecall(_Model):
+    depth: int
+    recall: float
+
+
 class Recall(_Model):
     measure: str = Field(description="'1-recall@10 with ties within 0.001': share of sampled "
                          "indexed vectors for which one of the index's top 10 (self excluded) is "
@@ -36,6 +41,10 @@ class Recall(_Model):
     target: float | None = None
     plateau: bool = Field(False, description="The tuning stopped below the target because "
                           "doubling the search depth gained less than 0.005 recall.")
+    curve: list[DepthRecall] | None = Field(None, description="Recall at each search depth the "
+                                             "tuning measured, in the order measured (one point for a "
+                                             "fixed index.nprobe; None: an exact index, or an older "
+                                             "manifest).")
 
 
 class VectorIndex(_Model):
@@ -48,10 +57,24 @@ class VectorIndex(_Model):
     index_bytes: int
     memory_budget: int
     training_vectors: int
+    clustering: str = Field("flat", description="How the IVF lists were trained: 'flat' (one "
+                            "k-means) or 'two_level' (faiss's two-level k-means).")
     queries_per_second: float | None
     shard_bytes: int | None = Field(None, description="The index's faiss files are shards of at "
                                     "most this size (faiss/shard-NNNNN.faiss, chunk-id ranges in "
                                     "order); None: one file, faiss/index.faiss.")
+
+
+class StageTimings(_Model):
+    """A job's wall time and throughput, for reports and comparisons between runs."""
+    stage: str = Field(description="The job: build-index, build-index (faiss only), index or build-shards.")
+    started: str = Field(description="UTC time (ISO 8601) the driver built the job's pipeline.")
+    committed: str = Field(description="UTC time the job's commit step (on a worker) wrote this manifest.")
+    wall_seconds: float = Field(description="committed - started: submission, every step and the commit "
+                                "(with any offset between the driver's and the worker's clocks).")
+    records: str = Field(description="The counter the throughput counts (e.g. chunks, sequences).")
+    records_per_second: float | None = Field(description="None: the two clocks disagree so far that "
+                                             "the wall time is not positive.")
 
 
 class _Committed(_Model):
@@ -61,6 +84,8 @@ class _Committed(_Model):
                              "(never the output location).")
     counters: dict[str, int] = Field(description="Records read, written and dropped, by reason.")
     created_by: str
+    timings: StageTimings | None = Field(None, description="The job's wall time and throughput (None: "
+                                         "an older manifest). Differs between runs of the same config.")
 
 
 class VectorIndexManifest(VectorIndex, _Committed):

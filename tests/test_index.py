@@ -8,8 +8,8 @@ from apache_beam.testing.util import assert_that, equal_to
 
 from pipeline.faiss_index import (IndexBuildError, build_index, choose_index_factory, estimated_bytes,
                                   exact_nearest_other, in_sample, load_index, merge_part, nlist_for,
-                                  one_recall_at_k, plan_index, search_excluding, set_search_depth,
-                                  train_index, training_size, tune_search_depth)
+                                  one_recall_at_k, plan_index, resolve_clustering, search_excluding,
+                                  set_search_depth, train_index, training_size, tune_search_depth)
 from pipeline.index import BuildIndex
 from pipeline.options import pipeline_options
 from pipeline.writers import embeddings_table, parquet_bytes
@@ -67,6 +67,50 @@ def test_samples_are_deterministic_and_sized():
     assert abs(chosen.sum() - 5_000) < 300
     assert np.array_equal(chosen, in_sample(ids[::-1], 5_000, len(ids), 1)[::-1])
     assert not np.array_equal(chosen, in_sample(ids, 5_000, len(ids), 2))
+
+
+@pytest.mark.parametrize("clustering, factory, expected", [
+    ("auto", "IVF1024,PQ8", "flat"), ("auto", "IVF4096,PQ8", "two_level"),
+    ("auto", "IVF65536_HNSW32,Flat", "two_level"), ("two_level", "IVF64,Flat", "two_level"),
+    ("flat", "IVF65536,Flat", "flat"), ("two_level", "HNSW32", "flat"), ("auto", "Flat", "flat"),
+    ("auto", "OPQ16,IVF8192,PQ16", "flat")])
+def test_clustering_choice(clustering, factory, expected):
+    assert resolve_clustering(clustering, factory) == expected
+
+
+def test_an_accelerator_keeps_auto_clustering_on_one_k_means():
+    assert resolve_clustering("auto", "IVF65536,PQ8", accelerator=True) == "flat"
+    assert resolve_clustering("two_level", "IVF65536,PQ8", accelerator=True) == "two_level"
+
+
+def test_two_level_clustering_refuses_a_pre_transform():
+    with pytest.raises(IndexBuildError, match="no pre-transform"):
+        resolve_clustering("two_level", "OPQ16,IVF8192,PQ16")
+
+
+def _recall_at_10(index, queries, truth, nprobe):
+    """Share of queries whose exact nearest is among the index's top 10."""
+    set_search_depth(index, nprobe)
+    return float(np.mean(np.any(index.search(queries, 10)[1] == truth[:, None], axis=1)))
+
+
+@pytest.mark.parametrize("factory", ["IVF256,Flat", "IVF128_HNSW16,Flat", "IVF128,PQ8x8np"])
+def test_two_level_clustering_trains_every_list_and_keeps_recall(factory):
+    vectors = clustered(30_000, clusters=400, seed=4)
+    queries, base = vectors[:300], vectors[300:]
+    truth = np.argmax(queries @ base.T, axis=1)
+    sample = base[::2]
+    recall = {}
+    for clustering in ("flat", "two_level"):
+        index = train_index(factory, sample, clustering)
+        ivf = faiss.extract_index_ivf(index)
+        assert index.is_trained and ivf.quantizer.ntotal == ivf.nlist
+        index.add_with_ids(base, np.arange(len(base)))
+        recall[clustering] = _recall_at_10(index, queries, truth, nprobe=4)
+        if factory == "IVF256,Flat":  # inner product: spherical k-means, as faiss's own IVF training
+            centroids = ivf.quantizer.reconstruct_n(0, ivf.nlist)
+            assert np.allclose(np.linalg.norm(centroids, axis=1), 1, atol=1e-4)
+    assert recall["two_level"] >= recall["flat"] - 0.02, recall
 
 
 def test_flat_index_answers_chunk_ids():
@@ -200,13 +244,14 @@ def test_build_index_transform_flat(tmp_path):
     assert json.loads((tmp_path / "faiss" / "build_info.json").read_text())["recall_at_k"]["value"] == 1.0
 
 
-def test_build_index_transform_ivf_in_parts(tmp_path):
+@pytest.mark.parametrize("clustering", ["flat", "two_level"])
+def test_build_index_transform_ivf_in_parts(tmp_path, clustering):
     vectors = clustered(10_000, clusters=100)
     ids = np.arange(10_000, dtype=np.int64) * 3 + 5
     paths = write_embedding_files(tmp_path / "emb", ids, vectors, files=4)
-    info = _build(paths, IndexConfig(type="IVF64,Flat", target_recall=0.9, recall_sample=200),
-                  tmp_path / "faiss")
-    assert info["parts"] == 4 and info["num_vectors"] == 10_000
+    info = _build(paths, IndexConfig(type="IVF64,Flat", target_recall=0.9, recall_sample=200,
+                                     clustering=clustering), tmp_path / "faiss")
+    assert info["parts"] == 4 and info["num_vectors"] == 10_000 and info["clustering"] == clustering
     assert info["recall_at_k"]["value"] >= 0.9 and info["recall_at_k"]["sample_size"] > 150
     assert not any((tmp_path / "faiss" / "parts").iterdir())
     index = load_index(str(tmp_path / "faiss" / "index.faiss"), info["nprobe"])
@@ -214,11 +259,12 @@ def test_build_index_transform_ivf_in_parts(tmp_path):
     assert found[:, 0].tolist() == ids[:20].tolist()  # chunk ids survive as faiss ids
 
 
-def test_one_and_two_workers_build_the_same_index(tmp_path, monkeypatch):
+@pytest.mark.parametrize("clustering", ["flat", "two_level"])
+def test_one_and_two_workers_build_the_same_index(tmp_path, monkeypatch, clustering):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # pipeline_options shares the cores
     vectors = clustered(12_000, clusters=100, seed=3)
     paths = write_embedding_files(tmp_path / "emb", np.arange(12_000), vectors, files=3)
-    cfg = IndexConfig(type="IVF32,PQ8x8np", target_recall=0.5, recall_sample=100)
+    cfg = IndexConfig(type="IVF32,PQ8x8np", target_recall=0.5, recall_sample=100, clustering=clustering)
     one = _build(paths, cfg, tmp_path / "one")
     two = _build(paths, cfg, tmp_path / "two",
                  ["--direct_num_workers=2", "--direct_running_mode=multi_processing"])

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from pipeline.faiss_index import estimated_bytes
+from pipeline.faiss_index import choose_index_factory, estimated_bytes
 from pipeline.memory_model import Corpus, stage_memory
-from schemas.config import config_from_dict
+from schemas.config import config_from_dict, parse_size
 from tests.conftest import sample_documents, small_config, write_config, write_jsonl
 
 
@@ -30,9 +30,21 @@ def test_only_the_terms_marked_as_growing_change_with_the_corpus(index_type):
 
 def test_the_index_terms_are_the_index_builders_own_estimate():
     stages = {s["stage"]: s for s in stage_memory(model_config(), Corpus.of(1e8))}
-    (train,) = [name for name in stages if name.startswith("index: train")]
-    factory = train.split()[-1]
+    factory = choose_index_factory(10**8, 384, parse_size("2TB"))
+    assert f"index: assemble trained {factory}" in stages  # two-level clustering at 2^18 lists
     assert stages["index: merge"]["terms"] == {"the whole index (100,000,000 vectors)": estimated_bytes(factory, 10**8, 384)}
+
+
+def test_two_level_training_holds_no_step_with_the_whole_sample():
+    corpus = Corpus.of(3e10)
+    flat, two_level = ([s for s in stage_memory(model_config(index={"clustering": c}), corpus)
+                        if s["stage"].startswith("index: ") and "fill" not in s["stage"] and "merge" not in s["stage"]]
+                       for c in ("flat", "auto"))
+    (whole,) = flat
+    assert [s["stage"] for s in two_level] == ["index: train first level", "index: train one first-level cluster",
+                                               "index: Lloyd step over one sample file",
+                                               f"index: assemble trained {whole['stage'].split()[-1]}"]
+    assert max(s["bytes"] for s in two_level) < whole["bytes"] / 10
 
 
 def test_chunk_files_rows_bound_the_steps_that_hold_one_file():

@@ -170,3 +170,41 @@ def test_rejected_records_are_spread_over_stably_named_files(tmp_path):
     assert files == {f"build-index-{rejected_file_of(r):05d}.jsonl" for r in records} and len(files) > 1
     written = read_rejected(tmp_path, "build-index")
     assert sorted((r["source"], r["position"]) for r in written) == sorted((r.source, r.position) for r in records)
+
+
+def test_build_shards_runs_once_more_when_the_runner_loses_shuffle_data(built_output, tmp_path, monkeypatch, caplog):
+    """A job whose runner loses elements of a shuffle fails before its commit (every sequence
+    counts what it sent); build-shards then runs once more from fresh staging, says so, and
+    writes the shards an undisturbed run writes. A second loss fails the stage."""
+    import logging
+    import shutil
+
+    import pipeline.shards as shards
+    from pipeline.stages import build_shards
+
+    root, config, _ = built_output
+    out = tmp_path / "out"
+    shutil.copytree(root / "out" / "index", out / "index")
+    cfg = config_from_dict({**config, "output": str(out)})
+    arrived, losses = shards._arrived, []
+
+    def lose_one(seq_id, what, received, sent, times):
+        if len(losses) < times:  # as if the runner dropped one element sent to this sequence
+            losses.append(seq_id)
+            received -= 1
+        arrived(seq_id, what, received, sent)
+
+    monkeypatch.setattr(shards, "_arrived", lambda *args: lose_one(*args, times=2))
+    with pytest.raises(Exception, match=shards.LOST_DATA):
+        build_shards(cfg, [])
+    assert len(losses) == 2 and not (out / "shards" / "manifest.json").exists()
+
+    losses.clear()
+    monkeypatch.setattr(shards, "_arrived", lambda *args: lose_one(*args, times=1))
+    with caplog.at_level(logging.WARNING, logger="ratrain"):
+        manifest = build_shards(cfg, [])
+    assert len(losses) == 1 and "lost shuffle data" in caplog.text and "runs once more" in caplog.text
+    assert manifest.num_sequences == json.loads((root / "out" / "shards" / "manifest.json").read_text())["num_sequences"]
+    written = {p.name: p.read_bytes() for p in (out / "shards").glob("*.arrow")}
+    assert written == {p.name: p.read_bytes() for p in (root / "out" / "shards").glob("*.arrow")}
+    assert not (out / ".staging").exists() or not any((out / ".staging").iterdir())

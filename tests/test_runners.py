@@ -130,7 +130,7 @@ def test_dry_run_shows_the_dataflow_plan_offline(tmp_path, capsys):
     index_stages = {s["stage"]: s.get("resource_hints", {}) for s in plan["build-index"]["stages"]}
     assert index_stages["EmbedChunks"] == {"accelerator": "type:nvidia-l4;count:1;install-nvidia-driver"}
     assert index_stages["BuildIndex"] == {"min_ram_bytes": "64000000000"}
-    assert index_stages["BuildIndex/Train"] == {"min_ram_bytes": "64000000000", "accelerator": "type:nvidia-l4;count:1"}
+    assert index_stages["BuildIndex/TrainIndex/Train"] == {"min_ram_bytes": "64000000000", "accelerator": "type:nvidia-l4;count:1"}
     shard_stages = {s["stage"]: s.get("resource_hints", {}) for s in plan["build-shards"]["stages"]}
     assert shard_stages["RetrieveNeighbours"] == {"min_ram_bytes": "64000000000"}
     for stage in ("build-index", "build-shards"):
