@@ -19,7 +19,7 @@ from tests.trainer_fixtures import source_rows, write_shard_dir
 from trainer import ShardDataset
 from trainer.dataset import ShardDataError
 from trainer.model import Retro, RetroConfig
-from trainer.train import main, next_token_loss
+from trainer.train import TrainConfig, accumulate_gradients, main, next_token_loss, parse_args
 
 SHARD_ROWS = [7, 5, 9, 6]  # uneven on purpose: 27 sequences, record batches of 3
 SEQ_IDS = set(range(1000, 1000 + sum(SHARD_ROWS)))
@@ -501,7 +501,7 @@ def test_resumed_training_continues_the_uninterrupted_run(train_dir, tmp_path, c
     main([*common[:3], "10", *common[4:], "--decay-steps", "20", "--checkpoint", str(checkpoint)])
     first_half = losses(capsys.readouterr().out)
     state = torch.load(checkpoint)
-    assert state["step"] == 10 and state["dataset"]["position"] == 80
+    assert state["step"] == 10 and state["ranks"][0]["dataset"]["position"] == 80
     main([*common, "--resume", str(checkpoint)])
     second_half = losses(capsys.readouterr().out)
 
@@ -539,3 +539,166 @@ def test_an_epoch_with_every_shard_skipped_stops_training_instead_of_looping(tmp
     dataset = ShardDataset(tmp_path, batch_size=2, batched=True, skip_bad_shards=True)
     with pytest.raises(TrainError, match="yielded no batch: every shard was skipped"):
         next(epochs(DataLoader(dataset, batch_size=None), dataset))
+
+
+def test_resume_from_a_checkpoint_at_the_end_of_an_epoch(train_dir, tmp_path, capsys):
+    # 120 sequences / batch 8: the checkpoint at step 15 holds position 120 of epoch 0.
+    common = ["--shards", str(train_dir), "--steps", "17", "--batch-size", "8", "--lr", "1e-2",
+              "--log-every", "1", *TINY_MODEL]
+    main(common)
+    uninterrupted = losses(capsys.readouterr().out)
+    checkpoint = tmp_path / "ckpt.pt"
+    main([*common[:3], "15", *common[4:], "--decay-steps", "17", "--checkpoint", str(checkpoint)])
+    assert torch.load(checkpoint)["ranks"][0]["dataset"]["position"] == 120
+    capsys.readouterr()
+    main([*common, "--resume", str(checkpoint)])
+    resumed = losses(capsys.readouterr().out)
+    assert sorted(resumed) == [16, 17]
+    assert all(resumed[s] == pytest.approx(uninterrupted[s], abs=1e-4) for s in resumed), (resumed, uninterrupted)
+
+
+# -- options, accumulation, precision, metrics ----------------------------------------------
+
+def test_every_option_is_a_flag_named_after_its_field():
+    config = parse_args(["--shards", "s", "--steps", "5", "--weight-decay", "0.02", "--grad-clip", "0.5",
+                         "--min-lr-ratio", "0", "--grad-accum", "3", "--precision", "bf16", "--compile",
+                         "--no-retrieval", "--cca-layers", "0,2", "--metrics", "m.jsonl"])
+    assert (config.weight_decay, config.grad_clip, config.min_lr_ratio, config.grad_accum) == (0.02, 0.5, 0.0, 3)
+    assert (config.precision, config.compile, config.retrieval, config.cca_layers) == ("bf16", True, False, (0, 2))
+    assert config.metrics == "m.jsonl" and config.batch_size == TrainConfig.__dataclass_fields__["batch_size"].default
+    assert parse_args(["--shards", "s", "--steps", "5"]).retrieval is True
+
+
+@pytest.mark.parametrize("flag, value", [("--grad-accum", "0"), ("--batch-size", "0"), ("--steps", "0"),
+                                         ("--precision", "fp8")])
+def test_out_of_range_options_are_refused(flag, value, capsys):
+    argv = ["--shards", "s", "--steps", "5", flag, value]
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert flag in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def padded_dir(tmp_path_factory) -> Path:
+    """Sequences ending in 0 to 8 pad tokens: batches differ in their count of targets."""
+    directory = tmp_path_factory.mktemp("padded")
+    write_shard_dir(directory, shard_rows=[48], vocab_size=64, pad_tails=True, seed=3)
+    return directory
+
+
+def test_grad_accum_gives_the_gradient_of_the_whole_batch(padded_dir):
+    batch = next(iter(ShardDataset(padded_dir, batch_size=8, batched=True)))
+    halves = [{name: tensor[:3] for name, tensor in batch.items()}, {name: tensor[3:] for name, tensor in batch.items()}]
+    config = RetroConfig(vocab_size=64, sequence_tokens=16, chunk_tokens=4, dim=32, depth=2, heads=2,
+                         encoder_depth=1)
+
+    def gradients(micro_batches):
+        torch.manual_seed(0)
+        model = Retro(config)
+        loss_sum, targets = accumulate_gradients(model, micro_batches, pad_id=0, retrieval=True,
+                                                 device=torch.device("cpu"), precision="fp32",
+                                                 scaler=torch.amp.GradScaler("cpu", enabled=False))
+        return float(loss_sum / targets), {name: p.grad for name, p in model.named_parameters()}
+
+    whole_loss, whole = gradients([batch])
+    split_loss, split = gradients(halves)
+    assert split_loss == pytest.approx(whole_loss, rel=1e-6)
+    assert whole.keys() == split.keys()
+    for name in whole:
+        assert torch.allclose(split[name], whole[name], rtol=1e-4, atol=1e-7), name
+    # The test can tell: these halves hold different target counts, so a mean of their
+    # per-batch means is not the whole batch's token mean.
+    counts = [int((half["tokens"][:, 1:] != 0).sum()) for half in halves]
+    assert counts[0] / 3 != counts[1] / 5
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_grad_accum_2_trains_as_a_batch_twice_as_large(padded_dir, tmp_path, capsys):
+    common = ["--shards", str(padded_dir), "--steps", "5", "--lr", "1e-2", "--log-every", "1", *TINY_MODEL]
+    runs = {}
+    for name, batching in {"accumulated": ["--batch-size", "4", "--grad-accum", "2"],
+                           "whole": ["--batch-size", "8"]}.items():
+        main([*common, *batching, "--metrics", str(tmp_path / f"{name}.jsonl"),
+              "--checkpoint", str(tmp_path / f"{name}.pt")])
+        runs[name] = (read_metrics(tmp_path / f"{name}.jsonl"), torch.load(tmp_path / f"{name}.pt")["model"])
+    (accumulated, accumulated_model), (whole, whole_model) = runs["accumulated"], runs["whole"]
+    assert [r["step"] for r in accumulated] == [r["step"] for r in whole] == [1, 2, 3, 4, 5]
+    for a, b in zip(accumulated, whole):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    # Adam turns rounding noise in gradients that are zero in exact arithmetic (key biases) into
+    # updates of ~1e-5; a different gradient would move weights by ~lr = 1e-2.
+    assert all(torch.allclose(accumulated_model[k], whole_model[k], atol=1e-4) for k in whole_model)
+
+
+QUICKSTART_MODEL = ["--vocab-size", "64", "--dim", "128", "--depth", "4", "--heads", "4"]  # the Makefile's
+
+
+def test_bf16_on_cpu_trains_the_quickstart_model(train_dir, capsys):
+    main(["--shards", str(train_dir), "--steps", "40", "--batch-size", "8", "--lr", "3e-3", "--log-every", "1",
+          "--precision", "bf16", *QUICKSTART_MODEL])
+    output = capsys.readouterr().out
+    by_step = losses(output)
+    assert "bf16" in output and sorted(by_step) == list(range(1, 41))
+    first, last = np.mean([by_step[s] for s in (1, 2, 3)]), np.mean([by_step[s] for s in (38, 39, 40)])
+    assert last < first - 1.5, by_step
+
+
+def test_fp16_scales_the_loss_and_keeps_the_scale_in_the_checkpoint(train_dir, tmp_path, capsys):
+    checkpoint = tmp_path / "ckpt.pt"
+    main(["--shards", str(train_dir), "--steps", "4", "--batch-size", "4", "--log-every", "1",
+          "--precision", "fp16", "--checkpoint", str(checkpoint), *TINY_MODEL])
+    assert all(math.isfinite(v) for v in losses(capsys.readouterr().out).values())
+    assert torch.load(checkpoint)["scaler"]["scale"] > 1  # bf16 and fp32 keep no scaler state
+    main(["--shards", str(train_dir), "--steps", "5", "--batch-size", "4", "--precision", "fp16",
+          "--resume", str(checkpoint), *TINY_MODEL])
+    assert sorted(losses(capsys.readouterr().out)) == [5]
+
+
+def test_metrics_append_one_json_line_per_log_step_with_validation_loss(train_dir, tmp_path, capsys):
+    held_out = tmp_path / "val"
+    write_shard_dir(held_out, shard_rows=[8], vocab_size=64, seed=9, first_seq_id=5000)
+    metrics = tmp_path / "metrics.jsonl"
+    argv = ["--shards", str(train_dir), "--steps", "6", "--batch-size", "4", "--log-every", "2",
+            "--val-shards", str(held_out), "--val-every", "3", "--metrics", str(metrics), *TINY_MODEL]
+    main(argv)
+    printed = capsys.readouterr().out
+    records = read_metrics(metrics)
+    assert [(r["step"], sorted(r)) for r in records] == [
+        (2, ["grad_norm", "loss", "lr", "step", "tokens_per_s"]),
+        (3, ["step", "val_loss"]),  # scored between log steps
+        (4, ["grad_norm", "loss", "lr", "step", "tokens_per_s"]),
+        (6, ["grad_norm", "loss", "lr", "step", "tokens_per_s", "val_loss"])]
+    for record in records:
+        if "loss" in record:
+            assert f"step={record['step']} loss={record['loss']:.4f} tok/s={record['tokens_per_s']:.0f}" in printed
+            assert record["grad_norm"] > 0 and record["lr"] > 0
+        if "val_loss" in record:
+            assert f"step={record['step']} val_loss={record['val_loss']:.4f}" in printed
+    main(argv)
+    assert len(read_metrics(metrics)) == 2 * len(records)  # appended, not overwritten
+
+
+def test_tensorboard_writes_scalars_or_says_what_is_missing(train_dir, tmp_path):
+    argv = ["--shards", str(train_dir), "--steps", "2", "--batch-size", "4", "--log-every", "1",
+            "--tensorboard", str(tmp_path / "tb"), *TINY_MODEL]
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        with pytest.raises(SystemExit, match="--tensorboard needs the tensorboard package"):
+            main(argv)
+    else:
+        main(argv)
+        assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+
+
+def test_compiled_model_trains_as_the_eager_one(train_dir, capsys):
+    argv = ["--shards", str(train_dir), "--steps", "2", "--batch-size", "4", "--log-every", "1", *TINY_MODEL]
+    main(argv)
+    eager = losses(capsys.readouterr().out)
+    main([*argv, "--compile"])  # compiling: ~40 s on 2 cores the first time, ~8 s from inductor's cache
+    compiled = losses(capsys.readouterr().out)
+    assert sorted(compiled) == [1, 2]
+    assert all(compiled[s] == pytest.approx(eager[s], abs=1e-4) for s in eager), (compiled, eager)

@@ -15,10 +15,12 @@ from schemas.manifest import ShardEntry, ShardsManifest
 
 
 def synthetic_rows(num_sequences: int, *, sequence_tokens: int, chunk_tokens: int, neighbours: int,
-                   vocab_size: int, pad_id: int, seed: int) -> dict[str, np.ndarray]:
+                   vocab_size: int, pad_id: int, seed: int, pad_tails: bool = False) -> dict[str, np.ndarray]:
     """Rows whose tokens count up by one (mod vocab, skipping pad_id) from a random start: a
     pattern a tiny model learns in a few steps. Neighbour 0 of each chunk is the chunk that
-    follows it plus its continuation; the last neighbour of every other chunk is absent (pad)."""
+    follows it plus its continuation; the last neighbour of every other chunk is absent (pad).
+    pad_tails: each sequence ends in 0 to n/2 pad tokens, so batches differ in their count of
+    non-pad targets."""
     rng = np.random.default_rng(seed)
     n, m, k = sequence_tokens, chunk_tokens, neighbours
     chunks = n // m
@@ -30,6 +32,9 @@ def synthetic_rows(num_sequences: int, *, sequence_tokens: int, chunk_tokens: in
 
     starts = rng.integers(0, usable, size=num_sequences)
     tokens = ids(starts[:, None] + np.arange(n + 1)).astype(np.int32)
+    if pad_tails:
+        pads = rng.integers(0, n // 2 + 1, size=(num_sequences, 1))  # trailing pad tokens per sequence
+        tokens[np.arange(n + 1) > n - pads] = pad_id
     neighbours_ = ids(rng.integers(0, usable, size=(num_sequences, chunks, k, 2 * m))).astype(np.int32)
     chunk_starts = starts[:, None] + (np.arange(chunks)[None, :] + 1) * m
     neighbours_[:, :, 0, :] = ids(chunk_starts[:, :, None] + np.arange(2 * m))
@@ -46,7 +51,7 @@ def synthetic_rows(num_sequences: int, *, sequence_tokens: int, chunk_tokens: in
 def write_shard_dir(directory: Path, *, shard_rows: list[int], sequence_tokens: int = 16,
                     chunk_tokens: int = 4, neighbours: int = 2, vocab_size: int = 64,
                     pad_id: int = 0, batch_rows: int = 3, seed: int = 0,
-                    first_seq_id: int = 1000) -> ShardsManifest:
+                    first_seq_id: int = 1000, pad_tails: bool = False) -> ShardsManifest:
     """Write shards of `shard_rows` rows each (record batches of `batch_rows`) and the manifest.
 
     Sequence ids count up from first_seq_id in manifest order; doc_ids are [seq_id].
@@ -55,7 +60,8 @@ def write_shard_dir(directory: Path, *, shard_rows: list[int], sequence_tokens: 
     directory.mkdir(parents=True, exist_ok=True)
     total = sum(shard_rows)
     rows = synthetic_rows(total, sequence_tokens=sequence_tokens, chunk_tokens=chunk_tokens,
-                          neighbours=neighbours, vocab_size=vocab_size, pad_id=pad_id, seed=seed)
+                          neighbours=neighbours, vocab_size=vocab_size, pad_id=pad_id, seed=seed,
+                          pad_tails=pad_tails)
     seq_ids = np.arange(first_seq_id, first_seq_id + total, dtype=np.int64)
     entries, start = [], 0
     for i, count in enumerate(shard_rows):

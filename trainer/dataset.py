@@ -390,8 +390,9 @@ class ShardDataset(IterableDataset):
         self.position += samples
 
     def state_dict(self) -> dict:
-        """Where this rank's stream stands. Ranks step in lockstep, so one rank's state (its
-        position counts that rank's own samples) resumes every rank; `rank` is informational."""
+        """Where this rank's stream stands (its position counts that rank's own samples). Rank
+        streams differ in length by up to one, so ranks stepping in lockstep can reach an epoch's
+        end at different steps: resume each rank from its own state."""
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
                 "shuffle": self.shuffle, "rank": self.rank, "world_size": self.world_size,
                 "num_sequences": self.manifest.num_sequences}

@@ -2,105 +2,168 @@
 
     ratrain-train --shards out/shards --steps 1000 --batch-size 8 --checkpoint ckpt.pt
     ratrain-train --shards out/shards --steps 2000 --resume ckpt.pt --checkpoint ckpt.pt
+    torchrun --nproc_per_node=8 --no-python ratrain-train --shards gs://b/shards --steps 1000 \
+        --device cuda --precision bf16 --grad-accum 4 --checkpoint /shared/ckpt.pt
 
-Single process. --steps is the optimizer step to stop at, so a resumed run continues from the
-checkpoint's step to --steps; the LR schedule spans --decay-steps (default --steps); the model's
-shape comes from the checkpoint. Prints
-`step=<i> loss=<value> tok/s=<value> lr=<value>` every --log-every steps.
+Run alone it is one process; under torchrun each process takes its rank from the environment,
+reads its own slice of every epoch, and the replicas average gradients (DDP: NCCL on CUDA,
+gloo on CPU). Rank 0 alone prints, scores --val-shards and writes checkpoints, which hold every
+rank's data position. --steps is the optimizer step to stop at, so a resumed run continues from
+the checkpoint's step to --steps; the LR schedule spans --decay-steps (default --steps); the
+model's shape comes from the checkpoint. Prints `step=<i> loss=<value> tok/s=<value> lr=<value>`
+every --log-every steps: the loss is the mean over every non-pad target of the step (all
+micro-batches, all ranks), tok/s counts every rank's input tokens.
 """
 from __future__ import annotations
 
 import argparse
+import gc
+import json
 import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+import typing
+from contextlib import nullcontext
+from dataclasses import MISSING, asdict, dataclass, field, fields
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from schemas.arrow import SchemaVersionError
 from trainer.dataset import ShardDataError, ShardDataset
 from trainer.model import Retro, RetroConfig
 
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
 
 class TrainError(ValueError):
     """A run that cannot go on (bad tokens, missing device); main prints it as one line."""
 
 
+def option(default=MISSING, help: str = "", **flag):
+    """A TrainConfig field and its command-line flag (--field-name), declared once: `help`, and
+    argparse's `type` or `choices`, or `minimum` (the least value accepted)."""
+    return field(default=default, metadata={"help": help, **flag})
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    return tuple(int(i) for i in text.split(",") if i)
+
+
 @dataclass
 class TrainConfig:
-    shards: str                          # shard directory (manifest.json + *.arrow)
-    steps: int                           # train until this optimizer step (counts steps before --resume)
-    decay_steps: int | None = None       # the schedule's length; None: steps (set it to stop early on purpose)
-    batch_size: int = 8                  # sequences per step
-    lr: float = 3e-4                     # peak learning rate, after warmup
-    min_lr_ratio: float = 0.1            # cosine decay ends at lr × min_lr_ratio
-    warmup_steps: int | None = None      # linear warmup; None: 5% of steps
-    weight_decay: float = 0.1            # AdamW, on matrices and embeddings only
-    grad_clip: float = 1.0               # max global gradient norm
-    seed: int = 0                        # model init and data order
-    device: str = "cpu"                  # cpu | cuda | cuda:N
-    retrieval: bool = True               # False: the no-retrieval ablation (no encoder, no CCA)
-    vocab_size: int = RetroConfig.vocab_size  # token ids must be below it
-    dim: int = RetroConfig.dim
-    depth: int = RetroConfig.depth
-    heads: int = RetroConfig.heads
-    encoder_depth: int = RetroConfig.encoder_depth
-    cca_layers: tuple[int, ...] | None = None  # None: RetroConfig's default for depth
-    num_workers: int = 0                 # DataLoader worker processes
-    checkpoint: str | None = None        # written at the end (and every checkpoint_every steps)
-    checkpoint_every: int | None = None
-    resume: str | None = None            # checkpoint to continue from
-    log_every: int = 10
-    val_shards: str | None = None        # held-out shard directory, scored every val_every steps
-    val_every: int = 50                  # and at the last step
-    val_batches: int | None = None       # score only this many batches of it; None: all
-    verify_shards: bool = False          # check each shard's sha256 against the manifest when opened
-    skip_bad_shards: bool = False        # leave out (with a warning) shards that fail their checks
+    shards: str = option(help="shard directory (manifest.json + *.arrow), local or gs://")
+    steps: int = option(help="train until this optimizer step (counting the steps before --resume)", minimum=1)
+    decay_steps: int | None = option(None, "length of the LR schedule (default: --steps)", minimum=1)
+    batch_size: int = option(8, "sequences per micro-batch on each rank", minimum=1)
+    grad_accum: int = option(1, "micro-batches per optimizer step; a step takes batch size × this × ranks "
+                                "sequences", minimum=1)
+    lr: float = option(3e-4, "peak learning rate, after warmup")
+    min_lr_ratio: float = option(0.1, "cosine decay ends at lr × this")
+    warmup_steps: int | None = option(None, "linear warmup (default: 5% of the schedule)", minimum=0)
+    weight_decay: float = option(0.1, "AdamW's, on matrices and embeddings only")
+    grad_clip: float = option(1.0, "max global gradient norm")
+    seed: int = option(0, "model init and data order")
+    device: str = option("cpu", "cpu, cuda or cuda:N (under torchrun, cuda is cuda:LOCAL_RANK)")
+    precision: str = option("fp32", "autocast dtype of forward and loss (fp16 adds a gradient scaler)",
+                            choices=tuple(PRECISIONS))
+    compile: bool = option(False, "torch.compile the model (slow first steps, faster after)")
+    retrieval: bool = option(True, "the ablation: train without neighbours (no encoder, no CCA)")
+    vocab_size: int = option(RetroConfig.vocab_size, "token ids must be below it", minimum=1)
+    dim: int = option(RetroConfig.dim, "model width", minimum=1)
+    depth: int = option(RetroConfig.depth, "decoder blocks", minimum=1)
+    heads: int = option(RetroConfig.heads, "attention heads", minimum=1)
+    encoder_depth: int = option(RetroConfig.encoder_depth, "neighbour encoder blocks", minimum=0)
+    cca_layers: tuple[int, ...] | None = option(None, "comma-separated 0-based decoder blocks with CCA "
+                                                      "(default: every third from block 2)", type=int_list)
+    num_workers: int = option(0, "DataLoader worker processes per rank", minimum=0)
+    checkpoint: str | None = option(None, "write model, optimizer and data positions here at the end "
+                                          "(on storage every node sees)")
+    checkpoint_every: int | None = option(None, "also checkpoint every K steps", minimum=1)
+    resume: str | None = option(None, "continue from this checkpoint (same number of ranks)")
+    log_every: int = option(10, "print (and record) every K steps", minimum=1)
+    metrics: str | None = option(None, "append one JSON line per log step to this file")
+    tensorboard: str | None = option(None, "also write TensorBoard scalars to this directory "
+                                           "(needs the tensorboard package)")
+    val_shards: str | None = option(None, "held-out shard directory (local or gs://) to score")
+    val_every: int = option(50, "score --val-shards every K steps and at the end", minimum=1)
+    val_batches: int | None = option(None, "score only this many batches (default: all)", minimum=1)
+    verify_shards: bool = option(False, "check each shard's sha256 against the manifest whenever it is opened")
+    skip_bad_shards: bool = option(False, "leave out, with a warning, shards that fail their checks "
+                                          "(default: refuse)")
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    """Flags from TrainConfig's fields: --field-name, a bool that defaults to True is --no-field-name."""
     parser = argparse.ArgumentParser(prog="ratrain-train", description=__doc__.splitlines()[0])
-    parser.add_argument("--shards", required=True, help="shard directory (manifest.json + *.arrow)")
-    parser.add_argument("--steps", type=int, required=True, help="train until this step")
-    parser.add_argument("--decay-steps", type=int, default=None,
-                        help="length of the LR schedule (default: --steps)")
-    parser.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
-    parser.add_argument("--lr", type=float, default=TrainConfig.lr, help="peak learning rate")
-    parser.add_argument("--warmup-steps", type=int, default=None, help="default: 5%% of --steps")
-    parser.add_argument("--seed", type=int, default=TrainConfig.seed)
-    parser.add_argument("--device", default=TrainConfig.device, help="cpu, cuda or cuda:N")
-    parser.add_argument("--no-retrieval", dest="retrieval", action="store_false",
-                        help="ablation: train without neighbours (no encoder, no CCA)")
-    parser.add_argument("--vocab-size", type=int, default=TrainConfig.vocab_size)
-    parser.add_argument("--dim", type=int, default=TrainConfig.dim)
-    parser.add_argument("--depth", type=int, default=TrainConfig.depth)
-    parser.add_argument("--heads", type=int, default=TrainConfig.heads)
-    parser.add_argument("--encoder-depth", type=int, default=TrainConfig.encoder_depth)
-    parser.add_argument("--cca-layers", type=lambda s: tuple(int(i) for i in s.split(",") if i),
-                        default=None, help="comma-separated 0-based decoder blocks with CCA")
-    parser.add_argument("--num-workers", type=int, default=TrainConfig.num_workers)
-    parser.add_argument("--checkpoint", help="write model, optimizer and data state here at the end")
-    parser.add_argument("--checkpoint-every", type=int, default=None, help="also checkpoint every K steps")
-    parser.add_argument("--resume", help="continue from this checkpoint")
-    parser.add_argument("--log-every", type=int, default=TrainConfig.log_every)
-    parser.add_argument("--val-shards", help="held-out shard directory (local or gs://) to score")
-    parser.add_argument("--val-every", type=int, default=TrainConfig.val_every,
-                        help="score --val-shards every K steps and at the end")
-    parser.add_argument("--val-batches", type=int, default=None, help="score only this many batches")
-    parser.add_argument("--verify-shards", action="store_true",
-                        help="check each shard's sha256 against the manifest whenever it is opened")
-    parser.add_argument("--skip-bad-shards", action="store_true",
-                        help="leave out, with a warning, shards that fail their checks (default: refuse)")
+    hints = typing.get_type_hints(TrainConfig)
+    for spec in fields(TrainConfig):
+        flag = {k: v for k, v in spec.metadata.items() if k != "minimum"}
+        flag["help"] = flag["help"].replace("%", "%%")
+        name = spec.name.replace("_", "-")
+        if hints[spec.name] is bool:
+            parser.add_argument(f"--no-{name}" if spec.default else f"--{name}", dest=spec.name,
+                                action="store_false" if spec.default else "store_true", **flag)
+            continue
+        if spec.default not in (MISSING, None):
+            flag["help"] += f" (default: {spec.default})"
+        scalar = [t for t in typing.get_args(hints[spec.name]) if t is not type(None)] or [hints[spec.name]]
+        flag.setdefault("type", scalar[0])
+        parser.add_argument(f"--{name}", dest=spec.name, required=spec.default is MISSING,
+                            default=None if spec.default is MISSING else spec.default, **flag)
     args = parser.parse_args(argv)
-    if min(args.steps, args.batch_size, args.log_every, args.decay_steps or 1, args.checkpoint_every or 1,
-           args.val_every, args.val_batches or 1) < 1:
-        parser.error("--steps, --decay-steps, --batch-size, --log-every, --checkpoint-every, "
-                     "--val-every and --val-batches must be at least 1")
+    for spec in fields(TrainConfig):
+        value, minimum = getattr(args, spec.name), spec.metadata.get("minimum")
+        if minimum is not None and value is not None and value < minimum:
+            parser.error(f"--{spec.name.replace('_', '-')} must be at least {minimum}")
     return TrainConfig(**vars(args))
+
+
+@dataclass
+class Process:
+    """This process's place in the run: rank 0 of 1 when launched alone."""
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def start_process(device_name: str) -> Process:
+    """Rank and world size from torchrun's environment; with more than one rank, join the
+    process group (NCCL on CUDA, gloo on CPU)."""
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    device = torch.device(device_name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise TrainError(f"--device {device_name}: CUDA is not available")
+        if world_size > 1:
+            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))  # one GPU per process
+        torch.cuda.set_device(device)
+    if world_size > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size)
+    return Process(rank, world_size, device)
+
+
+def sum_over_ranks(values: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        dist.all_reduce(values)
+    return values
+
+
+def gather_to_main(item, process: Process) -> list | None:
+    """Every rank's `item`, in rank order, on rank 0 (None elsewhere)."""
+    if not dist.is_initialized():
+        return [item]
+    items = [None] * process.world_size if process.is_main else None
+    dist.gather_object(item, items, dst=0)
+    return items
 
 
 def lr_multiplier(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
@@ -119,14 +182,16 @@ def build_optimizer(model: Retro, config: TrainConfig) -> torch.optim.AdamW:
 
 
 def epochs(loader: DataLoader, dataset: ShardDataset):
-    """Batches forever; each exhausted epoch moves the dataset to the next one. An epoch that
-    yields nothing (every shard skipped as bad) is an error, not an endless loop."""
+    """Batches forever, each recorded as consumed (`advance`) as it is handed over; each
+    exhausted epoch moves the dataset to the next one. An epoch with samples left that yields
+    nothing (every shard skipped as bad) is an error, not an endless loop."""
     while True:
-        batches = 0
+        batches, left = 0, len(dataset) - dataset.position  # none when resumed at the epoch's end
         for batch in loader:  # a fresh iterator (and fresh worker copies) per epoch
             batches += 1
+            dataset.advance(len(batch["tokens"]))
             yield batch
-        if batches == 0:
+        if batches == 0 and left:
             raise TrainError(f"epoch {dataset.epoch} of {dataset.source} yielded no batch: every shard was "
                              "skipped as bad (see the warnings) or the rank got no rows")
         dataset.set_epoch(dataset.epoch + 1)
@@ -153,8 +218,35 @@ def model_inputs(batch: dict, device: torch.device, retrieval: bool):
     return tokens[:, :-1], tokens[:, 1:], neighbours
 
 
+def autocast(device: torch.device, precision: str):
+    return torch.autocast(device.type, dtype=PRECISIONS[precision], enabled=precision != "fp32")
+
+
+def accumulate_gradients(model: torch.nn.Module, micro_batches: list[dict], *, pad_id: int, retrieval: bool,
+                         device: torch.device, precision: str,
+                         scaler: torch.amp.GradScaler) -> tuple[torch.Tensor, torch.Tensor]:
+    """Backward over one step's micro-batches for the loss sum(token losses) ÷ the count of
+    non-pad targets over every micro-batch of every rank, so the gradient is the same however
+    the step's sequences are split (not a mean of per-batch means). Returns this rank's sum of
+    token losses and the global target count."""
+    local_targets = sum(int((batch["tokens"][:, 1:] != pad_id).sum()) for batch in micro_batches)
+    targets = sum_over_ranks(torch.tensor(float(local_targets), dtype=torch.float64, device=device)).clamp(min=1)
+    scale = (dist.get_world_size() if dist.is_initialized() else 1) / targets  # DDP averages over ranks
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    for i, batch in enumerate(micro_batches):
+        inputs, batch_targets, neighbours = model_inputs(batch, device, retrieval)
+        syncs = i == len(micro_batches) - 1 or not isinstance(model, DistributedDataParallel)
+        with nullcontext() if syncs else model.no_sync():  # all-reduce gradients once, after the last
+            with autocast(device, precision):
+                logits = model(inputs, neighbours)                                     # [b, n, vocab]
+                token_losses = next_token_loss(logits, batch_targets, pad_id, reduction="sum")
+            scaler.scale(token_losses * scale).backward()
+        loss_sum += token_losses.detach()
+    return loss_sum, targets
+
+
 @torch.no_grad()
-def validation_loss(model: Retro, loader: DataLoader, device: torch.device, pad_id: int,
+def validation_loss(model: Retro, loader: DataLoader, device: torch.device, precision: str, pad_id: int,
                     max_batches: int | None) -> float:
     """Mean next-token loss over the held-out shards (every non-pad target counts once)."""
     model.eval()
@@ -163,31 +255,65 @@ def validation_loss(model: Retro, loader: DataLoader, device: torch.device, pad_
         if max_batches is not None and i == max_batches:
             break
         inputs, targets, neighbours = model_inputs(batch, device, model.config.uses_retrieval)
-        logits = model(inputs, neighbours)
-        total += next_token_loss(logits, targets, pad_id, reduction="sum").item()
+        with autocast(device, precision):
+            total += next_token_loss(model(inputs, neighbours), targets, pad_id, reduction="sum").item()
         count += int((targets != pad_id).sum())
     model.train()
     return total / max(count, 1)
 
 
-def resolve_device(name: str) -> torch.device:
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise TrainError(f"--device {name}: CUDA is not available")
-    return device
+class Reporter:
+    """Rank 0's output: printed lines, and one record per log step appended as a JSON line to
+    --metrics and written as scalars to --tensorboard. Other ranks report nothing."""
+
+    def __init__(self, config: TrainConfig, enabled: bool):
+        self.enabled = enabled
+        self.metrics = open(config.metrics, "a", encoding="utf-8") if enabled and config.metrics else None
+        self.tensorboard = None
+        if enabled and config.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise TrainError("--tensorboard needs the tensorboard package (pip install tensorboard)") from None
+            self.tensorboard = SummaryWriter(config.tensorboard)
+
+    def line(self, text: str) -> None:
+        if self.enabled:
+            print(text, flush=True)  # visible as it happens when stdout is a pipe or a file
+
+    def record(self, record: dict) -> None:
+        if self.metrics:
+            self.metrics.write(json.dumps(record) + "\n")
+            self.metrics.flush()
+        if self.tensorboard:
+            for name, value in record.items():
+                if name != "step":
+                    self.tensorboard.add_scalar(name, value, record["step"])
+
+    def close(self) -> None:
+        for sink in (self.metrics, self.tensorboard):
+            if sink:
+                sink.close()
 
 
-def log(line: str) -> None:
-    print(line, flush=True)  # visible as it happens when stdout is a pipe or a file
+def train(config: TrainConfig) -> Retro:
+    """Train (as one rank of a torchrun launch, or alone) and return this rank's model."""
+    process = start_process(config.device)
+    retro = train_process(config, process)  # after an error, no teardown: the other ranks may be mid-collective
+    if dist.is_initialized():
+        gc.collect()  # free the DDP wrapper (held in reference cycles) first, or gloo can abort the exit
+        dist.destroy_process_group()
+    return retro
 
 
-def train(config: TrainConfig) -> None:
-    device = resolve_device(config.device)
-    torch.manual_seed(config.seed)
-    dataset = ShardDataset(config.shards, shuffle=True, seed=config.seed, batch_size=config.batch_size,
-                           batched=True, verify=config.verify_shards, skip_bad_shards=config.skip_bad_shards)
+def train_process(config: TrainConfig, process: Process) -> Retro:
+    device = process.device
+    torch.manual_seed(config.seed)  # every rank builds the same model
+    dataset = ShardDataset(config.shards, rank=process.rank, world_size=process.world_size, shuffle=True,
+                           seed=config.seed, batch_size=config.batch_size, batched=True,
+                           verify=config.verify_shards, skip_bad_shards=config.skip_bad_shards)
     if len(dataset) == 0:
-        raise TrainError(f"{config.shards}: no sequences")
+        raise TrainError(f"{config.shards}: no sequences for rank {process.rank} of {process.world_size}")
     if config.resume and not os.path.isfile(config.resume):
         raise TrainError(f"--resume {config.resume}: no such checkpoint")
     checkpoint = torch.load(config.resume, map_location="cpu", weights_only=True) if config.resume else None
@@ -202,67 +328,106 @@ def train(config: TrainConfig) -> None:
     if (model_config.sequence_tokens, model_config.chunk_tokens) != (dataset.sequence_tokens, dataset.chunk_tokens):
         raise TrainError(f"model takes n={model_config.sequence_tokens}, m={model_config.chunk_tokens}; "
                          f"the shards hold n={dataset.sequence_tokens}, m={dataset.chunk_tokens}")
-    model = Retro(model_config).to(device)
-    optimizer = build_optimizer(model, config)
+    retro = Retro(model_config).to(device)
+    optimizer = build_optimizer(retro, config)
     decay_steps = config.decay_steps or config.steps
     warmup = config.warmup_steps if config.warmup_steps is not None else max(1, decay_steps // 20)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(
         step, warmup=warmup, total=decay_steps, min_ratio=config.min_lr_ratio))
-    step = 0
-    if checkpoint is not None:
-        model.load_state_dict(checkpoint["model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        scheduler.load_state_dict(checkpoint["scheduler"])
-        dataset.load_state_dict(checkpoint["dataset"])
-        torch.set_rng_state(checkpoint["rng"])
-        step = checkpoint["step"]
-    log(f"model: {model.num_parameters():,} parameters, retrieval={model_config.uses_retrieval}, "
-        f"n={dataset.sequence_tokens} m={dataset.chunk_tokens} k={dataset.neighbours}, "
-        f"{len(dataset)} sequences per epoch, starting at step {step}")
+    scaler = torch.amp.GradScaler(device.type, enabled=config.precision == "fp16")  # bf16 needs no scaling
+    step = restore(checkpoint, config.resume, process, retro, optimizer, scheduler, scaler, dataset) \
+        if checkpoint is not None else 0
+    model = torch.compile(retro) if config.compile else retro
+    if process.world_size > 1:  # averages gradients over ranks during backward
+        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
+    report = Reporter(config, enabled=process.is_main)
+    report.line(f"model: {retro.num_parameters():,} parameters, retrieval={model_config.uses_retrieval}, "
+                f"n={dataset.sequence_tokens} m={dataset.chunk_tokens} k={dataset.neighbours}, "
+                f"{len(dataset)} sequences per epoch and rank, steps of {process.world_size} ranks × "
+                f"{config.grad_accum} micro-batches × {config.batch_size} sequences, {config.precision}, "
+                f"starting at step {step}")
     loader = DataLoader(dataset, batch_size=None, num_workers=config.num_workers,  # batched by the dataset
                         pin_memory=device.type == "cuda")
-    val_loader = None
-    if config.val_shards:
-        val_set = ShardDataset(config.val_shards, shuffle=False, batch_size=config.batch_size, batched=True,
-                               verify=config.verify_shards)
-        if (val_set.sequence_tokens, val_set.chunk_tokens, val_set.neighbours) != \
-                (dataset.sequence_tokens, dataset.chunk_tokens, dataset.neighbours):
-            raise TrainError(f"--val-shards {config.val_shards}: shapes differ from the training shards")
-        val_loader = DataLoader(val_set, batch_size=None, num_workers=config.num_workers)
+    val_loader = validation_loader(config, dataset) if config.val_shards and process.is_main else None
     batches = epochs(loader, dataset)
     model.train()
     tokens_since_log, last_log = 0, time.perf_counter()
-    while step < config.steps:
-        batch = next(batches)
-        check_token_range(batch, model_config.vocab_size)
-        inputs, targets, neighbours = model_inputs(batch, device, model_config.uses_retrieval)
-        logits = model(inputs, neighbours)                                 # [b, n, vocab]
-        loss = next_token_loss(logits, targets, dataset.pad_id)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        dataset.advance(len(inputs))
-        step += 1
-        tokens_since_log += inputs.numel()
-        if step % config.log_every == 0 or step == config.steps:
-            now = time.perf_counter()
-            log(f"step={step} loss={loss.item():.4f} tok/s={tokens_since_log / (now - last_log):.0f} "
-                f"lr={scheduler.get_last_lr()[0]:.3g}")
-            tokens_since_log, last_log = 0, now
-        if val_loader is not None and (step % config.val_every == 0 or step == config.steps):
-            log(f"step={step} val_loss={validation_loss(model, val_loader, device, dataset.pad_id, config.val_batches):.4f}")
-            last_log = time.perf_counter()  # tok/s counts training only
-        if config.checkpoint and (step == config.steps or
-                                  (config.checkpoint_every and step % config.checkpoint_every == 0)):
-            save_checkpoint(config.checkpoint, {
-                "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(), "dataset": dataset.state_dict(),
-                "rng": torch.get_rng_state(), "step": step,
-                "model_config": asdict(model_config), "train_config": asdict(config)})
-            log(f"checkpoint: {config.checkpoint} (step {step})")
+    try:
+        while step < config.steps:
+            micro_batches = [next(batches) for _ in range(config.grad_accum)]
+            for batch in micro_batches:
+                check_token_range(batch, model_config.vocab_size)
+            optimizer.zero_grad(set_to_none=True)
+            loss_sum, targets = accumulate_gradients(
+                model, micro_batches, pad_id=dataset.pad_id, retrieval=model_config.uses_retrieval,
+                device=device, precision=config.precision, scaler=scaler)
+            scaler.unscale_(optimizer)  # clip the true gradients
+            grad_norm = torch.nn.utils.clip_grad_norm_(retro.parameters(), config.grad_clip)
+            scaler.step(optimizer)
+            scaler.update()
+            scheduler.step()
+            step += 1
+            tokens_since_log += sum(len(batch["tokens"]) for batch in micro_batches) * dataset.sequence_tokens
+            record = {}
+            if step % config.log_every == 0 or step == config.steps:
+                loss_total, tokens = sum_over_ranks(torch.stack([  # one all-reduce per log step
+                    loss_sum, torch.tensor(float(tokens_since_log), dtype=torch.float64, device=device)])).tolist()
+                now = time.perf_counter()
+                record = {"step": step, "loss": loss_total / targets.item(), "lr": scheduler.get_last_lr()[0],
+                          "tokens_per_s": tokens / (now - last_log), "grad_norm": grad_norm.item()}
+                report.line(f"step={step} loss={record['loss']:.4f} tok/s={record['tokens_per_s']:.0f} "
+                            f"lr={record['lr']:.3g}")
+                tokens_since_log, last_log = 0, now
+            if val_loader is not None and (step % config.val_every == 0 or step == config.steps):
+                record = {"step": step, **record, "val_loss": validation_loss(
+                    retro, val_loader, device, config.precision, dataset.pad_id, config.val_batches)}
+                report.line(f"step={step} val_loss={record['val_loss']:.4f}")
+                last_log = time.perf_counter()  # tok/s counts training only
+            if record:
+                report.record(record)
+            if config.checkpoint and (step == config.steps or
+                                      (config.checkpoint_every and step % config.checkpoint_every == 0)):
+                ranks = gather_to_main({"dataset": dataset.state_dict(), "rng": torch.get_rng_state()}, process)
+                if process.is_main:
+                    save_checkpoint(config.checkpoint, {
+                        "model": retro.state_dict(), "optimizer": optimizer.state_dict(),
+                        "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "ranks": ranks,
+                        "step": step, "model_config": asdict(model_config), "train_config": asdict(config)})
+                    report.line(f"checkpoint: {config.checkpoint} (step {step})")
+    finally:
+        report.close()
+    return retro
+
+
+def validation_loader(config: TrainConfig, dataset: ShardDataset) -> DataLoader:
+    val_set = ShardDataset(config.val_shards, shuffle=False, batch_size=config.batch_size, batched=True,
+                           verify=config.verify_shards)
+    if (val_set.sequence_tokens, val_set.chunk_tokens, val_set.neighbours) != \
+            (dataset.sequence_tokens, dataset.chunk_tokens, dataset.neighbours):
+        raise TrainError(f"--val-shards {config.val_shards}: shapes differ from the training shards")
+    return DataLoader(val_set, batch_size=None, num_workers=config.num_workers)
+
+
+def restore(checkpoint: dict, path: str, process: Process, retro: Retro, optimizer, scheduler, scaler,
+            dataset: ShardDataset) -> int:
+    """Load a checkpoint's states, this rank's data position and RNG among them; the step it was taken at."""
+    # Checkpoints from before multi-rank training held one rank's state at the top level.
+    ranks = checkpoint.get("ranks") or [{"dataset": checkpoint["dataset"], "rng": checkpoint["rng"]}]
+    if len(ranks) != process.world_size:
+        raise TrainError(f"--resume {path}: written by {len(ranks)} ranks, this run has "
+                         f"{process.world_size}: launch as many")
+    retro.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    scheduler.load_state_dict(checkpoint["scheduler"])
+    if checkpoint.get("scaler"):  # empty unless written by an fp16 run
+        scaler.load_state_dict(checkpoint["scaler"])
+    try:
+        dataset.load_state_dict(ranks[process.rank]["dataset"])
+    except ValueError as err:
+        raise TrainError(f"--resume {path}: {err}") from None
+    torch.set_rng_state(ranks[process.rank]["rng"])
+    return checkpoint["step"]
 
 
 def save_checkpoint(path: str, state: dict) -> None:
