@@ -32,15 +32,13 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 from benchmarks.report import write_results  # noqa: E402
 from examples.long_documents import long_documents  # noqa: E402
 from pipeline.stages import build_index, build_shards  # noqa: E402
-from pipeline.writers import arrow_ipc_bytes  # noqa: E402
-from schemas.arrow import shard_table, tensor_column_to_numpy  # noqa: E402
+from schemas.arrow import read_shard_table, shard_ipc_bytes, shard_table, shard_column, tensor_column_to_numpy  # noqa: E402
 from schemas.config import PipelineConfig, load_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -69,7 +67,7 @@ def read_database(index_dir: Path):
     chunks, embeddings = table("chunks"), table("embeddings")
     assert np.array_equal(chunks["chunk_id"].to_numpy(), np.arange(len(chunks)))
     assert np.array_equal(embeddings["chunk_id"].to_numpy(), np.arange(len(chunks)))
-    return (chunks["doc_id"].to_numpy(), tensor_column_to_numpy(chunks["tokens"]),
+    return (chunks["doc_id"].to_numpy(), shard_column(chunks, "tokens"),
             tensor_column_to_numpy(chunks["continuation"]), tensor_column_to_numpy(embeddings["embedding"]))
 
 
@@ -97,15 +95,15 @@ def floor(index_dir: Path, out: Path, L: int, k: int, rows_per_shard: int, pad_i
         part = slice(start, start + rows_per_shard)
         table = shard_table(np.arange(sequences)[part], own_tokens[part], neighbours[part], ids[part],
                             scores[part], doc_ids[part], pad_id=pad_id)
-        (out / f"shard-{start // rows_per_shard:05d}.arrow").write_bytes(arrow_ipc_bytes(table))
+        (out / f"shard-{start // rows_per_shard:05d}.arrow").write_bytes(shard_ipc_bytes(table))
     return ids, scores, vectors
 
 
 def our_neighbours(shards_dir: Path, sequences: int, L: int, k: int):
     ids = np.full((sequences, L, k), -1, np.int64)
     for path in sorted(shards_dir.glob("shard-*.arrow")):
-        table = ipc.open_file(pa.memory_map(str(path))).read_all()
-        ids[table["seq_id"].to_numpy()] = tensor_column_to_numpy(table["neighbour_ids"])
+        table = read_shard_table(pa.memory_map(str(path)))
+        ids[table["seq_id"].to_numpy()] = shard_column(table, "neighbour_ids")
     return ids
 
 

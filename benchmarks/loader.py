@@ -11,7 +11,8 @@ written with the project's `shard_table` under a real manifest (`tests/trainer_f
 Each reader runs in a subprocess of its own over the same directory, after one untimed pass
 that warms the page cache (then the median of 5 timed passes counts), and turns every sequence into the int64 tensors the trainer uses:
 
-- raw (the ceiling): for each file in order, `pa.ipc.open_file(pa.memory_map(...))`, each column
+- raw (the ceiling): for each file in order, `pa.ipc.open_stream(pa.memory_map(...))` (`open_file` for
+  schema_version 1 shards), each column
   converted whole to numpy and then to torch (tokens and neighbours widened to int64), and
   batches sliced out of those tensors;
 - ours: `DataLoader(ShardDataset(dir, shuffle=True, batch_size=B, batched=True),
@@ -47,28 +48,28 @@ N, M, K, VOCAB = 2048, 64, 2, 30000
 PASSES = 5  # timed passes per reader; the median counts
 
 
-def make_shards(directory: Path, rows_per_shard: int, shards: int) -> None:
+def make_shards(directory: Path, rows_per_shard: int, shards: int, schema_version: int) -> None:
     from tests.trainer_fixtures import write_shard_dir
 
     write_shard_dir(directory, shard_rows=[rows_per_shard] * shards, sequence_tokens=N, chunk_tokens=M, neighbours=K,
-                    vocab_size=VOCAB, batch_rows=256)
+                    vocab_size=VOCAB, batch_rows=256, schema_version=schema_version)
 
 
 def read_raw(directory: str, batch_size: int) -> int:
     import pyarrow as pa
     import torch
 
-    from schemas.arrow import tensor_column_to_numpy
+    from schemas.arrow import read_shard_table, shard_column
 
     manifest = json.loads(Path(directory, "manifest.json").read_text())
     seen = 0
     for entry in manifest["shards"]:
-        table = pa.ipc.open_file(pa.memory_map(str(Path(directory, entry["path"])))).read_all()
+        table = read_shard_table(pa.memory_map(str(Path(directory, entry["path"]))))
         columns = {"seq_id": torch.from_numpy(table["seq_id"].to_numpy()),
-                   "tokens": torch.from_numpy(tensor_column_to_numpy(table["tokens"]).astype(np.int64)),
-                   "neighbours": torch.from_numpy(tensor_column_to_numpy(table["neighbours"]).astype(np.int64)),
-                   "neighbour_ids": torch.from_numpy(tensor_column_to_numpy(table["neighbour_ids"]).copy()),
-                   "neighbour_scores": torch.from_numpy(tensor_column_to_numpy(table["neighbour_scores"]).copy())}
+                   "tokens": torch.from_numpy(shard_column(table, "tokens").astype(np.int64)),
+                   "neighbours": torch.from_numpy(shard_column(table, "neighbours").astype(np.int64)),
+                   "neighbour_ids": torch.from_numpy(shard_column(table, "neighbour_ids").copy()),
+                   "neighbour_scores": torch.from_numpy(shard_column(table, "neighbour_scores").copy())}
         for start in range(0, table.num_rows, batch_size):
             batch = {name: column[start:start + batch_size] for name, column in columns.items()}
             seen += len(batch["seq_id"])
@@ -120,22 +121,24 @@ def main() -> None:
     parser.add_argument("--shards", type=int, nargs="+", default=[4, 16])
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--workers", type=int, default=0, help="DataLoader worker processes for ours")
+    parser.add_argument("--schema-versions", type=int, nargs="+", default=[1, 2],
+                        help="shard layouts to measure, each on its own copy of the data")
     parser.add_argument("--output", default=str(RESULTS))
     args = parser.parse_args()
     results = {"rows_per_shard": args.rows_per_shard, "n": N, "m": M, "k": K, "batch_size": args.batch_size,
                "workers": args.workers, "by_shards": []}
     with tempfile.TemporaryDirectory(prefix="loader-bench-") as temp:
-        for shards in args.shards:
-            directory = Path(temp) / f"shards-{shards}"
+        for shards, version in [(s, v) for s in args.shards for v in args.schema_versions]:
+            directory = Path(temp) / f"shards-{shards}-v{version}"
             shutil.rmtree(Path(temp), ignore_errors=True)  # one data set on disk at a time
-            make_shards(directory, args.rows_per_shard, shards)
+            make_shards(directory, args.rows_per_shard, shards, version)
             size = sum(p.stat().st_size for p in directory.glob("*.arrow")) / 1e6
             raw = run_reader("raw", directory, args.batch_size, 0)
             ours = run_reader("ours", directory, args.batch_size, args.workers)
-            entry = {"shards": shards, "megabytes": size, "raw": raw, "ours": ours,
+            entry = {"shards": shards, "schema_version": version, "megabytes": size, "raw": raw, "ours": ours,
                      "ratio": ours["sequences_per_s"] / raw["sequences_per_s"]}
             results["by_shards"].append(entry)
-            print(f"{shards:>3} shards, {shards * args.rows_per_shard:,} sequences, {size:,.0f} MB: raw {raw['sequences_per_s']:,.0f} "
+            print(f"v{version} {shards:>3} shards, {shards * args.rows_per_shard:,} sequences, {size:,.0f} MB: raw {raw['sequences_per_s']:,.0f} "
                   f"seq/s ({raw['peak_rss_mb']:.0f} MB), ours {ours['sequences_per_s']:,.0f} seq/s "
                   f"({ours['peak_rss_mb']:.0f} MB): ours/raw = {entry['ratio']:.2f}", flush=True)
     write_results(results, args.output)

@@ -156,11 +156,11 @@ def floor_main(root: str, out: str, query_chunks: int) -> None:
     import pyarrow.parquet as pq
 
     from pipeline.shards import ShardRow, rows_to_ipc
-    from schemas.arrow import tensor_column_to_numpy
+    from schemas.arrow import shard_column, tensor_column_to_numpy
 
     tables = [pq.read_table(p) for p in sorted(Path(root, "chunks").glob("*.parquet"))]
     docs = np.concatenate([t["doc_id"].to_numpy() for t in tables])
-    tokens = np.concatenate([tensor_column_to_numpy(t["tokens"]) for t in tables])
+    tokens = np.concatenate([shard_column(t, "tokens") for t in tables])
     continuations = np.concatenate([tensor_column_to_numpy(t["continuation"]) for t in tables])
     emb = pq.read_table(sorted(Path(root, "embeddings").glob("*.parquet"))[0])
     queries = tensor_column_to_numpy(emb["embedding"])[:query_chunks].astype(np.float32)
@@ -246,13 +246,13 @@ def measured(args: list[str], out: Path) -> dict:
 
 
 def neighbour_ids(directory: Path) -> np.ndarray:
-    import pyarrow.ipc as ipc
+    import pyarrow as pa
 
-    from schemas.arrow import tensor_column_to_numpy
+    from schemas.arrow import read_shard_table, shard_column
 
-    tables = [ipc.open_file(str(p)).read_all() for p in sorted(directory.glob("shard-*.arrow"))]
+    tables = [read_shard_table(pa.memory_map(str(p))) for p in sorted(directory.glob("shard-*.arrow"))]
     order = np.argsort(np.concatenate([t["seq_id"].to_numpy() for t in tables]))
-    return np.concatenate([tensor_column_to_numpy(t["neighbour_ids"]) for t in tables])[order]
+    return np.concatenate([shard_column(t, "neighbour_ids") for t in tables])[order]
 
 
 def main() -> None:

@@ -36,8 +36,8 @@ import pyarrow as pa  # noqa: E402
 from benchmarks.report import write_results  # noqa: E402
 from pipeline.fileio import sha256_bytes  # noqa: E402
 from pipeline.validate import check_listed_file, plan_validation, validate_path  # noqa: E402
-from pipeline.writers import arrow_ipc_bytes, parquet_bytes  # noqa: E402
-from schemas.arrow import chunk_schema, embedding_schema, fixed_size_list, shard_table  # noqa: E402
+from pipeline.writers import parquet_bytes  # noqa: E402
+from schemas.arrow import chunk_schema, embedding_schema, fixed_size_list, shard_ipc_bytes, shard_table  # noqa: E402
 from schemas.manifest import (FileEntry, Fingerprint, IndexManifest, Recall, ShardEntry,  # noqa: E402
                               ShardsManifest)
 
@@ -110,7 +110,7 @@ def write_shards(directory: Path, index_directory: Path, db: dict, shards: int, 
         values = np.concatenate([db["tokens"][neighbour_ids], db["continuations"][neighbour_ids]], axis=-1)
         table = shard_table(np.array([s]), tokens[None], values, neighbour_ids,
                             rng.random((1, L, K), dtype=np.float32), [[db["docs"][s * L]]], pad_id=PAD)
-        entry = _write(directory, f"shard-{s:05d}.arrow", arrow_ipc_bytes(table), 1)
+        entry = _write(directory, f"shard-{s:05d}.arrow", shard_ipc_bytes(table), 1)
         entries.append(ShardEntry(**entry, neighbour_slots_filled=L * K))
     manifest = ShardsManifest(
         config_hash="synthetic", index_manifest_sha256=sha256_bytes((index_directory / "manifest.json").read_bytes()),

@@ -1,7 +1,8 @@
-"""`ratrain-pipeline`: build-index, build-shards, run, validate, inspect, report (DESIGN §3).
+"""`ratrain-pipeline`: build-index, build-shards, run, validate, inspect, report (docs/design.md §3).
 
-Anything after `--` goes to Beam as pipeline options. User errors end with one line on
-stderr and a non-zero exit; `--debug` shows the traceback.
+Anything after `--` goes to Beam as pipeline options, and so does an option the command does
+not know before it (`ignore_unknown_options`); `_beam_args` then refuses any Beam would not
+use. User errors end with one line on stderr and a non-zero exit; `--debug` shows the traceback.
 """
 from __future__ import annotations
 
@@ -14,6 +15,24 @@ import click
 
 log = logging.getLogger("ratrain")
 BEAM_ARGS = dict(context_settings={"ignore_unknown_options": True})
+
+
+def _beam_args(beam_args) -> list[str]:
+    """The command's Beam arguments, once Beam knows every option among them: an unknown one
+    (a typo of the command's own option before `--`, or of a Beam option) fails naming it,
+    before anything is read, waited for or written. Run inside a command."""
+    from pipeline.options import check_beam_args
+
+    ctx = click.get_current_context()
+    ours = {}
+    if ctx.parent is not None:
+        ours.update({opt: f"it is an option of ratrain-pipeline, put it before the command ({opt} {ctx.info_name} ...)"
+                     for param in ctx.parent.command.get_params(ctx.parent) if isinstance(param, click.Option)
+                     for opt in (*param.opts, *param.secondary_opts)})
+    ours.update({opt: f"it is an option of `{ctx.info_name}`, put it before `--`"
+                 for param in ctx.command.get_params(ctx) if isinstance(param, click.Option)
+                 for opt in (*param.opts, *param.secondary_opts)})
+    return check_beam_args(beam_args, ours)
 
 
 def _no_worker_tracebacks(record: logging.LogRecord) -> bool:
@@ -110,8 +129,9 @@ def build_index_cmd(config_path, beam_args, force, dry_run, corpus_chunks, corpu
     """Stages 1-3: chunk, embed and index the retrieval corpus -> <output>/index/."""
     from pipeline.stages import build_index
 
+    beam_args = _beam_args(beam_args)
     cfg = _config(config_path)
-    result = build_index(cfg, list(beam_args), force=force, dry_run=dry_run, detach=detach)
+    result = build_index(cfg, beam_args, force=force, dry_run=dry_run, detach=detach)
     if dry_run:
         _print_plan({"build-index": result}, cfg, corpus_chunks, corpus_documents)
     else:
@@ -138,12 +158,13 @@ def index_cmd(embeddings, output, index_type, memory_budget, target_recall, npro
     from schemas.config import ConfigError, IndexConfig, format_validation_error
     from pydantic import ValidationError
 
+    beam_args = _beam_args(beam_args)
     try:
         cfg = IndexConfig(type=index_type, memory_budget=memory_budget,
                           target_recall=target_recall, nprobe=nprobe, shard_bytes=shard_bytes)
     except ValidationError as err:
         raise ConfigError(format_validation_error(err, "index options")) from None
-    manifest = build_vector_index(list(embeddings), output, cfg, list(beam_args))
+    manifest = build_vector_index(list(embeddings), output, cfg, beam_args)
     _summary(manifest.counters, "index counters")
 
 
@@ -166,10 +187,11 @@ def build_shards_cmd(config_path, beam_args, dry_run, corpus_chunks, corpus_docu
     """Stages 4-5: retrieve neighbours for the training corpus -> <output>/shards/."""
     from pipeline.stages import build_shards, wait_for_index as wait
 
+    beam_args = _beam_args(beam_args)
     cfg = _config(config_path)
     if wait_for_index and not dry_run:
         wait(cfg, wait_timeout, poll_every)
-    result = build_shards(cfg, list(beam_args), dry_run=dry_run, detach=detach)
+    result = build_shards(cfg, beam_args, dry_run=dry_run, detach=detach)
     if dry_run:
         _print_plan({"build-shards": result}, cfg, corpus_chunks, corpus_documents)
     else:
@@ -191,13 +213,14 @@ def run_cmd(config_path, force, beam_args, dry_run, corpus_chunks, corpus_docume
     from pipeline.run import run_all
     from pipeline.stages import build_index, build_shards
 
+    beam_args = _beam_args(beam_args)
     if dry_run:
-        cfg, args = _config(config_path), list(beam_args)
+        cfg, args = _config(config_path), beam_args
         _print_plan({"build-index": build_index(cfg, args, dry_run=True),
                      "build-shards": build_shards(cfg, args, dry_run=True)}, cfg, corpus_chunks, corpus_documents)
         return
     start = time.monotonic()
-    report = run_all(_config(config_path), list(beam_args), force=force, detach=detach)
+    report = run_all(_config(config_path), beam_args, force=force, detach=detach)
     for stage, (status, result) in report.items():
         if status == "submitted":
             _report(result, stage)
@@ -218,11 +241,12 @@ def validate_cmd(directory, sample, beam_args):
     process, or as a Beam job when pipeline options follow `--`."""
     from pipeline.validate import ValidationFailed, validate_path
 
+    beam_args = _beam_args(beam_args)
     try:
         if beam_args:
             from pipeline.validate_job import validate_with_beam
 
-            lines = validate_with_beam(directory, list(beam_args), sample)
+            lines = validate_with_beam(directory, beam_args, sample)
         else:
             lines = validate_path(directory, sample)
     except ValidationFailed as failed:  # a Beam job's report holds a line per problem
@@ -257,7 +281,8 @@ def report_cmd(directory):
 
 
 def main(argv=None) -> None:
-    debug = "--debug" in (argv if argv is not None else sys.argv[1:])
+    args = argv if argv is not None else sys.argv[1:]
+    debug = "--debug" in args[:next((i for i, a in enumerate(args) if not a.startswith("-")), len(args))]
     try:
         cli.main(args=argv, prog_name="ratrain-pipeline", standalone_mode=False)
     except click.exceptions.Abort:

@@ -1,4 +1,4 @@
-"""The commit protocol (DESIGN §4): a stage writes into `<output>/.staging/<stage>-<id>/`; the
+"""The commit protocol (docs/design.md §8): a stage writes into `<output>/.staging/<stage>-<id>/`; the
 commit moves the staged files into place and writes `manifest.json` last, so a directory with a
 manifest is whole.
 

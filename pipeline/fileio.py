@@ -1,7 +1,7 @@
 """File access through Beam `FileSystems` (local paths and gs://) and the commit protocol.
 
 A stage writes into a staging directory beside its final one and is committed by moving the
-files into place and writing manifest.json last (DESIGN §4): a killed run never leaves a
+files into place and writing manifest.json last (docs/design.md §8): a killed run never leaves a
 directory that looks complete.
 """
 from __future__ import annotations

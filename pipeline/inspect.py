@@ -5,14 +5,13 @@ import posixpath
 import textwrap
 
 import pyarrow as pa
-import pyarrow.ipc as ipc
 
 from pipeline import fileio
 from pipeline.chunking import load_tokenizer
 from pipeline.models import resolve_tokenizer
 from pipeline.shards import chunk_overlap
 from pipeline.validate import _manifest
-from schemas.arrow import check_schema_version, tensor_column_to_numpy
+from schemas.arrow import check_schema_version, read_shard_table, shard_column
 from schemas.manifest import IndexManifest, ShardsManifest
 
 TEXT_CHARS = 240
@@ -37,11 +36,11 @@ def inspect_shards(directory: str, count: int, max_chunks: int = 4) -> list[str]
         lines.append(f"embeddings in {check.precision}: top-2 neighbours of {check.sample_size} sampled chunks "
                      f"agree with float32 on {check.top2_agreement:.3f}, least cosine {check.min_cosine:.4f}")
     for entry in manifest.shards:
-        table = ipc.open_file(pa.BufferReader(fileio.read_bytes(fileio.join(directory, entry.path)))).read_all()
-        tokens = tensor_column_to_numpy(table["tokens"])
-        neighbours = tensor_column_to_numpy(table["neighbours"])
-        ids = tensor_column_to_numpy(table["neighbour_ids"])
-        scores = tensor_column_to_numpy(table["neighbour_scores"])
+        table = read_shard_table(pa.BufferReader(fileio.read_bytes(fileio.join(directory, entry.path))))
+        tokens = shard_column(table, "tokens")
+        neighbours = shard_column(table, "neighbours")
+        ids = shard_column(table, "neighbour_ids")
+        scores = shard_column(table, "neighbour_scores")
         for row in range(table.num_rows):
             if count <= 0:
                 return lines

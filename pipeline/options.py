@@ -2,12 +2,20 @@
 
 The local default is the in-process FnApiRunner: Beam's DirectRunner would first try to
 download the Prism binary, which a machine without network cannot do.
+
+Beam itself drops an option it does not know with a log line (a typo then silently changes
+nothing); `check_beam_args` refuses it instead, naming it.
 """
 from __future__ import annotations
 
+import difflib
+import importlib
 import os
+import re
+from collections.abc import Mapping, Sequence
 
-from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions, PortableOptions, StandardOptions
+from apache_beam.options.pipeline_options import (DirectOptions, PipelineOptions, PortableOptions, StandardOptions,
+                                                  _BeamArgumentParser)
 
 LOCAL_RUNNER = "FnApiRunner"
 # Runners whose SDK workers run on the machine that launches the job.
@@ -60,7 +68,109 @@ def share_cores(options: PipelineOptions) -> None:
     os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
 
 
+class PipelineOptionsError(ValueError):
+    """Arguments meant for Beam that Beam would not use, or a value it cannot parse."""
+
+
+class _StrictParser(_BeamArgumentParser):
+    """Beam's parser, raising instead of printing its usage and exiting."""
+
+    def error(self, message):
+        if message.startswith("ambiguous option: "):  # as Beam's own parser (none with allow_abbrev=False)
+            return
+        raise PipelineOptionsError(f"Beam pipeline options: {message}")
+
+
+def _options_classes() -> list[type[PipelineOptions]]:
+    """Every PipelineOptions subclass imported so far that declares options: Beam's standard
+    ones (Dataflow, portable, Flink, Spark, ...), and any the project or a runner module defines.
+    A subclass of a subclass counts too (`view_as` reads its options)."""
+    found: dict[str, type[PipelineOptions]] = {}
+    pending = list(PipelineOptions.__subclasses__())
+    while pending:
+        cls = pending.pop(0)
+        pending.extend(cls.__subclasses__())
+        if "_add_argparse_args" in cls.__dict__:
+            found.setdefault(f"{cls.__module__}.{cls.__qualname__}", cls)  # a module imported twice: once
+    return list(found.values())
+
+
+def beam_option_parser() -> _BeamArgumentParser:
+    """One parser holding every option Beam would accept now (as `get_all_options` builds it)."""
+    parser = _StrictParser(allow_abbrev=False, add_help=False, conflict_handler="resolve")
+    for cls in _options_classes():
+        cls._add_argparse_args(parser)  # pylint: disable=protected-access
+    return parser
+
+
+def _runner_arg(args: Sequence[str]) -> str | None:
+    runner = None
+    for i, arg in enumerate(args):
+        if arg.startswith("--runner="):
+            runner = arg.split("=", 1)[1]
+        elif arg == "--runner" and i + 1 < len(args):
+            runner = args[i + 1]
+    return runner
+
+
+KNOWN_RUNNERS = {path.rsplit(".", 1)[1].lower() for path in StandardOptions.ALL_KNOWN_RUNNERS}
+
+
+def _check_runner(runner: str | None) -> None:
+    """The names Beam's `create_runner` resolves: a known runner's name in any case, with or
+    without its 'Runner' suffix, or a dotted module.Class path."""
+    if runner is None or "." in runner or {runner.lower(), runner.lower() + "runner"} & KNOWN_RUNNERS:
+        return
+    close = difflib.get_close_matches(runner, StandardOptions.KNOWN_RUNNER_NAMES, n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    raise PipelineOptionsError(f"unknown runner {runner}{hint}; known: {', '.join(StandardOptions.KNOWN_RUNNER_NAMES)} "
+                               "or a module.Class path")
+
+
+_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")  # a negative number is a value, as argparse reads it
+
+
+def check_beam_args(beam_args: Sequence[str], cli_options: Mapping[str, str] | None = None) -> list[str]:
+    """The arguments, if Beam knows every option among them; else one PipelineOptionsError
+    naming the ones it does not (never their values: they may be credentials), with a close
+    match. Both `--name=value` and `--name value`. `cli_options`: the command line's own
+    options, each with where it belongs (one given among Beam's is named as misplaced, and
+    they are candidates for the close match)."""
+    args, cli_options = list(beam_args), dict(cli_options or {})
+    if "--" in args:
+        raise PipelineOptionsError("a second `--` among the Beam pipeline options (one `--` ends the command's own)")
+    runner = _runner_arg(args)
+    if runner and "." in runner:  # a runner module may define options of its own: Beam imports it to run
+        try:
+            importlib.import_module(runner.rsplit(".", 1)[0])
+        except Exception:  # pylint: disable=broad-except  (Beam names the failure when it creates the runner)
+            pass
+    parser = beam_option_parser()
+    known, extra = parser.parse_known_args(args)
+    unknown = list(dict.fromkeys(a.split("=", 1)[0] for a in extra
+                                 if a.startswith("-") and a != "-" and not _NUMBER.match(a)))
+    for name in unknown:
+        if name in cli_options:
+            raise PipelineOptionsError(f"{name} is not a Beam pipeline option: {cli_options[name]}")
+    if unknown:
+        candidates = [*cli_options, *(o for action in parser._actions for o in action.option_strings)]
+
+        def named(name: str) -> str:
+            close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.75)
+            return f"{name} (did you mean {close[0]}?)" if close else name
+
+        what = "neither a ratrain-pipeline option nor a Beam pipeline option" if cli_options else \
+            "not a Beam pipeline option"
+        plural = "s" if len(unknown) > 1 else ""
+        raise PipelineOptionsError(f"unknown option{plural} {', '.join(map(named, unknown))}: {what}")
+    if extra:  # no unknown option to take them as its value
+        raise PipelineOptionsError(f"unexpected argument {extra[0]!r} among the Beam pipeline options "
+                                   "(--name=value or --name value)")
+    _check_runner(known.runner)
+    return args
+
+
 def pipeline_options(beam_args: list[str]) -> PipelineOptions:
-    options = PipelineOptions(with_defaults(beam_args))
+    options = PipelineOptions(with_defaults(check_beam_args(beam_args)))
     share_cores(options)
     return options

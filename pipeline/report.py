@@ -18,13 +18,11 @@ import posixpath
 from dataclasses import dataclass
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.ipc as ipc
 
 from pipeline import fileio
 from pipeline.inspect import inspect_shards
 from pipeline.validate import _manifest, sampled
-from schemas.arrow import tensor_column_to_numpy
+from schemas.arrow import read_shard, shard_column
 from schemas.manifest import IndexManifest, ShardsManifest, VectorIndexManifest
 
 REPORT_FILE = "report.html"
@@ -113,13 +111,15 @@ def index_summary(manifest: IndexManifest | VectorIndexManifest) -> list[tuple[s
              ("index size", f"{human_bytes(manifest.index_bytes)} "
                             f"(memory budget {human_bytes(manifest.memory_budget)})"),
              ("training vectors", f"{manifest.training_vectors:,}"),
+             ("IVF list training", {"flat": "one k-means", "two_level": "two-level k-means"}.get(
+                 manifest.clustering, manifest.clustering)),
              ("queries / s", "—" if manifest.queries_per_second is None else f"{manifest.queries_per_second:,.0f}")]
     return rows
 
 
 def shards_summary(manifest: ShardsManifest) -> list[tuple[str, str]]:
     return [("created by", manifest.created_by), ("config hash", manifest.config_hash[:16]),
-            ("sequences", f"{manifest.num_sequences:,}"),
+            ("schema version", str(manifest.schema_version)), ("sequences", f"{manifest.num_sequences:,}"),
             ("shards", f"{len(manifest.shards)} ({human_bytes(sum(s.bytes for s in manifest.shards))})"),
             ("sequence tokens (n)", str(manifest.sequence_tokens)), ("chunk tokens (m)", str(manifest.chunk_tokens)),
             ("neighbours (k)", str(manifest.neighbours)), ("neighbour tokens", str(manifest.neighbour_tokens)),
@@ -197,14 +197,10 @@ def gather_scores(directory: str, manifest: ShardsManifest,
     counts, sums, sequences = np.zeros((k, len(SCORE_EDGES) - 1), np.int64), np.zeros(k), 0
     for entry in entries:
         with fileio.open_read(fileio.join(directory, entry.path)) as f:
-            source = pa.PythonFile(f, mode="r")
-            schema = ipc.open_file(source).schema
-            fields = [schema.get_field_index(name) for name in ("neighbour_ids", "neighbour_scores")]
-            reader = ipc.open_file(source, options=ipc.IpcReadOptions(included_fields=fields))
-            for i in range(reader.num_record_batches):
-                batch = reader.get_batch(i)
-                ids = tensor_column_to_numpy(batch.column("neighbour_ids")).reshape(-1, k)
-                scores = tensor_column_to_numpy(batch.column("neighbour_scores")).reshape(-1, k)
+            _, batches = read_shard(f, columns=["neighbour_ids", "neighbour_scores"])
+            for batch in batches:
+                ids = shard_column(batch, "neighbour_ids").reshape(-1, k)
+                scores = shard_column(batch, "neighbour_scores").reshape(-1, k)
                 sequences += batch.num_rows
                 for rank in range(k):
                     present = np.clip(scores[ids[:, rank] >= 0, rank], SCORE_EDGES[0], SCORE_EDGES[-1])

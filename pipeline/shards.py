@@ -22,8 +22,8 @@ from apache_beam.utils import shared
 from pipeline.chunkdb import ChunkFileRanges
 from pipeline.chunking import Chunk
 from pipeline.faiss_index import load_index, sample_keys, search_excluding
-from pipeline.writers import WriteGroupedFiles, arrow_ipc_bytes
-from schemas.arrow import shard_table
+from pipeline.writers import WriteGroupedFiles
+from schemas.arrow import shard_ipc_bytes, shard_table
 
 FILLED = "neighbour_slots_filled"  # per shard in the manifest: slots holding a neighbour
 SENT = "sent"  # tagged output: (seq_id, elements it sent through the next shuffle)
@@ -545,7 +545,7 @@ def rows_to_ipc(rows: list[ShardRow], pad_id: int) -> bytes:
         np.stack([r.neighbour_ids for r in rows]),
         np.stack([r.neighbour_scores for r in rows]),
         [r.doc_ids for r in rows], pad_id=pad_id)
-    return arrow_ipc_bytes(table)
+    return shard_ipc_bytes(table)
 
 
 class WriteShards(beam.PTransform):

@@ -4,7 +4,7 @@ commit.
 Each job writes into a staging directory under `<output>/.staging/`; its last step, on a worker,
 builds the manifest from the data the job wrote (file entries, counts computed as data:
 `pipeline.tally`) and commits (`pipeline.commit`): rejected records to `<output>/rejected/`,
-the files into place, manifest.json last (DESIGN §4). So a job submitted to a cluster and left
+the files into place, manifest.json last (docs/design.md §4). So a job submitted to a cluster and left
 (`detach`) commits itself; attached, the driver waits and reads the committed manifest.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`validate`: check an index or shard directory end to end against DESIGN §4-5.
+"""`validate`: check an index or shard directory end to end against docs/design.md §4-5.
 
 Every check is a function of one unit that reads the committed files themselves (never the
 pipeline's memory): a listed file, a shard, a chunk file with the references into it, an
@@ -32,14 +32,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 from pipeline import fileio
 from pipeline.chunkdb import in_file_order
 from pipeline.faiss_index import load_index
 from pipeline.index_shards import merge_shard_results
-from schemas.arrow import SHARD_METADATA_KEYS, SchemaVersionError, check_schema_version, tensor_column_to_numpy
+from schemas.arrow import (SHARD_METADATA_KEYS, SchemaVersionError, check_schema_version, read_shard_table, shard_column,
+                           tensor_column_to_numpy)
 from schemas.manifest import FileEntry, IndexManifest, ShardEntry, ShardsManifest, VectorIndexManifest
 
 NORM_TOLERANCE = 1e-3
@@ -424,17 +424,17 @@ def check_shard(shards: ShardsFacts, entry: ShardEntry) -> ShardResult:
     n, m, k, pad, L = (shards.sequence_tokens, shards.chunk_tokens, shards.neighbours, shards.pad_id,
                        shards.chunks_per_sequence)
     path = fileio.join(shards.directory, entry.path)
-    table = ipc.open_file(pa.BufferReader(_read_checked(shards.directory, entry))).read_all()
+    table = read_shard_table(pa.BufferReader(_read_checked(shards.directory, entry)))
     meta = {key.decode(): value.decode() for key, value in (table.schema.metadata or {}).items()}
     check_schema_version(meta.get("schema_version"), path)
     for key, value in shards.metadata:
         _require(meta.get(key) == value, f"{path}: metadata {key}={meta.get(key)} disagrees with the manifest")
     _require(table.num_rows == entry.rows, f"{path}: {table.num_rows} rows, manifest says {entry.rows}")
     seq_ids = table["seq_id"].to_numpy()
-    tokens = tensor_column_to_numpy(table["tokens"])
-    neighbours = tensor_column_to_numpy(table["neighbours"])
-    ids = tensor_column_to_numpy(table["neighbour_ids"])
-    scores = tensor_column_to_numpy(table["neighbour_scores"])
+    tokens = shard_column(table, "tokens")
+    neighbours = shard_column(table, "neighbours")
+    ids = shard_column(table, "neighbour_ids")
+    scores = shard_column(table, "neighbour_scores")
     _require(tokens.shape[1:] == (n + 1,) and neighbours.shape[1:] == (L, k, 2 * m)
              and ids.shape[1:] == (L, k), f"{path}: column shapes disagree with n={n} m={m} k={k}")
     _require(len(seq_ids) > 0 and (np.diff(seq_ids) > 0).all(), f"{path}: seq_ids are not sorted and unique")
@@ -596,7 +596,7 @@ def _plan_shards(plan: ValidationPlan, directory: str, index_directory: str) -> 
     plan.shards = ShardsFacts(
         directory, manifest.sequence_tokens, m, manifest.neighbours, manifest.pad_id,
         manifest.training_corpus == "same",
-        tuple((key, str(getattr(manifest, key))) for key in SHARD_METADATA_KEYS[1:]), plan.chunks)
+        tuple((key, str(getattr(manifest, key))) for key in SHARD_METADATA_KEYS), plan.chunks)
     _check_shard_totals(directory, manifest, plan.shards.chunks_per_sequence)
     plan.shard_entries = sampled(manifest.shards, plan.sample)
     checked = {entry.path for entry in plan.shard_entries}

@@ -10,7 +10,6 @@ from typing import Callable
 import apache_beam as beam
 import numpy as np
 import pyarrow as pa
-import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 from pipeline import fileio
@@ -40,13 +39,6 @@ def parquet_bytes(table: pa.Table) -> bytes:
     sink = io.BytesIO()
     pq.write_table(table, sink, compression="zstd")
     return sink.getvalue()
-
-
-def arrow_ipc_bytes(table: pa.Table) -> bytes:
-    sink = pa.BufferOutputStream()
-    with ipc.new_file(sink, table.schema) as writer:
-        writer.write_table(table)
-    return sink.getvalue().to_pybytes()
 
 
 def write_file(directory: str, name: str, data: bytes, rows: int, relative_to: str) -> dict:

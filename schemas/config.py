@@ -1,4 +1,4 @@
-"""Typed pipeline configuration (DESIGN §3), validated on load.
+"""Typed pipeline configuration (docs/design.md §3), validated on load.
 
 Unknown keys and wrong types are errors that name the field; `load_config` turns pydantic's
 report into one line per problem so the CLI can print it without a traceback.
@@ -138,9 +138,9 @@ class IndexConfig(_Strict):
 
 
 class PipelineConfig(_Strict):
-    """One pipeline run: corpora, tokenisation, retrieval and output (DESIGN §3)."""
+    """One pipeline run: corpora, tokenisation, retrieval and output (docs/design.md §3)."""
 
-    output: str = Field(description="Output directory or gs:// prefix (DESIGN §4).")
+    output: str = Field(description="Output directory or gs:// prefix (docs/design.md §4).")
     retrieval_corpus: CorpusConfig
     training_corpus: Union[Literal["same"], CorpusConfig] = Field(
         "same", description="'same' packs training sequences from the retrieval corpus's chunks "

@@ -1,4 +1,4 @@
-"""Manifest models of the index and shard directories (DESIGN §4).
+"""Manifest models of the index and shard directories (docs/design.md §4).
 
 A stage's output exists only once its manifest.json is written, and that happens last.
 """

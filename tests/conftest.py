@@ -52,29 +52,39 @@ def write_config(path: Path, config: dict) -> Path:
     return path
 
 
-def rewrite_shard(shards_dir: Path, change, name: str | None = None) -> None:
+def rewrite_shard(shards_dir: Path, change, name: str | None = None, version: int | None = None) -> None:
     """Apply `change(columns)` to one shard (`name`, default the first) and re-sign it in the
-    manifest, so only the content checks can notice."""
+    manifest, so only the content checks can notice. `version`: write that shard layout
+    (schema_version) instead of the current one."""
     import pyarrow as pa
-    import pyarrow.ipc as ipc
 
     from pipeline.fileio import sha256_bytes
-    from pipeline.writers import arrow_ipc_bytes
-    from schemas.arrow import shard_table, tensor_column_to_numpy
+    from schemas.arrow import read_shard_table, shard_ipc_bytes, shard_table, shard_column
 
     manifest_path = shards_dir / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
     entry = next(e for e in manifest["shards"] if name is None or e["path"] == name)
-    table = ipc.open_file(pa.memory_map(str(shards_dir / entry["path"]))).read_all()
-    columns = {column: tensor_column_to_numpy(table[column]).copy()
+    table = read_shard_table(pa.memory_map(str(shards_dir / entry["path"])))
+    columns = {column: shard_column(table, column).copy()
                for column in ("tokens", "neighbours", "neighbour_ids", "neighbour_scores")}
     change(columns)
-    data = arrow_ipc_bytes(shard_table(table["seq_id"].to_numpy(), columns["tokens"], columns["neighbours"],
+    data = shard_ipc_bytes(shard_table(table["seq_id"].to_numpy(), columns["tokens"], columns["neighbours"],
                                        columns["neighbour_ids"], columns["neighbour_scores"],
-                                       table["doc_ids"].to_pylist(), pad_id=manifest["pad_id"]))
+                                       table["doc_ids"].to_pylist(), pad_id=manifest["pad_id"],
+                                       **({} if version is None else {"version": version})))
     (shards_dir / entry["path"]).write_bytes(data)
     entry.update(bytes=len(data), sha256=sha256_bytes(data))
     manifest_path.write_text(json.dumps(manifest))
+
+
+def rewrite_shards_as_schema_version_1(shards_dir: Path) -> None:
+    """Rewrite every shard in the old layout (IPC file, tensor extension columns) under a
+    manifest that says schema_version 1."""
+    manifest = json.loads((shards_dir / "manifest.json").read_text())
+    for entry in manifest["shards"]:
+        rewrite_shard(shards_dir, lambda columns: None, entry["path"], version=1)
+    manifest = json.loads((shards_dir / "manifest.json").read_text())
+    (shards_dir / "manifest.json").write_text(json.dumps({**manifest, "schema_version": 1}))
 
 
 def read_rejected(out: Path, stage: str) -> list[dict]:

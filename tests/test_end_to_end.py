@@ -1,10 +1,9 @@
-"""The whole path on real text: run -> committed index and shards -> DESIGN §5 invariants."""
+"""The whole path on real text: run -> committed index and shards -> docs/design.md §5 invariants."""
 import json
 import shutil
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 import pytest
 
@@ -14,7 +13,7 @@ from pipeline.run import run_all
 from pipeline.stages import build_shards
 from pipeline.validate import ValidationFailed, validate_index, validate_path, validate_shards
 from pipeline.writers import parquet_bytes
-from schemas.arrow import fixed_size_list, tensor_column_to_numpy
+from schemas.arrow import fixed_size_list, read_shard_table, shard_column, tensor_column_to_numpy
 from schemas.config import config_from_dict
 from schemas.manifest import ShardsManifest
 from tests.conftest import BAD_REASONS, read_rejected, rewrite_shard, sample_documents, write_jsonl
@@ -23,7 +22,7 @@ from tests.conftest import BAD_REASONS, read_rejected, rewrite_shard, sample_doc
 def _shard_tables(shards_dir):
     manifest = ShardsManifest.model_validate_json((shards_dir / "manifest.json").read_text())
     for entry in manifest.shards:
-        yield entry, ipc.open_file(pa.memory_map(str(shards_dir / entry.path))).read_all()
+        yield entry, read_shard_table(pa.memory_map(str(shards_dir / entry.path)))
 
 
 class _ChunkDatabase:
@@ -33,7 +32,7 @@ class _ChunkDatabase:
         table = pa.concat_tables([pq.read_table(p) for p in sorted((out / "index" / "chunks").glob("*.parquet"))])
         order = np.argsort(table["chunk_id"].to_numpy())
         self.docs = table["doc_id"].to_numpy()[order]
-        self.tokens = tensor_column_to_numpy(table["tokens"])[order]
+        self.tokens = shard_column(table, "tokens")[order]
         self.continuations = tensor_column_to_numpy(table["continuation"])[order]
 
     def values(self, ids):
@@ -77,9 +76,9 @@ def test_neighbours_are_real_chunks_from_other_documents(built_output):
     L = config["sequence_tokens"] // config["chunk_tokens"]
     checked = absent = 0
     for _, table in _shard_tables(out / "shards"):
-        ids = tensor_column_to_numpy(table["neighbour_ids"])
-        neighbours = tensor_column_to_numpy(table["neighbours"])
-        tokens = tensor_column_to_numpy(table["tokens"])
+        ids = shard_column(table, "neighbour_ids")
+        neighbours = shard_column(table, "neighbours")
+        tokens = shard_column(table, "tokens")
         for row, (seq_id, doc_ids) in enumerate(zip(table["seq_id"].to_pylist(), table["doc_ids"].to_pylist())):
             own_chunks = np.arange(seq_id * L, seq_id * L + L)
             assert set(db.docs[own_chunks].tolist()) <= set(doc_ids)
@@ -175,7 +174,7 @@ def test_separate_training_corpus_never_retrieves_its_own_documents(built_output
     db = _chunk_db(tmp_path)
     holding_shared = 0
     for _, table in _shard_tables(tmp_path / "shards"):
-        ids = tensor_column_to_numpy(table["neighbour_ids"])
+        ids = shard_column(table, "neighbour_ids")
         for row, doc_ids in enumerate(table["doc_ids"].to_pylist()):
             present = ids[row][ids[row] >= 0]
             assert not set(db.docs[present].tolist()) & set(doc_ids)
@@ -244,7 +243,7 @@ def test_another_encoder_thread_count_gives_the_same_neighbours(built_output, tm
     np.testing.assert_allclose(embeddings(out), embeddings(root / "out"), atol=1e-5)
 
     def neighbour_ids(o):
-        return np.concatenate([tensor_column_to_numpy(t["neighbour_ids"]).ravel()
+        return np.concatenate([shard_column(t, "neighbour_ids").ravel()
                                for _, t in _shard_tables(o / "shards")])
 
     ids_one, ids_two = neighbour_ids(root / "out"), neighbour_ids(out)
@@ -269,7 +268,7 @@ def test_bfloat16_and_float32_give_the_same_neighbours_and_the_manifest_says_whi
     assert check["min_cosine"] > 0.99 and by_precision["float32"]["embedding_precision"]["top2_agreement"] == 1.0
 
     def neighbour_ids(o):
-        return np.concatenate([tensor_column_to_numpy(t["neighbour_ids"]).ravel() for _, t in _shard_tables(o / "shards")])
+        return np.concatenate([shard_column(t, "neighbour_ids").ravel() for _, t in _shard_tables(o / "shards")])
 
     assert np.mean(neighbour_ids(root / "out") == neighbour_ids(out)) >= 0.95
 

@@ -8,7 +8,6 @@ import shutil
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 import pytest
 
@@ -17,7 +16,7 @@ from pipeline.corpus import doc_id_for
 from pipeline.run import run_all
 from pipeline.stages import build_shards
 from pipeline.validate import validate_path
-from schemas.arrow import tensor_column_to_numpy
+from schemas.arrow import read_shard_table, shard_column, tensor_column_to_numpy
 from schemas.config import config_from_dict
 from tests.conftest import small_config, write_jsonl
 
@@ -45,9 +44,9 @@ def _database(out):
 
 def _rows(shards):
     for path in sorted(shards.glob("shard-*.arrow")):
-        table = ipc.open_file(pa.memory_map(str(path))).read_all()
+        table = read_shard_table(pa.memory_map(str(path)))
         yield from zip(table["seq_id"].to_pylist(), table["doc_ids"].to_pylist(),
-                       tensor_column_to_numpy(table["neighbour_ids"]), tensor_column_to_numpy(table["neighbour_scores"]))
+                       shard_column(table, "neighbour_ids"), shard_column(table, "neighbour_scores"))
 
 
 def _check_exact(docs, vectors, rows, queries_of, k):
@@ -108,8 +107,8 @@ def test_a_separate_training_corpus_sharing_documents_is_filled_and_exact(long_o
     m, L = config["chunk_tokens"], config["sequence_tokens"] // config["chunk_tokens"]
     tokens = {}
     for path in sorted((out / "shards").glob("shard-*.arrow")):
-        table = ipc.open_file(pa.memory_map(str(path))).read_all()
-        tokens.update(zip(table["seq_id"].to_pylist(), tensor_column_to_numpy(table["tokens"])))
+        table = read_shard_table(pa.memory_map(str(path)))
+        tokens.update(zip(table["seq_id"].to_pylist(), shard_column(table, "tokens")))
     tokenizer = load_tokenizer(resolve_tokenizer(None))
     model = load_encoder(EmbeddingConfig())
 

@@ -114,7 +114,7 @@ def test_credentials_never_reach_logs_manifests_or_rejected_records(tmp_path, ca
     from tests.conftest import write_config
 
     config = write_config(tmp_path / "c.yaml", small_config(tmp_path / "out", str(corpus / "*.jsonl")))
-    main(["run", "--config", str(config), "--", f"--api_token={secret}", f"--service_account_email={secret}@x"])
+    main(["run", "--config", str(config), "--", f"--dataflow_service_options=api_token={secret}", f"--service_account_email={secret}@x"])
     captured = capfd.readouterr()
     written = [p.read_text(errors="replace") for p in (tmp_path / "out").rglob("*") if p.suffix in (".json", ".jsonl")]
     assert written and all(secret not in text for text in written + [captured.out, captured.err])

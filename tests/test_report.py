@@ -7,17 +7,16 @@ from datetime import datetime
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.ipc as ipc
 import pytest
 
 from pipeline.cli import main
 from pipeline.commit import commit_directory, new_staging_dir
 from pipeline.report import gather_scores, overlap_bars, read_shards_manifest, write_report
 from pipeline.stages import build_vector_index, stage_timings
-from schemas.arrow import tensor_column_to_numpy
+from schemas.arrow import read_shard_table, shard_column
 from schemas.config import IndexConfig
 from schemas.manifest import IndexManifest, ShardsManifest
-from tests.conftest import BAD_REASONS
+from tests.conftest import BAD_REASONS, rewrite_shards_as_schema_version_1
 
 INLINE_PNG = re.compile(r'<img alt="[^"]+" src="data:image/png;base64,[A-Za-z0-9+/]+=*">')
 
@@ -78,6 +77,7 @@ def test_an_ivf_index_records_its_tuning_curve_and_the_report_draws_it(output, t
     assert manifest.timings.stage == "index" and manifest.timings.records == "index_vectors_added"
     page = _report(tmp_path / "ivf")
     assert _sections(page) == ["summary", "recall", "timings", "rejected"]
+    assert "one k-means" in _section(page, "summary")
     assert len(INLINE_PNG.findall(_section(page, "recall"))) == 1
 
 
@@ -89,6 +89,13 @@ def test_the_report_of_a_shards_directory_decodes_with_the_index_beside_it(outpu
     shutil.copytree(output / "shards", tmp_path / "alone" / "shards")
     alone = _report(tmp_path / "alone" / "shards")
     assert "No index beside the shards" in _section(alone, "samples") and len(INLINE_PNG.findall(alone)) == 2
+
+
+def test_the_report_reads_schema_version_1_shards(output):
+    rewrite_shards_as_schema_version_1(output / "shards")
+    page = _report(output / "shards")
+    assert _sections(page) == ["summary", "neighbours", "overlap", "timings", "rejected", "samples"]
+    assert len(INLINE_PNG.findall(page)) == 2 and _section(page, "samples").count("== sequence") == 3
 
 
 def test_manifests_from_before_timings_and_curves_are_reported_as_not_recorded(output):
@@ -160,9 +167,9 @@ def test_score_histograms_hold_every_filled_slot_and_sample_shards_when_asked(bu
     manifest = read_shards_manifest(str(shards))
     ids, scores = [], []
     for entry in manifest.shards:
-        table = ipc.open_file(pa.memory_map(str(shards / entry.path))).read_all()
-        ids.append(tensor_column_to_numpy(table["neighbour_ids"]).reshape(-1, manifest.neighbours))
-        scores.append(tensor_column_to_numpy(table["neighbour_scores"]).reshape(-1, manifest.neighbours))
+        table = read_shard_table(pa.memory_map(str(shards / entry.path)))
+        ids.append(shard_column(table, "neighbour_ids").reshape(-1, manifest.neighbours))
+        scores.append(shard_column(table, "neighbour_scores").reshape(-1, manifest.neighbours))
     ids, scores = np.concatenate(ids), np.concatenate(scores)
     sample = gather_scores(str(shards), manifest)
     assert (sample.shards_read, sample.sequences) == (len(manifest.shards), manifest.num_sequences)

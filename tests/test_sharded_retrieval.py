@@ -8,12 +8,13 @@ import numpy as np
 
 from pipeline.run import run_all
 from pipeline.validate import validate_path
+from schemas.arrow import read_shard_table
 from schemas.config import config_from_dict
 from tests.conftest import sample_documents, small_config, write_jsonl
 
 
 def neighbour_ids(out):
-    tables = [pa.ipc.open_file(pa.memory_map(str(p))).read_all() for p in sorted((out / "shards").glob("*.arrow"))]
+    tables = [read_shard_table(pa.memory_map(str(p))) for p in sorted((out / "shards").glob("*.arrow"))]
     return np.concatenate([np.stack(t["neighbour_ids"].to_numpy(zero_copy_only=False)).reshape(len(t), -1)
                            for t in tables])
 

@@ -2,7 +2,6 @@ import apache_beam as beam
 import faiss
 import numpy as np
 import pyarrow as pa
-import pyarrow.ipc as ipc
 import pytest
 from apache_beam.testing.util import assert_that, equal_to
 
@@ -14,7 +13,7 @@ from pipeline.shards import (CANDIDATE, DocumentSpans, PackSequences, RetrieveNe
                              overlap_bucket, overlap_histogram, pack_sequence, select_distinct, token_key,
                              widest_span)
 from pipeline.writers import chunks_table, parquet_bytes
-from schemas.arrow import tensor_column_to_numpy
+from schemas.arrow import SCHEMA_VERSION, read_shard_table, shard_column
 from schemas.manifest import FileEntry
 from tests.conftest import local_pipeline
 
@@ -190,10 +189,10 @@ def test_write_shards_is_sorted_and_split_by_seq_id(tmp_path):
         assert_that(entries | beam.Map(lambda e: (e["path"], e["rows"])),
                     equal_to([("shard-00000.arrow", 2), ("shard-00001.arrow", 2),
                               ("shard-00002.arrow", 1)]))
-    table = ipc.open_file(pa.memory_map(str(tmp_path / "shard-00001.arrow"))).read_all()
+    table = read_shard_table(pa.memory_map(str(tmp_path / "shard-00001.arrow")))
     assert table["seq_id"].to_pylist() == [2, 3]
-    assert tensor_column_to_numpy(table["neighbours"]).shape == (2, L, K, 2 * M)
-    assert table.schema.metadata[b"schema_version"] == b"1"
+    assert shard_column(table, "neighbours").shape == (2, L, K, 2 * M)
+    assert table.schema.metadata[b"schema_version"] == str(SCHEMA_VERSION).encode() == b"2"
 
 
 def test_retrieve_neighbours_dedupe_skips_repeated_tokens(tmp_path):

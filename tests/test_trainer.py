@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from schemas.arrow import SchemaVersionError
+from schemas.arrow import SchemaVersionError, read_shard_table, shard_ipc_bytes
 from tests.trainer_fixtures import source_rows, write_shard_dir
 from trainer import ShardDataset
 from trainer.dataset import ShardDataError
@@ -67,9 +67,38 @@ def test_samples_match_the_shards(shard_dir):
         assert sample["neighbour_scores"].dtype == torch.float32 and sample["neighbour_scores"].shape == (4, 2)
         row = reference[int(sample["seq_id"])]
         assert np.array_equal(sample["tokens"].numpy(), row["tokens"])
-        assert np.array_equal(sample["neighbours"].flatten().numpy(), row["neighbours"])
-        assert np.array_equal(sample["neighbour_ids"].flatten().numpy(), row["neighbour_ids"])
-        assert np.array_equal(sample["neighbour_scores"].flatten().numpy(), row["neighbour_scores"])
+        assert np.array_equal(sample["neighbours"].numpy(), row["neighbours"])
+        assert np.array_equal(sample["neighbour_ids"].numpy(), row["neighbour_ids"])
+        assert np.array_equal(sample["neighbour_scores"].numpy(), row["neighbour_scores"])
+
+
+def test_reads_schema_version_1_shards(tmp_path):
+    """The old layout (IPC file, tensor extension columns) reads as the same samples."""
+    old, new = tmp_path / "v1", tmp_path / "v2"
+    write_shard_dir(old, shard_rows=[5, 4], schema_version=1)
+    write_shard_dir(new, shard_rows=[5, 4])
+    assert isinstance(read_shard_table(pa.memory_map(str(old / "shard-00000.arrow")))["neighbours"].type,
+                      pa.FixedShapeTensorType)
+    samples = {version: list(ShardDataset(directory, seed=3))
+               for version, directory in (("1", old), ("2", new))}
+    assert len(samples["1"]) == len(samples["2"]) == 9
+    for a, b in zip(samples["1"], samples["2"]):
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[name], b[name]) for name in a)
+    reference = source_rows(old)
+    for sample in samples["1"]:
+        assert np.array_equal(sample["neighbours"].numpy(), reference[int(sample["seq_id"])]["neighbours"])
+
+
+def test_refuses_a_shard_whose_layout_differs_from_the_manifest(tmp_path):
+    write_shard_dir(tmp_path, shard_rows=[3, 3])
+    old = tmp_path / "old"
+    write_shard_dir(old, shard_rows=[3, 3], schema_version=1)
+    (tmp_path / "shard-00001.arrow").write_bytes((old / "shard-00001.arrow").read_bytes())
+    size = (tmp_path / "shard-00001.arrow").stat().st_size
+    rewrite_manifest(tmp_path, lambda m: m["shards"][1].update(bytes=size))
+    with pytest.raises(ShardDataError, match=r"shard-00001\.arrow: metadata schema_version='1', the manifest says 2"):
+        list(ShardDataset(tmp_path, shuffle=False))
 
 
 def test_samples_are_writable_and_warning_free(shard_dir, recwarn):
@@ -193,13 +222,12 @@ def test_refuses_an_unknown_manifest_schema_version(tmp_path):
 def test_refuses_a_shard_with_an_unknown_schema_version(tmp_path):
     write_shard_dir(tmp_path, shard_rows=[3, 3])
     path = tmp_path / "shard-00001.arrow"
-    table = pa.ipc.open_file(pa.memory_map(str(path))).read_all()
-    table = table.replace_schema_metadata({**table.schema.metadata, b"schema_version": b"2"})
-    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
-        writer.write_table(table)
+    table = read_shard_table(pa.memory_map(str(path)))
+    table = table.replace_schema_metadata({**table.schema.metadata, b"schema_version": b"3"})
+    path.write_bytes(shard_ipc_bytes(table))
     size = path.stat().st_size
     rewrite_manifest(tmp_path, lambda m: m["shards"][1].update(bytes=size))
-    with pytest.raises(SchemaVersionError, match=r"shard-00001\.arrow.*schema_version '2'"):
+    with pytest.raises(SchemaVersionError, match=r"shard-00001\.arrow.*schema_version '3'"):
         list(ShardDataset(tmp_path))
 
 

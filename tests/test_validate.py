@@ -11,7 +11,7 @@ from pipeline.validate import Problems, ValidationFailed, plan_validation, sampl
 from pipeline.validate_job import ValidateOutput
 from schemas.arrow import tensor_column_to_numpy
 from schemas.manifest import FileEntry
-from tests.conftest import local_pipeline, rewrite_shard
+from tests.conftest import local_pipeline, rewrite_shard, rewrite_shards_as_schema_version_1
 
 SAMPLE = 0.2  # 2 of the built output's 6 shards
 
@@ -83,6 +83,21 @@ def test_a_sample_reads_only_the_sampled_shards(output):
     rewrite_shard(output / "shards", _wrong_neighbour_tokens, unsampled)
     assert all(line.startswith("OK") for line in validate_path(str(output), SAMPLE))
     with pytest.raises(ValidationFailed, match="neighbour tokens differ"):
+        validate_path(str(output))
+
+
+def test_an_output_with_schema_version_1_shards_validates_and_its_faults_are_found(output):
+    rewrite_shards_as_schema_version_1(output / "shards")
+    assert b"arrow.fixed_shape_tensor" in (output / "shards" / "shard-00000.arrow").read_bytes()
+    assert all(line.startswith("OK") for line in validate_path(str(output)))
+    rewrite_shard(output / "shards", _wrong_neighbour_tokens, version=1)
+    with pytest.raises(ValidationFailed, match="neighbour tokens differ from the chunk database"):
+        validate_path(str(output))
+
+
+def test_a_shard_in_another_layout_than_its_manifest_says_fails(output):
+    rewrite_shard(output / "shards", lambda columns: None, version=1)
+    with pytest.raises(ValidationFailed, match="metadata schema_version=1 disagrees with the manifest"):
         validate_path(str(output))
 
 

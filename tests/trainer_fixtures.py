@@ -3,6 +3,7 @@ ShardsManifest (rows, bytes and sha256 of the files as written)."""
 from __future__ import annotations
 
 import hashlib
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.shards import OVERLAP_BUCKETS, chunk_overlap, overlap_bucket
-from schemas.arrow import shard_table
+from schemas.arrow import SCHEMA_VERSION, read_shard_table, shard_ipc_bytes, shard_table
 from schemas.manifest import ShardEntry, ShardsManifest
 
 
@@ -51,10 +52,12 @@ def synthetic_rows(num_sequences: int, *, sequence_tokens: int, chunk_tokens: in
 def write_shard_dir(directory: Path, *, shard_rows: list[int], sequence_tokens: int = 16,
                     chunk_tokens: int = 4, neighbours: int = 2, vocab_size: int = 64,
                     pad_id: int = 0, batch_rows: int = 3, seed: int = 0,
-                    first_seq_id: int = 1000, pad_tails: bool = False) -> ShardsManifest:
+                    first_seq_id: int = 1000, pad_tails: bool = False,
+                    schema_version: int = SCHEMA_VERSION) -> ShardsManifest:
     """Write shards of `shard_rows` rows each (record batches of `batch_rows`) and the manifest.
 
     Sequence ids count up from first_seq_id in manifest order; doc_ids are [seq_id].
+    schema_version 1 writes the old layout (IPC file, tensor extension columns).
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -68,11 +71,10 @@ def write_shard_dir(directory: Path, *, shard_rows: list[int], sequence_tokens: 
         part = slice(start, start + count)
         table = shard_table(seq_ids[part], rows["tokens"][part], rows["neighbours"][part],
                             rows["neighbour_ids"][part], rows["neighbour_scores"][part],
-                            [[s] for s in seq_ids[part]], pad_id=pad_id)
+                            [[s] for s in seq_ids[part]], pad_id=pad_id, version=schema_version)
         path = directory / f"shard-{i:05d}.arrow"
-        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
-            writer.write_table(table, max_chunksize=batch_rows)
-        data = path.read_bytes()
+        data = shard_ipc_bytes(table, batch_rows)
+        path.write_bytes(data)
         entries.append(ShardEntry(path=path.name, rows=count, bytes=len(data),
                                   sha256=hashlib.sha256(data).hexdigest(),
                                   neighbour_slots_filled=int((rows["neighbour_ids"][part] >= 0).sum())))
@@ -85,9 +87,19 @@ def write_shard_dir(directory: Path, *, shard_rows: list[int], sequence_tokens: 
         sequence_tokens=sequence_tokens,
         chunk_tokens=chunk_tokens, neighbours=neighbours, neighbour_tokens=2 * chunk_tokens,
         pad_id=pad_id, num_sequences=total, shards=entries,
-        counters={"sequences_written": total}, created_by="tests/trainer_fixtures.py")
+        counters={"sequences_written": total}, created_by="tests/trainer_fixtures.py",
+        schema_version=schema_version)
     (directory / "manifest.json").write_text(manifest.model_dump_json(indent=2))
     return manifest
+
+
+def _row(table: pa.Table, name: str, i: int) -> np.ndarray:
+    """Row i of an array column through Python lists, reshaped by the field's `shape` metadata
+    (schema_version 2) or its tensor type (1)."""
+    column, field = table.column(name).combine_chunks(), table.schema.field(name)
+    if isinstance(column, pa.ExtensionArray):
+        return np.array(column.storage[i].as_py()).reshape(column.type.shape)
+    return np.array(column[i].as_py()).reshape(json.loads(field.metadata[b"shape"]))
 
 
 def source_rows(directory: Path) -> dict[int, dict[str, np.ndarray]]:
@@ -95,13 +107,13 @@ def source_rows(directory: Path) -> dict[int, dict[str, np.ndarray]]:
     out = {}
     for path in sorted(Path(directory).glob("shard-*.arrow")):
         with pa.OSFile(str(path)) as source:
-            table = pa.ipc.open_file(source).read_all()
+            table = read_shard_table(source)
         columns = {name: table.column(name).combine_chunks() for name in table.column_names}
         for i, seq_id in enumerate(columns["seq_id"].to_pylist()):
             out[seq_id] = {
                 "tokens": np.array(columns["tokens"][i].as_py()),
-                "neighbours": np.array(columns["neighbours"].storage[i].as_py()),
-                "neighbour_ids": np.array(columns["neighbour_ids"].storage[i].as_py()),
-                "neighbour_scores": np.array(columns["neighbour_scores"].storage[i].as_py(), dtype=np.float32),
+                "neighbours": _row(table, "neighbours", i),
+                "neighbour_ids": _row(table, "neighbour_ids", i),
+                "neighbour_scores": _row(table, "neighbour_scores", i).astype(np.float32),
             }
     return out

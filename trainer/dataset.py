@@ -1,4 +1,4 @@
-"""Streaming dataset over a shard directory (DESIGN §4): manifest.json + Arrow IPC shards.
+"""Streaming dataset over a shard directory (docs/design.md §4): manifest.json + Arrow IPC shards.
 
 Order of an epoch. The epoch's *global order* is fixed by (seed, epoch): the shards in a
 permuted order, each shard's rows in a permuted order (manifest order when shuffle=False). It is
@@ -44,7 +44,7 @@ import torch
 from pydantic import ValidationError
 from torch.utils.data import IterableDataset, get_worker_info
 
-from schemas.arrow import SHARD_METADATA_KEYS, check_schema_version, shard_schema, tensor_column_to_numpy
+from schemas.arrow import SHARD_METADATA_KEYS, check_schema_version, read_shard, shard_schema, shard_column
 from schemas.manifest import FileEntry, ShardsManifest
 
 MANIFEST_NAME = "manifest.json"
@@ -140,7 +140,7 @@ class _OpenShard:
         batch_rows = []
         for batch in batches:
             columns = {"seq_id": batch.column("seq_id").to_numpy()}
-            columns.update({name: tensor_column_to_numpy(batch.column(name)) for name in _TENSOR_COLUMNS})
+            columns.update({name: shard_column(batch, name) for name in _TENSOR_COLUMNS})
             self._batches.append(columns)
             batch_rows.append(batch.num_rows)
         self._batch_starts = np.concatenate([[0], np.cumsum(batch_rows)])
@@ -218,8 +218,8 @@ class ShardDataset(IterableDataset):
         self.chunk_tokens = self.manifest.chunk_tokens
         self.neighbours = self.manifest.neighbours
         self.pad_id = self.manifest.pad_id
-        self._expected_schema = shard_schema(self.sequence_tokens, self.chunk_tokens,
-                                             self.neighbours, self.pad_id)
+        self._expected_schema = shard_schema(self.sequence_tokens, self.chunk_tokens, self.neighbours,
+                                             self.pad_id, version=self.manifest.schema_version)
         self._expected_metadata = {k.decode(): v.decode() for k, v in self._expected_schema.metadata.items()}
         self.skipped: list[str] = []  # the errors of shards left out (skip_bad_shards)
         # Rows as the manifest says: no request per shard here (each is checked when opened).
@@ -270,23 +270,19 @@ class ShardDataset(IterableDataset):
                 if digest != entry.sha256:
                     raise ShardDataError(f"{path}: sha256 {digest} differs from the manifest's {entry.sha256}")
             try:
-                reader = pa.ipc.open_file(file)
+                schema, batches = read_shard(file)
             except pa.ArrowInvalid as err:
-                raise ShardDataError(f"{path}: not an Arrow IPC file ({err})") from None
-            metadata = {k.decode(): v.decode() for k, v in (reader.schema.metadata or {}).items()}
+                raise ShardDataError(f"{path}: not an Arrow shard ({err})") from None
+            metadata = {k.decode(): v.decode() for k, v in (schema.metadata or {}).items()}
             check_schema_version(metadata.get("schema_version"), path)
             for key in SHARD_METADATA_KEYS:
                 if metadata.get(key) != self._expected_metadata[key]:
                     raise ShardDataError(f"{path}: metadata {key}={metadata.get(key)!r}, the manifest "
                                          f"says {self._expected_metadata[key]}")
-            if not reader.schema.remove_metadata().equals(self._expected_schema.remove_metadata()):
+            if not schema.remove_metadata().equals(self._expected_schema.remove_metadata()):
                 raise ShardDataError(
                     f"{path}: columns do not match the manifest's shapes (n={self.sequence_tokens}, "
-                    f"m={self.chunk_tokens}, k={self.neighbours}): {reader.schema.remove_metadata()}")
-            try:
-                batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
-            except pa.ArrowInvalid as err:
-                raise ShardDataError(f"{path}: unreadable record batch ({err})") from None
+                    f"m={self.chunk_tokens}, k={self.neighbours}): {schema.remove_metadata()}")
             rows = sum(batch.num_rows for batch in batches)
             if rows != entry.rows:
                 raise ShardDataError(f"{path}: {rows} rows in the file, the manifest says {entry.rows}")
