@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 QUICKSTART := examples/quickstart.yaml
 
-.PHONY: install quickstart test benchmark experiment clean
+.PHONY: install quickstart test test-fast lint benchmark experiment clean
 
 install: $(STAMP)
 
@@ -26,6 +26,16 @@ quickstart: install
 
 test: install
 	$(BIN)/python -m pytest
+
+# Everything but the tests marked slow (each over ~30 s); `make test` (and CI) runs them all.
+test-fast: install
+	$(BIN)/python -m pytest -m "not slow"
+
+# ruff (lint and format, pyproject.toml [tool.ruff]) over the tree, mypy over schemas/ and trainer/.
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 benchmark: install
 	$(BIN)/python benchmarks/embed_vs_encoder.py

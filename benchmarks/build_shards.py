@@ -21,6 +21,7 @@ the same sample text as 19 book-length documents of 3 consecutive pages each, ~6
 `--neighbour-recall-sample 0` times the stage without its exact neighbour check. Results: a
 table on stdout, JSON in benchmarks/results/build_shards.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 from benchmarks.report import write_results  # noqa: E402
 from examples.long_documents import long_documents  # noqa: E402
 from pipeline.stages import build_index, build_shards  # noqa: E402
-from schemas.arrow import read_shard_table, shard_ipc_bytes, shard_table, shard_column, tensor_column_to_numpy  # noqa: E402
+from schemas.arrow import read_shard_table, shard_column, shard_ipc_bytes, shard_table, tensor_column_to_numpy  # noqa: E402
 from schemas.config import PipelineConfig, load_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -57,18 +58,29 @@ def corpus_config(name: str, workdir: Path):
     path.write_text("".join(json.dumps(d) + "\n" for d in long_documents(pages_per_document=3)))
     corpus = cfg.retrieval_corpus.model_copy(update={"paths": [str(path)]})
     defaults = PipelineConfig.model_fields
-    return cfg.model_copy(update={"output": str(out), "retrieval_corpus": corpus, "sequence_tokens": 1024,
-                                  "neighbour_candidates": defaults["neighbour_candidates"].default})
+    return cfg.model_copy(
+        update={
+            "output": str(out),
+            "retrieval_corpus": corpus,
+            "sequence_tokens": 1024,
+            "neighbour_candidates": defaults["neighbour_candidates"].default,
+        }
+    )
 
 
 def read_database(index_dir: Path):
     def table(kind):
         return pa.concat_tables([pq.read_table(p) for p in sorted((index_dir / kind).glob("*.parquet"))])
+
     chunks, embeddings = table("chunks"), table("embeddings")
     assert np.array_equal(chunks["chunk_id"].to_numpy(), np.arange(len(chunks)))
     assert np.array_equal(embeddings["chunk_id"].to_numpy(), np.arange(len(chunks)))
-    return (chunks["doc_id"].to_numpy(), shard_column(chunks, "tokens"),
-            tensor_column_to_numpy(chunks["continuation"]), tensor_column_to_numpy(embeddings["embedding"]))
+    return (
+        chunks["doc_id"].to_numpy(),
+        shard_column(chunks, "tokens"),
+        tensor_column_to_numpy(chunks["continuation"]),
+        tensor_column_to_numpy(embeddings["embedding"]),
+    )
 
 
 def floor(index_dir: Path, out: Path, L: int, k: int, rows_per_shard: int, pad_id: int):
@@ -79,22 +91,29 @@ def floor(index_dir: Path, out: Path, L: int, k: int, rows_per_shard: int, pad_i
     scores = np.zeros((sequences, L, k), np.float32)
     doc_ids = []
     for s in range(sequences):
-        own = np.unique(docs[s * L:(s + 1) * L + 1])
+        own = np.unique(docs[s * L : (s + 1) * L + 1])
         doc_ids.append(own.tolist())
-        similarity = vectors[s * L:(s + 1) * L] @ vectors.T                # [L, N]
+        similarity = vectors[s * L : (s + 1) * L] @ vectors.T  # [L, N]
         similarity[:, np.isin(docs, own)] = -np.inf
         top = np.argsort(-similarity, axis=1, kind="stable")[:, :k]
         ids[s] = np.where(np.isfinite(np.take_along_axis(similarity, top, 1)), top, -1)
         scores[s] = np.where(ids[s] >= 0, np.take_along_axis(similarity, top, 1), 0)
     values = np.concatenate([tokens, continuations], axis=1)
     neighbours = np.where(ids[..., None] >= 0, values[ids], pad_id).astype(np.int32)
-    following = np.append(tokens[L::L, 0], pad_id)[:sequences]   # the next chunk's first token
-    own_tokens = np.concatenate([tokens[:sequences * L].reshape(sequences, -1), following[:, None]], axis=1)
+    following = np.append(tokens[L::L, 0], pad_id)[:sequences]  # the next chunk's first token
+    own_tokens = np.concatenate([tokens[: sequences * L].reshape(sequences, -1), following[:, None]], axis=1)
     out.mkdir(parents=True, exist_ok=True)
     for start in range(0, sequences, rows_per_shard):
         part = slice(start, start + rows_per_shard)
-        table = shard_table(np.arange(sequences)[part], own_tokens[part], neighbours[part], ids[part],
-                            scores[part], doc_ids[part], pad_id=pad_id)
+        table = shard_table(
+            np.arange(sequences)[part],
+            own_tokens[part],
+            neighbours[part],
+            ids[part],
+            scores[part],
+            doc_ids[part],
+            pad_id=pad_id,
+        )
         (out / f"shard-{start // rows_per_shard:05d}.arrow").write_bytes(shard_ipc_bytes(table))
     return ids, scores, vectors
 
@@ -111,7 +130,7 @@ def recall_with_ties(ours, exact_ids, exact_scores, vectors, L: int):
     """Share of slots whose neighbour scores within TIE_TOLERANCE of the exact k-th (padding: miss)."""
     hits = 0
     for s in range(len(ours)):
-        queries = vectors[s * L:(s + 1) * L]
+        queries = vectors[s * L : (s + 1) * L]
         for j in range(L):
             valid = ours[s, j][ours[s, j] >= 0]
             kth = exact_scores[s, j][exact_ids[s, j] >= 0].min(initial=np.inf)
@@ -131,17 +150,22 @@ def bench(name: str, workdir: Path, recall_sample: int | None) -> dict:
     ours_s = time.perf_counter() - start
     L, k = cfg.chunks_per_sequence, cfg.neighbours
     start = time.perf_counter()
-    exact_ids, exact_scores, vectors = floor(out / "index", workdir / f"{name}-floor", L, k,
-                                             cfg.rows_per_shard(), manifest.pad_id)
+    exact_ids, exact_scores, vectors = floor(
+        out / "index", workdir / f"{name}-floor", L, k, cfg.rows_per_shard(), manifest.pad_id
+    )
     floor_s = time.perf_counter() - start
     sequences = manifest.num_sequences
     assert sequences == len(exact_ids), (sequences, len(exact_ids))
     ours = our_neighbours(out / "shards", sequences, L, k)
     return {
-        "corpus": name, "chunks": len(vectors), "sequences": sequences,
+        "corpus": name,
+        "chunks": len(vectors),
+        "sequences": sequences,
         "recall_check_sample": cfg.neighbour_recall_sample,
-        "ours_s": round(ours_s, 2), "ours_seq_per_s": round(sequences / ours_s, 1),
-        "floor_s": round(floor_s, 2), "floor_seq_per_s": round(sequences / floor_s, 1),
+        "ours_s": round(ours_s, 2),
+        "ours_seq_per_s": round(sequences / ours_s, 1),
+        "floor_s": round(floor_s, 2),
+        "floor_seq_per_s": round(sequences / floor_s, 1),
         "ours_vs_floor": round(floor_s / ours_s, 3),
         "ours_fill": round(float(np.mean(ours >= 0)), 4),
         "floor_fill": round(float(np.mean(exact_ids >= 0)), 4),
@@ -153,8 +177,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--corpora", nargs="+", default=["quickstart", "long-documents"])
     parser.add_argument("--workdir", help="kept between runs (indexes are reused); default: a temporary one")
-    parser.add_argument("--neighbour-recall-sample", type=int,
-                        help="override the config's (0: time the stage without its exact check)")
+    parser.add_argument(
+        "--neighbour-recall-sample", type=int, help="override the config's (0: time the stage without its exact check)"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         workdir = Path(args.workdir or scratch)

@@ -27,6 +27,7 @@ Beam's local runner hands each worker its share of a stage's grouped input as on
 on it both grow with N; the ratio of ours to the floor is the figure that must stay flat.
 Results: a table on stdout, JSON in benchmarks/results/chunk_scale.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,8 +53,10 @@ WORKERS = ["--direct_num_workers=2", "--direct_running_mode=multi_processing"]
 
 def write_corpus(directory: Path, documents: int) -> None:
     """`documents` tiny documents, document i the same in every corpus size."""
-    words = np.array("the of and a to in is was for on that by with as at from his her an were "
-                     "river city music theory light metal north winter engine paper".split())
+    words = np.array(
+        "the of and a to in is was for on that by with as at from his her an were "
+        "river city music theory light metal north winter engine paper".split()
+    )
     directory.mkdir(parents=True)
     per_file = -(-documents // FILES)
     for f in range(FILES):
@@ -83,8 +86,14 @@ def job_main(corpus: str, out: str) -> None:
         documents, _ = p | "ReadCorpus" >> ReadCorpus(CorpusConfig(paths=[f"{corpus}/*.jsonl"], id_field="id"))
         chunks, _ = documents | "ChunkDocuments" >> ChunkDocuments(tokenizer, M, pad)
         _ = chunks | "WriteChunks" >> WriteGroupedFiles(
-            f"{out}/chunks", out, "chunks", "parquet", key=lambda c: c.chunk_id,
-            rows_per_file=CHUNK_FILE_ROWS, to_bytes=lambda rows: parquet_bytes(chunks_table(rows, M)))
+            f"{out}/chunks",
+            out,
+            "chunks",
+            "parquet",
+            key=lambda c: c.chunk_id,
+            rows_per_file=CHUNK_FILE_ROWS,
+            to_bytes=lambda rows: parquet_bytes(chunks_table(rows, M)),
+        )
     record_rss(out, workers.stop())
 
 
@@ -103,17 +112,30 @@ def floor_main(corpus: str, out: str, documents: str) -> None:
 
     def chunks(lines: list[str]) -> list[Chunk]:
         texts = [json.loads(line)["text"] for line in lines]
-        return [c for tokens in tokenize_batch(load_tokenizer(path), texts)
-                for c in chunk_document(hash(tokens.tobytes()) & 0x7FFF_FFFF, tokens, 0, M, pad)]
+        return [
+            c
+            for tokens in tokenize_batch(load_tokenizer(path), texts)
+            for c in chunk_document(hash(tokens.tobytes()) & 0x7FFF_FFFF, tokens, 0, M, pad)
+        ]
 
     workers = WorkerPeak()
     with beam.Pipeline(options=pipeline_options(WORKERS)) as p:
-        _ = (p | "ReadLines" >> beam.io.ReadFromText(f"{corpus}/*.jsonl")
-             | "Batch" >> beam.BatchElements(min_batch_size=1, max_batch_size=256)
-             | "Chunk" >> beam.FlatMap(chunks)
-             | "WriteChunks" >> WriteGroupedFiles(
-                 f"{out}/chunks", out, "chunks", "parquet", key=lambda c: c.doc_id % files * CHUNK_FILE_ROWS,
-                 rows_per_file=CHUNK_FILE_ROWS, to_bytes=lambda rows: parquet_bytes(chunks_table(rows, M))))
+        _ = (
+            p
+            | "ReadLines" >> beam.io.ReadFromText(f"{corpus}/*.jsonl")
+            | "Batch" >> beam.BatchElements(min_batch_size=1, max_batch_size=256)
+            | "Chunk" >> beam.FlatMap(chunks)
+            | "WriteChunks"
+            >> WriteGroupedFiles(
+                f"{out}/chunks",
+                out,
+                "chunks",
+                "parquet",
+                key=lambda c: c.doc_id % files * CHUNK_FILE_ROWS,
+                rows_per_file=CHUNK_FILE_ROWS,
+                to_bytes=lambda rows: parquet_bytes(chunks_table(rows, M)),
+            )
+        )
     record_rss(out, workers.stop())
 
 
@@ -133,17 +155,32 @@ def measure(job: str, corpus: Path, out: Path, documents: int) -> dict:
     out.mkdir(parents=True)
     start = time.perf_counter()
     with open(out.with_suffix(".log"), "w") as log:
-        status = subprocess.call([sys.executable, str(Path(__file__).resolve()), job, str(corpus), str(out),
-                                  *([str(documents)] if job == "floor" else [])],
-                                 stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        status = subprocess.call(
+            [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                job,
+                str(corpus),
+                str(out),
+                *([str(documents)] if job == "floor" else []),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
     wall = time.perf_counter() - start
     if status != 0:
         raise SystemExit(f"the {job} job failed, see {out.with_suffix('.log')}")
     if job == "job":
         check_chunks(out, documents)
     rss = json.loads((out / "rss.json").read_text())
-    return {"documents": documents, "wall_s": wall, "documents_per_s": documents / wall,
-            "main_peak_rss_mb": rss["self_kb"] / 1024, "worker_peak_rss_mb": rss["children_kb"] / 1024}
+    return {
+        "documents": documents,
+        "wall_s": wall,
+        "documents_per_s": documents / wall,
+        "main_peak_rss_mb": rss["self_kb"] / 1024,
+        "worker_peak_rss_mb": rss["children_kb"] / 1024,
+    }
 
 
 def main() -> None:
@@ -159,14 +196,18 @@ def main() -> None:
             write_corpus(corpus, n)
         for name, job in (("ours", "job"), ("floor", "floor")):
             runs[name].append(r := measure(job, corpus, workdir / f"{name}-{n}", n))
-            print(f"{name:>5} {n:>10,} documents: {r['wall_s']:7.1f} s, {r['documents_per_s']:8.0f} docs/s, "
-                  f"main {r['main_peak_rss_mb']:6.0f} MB, largest worker {r['worker_peak_rss_mb']:5.0f} MB",
-                  flush=True)
+            print(
+                f"{name:>5} {n:>10,} documents: {r['wall_s']:7.1f} s, {r['documents_per_s']:8.0f} docs/s, "
+                f"main {r['main_peak_rss_mb']:6.0f} MB, largest worker {r['worker_peak_rss_mb']:5.0f} MB",
+                flush=True,
+            )
     growth = {name: r[-1]["worker_peak_rss_mb"] / r[0]["worker_peak_rss_mb"] for name, r in runs.items()}
     over_floor = [o["worker_peak_rss_mb"] / f["worker_peak_rss_mb"] for o, f in zip(runs["ours"], runs["floor"])]
-    print(f"\ndocuments x{args.documents[-1] / args.documents[0]:.0f}: largest worker's peak RSS "
-          f"x{growth['ours']:.2f} (floor x{growth['floor']:.2f}); ours / floor: "
-          + ", ".join(f"{r:.2f}" for r in over_floor))
+    print(
+        f"\ndocuments x{args.documents[-1] / args.documents[0]:.0f}: largest worker's peak RSS "
+        f"x{growth['ours']:.2f} (floor x{growth['floor']:.2f}); ours / floor: "
+        + ", ".join(f"{r:.2f}" for r in over_floor)
+    )
     write_results({"runs": runs, "worker_rss_growth": growth, "worker_rss_over_floor": over_floor}, RESULTS)
     if not args.workdir:
         shutil.rmtree(workdir)

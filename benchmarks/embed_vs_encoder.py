@@ -13,6 +13,7 @@
 4. build-shards, so that `run` = build-index + build-shards can be set against both floors.
 Prints the times and the ratios; writes them as JSON to benchmarks/results/.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,10 +37,14 @@ from schemas.config import load_config
 
 def time_embed_stage(cfg, chunks, threads) -> float:
     """Seconds of a Beam job (in-process) that runs `EmbedChunks` over these chunks."""
+
     def embed_stage():
         with beam.Pipeline(options=pipeline_options([])) as p:
-            embedded, _ = (p | beam.Create(chunks, reshuffle=False)
-                           | EmbedChunks(cfg.embedding, resolve_tokenizer(cfg.tokenizer), threads))
+            embedded, _ = (
+                p
+                | beam.Create(chunks, reshuffle=False)
+                | EmbedChunks(cfg.embedding, resolve_tokenizer(cfg.tokenizer), threads)
+            )
             _ = embedded | beam.combiners.Count.Globally()
 
     return timed(embed_stage)[1]
@@ -67,20 +72,27 @@ def main() -> None:
 
         t_embed = time_embed_stage(cfg, chunks, manifest.encoder_threads)
     result = {
-        "chunks": len(chunks), "batch_size": cfg.embedding.batch_size, "precision": precision,
+        "chunks": len(chunks),
+        "batch_size": cfg.embedding.batch_size,
+        "precision": precision,
         "top2_agreement": manifest.embedding_precision.top2_agreement,
         "min_cosine": manifest.embedding_precision.min_cosine,
-        "raw_encode_s": round(t_raw, 2), "raw_model_load_s": round(t_load, 2),
+        "raw_encode_s": round(t_raw, 2),
+        "raw_model_load_s": round(t_load, 2),
         "raw_chunks_per_s": round(len(chunks) / t_raw, 1),
         f"raw_{precision}_encode_s": round(t_reduced, 2),
         f"raw_{precision}_vs_float32": round(t_reduced / t_raw, 3),
-        "embed_stage_s": round(t_embed, 2), "build_index_s": round(t_index, 2),
-        "build_shards_s": round(t_shards, 2), "run_s": round(t_index + t_shards, 2),
+        "embed_stage_s": round(t_embed, 2),
+        "build_index_s": round(t_index, 2),
+        "build_shards_s": round(t_shards, 2),
+        "run_s": round(t_index + t_shards, 2),
         "embed_stage_vs_raw": round(t_embed / t_raw, 3),
         "build_index_vs_raw": round(t_index / t_raw, 3),
         "run_vs_raw": round((t_index + t_shards) / t_raw, 3),
         f"run_vs_raw_{precision}": round((t_index + t_shards) / t_reduced, 3),
-        "encoder_threads": manifest.encoder_threads, "cpu_count": os.cpu_count(), "python": sys.version.split()[0],
+        "encoder_threads": manifest.encoder_threads,
+        "cpu_count": os.cpu_count(),
+        "python": sys.version.split()[0],
     }
     write_results(result, "benchmarks/results/embed_vs_encoder.json")
     width = max(map(len, result))

@@ -14,6 +14,7 @@ On the quickstart corpus (or its first N documents), with `embedding.device` = -
    today): tokens/s from its last log line.
 Writes benchmarks/results/gpu.json. `--device cpu --documents 20` runs the same steps on a CPU.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,10 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 from benchmarks.embed_vs_encoder import time_embed_stage  # noqa: E402
-from benchmarks.report import timed  # noqa: E402
-from benchmarks.report import write_results  # noqa: E402
+from benchmarks.report import (
+    timed,  # noqa: E402
+    write_results,  # noqa: E402
+)
 from pipeline.chunking import load_tokenizer  # noqa: E402
 from pipeline.embed import chunk_texts, encode_texts, load_encoder, torch_threads  # noqa: E402
 from pipeline.faiss_index import load_index, query_rate  # noqa: E402
@@ -45,8 +48,11 @@ REPO = Path(__file__).resolve().parent.parent
 def corpus(workdir: Path, documents: int | None) -> str:
     if documents is None:
         return str(REPO / "examples" / "corpus" / "*.jsonl")
-    lines = [line for path in sorted((REPO / "examples" / "corpus").glob("*.jsonl"))
-             for line in path.read_text().splitlines()][:documents]
+    lines = [
+        line
+        for path in sorted((REPO / "examples" / "corpus").glob("*.jsonl"))
+        for line in path.read_text().splitlines()
+    ][:documents]
     path = workdir / "corpus.jsonl"
     path.write_text("\n".join(lines) + "\n")
     return str(path)
@@ -57,8 +63,9 @@ def trainer_tokens_per_s(shards: Path, device: str, steps: int) -> float:
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        train(["--shards", str(shards), "--steps", str(steps), "--log-every", str(max(1, steps // 5)),
-               "--device", device])
+        train(
+            ["--shards", str(shards), "--steps", str(steps), "--log-every", str(max(1, steps // 5)), "--device", device]
+        )
     rates = re.findall(r"tok/s=(\d+)", out.getvalue())
     return float(rates[-1]) if rates else float("nan")
 
@@ -72,10 +79,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         workdir = Path(scratch)
         cfg = load_config(REPO / "examples" / "quickstart.yaml")
-        cfg = cfg.model_copy(update={
-            "output": str(workdir / "out"),
-            "retrieval_corpus": cfg.retrieval_corpus.model_copy(update={"paths": [corpus(workdir, args.documents)]}),
-            "embedding": cfg.embedding.model_copy(update={"device": args.device})})
+        cfg = cfg.model_copy(
+            update={
+                "output": str(workdir / "out"),
+                "retrieval_corpus": cfg.retrieval_corpus.model_copy(
+                    update={"paths": [corpus(workdir, args.documents)]}
+                ),
+                "embedding": cfg.embedding.model_copy(update={"device": args.device}),
+            }
+        )
         manifest, t_index = timed(lambda: build_index(cfg, []))
         files = sorted((workdir / "out" / "index" / "chunks").glob("*.parquet"))
         chunks = [c for f in files for c in _chunks_from_table(pq.read_table(f))]
@@ -83,27 +95,36 @@ def main() -> None:
         model = load_encoder(cfg.embedding)
         raw = {}
         with torch_threads(manifest.encoder_threads):
+            batch = cfg.embedding.batch_size
             for precision in ("float32", "float16", "bfloat16"):
-                encode_texts(model, texts[:256], cfg.embedding.batch_size, precision)  # warm-up
-                _, seconds = timed(lambda: encode_texts(model, texts, cfg.embedding.batch_size, precision))
+                encode_texts(model, texts[:256], batch, precision)  # warm-up
+                _, seconds = timed(lambda precision=precision: encode_texts(model, texts, batch, precision))
                 raw[precision] = len(texts) / seconds
 
         t_stage = time_embed_stage(cfg, chunks, manifest.encoder_threads)
         precision = manifest.embedding_precision.precision
         index = load_index(str(workdir / "out" / "index" / "faiss" / "index.faiss"), manifest.nprobe)
-        vectors = np.concatenate([tensor_column_to_numpy(pq.read_table(f)["embedding"])
-                                  for f in sorted((workdir / "out" / "index" / "embeddings").glob("*.parquet"))])
+        vectors = np.concatenate(
+            [
+                tensor_column_to_numpy(pq.read_table(f)["embedding"])
+                for f in sorted((workdir / "out" / "index" / "embeddings").glob("*.parquet"))
+            ]
+        )
         queries = vectors[np.random.default_rng(0).integers(0, len(vectors), 10_000)]
         _, t_shards = timed(lambda: build_shards(cfg, []))
         tokens_per_s = trainer_tokens_per_s(workdir / "out" / "shards", args.device, args.steps)
     result = {
-        "device": args.device, "chunks": len(chunks), "stage_precision": precision,
+        "device": args.device,
+        "chunks": len(chunks),
+        "stage_precision": precision,
         "top2_agreement": manifest.embedding_precision.top2_agreement,
         **{f"raw_{p}_chunks_per_s": round(v, 1) for p, v in raw.items()},
         "embed_stage_chunks_per_s": round(len(chunks) / t_stage, 1),
         "embed_stage_vs_raw_same_precision": round(raw[precision] / (len(chunks) / t_stage), 3),
-        "build_index_s": round(t_index, 2), "build_shards_s": round(t_shards, 2),
-        "index": manifest.index_factory, "index_queries_per_s": round(query_rate(index, queries), 1),
+        "build_index_s": round(t_index, 2),
+        "build_shards_s": round(t_shards, 2),
+        "index": manifest.index_factory,
+        "index_queries_per_s": round(query_rate(index, queries), 1),
         "trainer_tokens_per_s": tokens_per_s,
     }
     write_results(result, REPO / "benchmarks" / "results" / "gpu.json")

@@ -8,7 +8,8 @@ Per size N:
 
 1. Data: N float32 unit vectors from `benchmarks/synthetic.py`'s `LowRankClusters` (1000
    clusters, each spread along its own 8-dim subspace plus a little isotropic noise: a low
-   intrinsic dimension, like sentence embeddings; fixed seed), written as `--files` Parquet files `emb-NNNNN.parquet` (chunk_id int64 = 0 … N-1 in file order, embedding
+   intrinsic dimension, like sentence embeddings; fixed seed), written as `--files` Parquet files
+   `emb-NNNNN.parquet` (chunk_id int64 = 0 … N-1 in file order, embedding
    fixed_size_list<float32>[d], zstd, row groups of `--row-group` rows). Generated block by block:
    the generator never holds more than one row group. With `--workdir` the data is kept and
    reused by later runs with the same parameters; without it everything lives in a temporary
@@ -84,6 +85,7 @@ pyarrow ≥ 21 needs numpy ≥ 2):
 Results: a table per size on stdout (plus ratios ours / 1-process faiss and ours / autofaiss)
 and all numbers as JSON in benchmarks/results/index_build.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -138,11 +140,14 @@ if index is None or not os.path.exists(a["index_path"]):
 
 # --- data ------------------------------------------------------------------------------------
 
-def generate(directory: Path, n: int, dim: int, files: int, row_group: int,
-             clusters: int = CLUSTERS, rank: int = RANK) -> None:
+
+def generate(
+    directory: Path, n: int, dim: int, files: int, row_group: int, clusters: int = CLUSTERS, rank: int = RANK
+) -> None:
     """`files` Parquet files of `LowRankClusters` vectors, written row group by row group."""
     import pyarrow as pa
     import pyarrow.parquet as pq
+
     from schemas.arrow import embedding_schema, fixed_size_list
 
     model = LowRankClusters(dim, clusters=clusters, rank=rank, seed=SEED)
@@ -155,16 +160,28 @@ def generate(directory: Path, n: int, dim: int, files: int, row_group: int,
             for start in range(bounds[number], bounds[number + 1], row_group):
                 stop = min(start + row_group, bounds[number + 1])
                 table = pa.Table.from_arrays(
-                    [pa.array(np.arange(start, stop, dtype=np.int64)),
-                     fixed_size_list(model.sample(stop - start, rng), dim)],
-                    schema=embedding_schema(dim))
+                    [
+                        pa.array(np.arange(start, stop, dtype=np.int64)),
+                        fixed_size_list(model.sample(stop - start, rng), dim),
+                    ],
+                    schema=embedding_schema(dim),
+                )
                 writer.write_table(table, row_group_size=row_group)
 
 
-def ensure_data(workdir: Path, n: int, dim: int, files: int, row_group: int,
-                clusters: int = CLUSTERS, rank: int = RANK) -> Path:
-    params = {"n": n, "dim": dim, "files": files, "row_group": row_group, "clusters": clusters,
-              "rank": rank, "seed": SEED, "generator": "LowRankClusters"}
+def ensure_data(
+    workdir: Path, n: int, dim: int, files: int, row_group: int, clusters: int = CLUSTERS, rank: int = RANK
+) -> Path:
+    params = {
+        "n": n,
+        "dim": dim,
+        "files": files,
+        "row_group": row_group,
+        "clusters": clusters,
+        "rank": rank,
+        "seed": SEED,
+        "generator": "LowRankClusters",
+    }
     root = workdir / f"data-n{n}-d{dim}-f{files}-c{clusters}-r{rank}"
     done = root / "params.json"
     if done.exists() and json.loads(done.read_text()) == params:
@@ -183,6 +200,7 @@ def data_files(directory: Path) -> list[str]:
 
 
 # --- ground truth and recall -----------------------------------------------------------------
+
 
 def ground_truth(directory: Path, n: int, sample: int):
     """(query ids, query vectors, exact nearest other id) with the pipeline's own query rule."""
@@ -217,9 +235,9 @@ class _Remapped:
         return scores, np.where(found >= 0, self.position_to_id[np.maximum(found, 0)], -1)
 
 
-def measure_recall(index_path: str, truth, own_depth=None, own_params=None,
-                   position_to_id=None, target=0.95) -> dict:
+def measure_recall(index_path: str, truth, own_depth=None, own_params=None, position_to_id=None, target=0.95) -> dict:
     import faiss
+
     from pipeline.faiss_index import one_recall_at_k, search_depth_range, set_search_depth, tune_search_depth
 
     query_ids, queries, truth_ids = truth
@@ -246,23 +264,36 @@ def measure_recall(index_path: str, truth, own_depth=None, own_params=None,
                 tuned = one_recall_at_k(searcher, query_ids, queries, truth_ids)
                 if tuned >= target:
                     break
-    return {"recall_own": own, "own_setting": setting, "depth_for_target": tuned_depth,
-            "recall_at_depth_for_target": tuned, "target": target, "queries": int(len(query_ids))}
+    return {
+        "recall_own": own,
+        "own_setting": setting,
+        "depth_for_target": tuned_depth,
+        "recall_at_depth_for_target": tuned,
+        "target": target,
+        "queries": int(len(query_ids)),
+    }
 
 
 # --- running measured subprocesses -----------------------------------------------------------
+
 
 def measured(cmd: list[str], log_path: Path) -> dict:
     """Run cmd in its own process tree; wall time, peak RSS of the process, CPU time, exit code."""
     stats = log_path.with_suffix(".rusage.json")
     start = time.perf_counter()
     with open(log_path, "w") as log:
-        rc = subprocess.call([sys.executable, "-c", _MEASURE, str(stats), *cmd],
-                             stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        rc = subprocess.call(
+            [sys.executable, "-c", _MEASURE, str(stats), *cmd], stdout=log, stderr=subprocess.STDOUT, cwd=REPO
+        )
     wall = time.perf_counter() - start
     usage = json.loads(stats.read_text()) if stats.exists() else {"maxrss_kb": 0, "cpu_s": 0.0}
-    return {"rc": rc, "wall_s": wall, "peak_rss_mb": usage["maxrss_kb"] * 1024 / MB,
-            "cpu_s": usage["cpu_s"], "log": str(log_path)}
+    return {
+        "rc": rc,
+        "wall_s": wall,
+        "peak_rss_mb": usage["maxrss_kb"] * 1024 / MB,
+        "cpu_s": usage["cpu_s"],
+        "log": str(log_path),
+    }
 
 
 def tail(path: str, lines: int = 8) -> str:
@@ -275,27 +306,60 @@ def tail(path: str, lines: int = 8) -> str:
 def run_ours(data: Path, out: Path, budget: int, target: float) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     cli = str(Path(sys.executable).parent / "ratrain-pipeline")
-    result = measured([cli, "index", "--embeddings", str(data / "*.parquet"), "--output", str(out),
-                       "--memory-budget", str(budget), "--target-recall", str(target)],
-                      out.with_suffix(".log"))
+    result = measured(
+        [
+            cli,
+            "index",
+            "--embeddings",
+            str(data / "*.parquet"),
+            "--output",
+            str(out),
+            "--memory-budget",
+            str(budget),
+            "--target-recall",
+            str(target),
+        ],
+        out.with_suffix(".log"),
+    )
     if result["rc"] != 0:
         raise SystemExit(f"ratrain-pipeline index failed (exit {result['rc']}):\n{tail(result['log'], 30)}")
     manifest = json.loads((out / "manifest.json").read_text())
     index_path = out / "faiss" / "index.faiss"
-    return {**result, "factory": manifest["index_factory"], "nprobe": manifest["nprobe"],
-            "manifest_recall": manifest["recall_at_k"], "training_vectors": manifest["training_vectors"],
-            "index_bytes": manifest["index_bytes"], "index_path": str(index_path)}
+    return {
+        **result,
+        "factory": manifest["index_factory"],
+        "nprobe": manifest["nprobe"],
+        "manifest_recall": manifest["recall_at_k"],
+        "training_vectors": manifest["training_vectors"],
+        "index_bytes": manifest["index_bytes"],
+        "index_path": str(index_path),
+    }
 
 
 def run_baseline(data: Path, out: Path, factory: str) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     index_path, info_path = out / "index.faiss", out / "info.json"
-    result = measured([sys.executable, str(Path(__file__).resolve()), "_baseline", str(data), factory,
-                       str(index_path), str(info_path)], out.with_suffix(".log"))
+    result = measured(
+        [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "_baseline",
+            str(data),
+            factory,
+            str(index_path),
+            str(info_path),
+        ],
+        out.with_suffix(".log"),
+    )
     if result["rc"] != 0:
         return {**result, "skipped": f"exit {result['rc']}: {tail(result['log'], 3)}"}
-    return {**result, **json.loads(info_path.read_text()), "factory": factory,
-            "index_bytes": index_path.stat().st_size, "index_path": str(index_path)}
+    return {
+        **result,
+        **json.loads(info_path.read_text()),
+        "factory": factory,
+        "index_bytes": index_path.stat().st_size,
+        "index_path": str(index_path),
+    }
 
 
 def run_autofaiss(python: str | None, data: Path, out: Path, budget: int, memory: str) -> dict:
@@ -308,16 +372,28 @@ def run_autofaiss(python: str | None, data: Path, out: Path, budget: int, memory
         return {"skipped": f"{python} cannot import autofaiss: {check.stderr.strip().splitlines()[-1:]}"}
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    args = {"embeddings": str(data), "index_path": str(out / "knn.index"),
-            "infos_path": str(out / "index_infos.json"), "ids_path": str(out / "ids"),
-            "budget": f"{budget}B", "memory": memory}
+    args = {
+        "embeddings": str(data),
+        "index_path": str(out / "knn.index"),
+        "infos_path": str(out / "index_infos.json"),
+        "ids_path": str(out / "ids"),
+        "budget": f"{budget}B",
+        "memory": memory,
+    }
     result = measured([python, "-c", _AUTOFAISS, json.dumps(args)], out.with_suffix(".log"))
     if result["rc"] != 0:
         return {**result, "skipped": f"autofaiss failed (exit {result['rc']}): {tail(result['log'], 4)}"}
     infos = json.loads(Path(args["infos_path"]).read_text())
-    return {**result, "factory": infos.get("index_key"), "index_param": infos.get("index_param"),
-            "autofaiss_infos": infos, "index_bytes": Path(args["index_path"]).stat().st_size,
-            "index_path": args["index_path"], "ids_path": args["ids_path"], "memory": memory}
+    return {
+        **result,
+        "factory": infos.get("index_key"),
+        "index_param": infos.get("index_param"),
+        "autofaiss_infos": infos,
+        "index_bytes": Path(args["index_path"]).stat().st_size,
+        "index_path": args["index_path"],
+        "ids_path": args["ids_path"],
+        "memory": memory,
+    }
 
 
 def autofaiss_ids(ids_path: str, n: int) -> np.ndarray:
@@ -331,8 +407,9 @@ def autofaiss_ids(ids_path: str, n: int) -> np.ndarray:
 
 def import_baseline(workdir: Path) -> float:
     """Peak RSS of a process that only imports the index stage and its CLI."""
-    result = measured([sys.executable, "-c", "import pipeline.cli, pipeline.stages, pipeline.index"],
-                      workdir / "import-baseline.log")
+    result = measured(
+        [sys.executable, "-c", "import pipeline.cli, pipeline.stages, pipeline.index"], workdir / "import-baseline.log"
+    )
     return result["peak_rss_mb"]
 
 
@@ -347,18 +424,24 @@ def runner_baseline(workdir: Path, dim: int, row_group: int) -> float:
     out = workdir / "runner-baseline"
     shutil.rmtree(out, ignore_errors=True)
     cli = str(Path(sys.executable).parent / "ratrain-pipeline")
-    result = measured([cli, "index", "--embeddings", str(data / "*.parquet"), "--output", str(out),
-                       "--type", "IVF16,Flat"], workdir / "runner-baseline.log")
+    result = measured(
+        [cli, "index", "--embeddings", str(data / "*.parquet"), "--output", str(out), "--type", "IVF16,Flat"],
+        workdir / "runner-baseline.log",
+    )
     if result["rc"] != 0:
-        raise SystemExit(f"ratrain-pipeline index failed on {RUNNER_BASELINE_VECTORS} vectors "
-                         f"(exit {result['rc']}):\n{tail(result['log'], 30)}")
+        raise SystemExit(
+            f"ratrain-pipeline index failed on {RUNNER_BASELINE_VECTORS} vectors "
+            f"(exit {result['rc']}):\n{tail(result['log'], 30)}"
+        )
     return result["peak_rss_mb"]
 
 
 # --- the single-process baseline (runs as its own subprocess) --------------------------------
 
+
 def baseline_main(data: str, factory: str, index_path: str, info_path: str) -> None:
     import faiss
+
     from pipeline.faiss_index import build_index, embedding_file_info, read_embeddings
 
     start = time.perf_counter()
@@ -369,17 +452,17 @@ def baseline_main(data: str, factory: str, index_path: str, info_path: str) -> N
     at = 0
     for path in paths:
         for batch_ids, batch in read_embeddings(path):
-            ids[at:at + len(batch_ids)], vectors[at:at + len(batch_ids)] = batch_ids, batch
+            ids[at : at + len(batch_ids)], vectors[at : at + len(batch_ids)] = batch_ids, batch
             at += len(batch_ids)
     read_s = time.perf_counter() - start
     index = build_index(ids, vectors, factory)
     build_s = time.perf_counter() - start - read_s
     faiss.write_index(index, index_path)
-    Path(info_path).write_text(json.dumps({"read_s": read_s, "build_s": build_s,
-                                           "num_vectors": int(index.ntotal)}))
+    Path(info_path).write_text(json.dumps({"read_s": read_s, "build_s": build_s, "num_vectors": int(index.ntotal)}))
 
 
 # --- report ----------------------------------------------------------------------------------
+
 
 def memory_bound(ours: dict, n: int, dim: int, files: int, row_group: int, runner_mb: float) -> dict:
     from pipeline.faiss_index import EXACT_BLOCK, READ_BATCH, ivf_lists
@@ -389,9 +472,14 @@ def memory_bound(ours: dict, n: int, dim: int, files: int, row_group: int, runne
     batch = max(READ_BATCH, row_group) * dim * 4 / MB
     part = index / files if ivf_lists(ours["factory"]) is not None else 0.0  # Flat / HNSW: no parts
     queries = ours["manifest_recall"]["sample_size"]
-    parts = {"runner_baseline_mb": runner_mb, "index_mb": index, "training_sample_x2_mb": 2 * train,
-             "read_batch_x3_mb": 3 * batch, "part_mb": part,
-             "truth_scores_x2_mb": 2 * queries * min(max(READ_BATCH, row_group), EXACT_BLOCK, n) * 4 / MB}
+    parts = {
+        "runner_baseline_mb": runner_mb,
+        "index_mb": index,
+        "training_sample_x2_mb": 2 * train,
+        "read_batch_x3_mb": 3 * batch,
+        "part_mb": part,
+        "truth_scores_x2_mb": 2 * queries * min(max(READ_BATCH, row_group), EXACT_BLOCK, n) * 4 / MB,
+    }
     if ivf_lists(ours["factory"]) is None:  # Flat / HNSW: one worker holds every vector (N ≤ 100k)
         parts["all_vectors_x3_mb"] = 3 * n * dim * 4 / MB
     return {**{k: round(v, 1) for k, v in parts.items()}, "bound_mb": round(sum(parts.values()), 1)}
@@ -404,12 +492,16 @@ def ratio(a, b):
 def print_table(entry: dict) -> None:
     n, dim = entry["n"], entry["dim"]
     print()
-    print(f"== N = {n:,}  d = {dim}  budget = {entry['budget_bytes'] / MB:,.1f} MB  files = {entry['files']}"
-          f"  N×d×4 = {n * dim * 4 / MB:,.1f} MB  RSS baselines: imports {entry['import_baseline_mb']:.0f} MB,"
-          f" ours on {RUNNER_BASELINE_VECTORS:,} vectors {entry['runner_baseline_mb']:.0f} MB")
-    header = (f"{'builder':<16} {'factory':<34} {'wall s':>7} {'cpu s':>7} {'peak RSS MB':>11} "
-              f"{'index MB':>8} {'1-R@10 own':>10} {'own setting':<26} {'depth→' + str(entry['target']):>11} "
-              f"{'1-R@10':>6}")
+    print(
+        f"== N = {n:,}  d = {dim}  budget = {entry['budget_bytes'] / MB:,.1f} MB  files = {entry['files']}"
+        f"  N×d×4 = {n * dim * 4 / MB:,.1f} MB  RSS baselines: imports {entry['import_baseline_mb']:.0f} MB,"
+        f" ours on {RUNNER_BASELINE_VECTORS:,} vectors {entry['runner_baseline_mb']:.0f} MB"
+    )
+    header = (
+        f"{'builder':<16} {'factory':<34} {'wall s':>7} {'cpu s':>7} {'peak RSS MB':>11} "
+        f"{'index MB':>8} {'1-R@10 own':>10} {'own setting':<26} {'depth→' + str(entry['target']):>11} "
+        f"{'1-R@10':>6}"
+    )
     print(header)
     print("-" * len(header))
     for name, row in entry["builders"].items():
@@ -417,24 +509,31 @@ def print_table(entry: dict) -> None:
             print(f"{name:<16} skipped: {row['skipped']}")
             continue
         r = row.get("recall", {})
-        print(f"{name:<16} {row['factory']:<34} {row['wall_s']:>7.1f} {row['cpu_s']:>7.1f} "
-              f"{row['peak_rss_mb']:>11.0f} {row['index_bytes'] / MB:>8.2f} {r.get('recall_own', float('nan')):>10.3f} "
-              f"{str(r.get('own_setting')):<26} {str(r.get('depth_for_target')):>11} "
-              f"{r.get('recall_at_depth_for_target', float('nan')):>6.3f}")
+        print(
+            f"{name:<16} {row['factory']:<34} {row['wall_s']:>7.1f} {row['cpu_s']:>7.1f} "
+            f"{row['peak_rss_mb']:>11.0f} {row['index_bytes'] / MB:>8.2f} {r.get('recall_own', float('nan')):>10.3f} "
+            f"{str(r.get('own_setting')):<26} {str(r.get('depth_for_target')):>11} "
+            f"{r.get('recall_at_depth_for_target', float('nan')):>6.3f}"
+        )
     for name, values in entry["ratios"].items():
         print(f"ratio {name}: " + "  ".join(f"{k} {v}" for k, v in values.items()))
     ours = entry["builders"].get("ours")
     if ours and "memory_bound" in entry:
         b = entry["memory_bound"]
-        print(f"ours peak RSS {ours['peak_rss_mb']:.0f} MB = runner baseline + "
-              f"{ours['peak_rss_mb'] - b['runner_baseline_mb']:.0f} MB; documented bound {b['bound_mb']:.0f} MB "
-              f"(runner baseline {b['runner_baseline_mb']:.0f} + index {b['index_mb']:.0f} + 2×training sample "
-              f"{b['training_sample_x2_mb']:.0f} + 3×read batch {b['read_batch_x3_mb']:.0f} + part "
-              f"{b['part_mb']:.0f} + 2×truth scores {b['truth_scores_x2_mb']:.0f}"
-              + (f" + 3×all vectors {b['all_vectors_x3_mb']:.0f}" if "all_vectors_x3_mb" in b else "")
-              + f"); N×d×4 = {n * dim * 4 / MB:,.0f} MB"
-              + (f"; manifest recall {ours['manifest_recall']['value']:.3f} at nprobe {ours['nprobe']}"
-                 if ours.get("manifest_recall") else ""))
+        print(
+            f"ours peak RSS {ours['peak_rss_mb']:.0f} MB = runner baseline + "
+            f"{ours['peak_rss_mb'] - b['runner_baseline_mb']:.0f} MB; documented bound {b['bound_mb']:.0f} MB "
+            f"(runner baseline {b['runner_baseline_mb']:.0f} + index {b['index_mb']:.0f} + 2×training sample "
+            f"{b['training_sample_x2_mb']:.0f} + 3×read batch {b['read_batch_x3_mb']:.0f} + part "
+            f"{b['part_mb']:.0f} + 2×truth scores {b['truth_scores_x2_mb']:.0f}"
+            + (f" + 3×all vectors {b['all_vectors_x3_mb']:.0f}" if "all_vectors_x3_mb" in b else "")
+            + f"); N×d×4 = {n * dim * 4 / MB:,.0f} MB"
+            + (
+                f"; manifest recall {ours['manifest_recall']['value']:.3f} at nprobe {ours['nprobe']}"
+                if ours.get("manifest_recall")
+                else ""
+            )
+        )
 
 
 def main() -> None:
@@ -449,11 +548,13 @@ def main() -> None:
     parser.add_argument("--clusters", type=int, default=CLUSTERS, help="clusters of the synthetic data")
     parser.add_argument("--rank", type=int, default=RANK, help="dimensions each cluster spreads along")
     parser.add_argument("--workdir", help="keep (and reuse) data and indexes here; default: a temp dir")
-    parser.add_argument("--builders", nargs="+", default=["ours", "faiss", "autofaiss"],
-                        choices=["ours", "faiss", "autofaiss"])
+    parser.add_argument(
+        "--builders", nargs="+", default=["ours", "faiss", "autofaiss"], choices=["ours", "faiss", "autofaiss"]
+    )
     parser.add_argument("--autofaiss-python", help="interpreter with autofaiss installed (numpy<2)")
-    parser.add_argument("--autofaiss-memory", default="2G",
-                        help="autofaiss current_memory_available (its syntax; G = GiB)")
+    parser.add_argument(
+        "--autofaiss-memory", default="2G", help="autofaiss current_memory_available (its syntax; G = GiB)"
+    )
     parser.add_argument("--target-recall", type=float, default=0.95)
     parser.add_argument("--queries", type=int, default=500, help="query sample (the pipeline's default)")
     parser.add_argument("--output", default=str(RESULTS))
@@ -467,11 +568,24 @@ def main() -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     imports_mb = import_baseline(workdir)
     runner_mb = runner_baseline(workdir, args.dim, args.row_group) if "ours" in args.builders else 0.0
-    print(f"[baseline] imports only: {imports_mb:.0f} MB; ours on {RUNNER_BASELINE_VECTORS:,} vectors: "
-          f"{runner_mb:.0f} MB peak RSS", flush=True)
-    results = {"budget": args.budget, "budget_bytes": budget, "dim": args.dim, "files": args.files,
-               "clusters": args.clusters, "rank": args.rank, "seed": SEED, "row_group": args.row_group,
-               "cpu_count": os.cpu_count(), "python": sys.version.split()[0], "sizes": []}
+    print(
+        f"[baseline] imports only: {imports_mb:.0f} MB; ours on {RUNNER_BASELINE_VECTORS:,} vectors: "
+        f"{runner_mb:.0f} MB peak RSS",
+        flush=True,
+    )
+    results = {
+        "budget": args.budget,
+        "budget_bytes": budget,
+        "dim": args.dim,
+        "files": args.files,
+        "clusters": args.clusters,
+        "rank": args.rank,
+        "seed": SEED,
+        "row_group": args.row_group,
+        "cpu_count": os.cpu_count(),
+        "python": sys.version.split()[0],
+        "sizes": [],
+    }
     try:
         for n in args.sizes:
             data = ensure_data(workdir, n, args.dim, args.files, args.row_group, args.clusters, args.rank)
@@ -485,48 +599,64 @@ def main() -> None:
             if "ours" in args.builders:
                 print("[ours] ratrain-pipeline index ...", flush=True)
                 ours = run_ours(data, runs / "ours", budget, args.target_recall)
-                ours["recall"] = measure_recall(ours["index_path"], truth, own_depth=ours["nprobe"],
-                                                target=args.target_recall)
+                ours["recall"] = measure_recall(
+                    ours["index_path"], truth, own_depth=ours["nprobe"], target=args.target_recall
+                )
                 builders["ours"] = ours
                 factory = ours["factory"]
             if "faiss" in args.builders:
                 if factory is None:
                     from pipeline.faiss_index import choose_index_factory
+
                     factory = choose_index_factory(n, args.dim, budget)
                 print(f"[faiss] single process, {factory} ...", flush=True)
                 base = run_baseline(data, runs / "faiss", factory)
                 if "skipped" not in base:
-                    base["recall"] = measure_recall(base["index_path"], truth,
-                                                    own_depth=builders.get("ours", {}).get("nprobe"),
-                                                    target=args.target_recall)
+                    base["recall"] = measure_recall(
+                        base["index_path"],
+                        truth,
+                        own_depth=builders.get("ours", {}).get("nprobe"),
+                        target=args.target_recall,
+                    )
                 builders["faiss 1-process"] = base
             if "autofaiss" in args.builders:
                 print("[autofaiss] ...", flush=True)
-                auto = run_autofaiss(args.autofaiss_python, data, runs / "autofaiss", budget,
-                                     args.autofaiss_memory)
+                auto = run_autofaiss(args.autofaiss_python, data, runs / "autofaiss", budget, args.autofaiss_memory)
                 if "skipped" not in auto:
-                    auto["recall"] = measure_recall(auto["index_path"], truth,
-                                                    own_params=auto["index_param"],
-                                                    position_to_id=autofaiss_ids(auto["ids_path"], n),
-                                                    target=args.target_recall)
+                    auto["recall"] = measure_recall(
+                        auto["index_path"],
+                        truth,
+                        own_params=auto["index_param"],
+                        position_to_id=autofaiss_ids(auto["ids_path"], n),
+                        target=args.target_recall,
+                    )
                 builders["autofaiss"] = auto
-            entry = {"n": n, "dim": args.dim, "files": args.files, "budget_bytes": budget,
-                     "raw_vectors_mb": n * args.dim * 4 / MB, "import_baseline_mb": imports_mb,
-                     "runner_baseline_mb": runner_mb,
-                     "target": args.target_recall, "builders": builders, "ratios": {}}
+            entry = {
+                "n": n,
+                "dim": args.dim,
+                "files": args.files,
+                "budget_bytes": budget,
+                "raw_vectors_mb": n * args.dim * 4 / MB,
+                "import_baseline_mb": imports_mb,
+                "runner_baseline_mb": runner_mb,
+                "target": args.target_recall,
+                "builders": builders,
+                "ratios": {},
+            }
             ours = builders.get("ours")
             for name, other in builders.items():
                 if ours is None or name == "ours" or "skipped" in other:
                     continue
                 entry["ratios"][f"ours/{name}"] = {
-                    "wall": ratio(ours["wall_s"], other["wall_s"]), "cpu": ratio(ours["cpu_s"], other["cpu_s"]),
+                    "wall": ratio(ours["wall_s"], other["wall_s"]),
+                    "cpu": ratio(ours["cpu_s"], other["cpu_s"]),
                     "peak_rss": ratio(ours["peak_rss_mb"], other["peak_rss_mb"]),
                     "index_bytes": ratio(ours["index_bytes"], other["index_bytes"]),
-                    "recall_own": ratio(ours["recall"]["recall_own"], other["recall"]["recall_own"])}
+                    "recall_own": ratio(ours["recall"]["recall_own"], other["recall"]["recall_own"]),
+                }
             if ours:
                 entry["memory_bound"] = memory_bound(ours, n, args.dim, args.files, args.row_group, runner_mb)
-                entry["memory_bound"]["measured_above_runner_baseline_mb"] = round(
-                    ours["peak_rss_mb"] - runner_mb, 1)
+                entry["memory_bound"]["measured_above_runner_baseline_mb"] = round(ours["peak_rss_mb"] - runner_mb, 1)
             results["sizes"].append(entry)
             print_table(entry)
     finally:

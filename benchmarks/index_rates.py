@@ -16,6 +16,7 @@ In one process, with faiss using every core here, on `--n` 384-d `LowRankCluster
 
 Results: a table on stdout, JSON in benchmarks/results/index_rates.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,8 +49,9 @@ def main() -> None:
     from schemas.arrow import tensor_column_to_numpy
 
     data = ensure_data(Path(args.workdir or tempfile.mkdtemp(prefix="index_rates-")), args.n, DIM, FILES, ROW_GROUP)
-    vectors = np.concatenate([tensor_column_to_numpy(pq.read_table(p)["embedding"])
-                              for p in sorted(data.glob("*.parquet"))]).astype(np.float32)
+    vectors = np.concatenate(
+        [tensor_column_to_numpy(pq.read_table(p)["embedding"]) for p in sorted(data.glob("*.parquet"))]
+    ).astype(np.float32)
     rng = np.random.default_rng(5)
     sample = vectors[np.sort(rng.choice(len(vectors), training_size(len(vectors), args.factory), replace=False))]
     trained, train_s = timed(lambda: train_index(args.factory, sample))
@@ -61,15 +63,26 @@ def main() -> None:
     _, search_s = timed(lambda: index.search(queries, 10))
     quantizer = faiss.extract_index_ivf(index).quantizer
     _, coarse_s = timed(lambda: quantizer.search(queries, NPROBE))
-    result = {"n": len(vectors), "factory": args.factory, "lists": ivf_lists(args.factory), "cores": os.cpu_count(),
-              "faiss_threads": faiss.omp_get_max_threads(), "training_vectors": len(sample), "train_s": train_s,
-              "fill_vectors_per_s": FILE_ROWS / fill_one_s, "search_queries_per_s": QUERIES / search_s,
-              "coarse_queries_per_s": QUERIES / coarse_s, "nprobe": NPROBE}
-    print(f"{args.factory} on {len(vectors):,} x {DIM}, {result['faiss_threads']} faiss threads:\n"
-          f"  train on {len(sample):,} vectors: {train_s:.1f} s\n"
-          f"  fill: {result['fill_vectors_per_s']:,.0f} vectors/s\n"
-          f"  search at nprobe {NPROBE}: {result['search_queries_per_s']:,.0f} queries/s, of which the coarse "
-          f"assignment alone runs at {result['coarse_queries_per_s']:,.0f} queries/s")
+    result = {
+        "n": len(vectors),
+        "factory": args.factory,
+        "lists": ivf_lists(args.factory),
+        "cores": os.cpu_count(),
+        "faiss_threads": faiss.omp_get_max_threads(),
+        "training_vectors": len(sample),
+        "train_s": train_s,
+        "fill_vectors_per_s": FILE_ROWS / fill_one_s,
+        "search_queries_per_s": QUERIES / search_s,
+        "coarse_queries_per_s": QUERIES / coarse_s,
+        "nprobe": NPROBE,
+    }
+    print(
+        f"{args.factory} on {len(vectors):,} x {DIM}, {result['faiss_threads']} faiss threads:\n"
+        f"  train on {len(sample):,} vectors: {train_s:.1f} s\n"
+        f"  fill: {result['fill_vectors_per_s']:,.0f} vectors/s\n"
+        f"  search at nprobe {NPROBE}: {result['search_queries_per_s']:,.0f} queries/s, of which the coarse "
+        f"assignment alone runs at {result['coarse_queries_per_s']:,.0f} queries/s"
+    )
     write_results(result, RESULTS)
 
 

@@ -18,6 +18,7 @@ worker, for 1, 4 and 16 shards.
 
 Results: a table on stdout, JSON in benchmarks/results/index_shards.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,29 +69,51 @@ def shard_bytes_for(data: Path, shards: int) -> int | None:
     rows = [pq.ParquetFile(p).metadata.num_rows for p in sorted(data.glob("*.parquet"))]
     factory = choose_index_factory(sum(rows), DIM, BUDGET)
     per_shard = FILES // shards
-    return max(estimated_bytes(factory, sum(rows[i:i + per_shard]), DIM) for i in range(0, FILES, per_shard))
+    return max(estimated_bytes(factory, sum(rows[i : i + per_shard]), DIM) for i in range(0, FILES, per_shard))
 
 
 def build(data: Path, out: Path, shards: int) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     size = shard_bytes_for(data, shards)
     cli = str(Path(sys.executable).parent / "ratrain-pipeline")
-    cmd = [cli, "index", "--embeddings", str(data / "*.parquet"), "--output", str(out), "--memory-budget", "64MB",
-           *(["--shard-bytes", str(size)] if size else []), "--", *WORKERS]
+    cmd = [
+        cli,
+        "index",
+        "--embeddings",
+        str(data / "*.parquet"),
+        "--output",
+        str(out),
+        "--memory-budget",
+        "64MB",
+        *(["--shard-bytes", str(size)] if size else []),
+        "--",
+        *WORKERS,
+    ]
     result = measured(cmd, out.with_suffix(".log"))
     if result["rc"] != 0:
         raise SystemExit(f"index failed:\n{tail(result['log'], 30)}")
     manifest = json.loads((out / "manifest.json").read_text())
     files = [f for f in manifest["files"] if f["path"].startswith("faiss/")]
-    return {"shards": len(files), "shard_bytes": size, "wall_s": result["wall_s"],
-            "largest_process_mb": result["peak_rss_mb"], "nprobe": manifest["nprobe"],
-            "factory": manifest["index_factory"], "largest_shard_mb": max(f["bytes"] for f in files) / MB,
-            "files": [str(out / f["path"]) for f in files]}
+    return {
+        "shards": len(files),
+        "shard_bytes": size,
+        "wall_s": result["wall_s"],
+        "largest_process_mb": result["peak_rss_mb"],
+        "nprobe": manifest["nprobe"],
+        "factory": manifest["index_factory"],
+        "largest_shard_mb": max(f["bytes"] for f in files) / MB,
+        "files": [str(out / f["path"]) for f in files],
+    }
 
 
 def search_one_shard(path: str, depth: int, queries: Path) -> dict:
-    out = subprocess.run([sys.executable, "-c", SEARCH_ONE_SHARD, path, str(depth), str(queries)],
-                         check=True, capture_output=True, text=True, cwd=REPO).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", SEARCH_ONE_SHARD, path, str(depth), str(queries)],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    ).stdout
     return json.loads(out)
 
 
@@ -117,8 +140,9 @@ def main() -> None:
 
     from schemas.arrow import tensor_column_to_numpy
 
-    vectors = np.concatenate([tensor_column_to_numpy(pq.read_table(p)["embedding"])
-                              for p in sorted(data.glob("*.parquet"))]).astype(np.float32)
+    vectors = np.concatenate(
+        [tensor_column_to_numpy(pq.read_table(p)["embedding"]) for p in sorted(data.glob("*.parquet"))]
+    ).astype(np.float32)
     rng = np.random.default_rng(7)
     rows = rng.choice(len(vectors), 1000, replace=False)
     exact = faiss.IndexFlatIP(DIM)
@@ -135,10 +159,13 @@ def main() -> None:
         run["search_worker_index_mb"] = one["held_kb"] / 1024
         run["recall"] = merged_recall(run["files"], run["nprobe"], vectors, rows, truth)
         runs.append(run)
-        print(f"{run['shards']:>3} shards ({run['factory']}, largest {run['largest_shard_mb']:.1f} MB): "
-              f"build {run['wall_s']:.0f} s, largest process {run['largest_process_mb']:.0f} MB; "
-              f"one search worker {run['search_worker_mb']:.0f} MB, of which shard and search "
-              f"{run['search_worker_index_mb']:.0f} MB; recall {run['recall']:.3f}", flush=True)
+        print(
+            f"{run['shards']:>3} shards ({run['factory']}, largest {run['largest_shard_mb']:.1f} MB): "
+            f"build {run['wall_s']:.0f} s, largest process {run['largest_process_mb']:.0f} MB; "
+            f"one search worker {run['search_worker_mb']:.0f} MB, of which shard and search "
+            f"{run['search_worker_index_mb']:.0f} MB; recall {run['recall']:.3f}",
+            flush=True,
+        )
     for run in runs:
         run.pop("files")
     recalls = [r["recall"] for r in runs]

@@ -14,6 +14,7 @@ with two_level (one k-means there takes too long to wait for: its work grows as 
 
 Results: a table on stdout, JSON in benchmarks/results/index_training.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,13 +57,21 @@ def measure(factory: str, clustering: str, vectors, queries, best) -> dict:
         recall[nprobe] = recall_at_k(index, vectors, queries, best)
     sizes = faiss.extract_index_ivf(index).invlists
     lengths = np.array([sizes.list_size(i) for i in range(sizes.nlist)])
-    row = {"factory": factory, "clustering": clustering, "training_vectors": len(sample),
-           "train_s": round(train_s, 2), "fill_s": round(fill_s, 2),
-           "largest_list_x_mean": round(float(lengths.max() / lengths.mean()), 2),
-           "recall_at_nprobe": recall}
-    print(f"{factory:<28} {clustering:<9} train {train_s:7.1f} s on {len(sample):>9,}  fill {fill_s:6.1f} s  "
-          f"largest list {row['largest_list_x_mean']:5.1f}x mean  recall "
-          + "  ".join(f"@{p}: {r:.3f}" for p, r in recall.items()), flush=True)
+    row = {
+        "factory": factory,
+        "clustering": clustering,
+        "training_vectors": len(sample),
+        "train_s": round(train_s, 2),
+        "fill_s": round(fill_s, 2),
+        "largest_list_x_mean": round(float(lengths.max() / lengths.mean()), 2),
+        "recall_at_nprobe": recall,
+    }
+    print(
+        f"{factory:<28} {clustering:<9} train {train_s:7.1f} s on {len(sample):>9,}  fill {fill_s:6.1f} s  "
+        f"largest list {row['largest_list_x_mean']:5.1f}x mean  recall "
+        + "  ".join(f"@{p}: {r:.3f}" for p, r in recall.items()),
+        flush=True,
+    )
     return row
 
 
@@ -81,10 +90,15 @@ def main() -> None:
     exact.add(vectors)
     best = exact.search(queries, 1)[0][:, 0]
     del exact
-    print(f"{args.n:,} x {DIM} vectors, {QUERIES:,} held-out queries, {faiss.omp_get_max_threads()} faiss threads",
-          flush=True)
-    rows = [measure(factory, clustering, vectors, queries, best)
-            for factory in args.factories for clustering in ("flat", "two_level")]
+    print(
+        f"{args.n:,} x {DIM} vectors, {QUERIES:,} held-out queries, {faiss.omp_get_max_threads()} faiss threads",
+        flush=True,
+    )
+    rows = [
+        measure(factory, clustering, vectors, queries, best)
+        for factory in args.factories
+        for clustering in ("flat", "two_level")
+    ]
     rows += [measure(factory, "two_level", vectors, queries, best) for factory in args.two_level_only]
     write_results({"n": args.n, "dim": DIM, "queries": QUERIES, "cores": os.cpu_count(), "rows": rows}, RESULTS)
 

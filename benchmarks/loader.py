@@ -9,7 +9,8 @@ written with the project's `shard_table` under a real manifest (`tests/trainer_f
 `--shards` count in turn, so the data grows with the count.
 
 Each reader runs in a subprocess of its own over the same directory, after one untimed pass
-that warms the page cache (then the median of 5 timed passes counts), and turns every sequence into the int64 tensors the trainer uses:
+that warms the page cache (then the median of 5 timed passes counts), and turns every sequence
+into the int64 tensors the trainer uses:
 
 - raw (the ceiling): for each file in order, `pa.ipc.open_stream(pa.memory_map(...))` (`open_file` for
   schema_version 1 shards), each column
@@ -26,6 +27,7 @@ reader, and ours' RSS for each shard count, which should not grow with the count
 mapped at a time). For scale:
 the quickstart's reference model on CPU consumes ~2 sequences/s of n = 512.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,8 +53,16 @@ PASSES = 5  # timed passes per reader; the median counts
 def make_shards(directory: Path, rows_per_shard: int, shards: int, schema_version: int) -> None:
     from tests.trainer_fixtures import write_shard_dir
 
-    write_shard_dir(directory, shard_rows=[rows_per_shard] * shards, sequence_tokens=N, chunk_tokens=M, neighbours=K,
-                    vocab_size=VOCAB, batch_rows=256, schema_version=schema_version)
+    write_shard_dir(
+        directory,
+        shard_rows=[rows_per_shard] * shards,
+        sequence_tokens=N,
+        chunk_tokens=M,
+        neighbours=K,
+        vocab_size=VOCAB,
+        batch_rows=256,
+        schema_version=schema_version,
+    )
 
 
 def read_raw(directory: str, batch_size: int) -> int:
@@ -65,13 +75,15 @@ def read_raw(directory: str, batch_size: int) -> int:
     seen = 0
     for entry in manifest["shards"]:
         table = read_shard_table(pa.memory_map(str(Path(directory, entry["path"]))))
-        columns = {"seq_id": torch.from_numpy(table["seq_id"].to_numpy()),
-                   "tokens": torch.from_numpy(shard_column(table, "tokens").astype(np.int64)),
-                   "neighbours": torch.from_numpy(shard_column(table, "neighbours").astype(np.int64)),
-                   "neighbour_ids": torch.from_numpy(shard_column(table, "neighbour_ids").copy()),
-                   "neighbour_scores": torch.from_numpy(shard_column(table, "neighbour_scores").copy())}
+        columns = {
+            "seq_id": torch.from_numpy(table["seq_id"].to_numpy()),
+            "tokens": torch.from_numpy(shard_column(table, "tokens").astype(np.int64)),
+            "neighbours": torch.from_numpy(shard_column(table, "neighbours").astype(np.int64)),
+            "neighbour_ids": torch.from_numpy(shard_column(table, "neighbour_ids").copy()),
+            "neighbour_scores": torch.from_numpy(shard_column(table, "neighbour_scores").copy()),
+        }
         for start in range(0, table.num_rows, batch_size):
-            batch = {name: column[start:start + batch_size] for name, column in columns.items()}
+            batch = {name: column[start : start + batch_size] for name, column in columns.items()}
             seen += len(batch["seq_id"])
     return seen
 
@@ -84,6 +96,7 @@ def read_ours(dataset, workers: int) -> int:
 
 def reader_main(kind: str, directory: str, batch_size: int, workers: int) -> None:
     if kind == "raw":
+
         def read():
             return read_raw(directory, batch_size)
     else:
@@ -94,6 +107,7 @@ def reader_main(kind: str, directory: str, batch_size: int, workers: int) -> Non
 
         def read():
             return read_ours(dataset, workers)
+
     read()  # warm the page cache and the imports
     times = []
     for _ in range(PASSES):
@@ -104,8 +118,12 @@ def reader_main(kind: str, directory: str, batch_size: int, workers: int) -> Non
 
 
 def run_reader(kind: str, directory: Path, batch_size: int, workers: int) -> dict:
-    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "_read", kind, str(directory),
-                          str(batch_size), str(workers)], capture_output=True, text=True, cwd=REPO)
+    out = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "_read", kind, str(directory), str(batch_size), str(workers)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     if out.returncode != 0:
         raise SystemExit(f"{kind} reader failed:\n{out.stderr[-3000:]}")
     result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -121,12 +139,24 @@ def main() -> None:
     parser.add_argument("--shards", type=int, nargs="+", default=[4, 16])
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--workers", type=int, default=0, help="DataLoader worker processes for ours")
-    parser.add_argument("--schema-versions", type=int, nargs="+", default=[1, 2],
-                        help="shard layouts to measure, each on its own copy of the data")
+    parser.add_argument(
+        "--schema-versions",
+        type=int,
+        nargs="+",
+        default=[1, 2],
+        help="shard layouts to measure, each on its own copy of the data",
+    )
     parser.add_argument("--output", default=str(RESULTS))
     args = parser.parse_args()
-    results = {"rows_per_shard": args.rows_per_shard, "n": N, "m": M, "k": K, "batch_size": args.batch_size,
-               "workers": args.workers, "by_shards": []}
+    results = {
+        "rows_per_shard": args.rows_per_shard,
+        "n": N,
+        "m": M,
+        "k": K,
+        "batch_size": args.batch_size,
+        "workers": args.workers,
+        "by_shards": [],
+    }
     with tempfile.TemporaryDirectory(prefix="loader-bench-") as temp:
         for shards, version in [(s, v) for s in args.shards for v in args.schema_versions]:
             directory = Path(temp) / f"shards-{shards}-v{version}"
@@ -135,12 +165,22 @@ def main() -> None:
             size = sum(p.stat().st_size for p in directory.glob("*.arrow")) / 1e6
             raw = run_reader("raw", directory, args.batch_size, 0)
             ours = run_reader("ours", directory, args.batch_size, args.workers)
-            entry = {"shards": shards, "schema_version": version, "megabytes": size, "raw": raw, "ours": ours,
-                     "ratio": ours["sequences_per_s"] / raw["sequences_per_s"]}
+            entry = {
+                "shards": shards,
+                "schema_version": version,
+                "megabytes": size,
+                "raw": raw,
+                "ours": ours,
+                "ratio": ours["sequences_per_s"] / raw["sequences_per_s"],
+            }
             results["by_shards"].append(entry)
-            print(f"v{version} {shards:>3} shards, {shards * args.rows_per_shard:,} sequences, {size:,.0f} MB: raw {raw['sequences_per_s']:,.0f} "
-                  f"seq/s ({raw['peak_rss_mb']:.0f} MB), ours {ours['sequences_per_s']:,.0f} seq/s "
-                  f"({ours['peak_rss_mb']:.0f} MB): ours/raw = {entry['ratio']:.2f}", flush=True)
+            print(
+                f"v{version} {shards:>3} shards, {shards * args.rows_per_shard:,} sequences, {size:,.0f} MB: "
+                f"raw {raw['sequences_per_s']:,.0f} "
+                f"seq/s ({raw['peak_rss_mb']:.0f} MB), ours {ours['sequences_per_s']:,.0f} seq/s "
+                f"({ours['peak_rss_mb']:.0f} MB): ours/raw = {entry['ratio']:.2f}",
+                flush=True,
+            )
     write_results(results, args.output)
 
 

@@ -1,4 +1,5 @@
 """What the benchmark scripts share: peak memory of a process and writing their results."""
+
 from __future__ import annotations
 
 import json

@@ -16,7 +16,8 @@ Per chunk-database size N (same seed, so each database extends the smaller ones)
 3. Builders, each a subprocess of its own, one after the other:
    - ours: a Beam job wiring the stage's own transforms as `build-shards` does
      (`PackSequences` -> `RetrieveNeighbours` -> `WriteShards`), retrieving from the whole
-     chunk database (its files are read where a hit or a kept neighbour lies), run twice: in-process (FnApiRunner, one process) and with
+     chunk database (its files are read where a hit or a kept neighbour lies), run twice:
+     in-process (FnApiRunner, one process) and with
      `--direct_num_workers=2 --direct_running_mode=multi_processing`;
    - floor: numpy and faiss in one process: every chunk read into arrays, one faiss search
      for all queries, the same-document exclusion and the token gather done with array
@@ -34,6 +35,7 @@ on disk; the workers are where a Dataflow or Flink job's memory goes, and theirs
 that must stay flat as N grows 4x. Results: a table on stdout, JSON in
 benchmarks/results/retrieve_join.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,6 +68,7 @@ MB = 1e6
 
 # --- data --------------------------------------------------------------------------------------
 
+
 def make_chunks(n: int):
     """N chunks in documents of 1-40 chunks (the last one partly padded), dense ids."""
     from pipeline.chunking import chunk_document
@@ -79,8 +82,7 @@ def make_chunks(n: int):
         doc += 1
     last = chunks[n - 1]
     if n < len(chunks) and chunks[n].doc_id == last.doc_id:  # cut a document: it ends here now
-        chunks[n - 1] = type(last)(last.chunk_id, last.doc_id, last.position, last.tokens,
-                                   np.full(M, PAD, np.int32))
+        chunks[n - 1] = type(last)(last.chunk_id, last.doc_id, last.position, last.tokens, np.full(M, PAD, np.int32))
     return chunks[:n]
 
 
@@ -115,6 +117,7 @@ def ensure_data(workdir: Path, n: int) -> Path:
 
 # --- the two builders (each runs as its own subprocess) ----------------------------------------
 
+
 def ours_main(root: str, out: str, query_chunks: int, beam_args: list[str]) -> None:
     import apache_beam as beam
     import pyarrow.parquet as pq
@@ -122,27 +125,36 @@ def ours_main(root: str, out: str, query_chunks: int, beam_args: list[str]) -> N
 
     from pipeline.chunkdb import ChunkFileRanges
     from pipeline.options import pipeline_options
-    from pipeline.shards import DocumentSpans, PackSequences, RetrieveNeighbours, Retrieval, WriteShards
+    from pipeline.shards import DocumentSpans, PackSequences, Retrieval, RetrieveNeighbours, WriteShards
     from pipeline.stages import _chunks_from_table, _embeddings_from_table
 
     limit = query_chunks
     files = sorted(Path(root, "chunks").glob("*.parquet"))
-    chunk_files = ChunkFileRanges.from_entries(root, [  # what the index manifest would list
-        SimpleNamespace(path=f"chunks/{p.name}", rows=pq.ParquetFile(p).metadata.num_rows) for p in files])
+    chunk_files = ChunkFileRanges.from_entries(
+        root,
+        [  # what the index manifest would list
+            SimpleNamespace(path=f"chunks/{p.name}", rows=pq.ParquetFile(p).metadata.num_rows) for p in files
+        ],
+    )
     workers = WorkerPeak()
     with beam.Pipeline(options=pipeline_options(beam_args)) as p:
         # the training chunks are the first `limit` + 1 (the last gives the last sequence its
         # target token, then is left over), from as many files as hold them
         used = limit // FILE_ROWS + 1
-        training = (p | "TrainingFiles" >> beam.Create([str(f) for f in files[:used]])
-                    | "ReadTrainingChunks" >> ReadAllFromParquetBatched()
-                    | "ChunkRows" >> beam.FlatMap(_chunks_from_table)
-                    | "TrainingChunks" >> beam.Filter(lambda c: c.chunk_id <= limit))
-        queries = (p | "EmbeddingFiles" >> beam.Create([f"{root}/embeddings/embeddings-{i:05d}.parquet"
-                                                        for i in range(used)])
-                   | "ReadEmbeddings" >> ReadAllFromParquetBatched()
-                   | "EmbeddingRows" >> beam.FlatMap(_embeddings_from_table)
-                   | "TrainingQueries" >> beam.Filter(lambda e: e[0] < limit))
+        training = (
+            p
+            | "TrainingFiles" >> beam.Create([str(f) for f in files[:used]])
+            | "ReadTrainingChunks" >> ReadAllFromParquetBatched()
+            | "ChunkRows" >> beam.FlatMap(_chunks_from_table)
+            | "TrainingChunks" >> beam.Filter(lambda c: c.chunk_id <= limit)
+        )
+        queries = (
+            p
+            | "EmbeddingFiles" >> beam.Create([f"{root}/embeddings/embeddings-{i:05d}.parquet" for i in range(used)])
+            | "ReadEmbeddings" >> ReadAllFromParquetBatched()
+            | "EmbeddingRows" >> beam.FlatMap(_embeddings_from_table)
+            | "TrainingQueries" >> beam.Filter(lambda e: e[0] < limit)
+        )
         sequences = training | "PackSequences" >> PackSequences(L, PAD)
         spans = p | "DocumentSpans" >> DocumentSpans(f"{root}/chunks/*.parquet")
         spec = Retrieval((f"{root}/index.faiss",), NPROBE, chunk_files, L, M, K, CANDIDATES, PAD)
@@ -155,7 +167,8 @@ def floor_main(root: str, out: str, query_chunks: int) -> None:
     import faiss
     import pyarrow.parquet as pq
 
-    from pipeline.shards import ShardRow, rows_to_ipc
+    from pipeline.retro_rows import ShardRow
+    from pipeline.shards import rows_to_ipc
     from schemas.arrow import shard_column, tensor_column_to_numpy
 
     tables = [pq.read_table(p) for p in sorted(Path(root, "chunks").glob("*.parquet"))]
@@ -166,32 +179,40 @@ def floor_main(root: str, out: str, query_chunks: int) -> None:
     queries = tensor_column_to_numpy(emb["embedding"])[:query_chunks].astype(np.float32)
     index = faiss.read_index(f"{root}/index.faiss")
     faiss.extract_index_ivf(index).nprobe = NPROBE
-    scores, found = index.search(queries, CANDIDATES)                 # [Q, C]
+    scores, found = index.search(queries, CANDIDATES)  # [Q, C]
     sequences = query_chunks // L
-    seq_docs = docs[:sequences * L].reshape(sequences, L)             # each sequence's documents,
+    seq_docs = docs[: sequences * L].reshape(sequences, L)  # each sequence's documents,
     following = docs[np.minimum(np.arange(1, sequences + 1) * L, len(docs) - 1)]  # + the target's
-    own = np.concatenate([seq_docs, following[:, None]], axis=1)      # [S, L + 1]
-    found = found[:sequences * L].reshape(sequences, L, CANDIDATES)
-    scores = scores[:sequences * L].reshape(sequences, L, CANDIDATES)
+    own = np.concatenate([seq_docs, following[:, None]], axis=1)  # [S, L + 1]
+    found = found[: sequences * L].reshape(sequences, L, CANDIDATES)
+    scores = scores[: sequences * L].reshape(sequences, L, CANDIDATES)
     allowed = (found >= 0) & ~(docs[np.maximum(found, 0)][..., None] == own[:, None, None, :]).any(-1)
-    order = np.argsort(~allowed, axis=-1, kind="stable")[..., :K]     # first k allowed, by rank
+    order = np.argsort(~allowed, axis=-1, kind="stable")[..., :K]  # first k allowed, by rank
     picked = np.take_along_axis(found, order, -1)
     ok = np.take_along_axis(allowed, order, -1)
     ids = np.where(ok, picked, -1)
     values = np.concatenate([tokens[np.maximum(ids, 0)], continuations[np.maximum(ids, 0)]], -1)
     values[~ok] = PAD
     kept_scores = np.where(ok, np.take_along_axis(scores, order, -1), 0).astype(np.float32)
-    seq_tokens = np.concatenate([tokens[:sequences * L].reshape(sequences, -1),
-                                 tokens[np.minimum(np.arange(1, sequences + 1) * L, len(docs) - 1), :1]], 1)
+    seq_tokens = np.concatenate(
+        [
+            tokens[: sequences * L].reshape(sequences, -1),
+            tokens[np.minimum(np.arange(1, sequences + 1) * L, len(docs) - 1), :1],
+        ],
+        1,
+    )
     Path(out).mkdir(parents=True, exist_ok=True)
     for begin in range(0, sequences, SHARD_ROWS):
-        rows = [ShardRow(s, seq_tokens[s], values[s], ids[s], kept_scores[s], tuple(sorted(set(own[s].tolist()))))
-                for s in range(begin, min(begin + SHARD_ROWS, sequences))]
+        rows = [
+            ShardRow(s, seq_tokens[s], values[s], ids[s], kept_scores[s], tuple(sorted(set(own[s].tolist()))))
+            for s in range(begin, min(begin + SHARD_ROWS, sequences))
+        ]
         Path(out, f"shard-{begin // SHARD_ROWS:05d}.arrow").write_bytes(rows_to_ipc(rows, PAD))
     record_rss(out)
 
 
 # --- measuring -----------------------------------------------------------------------------------
+
 
 def descendants(pid: str) -> list[str]:
     found = []
@@ -233,16 +254,20 @@ def measured(args: list[str], out: Path) -> dict:
     out.mkdir(parents=True)
     start = time.perf_counter()
     with open(out.with_suffix(".log"), "w") as log:
-        proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *args], stdout=log,
-                                stderr=subprocess.STDOUT, cwd=REPO)
+        proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), *args], stdout=log, stderr=subprocess.STDOUT, cwd=REPO
+        )
         _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - start
     if status != 0:
         raise SystemExit(f"{args[0]} failed, see {out.with_suffix('.log')}")
     rss = json.loads((out / "rss.json").read_text())
-    return {"wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime,  # workers' CPU included
-            "peak_rss_mb": rss["self_kb"] * 1024 / MB,
-            "worker_peak_rss_mb": rss["children_kb"] * 1024 / MB or None}
+    return {
+        "wall_s": wall,
+        "cpu_s": usage.ru_utime + usage.ru_stime,  # workers' CPU included
+        "peak_rss_mb": rss["self_kb"] * 1024 / MB,
+        "worker_peak_rss_mb": rss["children_kb"] * 1024 / MB or None,
+    }
 
 
 def neighbour_ids(directory: Path) -> np.ndarray:
@@ -272,15 +297,23 @@ def main() -> None:
     workdir = Path(args.workdir or temp.name).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     sequences = args.query_chunks // L
-    results = {"query_chunks": args.query_chunks, "sequences": sequences, "m": M, "n": SEQ_TOKENS, "k": K,
-               "candidates": CANDIDATES, "factory": FACTORY, "nprobe": NPROBE, "sizes": []}
+    results = {
+        "query_chunks": args.query_chunks,
+        "sequences": sequences,
+        "m": M,
+        "n": SEQ_TOKENS,
+        "k": K,
+        "candidates": CANDIDATES,
+        "factory": FACTORY,
+        "nprobe": NPROBE,
+        "sizes": [],
+    }
     multi = ["--direct_num_workers=2", "--direct_running_mode=multi_processing"]
     try:
         for n in args.sizes:
             root = ensure_data(workdir, n)
             runs = {}
-            for name, extra in (("ours 1 process", ["_ours"]), ("ours 2 workers", ["_ours"]),
-                                ("floor", ["_floor"])):
+            for name, extra in (("ours 1 process", ["_ours"]), ("ours 2 workers", ["_ours"]), ("floor", ["_floor"])):
                 out = workdir / f"run-{n}-{name.replace(' ', '-')}"
                 beam_args = multi if name == "ours 2 workers" else []
                 print(f"[{name}] N = {n:,} ...", flush=True)
@@ -296,22 +329,30 @@ def main() -> None:
                 runs[name]["throughput_vs_floor"] = runs[name]["sequences_per_s"] / runs["floor"]["sequences_per_s"]
             results["sizes"].append({"chunks": n, "runs": runs})
             print(f"\n== chunk database {n:,} chunks, {sequences:,} sequences")
-            print(f"{'builder':<16} {'wall s':>7} {'cpu s':>7} {'seq/s':>8} {'vs floor':>8} "
-                  f"{'main RSS MB':>11} {'worker RSS MB':>13}")
+            print(
+                f"{'builder':<16} {'wall s':>7} {'cpu s':>7} {'seq/s':>8} {'vs floor':>8} "
+                f"{'main RSS MB':>11} {'worker RSS MB':>13}"
+            )
             for name, r in runs.items():
                 worker = f"{r['worker_peak_rss_mb']:.0f}" if r["worker_peak_rss_mb"] else "-"
-                print(f"{name:<16} {r['wall_s']:>7.1f} {r['cpu_s']:>7.1f} {r['sequences_per_s']:>8.1f} "
-                      f"{r.get('throughput_vs_floor', 1.0):>8.3f} {r['peak_rss_mb']:>11.0f} {worker:>13}")
+                print(
+                    f"{name:<16} {r['wall_s']:>7.1f} {r['cpu_s']:>7.1f} {r['sequences_per_s']:>8.1f} "
+                    f"{r.get('throughput_vs_floor', 1.0):>8.3f} {r['peak_rss_mb']:>11.0f} {worker:>13}"
+                )
     finally:
         if temp is not None:
             temp.cleanup()
     first, last = results["sizes"][0], results["sizes"][-1]
-    growth = {name: last["runs"][name]["worker_peak_rss_mb" if "2 workers" in name else "peak_rss_mb"]
-              / first["runs"][name]["worker_peak_rss_mb" if "2 workers" in name else "peak_rss_mb"]
-              for name in first["runs"]}
+    growth = {
+        name: last["runs"][name]["worker_peak_rss_mb" if "2 workers" in name else "peak_rss_mb"]
+        / first["runs"][name]["worker_peak_rss_mb" if "2 workers" in name else "peak_rss_mb"]
+        for name in first["runs"]
+    }
     results["rss_growth"] = {"chunks": last["chunks"] / first["chunks"], **growth}
-    print(f"\nchunk database x{last['chunks'] / first['chunks']:.0f}: peak RSS x" +
-          ", x".join(f"{v:.2f} ({k}{' worker' if '2 workers' in k else ''})" for k, v in growth.items()))
+    print(
+        f"\nchunk database x{last['chunks'] / first['chunks']:.0f}: peak RSS x"
+        + ", x".join(f"{v:.2f} ({k}{' worker' if '2 workers' in k else ''})" for k, v in growth.items())
+    )
     write_results(results, args.output)
 
 

@@ -6,6 +6,7 @@ from every other, so no compressed index can rank their neighbours (measured: PQ
 dimension; here each cluster spreads along its own `rank`-dim subspace, plus a little
 isotropic noise.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -17,8 +18,9 @@ class LowRankClusters:
     """Unit vectors around `clusters` random centres; cluster c spreads as
     `spread · z · bases[c]` (z ~ N(0, I_rank)) plus `noise` · N(0, I_d)."""
 
-    def __init__(self, dim: int, clusters: int = 1000, rank: int = 8, spread: float = 0.5,
-                 noise: float = 0.1, seed: int = 0):
+    def __init__(
+        self, dim: int, clusters: int = 1000, rank: int = 8, spread: float = 0.5, noise: float = 0.1, seed: int = 0
+    ):
         model = np.random.default_rng([seed, 0])
         self.centres = model.normal(size=(clusters, dim)).astype(np.float32)
         self.bases = model.normal(size=(clusters, rank, dim)).astype(np.float32)
@@ -32,8 +34,10 @@ class LowRankClusters:
             size = min(BLOCK, n - start)
             label = rng.integers(0, clusters, size)
             z = rng.normal(size=(size, rank)).astype(np.float32)
-            out[start:start + size] = (self.centres[label]
-                                       + self.spread * np.einsum("nr,nrd->nd", z, self.bases[label])
-                                       + self.noise * rng.normal(size=(size, dim)).astype(np.float32))
+            out[start : start + size] = (
+                self.centres[label]
+                + self.spread * np.einsum("nr,nrd->nd", z, self.bases[label])
+                + self.noise * rng.normal(size=(size, dim)).astype(np.float32)
+            )
         out /= np.linalg.norm(out, axis=1, keepdims=True)
         return out

@@ -20,10 +20,10 @@ Each measurement is the median of `--repeats` after one untimed pass (imports, p
 Reported per shard count, and as the ratio of the largest count to the smallest: start should
 grow no faster than the manifest it reads (start − manifest flat), check all with the count.
 """
+
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -52,23 +52,26 @@ def timed(function, repeats: int) -> float:
 
 def upload(emulator, directory: Path, url: str) -> str:
     """The directory's files to gs://bucket/prefix, in parallel (one request per file)."""
-    bucket_name, _, prefix = url[len("gs://"):].partition("/")
+    bucket_name, _, prefix = url[len("gs://") :].partition("/")
     bucket = emulator.client().bucket(bucket_name)
     with ThreadPoolExecutor(16) as pool:
-        list(pool.map(lambda p: bucket.blob(f"{prefix}/{p.name}").upload_from_filename(str(p)),
-                      sorted(directory.iterdir())))
+        list(
+            pool.map(
+                lambda p: bucket.blob(f"{prefix}/{p.name}").upload_from_filename(str(p)), sorted(directory.iterdir())
+            )
+        )
     return url
 
 
 def measure(source: str, repeats: int, check_all_repeats: int) -> dict:
-    from schemas.manifest import ShardsManifest
+    from schemas.manifest import MANIFEST_FILE, ShardsManifest, read_manifest
     from trainer import ShardDataset
-    from trainer.dataset import MANIFEST_NAME, _files_for
+    from trainer.dataset import _files_for
 
     def manifest():
         files = _files_for(source)  # a fresh client, as a starting trainer has
-        path = f"{source}/{MANIFEST_NAME}"
-        return ShardsManifest.model_validate(json.loads(files.read_text(path)))
+        path = f"{source}/{MANIFEST_FILE}"
+        return read_manifest(lambda: files.read_text(path), path, ShardsManifest)
 
     def start():
         return next(iter(ShardDataset(source, shuffle=True, seed=0)))
@@ -79,8 +82,11 @@ def measure(source: str, repeats: int, check_all_repeats: int) -> dict:
             file, _ = dataset._open_checked(entry)
             file.close()
 
-    return {"manifest_s": timed(manifest, repeats), "start_s": timed(start, repeats),
-            "check_all_s": timed(check_all, check_all_repeats)}
+    return {
+        "manifest_s": timed(manifest, repeats),
+        "start_s": timed(start, repeats),
+        "check_all_s": timed(check_all, check_all_repeats),
+    }
 
 
 def main() -> None:
@@ -97,12 +103,15 @@ def main() -> None:
 
     emulator = None
     if args.gcs:
-        from tests.conftest import GcsEmulator
+        from tests.helpers import GcsEmulator
 
         emulator = GcsEmulator()
         os.environ["STORAGE_EMULATOR_HOST"] = emulator.host
-    results = {"source": "gcs emulator" if args.gcs else "local", "rows_per_shard": args.rows_per_shard,
-               "by_shards": []}
+    results = {
+        "source": "gcs emulator" if args.gcs else "local",
+        "rows_per_shard": args.rows_per_shard,
+        "by_shards": [],
+    }
     print(f"{'shards':>7} {'manifest ms':>12} {'start ms':>9} {'start-manifest ms':>18} {'check all ms':>13}")
     try:
         with tempfile.TemporaryDirectory(prefix="trainer-start-") as temp:
@@ -115,8 +124,11 @@ def main() -> None:
                 row = {"shards": shards, **measure(source, args.repeats, args.check_all_repeats)}
                 results["by_shards"].append(row)
                 ms = {key: value * 1e3 for key, value in row.items() if key.endswith("_s")}
-                print(f"{shards:>7} {ms['manifest_s']:>12.1f} {ms['start_s']:>9.1f} "
-                      f"{ms['start_s'] - ms['manifest_s']:>18.1f} {ms['check_all_s']:>13.0f}", flush=True)
+                print(
+                    f"{shards:>7} {ms['manifest_s']:>12.1f} {ms['start_s']:>9.1f} "
+                    f"{ms['start_s'] - ms['manifest_s']:>18.1f} {ms['check_all_s']:>13.0f}",
+                    flush=True,
+                )
     finally:
         if emulator is not None:
             emulator.stop()
@@ -125,9 +137,11 @@ def main() -> None:
         ratio = {key: last[key] / first[key] for key in ("manifest_s", "start_s", "check_all_s")}
         beyond = (last["start_s"] - last["manifest_s"]) / max(first["start_s"] - first["manifest_s"], 1e-9)
         results["ratio"] = {**ratio, "start_minus_manifest": beyond}
-        print(f"{last['shards']}/{first['shards']} shards ({last['shards'] / first['shards']:.0f}x): manifest "
-              f"{ratio['manifest_s']:.1f}x, start {ratio['start_s']:.1f}x, start-manifest {beyond:.1f}x, "
-              f"check all {ratio['check_all_s']:.1f}x")
+        print(
+            f"{last['shards']}/{first['shards']} shards ({last['shards'] / first['shards']:.0f}x): manifest "
+            f"{ratio['manifest_s']:.1f}x, start {ratio['start_s']:.1f}x, start-manifest {beyond:.1f}x, "
+            f"check all {ratio['check_all_s']:.1f}x"
+        )
     write_results(results, args.output)
 
 

@@ -20,6 +20,7 @@ For each count, with the files in the page cache (just written):
 an equal number checked it should stay flat however many shards the output holds.
 Results: a table on stdout, JSON in benchmarks/results/validate_sample.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,7 @@ from pipeline.fileio import sha256_bytes  # noqa: E402
 from pipeline.validate import check_listed_file, plan_validation, validate_path  # noqa: E402
 from pipeline.writers import parquet_bytes  # noqa: E402
 from schemas.arrow import chunk_schema, embedding_schema, fixed_size_list, shard_ipc_bytes, shard_table  # noqa: E402
-from schemas.manifest import (FileEntry, Fingerprint, IndexManifest, Recall, ShardEntry,  # noqa: E402
-                              ShardsManifest)
+from schemas.manifest import FileEntry, Fingerprint, IndexManifest, Recall, ShardEntry, ShardsManifest  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "validate_sample.json"
@@ -72,14 +72,23 @@ def write_index(directory: Path, sequences: int, rng: np.random.Generator) -> di
     files = []
     for number, start in enumerate(range(0, chunks, CHUNK_FILE_ROWS)):
         part = slice(start, min(start + CHUNK_FILE_ROWS, chunks))
-        table = pa.Table.from_arrays([pa.array(ids[part]), pa.array(docs[part]), pa.array(positions[part]),
-                                      fixed_size_list(tokens[part], M), fixed_size_list(continuations[part], M)],
-                                     schema=chunk_schema(M))
+        table = pa.Table.from_arrays(
+            [
+                pa.array(ids[part]),
+                pa.array(docs[part]),
+                pa.array(positions[part]),
+                fixed_size_list(tokens[part], M),
+                fixed_size_list(continuations[part], M),
+            ],
+            schema=chunk_schema(M),
+        )
         files.append(_write(directory, f"chunks/chunks-{number:05d}.parquet", parquet_bytes(table), len(ids[part])))
-        table = pa.Table.from_arrays([pa.array(ids[part]), fixed_size_list(vectors[part], DIM)],
-                                     schema=embedding_schema(DIM))
-        files.append(_write(directory, f"embeddings/embeddings-{number:05d}.parquet", parquet_bytes(table),
-                            len(ids[part])))
+        table = pa.Table.from_arrays(
+            [pa.array(ids[part]), fixed_size_list(vectors[part], DIM)], schema=embedding_schema(DIM)
+        )
+        files.append(
+            _write(directory, f"embeddings/embeddings-{number:05d}.parquet", parquet_bytes(table), len(ids[part]))
+        )
     index = faiss.IndexFlatIP(DIM)
     index.add(vectors)
     (directory / "faiss").mkdir(parents=True)
@@ -87,13 +96,27 @@ def write_index(directory: Path, sequences: int, rng: np.random.Generator) -> di
     files.append(_write(directory, "faiss/index.faiss", (directory / "faiss" / "index.faiss").read_bytes(), chunks))
     fingerprint = Fingerprint(name="synthetic", fingerprint="0" * 64)
     manifest = IndexManifest(
-        config_hash="synthetic", embed_config_hash="synthetic", tokenizer=fingerprint, embedding_model=fingerprint,
-        num_documents=sequences, num_chunks=chunks, chunk_tokens=M, pad_id=PAD,
+        config_hash="synthetic",
+        embed_config_hash="synthetic",
+        tokenizer=fingerprint,
+        embedding_model=fingerprint,
+        num_documents=sequences,
+        num_chunks=chunks,
+        chunk_tokens=M,
+        pad_id=PAD,
         files=[FileEntry(**f) for f in sorted(files, key=lambda f: f["path"])],
-        index_factory="Flat", nprobe=None, dim=DIM, metric="inner_product",
-        recall_at_k=Recall(measure="synthetic", value=1.0, sample_size=0), index_bytes=files[-1]["bytes"],
-        memory_budget=0, training_vectors=0, queries_per_second=None, counters={"chunks": chunks},
-        created_by="benchmarks/validate_sample.py")
+        index_factory="Flat",
+        nprobe=None,
+        dim=DIM,
+        metric="inner_product",
+        recall_at_k=Recall(measure="synthetic", value=1.0, sample_size=0),
+        index_bytes=files[-1]["bytes"],
+        memory_budget=0,
+        training_vectors=0,
+        queries_per_second=None,
+        counters={"chunks": chunks},
+        created_by="benchmarks/validate_sample.py",
+    )
     (directory / "manifest.json").write_text(manifest.model_dump_json(indent=2))
     return {"docs": docs, "tokens": tokens, "continuations": continuations}
 
@@ -108,15 +131,33 @@ def write_shards(directory: Path, index_directory: Path, db: dict, shards: int, 
         neighbour_ids = rng.integers(0, chunks - L, size=(1, L, K))
         neighbour_ids += (neighbour_ids >= s * L) * L  # never a chunk of its own document
         values = np.concatenate([db["tokens"][neighbour_ids], db["continuations"][neighbour_ids]], axis=-1)
-        table = shard_table(np.array([s]), tokens[None], values, neighbour_ids,
-                            rng.random((1, L, K), dtype=np.float32), [[db["docs"][s * L]]], pad_id=PAD)
+        table = shard_table(
+            np.array([s]),
+            tokens[None],
+            values,
+            neighbour_ids,
+            rng.random((1, L, K), dtype=np.float32),
+            [[db["docs"][s * L]]],
+            pad_id=PAD,
+        )
         entry = _write(directory, f"shard-{s:05d}.arrow", shard_ipc_bytes(table), 1)
         entries.append(ShardEntry(**entry, neighbour_slots_filled=L * K))
     manifest = ShardsManifest(
-        config_hash="synthetic", index_manifest_sha256=sha256_bytes((index_directory / "manifest.json").read_bytes()),
-        training_corpus="same", sequence_tokens=L * M, chunk_tokens=M, neighbours=K, neighbour_tokens=2 * M,
-        pad_id=PAD, num_sequences=shards, shards=entries, neighbour_fill=1.0, overlap={},
-        counters={"sequences": shards}, created_by="benchmarks/validate_sample.py")
+        config_hash="synthetic",
+        index_manifest_sha256=sha256_bytes((index_directory / "manifest.json").read_bytes()),
+        training_corpus="same",
+        sequence_tokens=L * M,
+        chunk_tokens=M,
+        neighbours=K,
+        neighbour_tokens=2 * M,
+        pad_id=PAD,
+        num_sequences=shards,
+        shards=entries,
+        neighbour_fill=1.0,
+        overlap={},
+        counters={"sequences": shards},
+        created_by="benchmarks/validate_sample.py",
+    )
     (directory / "manifest.json").write_text(manifest.model_dump_json(indent=2))
 
 
@@ -135,9 +176,16 @@ def measure(output: Path, sample: float) -> dict:
     planned = time.perf_counter() - start
     hashes = _best_seconds(lambda: [check_listed_file(d, e) for d, e in plan.listed_files])
     total = _best_seconds(lambda: validate_path(str(output), sample))
-    return {"sample": sample, "shards_checked": len(plan.shard_entries), "files_hashed": len(plan.listed_files),
-            "plan_s": planned, "hashes_s": hashes, "total_s": total, "sample_s": total - hashes,
-            "lines": validate_path(str(output), sample)}
+    return {
+        "sample": sample,
+        "shards_checked": len(plan.shard_entries),
+        "files_hashed": len(plan.listed_files),
+        "plan_s": planned,
+        "hashes_s": hashes,
+        "total_s": total,
+        "sample_s": total - hashes,
+        "lines": validate_path(str(output), sample),
+    }
 
 
 def main() -> None:
@@ -153,10 +201,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="validate-sample-bench-") as temp:
         index = Path(temp) / "index"
         db = write_index(index, max(args.shards), rng)
-        print(f"index: {len(db['tokens']):,} chunks in {-(-len(db['tokens']) // CHUNK_FILE_ROWS)} chunk files; "
-              f"seconds, best of {REPEATS}")
-        print(f"{'shards':>7} | {'sample':>7} {'checked':>7} {'hashed':>7} {'plan':>5} {'hashes':>6} {'total':>6} "
-              f"{'total-hashes':>12} | {'full':>6}")
+        print(
+            f"index: {len(db['tokens']):,} chunks in {-(-len(db['tokens']) // CHUNK_FILE_ROWS)} chunk files; "
+            f"seconds, best of {REPEATS}"
+        )
+        print(
+            f"{'shards':>7} | {'sample':>7} {'checked':>7} {'hashed':>7} {'plan':>5} {'hashes':>6} {'total':>6} "
+            f"{'total-hashes':>12} | {'full':>6}"
+        )
         for shards in args.shards:
             output = Path(temp) / f"out-{shards}"
             output.mkdir()
@@ -168,13 +220,16 @@ def main() -> None:
                 runs.append(measure(output, args.sample * fewest / shards))
             entry = {"shards": shards, "runs": runs}
             if shards <= args.full_up_to:
-                entry["full_s"] = _best_seconds(lambda: validate_path(str(output)))
+                entry["full_s"] = _best_seconds(lambda output=output: validate_path(str(output)))
             results["by_shards"].append(entry)
             for i, run in enumerate(runs):
                 full = f"{entry['full_s']:6.2f}" if "full_s" in entry and i == 0 else f"{'':>6}"
-                print(f"{shards if i == 0 else '':>7} | {run['sample']:7.4f} {run['shards_checked']:>7,} "
-                      f"{run['files_hashed']:>7,} {run['plan_s']:5.2f} {run['hashes_s']:6.2f} {run['total_s']:6.2f} "
-                      f"{run['sample_s']:12.2f} | {full}", flush=True)
+                print(
+                    f"{shards if i == 0 else '':>7} | {run['sample']:7.4f} {run['shards_checked']:>7,} "
+                    f"{run['files_hashed']:>7,} {run['plan_s']:5.2f} {run['hashes_s']:6.2f} {run['total_s']:6.2f} "
+                    f"{run['sample_s']:12.2f} | {full}",
+                    flush=True,
+                )
         print("\n".join(runs[0]["lines"]))
     write_results(results, args.output)
 

@@ -8,6 +8,7 @@ nearest chunks of a chunk are mostly from its own document.
 
 With no --pages every one of the 56 pages is used (~22 KB each on average).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,9 @@ def _paragraphs(text: str) -> list[str]:
     return [p for p in text.split("\n\n") if len(p) > 200]
 
 
-def long_documents(names: list[str] | None = None, near_duplicates: bool = False,
-                   pages_per_document: int = 1) -> list[dict]:
+def long_documents(
+    names: list[str] | None = None, near_duplicates: bool = False, pages_per_document: int = 1
+) -> list[dict]:
     """One document per page (`id` = the page id), or per run of `pages_per_document`
     consecutive pages (`id` = their ids joined by '+': book-length documents). With
     `near_duplicates`, each document gets
@@ -41,7 +43,7 @@ def long_documents(names: list[str] | None = None, near_duplicates: bool = False
     near-identical chunks exist inside one document and across two."""
     sections = pages()
     names = list(sections) if names is None else names
-    groups = [names[i:i + pages_per_document] for i in range(0, len(names), pages_per_document)]
+    groups = [names[i : i + pages_per_document] for i in range(0, len(names), pages_per_document)]
     texts = {"+".join(group): "\n\n".join(t for name in group for t in sections[name]) for group in groups}
     names = list(texts)
     if near_duplicates:

@@ -19,6 +19,7 @@ can only guess a held-out country's capital; one that learned to read its neighb
 it from the encyclopedia entry its chunk retrieved. The script prints both validation losses
 and writes them to `<out>/results.json`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,10 +35,36 @@ from pathlib import Path
 import numpy as np
 
 COUNTRIES, TRAIN_COUNTRIES = 500, 400
-SYLLABLES = ["ka", "lo", "mir", "ven", "tas", "or", "bel", "dun", "ri", "sa", "tho", "gal", "ne",
-             "vor", "pel", "ist", "ur", "am", "ko", "zen", "fa", "lis", "mon", "dra"]
-ENCYCLOPEDIA = ("{country} is a small country. The capital of {country} is {capital}. "
-                "{country} was founded by {founder}. The main river of {country} is the {river}.")
+SYLLABLES = [
+    "ka",
+    "lo",
+    "mir",
+    "ven",
+    "tas",
+    "or",
+    "bel",
+    "dun",
+    "ri",
+    "sa",
+    "tho",
+    "gal",
+    "ne",
+    "vor",
+    "pel",
+    "ist",
+    "ur",
+    "am",
+    "ko",
+    "zen",
+    "fa",
+    "lis",
+    "mon",
+    "dra",
+]
+ENCYCLOPEDIA = (
+    "{country} is a small country. The capital of {country} is {capital}. "
+    "{country} was founded by {founder}. The main river of {country} is the {river}."
+)
 STORIES = [
     "A traveller came to {country} in spring. In {country} she first visited the capital, {capital}, "
     "and heard that {country} was founded by {founder}. Later she sailed down the {river}.",
@@ -56,8 +83,12 @@ def facts() -> list[dict]:
     rng = np.random.default_rng(2026)
     seen, rows = set(), []
     while len(rows) < COUNTRIES:
-        row = {"country": invent(rng, 3), "capital": invent(rng, 3),
-               "founder": f"{invent(rng, 2)} {invent(rng, 2)}", "river": invent(rng, 2)}
+        row = {
+            "country": invent(rng, 3),
+            "capital": invent(rng, 3),
+            "founder": f"{invent(rng, 2)} {invent(rng, 2)}",
+            "river": invent(rng, 2),
+        }
         if row["country"] not in seen:
             seen.add(row["country"])
             rows.append(row)
@@ -68,10 +99,16 @@ def write_corpora(root: Path) -> dict[str, Path]:
     rows = facts()
     corpora = {
         "retrieval": [{"id": f"encyclopedia/{i}", "text": ENCYCLOPEDIA.format(**row)} for i, row in enumerate(rows)],
-        "train": [{"id": f"story/{i}/{t}", "text": template.format(**row)}
-                  for i, row in enumerate(rows[:TRAIN_COUNTRIES]) for t, template in enumerate(STORIES)],
-        "val": [{"id": f"story/{i}/0", "text": STORIES[0].format(**row)}
-                for i, row in enumerate(rows) if i >= TRAIN_COUNTRIES],
+        "train": [
+            {"id": f"story/{i}/{t}", "text": template.format(**row)}
+            for i, row in enumerate(rows[:TRAIN_COUNTRIES])
+            for t, template in enumerate(STORIES)
+        ],
+        "val": [
+            {"id": f"story/{i}/0", "text": STORIES[0].format(**row)}
+            for i, row in enumerate(rows)
+            if i >= TRAIN_COUNTRIES
+        ],
     }
     paths = {}
     for name, docs in corpora.items():
@@ -83,11 +120,18 @@ def write_corpora(root: Path) -> dict[str, Path]:
 
 
 def pipeline_config(output: Path, corpora: dict[str, Path], training: str) -> dict:
-    return {"output": str(output),
-            "retrieval_corpus": {"paths": [str(corpora["retrieval"])], "id_field": "id"},
-            "training_corpus": {"paths": [str(corpora[training])], "id_field": "id"},
-            "chunk_tokens": 16, "sequence_tokens": 64, "neighbours": 2, "neighbour_candidates": 8,
-            "shard_rows": 256, "embedding": {"batch_size": 64}, "index": {"type": "Flat"}}
+    return {
+        "output": str(output),
+        "retrieval_corpus": {"paths": [str(corpora["retrieval"])], "id_field": "id"},
+        "training_corpus": {"paths": [str(corpora[training])], "id_field": "id"},
+        "chunk_tokens": 16,
+        "sequence_tokens": 64,
+        "neighbours": 2,
+        "neighbour_candidates": 8,
+        "shard_rows": 256,
+        "embedding": {"batch_size": 64},
+        "index": {"type": "Flat"},
+    }
 
 
 def build(out: Path, corpora: dict[str, Path]) -> tuple[Path, Path]:
@@ -120,10 +164,32 @@ class _Tee(StringIO):
 def train(shards: Path, val: Path, steps: int, retrieval: bool) -> dict:
     from trainer.train import main
 
-    args = ["--shards", str(shards), "--val-shards", str(val), "--steps", str(steps),
-            "--val-every", str(max(1, steps // 4)), "--batch-size", "16", "--lr", "2e-3",
-            "--seed", "0", "--dim", "128", "--depth", "4", "--heads", "4", "--encoder-depth", "1",
-            "--log-every", str(max(1, steps // 8))] + ([] if retrieval else ["--no-retrieval"])
+    args = [
+        "--shards",
+        str(shards),
+        "--val-shards",
+        str(val),
+        "--steps",
+        str(steps),
+        "--val-every",
+        str(max(1, steps // 4)),
+        "--batch-size",
+        "16",
+        "--lr",
+        "2e-3",
+        "--seed",
+        "0",
+        "--dim",
+        "128",
+        "--depth",
+        "4",
+        "--heads",
+        "4",
+        "--encoder-depth",
+        "1",
+        "--log-every",
+        str(max(1, steps // 8)),
+    ] + ([] if retrieval else ["--no-retrieval"])
     captured = _Tee(sys.stdout)
     with redirect_stdout(captured):
         main(args)
@@ -150,9 +216,11 @@ def main() -> None:
     off = results["no_retrieval"]["val_loss"][args.steps]
     results["final_val_loss"] = {"retrieval": on, "no_retrieval": off}
     (out / "results.json").write_text(json.dumps(results, indent=2))
-    print(f"\nvalidation loss after {args.steps} steps (held-out countries, facts only in the "
-          f"retrieval corpus): retrieval {on:.4f}, no retrieval {off:.4f} "
-          f"({'retrieval better' if on < off else 'retrieval NOT better'} by {off - on:+.4f})")
+    print(
+        f"\nvalidation loss after {args.steps} steps (held-out countries, facts only in the "
+        f"retrieval corpus): retrieval {on:.4f}, no retrieval {off:.4f} "
+        f"({'retrieval better' if on < off else 'retrieval NOT better'} by {off - on:+.4f})"
+    )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """ratrain-pipeline: Beam stages that turn a corpus into RETRO-style training shards."""
+
 from importlib.metadata import PackageNotFoundError, version
 
 try:

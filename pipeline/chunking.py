@@ -1,4 +1,4 @@
-"""Tokenise documents and cut them into chunks with dense, stable chunk ids.
+"""Tokenise documents and cut them into chunks of m tokens with dense, stable chunk ids.
 
 Chunk ids are dense (0 … N-1) and stable: documents are ordered by doc id and each takes the
 next `ceil(tokens / m)` ids. They are assigned without any table of all documents: doc ids
@@ -9,11 +9,12 @@ its own documents in doc-id order. A chunk row carries its continuation — the 
 same document, or pad where the document ends — so a neighbour never runs into another
 document (docs/design.md §5). (Training sequences are packed in `shards.py`.)
 """
+
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Iterable, Iterator
 
 import apache_beam as beam
 import numpy as np
@@ -30,9 +31,9 @@ BUCKET_BITS = 16  # doc-id buckets of the chunk-id prefix sum: 65,536 offsets at
 class Chunk:
     chunk_id: int
     doc_id: int
-    position: int               # index of the chunk within its document
-    tokens: np.ndarray          # int32 [m]
-    continuation: np.ndarray    # int32 [m]: next chunk of the same document, or pad
+    position: int  # index of the chunk within its document
+    tokens: np.ndarray  # int32 [m]
+    continuation: np.ndarray  # int32 [m]: next chunk of the same document, or pad
 
 
 @functools.lru_cache(maxsize=4)
@@ -70,8 +71,7 @@ def chunk_tokens(tokens: np.ndarray, m: int, pad_id: int) -> np.ndarray:
     return chunks
 
 
-def chunk_document(doc_id: int, tokens: np.ndarray, first_chunk_id: int, m: int,
-                   pad_id: int) -> Iterator[Chunk]:
+def chunk_document(doc_id: int, tokens: np.ndarray, first_chunk_id: int, m: int, pad_id: int) -> Iterator[Chunk]:
     """The chunks of one document, ids from `first_chunk_id`, each with its continuation."""
     chunks = chunk_tokens(tokens, m, pad_id)
     padding = np.full(m, pad_id, dtype=np.int32)
@@ -104,7 +104,8 @@ class _Tokenize(beam.DoFn):
             if len(tokens) == 0:
                 Metrics.counter(METRICS_NAMESPACE, "rejected_no_tokens").inc()
                 yield beam.pvalue.TaggedOutput(
-                    "rejected", Rejected(doc.source, doc.position, "no_tokens", doc.text[:200]))
+                    "rejected", Rejected(doc.source, doc.position, "no_tokens", doc.text[:200])
+                )
                 continue
             self.tokens.inc(len(tokens))
             yield doc.doc_id, tokens
@@ -135,20 +136,24 @@ class ChunkDocuments(beam.PTransform):
         self.bucket_bits = bucket_bits
 
     def expand(self, documents):
-        tokenized = (documents
-                     | "BatchDocuments" >> beam.BatchElements(min_batch_size=1,
-                                                              max_batch_size=TOKENIZE_BATCH)
-                     | "Tokenize" >> beam.ParDo(_Tokenize(self.tokenizer_path)).with_outputs(
-                         "rejected", main="tokens"))
+        tokenized = (
+            documents
+            | "BatchDocuments" >> beam.BatchElements(min_batch_size=1, max_batch_size=TOKENIZE_BATCH)
+            | "Tokenize" >> beam.ParDo(_Tokenize(self.tokenizer_path)).with_outputs("rejected", main="tokens")
+        )
         m, bits = self.m, self.bucket_bits
         by_bucket = tokenized.tokens | "KeyByBucket" >> beam.Map(lambda d: (bucket_of(d[0], bits), d))
-        offsets = (by_bucket
-                   | "CountChunks" >> beam.Map(lambda b: (b[0], num_chunks(len(b[1][1]), m)))
-                   | "ChunksPerBucket" >> beam.CombinePerKey(sum)
-                   | "CollectBuckets" >> beam.combiners.ToList()
-                   | "BucketOffsets" >> beam.Map(chunk_offsets))
-        chunks = (by_bucket
-                  | "GroupBuckets" >> beam.GroupByKey()
-                  | "CutChunks" >> beam.FlatMap(_cut_bucket, offsets=beam.pvalue.AsSingleton(offsets),
-                                                m=m, pad_id=self.pad_id))
+        offsets = (
+            by_bucket
+            | "CountChunks" >> beam.Map(lambda b: (b[0], num_chunks(len(b[1][1]), m)))
+            | "ChunksPerBucket" >> beam.CombinePerKey(sum)
+            | "CollectBuckets" >> beam.combiners.ToList()
+            | "BucketOffsets" >> beam.Map(chunk_offsets)
+        )
+        chunks = (
+            by_bucket
+            | "GroupBuckets" >> beam.GroupByKey()
+            | "CutChunks"
+            >> beam.FlatMap(_cut_bucket, offsets=beam.pvalue.AsSingleton(offsets), m=m, pad_id=self.pad_id)
+        )
         return chunks, tokenized.rejected

@@ -4,6 +4,7 @@ Anything after `--` goes to Beam as pipeline options, and so does an option the 
 not know before it (`ignore_unknown_options`); `_beam_args` then refuses any Beam would not
 use. User errors end with one line on stderr and a non-zero exit; `--debug` shows the traceback.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,27 +27,37 @@ def _beam_args(beam_args) -> list[str]:
     ctx = click.get_current_context()
     ours = {}
     if ctx.parent is not None:
-        ours.update({opt: f"it is an option of ratrain-pipeline, put it before the command ({opt} {ctx.info_name} ...)"
-                     for param in ctx.parent.command.get_params(ctx.parent) if isinstance(param, click.Option)
-                     for opt in (*param.opts, *param.secondary_opts)})
-    ours.update({opt: f"it is an option of `{ctx.info_name}`, put it before `--`"
-                 for param in ctx.command.get_params(ctx) if isinstance(param, click.Option)
-                 for opt in (*param.opts, *param.secondary_opts)})
+        ours.update(
+            {
+                opt: f"it is an option of ratrain-pipeline, put it before the command ({opt} {ctx.info_name} ...)"
+                for param in ctx.parent.command.get_params(ctx.parent)
+                if isinstance(param, click.Option)
+                for opt in (*param.opts, *param.secondary_opts)
+            }
+        )
+    ours.update(
+        {
+            opt: f"it is an option of `{ctx.info_name}`, put it before `--`"
+            for param in ctx.command.get_params(ctx)
+            if isinstance(param, click.Option)
+            for opt in (*param.opts, *param.secondary_opts)
+        }
+    )
     return check_beam_args(beam_args, ours)
 
 
 def _no_worker_tracebacks(record: logging.LogRecord) -> bool:
     """Beam logs a failing step's traceback before re-raising it; main() prints the one line."""
-    return not (record.name.startswith("apache_beam")
-                and (record.exc_info or "Traceback (most recent call last)" in record.getMessage()))
+    return not (
+        record.name.startswith("apache_beam")
+        and (record.exc_info or "Traceback (most recent call last)" in record.getMessage())
+    )
 
 
 def _setup_logging(verbose: bool) -> None:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     if not verbose:  # Beam and HF are chatty at INFO; keep the project's own progress lines
-        for name in ("apache_beam", "sentence_transformers", "transformers", "faiss", "httpx",
-                     "huggingface_hub"):
+        for name in ("apache_beam", "sentence_transformers", "transformers", "faiss", "httpx", "huggingface_hub"):
             logging.getLogger(name).setLevel(logging.WARNING)
         for handler in logging.getLogger().handlers:
             handler.addFilter(_no_worker_tracebacks)
@@ -81,16 +92,24 @@ def _summary(counters: dict[str, int], title: str) -> None:
         click.echo(f"  {name:<{width}}  {value:,}", err=True)
 
 
-DRY_RUN = click.option("--dry-run", is_flag=True,
-                       help="Build the pipeline graph and print the options and stages (JSON); "
-                            "read no input, write nothing, submit nothing.")
+DRY_RUN = click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Build the pipeline graph and print the options and stages (JSON); "
+    "read no input, write nothing, submit nothing.",
+)
 
 
-CORPUS_CHUNKS = click.option("--corpus-chunks", type=float, default=None,
-                             help="With --dry-run: estimate memory per worker for a corpus of this "
-                                  "many chunks (e.g. 1e8); default: from the input files' sizes.")
-CORPUS_DOCUMENTS = click.option("--corpus-documents", type=float, default=None,
-                                help="With --corpus-chunks: documents in it (default: chunks / 10).")
+CORPUS_CHUNKS = click.option(
+    "--corpus-chunks",
+    type=float,
+    default=None,
+    help="With --dry-run: estimate memory per worker for a corpus of this "
+    "many chunks (e.g. 1e8); default: from the input files' sizes.",
+)
+CORPUS_DOCUMENTS = click.option(
+    "--corpus-documents", type=float, default=None, help="With --corpus-chunks: documents in it (default: chunks / 10)."
+)
 
 
 def _print_plan(plan: dict, cfg, chunks: float | None, documents: float | None) -> None:
@@ -101,9 +120,11 @@ def _print_plan(plan: dict, cfg, chunks: float | None, documents: float | None) 
     click.echo(json.dumps(plan, indent=2, sort_keys=True, default=str))
 
 
-DETACH = click.option("--detach", is_flag=True,
-                      help="Submit the job and exit; it commits its own manifest when it finishes "
-                           "(for cluster runners).")
+DETACH = click.option(
+    "--detach",
+    is_flag=True,
+    help="Submit the job and exit; it commits its own manifest when it finishes (for cluster runners).",
+)
 
 
 def _report(result, title: str) -> None:
@@ -139,29 +160,42 @@ def build_index_cmd(config_path, beam_args, force, dry_run, corpus_chunks, corpu
 
 
 @cli.command("index", **BEAM_ARGS)
-@click.option("--embeddings", "embeddings", required=True, multiple=True,
-              help="Glob of Parquet files with chunk_id: int64 and embedding: "
-                   "fixed_size_list<float32|float16>[d] (repeatable).")
+@click.option(
+    "--embeddings",
+    "embeddings",
+    required=True,
+    multiple=True,
+    help="Glob of Parquet files with chunk_id: int64 and embedding: fixed_size_list<float32|float16>[d] (repeatable).",
+)
 @click.option("--output", required=True, help="Directory for faiss/index.faiss (or its shards) and manifest.json.")
-@click.option("--type", "index_type", default="auto", show_default=True,
-              help="'auto' or a faiss index_factory string.")
+@click.option("--type", "index_type", default="auto", show_default=True, help="'auto' or a faiss index_factory string.")
 @click.option("--memory-budget", default="4GiB", show_default=True, help="e.g. 64MB, 2GiB.")
-@click.option("--target-recall", default=0.95, show_default=True, type=float,
-              help="1-recall@10 the tuned nprobe must reach.")
+@click.option(
+    "--target-recall", default=0.95, show_default=True, type=float, help="1-recall@10 the tuned nprobe must reach."
+)
 @click.option("--nprobe", default=None, type=int, help="Fixed search depth instead of tuning.")
-@click.option("--shard-bytes", default=None,
-              help="Split an IVF index into shards of at most this size (e.g. 12MB), by chunk-id range.")
+@click.option(
+    "--shard-bytes",
+    default=None,
+    help="Split an IVF index into shards of at most this size (e.g. 12MB), by chunk-id range.",
+)
 @click.argument("beam_args", nargs=-1, type=click.UNPROCESSED)
 def index_cmd(embeddings, output, index_type, memory_budget, target_recall, nprobe, shard_bytes, beam_args):
     """Build a faiss index over embeddings you already have (the index stage alone)."""
+    from pydantic import ValidationError
+
     from pipeline.stages import build_vector_index
     from schemas.config import ConfigError, IndexConfig, format_validation_error
-    from pydantic import ValidationError
 
     beam_args = _beam_args(beam_args)
     try:
-        cfg = IndexConfig(type=index_type, memory_budget=memory_budget,
-                          target_recall=target_recall, nprobe=nprobe, shard_bytes=shard_bytes)
+        cfg = IndexConfig(
+            type=index_type,
+            memory_budget=memory_budget,
+            target_recall=target_recall,
+            nprobe=nprobe,
+            shard_bytes=shard_bytes,
+        )
     except ValidationError as err:
         raise ConfigError(format_validation_error(err, "index options")) from None
     manifest = build_vector_index(list(embeddings), output, cfg, beam_args)
@@ -175,17 +209,32 @@ def index_cmd(embeddings, output, index_type, memory_budget, target_recall, npro
 @CORPUS_CHUNKS
 @CORPUS_DOCUMENTS
 @DETACH
-@click.option("--wait-for-index", is_flag=True,
-              help="First wait until the index this config describes is committed (e.g. by a "
-                   "detached build-index), polling its manifest.")
-@click.option("--wait-timeout", default=7 * 24 * 3600.0, show_default=True, type=float,
-              help="Seconds --wait-for-index waits before giving up.")
-@click.option("--poll-every", default=30.0, show_default=True, type=float,
-              help="Seconds between looks at the index manifest while waiting.")
-def build_shards_cmd(config_path, beam_args, dry_run, corpus_chunks, corpus_documents, detach,
-                     wait_for_index, wait_timeout, poll_every):
+@click.option(
+    "--wait-for-index",
+    is_flag=True,
+    help="First wait until the index this config describes is committed (e.g. by a "
+    "detached build-index), polling its manifest.",
+)
+@click.option(
+    "--wait-timeout",
+    default=7 * 24 * 3600.0,
+    show_default=True,
+    type=float,
+    help="Seconds --wait-for-index waits before giving up.",
+)
+@click.option(
+    "--poll-every",
+    default=30.0,
+    show_default=True,
+    type=float,
+    help="Seconds between looks at the index manifest while waiting.",
+)
+def build_shards_cmd(
+    config_path, beam_args, dry_run, corpus_chunks, corpus_documents, detach, wait_for_index, wait_timeout, poll_every
+):
     """Stages 4-5: retrieve neighbours for the training corpus -> <output>/shards/."""
-    from pipeline.stages import build_shards, wait_for_index as wait
+    from pipeline.stages import build_shards
+    from pipeline.stages import wait_for_index as wait
 
     beam_args = _beam_args(beam_args)
     cfg = _config(config_path)
@@ -216,8 +265,15 @@ def run_cmd(config_path, force, beam_args, dry_run, corpus_chunks, corpus_docume
     beam_args = _beam_args(beam_args)
     if dry_run:
         cfg, args = _config(config_path), beam_args
-        _print_plan({"build-index": build_index(cfg, args, dry_run=True),
-                     "build-shards": build_shards(cfg, args, dry_run=True)}, cfg, corpus_chunks, corpus_documents)
+        _print_plan(
+            {
+                "build-index": build_index(cfg, args, dry_run=True),
+                "build-shards": build_shards(cfg, args, dry_run=True),
+            },
+            cfg,
+            corpus_chunks,
+            corpus_documents,
+        )
         return
     start = time.monotonic()
     report = run_all(_config(config_path), beam_args, force=force, detach=detach)
@@ -231,10 +287,15 @@ def run_cmd(config_path, force, beam_args, dry_run, corpus_chunks, corpus_docume
 
 @cli.command("validate", **BEAM_ARGS)
 @click.argument("directory")
-@click.option("--sample", default=1.0, show_default=True, type=click.FloatRange(0, 1, min_open=True),
-              help="Check this share of the shards (the same ones every run, chosen by file name) and "
-                   "the chunk files they reference, and the same share of chunk and embedding files; "
-                   "sizes and sha256 of every listed file are checked whatever the share.")
+@click.option(
+    "--sample",
+    default=1.0,
+    show_default=True,
+    type=click.FloatRange(0, 1, min_open=True),
+    help="Check this share of the shards (the same ones every run, chosen by file name) and "
+    "the chunk files they reference, and the same share of chunk and embedding files; "
+    "sizes and sha256 of every listed file are checked whatever the share.",
+)
 @click.argument("beam_args", nargs=-1, type=click.UNPROCESSED)
 def validate_cmd(directory, sample, beam_args):
     """Check an index, shards or output directory end to end; exit 0 only if sound. In this
@@ -259,8 +320,7 @@ def validate_cmd(directory, sample, beam_args):
 @cli.command("inspect")
 @click.argument("directory")
 @click.option("--n", "count", default=1, show_default=True, help="Sequences to print.")
-@click.option("--chunks", "max_chunks", default=4, show_default=True,
-              help="Chunks per sequence to print (0: all).")
+@click.option("--chunks", "max_chunks", default=4, show_default=True, help="Chunks per sequence to print (0: all).")
 def inspect_cmd(directory, count, max_chunks):
     """Print sequences with their decoded neighbours and scores."""
     from pipeline.inspect import inspect_shards
@@ -282,7 +342,7 @@ def report_cmd(directory):
 
 def main(argv=None) -> None:
     args = argv if argv is not None else sys.argv[1:]
-    debug = "--debug" in args[:next((i for i, a in enumerate(args) if not a.startswith("-")), len(args))]
+    debug = "--debug" in args[: next((i for i, a in enumerate(args) if not a.startswith("-")), len(args))]
     try:
         cli.main(args=argv, prog_name="ratrain-pipeline", standalone_mode=False)
     except click.exceptions.Abort:

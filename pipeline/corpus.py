@@ -6,6 +6,7 @@ several workers parse (`FileRange`). Pure functions turn one range into `Documen
 `Rejected` records; `ReadCorpus` only lists, splits and fans out. A record that cannot be used is
 never dropped silently: it becomes a `Rejected` with its source, position and reason.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -14,8 +15,9 @@ import hashlib
 import json
 import posixpath
 import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
-from typing import BinaryIO, Iterable, Iterator, Union
+from typing import BinaryIO
 
 import apache_beam as beam
 import numpy as np
@@ -29,18 +31,18 @@ from schemas.config import CorpusConfig
 
 METRICS_NAMESPACE = "ratrain"
 EXCERPT_CHARS = 200
-SPLIT_BYTES = 64 << 20        # an uncompressed JSONL or Parquet file larger than this is read in ranges
-PARQUET_BATCH_ROWS = 1024     # rows decoded at a time: bounds memory for long documents
-COUNT_BLOCK_BYTES = 1 << 20   # read size when counting the lines before a range
+SPLIT_BYTES = 64 << 20  # an uncompressed JSONL or Parquet file larger than this is read in ranges
+PARQUET_BATCH_ROWS = 1024  # rows decoded at a time: bounds memory for long documents
+COUNT_BLOCK_BYTES = 1 << 20  # read size when counting the lines before a range
 
 
 @dataclass(frozen=True)
 class Document:
-    doc_id: int          # stable 64-bit id derived from `identity`
-    identity: str        # id_field value, or "<relative path>:<line>"
+    doc_id: int  # stable 64-bit id derived from `identity`
+    identity: str  # id_field value, or "<relative path>:<line>"
     text: str
     source: str
-    position: int        # line (jsonl), row (parquet) or 0 (text)
+    position: int  # line (jsonl), row (parquet) or 0 (text)
 
 
 @dataclass(frozen=True)
@@ -51,11 +53,10 @@ class Rejected:
     excerpt: str
 
     def to_json(self) -> dict:
-        return {"source": self.source, "position": self.position, "reason": self.reason,
-                "excerpt": self.excerpt}
+        return {"source": self.source, "position": self.position, "reason": self.reason, "excerpt": self.excerpt}
 
 
-Record = Union[Document, Rejected]
+Record = Document | Rejected
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ class FileRange:
     Parquet: row groups [start, end). end None: to the end of the file.
     records_before: lines (JSONL) or rows (Parquet) of the file before `start`, which number the
     range's records as if the file were read whole; None until they are counted."""
+
     path: str
     base: str
     start: int = 0
@@ -113,8 +115,9 @@ def _identity(record: dict, id_field: str | None, relative: str, position: int) 
     return str(value)
 
 
-def parse_jsonl(lines: Iterable[bytes], cfg: CorpusConfig, source: str, relative: str,
-                first_line: int = 1) -> Iterator[Record]:
+def parse_jsonl(
+    lines: Iterable[bytes], cfg: CorpusConfig, source: str, relative: str, first_line: int = 1
+) -> Iterator[Record]:
     """One JSON object per line (lines end in \\n); `first_line` numbers the first one."""
     for number, line in enumerate(lines, start=first_line):
         line = line.rstrip(b"\r\n")
@@ -149,25 +152,30 @@ def _schema_problem(schema: pa.Schema, cfg: CorpusConfig) -> str | None:
     text_type = schema.field(cfg.text_field).type
     if pa.types.is_dictionary(text_type):
         text_type = text_type.value_type
-    if not (pa.types.is_string(text_type) or pa.types.is_large_string(text_type)
-            or pa.types.is_string_view(text_type)):
+    if not (pa.types.is_string(text_type) or pa.types.is_large_string(text_type) or pa.types.is_string_view(text_type)):
         return f"column {cfg.text_field!r} is {text_type}, not string"
     return None
 
 
-def parse_parquet(parquet: pq.ParquetFile, cfg: CorpusConfig, source: str, relative: str,
-                  row_groups: range | None = None, first_row: int = 0) -> Iterator[Record]:
+def parse_parquet(
+    parquet: pq.ParquetFile,
+    cfg: CorpusConfig,
+    source: str,
+    relative: str,
+    row_groups: range | None = None,
+    first_row: int = 0,
+) -> Iterator[Record]:
     """One row per document; positions are row numbers of the file, starting at 0."""
     problem = _schema_problem(parquet.schema_arrow, cfg)
     if problem:  # the whole file is refused (by its first range only): say how many rows that is
         if row_groups is None or row_groups.start == 0:
-            yield Rejected(source, -1, "wrong_schema",
-                           f"{problem}; rows in file: {parquet.metadata.num_rows}"[:EXCERPT_CHARS])
+            yield Rejected(
+                source, -1, "wrong_schema", f"{problem}; rows in file: {parquet.metadata.num_rows}"[:EXCERPT_CHARS]
+            )
         return
     columns = [c for c in (cfg.text_field, cfg.id_field) if c]
     row = first_row
-    for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns,
-                                      row_groups=row_groups):
+    for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns, row_groups=row_groups):
         for record in batch.to_pylist():
             identity = _identity(record, cfg.id_field, relative, row)
             if identity is None:
@@ -215,6 +223,7 @@ def lines_in_range(f: BinaryIO, start: int, end: int | None) -> tuple[bool, Iter
                 return
             yield line
             offset += len(line)
+
     return skipped, lines()
 
 
@@ -265,8 +274,7 @@ def parse_file(path: str, base: str, cfg: CorpusConfig) -> Iterator[Record]:
     return parse_range(FileRange(path, base), cfg)
 
 
-def split_file(path: str, base: str, size: int, cfg: CorpusConfig,
-               split_bytes: int = SPLIT_BYTES) -> list[FileRange]:
+def split_file(path: str, base: str, size: int, cfg: CorpusConfig, split_bytes: int = SPLIT_BYTES) -> list[FileRange]:
     """The ranges one file is read in: byte ranges of an uncompressed JSONL file (lines before
     each not yet counted), groups of row groups of about `split_bytes` of a Parquet file, else
     the whole file."""
@@ -274,8 +282,9 @@ def split_file(path: str, base: str, size: int, cfg: CorpusConfig,
     if size <= split_bytes or path.endswith(".gz") or cfg.format == "text":
         return whole
     if cfg.format == "jsonl":
-        return [FileRange(path, base, start, min(start + split_bytes, size), None)
-                for start in range(0, size, split_bytes)]
+        return [
+            FileRange(path, base, start, min(start + split_bytes, size), None) for start in range(0, size, split_bytes)
+        ]
     try:
         with open_input(path) as f:
             meta = pq.ParquetFile(f).metadata
@@ -347,8 +356,13 @@ def _keep_first(keyed) -> Iterator[Record]:
         Metrics.counter(METRICS_NAMESPACE, "rejected_duplicate_id").inc()
         yield beam.pvalue.TaggedOutput(
             _ParseRange.REJECTED,
-            Rejected(dup.source, dup.position, "duplicate_id",
-                     f"id {dup.identity!r} first seen at {first.source}:{first.position}"))
+            Rejected(
+                dup.source,
+                dup.position,
+                "duplicate_id",
+                f"id {dup.identity!r} first seen at {first.source}:{first.position}",
+            ),
+        )
 
 
 class SplitFiles(beam.PTransform):
@@ -361,15 +375,18 @@ class SplitFiles(beam.PTransform):
         self.split_bytes = split_bytes
 
     def expand(self, files):
-        ranges = (files
-                  | "Split" >> beam.FlatMap(lambda file, cfg, most: split_file(*file, cfg, most),
-                                            self.cfg, self.split_bytes)
-                  | "ByNumbering" >> beam.Partition(lambda r, _: int(r.records_before is None), 2))
-        numbered = (ranges[1]
-                    | "SpreadCounts" >> beam.Reshuffle()
-                    | "CountLines" >> beam.Map(lambda r: (r.path, (r, count_lines(r.path, r.start, r.end))))
-                    | "GroupByFile" >> beam.GroupByKey()
-                    | "NumberRanges" >> beam.FlatMap(number_ranges))
+        ranges = (
+            files
+            | "Split" >> beam.FlatMap(lambda file, cfg, most: split_file(*file, cfg, most), self.cfg, self.split_bytes)
+            | "ByNumbering" >> beam.Partition(lambda r, _: int(r.records_before is None), 2)
+        )
+        numbered = (
+            ranges[1]
+            | "SpreadCounts" >> beam.Reshuffle()
+            | "CountLines" >> beam.Map(lambda r: (r.path, (r, count_lines(r.path, r.start, r.end))))
+            | "GroupByFile" >> beam.GroupByKey()
+            | "NumberRanges" >> beam.FlatMap(number_ranges)
+        )
         return (ranges[0], numbered) | "AllRanges" >> beam.Flatten()
 
 
@@ -384,18 +401,19 @@ class ReadCorpus(beam.PTransform):
         self.files = match_corpus(cfg) if match else [(p, glob_base(p), 0) for p in cfg.paths]
 
     def expand(self, pbegin):
-        parsed = (pbegin
-                  | "ListFiles" >> beam.Create(self.files)
-                  | "SpreadFiles" >> beam.Reshuffle()
-                  | "SplitFiles" >> SplitFiles(self.cfg, self.split_bytes)
-                  | "SpreadRanges" >> beam.Reshuffle()
-                  | "ParseRanges" >> beam.ParDo(_ParseRange(self.cfg)).with_outputs(
-                      _ParseRange.REJECTED, main="documents"))
-        unique = (parsed.documents
-                  | "KeyByDocId" >> beam.Map(lambda d: (d.doc_id, d))
-                  | "GroupByDocId" >> beam.GroupByKey()
-                  | "DropDuplicateIds" >> beam.FlatMap(_keep_first).with_outputs(
-                      _ParseRange.REJECTED, main="documents"))
-        rejected = ((parsed.rejected, unique.rejected)
-                    | "MergeRejected" >> beam.Flatten())
+        parsed = (
+            pbegin
+            | "ListFiles" >> beam.Create(self.files)
+            | "SpreadFiles" >> beam.Reshuffle()
+            | "SplitFiles" >> SplitFiles(self.cfg, self.split_bytes)
+            | "SpreadRanges" >> beam.Reshuffle()
+            | "ParseRanges" >> beam.ParDo(_ParseRange(self.cfg)).with_outputs(_ParseRange.REJECTED, main="documents")
+        )
+        unique = (
+            parsed.documents
+            | "KeyByDocId" >> beam.Map(lambda d: (d.doc_id, d))
+            | "GroupByDocId" >> beam.GroupByKey()
+            | "DropDuplicateIds" >> beam.FlatMap(_keep_first).with_outputs(_ParseRange.REJECTED, main="documents")
+        )
+        rejected = (parsed.rejected, unique.rejected) | "MergeRejected" >> beam.Flatten()
         return unique.documents, rejected

@@ -7,12 +7,13 @@ depends on the number of intra-op threads (matrix kernels split their sums by th
 count, e.g. AMX kernels on small batches), so every encoder call runs with the job's fixed
 thread count (`options.encoder_threads`), recorded in the manifest.
 """
+
 from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Iterable, Sequence
 from contextlib import contextmanager
-from typing import Iterable, Optional, Sequence
 
 import apache_beam as beam
 import numpy as np
@@ -69,13 +70,18 @@ def encode_texts(model, texts: Sequence[str], batch_size: int, precision: str = 
     """L2-normalised float32 embeddings [len(texts), d] (inner product = cosine), computed in
     `precision` (resolved: float32, bfloat16 or float16)."""
     with arithmetic(precision, str(model.device)):
-        encoded = model.encode(list(texts), batch_size=batch_size, normalize_embeddings=True,
-                               convert_to_tensor=True, show_progress_bar=False)
+        encoded = model.encode(
+            list(texts),
+            batch_size=batch_size,
+            normalize_embeddings=True,
+            convert_to_tensor=True,
+            show_progress_bar=False,
+        )
     return encoded.float().cpu().numpy()
 
 
 @contextmanager
-def torch_threads(threads: Optional[int]):
+def torch_threads(threads: int | None):
     """Run torch's CPU kernels with `threads` intra-op threads (None: as the process has them),
     restoring the process's count after."""
     import torch
@@ -102,7 +108,7 @@ class SentenceEncoderHandler(ModelHandler):
     runners `model_copies=1` shares one copy between a machine's processes.
     """
 
-    def __init__(self, cfg: EmbeddingConfig, threads: Optional[int], model_copies: Optional[int] = None):
+    def __init__(self, cfg: EmbeddingConfig, threads: int | None, model_copies: int | None = None):
         # One element is already a batch, so RunInference must not batch again.
         super().__init__(min_batch_size=1, max_batch_size=1, model_copies=model_copies)
         self.cfg, self.threads = cfg, threads
@@ -134,8 +140,7 @@ class _PrepareBatch(beam.DoFn):
     def process(self, keyed):
         _, chunks = keyed
         chunks = sorted(chunks, key=lambda c: c.chunk_id)
-        yield (np.array([c.chunk_id for c in chunks], dtype=np.int64),
-               chunk_texts(self.tokenizer, chunks))
+        yield (np.array([c.chunk_id for c in chunks], dtype=np.int64), chunk_texts(self.tokenizer, chunks))
 
 
 def _split_batch(result):
@@ -167,27 +172,33 @@ def top2_agreement(reference: np.ndarray, reduced: np.ndarray) -> float:
     return float(np.mean(np.take_along_axis(exact, found, axis=1) >= kth[:, None] - TIE_TOLERANCE))
 
 
-def check_precision(sample, stored, cfg: EmbeddingConfig, tokenizer_path: str, threads: Optional[int]) -> dict:
+def check_precision(sample, stored, cfg: EmbeddingConfig, tokenizer_path: str, threads: int | None) -> dict:
     """The precision check: the sampled chunks embedded again in float32, compared with what
     the stage stored. Raises PrecisionTooLow below cfg.min_agreement."""
     precision = resolve_precision(cfg.precision, cfg.device)
     chunks = sorted((chunk for _, chunk in sample), key=lambda c: c.chunk_id)
-    report = {"precision": precision, "sample_size": len(chunks), "top2_agreement": 1.0,
-              "min_cosine": 1.0, "min_agreement": cfg.min_agreement}
+    report = {
+        "precision": precision,
+        "sample_size": len(chunks),
+        "top2_agreement": 1.0,
+        "min_cosine": 1.0,
+        "min_agreement": cfg.min_agreement,
+    }
     if precision == "float32" or not chunks:
         return report
     stored = dict(stored)
     reduced = np.stack([stored[c.chunk_id] for c in chunks])
     with torch_threads(threads):
-        reference = encode_texts(load_encoder(cfg), chunk_texts(load_tokenizer(tokenizer_path), chunks),
-                                 cfg.batch_size)
-    report.update(top2_agreement=top2_agreement(reference, reduced),
-                  min_cosine=float(np.min(np.sum(reference * reduced, axis=1))))
+        reference = encode_texts(load_encoder(cfg), chunk_texts(load_tokenizer(tokenizer_path), chunks), cfg.batch_size)
+    report.update(
+        top2_agreement=top2_agreement(reference, reduced), min_cosine=float(np.min(np.sum(reference * reduced, axis=1)))
+    )
     if report["top2_agreement"] < cfg.min_agreement:
         raise PrecisionTooLow(
             f"embedding.precision {precision}: only {report['top2_agreement']:.3f} of the top-2 neighbours of "
             f"{len(chunks)} sampled chunks agree with float32 (min_agreement {cfg.min_agreement}); "
-            "set embedding.precision: float32")
+            "set embedding.precision: float32"
+        )
     return report
 
 
@@ -203,7 +214,7 @@ class EmbedChunks(beam.PTransform):
     The check: `precision_sample` chunks (the smallest hashes of their ids, so the same ones
     whatever the bundling) are embedded again in float32 and compared with what was stored."""
 
-    def __init__(self, cfg: EmbeddingConfig, tokenizer_path: str, threads: Optional[int]):
+    def __init__(self, cfg: EmbeddingConfig, tokenizer_path: str, threads: int | None):
         super().__init__()
         self.cfg, self.tokenizer_path, self.threads = cfg, tokenizer_path, threads
         if cfg.accelerator:
@@ -213,21 +224,28 @@ class EmbedChunks(beam.PTransform):
         from pipeline.faiss_index import sample_keys
 
         cfg, size = self.cfg, self.cfg.batch_size
-        embeddings = (chunks
-                      | "KeyByBatch" >> beam.Map(lambda c: (c.chunk_id // size, c))
-                      | "GroupBatches" >> beam.GroupByKey()
-                      | "DecodeTexts" >> beam.ParDo(_PrepareBatch(self.tokenizer_path))
-                      | "Encode" >> RunInference(SentenceEncoderHandler(cfg, self.threads, cfg.model_copies))
-                      | "SplitBatches" >> beam.FlatMap(_split_batch))
-        sample = (chunks
-                  | "KeyForPrecisionCheck" >> beam.Map(
-                      lambda c: (int(sample_keys(np.array([c.chunk_id]), PRECISION_SALT)[0]), c.chunk_id, c))
-                  | "PrecisionSample" >> beam.combiners.Top.Smallest(cfg.precision_sample, key=lambda s: s[:2])
-                  | "SampleChunks" >> beam.Map(lambda picked: [(key, chunk) for key, _, chunk in picked]))
+        embeddings = (
+            chunks
+            | "KeyByBatch" >> beam.Map(lambda c: (c.chunk_id // size, c))
+            | "GroupBatches" >> beam.GroupByKey()
+            | "DecodeTexts" >> beam.ParDo(_PrepareBatch(self.tokenizer_path))
+            | "Encode" >> RunInference(SentenceEncoderHandler(cfg, self.threads, cfg.model_copies))
+            | "SplitBatches" >> beam.FlatMap(_split_batch)
+        )
+        sample = (
+            chunks
+            | "KeyForPrecisionCheck"
+            >> beam.Map(lambda c: (int(sample_keys(np.array([c.chunk_id]), PRECISION_SALT)[0]), c.chunk_id, c))
+            | "PrecisionSample" >> beam.combiners.Top.Smallest(cfg.precision_sample, key=lambda s: s[:2])
+            | "SampleChunks" >> beam.Map(lambda picked: [(key, chunk) for key, _, chunk in picked])
+        )
         sampled = sample | "SampledIds" >> beam.Map(lambda picked: {c.chunk_id for _, c in picked})
-        stored = (embeddings
-                  | "StoredForCheck" >> beam.Filter(_in_sample, beam.pvalue.AsSingleton(sampled))
-                  | "GatherStored" >> beam.combiners.ToList())
+        stored = (
+            embeddings
+            | "StoredForCheck" >> beam.Filter(_in_sample, beam.pvalue.AsSingleton(sampled))
+            | "GatherStored" >> beam.combiners.ToList()
+        )
         report = sample | "CheckPrecision" >> beam.Map(
-            check_precision, beam.pvalue.AsSingleton(stored), cfg, self.tokenizer_path, self.threads)
+            check_precision, beam.pvalue.AsSingleton(stored), cfg, self.tokenizer_path, self.threads
+        )
         return embeddings, report

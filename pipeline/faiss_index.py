@@ -10,6 +10,7 @@ directly. Importing this module imports no Beam: files go through `pipeline.file
 FileSystems, for local paths and gs://), imported inside the functions that open one, so only
 those calls load Beam (`load_index` memory-maps a local file with faiss alone).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -29,19 +30,19 @@ TIE_TOLERANCE = 1e-3  # ann-benchmarks' epsilon: similarities this close are a t
 # Share of queries for which one of the index's top 10 (the query excluded) is as similar as
 # the exact nearest other vector, within TIE_TOLERANCE: near-duplicates are interchangeable.
 RECALL_MEASURE = f"1-recall@{RECALL_K} with ties within {TIE_TOLERANCE:g}"
-TRUTH_DEPTH = 100     # exact best per query kept as ground truth (ties beyond it count as misses)
+TRUTH_DEPTH = 100  # exact best per query kept as ground truth (ties beyond it count as misses)
 PLATEAU_GAIN = 0.005  # stop deepening the search when doubling the depth gains less recall
-ID_BYTES = 8                    # faiss keeps an int64 id per vector
-FLAT_MAX_VECTORS = 100_000      # exact search stays fast below this
+ID_BYTES = 8  # faiss keeps an int64 id per vector
+FLAT_MAX_VECTORS = 100_000  # exact search stays fast below this
 IVF_FLAT_MAX_VECTORS = 1_000_000
 HNSW_QUANTIZER_MIN_LISTS = 16384  # above this many lists, assign with a graph, not a scan
 HNSW_M = 32
 PQ_CHOICES = (128, 96, 64, 48, 32, 24, 16, 8, 4)  # sub-quantizers (bytes per code), largest first
-MIN_POINTS_PER_CENTROID = 39    # faiss k-means warns below this
-MAX_POINTS_PER_CENTROID = 256   # and subsamples above it
+MIN_POINTS_PER_CENTROID = 39  # faiss k-means warns below this
+MAX_POINTS_PER_CENTROID = 256  # and subsamples above it
 TRAIN_POINTS_PER_CENTROID = 64  # what we sample, between the two
-TWO_LEVEL_MIN_LISTS = 4096      # 'auto' clustering: two-level k-means from this many lists
-IO_BLOCK = 1 << 22              # bytes per read / write call when streaming an index
+TWO_LEVEL_MIN_LISTS = 4096  # 'auto' clustering: two-level k-means from this many lists
+IO_BLOCK = 1 << 22  # bytes per read / write call when streaming an index
 
 
 class IndexBuildError(ValueError):
@@ -50,6 +51,7 @@ class IndexBuildError(ValueError):
 
 # --- choosing the factory string ------------------------------------------------------------
 
+
 def nlist_for(num_vectors: int) -> int:
     """IVF lists: ≈ 4√N (a power of two) below 10M vectors, 2^16 … 2^20 above, lowered until
     every list gets at least 39 training points. (autofaiss switches to 2^16 at 1M; training
@@ -57,11 +59,11 @@ def nlist_for(num_vectors: int) -> int:
     if num_vectors < 10_000_000:
         nlist = 2 ** max(0, round(math.log2(4 * math.sqrt(max(num_vectors, 1)))))
     elif num_vectors < 100_000_000:
-        nlist = 2 ** 16
+        nlist = 2**16
     elif num_vectors < 1_000_000_000:
-        nlist = 2 ** 18
+        nlist = 2**18
     else:
-        nlist = 2 ** 20
+        nlist = 2**20
     while nlist > 1 and num_vectors < MIN_POINTS_PER_CENTROID * nlist:
         nlist //= 2
     return nlist
@@ -129,7 +131,8 @@ def choose_index_factory(num_vectors: int, dim: int, memory_budget: int) -> str:
     raise IndexBuildError(
         f"index.memory_budget of {memory_budget:,} B is too small for any index of "
         f"{num_vectors:,} x {dim} vectors: the smallest ({candidates[-1]}) needs about "
-        f"{smallest:,} B")
+        f"{smallest:,} B"
+    )
 
 
 def ivf_lists(factory: str) -> int | None:
@@ -148,7 +151,8 @@ def training_size(num_vectors: int, factory: str) -> int:
     if num_vectors < MIN_POINTS_PER_CENTROID * nlist:
         raise IndexBuildError(
             f"{factory} needs at least {MIN_POINTS_PER_CENTROID * nlist:,} vectors to train "
-            f"({MIN_POINTS_PER_CENTROID} per list), got {num_vectors:,}: use fewer lists or 'auto'")
+            f"({MIN_POINTS_PER_CENTROID} per list), got {num_vectors:,}: use fewer lists or 'auto'"
+        )
     return min(num_vectors, max(TRAIN_POINTS_PER_CENTROID * nlist, 256 * 256 if "PQ" in factory else 0))
 
 
@@ -165,8 +169,11 @@ def sample_keys(ids: np.ndarray, salt: int) -> np.ndarray:
 def in_sample(ids, size: int, population: int, salt: int):
     """True for about `size` of `population` ids, chosen by `sample_keys`."""
     keys = sample_keys(np.asarray(ids, dtype=np.int64), salt)
-    return keys < np.uint64(min(size, population) * (1 << 32) // max(population, 1)) \
-        if size < population else np.ones(keys.shape, dtype=bool)
+    return (
+        keys < np.uint64(min(size, population) * (1 << 32) // max(population, 1))
+        if size < population
+        else np.ones(keys.shape, dtype=bool)
+    )
 
 
 TRAIN_SALT, QUERY_SALT = 1, 2
@@ -174,12 +181,15 @@ TRAIN_SALT, QUERY_SALT = 1, 2
 
 # --- building, filling, measuring -----------------------------------------------------------
 
+
 def new_index(factory: str, dim: int):
     try:
         index = faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
     except RuntimeError as err:
-        raise IndexBuildError(f"index.type {factory!r} is not a valid faiss factory string for "
-                              f"dim {dim}: {str(err).strip().splitlines()[-1]}") from None
+        raise IndexBuildError(
+            f"index.type {factory!r} is not a valid faiss factory string for "
+            f"dim {dim}: {str(err).strip().splitlines()[-1]}"
+        ) from None
     return index if is_ivf(index) else faiss.IndexIDMap2(index)  # others keep no ids of their own
 
 
@@ -199,8 +209,7 @@ def resolve_clustering(clustering: str, factory: str, accelerator: bool = False)
     nlist = ivf_lists(factory)
     transformed = not factory.split(",")[0].startswith("IVF")
     if clustering == "two_level" and nlist and transformed:
-        raise IndexBuildError(f"index.clustering two_level takes no pre-transform ({factory}): "
-                              "use 'flat' or 'auto'")
+        raise IndexBuildError(f"index.clustering two_level takes no pre-transform ({factory}): use 'flat' or 'auto'")
     if clustering != "auto" or not nlist:
         return clustering if nlist else "flat"
     return "flat" if transformed or accelerator or nlist < TWO_LEVEL_MIN_LISTS else "two_level"
@@ -215,10 +224,10 @@ def resolve_clustering(clustering: str, factory: str, accelerator: bool = False)
 # recovered by 3 iterations). About √nlist / 2 times fewer distance computations than one
 # k-means over nlist lists, and no step holds more than one cluster.
 FIRST_LEVEL_POINTS = 256  # training vectors per first-level cluster (faiss subsamples above 256)
-KMEANS_SEED = 1234        # faiss's default: the same clusters on every run
+KMEANS_SEED = 1234  # faiss's default: the same clusters on every run
 REFINE_ITERATIONS = 3
 REFINE_PROBE = 8
-SUM_SCALE = 2.0 ** 36     # fixed point for unit vectors' sums: 2^26 of them fit an int64
+SUM_SCALE = 2.0**36  # fixed point for unit vectors' sums: 2^26 of them fit an int64
 
 
 def first_level_clusters(nlist: int) -> int:
@@ -315,12 +324,12 @@ def encoder_size(factory: str) -> int:
 def _train_two_level(factory: str, sample: np.ndarray):
     """Two-level training in one process: the steps BuildIndex spreads over workers."""
     nlist = ivf_lists(factory)
-    first = spherical_kmeans(sample[_spread(len(sample), first_level_size(len(sample), nlist))],
-                             first_level_clusters(nlist))
+    first = spherical_kmeans(
+        sample[_spread(len(sample), first_level_size(len(sample), nlist))], first_level_clusters(nlist)
+    )
     cluster = assign_first_level(first, sample)
     lists = lists_per_cluster(np.bincount(cluster, minlength=len(first)), nlist)
-    centroids = np.concatenate([second_level_centroids(sample[cluster == c], int(lists[c]))
-                                for c in range(len(first))])
+    centroids = np.concatenate([second_level_centroids(sample[cluster == c], int(lists[c])) for c in range(len(first))])
     for _ in range(REFINE_ITERATIONS):
         touched, sums, _ = list_sums(list_assigner(first, centroids), sample)
         centroids = moved_centroids(centroids, touched, sums)
@@ -352,8 +361,7 @@ def train_index(factory: str, sample: np.ndarray, clustering: str = "flat"):
 def build_index(ids: np.ndarray, vectors: np.ndarray, factory: str):
     """In one process: a trained, filled index whose faiss ids are `ids`, trained on the same
     sample the Beam stage would draw (for small sets, the non-mergeable types and baselines)."""
-    index = train_index(factory, vectors[in_sample(ids, training_size(len(ids), factory),
-                                                   len(ids), TRAIN_SALT)])
+    index = train_index(factory, vectors[in_sample(ids, training_size(len(ids), factory), len(ids), TRAIN_SALT)])
     index.add_with_ids(np.ascontiguousarray(vectors, dtype=np.float32), ids.astype(np.int64))
     return index
 
@@ -363,8 +371,10 @@ def merge_part(merged, part) -> None:
     lists move, so a part written without its coarse quantizer (`write_part`) merges too."""
     target, source = faiss.extract_index_ivf(merged), faiss.extract_index_ivf(part)
     if (target.nlist, target.code_size) != (source.nlist, source.code_size):
-        raise IndexBuildError(f"a part of {source.nlist} lists of {source.code_size} B codes does not "
-                              f"merge into an index of {target.nlist} lists of {target.code_size} B")
+        raise IndexBuildError(
+            f"a part of {source.nlist} lists of {source.code_size} B codes does not "
+            f"merge into an index of {target.nlist} lists of {target.code_size} B"
+        )
     target.invlists.merge_from(source.invlists, 0)
     target.ntotal += source.ntotal
     source.ntotal = 0
@@ -461,15 +471,18 @@ def search_excluding(index, queries: np.ndarray, k: int, excluded: list[tuple[in
     -> (scores [q, k], ids [q, k] (-1 = none), deeper searches made)."""
     selector, _keep = exclusion_selector(excluded)
     queries = np.ascontiguousarray(queries, dtype=np.float32)
-    return search_deepening(lambda depth: index.search(queries, k, params=_search_params(index, selector, depth)),
-                            search_depth(index), deepest_search(index))
+    return search_deepening(
+        lambda depth: index.search(queries, k, params=_search_params(index, selector, depth)),
+        search_depth(index),
+        deepest_search(index),
+    )
 
 
 def search_depth_range(index) -> list[int] | None:
     """Depths to try, smallest first; None when the index is exact or has no depth knob."""
     if is_ivf(index):
         nlist = faiss.extract_index_ivf(index).nlist
-        return sorted({min(2 ** i, nlist) for i in range(int(math.log2(nlist)) + 2)})
+        return sorted({min(2**i, nlist) for i in range(int(math.log2(nlist)) + 2)})
     return [16, 32, 64, 128, 256, 512, 1024] if _hnsw(index) is not None else None
 
 
@@ -488,8 +501,8 @@ def exact_top(scores: np.ndarray, ids: np.ndarray, k: int) -> tuple[np.ndarray, 
         candidates = np.broadcast_to(ids, scores.shape)
     order = np.lexsort((candidates, -scores), axis=1)
     found = np.take_along_axis(scores, order, axis=1)
-    top_scores[:, :found.shape[1]] = found
-    top_ids[:, :found.shape[1]] = np.where(np.isfinite(found), np.take_along_axis(candidates, order, axis=1), -1)
+    top_scores[:, : found.shape[1]] = found
+    top_ids[:, : found.shape[1]] = np.where(np.isfinite(found), np.take_along_axis(candidates, order, axis=1), -1)
     return top_scores, top_ids
 
 
@@ -506,8 +519,8 @@ def exact_nearest_other(query_ids, queries, ids, vectors, depth: int = TRUTH_DEP
     [q, depth], merged over blocks with `merge_top`."""
     result = None
     for start in range(0, len(ids), EXACT_BLOCK):
-        block_ids = ids[start:start + EXACT_BLOCK]
-        scores = queries @ vectors[start:start + EXACT_BLOCK].T      # [q, block]
+        block_ids = ids[start : start + EXACT_BLOCK]
+        scores = queries @ vectors[start : start + EXACT_BLOCK].T  # [q, block]
         scores[query_ids[:, None] == block_ids[None, :]] = -np.inf
         found = exact_top(scores, block_ids, depth)
         result = found if result is None else merge_top(result, found, depth)
@@ -581,6 +594,7 @@ def write_index(index, path: str) -> tuple[int, str]:
 
     digest, size = hashlib.sha256(), 0
     with fileio.open_write(path) as f:
+
         def write(block: bytes) -> int:
             nonlocal size
             digest.update(block)
@@ -630,8 +644,7 @@ def embedding_file_info(path: str) -> dict:
             raise IndexBuildError(f"{path}: needs columns chunk_id and embedding, has {schema.names}")
         vector = schema.field("embedding").type
         if not pa.types.is_fixed_size_list(vector) or vector.value_type not in (pa.float32(), pa.float16()):
-            raise IndexBuildError(f"{path}: embedding must be fixed_size_list<float32 or float16>[d], "
-                                  f"is {vector}")
+            raise IndexBuildError(f"{path}: embedding must be fixed_size_list<float32 or float16>[d], is {vector}")
         return {"rows": parquet.metadata.num_rows, "dim": vector.list_size}
 
 
@@ -648,16 +661,19 @@ def read_embeddings(path: str):
 def plan_index(stats: dict, cfg: IndexConfig) -> dict:
     """Factory string, training size and query sample size from the stats."""
     if len(stats["dims"]) > 1:
-        raise IndexBuildError(f"embeddings have mixed dimensions {stats['dims']}: one index "
-                              "needs one dimension")
+        raise IndexBuildError(f"embeddings have mixed dimensions {stats['dims']}: one index needs one dimension")
     count = stats["count"]
     if count == 0:
         raise IndexBuildError("no vectors to index: every input record was rejected or empty")
     dim = stats["dims"][0]
     factory = choose_index_factory(count, dim, cfg.memory_budget) if cfg.type == "auto" else cfg.type
     new_index(factory, dim)  # a bad factory string fails here, with its reason
-    return {"factory": factory, "dim": dim, "count": count,
-            "train_size": training_size(count, factory),
-            "clustering": resolve_clustering(cfg.clustering, factory, cfg.accelerator is not None),
-            "mergeable": ivf_lists(factory) is not None,
-            "queries": min(cfg.recall_sample, count)}
+    return {
+        "factory": factory,
+        "dim": dim,
+        "count": count,
+        "train_size": training_size(count, factory),
+        "clustering": resolve_clustering(cfg.clustering, factory, cfg.accelerator is not None),
+        "mergeable": ivf_lists(factory) is not None,
+        "queries": min(cfg.recall_sample, count),
+    }

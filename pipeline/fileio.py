@@ -4,6 +4,7 @@ A stage writes into a staging directory beside its final one and is committed by
 files into place and writing manifest.json last (docs/design.md §8): a killed run never leaves a
 directory that looks complete.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -15,7 +16,7 @@ import uuid
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 
-MANIFEST = "manifest.json"
+from schemas.manifest import MANIFEST_FILE, ManifestError, read_manifest
 
 
 def use_anonymous_gcs_for_emulator() -> None:
@@ -74,6 +75,25 @@ def read_json(path: str):
 
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: str, digest=None) -> tuple[str, int]:
+    """Stream a file (local or gs://) through sha256 a block at a time, never holding it whole:
+    (hex digest, bytes read). `digest`: a hashlib object to feed instead (one hash over several
+    files); the hex digest returned is then its running one."""
+    digest, size = digest if digest is not None else hashlib.sha256(), 0
+    with open_read(path) as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+            size += len(block)
+    return digest.hexdigest(), size
+
+
+def committed_manifest(directory: str, model=None, *, error=ManifestError):
+    """The manifest of a committed directory (local or gs://): `directory/manifest.json` read
+    here, parsed and checked by `schemas.manifest.read_manifest` (`model`, `error`: as there)."""
+    path = join(directory, MANIFEST_FILE)
+    return read_manifest(read_bytes(path) if exists(path) else None, path, model, error=error)
 
 
 def list_files(directory: str) -> list[str]:

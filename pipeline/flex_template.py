@@ -6,6 +6,7 @@ The launcher must exit once the job is submitted, so the command always runs det
 commits its own output. `run` submits the first stage that needs building; launch it again
 once that stage has committed (or launch `build-shards`, which then finds the index).
 """
+
 from __future__ import annotations
 
 import argparse

@@ -19,6 +19,7 @@ shards. No worker holds more than one shard and the trained index.
 
 Chunk ids are the faiss ids, so a search answers chunk ids.
 """
+
 from __future__ import annotations
 
 import io
@@ -33,15 +34,43 @@ from apache_beam.metrics import Metrics
 
 from pipeline import fileio
 from pipeline.corpus import METRICS_NAMESPACE
-from pipeline.faiss_index import (QUERY_SALT, RECALL_K, RECALL_MEASURE, REFINE_ITERATIONS, TRAIN_SALT,
-                                  assign_first_level, build_index, embedding_file_info, encoder_size,
-                                  exact_nearest_other, first_level_clusters, first_level_size, in_sample,
-                                  index_from_centroids, ivf_lists, list_assigner, list_sums,
-                                  lists_per_cluster, merge_nearest, merge_part, moved_centroids,
-                                  one_recall_at_k, plan_index, query_rate, read_embeddings, read_index,
-                                  search_depth_range, second_level_centroids, set_search_depth,
-                                  spherical_kmeans, train_index, tune_depth, tune_search_depth, write_index,
-                                  write_part)
+from pipeline.faiss_index import (
+    QUERY_SALT,
+    RECALL_K,
+    RECALL_MEASURE,
+    REFINE_ITERATIONS,
+    TRAIN_SALT,
+    assign_first_level,
+    build_index,
+    embedding_file_info,
+    encoder_size,
+    exact_nearest_other,
+    first_level_clusters,
+    first_level_size,
+    in_sample,
+    index_from_centroids,
+    ivf_lists,
+    list_assigner,
+    list_sums,
+    lists_per_cluster,
+    merge_nearest,
+    merge_part,
+    moved_centroids,
+    one_recall_at_k,
+    plan_index,
+    query_rate,
+    read_embeddings,
+    read_index,
+    search_depth_range,
+    second_level_centroids,
+    set_search_depth,
+    spherical_kmeans,
+    train_index,
+    tune_depth,
+    tune_search_depth,
+    write_index,
+    write_part,
+)
 from pipeline.index_shards import assemble_shard, assign_shards, merge_shard_results
 from schemas.config import IndexConfig
 
@@ -240,39 +269,50 @@ class TrainIndex(beam.PTransform):
         one_level = (
             prefixes
             | "GatherSample" >> beam.combiners.ToList()
-            | "Train" >> beam.FlatMap(
+            | "Train"
+            >> beam.FlatMap(
                 lambda ps, p: [_train(ps, p, out_dir)] if picked(p, "flat") else [], plan
-            ).with_resource_hints(**({"accelerator": self.accelerator} if self.accelerator else {})))
+            ).with_resource_hints(**({"accelerator": self.accelerator} if self.accelerator else {}))
+        )
         all_prefixes = prefixes | "GatherPrefixes" >> beam.combiners.ToList()
         first = beam.pvalue.AsSingleton(
-            all_prefixes | "TrainFirstLevel" >> beam.FlatMap(
-                lambda ps, p: [_first_level(ps, p)] if picked(p, "two_level") else [], plan),
-            default_value=None)
+            all_prefixes
+            | "TrainFirstLevel"
+            >> beam.FlatMap(lambda ps, p: [_first_level(ps, p)] if picked(p, "two_level") else [], plan),
+            default_value=None,
+        )
         blocks = prefixes | "AssignFirstLevel" >> beam.FlatMap(
-            lambda prefix, c: _assign_sample(prefix, c) if c is not None else [], first)
+            lambda prefix, c: _assign_sample(prefix, c) if c is not None else [], first
+        )
         lists = beam.pvalue.AsSingleton(
             blocks
             | "ClusterSizes" >> beam.Map(lambda kv: (kv[0], len(kv[1][0])))
             | "SumClusterSizes" >> beam.CombinePerKey(sum)
             | "GatherClusterSizes" >> beam.combiners.ToList()
-            | "ListsPerCluster" >> beam.Map(lambda sizes, p: _lists_per_cluster(sizes, p) if sizes else None, plan))
+            | "ListsPerCluster" >> beam.Map(lambda sizes, p: _lists_per_cluster(sizes, p) if sizes else None, plan)
+        )
         centroids = (
             blocks
             | "GroupByFirstLevel" >> beam.GroupByKey()
             | "TrainSecondLevel" >> beam.Map(_second_level, lists)
             | "GatherCentroids" >> beam.combiners.ToList()
-            | "ConcatenateCentroids" >> beam.FlatMap(lambda clusters: [_concatenated(clusters)] if clusters else []))
+            | "ConcatenateCentroids" >> beam.FlatMap(lambda clusters: [_concatenated(clusters)] if clusters else [])
+        )
         for step in range(REFINE_ITERATIONS):  # Lloyd steps: sums per list where the sample files are
             current = beam.pvalue.AsSingleton(centroids)
             centroids = (
                 prefixes
-                | f"AssignLists{step}" >> beam.FlatMap(
-                    lambda prefix, f, c: _file_list_sums(prefix, f, c) if f is not None else [], first, current)
+                | f"AssignLists{step}"
+                >> beam.FlatMap(
+                    lambda prefix, f, c: _file_list_sums(prefix, f, c) if f is not None else [], first, current
+                )
                 | f"SumLists{step}" >> beam.CombinePerKey(_add_sums)
                 | f"GatherSums{step}" >> beam.combiners.ToList()
-                | f"MoveCentroids{step}" >> beam.FlatMap(lambda sums, c: [_moved(sums, c)] if sums else [], current))
+                | f"MoveCentroids{step}" >> beam.FlatMap(lambda sums, c: [_moved(sums, c)] if sums else [], current)
+            )
         two_level = centroids | "AssembleQuantizer" >> beam.FlatMap(
-            lambda c, ps, p: [_assemble_trained(c, ps, p, out_dir)], beam.pvalue.AsSingleton(all_prefixes), plan)
+            lambda c, ps, p: [_assemble_trained(c, ps, p, out_dir)], beam.pvalue.AsSingleton(all_prefixes), plan
+        )
         return (one_level, two_level) | "Trained" >> beam.Flatten()
 
 
@@ -356,24 +396,48 @@ def _finish(index, plan, queries, truth, cfg: IndexConfig, out_dir, parts: int):
         depth, recall, plateau = tune_search_depth(index, query_ids, query_vectors, truth, cfg.target_recall, curve)
     index_bytes, index_sha256 = write_index(index, fileio.join(out_dir, INDEX_FILE))
     files = [{"path": INDEX_FILE, "rows": int(index.ntotal), "bytes": index_bytes, "sha256": index_sha256}]
-    return _build_info(plan, cfg, out_dir, parts, files, (depth, recall, plateau, len(query_ids)),
-                       query_rate(index, query_vectors), curve or None)
+    return _build_info(
+        plan,
+        cfg,
+        out_dir,
+        parts,
+        files,
+        (depth, recall, plateau, len(query_ids)),
+        query_rate(index, query_vectors),
+        curve or None,
+    )
 
 
-def _build_info(plan, cfg: IndexConfig, out_dir, parts: int, files: list[dict], tuned, rate: float,
-                curve: list[dict] | None) -> dict:
+def _build_info(
+    plan, cfg: IndexConfig, out_dir, parts: int, files: list[dict], tuned, rate: float, curve: list[dict] | None
+) -> dict:
     """build_info.json: what the manifest records of the index, and its faiss files; `curve`:
     the recall at each depth measured (None for an exact index)."""
     depth, recall, plateau, sample_size = tuned
-    info = {"index_factory": plan["factory"], "nprobe": depth, "dim": plan["dim"],
-            "metric": "inner_product", "num_vectors": sum(f["rows"] for f in files),
-            "training_vectors": plan["train_size"], "clustering": plan["clustering"], "parts": parts,
-            "recall_at_k": {"measure": RECALL_MEASURE, "value": recall,
-                            "sample_size": int(sample_size), "nprobe": depth,
-                            "target": cfg.target_recall, "plateau": plateau, "curve": curve},
-            "queries_per_second": round(rate, 1),
-            "index_bytes": sum(f["bytes"] for f in files), "files": files,
-            "memory_budget": cfg.memory_budget, "shard_bytes": cfg.shard_bytes if len(files) > 1 else None}
+    info = {
+        "index_factory": plan["factory"],
+        "nprobe": depth,
+        "dim": plan["dim"],
+        "metric": "inner_product",
+        "num_vectors": sum(f["rows"] for f in files),
+        "training_vectors": plan["train_size"],
+        "clustering": plan["clustering"],
+        "parts": parts,
+        "recall_at_k": {
+            "measure": RECALL_MEASURE,
+            "value": recall,
+            "sample_size": int(sample_size),
+            "nprobe": depth,
+            "target": cfg.target_recall,
+            "plateau": plateau,
+            "curve": curve,
+        },
+        "queries_per_second": round(rate, 1),
+        "index_bytes": sum(f["bytes"] for f in files),
+        "files": files,
+        "memory_budget": cfg.memory_budget,
+        "shard_bytes": cfg.shard_bytes if len(files) > 1 else None,
+    }
     fileio.write_json_atomic(fileio.join(out_dir, BUILD_INFO_FILE), info)
     return info
 
@@ -403,8 +467,12 @@ def _assemble(keyed, trained_path, queries, cfg: IndexConfig, out_dir):
         scores, ids = shard.search(np.ascontiguousarray(query_vectors, np.float32), RECALL_K + 1)
         results[depth] = (scores, ids, time.perf_counter() - start)
     beam.io.filesystems.FileSystems.delete(part_paths)
-    return {"file": {"path": name, "rows": int(shard.ntotal), "bytes": shard_bytes, "sha256": sha256},
-            "number": number, "parts": len(part_paths), "results": results}
+    return {
+        "file": {"path": name, "rows": int(shard.ntotal), "bytes": shard_bytes, "sha256": sha256},
+        "number": number,
+        "parts": len(part_paths),
+        "results": results,
+    }
 
 
 def _tune_shards(shards, trained_path, plan, queries, truth, cfg: IndexConfig, out_dir):
@@ -428,8 +496,16 @@ def _tune_shards(shards, trained_path, plan, queries, truth, cfg: IndexConfig, o
     else:
         tuned = tune_depth(depths, recall_at, cfg.target_recall, curve)
     seconds = sum(s["results"][tuned[0]][2] for s in shards)
-    info = _build_info(plan, cfg, out_dir, sum(s["parts"] for s in shards), [s["file"] for s in shards],
-                       (*tuned, len(query_ids)), len(query_ids) / seconds if seconds else 0.0, curve)
+    info = _build_info(
+        plan,
+        cfg,
+        out_dir,
+        sum(s["parts"] for s in shards),
+        [s["file"] for s in shards],
+        (*tuned, len(query_ids)),
+        len(query_ids) / seconds if seconds else 0.0,
+        curve,
+    )
     beam.io.filesystems.FileSystems.delete([trained_path])
     return info
 
@@ -454,58 +530,78 @@ class BuildIndex(beam.PTransform):
         paths = paths | "SpreadFiles" >> beam.Reshuffle()
         footers = paths | "ReadFooters" >> beam.Map(lambda path: {**embedding_file_info(path), "path": path})
         plan = beam.pvalue.AsSingleton(
-            footers
-            | "Stats" >> beam.CombineGlobally(_Stats())
-            | "Plan" >> beam.Map(plan_index, cfg))
+            footers | "Stats" >> beam.CombineGlobally(_Stats()) | "Plan" >> beam.Map(plan_index, cfg)
+        )
         shard_of = beam.pvalue.AsSingleton(  # {embeddings file: shard}, empty for one index file
             footers
             | "GatherFileRows" >> beam.combiners.ToList()
-            | "PlanShards" >> beam.Map(_plan_shards, plan, cfg.shard_bytes))
+            | "PlanShards" >> beam.Map(_plan_shards, plan, cfg.shard_bytes)
+        )
         queries = beam.pvalue.AsSingleton(
             paths
             | "QuerySample" >> beam.FlatMap(lambda path, p: _sample_rows(path, p, "queries", QUERY_SALT), plan)
             | "GatherQueries" >> beam.combiners.ToList()
-            | "StackQueries" >> beam.Map(lambda rows, p: _stack(rows, p["dim"]), plan))
+            | "StackQueries" >> beam.Map(lambda rows, p: _stack(rows, p["dim"]), plan)
+        )
 
         # IVF: sample, train, fill per file, merge. Each branch is empty unless the plan picks it.
         trained = (
             paths
-            | "TrainSample" >> beam.FlatMap(
-                lambda path, p: [_write_sample(path, p, out_dir)] if p["mergeable"] else [], plan)
-            | "TrainIndex" >> TrainIndex(plan, out_dir, cfg.accelerator))
+            | "TrainSample"
+            >> beam.FlatMap(lambda path, p: [_write_sample(path, p, out_dir)] if p["mergeable"] else [], plan)
+            | "TrainIndex" >> TrainIndex(plan, out_dir, cfg.accelerator)
+        )
         trained_path = beam.pvalue.AsSingleton(trained, default_value=None)
         filled = (
             paths
             | "ForMerge" >> beam.Filter(lambda path, p: p["mergeable"], plan)
-            | "FillParts" >> beam.ParDo(_FillPart(out_dir), trained_path, queries).with_outputs(
-                "truth", main="parts"))
+            | "FillParts" >> beam.ParDo(_FillPart(out_dir), trained_path, queries).with_outputs("truth", main="parts")
+        )
         truth = beam.pvalue.AsSingleton(
-            filled.truth | "MergeTruth" >> beam.CombineGlobally(_MergeTruth()).without_defaults(),
-            default_value=None)
+            filled.truth | "MergeTruth" >> beam.CombineGlobally(_MergeTruth()).without_defaults(), default_value=None
+        )
         merged = (
             filled.parts
             | "GatherParts" >> beam.combiners.ToList()
-            | "MergeAndTune" >> beam.FlatMap(
-                lambda parts, trained, p, q, t, shards: [_merge_and_tune(parts, trained, p, q, t, cfg, out_dir)]
-                if p["mergeable"] and not shards else [],
-                trained_path, plan, queries, truth, shard_of))
+            | "MergeAndTune"
+            >> beam.FlatMap(
+                lambda parts, trained, p, q, t, shards: (
+                    [_merge_and_tune(parts, trained, p, q, t, cfg, out_dir)] if p["mergeable"] and not shards else []
+                ),
+                trained_path,
+                plan,
+                queries,
+                truth,
+                shard_of,
+            )
+        )
         sharded = (
             filled.parts
-            | "KeyByShard" >> beam.FlatMap(lambda part, shards: [(shards[part[0]], part)] if shards else [],
-                                           shard_of)
+            | "KeyByShard" >> beam.FlatMap(lambda part, shards: [(shards[part[0]], part)] if shards else [], shard_of)
             | "GroupShards" >> beam.GroupByKey()
             | "AssembleShards" >> beam.Map(_assemble, trained_path, queries, cfg, out_dir)
             | "GatherShards" >> beam.combiners.ToList()
-            | "TuneShards" >> beam.FlatMap(
-                lambda shards, trained, p, q, t: [_tune_shards(shards, trained, p, q, t, cfg, out_dir)]
-                if shards else [],
-                trained_path, plan, queries, truth))
+            | "TuneShards"
+            >> beam.FlatMap(
+                lambda shards, trained, p, q, t: (
+                    [_tune_shards(shards, trained, p, q, t, cfg, out_dir)] if shards else []
+                ),
+                trained_path,
+                plan,
+                queries,
+                truth,
+            )
+        )
 
         # Flat / HNSW: one worker.
         whole = (
             paths
             | "GatherPaths" >> beam.combiners.ToList()
-            | "BuildInOne" >> beam.FlatMap(
+            | "BuildInOne"
+            >> beam.FlatMap(
                 lambda all_paths, p, q: [] if p["mergeable"] else [_build_in_one(all_paths, p, q, cfg, out_dir)],
-                plan, queries))
+                plan,
+                queries,
+            )
+        )
         return (merged, sharded, whole) | "Info" >> beam.Flatten()

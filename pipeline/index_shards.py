@@ -9,6 +9,7 @@ nprobe probes the same lists as that one index would; the best k of the shards' 
 the one index's best k (faiss's IndexShards model, with the single index's tie order kept, see
 `merge_shard_results`). Importing this module imports no Beam.
 """
+
 from __future__ import annotations
 
 import functools
@@ -17,9 +18,20 @@ import types
 import faiss
 import numpy as np
 
-from pipeline.faiss_index import (RECALL_K, IndexBuildError, estimated_bytes, exclusion_selector, merge_part,
-                                  merge_top, one_recall_at_k, search_deepening, search_depth,
-                                  search_depth_range, set_search_depth, tune_depth)
+from pipeline.faiss_index import (
+    RECALL_K,
+    IndexBuildError,
+    estimated_bytes,
+    exclusion_selector,
+    merge_part,
+    merge_top,
+    one_recall_at_k,
+    search_deepening,
+    search_depth,
+    search_depth_range,
+    set_search_depth,
+    tune_depth,
+)
 
 
 def vectors_per_shard(factory: str, dim: int, shard_bytes: int) -> int:
@@ -29,7 +41,8 @@ def vectors_per_shard(factory: str, dim: int, shard_bytes: int) -> int:
     if empty > shard_bytes:
         raise IndexBuildError(
             f"the trained {factory} index alone (quantizer and codebooks, no vectors) needs about "
-            f"{empty:,} B, more than the shard size of {shard_bytes:,} B: use a larger shard size")
+            f"{empty:,} B, more than the shard size of {shard_bytes:,} B: use a larger shard size"
+        )
     return (shard_bytes - empty) // (estimated_bytes(factory, 1, dim) - empty)
 
 
@@ -46,7 +59,8 @@ def plan_shards(part_rows: list[int], factory: str, dim: int, shard_bytes: int) 
             raise IndexBuildError(
                 f"embeddings file {position} holds {count:,} vectors, but a {factory} shard of "
                 f"{shard_bytes:,} B holds at most {fits:,}: lower chunk_file_rows to {fits:,} or "
-                f"less, or use a larger shard size")
+                f"less, or use a larger shard size"
+            )
         if rows + count > fits:
             shards.append(range(start, position))
             start, rows = position, 0
@@ -83,8 +97,7 @@ def shard_depth(shards) -> int:
     different lists, and together not what one index scans."""
     depths = {search_depth(shard) for shard in shards}
     if len(depths) != 1 or None in depths:
-        raise ValueError(f"index shards must be IVF indexes set to one nprobe, have "
-                         f"{sorted(depths, key=str)}")
+        raise ValueError(f"index shards must be IVF indexes set to one nprobe, have {sorted(depths, key=str)}")
     return depths.pop()
 
 
@@ -105,8 +118,9 @@ def _search_all(shards, queries: np.ndarray, k: int, selector, depth: int):
     return merge_shard_results([shard.search(queries, k, params=params) for shard in shards], k)
 
 
-def search_shards(shards, queries: np.ndarray, k: int, excluded: list[tuple[int, int]] | None = None,
-                  depth: int | None = None):
+def search_shards(
+    shards, queries: np.ndarray, k: int, excluded: list[tuple[int, int]] | None = None, depth: int | None = None
+):
     """`faiss_index.search_excluding` over the shards as one index: each shard searched at
     the same depth (`depth`, else the shards' own), results merged by score (inner product,
     higher first). With `excluded` ([start, end) chunk-id ranges) those ids are skipped inside
@@ -117,8 +131,9 @@ def search_shards(shards, queries: np.ndarray, k: int, excluded: list[tuple[int,
     selector, _keep = exclusion_selector(excluded or [])
     queries = np.ascontiguousarray(queries, dtype=np.float32)
     deepest = faiss.extract_index_ivf(shards[0]).nlist if excluded is not None else None
-    return search_deepening(lambda d: _search_all(shards, queries, k, selector, d),
-                            shard_depth(shards) if depth is None else depth, deepest)
+    return search_deepening(
+        lambda d: _search_all(shards, queries, k, selector, d), shard_depth(shards) if depth is None else depth, deepest
+    )
 
 
 def recall_of_shards(shards, query_ids, queries, truth, k: int = RECALL_K, depth: int | None = None) -> float:
@@ -133,8 +148,8 @@ def tune_shards_depth(shards, query_ids, queries, truth, target: float):
     """The shards' nprobe tuned as one index's (all shards share the quantizer, so its
     depths), then set on every shard: (depth, recall, plateaued)."""
     depth, recall, plateau = tune_depth(
-        search_depth_range(shards[0]),
-        lambda d: recall_of_shards(shards, query_ids, queries, truth, depth=d), target)
+        search_depth_range(shards[0]), lambda d: recall_of_shards(shards, query_ids, queries, truth, depth=d), target
+    )
     for shard in shards:
         set_search_depth(shard, depth)
     return depth, recall, plateau

@@ -1,4 +1,5 @@
 """`inspect`: print training sequences with their decoded neighbours and scores."""
+
 from __future__ import annotations
 
 import posixpath
@@ -9,9 +10,8 @@ import pyarrow as pa
 from pipeline import fileio
 from pipeline.chunking import load_tokenizer
 from pipeline.models import resolve_tokenizer
-from pipeline.shards import chunk_overlap
-from pipeline.validate import _manifest
-from schemas.arrow import check_schema_version, read_shard_table, shard_column
+from pipeline.retro_rows import chunk_overlap
+from schemas.arrow import read_shard_table, shard_column
 from schemas.manifest import IndexManifest, ShardsManifest
 
 TEXT_CHARS = 240
@@ -23,18 +23,17 @@ def _text(tokenizer, ids) -> str:
 
 
 def inspect_shards(directory: str, count: int, max_chunks: int = 4) -> list[str]:
-    raw, _ = _manifest(directory)
-    check_schema_version(raw.get("schema_version"), fileio.join(directory, fileio.MANIFEST))
-    manifest = ShardsManifest.model_validate(raw)
-    index_raw, _ = _manifest(posixpath.join(posixpath.dirname(directory.rstrip("/")), "index"))
-    index = IndexManifest.model_validate(index_raw)
+    manifest = fileio.committed_manifest(directory, ShardsManifest)
+    index = fileio.committed_manifest(posixpath.join(posixpath.dirname(directory.rstrip("/")), "index"), IndexManifest)
     tokenizer = load_tokenizer(resolve_tokenizer(index.tokenizer.name))
     m = manifest.chunk_tokens
     lines: list[str] = [f"{directory}: {manifest.num_sequences} sequences, {manifest.neighbour_summary()}"]
     check = index.embedding_precision
     if check is not None:
-        lines.append(f"embeddings in {check.precision}: top-2 neighbours of {check.sample_size} sampled chunks "
-                     f"agree with float32 on {check.top2_agreement:.3f}, least cosine {check.min_cosine:.4f}")
+        lines.append(
+            f"embeddings in {check.precision}: top-2 neighbours of {check.sample_size} sampled chunks "
+            f"agree with float32 on {check.top2_agreement:.3f}, least cosine {check.min_cosine:.4f}"
+        )
     for entry in manifest.shards:
         table = read_shard_table(pa.BufferReader(fileio.read_bytes(fileio.join(directory, entry.path))))
         tokens = shard_column(table, "tokens")
@@ -46,17 +45,24 @@ def inspect_shards(directory: str, count: int, max_chunks: int = 4) -> list[str]
                 return lines
             count -= 1
             chunks = neighbours.shape[1] if max_chunks <= 0 else min(max_chunks, neighbours.shape[1])
-            overlap = chunk_overlap(tokens[row, :neighbours.shape[1] * m].reshape(-1, m),
-                                    neighbours[row], manifest.pad_id)
-            lines.append(f"== sequence {table['seq_id'][row].as_py()} (documents "
-                         f"{table['doc_ids'][row].as_py()}), first {chunks} of {neighbours.shape[1]} chunks")
+            overlap = chunk_overlap(
+                tokens[row, : neighbours.shape[1] * m].reshape(-1, m), neighbours[row], manifest.pad_id
+            )
+            lines.append(
+                f"== sequence {table['seq_id'][row].as_py()} (documents "
+                f"{table['doc_ids'][row].as_py()}), first {chunks} of {neighbours.shape[1]} chunks"
+            )
             for j in range(chunks):
-                lines.append(f"-- chunk {j} (overlap r(C) = {overlap[j]:.3f}): "
-                             f"{_text(tokenizer, tokens[row, j * m:(j + 1) * m])}")
+                lines.append(
+                    f"-- chunk {j} (overlap r(C) = {overlap[j]:.3f}): "
+                    f"{_text(tokenizer, tokens[row, j * m : (j + 1) * m])}"
+                )
                 for q in range(neighbours.shape[2]):
                     if ids[row, j, q] < 0:
                         lines.append(f"   neighbour {q}: (none)")
                         continue
-                    lines.append(f"   neighbour {q} [chunk {ids[row, j, q]}, score "
-                                 f"{scores[row, j, q]:.3f}]: {_text(tokenizer, neighbours[row, j, q, :m])}")
+                    lines.append(
+                        f"   neighbour {q} [chunk {ids[row, j, q]}, score "
+                        f"{scores[row, j, q]:.3f}]: {_text(tokenizer, neighbours[row, j, q, :m])}"
+                    )
     return lines

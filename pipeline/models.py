@@ -1,5 +1,6 @@
 """Where the encoder and tokenizer live, and fingerprints of them (no torch import: the
 `index` command and the manifests need these without loading a model)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -47,6 +48,8 @@ def resolve_tokenizer(name: str | None) -> str:
 
 def fingerprint_path(path: str) -> str:
     """sha256 over a file, or over a directory's files (names and contents, sorted)."""
+    from pipeline.fileio import sha256_file
+
     p = Path(path)
     if not p.exists():
         return hashlib.sha256(path.encode()).hexdigest()  # a hub name: only its name is known
@@ -54,7 +57,5 @@ def fingerprint_path(path: str) -> str:
     h = hashlib.sha256()
     for f in files:
         h.update(str(f.relative_to(p) if f != p else f.name).encode())
-        with open(f, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                h.update(block)
+        sha256_file(str(f), h)
     return h.hexdigest()

@@ -8,6 +8,7 @@ chunks are interchangeable; an empty slot is a miss unless the database has fewe
 chunks outside the sequence's documents. The exact side is one scan over the embedding files
 (a matrix product per record batch against the sampled queries), merged like a top-k.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -26,12 +27,13 @@ MEASURE = f"recall@k with ties within {TIE_TOLERANCE:g} (empty slot = miss)"
 
 # --- pure functions -------------------------------------------------------------------------
 
+
 def recall_with_ties(exact_scores: np.ndarray, ours_exact: np.ndarray) -> tuple[int, int]:
     """(right neighbours, slots that exact search fills) over the sampled queries.
 
     exact_scores [n, k]: exact search's best scores (-inf where fewer than k exist);
     ours_exact [n, k]: the exact score of each of our neighbours (nan for an empty slot)."""
-    slots = np.isfinite(exact_scores).sum(axis=1)                   # [n]
+    slots = np.isfinite(exact_scores).sum(axis=1)  # [n]
     kth = np.where(slots > 0, exact_scores[np.arange(len(slots)), np.maximum(slots - 1, 0)], np.inf)
     with np.errstate(invalid="ignore"):
         right = (ours_exact >= kth[:, None] - TIE_TOLERANCE).sum(axis=1)  # nan compares False
@@ -45,13 +47,13 @@ def scan_batch(ids: np.ndarray, vectors: np.ndarray, probes: list, ours: np.ndar
     order = np.argsort(ids, kind="stable")
     ids, vectors = ids[order], np.asarray(vectors, np.float32)[order]
     queries = np.stack([p[3] for p in probes]).astype(np.float32)
-    scores = queries @ vectors.T                                    # [n, r]
+    scores = queries @ vectors.T  # [n, r]
     position = np.minimum(np.searchsorted(ids, ours), len(ids) - 1)
     here = (ours >= 0) & (ids[position] == ours)
     ours_exact = np.where(here, np.take_along_axis(scores, position, axis=1), np.nan)
     for row, probe in enumerate(probes):
         for start, end in probe[4]:
-            scores[row, np.searchsorted(ids, start):np.searchsorted(ids, end)] = -np.inf
+            scores[row, np.searchsorted(ids, start) : np.searchsorted(ids, end)] = -np.inf
     return exact_top(scores, ids, k), ours_exact
 
 
@@ -61,6 +63,7 @@ def merge_scans(a, b, k: int):
 
 
 # --- Beam -----------------------------------------------------------------------------------
+
 
 class SmallestProbes(beam.CombineFn):
     """The `size` probes with the smallest (key, seq_id, j): a sample that depends on neither
@@ -111,14 +114,22 @@ def _our_neighbours(row, wanted: set):
 
 def _ours_in_probe_order(probes: list, ours: list, k: int) -> np.ndarray:
     found = dict(ours)
-    return np.stack([found.get((p[1], p[2]), np.full(k, -1, np.int64)) for p in probes]) \
-        if probes else np.zeros((0, k), np.int64)
+    return (
+        np.stack([found.get((p[1], p[2]), np.full(k, -1, np.int64)) for p in probes])
+        if probes
+        else np.zeros((0, k), np.int64)
+    )
 
 
 def _scan(table, probes, ours, k: int):
     if probes and table.num_rows:
-        yield scan_batch(table["chunk_id"].to_numpy(), tensor_column_to_numpy(table["embedding"]),
-                         probes, _ours_in_probe_order(probes, ours, k), k)
+        yield scan_batch(
+            table["chunk_id"].to_numpy(),
+            tensor_column_to_numpy(table["embedding"]),
+            probes,
+            _ours_in_probe_order(probes, ours, k),
+            k,
+        )
 
 
 def _result(scan, probes) -> dict | None:
@@ -126,8 +137,13 @@ def _result(scan, probes) -> dict | None:
         return None
     (exact_scores, _), ours_exact = scan
     right, slots = recall_with_ties(exact_scores, ours_exact)
-    return {"measure": MEASURE, "value": right / slots if slots else 1.0, "sample_size": len(probes),
-            "slots": slots, "tolerance": TIE_TOLERANCE}
+    return {
+        "measure": MEASURE,
+        "value": right / slots if slots else 1.0,
+        "sample_size": len(probes),
+        "slots": slots,
+        "tolerance": TIE_TOLERANCE,
+    }
 
 
 class MeasureNeighbourRecall(beam.PTransform):
@@ -144,12 +160,15 @@ class MeasureNeighbourRecall(beam.PTransform):
         k = self.k
         sample = probes | "SampleProbes" >> beam.CombineGlobally(SmallestProbes(self.size))
         wanted = sample | "SampledChunks" >> beam.Map(lambda ps: {(p[1], p[2]) for p in ps})
-        ours = (rows
-                | "OurNeighbours" >> beam.FlatMap(_our_neighbours, beam.pvalue.AsSingleton(wanted))
-                | "GatherOurs" >> beam.combiners.ToList())
-        scan = (rows.pipeline
-                | "ReadEmbeddings" >> ReadFromParquetBatched(self.embeddings, validate=self.validate)
-                | "ExactScan" >> beam.FlatMap(_scan, beam.pvalue.AsSingleton(sample),
-                                              beam.pvalue.AsSingleton(ours), k)
-                | "MergeScans" >> beam.CombineGlobally(_MergeScans(k)))
+        ours = (
+            rows
+            | "OurNeighbours" >> beam.FlatMap(_our_neighbours, beam.pvalue.AsSingleton(wanted))
+            | "GatherOurs" >> beam.combiners.ToList()
+        )
+        scan = (
+            rows.pipeline
+            | "ReadEmbeddings" >> ReadFromParquetBatched(self.embeddings, validate=self.validate)
+            | "ExactScan" >> beam.FlatMap(_scan, beam.pvalue.AsSingleton(sample), beam.pvalue.AsSingleton(ours), k)
+            | "MergeScans" >> beam.CombineGlobally(_MergeScans(k))
+        )
         return scan | "Recall" >> beam.Map(_result, beam.pvalue.AsSingleton(sample))

@@ -6,6 +6,7 @@ download the Prism binary, which a machine without network cannot do.
 Beam itself drops an option it does not know with a log line (a typo then silently changes
 nothing); `check_beam_args` refuses it instead, naming it.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -14,8 +15,13 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 
-from apache_beam.options.pipeline_options import (DirectOptions, PipelineOptions, PortableOptions, StandardOptions,
-                                                  _BeamArgumentParser)
+from apache_beam.options.pipeline_options import (
+    DirectOptions,
+    PipelineOptions,
+    PortableOptions,
+    StandardOptions,
+    _BeamArgumentParser,
+)
 
 LOCAL_RUNNER = "FnApiRunner"
 # Runners whose SDK workers run on the machine that launches the job.
@@ -55,6 +61,27 @@ def encoder_threads(configured: int | None, device: str, options: PipelineOption
         return configured
     workers = local_worker_processes(options)
     return 1 if workers is None else max(1, (os.cpu_count() or 1) // workers)
+
+
+def no_timed_flush_on_local_runner() -> None:
+    """Turn off the local runner's 1 s timed flush of the data it sends its SDK workers.
+
+    Beam 2.77's FnApiRunner writes a bundle's input into a `TimeBasedBufferingClosableOutputStream`
+    (`worker_handlers.DATA_BUFFER_TIME_LIMIT_MS` = 1000) whose flusher thread sends the buffer
+    and then clears it (`data_plane.py`, `flush`: `get()`, send, `_clear()`), while the runner
+    thread's `write` takes no lock: whatever the runner writes during the send is dropped, and
+    the worker processes a short bundle with no error. With several SDK worker processes
+    (`--direct_running_mode=multi_processing` or `multi_threading`) a stage's input goes out
+    in ~10 MB messages, and once writing one worker's share takes longer than a second (a
+    large shuffle, a loaded machine) the tail of it can vanish: build-shards then saw
+    sequences with 11 of their 16 neighbours, a lost query embedding (KeyError) or a lost
+    sequence. `tests/test_options.py` holds the reproduction (xfail while Beam has the race).
+    Without the timed flush the stream flushes by size only, from the writing thread: nothing
+    is lost. Batch jobs gain nothing from timed flushes, and cluster runners (Dataflow,
+    Flink) never run this code."""
+    from apache_beam.runners.portability.fn_api_runner import worker_handlers
+
+    worker_handlers.DATA_BUFFER_TIME_LIMIT_MS = 0
 
 
 def share_cores(options: PipelineOptions) -> None:
@@ -123,8 +150,9 @@ def _check_runner(runner: str | None) -> None:
         return
     close = difflib.get_close_matches(runner, StandardOptions.KNOWN_RUNNER_NAMES, n=1)
     hint = f" (did you mean {close[0]}?)" if close else ""
-    raise PipelineOptionsError(f"unknown runner {runner}{hint}; known: {', '.join(StandardOptions.KNOWN_RUNNER_NAMES)} "
-                               "or a module.Class path")
+    raise PipelineOptionsError(
+        f"unknown runner {runner}{hint}; known: {', '.join(StandardOptions.KNOWN_RUNNER_NAMES)} or a module.Class path"
+    )
 
 
 _NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")  # a negative number is a value, as argparse reads it
@@ -147,8 +175,9 @@ def check_beam_args(beam_args: Sequence[str], cli_options: Mapping[str, str] | N
             pass
     parser = beam_option_parser()
     known, extra = parser.parse_known_args(args)
-    unknown = list(dict.fromkeys(a.split("=", 1)[0] for a in extra
-                                 if a.startswith("-") and a != "-" and not _NUMBER.match(a)))
+    unknown = list(
+        dict.fromkeys(a.split("=", 1)[0] for a in extra if a.startswith("-") and a != "-" and not _NUMBER.match(a))
+    )
     for name in unknown:
         if name in cli_options:
             raise PipelineOptionsError(f"{name} is not a Beam pipeline option: {cli_options[name]}")
@@ -159,13 +188,17 @@ def check_beam_args(beam_args: Sequence[str], cli_options: Mapping[str, str] | N
             close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.75)
             return f"{name} (did you mean {close[0]}?)" if close else name
 
-        what = "neither a ratrain-pipeline option nor a Beam pipeline option" if cli_options else \
-            "not a Beam pipeline option"
+        what = (
+            "neither a ratrain-pipeline option nor a Beam pipeline option"
+            if cli_options
+            else "not a Beam pipeline option"
+        )
         plural = "s" if len(unknown) > 1 else ""
         raise PipelineOptionsError(f"unknown option{plural} {', '.join(map(named, unknown))}: {what}")
     if extra:  # no unknown option to take them as its value
-        raise PipelineOptionsError(f"unexpected argument {extra[0]!r} among the Beam pipeline options "
-                                   "(--name=value or --name value)")
+        raise PipelineOptionsError(
+            f"unexpected argument {extra[0]!r} among the Beam pipeline options (--name=value or --name value)"
+        )
     _check_runner(known.runner)
     return args
 
@@ -173,4 +206,6 @@ def check_beam_args(beam_args: Sequence[str], cli_options: Mapping[str, str] | N
 def pipeline_options(beam_args: list[str]) -> PipelineOptions:
     options = PipelineOptions(with_defaults(check_beam_args(beam_args)))
     share_cores(options)
+    if local_worker_processes(options) is not None:
+        no_timed_flush_on_local_runner()
     return options

@@ -3,6 +3,7 @@
 State is per process (module level), so every DoFn instance of a stage in one worker adds to
 the same line; each worker of a multi-process runner reports its own share.
 """
+
 from __future__ import annotations
 
 import logging
@@ -22,8 +23,9 @@ def observe(label: str, unit: str, count: int = 1) -> None:
     if now - state[2] >= REPORT_EVERY_S:
         state[2] = now
         elapsed = now - state[1]
-        log.info("[%s] %s %s, %.0f s, %.1f %s/s", label, f"{state[0]:,}", unit, elapsed,
-                 state[0] / max(elapsed, 1e-9), unit)
+        log.info(
+            "[%s] %s %s, %.0f s, %.1f %s/s", label, f"{state[0]:,}", unit, elapsed, state[0] / max(elapsed, 1e-9), unit
+        )
 
 
 class ReportProgress(beam.PTransform):

@@ -8,6 +8,7 @@ PNGs drawn with matplotlib (the `report` extra); the page fetches nothing when o
 
 The `gather_*` and summary functions read and compute; `render` turns a `Report` into HTML.
 """
+
 from __future__ import annotations
 
 import base64
@@ -21,16 +22,16 @@ import numpy as np
 
 from pipeline import fileio
 from pipeline.inspect import inspect_shards
-from pipeline.validate import _manifest, sampled
+from pipeline.validate import sampled
 from schemas.arrow import read_shard, shard_column
-from schemas.manifest import IndexManifest, ShardsManifest, VectorIndexManifest
+from schemas.manifest import MANIFEST_FILE, IndexManifest, ShardsManifest, VectorIndexManifest
 
 REPORT_FILE = "report.html"
 SCORE_SAMPLE_SEQUENCES = 20_000  # shards are sampled (by name hash) down to about this many sequences
 SCORE_EDGES = np.linspace(-1.0, 1.0, 401)  # cosine of unit vectors, in bins 0.005 wide
-DRAWN_BINS = 40           # bins across the scores' range in the figure
+DRAWN_BINS = 40  # bins across the scores' range in the figure
 SAMPLE_SEQUENCES = 3
-SAMPLE_CHUNKS = 3         # chunks shown per sample sequence
+SAMPLE_CHUNKS = 3  # chunks shown per sample sequence
 EXAMPLES_PER_REASON = 3
 EXCERPT_CHARS = 160
 
@@ -43,6 +44,7 @@ class ReportError(ValueError):
 class Sources:
     """The committed directories a report covers, and the rejected-record files that belong to
     them (`<output>/rejected/<stage>-NNNNN.jsonl`)."""
+
     path: str
     index: str | None
     shards: str | None
@@ -54,33 +56,38 @@ def find_sources(path: str) -> Sources:
     """An output directory (index/ and/or shards/ with manifests), an index or a shards
     directory; else a ReportError."""
     path = path.rstrip("/")
-    if fileio.exists(fileio.join(path, fileio.MANIFEST)):
-        raw, _ = _manifest(path)
+    if fileio.exists(fileio.join(path, MANIFEST_FILE)):
+        raw = fileio.committed_manifest(path)
         rejected = fileio.join(posixpath.dirname(path) or ".", "rejected")
         if "shards" in raw:
             return Sources(path, None, path, rejected, ("build-shards",))
         return Sources(path, path, None, rejected, ("build-index",))
     index, shards = (fileio.join(path, name) for name in ("index", "shards"))
-    found = {d: fileio.exists(fileio.join(d, fileio.MANIFEST)) for d in (index, shards)}
+    found = {d: fileio.exists(fileio.join(d, MANIFEST_FILE)) for d in (index, shards)}
     if not any(found.values()):
-        raise ReportError(f"{path}: not an output, index or shards directory (no manifest.json here, "
-                          f"nor in {index} or {shards})")
-    return Sources(path, index if found[index] else None, shards if found[shards] else None,
-                   fileio.join(path, "rejected"), ("build-index", "build-shards"))
+        raise ReportError(
+            f"{path}: not an output, index or shards directory (no manifest.json here, nor in {index} or {shards})"
+        )
+    return Sources(
+        path,
+        index if found[index] else None,
+        shards if found[shards] else None,
+        fileio.join(path, "rejected"),
+        ("build-index", "build-shards"),
+    )
 
 
 def read_index_manifest(directory: str) -> IndexManifest | VectorIndexManifest:
     """The manifest of a pipeline's index, or of one built by `ratrain-pipeline index`."""
-    raw, _ = _manifest(directory)
-    return VectorIndexManifest.model_validate(raw) if "inputs" in raw else IndexManifest.model_validate(raw)
+    return fileio.committed_manifest(directory, lambda raw: VectorIndexManifest if "inputs" in raw else IndexManifest)
 
 
 def read_shards_manifest(directory: str) -> ShardsManifest:
-    raw, _ = _manifest(directory)
-    return ShardsManifest.model_validate(raw)
+    return fileio.committed_manifest(directory, ShardsManifest)
 
 
 # --- summaries of what the manifests record -------------------------------------------------
+
 
 def human_bytes(count: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -94,36 +101,56 @@ def index_summary(manifest: IndexManifest | VectorIndexManifest) -> list[tuple[s
     rows = [("created by", manifest.created_by), ("config hash", manifest.config_hash[:16])]
     if isinstance(manifest, IndexManifest):
         precision = manifest.embedding_precision
-        rows += [("documents", f"{manifest.num_documents:,}"), ("chunks", f"{manifest.num_chunks:,}"),
-                 ("tokens", f"{manifest.counters.get('tokens', 0):,}"),
-                 ("chunk tokens (m)", str(manifest.chunk_tokens)),
-                 ("embedding model", manifest.embedding_model.name), ("tokenizer", manifest.tokenizer.name),
-                 ("embedding precision", "not recorded" if precision is None else
-                  f"{precision.precision} (top-2 agreement with float32 {precision.top2_agreement:.3f} "
-                  f"on {precision.sample_size} chunks)"),
-                 ("encoder threads", "—" if manifest.encoder_threads is None else str(manifest.encoder_threads))]
+        rows += [
+            ("documents", f"{manifest.num_documents:,}"),
+            ("chunks", f"{manifest.num_chunks:,}"),
+            ("tokens", f"{manifest.counters.get('tokens', 0):,}"),
+            ("chunk tokens (m)", str(manifest.chunk_tokens)),
+            ("embedding model", manifest.embedding_model.name),
+            ("tokenizer", manifest.tokenizer.name),
+            (
+                "embedding precision",
+                "not recorded"
+                if precision is None
+                else f"{precision.precision} (top-2 agreement with float32 {precision.top2_agreement:.3f} "
+                f"on {precision.sample_size} chunks)",
+            ),
+            ("encoder threads", "—" if manifest.encoder_threads is None else str(manifest.encoder_threads)),
+        ]
     else:
         rows += [("vectors", f"{manifest.num_vectors:,}"), ("embedding files", str(len(manifest.inputs)))]
-    rows += [("index", f"{manifest.index_factory} ({manifest.metric}, dim {manifest.dim})"),
-             ("search depth", "exact (no depth)" if manifest.nprobe is None else str(manifest.nprobe)),
-             (recall.measure, f"{recall.value:.3f} on {recall.sample_size:,} queries"
-              + ("" if recall.target is None else f" (target {recall.target})")),
-             ("index size", f"{human_bytes(manifest.index_bytes)} "
-                            f"(memory budget {human_bytes(manifest.memory_budget)})"),
-             ("training vectors", f"{manifest.training_vectors:,}"),
-             ("IVF list training", {"flat": "one k-means", "two_level": "two-level k-means"}.get(
-                 manifest.clustering, manifest.clustering)),
-             ("queries / s", "—" if manifest.queries_per_second is None else f"{manifest.queries_per_second:,.0f}")]
+    rows += [
+        ("index", f"{manifest.index_factory} ({manifest.metric}, dim {manifest.dim})"),
+        ("search depth", "exact (no depth)" if manifest.nprobe is None else str(manifest.nprobe)),
+        (
+            recall.measure,
+            f"{recall.value:.3f} on {recall.sample_size:,} queries"
+            + ("" if recall.target is None else f" (target {recall.target})"),
+        ),
+        ("index size", f"{human_bytes(manifest.index_bytes)} (memory budget {human_bytes(manifest.memory_budget)})"),
+        ("training vectors", f"{manifest.training_vectors:,}"),
+        (
+            "IVF list training",
+            {"flat": "one k-means", "two_level": "two-level k-means"}.get(manifest.clustering, manifest.clustering),
+        ),
+        ("queries / s", "—" if manifest.queries_per_second is None else f"{manifest.queries_per_second:,.0f}"),
+    ]
     return rows
 
 
 def shards_summary(manifest: ShardsManifest) -> list[tuple[str, str]]:
-    return [("created by", manifest.created_by), ("config hash", manifest.config_hash[:16]),
-            ("schema version", str(manifest.schema_version)), ("sequences", f"{manifest.num_sequences:,}"),
-            ("shards", f"{len(manifest.shards)} ({human_bytes(sum(s.bytes for s in manifest.shards))})"),
-            ("sequence tokens (n)", str(manifest.sequence_tokens)), ("chunk tokens (m)", str(manifest.chunk_tokens)),
-            ("neighbours (k)", str(manifest.neighbours)), ("neighbour tokens", str(manifest.neighbour_tokens)),
-            ("training corpus", manifest.training_corpus)]
+    return [
+        ("created by", manifest.created_by),
+        ("config hash", manifest.config_hash[:16]),
+        ("schema version", str(manifest.schema_version)),
+        ("sequences", f"{manifest.num_sequences:,}"),
+        ("shards", f"{len(manifest.shards)} ({human_bytes(sum(s.bytes for s in manifest.shards))})"),
+        ("sequence tokens (n)", str(manifest.sequence_tokens)),
+        ("chunk tokens (m)", str(manifest.chunk_tokens)),
+        ("neighbours (k)", str(manifest.neighbours)),
+        ("neighbour tokens", str(manifest.neighbour_tokens)),
+        ("training corpus", manifest.training_corpus),
+    ]
 
 
 def neighbour_quality(manifest: ShardsManifest) -> list[tuple[str, str]]:
@@ -137,10 +164,16 @@ def neighbour_quality(manifest: ShardsManifest) -> list[tuple[str, str]]:
     else:
         fill = f"{manifest.neighbour_fill:.4f} ({sum(filled):,} of {slots:,} slots; {slots - sum(filled):,} empty)"
     recall = manifest.neighbour_recall
-    return [("neighbour fill", fill),
-            ("neighbour recall", "not measured (neighbour_recall_sample 0)" if recall is None else
-             f"{recall.value:.3f} on {recall.sample_size} sampled chunks ({recall.slots} slots, "
-             f"tolerance {recall.tolerance})")]
+    return [
+        ("neighbour fill", fill),
+        (
+            "neighbour recall",
+            "not measured (neighbour_recall_sample 0)"
+            if recall is None
+            else f"{recall.value:.3f} on {recall.sample_size} sampled chunks ({recall.slots} slots, "
+            f"tolerance {recall.tolerance})",
+        ),
+    ]
 
 
 def overlap_bars(overlap: dict[str, int]) -> list[tuple[str, int]]:
@@ -164,19 +197,28 @@ def timing_rows(manifests: list[tuple[str, object]]) -> list[tuple[str, str, str
             rows.append((kind, "not recorded", "not recorded", "—", "—"))
             continue
         rate = "—" if t.records_per_second is None else f"{t.records_per_second:,.1f} {t.records}/s"
-        rows.append((t.stage, t.started, f"{t.wall_seconds:,.1f} s",
-                     f"{manifest.counters.get(t.records, 0):,} {t.records}", rate))
+        rows.append(
+            (
+                t.stage,
+                t.started,
+                f"{t.wall_seconds:,.1f} s",
+                f"{manifest.counters.get(t.records, 0):,} {t.records}",
+                rate,
+            )
+        )
     return rows
 
 
 # --- neighbour scores from the shards -------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class ScoreSample:
     """Histograms of the filled slots' scores by neighbour rank, over a sample of the shards."""
-    edges: np.ndarray   # [bins + 1]
+
+    edges: np.ndarray  # [bins + 1]
     counts: np.ndarray  # [k, bins]
-    sums: np.ndarray    # [k]: for exact means
+    sums: np.ndarray  # [k]: for exact means
     shards_read: int
     shards_total: int
     sequences: int
@@ -187,8 +229,7 @@ class ScoreSample:
         return float(self.edges[1:][np.searchsorted(cumulative, q * cumulative[-1])])
 
 
-def gather_scores(directory: str, manifest: ShardsManifest,
-                  max_sequences: int = SCORE_SAMPLE_SEQUENCES) -> ScoreSample:
+def gather_scores(directory: str, manifest: ShardsManifest, max_sequences: int = SCORE_SAMPLE_SEQUENCES) -> ScoreSample:
     """Read the neighbour_ids and neighbour_scores columns (only those) of a sample of the
     shards, record batch by record batch: memory holds the histograms and one batch."""
     fraction = min(1.0, max_sequences / manifest.num_sequences) if manifest.num_sequences else 1.0
@@ -217,12 +258,19 @@ def score_table(sample: ScoreSample) -> list[tuple[str, ...]]:
         if not filled:
             rows.append((str(rank), "0", "—", "—", "—", "—"))
             continue
-        rows.append((str(rank), f"{filled:,}", f"{sample.sums[rank] / filled:.3f}",
-                     *(f"{sample.quantile(rank, q):.3f}" for q in (0.1, 0.5, 0.9))))
+        rows.append(
+            (
+                str(rank),
+                f"{filled:,}",
+                f"{sample.sums[rank] / filled:.3f}",
+                *(f"{sample.quantile(rank, q):.3f}" for q in (0.1, 0.5, 0.9)),
+            )
+        )
     return rows
 
 
 # --- rejected records -----------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class RejectedReason:
@@ -231,16 +279,23 @@ class RejectedReason:
     examples: tuple[dict, ...]
 
 
-def gather_rejected(sources: Sources, counters: dict[str, int],
-                    examples: int = EXAMPLES_PER_REASON) -> list[RejectedReason]:
+def gather_rejected(
+    sources: Sources, counters: dict[str, int], examples: int = EXAMPLES_PER_REASON
+) -> list[RejectedReason]:
     """Rejected records by reason: counts from the manifests' `rejected_<reason>` counters, a
     few examples from the rejected files of the stages covered (read only until each reason
     has its examples)."""
-    counts = {name[len("rejected_"):]: value for name, value in sorted(counters.items())
-              if name.startswith("rejected_") and value}
+    counts = {
+        name[len("rejected_") :]: value
+        for name, value in sorted(counters.items())
+        if name.startswith("rejected_") and value
+    }
     found: dict[str, list[dict]] = {reason: [] for reason in counts}
-    files = [p for p in fileio.list_files(sources.rejected)
-             if posixpath.basename(p).startswith(tuple(f"{stage}-" for stage in sources.rejected_stages))]
+    files = [
+        p
+        for p in fileio.list_files(sources.rejected)
+        if posixpath.basename(p).startswith(tuple(f"{stage}-" for stage in sources.rejected_stages))
+    ]
 
     def enough() -> bool:
         return all(len(kept) >= examples for kept in found.values())
@@ -259,6 +314,7 @@ def gather_rejected(sources: Sources, counters: dict[str, int],
 
 # --- the whole report -----------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Report:
     path: str
@@ -266,8 +322,8 @@ class Report:
     shards: ShardsManifest | None
     scores: ScoreSample | None
     rejected: list[RejectedReason]
-    samples: list[str]   # `inspect`'s lines
-    samples_note: str    # why there are none, when there are none
+    samples: list[str]  # `inspect`'s lines
+    samples_note: str  # why there are none, when there are none
 
 
 def gather(path: str) -> Report:
@@ -281,13 +337,19 @@ def gather(path: str) -> Report:
     samples, note = [], ""
     if shards is not None:
         beside = posixpath.join(posixpath.dirname(sources.shards.rstrip("/")), "index")
-        if fileio.exists(fileio.join(beside, fileio.MANIFEST)):
+        if fileio.exists(fileio.join(beside, MANIFEST_FILE)):
             samples = inspect_shards(sources.shards, SAMPLE_SEQUENCES, SAMPLE_CHUNKS)
         else:
             note = f"No index beside the shards ({beside}) to decode their tokens with."
-    return Report(sources.path, index, shards,
-                  None if shards is None else gather_scores(sources.shards, shards),
-                  gather_rejected(sources, counters), samples, note)
+    return Report(
+        sources.path,
+        index,
+        shards,
+        None if shards is None else gather_scores(sources.shards, shards),
+        gather_rejected(sources, counters),
+        samples,
+        note,
+    )
 
 
 def write_report(path: str) -> str:
@@ -300,14 +362,16 @@ def write_report(path: str) -> str:
 
 # --- rendering --------------------------------------------------------------------------------
 
+
 def _figure(width: float, height: float):
     """A matplotlib figure on the Agg canvas (no pyplot: no global figure state)."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ModuleNotFoundError:
-        raise ReportError("the report draws its figures with matplotlib: "
-                          "pip install 'ratrain-pipeline[report]'") from None
+        raise ReportError(
+            "the report draws its figures with matplotlib: pip install 'ratrain-pipeline[report]'"
+        ) from None
     figure = Figure(figsize=(width, height), dpi=100, layout="constrained")
     FigureCanvasAgg(figure)
     return figure
@@ -342,7 +406,7 @@ def scores_figure(sample: ScoreSample) -> str:
     merge = max(1, -(-(occupied[-1] + 1 - occupied[0]) // DRAWN_BINS)) if len(occupied) else 1
     usable = (sample.counts.shape[1] // merge) * merge
     drawn = sample.counts[:, :usable].reshape(len(sample.counts), -1, merge).sum(axis=2)
-    edges = sample.edges[:usable + 1:merge]
+    edges = sample.edges[: usable + 1 : merge]
     centres = (edges[:-1] + edges[1:]) / 2
     k = len(sample.counts)
     colours = [f"C{rank % 10}" for rank in range(k)]
@@ -350,11 +414,25 @@ def scores_figure(sample: ScoreSample) -> str:
     for rank, counts in enumerate(drawn):
         if not counts.sum():
             continue
-        dist.plot(centres, counts / counts.sum(), drawstyle="steps-mid", color=colours[rank],
-                  label=f"rank {rank}", linewidth=1.2)
-        stats.append({"label": str(rank), "whislo": sample.quantile(rank, 0.05), "q1": sample.quantile(rank, 0.25),
-                      "med": sample.quantile(rank, 0.5), "q3": sample.quantile(rank, 0.75),
-                      "whishi": sample.quantile(rank, 0.95), "mean": sample.sums[rank] / counts.sum()})
+        dist.plot(
+            centres,
+            counts / counts.sum(),
+            drawstyle="steps-mid",
+            color=colours[rank],
+            label=f"rank {rank}",
+            linewidth=1.2,
+        )
+        stats.append(
+            {
+                "label": str(rank),
+                "whislo": sample.quantile(rank, 0.05),
+                "q1": sample.quantile(rank, 0.25),
+                "med": sample.quantile(rank, 0.5),
+                "q3": sample.quantile(rank, 0.75),
+                "whishi": sample.quantile(rank, 0.95),
+                "mean": sample.sums[rank] / counts.sum(),
+            }
+        )
     if len(occupied):
         pad = edges[1] - edges[0]
         dist.set_xlim(sample.edges[occupied[0]] - pad, sample.edges[occupied[-1] + 1] + pad)
@@ -379,8 +457,16 @@ def recall_figure(manifest) -> str:
     if recall.target is not None:
         ax.axhline(recall.target, linestyle="--", color="grey", linewidth=1, label=f"target {recall.target}")
     if manifest.nprobe is not None:
-        ax.plot([manifest.nprobe], [recall.value], marker="o", markersize=11, fillstyle="none", color="#c44e52",
-                linestyle="none", label=f"chosen depth {manifest.nprobe}")
+        ax.plot(
+            [manifest.nprobe],
+            [recall.value],
+            marker="o",
+            markersize=11,
+            fillstyle="none",
+            color="#c44e52",
+            linestyle="none",
+            label=f"chosen depth {manifest.nprobe}",
+        )
     ax.set_xscale("log", base=2)
     ax.set_xticks(depths, [str(d) for d in depths])
     ax.set_xlabel("search depth (nprobe / efSearch)")
@@ -413,39 +499,67 @@ def _table(rows, header: tuple[str, ...] | None = None, numeric: tuple[int, ...]
         return value if isinstance(value, _Html) else html.escape(str(value))
 
     head = "" if header is None else "<tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>"
-    body = "".join("<tr>" + "".join(f'<td{" class=num" if i in numeric else ""}>{cell(value)}</td>'
-                                    for i, value in enumerate(row)) + "</tr>" for row in rows)
+    body = "".join(
+        "<tr>"
+        + "".join(f"<td{' class=num' if i in numeric else ''}>{cell(value)}</td>" for i, value in enumerate(row))
+        + "</tr>"
+        for row in rows
+    )
     return f"<table>{head}{body}</table>"
 
 
 def _sample_line(line: str) -> str:
-    kind = ("sequence" if line.startswith("== ") else "chunk" if line.startswith("-- ")
-            else "neighbour" if line.startswith("   ") else "")
+    kind = (
+        "sequence"
+        if line.startswith("== ")
+        else "chunk"
+        if line.startswith("-- ")
+        else "neighbour"
+        if line.startswith("   ")
+        else ""
+    )
     return f'<div class="{kind}">{html.escape(line.strip())}</div>'
 
 
 def _recall_body(manifest) -> str:
     recall = manifest.recall_at_k
     if manifest.nprobe is None:
-        return (f"<p>An exact index ({html.escape(manifest.index_factory)}): no search depth to tune; "
-                f"{html.escape(recall.measure)} = {recall.value:.3f} on {recall.sample_size:,} queries.</p>")
+        return (
+            f"<p>An exact index ({html.escape(manifest.index_factory)}): no search depth to tune; "
+            f"{html.escape(recall.measure)} = {recall.value:.3f} on {recall.sample_size:,} queries.</p>"
+        )
     if recall.curve is None:
-        return (f"<p>The tuning curve is not recorded (a manifest from before it was); the chosen depth "
-                f"{manifest.nprobe} gives {html.escape(recall.measure)} = {recall.value:.3f}.</p>")
-    plateau = (" The tuning stopped on a plateau: doubling the depth gained less than 0.005." if recall.plateau else "")
-    return (f"<p>{html.escape(recall.measure)} on {recall.sample_size:,} sampled indexed vectors, at each depth "
-            f"the tuning measured; it keeps the smallest depth that reaches the target.{plateau}</p>"
-            + recall_figure(manifest))
+        return (
+            f"<p>The tuning curve is not recorded (a manifest from before it was); the chosen depth "
+            f"{manifest.nprobe} gives {html.escape(recall.measure)} = {recall.value:.3f}.</p>"
+        )
+    plateau = " The tuning stopped on a plateau: doubling the depth gained less than 0.005." if recall.plateau else ""
+    return (
+        f"<p>{html.escape(recall.measure)} on {recall.sample_size:,} sampled indexed vectors, at each depth "
+        f"the tuning measured; it keeps the smallest depth that reaches the target.{plateau}</p>"
+        + recall_figure(manifest)
+    )
 
 
 def _rejected_body(rejected: list[RejectedReason]) -> str:
     if not rejected:
         return "<p>No input record was rejected.</p>"
-    rows = [(r.reason, f"{r.count:,}", _Html("<br>".join(
-        html.escape(f"{e['source']}:{e['position']}: {e['excerpt'][:EXCERPT_CHARS]}") for e in r.examples) or "—"))
-        for r in rejected]
-    return _table(rows, ("reason", "records", f"examples (source:position: excerpt; up to {EXAMPLES_PER_REASON})"),
-                  numeric=(1,))
+    rows = [
+        (
+            r.reason,
+            f"{r.count:,}",
+            _Html(
+                "<br>".join(
+                    html.escape(f"{e['source']}:{e['position']}: {e['excerpt'][:EXCERPT_CHARS]}") for e in r.examples
+                )
+                or "—"
+            ),
+        )
+        for r in rejected
+    ]
+    return _table(
+        rows, ("reason", "records", f"examples (source:position: excerpt; up to {EXAMPLES_PER_REASON})"), numeric=(1,)
+    )
 
 
 def render(report: Report) -> str:
@@ -459,37 +573,81 @@ def render(report: Report) -> str:
     manifests = [(kind, m) for kind, m in (("index", report.index), ("shards", report.shards)) if m is not None]
     for kind, manifest in manifests:
         rows = [(name, f"{value:,}") for name, value in sorted(manifest.counters.items())]
-        counters += f"<div><h3>{kind.capitalize()} counters</h3>{_table(rows, ('counter', 'value'), numeric=(1,))}</div>"
-    sections.append(("summary", "Config and manifests", "<p class=muted>The settings as the manifests record them.</p>"
-                     f'<div class="columns">{summary}</div><div class="columns">{counters}</div>'))
+        counters += (
+            f"<div><h3>{kind.capitalize()} counters</h3>{_table(rows, ('counter', 'value'), numeric=(1,))}</div>"
+        )
+    sections.append(
+        (
+            "summary",
+            "Config and manifests",
+            "<p class=muted>The settings as the manifests record them.</p>"
+            f'<div class="columns">{summary}</div><div class="columns">{counters}</div>',
+        )
+    )
     if report.shards is not None:
         scores = report.scores
-        read = ("all shards" if scores.shards_read == scores.shards_total
-                else f"a sample of {scores.shards_read} of {scores.shards_total} shards, chosen by name")
-        sections.append(("neighbours", "Neighbours", _table(neighbour_quality(report.shards))
-                         + f"<h3>Scores by rank</h3><p class=muted>Filled slots of {scores.sequences:,} sequences "
-                         f"({read}); quantiles to within 0.005.</p>"
-                         + _table(score_table(scores), ("rank", "filled slots", "mean", "10th pct", "median",
-                                                        "90th pct"), numeric=(1, 2, 3, 4, 5))
-                         + (scores_figure(scores) if scores.counts.sum() else "<p>No filled slot.</p>")))
-        sections.append(("overlap", "Chunk overlap r(C)",
-                         "<p class=muted>RETRO's leakage audit: for each training chunk, the longest token run it "
-                         "shares with its neighbours, as a share of the chunk length m.</p>"
-                         + overlap_figure(overlap_bars(report.shards.overlap))))
+        read = (
+            "all shards"
+            if scores.shards_read == scores.shards_total
+            else f"a sample of {scores.shards_read} of {scores.shards_total} shards, chosen by name"
+        )
+        sections.append(
+            (
+                "neighbours",
+                "Neighbours",
+                _table(neighbour_quality(report.shards))
+                + f"<h3>Scores by rank</h3><p class=muted>Filled slots of {scores.sequences:,} sequences "
+                f"({read}); quantiles to within 0.005.</p>"
+                + _table(
+                    score_table(scores),
+                    ("rank", "filled slots", "mean", "10th pct", "median", "90th pct"),
+                    numeric=(1, 2, 3, 4, 5),
+                )
+                + (scores_figure(scores) if scores.counts.sum() else "<p>No filled slot.</p>"),
+            )
+        )
+        sections.append(
+            (
+                "overlap",
+                "Chunk overlap r(C)",
+                "<p class=muted>RETRO's leakage audit: for each training chunk, the longest token run it "
+                "shares with its neighbours, as a share of the chunk length m.</p>"
+                + overlap_figure(overlap_bars(report.shards.overlap)),
+            )
+        )
     if report.index is not None:
         sections.append(("recall", "Index recall against search depth", _recall_body(report.index)))
-    sections.append(("timings", "Stage timings",
-                     "<p class=muted>Wall time from the driver building the job to its commit writing the "
-                     "manifest.</p>" + _table(timing_rows(manifests), ("job", "started (UTC)", "wall time", "records",
-                                                                        "throughput"), numeric=(2, 3, 4))))
+    sections.append(
+        (
+            "timings",
+            "Stage timings",
+            "<p class=muted>Wall time from the driver building the job to its commit writing the "
+            "manifest.</p>"
+            + _table(
+                timing_rows(manifests),
+                ("job", "started (UTC)", "wall time", "records", "throughput"),
+                numeric=(2, 3, 4),
+            ),
+        )
+    )
     sections.append(("rejected", "Rejected records", _rejected_body(report.rejected)))
     if report.shards is not None:
-        sections.append(("samples", "Sample sequences",
-                         '<div class="sample">' + "".join(_sample_line(line) for line in report.samples) + "</div>"
-                         if report.samples else f"<p>{html.escape(report.samples_note)}</p>"))
+        sections.append(
+            (
+                "samples",
+                "Sample sequences",
+                '<div class="sample">' + "".join(_sample_line(line) for line in report.samples) + "</div>"
+                if report.samples
+                else f"<p>{html.escape(report.samples_note)}</p>",
+            )
+        )
     title = html.escape(f"ratrain-pipeline report: {report.path}")
     nav = "".join(f'<a href="#{anchor}">{html.escape(name)}</a>' for anchor, name, _ in sections)
-    body = "".join(f'<section id="{anchor}"><h2>{html.escape(name)}</h2>\n{content}\n</section>\n'
-                   for anchor, name, content in sections)
-    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{title}</title>'
-            f"<style>{STYLE}</style></head>\n<body><h1>{title}</h1><nav>{nav}</nav>\n{body}</body></html>\n")
+    body = "".join(
+        f'<section id="{anchor}"><h2>{html.escape(name)}</h2>\n{content}\n</section>\n'
+        for anchor, name, content in sections
+    )
+    return (
+        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{title}</title>'
+        f"<style>{STYLE}</style></head>\n<body><h1>{title}</h1><nav>{nav}</nav>\n{body}</body></html>\n"
+    )

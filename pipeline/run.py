@@ -1,4 +1,5 @@
 """`run`: build-index then build-shards, skipping a stage whose committed manifest matches."""
+
 from __future__ import annotations
 
 import logging
@@ -6,13 +7,15 @@ import logging
 from pipeline import fileio
 from pipeline.stages import Submitted, build_index, build_shards, index_dir, load_index_manifest, shards_dir
 from schemas.config import PipelineConfig
+from schemas.manifest import MANIFEST_FILE, read_manifest
 
 log = logging.getLogger("ratrain")
 
 
 def _committed(directory: str) -> dict | None:
-    path = fileio.join(directory, fileio.MANIFEST)
-    return fileio.read_json(path) if fileio.exists(path) else None
+    """The committed manifest as parsed JSON (schema_version checked), or None when there is none."""
+    path = fileio.join(directory, MANIFEST_FILE)
+    return read_manifest(fileio.read_bytes(path), path) if fileio.exists(path) else None
 
 
 def run_all(cfg: PipelineConfig, beam_args: list[str], force: bool = False, detach: bool = False) -> dict:
@@ -31,8 +34,12 @@ def run_all(cfg: PipelineConfig, beam_args: list[str], force: bool = False, deta
         report["build-index"] = ("built", built.counters)
     _, index_sha = load_index_manifest(cfg)
     shards = _committed(shards_dir(cfg))
-    if (not force and shards and shards.get("config_hash") == cfg.shards_hash()
-            and shards.get("index_manifest_sha256") == index_sha):
+    if (
+        not force
+        and shards
+        and shards.get("config_hash") == cfg.shards_hash()
+        and shards.get("index_manifest_sha256") == index_sha
+    ):
         log.info("build-shards: skipped, %s matches the config and index", shards_dir(cfg))
         report["build-shards"] = ("skipped", shards["counters"])
     else:

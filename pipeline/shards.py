@@ -9,6 +9,7 @@ tokens in one read of that file; and neighbours meet their sequence by sequence 
 process holds the chunk database, and nothing shuffles it: what moves grows with the
 training sequences (plus one (doc id, range) per database document), not with the chunks.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -22,6 +23,7 @@ from apache_beam.utils import shared
 from pipeline.chunkdb import ChunkFileRanges
 from pipeline.chunking import Chunk
 from pipeline.faiss_index import load_index, sample_keys, search_excluding
+from pipeline.retro_rows import Sequence, ShardRow
 from pipeline.writers import WriteGroupedFiles
 from schemas.arrow import shard_ipc_bytes, shard_table
 
@@ -30,36 +32,22 @@ SENT = "sent"  # tagged output: (seq_id, elements it sent through the next shuff
 SEQUENCES_PER_SEARCH = 64  # fixed search batches: faiss scores depend on batch shape
 
 
-@dataclass(frozen=True)
-class Sequence:
-    seq_id: int
-    tokens: np.ndarray      # int32 [n + 1]: n input tokens and the next-token target
-    doc_ids: tuple          # sorted ids of every document whose tokens it holds
-
-
 # With dedupe_neighbours, search hits travel in numpy blocks, one per (search batch, chunk
 # file), not one tuple each; token_key is filled from the hit's chunk file.
-CANDIDATE = np.dtype([("seq_id", "<i8"), ("j", "<i4"), ("rank", "<i4"), ("chunk_id", "<i8"),
-                      ("score", "<f4"), ("token_key", "<i8")])
+CANDIDATE = np.dtype(
+    [("seq_id", "<i8"), ("j", "<i4"), ("rank", "<i4"), ("chunk_id", "<i8"), ("score", "<f4"), ("token_key", "<i8")]
+)
 PROBE = "probe"  # tagged output: the search batch's queries in the neighbour-recall sample
 TALLY = "tally"  # tagged output: (name, count) pairs, counted as data (pipeline.tally)
 PROBE_SALT = 3
 
 
-@dataclass(frozen=True)
-class ShardRow:
-    seq_id: int
-    tokens: np.ndarray           # [n + 1]
-    neighbours: np.ndarray       # [n/m, k, 2m]
-    neighbour_ids: np.ndarray    # [n/m, k]
-    neighbour_scores: np.ndarray  # [n/m, k]
-    doc_ids: tuple
-
-
 # --- pure functions -------------------------------------------------------------------------
 
-def pack_sequence(seq_id: int, chunks: list[Chunk], next_token: int | None,
-                  next_doc: int | None, pad_id: int) -> Sequence:
+
+def pack_sequence(
+    seq_id: int, chunks: list[Chunk], next_token: int | None, next_doc: int | None, pad_id: int
+) -> Sequence:
     """L consecutive chunks (sorted by id) + the first token of the chunk after them."""
     target = pad_id if next_token is None else next_token
     tokens = np.concatenate([c.tokens for c in chunks] + [np.array([target], np.int32)])
@@ -99,8 +87,9 @@ def select_distinct(candidates: np.ndarray, k: int) -> tuple[list[tuple], int]:
     kept for j: ([(j, slot, chunk_id, score)], candidates dropped as duplicates)."""
     c = candidates[np.lexsort((candidates["rank"], candidates["j"]))]
     picks, kept, dropped = [], {}, 0
-    for j, chunk_id, score, key in zip(c["j"].tolist(), c["chunk_id"].tolist(), c["score"].tolist(),
-                                       c["token_key"].tolist()):
+    for j, chunk_id, score, key in zip(
+        c["j"].tolist(), c["chunk_id"].tolist(), c["score"].tolist(), c["token_key"].tolist()
+    ):
         keys = kept.setdefault(j, [])
         if len(keys) >= k:
             continue
@@ -114,50 +103,12 @@ def select_distinct(candidates: np.ndarray, k: int) -> tuple[list[tuple], int]:
 
 def token_key(tokens: np.ndarray) -> int:
     """A 63-bit hash of a chunk's tokens, equal for equal tokens."""
-    return int.from_bytes(hashlib.blake2b(np.ascontiguousarray(tokens, np.int32).tobytes(),
-                                          digest_size=8).digest(), "little") >> 1
-
-
-OVERLAP_BUCKETS = (0.0, 0.125, 0.25, 0.5, 0.75, 1.0)  # RETRO's r(C) thresholds
-
-
-def chunk_overlap(chunks: np.ndarray, neighbours: np.ndarray, pad_id: int) -> np.ndarray:
-    """RETRO's leakage measure r(C) per chunk: the longest run of tokens the chunk shares
-    with any of its neighbours (chunk + continuation), divided by m. Padding never matches.
-    chunks [L, m], neighbours [L, k, 2m] -> float64 [L] in [0, 1]."""
-    m = chunks.shape[1]
-    equal = ((chunks[:, None, :, None] == neighbours[:, :, None, :])
-             & (chunks != pad_id)[:, None, :, None])                     # [L, k, m, 2m]
-    run = np.zeros(neighbours.shape, np.int32)     # [L, k, 2m]: run ending at (i, col)
-    longest = np.zeros(len(chunks), np.int32)
-    for i in range(m):
-        extended = np.zeros_like(run)
-        extended[..., 1:] = run[..., :-1] + 1     # diagonal step (i-1, col-1) -> (i, col)
-        extended[..., 0] = 1
-        run = np.where(equal[:, :, i, :], extended, 0)
-        longest = np.maximum(longest, run.max(axis=(1, 2), initial=0))
-    return longest / m
-
-
-def overlap_bucket(ratio: float) -> str:
-    """The histogram key of r(C): the smallest threshold at or above it."""
-    return str(next(t for t in OVERLAP_BUCKETS if ratio <= t))
-
-
-OVERLAP_COUNTER = "overlap_r_le_"
-
-
-def overlap_tally(row: "ShardRow", m: int, pad_id: int):
-    """(overlap counter of its bucket, 1) per chunk of a shard row: the audit, counted as data."""
-    chunks = row.tokens[:len(row.neighbours) * m].reshape(-1, m)
-    for ratio in chunk_overlap(chunks, row.neighbours, pad_id):
-        yield OVERLAP_COUNTER + overlap_bucket(ratio), 1
-
-
-def overlap_histogram(counters: dict[str, int]) -> dict[str, int]:
-    """Take the overlap counters out of a job's counters: {threshold: chunks}, every threshold
-    present (chunks whose r(C) is ≤ it and above the one before)."""
-    return {str(t): counters.pop(f"{OVERLAP_COUNTER}{t}", 0) for t in OVERLAP_BUCKETS}
+    return (
+        int.from_bytes(
+            hashlib.blake2b(np.ascontiguousarray(tokens, np.int32).tobytes(), digest_size=8).digest(), "little"
+        )
+        >> 1
+    )
 
 
 def neighbour_arrays(picks: list[tuple], chunks_per_seq: int, k: int, m: int, pad_id: int):
@@ -172,6 +123,7 @@ def neighbour_arrays(picks: list[tuple], chunks_per_seq: int, k: int, m: int, pa
 
 
 # --- Beam transforms ------------------------------------------------------------------------
+
 
 def _sequence_parts(chunk: Chunk, chunks_per_seq: int):
     seq_id, offset = divmod(chunk.chunk_id, chunks_per_seq)
@@ -198,10 +150,12 @@ class PackSequences(beam.PTransform):
         self.chunks_per_seq, self.pad_id = chunks_per_seq, pad_id
 
     def expand(self, chunks):
-        return (chunks
-                | "KeyBySequence" >> beam.FlatMap(_sequence_parts, self.chunks_per_seq)
-                | "GroupBySequence" >> beam.GroupByKey()
-                | "Assemble" >> beam.FlatMap(_assemble, self.chunks_per_seq, self.pad_id))
+        return (
+            chunks
+            | "KeyBySequence" >> beam.FlatMap(_sequence_parts, self.chunks_per_seq)
+            | "GroupBySequence" >> beam.GroupByKey()
+            | "Assemble" >> beam.FlatMap(_assemble, self.chunks_per_seq, self.pad_id)
+        )
 
 
 class DocumentSpans(beam.PTransform):
@@ -213,27 +167,29 @@ class DocumentSpans(beam.PTransform):
         self.pattern, self.validate = pattern, validate
 
     def expand(self, pbegin):
-        return (pbegin
-                | "ReadDocumentIds" >> ReadFromParquetBatched(self.pattern, columns=["chunk_id", "doc_id"],
-                                                              validate=self.validate)
-                | "SpansInBatch" >> beam.FlatMap(
-                    lambda t: document_spans(t["chunk_id"].to_numpy(), t["doc_id"].to_numpy()))
-                | "WidestSpan" >> beam.CombinePerKey(widest_span))
+        return (
+            pbegin
+            | "ReadDocumentIds"
+            >> ReadFromParquetBatched(self.pattern, columns=["chunk_id", "doc_id"], validate=self.validate)
+            | "SpansInBatch" >> beam.FlatMap(lambda t: document_spans(t["chunk_id"].to_numpy(), t["doc_id"].to_numpy()))
+            | "WidestSpan" >> beam.CombinePerKey(widest_span)
+        )
 
 
 @dataclass(frozen=True)
 class Retrieval:
     """What `RetrieveNeighbours` needs (small and picklable: it travels with the transforms)."""
-    index_paths: tuple            # index.faiss, or its shards in chunk-id order
-    depth: int | None             # search depth the index was tuned to (nprobe, efSearch)
+
+    index_paths: tuple  # index.faiss, or its shards in chunk-id order
+    depth: int | None  # search depth the index was tuned to (nprobe, efSearch)
     chunk_files: ChunkFileRanges  # the chunk database
-    chunks_per_seq: int           # L
-    chunk_tokens: int             # m
-    neighbours: int               # k
-    candidates: int               # hits searched per chunk when deduplicating
+    chunks_per_seq: int  # L
+    chunk_tokens: int  # m
+    neighbours: int  # k
+    candidates: int  # hits searched per chunk when deduplicating
     pad_id: int
     dedupe: bool = False
-    probes: int = 0               # training chunks sampled for the neighbour-recall check
+    probes: int = 0  # training chunks sampled for the neighbour-recall check
 
 
 def _excluded_ranges(keyed):
@@ -257,7 +213,7 @@ def _loaded_index(holder: shared.Shared, path: str, depth: int | None):
     return holder.acquire(_Holder, tag=f"{path}:{depth}")
 
 
-def search_batch(index, grouped, spec: "Retrieval", probing: bool = True):
+def search_batch(index, grouped, spec: Retrieval, probing: bool = True):
     """One search batch (sequences, their query embeddings, their excluded chunk-id ranges) ->
     (sequences, CANDIDATE hits with the best `width` per query outside the ranges, seq ids
     whose search went deeper, neighbour-recall probes)."""
@@ -270,7 +226,7 @@ def search_batch(index, grouped, spec: "Retrieval", probing: bool = True):
     width = spec.candidates if spec.dedupe else spec.neighbours
     blocks, probes, deeper_seqs = [np.zeros(0, CANDIDATE)], [], set()
     for s in sequences:
-        queries = np.stack([vectors[s.seq_id * L + j] for j in range(L)])   # [L, d]
+        queries = np.stack([vectors[s.seq_id * L + j] for j in range(L)])  # [L, d]
         ranges = merge_ranges(excluded.get(s.seq_id, []))
         scores, found, deeper = search_excluding(index, queries, width, ranges)  # [L, width]
         if deeper:
@@ -283,7 +239,7 @@ def search_batch(index, grouped, spec: "Retrieval", probing: bool = True):
         if spec.probes and probing:
             keys = sample_keys(s.seq_id * L + np.arange(L), PROBE_SALT)
             probes += [(int(key), s.seq_id, j, queries[j], tuple(ranges)) for j, key in enumerate(keys)]
-    return sequences, np.concatenate(blocks), deeper_seqs, sorted(probes, key=lambda p: p[:3])[:spec.probes]
+    return sequences, np.concatenate(blocks), deeper_seqs, sorted(probes, key=lambda p: p[:3])[: spec.probes]
 
 
 def merge_shard_hits(blocks: list[np.ndarray], width: int) -> np.ndarray:
@@ -303,13 +259,15 @@ def merge_shard_hits(blocks: list[np.ndarray], width: int) -> np.ndarray:
     return hits
 
 
-def emit_hits(spec: "Retrieval", seq_ids: list[int], hits: np.ndarray, deeper_seqs, probes):
+def emit_hits(spec: Retrieval, seq_ids: list[int], hits: np.ndarray, deeper_seqs, probes):
     """What a searched batch sends on: tallies, probes, the count each sequence will receive,
     and the hits (the k neighbours keyed by chunk id, or candidate blocks by chunk file)."""
     unknown = hits["chunk_id"][hits["chunk_id"] >= spec.chunk_files.num_chunks]
     if len(unknown):
-        raise ValueError(f"the index returned chunk id {unknown[0]}, which is not in the chunk "
-                         f"database ({spec.chunk_files.num_chunks} chunks): index and chunks disagree")
+        raise ValueError(
+            f"the index returned chunk id {unknown[0]}, which is not in the chunk "
+            f"database ({spec.chunk_files.num_chunks} chunks): index and chunks disagree"
+        )
     L = spec.chunks_per_seq
     yield beam.pvalue.TaggedOutput(TALLY, ("queries", len(seq_ids) * L))
     yield beam.pvalue.TaggedOutput(TALLY, ("queries_searched_deeper", len(deeper_seqs) * L))
@@ -320,9 +278,13 @@ def emit_hits(spec: "Retrieval", seq_ids: list[int], hits: np.ndarray, deeper_se
     for seq_id in seq_ids:  # what each sequence must receive back, checked when it arrives
         yield beam.pvalue.TaggedOutput(SENT, (seq_id, sent.get(seq_id, 0)))
     if not spec.dedupe:  # the k hits are the neighbours (rank = slot)
-        for seq_id, j, slot, chunk_id, score in zip(hits["seq_id"].tolist(), hits["j"].tolist(),
-                                                    hits["rank"].tolist(), hits["chunk_id"].tolist(),
-                                                    hits["score"].tolist()):
+        for seq_id, j, slot, chunk_id, score in zip(
+            hits["seq_id"].tolist(),
+            hits["j"].tolist(),
+            hits["rank"].tolist(),
+            hits["chunk_id"].tolist(),
+            hits["score"].tolist(),
+        ):
             yield chunk_id, (seq_id, j, slot, score)
         return
     files = spec.chunk_files.files_of(hits["chunk_id"])
@@ -401,8 +363,7 @@ class _CandidateTokens(beam.DoFn):
         hits["token_key"] = np.array([token_key(tokens[r]) for r in unique], np.int64)[inverse]
         hits = hits[np.argsort(hits["seq_id"], kind="stable")]
         seq_ids, starts = np.unique(hits["seq_id"], return_index=True)
-        for seq_id, block in zip(seq_ids.tolist(), np.split(hits, starts[1:])):
-            yield seq_id, block
+        yield from zip(seq_ids.tolist(), np.split(hits, starts[1:]))
 
 
 class _NeighbourTokens(beam.DoFn):
@@ -428,8 +389,10 @@ def _arrived(seq_id: int, what: str, received: int, sent: list[int]) -> None:
     """Each sequence counts what it sent through a shuffle; fail loudly if any went missing
     rather than write a shard with silently padded neighbours."""
     if len(sent) != 1 or received != sent[0]:
-        raise RuntimeError(f"sequence {seq_id}: {received} {what} arrived, {sent or 'no count'} were "
-                           f"sent: {LOST_DATA}; nothing is committed")
+        raise RuntimeError(
+            f"sequence {seq_id}: {received} {what} arrived, {sent or 'no count'} were "
+            f"sent: {LOST_DATA}; nothing is committed"
+        )
 
 
 def _select_distinct(keyed, k: int):
@@ -447,8 +410,10 @@ def _select_distinct(keyed, k: int):
 def _to_row(keyed, chunks_per_seq: int, k: int, m: int, pad_id: int):
     _, grouped = keyed
     (sequence,) = grouped["sequence"]
-    picks = [(j, slot, chunk_id, score, np.frombuffer(value, np.int32))
-             for j, slot, chunk_id, score, value in grouped["picks"]]
+    picks = [
+        (j, slot, chunk_id, score, np.frombuffer(value, np.int32))
+        for j, slot, chunk_id, score, value in grouped["picks"]
+    ]
     _arrived(sequence.seq_id, "neighbours", len(picks), list(grouped["sent"]))
     neighbours, ids, scores = neighbour_arrays(picks, chunks_per_seq, k, m, pad_id)
     yield ShardRow(sequence.seq_id, sequence.tokens, neighbours, ids, scores, sequence.doc_ids)
@@ -471,13 +436,15 @@ class _SearchIndex(beam.PTransform):
         if len(spec.index_paths) == 1:
             return batches | "SearchBatches" >> beam.ParDo(_Search(spec)).with_outputs(*outputs, main="found")
         shards = len(spec.index_paths)
-        return (batches
-                | "ToEveryShard" >> beam.FlatMap(
-                    lambda b: [((shard, b[0] % SEARCH_GROUPS_PER_SHARD), b) for shard in range(shards)])
-                | "GroupByShard" >> beam.GroupByKey()
-                | "SearchShards" >> beam.ParDo(_SearchShard(spec))
-                | "GroupShardHits" >> beam.GroupByKey()
-                | "MergeShards" >> beam.FlatMap(_merge_shards, spec).with_outputs(*outputs, main="found"))
+        return (
+            batches
+            | "ToEveryShard"
+            >> beam.FlatMap(lambda b: [((shard, b[0] % SEARCH_GROUPS_PER_SHARD), b) for shard in range(shards)])
+            | "GroupByShard" >> beam.GroupByKey()
+            | "SearchShards" >> beam.ParDo(_SearchShard(spec))
+            | "GroupShardHits" >> beam.GroupByKey()
+            | "MergeShards" >> beam.FlatMap(_merge_shards, spec).with_outputs(*outputs, main="found")
+        )
 
 
 class RetrieveNeighbours(beam.PTransform):
@@ -501,26 +468,37 @@ class RetrieveNeighbours(beam.PTransform):
         L, files = spec.chunks_per_seq, spec.chunk_files
         by_seq = sequences | "SeqById" >> beam.Map(lambda s: (s.seq_id, s))
         excluded = (
-            {"span": doc_spans,
-             "seq": sequences | "SeqDocuments" >> beam.FlatMap(lambda s: [(d, s.seq_id) for d in s.doc_ids])}
+            {
+                "span": doc_spans,
+                "seq": sequences | "SeqDocuments" >> beam.FlatMap(lambda s: [(d, s.seq_id) for d in s.doc_ids]),
+            }
             | "JoinDocumentSpans" >> beam.CoGroupByKey()
-            | "ExcludedRanges" >> beam.FlatMap(_excluded_ranges))
+            | "ExcludedRanges" >> beam.FlatMap(_excluded_ranges)
+        )
         searched = (
-            {"sequences": sequences | "SeqBySearchBatch" >> beam.Map(lambda s: (s.seq_id // batch, s)),
-             "embeddings": embeddings | "QueryBySearchBatch" >> beam.Map(lambda e: (e[0] // L // batch, e)),
-             "excluded": excluded | "ExcludedBySearchBatch" >> beam.Map(lambda e: (e[0] // batch, e))}
+            {
+                "sequences": sequences | "SeqBySearchBatch" >> beam.Map(lambda s: (s.seq_id // batch, s)),
+                "embeddings": embeddings | "QueryBySearchBatch" >> beam.Map(lambda e: (e[0] // L // batch, e)),
+                "excluded": excluded | "ExcludedBySearchBatch" >> beam.Map(lambda e: (e[0] // batch, e)),
+            }
             | "JoinQueries" >> beam.CoGroupByKey()
-            | "Search" >> _SearchIndex(spec))
+            | "Search" >> _SearchIndex(spec)
+        )
         tallies = [searched[TALLY]]
         if spec.dedupe:
             picked = (
-                {"candidates": (searched.found
-                                | "GroupHitsByChunkFile" >> beam.GroupByKey()
-                                | "CandidateTokens" >> beam.ParDo(_CandidateTokens(files))),
-                 "sent": searched[SENT]}
+                {
+                    "candidates": (
+                        searched.found
+                        | "GroupHitsByChunkFile" >> beam.GroupByKey()
+                        | "CandidateTokens" >> beam.ParDo(_CandidateTokens(files))
+                    ),
+                    "sent": searched[SENT],
+                }
                 | "JoinCandidates" >> beam.CoGroupByKey()
-                | "DropDuplicateTokens" >> beam.FlatMap(_select_distinct, spec.neighbours)
-                .with_outputs(SENT, TALLY, main="picks"))
+                | "DropDuplicateTokens"
+                >> beam.FlatMap(_select_distinct, spec.neighbours).with_outputs(SENT, TALLY, main="picks")
+            )
             picks, sent = picked.picks, picked[SENT]
             tallies.append(picked[TALLY])
         else:
@@ -529,11 +507,13 @@ class RetrieveNeighbours(beam.PTransform):
             picks
             | "PicksByChunkFile" >> beam.Map(lambda pick: (files.file_of(pick[0]), pick))
             | "GroupPicksByChunkFile" >> beam.GroupByKey()
-            | "NeighbourTokens" >> beam.ParDo(_NeighbourTokens(files)))
+            | "NeighbourTokens" >> beam.ParDo(_NeighbourTokens(files))
+        )
         rows = (
             {"sequence": by_seq, "picks": neighbours, "sent": sent}
             | "JoinNeighbours" >> beam.CoGroupByKey()
-            | "AssembleRows" >> beam.FlatMap(_to_row, L, spec.neighbours, spec.chunk_tokens, spec.pad_id))
+            | "AssembleRows" >> beam.FlatMap(_to_row, L, spec.neighbours, spec.chunk_tokens, spec.pad_id)
+        )
         return rows, searched[PROBE], tallies | "RetrievalTallies" >> beam.Flatten()
 
 
@@ -544,7 +524,9 @@ def rows_to_ipc(rows: list[ShardRow], pad_id: int) -> bytes:
         np.stack([r.neighbours for r in rows]),
         np.stack([r.neighbour_ids for r in rows]),
         np.stack([r.neighbour_scores for r in rows]),
-        [r.doc_ids for r in rows], pad_id=pad_id)
+        [r.doc_ids for r in rows],
+        pad_id=pad_id,
+    )
     return shard_ipc_bytes(table)
 
 
@@ -558,6 +540,12 @@ class WriteShards(beam.PTransform):
     def expand(self, rows):
         pad_id = self.pad_id
         return rows | "WriteShardFiles" >> WriteGroupedFiles(
-            self.directory, self.directory, "shard", "arrow", key=lambda r: r.seq_id,
-            rows_per_file=self.shard_rows, to_bytes=lambda rs: rows_to_ipc(rs, pad_id),
-            facts=lambda rs: {FILLED: sum(int((r.neighbour_ids >= 0).sum()) for r in rs)})
+            self.directory,
+            self.directory,
+            "shard",
+            "arrow",
+            key=lambda r: r.seq_id,
+            rows_per_file=self.shard_rows,
+            to_bytes=lambda rs: rows_to_ipc(rs, pad_id),
+            facts=lambda rs: {FILLED: sum(int((r.neighbour_ids >= 0).sum()) for r in rs)},
+        )

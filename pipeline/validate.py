@@ -19,11 +19,11 @@ chosen by a hash of their file names (the same ones every time, at least one of 
 every chunk file the sampled shards reference; sizes and sha256 are still checked for every
 listed file.
 """
+
 from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import math
 import os
 import posixpath
@@ -35,17 +35,31 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline import fileio
-from pipeline.chunkdb import in_file_order
+from pipeline.chunkdb import chunk_arrays, in_file_order
 from pipeline.faiss_index import load_index
 from pipeline.index_shards import merge_shard_results
-from schemas.arrow import (SHARD_METADATA_KEYS, SchemaVersionError, check_schema_version, read_shard_table, shard_column,
-                           tensor_column_to_numpy)
-from schemas.manifest import FileEntry, IndexManifest, ShardEntry, ShardsManifest, VectorIndexManifest
+from schemas.arrow import (
+    SHARD_METADATA_KEYS,
+    SchemaVersionError,
+    check_schema_version,
+    read_shard_table,
+    shard_column,
+    tensor_column_to_numpy,
+)
+from schemas.manifest import (
+    MANIFEST_FILE,
+    FileEntry,
+    IndexManifest,
+    ShardEntry,
+    ShardsManifest,
+    VectorIndexManifest,
+    read_manifest,
+)
 
 NORM_TOLERANCE = 1e-3
-INDEX_PROBES = 64        # embeddings searched for themselves in the faiss index
+INDEX_PROBES = 64  # embeddings searched for themselves in the faiss index
 REFERENCE_BLOCK = 65536  # references checked at a time against a chunk file
-PROBLEMS_KEPT = 10       # problems of each kind a failed Beam job reports in full
+PROBLEMS_KEPT = 10  # problems of each kind a failed Beam job reports in full
 
 
 class ValidationFailed(ValueError):
@@ -64,6 +78,7 @@ def _require(condition, message: str, kind: str | None = None) -> None:
 
 def _kind(kind: str):
     """Problems a check raises are of this kind unless a step inside it named another."""
+
     def wrap(check):
         @functools.wraps(check)
         def run(*args, **kwargs):
@@ -74,11 +89,14 @@ def _kind(kind: str):
                 raise
             except SchemaVersionError as err:  # a problem of the data like any other
                 raise ValidationFailed(str(err), kind) from None
+
         return run
+
     return wrap
 
 
 # --- sampling ---------------------------------------------------------------------------------
+
 
 def _name_hash(path: str) -> bytes:
     return hashlib.sha256(posixpath.basename(path).encode()).digest()
@@ -96,13 +114,10 @@ def sampled(entries: list, fraction: float) -> list:
 
 # --- reading listed files ---------------------------------------------------------------------
 
-def _manifest(directory: str) -> tuple[dict, bytes]:
-    path = fileio.join(directory, fileio.MANIFEST)
-    _require(fileio.exists(path), f"{path}: missing (the stage never committed)", "manifest")
-    data = fileio.read_bytes(path)
-    raw = json.loads(data)
-    check_schema_version(raw.get("schema_version"), path)
-    return raw, data
+
+def _manifest_problem(message: str) -> ValidationFailed:
+    """What a missing, non-JSON or invalid manifest raises here (`read_manifest`'s `error`)."""
+    return ValidationFailed(message, "manifest")
 
 
 def _read_checked(directory: str, entry: FileEntry) -> bytes:
@@ -120,19 +135,18 @@ def check_listed_file(directory: str, entry: FileEntry) -> None:
     """Size and sha256 of a listed file, read block by block (never held whole)."""
     path = fileio.join(directory, entry.path)
     _require(fileio.exists(path), f"{path}: listed in the manifest but missing")
-    digest, size = hashlib.sha256(), 0
-    with fileio.open_read(path) as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-            size += len(block)
+    digest, size = fileio.sha256_file(path)
     _require(size == entry.bytes, f"{path}: {size} bytes, manifest says {entry.bytes}")
-    _require(digest.hexdigest() == entry.sha256, f"{path}: sha256 differs from the manifest")
+    _require(digest == entry.sha256, f"{path}: sha256 differs from the manifest")
 
 
 def _parquet(directory: str, entry: FileEntry) -> pa.Table:
     table = pq.read_table(pa.BufferReader(_read_checked(directory, entry)))
-    _require(table.num_rows == entry.rows, f"{directory}/{entry.path}: {table.num_rows} rows, "
-             f"manifest says {entry.rows}", "file")
+    _require(
+        table.num_rows == entry.rows,
+        f"{directory}/{entry.path}: {table.num_rows} rows, manifest says {entry.rows}",
+        "file",
+    )
     return table
 
 
@@ -157,14 +171,18 @@ class ChunkFiles:
         return fileio.join(self.directory, self.entries[number].path)
 
     def read(self, number: int) -> dict:
-        table = _parquet(self.directory, self.entries[number])
-        return {"ids": table["chunk_id"].to_numpy(), "docs": table["doc_id"].to_numpy(),
-                "positions": table["position"].to_numpy(),
-                "tokens": tensor_column_to_numpy(table["tokens"]),
-                "continuations": tensor_column_to_numpy(table["continuation"])}
+        rows = chunk_arrays(_parquet(self.directory, self.entries[number]))
+        return {
+            "ids": rows["chunk_id"],
+            "docs": rows["doc_id"],
+            "positions": rows["position"],
+            "tokens": rows["tokens"],
+            "continuations": rows["continuation"],
+        }
 
 
 # --- what the checks need of each manifest (small and picklable: it travels to Beam workers) --
+
 
 @dataclass(frozen=True)
 class IndexFacts:
@@ -173,9 +191,9 @@ class IndexFacts:
     pad_id: int
     num_documents: int
     chunks: ChunkFiles
-    embeddings: tuple                 # the embedding files' entries, in chunk-id order
-    embedding_starts: tuple           # embedding file e holds chunk ids from embedding_starts[e]
-    dim: int                          # the embeddings' width
+    embeddings: tuple  # the embedding files' entries, in chunk-id order
+    embedding_starts: tuple  # embedding file e holds chunk ids from embedding_starts[e]
+    dim: int  # the embeddings' width
 
 
 @dataclass(frozen=True)
@@ -186,8 +204,8 @@ class ShardsFacts:
     neighbours: int
     pad_id: int
     same_corpus: bool
-    metadata: tuple                   # (key, value) every shard's schema metadata must hold
-    chunks: ChunkFiles                # the chunk database the neighbours point into
+    metadata: tuple  # (key, value) every shard's schema metadata must hold
+    chunks: ChunkFiles  # the chunk database the neighbours point into
 
     @property
     def chunks_per_sequence(self) -> int:
@@ -200,20 +218,22 @@ class FaissFacts:
     nprobe: int | None
     num_vectors: int
     dim: int
-    files: tuple          # (path, vectors, bytes) of index.faiss or of each shard, in chunk-id order
+    files: tuple  # (path, vectors, bytes) of index.faiss or of each shard, in chunk-id order
     shard_bytes: int | None
 
     @classmethod
-    def of(cls, directory: str, manifest, num_vectors: int) -> "FaissFacts":
+    def of(cls, directory: str, manifest, num_vectors: int) -> FaissFacts:
         files = tuple((f.path, f.rows, f.bytes) for f in manifest.files if f.path.startswith("faiss/"))
         return cls(directory, manifest.nprobe, num_vectors, manifest.dim, files, manifest.shard_bytes)
 
 
 # --- index checks -----------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class ChunkFileEnds:
     """The first and last rows of a chunk file: what the check across its boundaries needs."""
+
     number: int
     first_doc: int
     first_position: int
@@ -226,7 +246,7 @@ class ChunkFileEnds:
 @dataclass(frozen=True)
 class ChunkFileSummary:
     ends: ChunkFileEnds
-    doc_starts: np.ndarray            # doc ids of the documents whose first chunk it holds
+    doc_starts: np.ndarray  # doc ids of the documents whose first chunk it holds
 
 
 @_kind("chunk file")
@@ -238,20 +258,34 @@ def _check_chunk_rules(index: IndexFacts, number: int, rows: dict) -> ChunkFileS
     ids, docs, positions, tokens = rows["ids"], rows["docs"], rows["positions"], rows["tokens"]
     continuations = rows["continuations"]
     _require(len(ids) > 0, f"{path}: holds no chunks")
-    _require(np.array_equal(ids, np.arange(start, start + len(ids))),
-             f"{path}: chunk ids are not the dense run {start}..{start + len(ids) - 1}")
+    _require(
+        np.array_equal(ids, np.arange(start, start + len(ids))),
+        f"{path}: chunk ids are not the dense run {start}..{start + len(ids) - 1}",
+    )
     _require(tokens.shape[1] == m, f"{path}: chunks hold {tokens.shape[1]} tokens, not {m}")
     _require(not (tokens == pad).all(axis=1).any(), f"{path}: a chunk holds only padding")
     same_doc = docs[1:] == docs[:-1]  # each row with the one before it
-    _require(np.array_equal(positions[1:], np.where(same_doc, positions[:-1] + 1, 0)),
-             f"{path}: documents are not runs of chunks at positions 0, 1, 2, ...")
+    _require(
+        np.array_equal(positions[1:], np.where(same_doc, positions[:-1] + 1, 0)),
+        f"{path}: documents are not runs of chunks at positions 0, 1, 2, ...",
+    )
     # a continuation is the next chunk of its document, or padding at its end
     expected = np.where(same_doc[:, None], tokens[1:], pad)
     bad = np.flatnonzero((continuations[:-1] != expected).any(axis=1))
-    _require(len(bad) == 0, f"{path}: chunk {start + (bad[0] if len(bad) else 0)} continuation is "
-             "not the next chunk of its document (or padding at its end)")
-    ends = ChunkFileEnds(number, int(docs[0]), int(positions[0]), tokens[0].copy(),
-                         int(docs[-1]), int(positions[-1]), continuations[-1].copy())
+    _require(
+        len(bad) == 0,
+        f"{path}: chunk {start + (bad[0] if len(bad) else 0)} continuation is "
+        "not the next chunk of its document (or padding at its end)",
+    )
+    ends = ChunkFileEnds(
+        number,
+        int(docs[0]),
+        int(positions[0]),
+        tokens[0].copy(),
+        int(docs[-1]),
+        int(positions[-1]),
+        continuations[-1].copy(),
+    )
     return ChunkFileSummary(ends, docs[positions == 0].copy())
 
 
@@ -263,23 +297,32 @@ def check_chunk_boundaries(index: IndexFacts, ends: list[ChunkFileEnds]) -> None
     by_number = {e.number: e for e in ends}
     pad = index.pad_id
     first = by_number.get(0)
-    _require(first is None or first.first_position == 0,
-             f"{index.directory}/chunks file 0: documents are not runs of chunks at positions 0, 1, 2, ...")
+    _require(
+        first is None or first.first_position == 0,
+        f"{index.directory}/chunks file 0: documents are not runs of chunks at positions 0, 1, 2, ...",
+    )
     for number, after in sorted(by_number.items()):
         before = by_number.get(number - 1)
         if before is None:
             continue
         path = f"{index.directory}/chunks file {number}"
         same_doc = after.first_doc == before.last_doc
-        _require(after.first_position == (before.last_position + 1 if same_doc else 0),
-                 f"{path}: documents are not runs of chunks at positions 0, 1, 2, ...")
-        _require(np.array_equal(before.last_continuation,
-                                after.first_tokens if same_doc else np.full_like(after.first_tokens, pad)),
-                 f"{path}: chunk {int(index.chunks.starts[number]) - 1} continuation is not the next "
-                 "chunk of its document (or padding at its end)")
+        _require(
+            after.first_position == (before.last_position + 1 if same_doc else 0),
+            f"{path}: documents are not runs of chunks at positions 0, 1, 2, ...",
+        )
+        _require(
+            np.array_equal(
+                before.last_continuation, after.first_tokens if same_doc else np.full_like(after.first_tokens, pad)
+            ),
+            f"{path}: chunk {int(index.chunks.starts[number]) - 1} continuation is not the next "
+            "chunk of its document (or padding at its end)",
+        )
     last = by_number.get(len(index.chunks.entries) - 1)
-    _require(last is None or (last.last_continuation == pad).all(),
-             f"{index.directory}: the last chunk's continuation is not padding")
+    _require(
+        last is None or (last.last_continuation == pad).all(),
+        f"{index.directory}: the last chunk's continuation is not padding",
+    )
 
 
 @_kind("documents")
@@ -287,16 +330,20 @@ def check_document_runs(index: IndexFacts, runs: int, distinct: int, files: int)
     """Each document is one run of chunks: as many runs as distinct documents starting them
     in the `files` chunk files checked against the rules, and, when those were all of them,
     as many as the manifest says."""
-    _require(runs == distinct, f"{index.directory}: {runs} document runs of {distinct} documents "
-             "(a document split into several runs)")
-    _require(files < len(index.chunks.entries) or runs == index.num_documents,
-             f"{index.directory}: {runs} document runs for {index.num_documents} documents")
+    _require(
+        runs == distinct,
+        f"{index.directory}: {runs} document runs of {distinct} documents (a document split into several runs)",
+    )
+    _require(
+        files < len(index.chunks.entries) or runs == index.num_documents,
+        f"{index.directory}: {runs} document runs for {index.num_documents} documents",
+    )
 
 
 @dataclass(frozen=True)
 class Probes:
-    ids: np.ndarray                   # chunk ids
-    vectors: np.ndarray               # their embeddings
+    ids: np.ndarray  # chunk ids
+    vectors: np.ndarray  # their embeddings
 
 
 @_kind("embeddings")
@@ -307,13 +354,19 @@ def check_embedding_file(index: IndexFacts, position: int, probes_per_file: int)
     where = f"{index.directory}/{entry.path}"
     table = _parquet(index.directory, entry)
     ids = table["chunk_id"].to_numpy()
-    _require(np.array_equal(ids, np.arange(start, start + len(ids))),
-             f"{where}: embeddings do not cover the chunks one to one, in order")
+    _require(
+        np.array_equal(ids, np.arange(start, start + len(ids))),
+        f"{where}: embeddings do not cover the chunks one to one, in order",
+    )
     vectors = tensor_column_to_numpy(table["embedding"])
-    _require(vectors.shape[1] == index.dim, f"{where}: embeddings of width {vectors.shape[1]}, manifest says {index.dim}")
+    _require(
+        vectors.shape[1] == index.dim, f"{where}: embeddings of width {vectors.shape[1]}, manifest says {index.dim}"
+    )
     norms = np.linalg.norm(vectors, axis=1)
-    _require(np.isfinite(vectors).all() and (np.abs(norms - 1) < NORM_TOLERANCE).all(),
-             f"{where}: embeddings are not finite unit vectors")
+    _require(
+        np.isfinite(vectors).all() and (np.abs(norms - 1) < NORM_TOLERANCE).all(),
+        f"{where}: embeddings are not finite unit vectors",
+    )
     rows = np.linspace(0, len(ids) - 1, min(len(ids), probes_per_file)).astype(np.int64)
     return Probes(ids[rows], vectors[rows].copy())
 
@@ -334,10 +387,14 @@ def check_faiss_index(faiss_index: FaissFacts, probes: list[Probes]) -> None:
             index = load_index(path, faiss_index.nprobe)
         except RuntimeError as err:
             raise ValidationFailed(f"{path}: faiss cannot read it: {err}") from None
-        _require(index.ntotal == rows and index.d == faiss_index.dim,
-                 f"{path}: holds {index.ntotal} x {index.d}, manifest says {rows} x {faiss_index.dim}")
-        _require(faiss_index.shard_bytes is None or size <= faiss_index.shard_bytes,
-                 f"{path}: {size} bytes, more than the shard size {faiss_index.shard_bytes}")
+        _require(
+            index.ntotal == rows and index.d == faiss_index.dim,
+            f"{path}: holds {index.ntotal} x {index.d}, manifest says {rows} x {faiss_index.dim}",
+        )
+        _require(
+            faiss_index.shard_bytes is None or size <= faiss_index.shard_bytes,
+            f"{path}: {size} bytes, more than the shard size {faiss_index.shard_bytes}",
+        )
         if vectors is not None:
             results.append(index.search(vectors, 10))
         del index
@@ -351,14 +408,16 @@ def check_faiss_index(faiss_index: FaissFacts, probes: list[Probes]) -> None:
 
 # --- shard checks -----------------------------------------------------------------------------
 
-REFERENCE = np.dtype([("chunk_id", "<i8"), ("seq_id", "<i8"), ("own", "?"),
-                      ("docs_start", "<i8"), ("docs_count", "<i4")])
+REFERENCE = np.dtype(
+    [("chunk_id", "<i8"), ("seq_id", "<i8"), ("own", "?"), ("docs_start", "<i8"), ("docs_count", "<i4")]
+)
 
 
 @dataclass(frozen=True)
 class ReferenceBlock:
     """References into one chunk file: which chunk, which sequence, neighbour or the
     sequence's own chunk, where its doc ids are in `docs`; their tokens [r, 2m]; the doc ids."""
+
     refs: np.ndarray
     values: np.ndarray
     docs: np.ndarray
@@ -385,8 +444,14 @@ def _contains(docs: np.ndarray, starts: np.ndarray, counts: np.ndarray, wanted: 
     return np.bincount(owner, weights=hits, minlength=len(starts)) > 0
 
 
-def _shard_references(shards: ShardsFacts, table: pa.Table, present: np.ndarray, ids: np.ndarray,
-                      neighbours: np.ndarray, tokens: np.ndarray) -> dict[int, ReferenceBlock]:
+def _shard_references(
+    shards: ShardsFacts,
+    table: pa.Table,
+    present: np.ndarray,
+    ids: np.ndarray,
+    neighbours: np.ndarray,
+    tokens: np.ndarray,
+) -> dict[int, ReferenceBlock]:
     """A shard's references, grouped by the chunk file holding their chunk."""
     m, pad, L = shards.chunk_tokens, shards.pad_id, shards.chunks_per_sequence
     seq_ids = table["seq_id"].to_numpy()
@@ -398,7 +463,7 @@ def _shard_references(shards: ShardsFacts, table: pa.Table, present: np.ndarray,
     if shards.same_corpus:  # sequence s holds chunks s·L ... s·L + L - 1
         own_row, own_j = np.divmod(np.arange(len(seq_ids) * L), L)
         own_value = np.full((len(own_row), 2 * m), pad, np.int32)
-        own_value[:, :m] = tokens[:, :L * m].reshape(-1, m)  # row-major: (own_row, own_j)
+        own_value[:, :m] = tokens[:, : L * m].reshape(-1, m)  # row-major: (own_row, own_j)
         row, chunk_id = np.concatenate([row, own_row]), np.concatenate([chunk_id, seq_ids[own_row] * L + own_j])
         value, own = np.concatenate([value, own_value]), np.concatenate([own, np.ones(len(own_row), bool)])
     numbers = shards.chunks.file_of(chunk_id)
@@ -421,8 +486,13 @@ def _shard_references(shards: ShardsFacts, table: pa.Table, present: np.ndarray,
 def check_shard(shards: ShardsFacts, entry: ShardEntry) -> ShardResult:
     """One shard: its bytes, schema metadata, rows, shapes, sequence ids, absent neighbours;
     returns its references for the chunk files to check."""
-    n, m, k, pad, L = (shards.sequence_tokens, shards.chunk_tokens, shards.neighbours, shards.pad_id,
-                       shards.chunks_per_sequence)
+    n, m, k, pad, L = (
+        shards.sequence_tokens,
+        shards.chunk_tokens,
+        shards.neighbours,
+        shards.pad_id,
+        shards.chunks_per_sequence,
+    )
     path = fileio.join(shards.directory, entry.path)
     table = read_shard_table(pa.BufferReader(_read_checked(shards.directory, entry)))
     meta = {key.decode(): value.decode() for key, value in (table.schema.metadata or {}).items()}
@@ -435,21 +505,32 @@ def check_shard(shards: ShardsFacts, entry: ShardEntry) -> ShardResult:
     neighbours = shard_column(table, "neighbours")
     ids = shard_column(table, "neighbour_ids")
     scores = shard_column(table, "neighbour_scores")
-    _require(tokens.shape[1:] == (n + 1,) and neighbours.shape[1:] == (L, k, 2 * m)
-             and ids.shape[1:] == (L, k), f"{path}: column shapes disagree with n={n} m={m} k={k}")
+    _require(
+        tokens.shape[1:] == (n + 1,) and neighbours.shape[1:] == (L, k, 2 * m) and ids.shape[1:] == (L, k),
+        f"{path}: column shapes disagree with n={n} m={m} k={k}",
+    )
     _require(len(seq_ids) > 0 and (np.diff(seq_ids) > 0).all(), f"{path}: seq_ids are not sorted and unique")
-    _require(not shards.same_corpus or (seq_ids[0] >= 0 and (seq_ids[-1] + 1) * L <= shards.chunks.num_chunks),
-             f"{path}: seq_ids point outside the chunk database (training_corpus: same)")
+    _require(
+        not shards.same_corpus or (seq_ids[0] >= 0 and (seq_ids[-1] + 1) * L <= shards.chunks.num_chunks),
+        f"{path}: seq_ids point outside the chunk database (training_corpus: same)",
+    )
     present = ids >= 0
-    _require((ids < shards.chunks.num_chunks).all() and (present | (ids == -1)).all(),
-             f"{path}: neighbour_ids point outside the chunk database")
-    _require((neighbours[~present] == pad).all() and (scores[~present] == 0).all(),
-             f"{path}: an absent neighbour (id -1) is not padding")
+    _require(
+        (ids < shards.chunks.num_chunks).all() and (present | (ids == -1)).all(),
+        f"{path}: neighbour_ids point outside the chunk database",
+    )
+    _require(
+        (neighbours[~present] == pad).all() and (scores[~present] == 0).all(),
+        f"{path}: an absent neighbour (id -1) is not padding",
+    )
     filled = int(present.sum())
-    _require(entry.neighbour_slots_filled in (None, filled),
-             f"{path}: {filled} neighbour slots filled, manifest says {entry.neighbour_slots_filled}")
-    return ShardResult(path, int(seq_ids[0]), int(seq_ids[-1]),
-                       _shard_references(shards, table, present, ids, neighbours, tokens))
+    _require(
+        entry.neighbour_slots_filled in (None, filled),
+        f"{path}: {filled} neighbour slots filled, manifest says {entry.neighbour_slots_filled}",
+    )
+    return ShardResult(
+        path, int(seq_ids[0]), int(seq_ids[-1]), _shard_references(shards, table, present, ids, neighbours, tokens)
+    )
 
 
 @_kind("reference")
@@ -466,20 +547,24 @@ def check_references(chunks: ChunkFiles, number: int, rows: dict, block: Referen
     if wrong.any():
         first = np.flatnonzero(wrong)[0]
         what = "tokens differ from its chunks" if own[first] else "neighbour tokens differ from the chunk database"
-        raise ValidationFailed(f"seq {refs['seq_id'][first]}: {what} (chunk {refs['chunk_id'][first]}, "
-                               f"{chunks.path(number)})")
+        raise ValidationFailed(
+            f"seq {refs['seq_id'][first]}: {what} (chunk {refs['chunk_id'][first]}, {chunks.path(number)})"
+        )
     chunk_docs = rows["docs"][local]
     inside = _contains(docs, refs["docs_start"], refs["docs_count"], chunk_docs)
     leak = ~own & inside
     if leak.any():
         first = np.flatnonzero(leak)[0]
-        raise ValidationFailed(f"seq {refs['seq_id'][first]} has a neighbour from its own "
-                               f"document {chunk_docs[first]} (chunk {refs['chunk_id'][first]})")
+        raise ValidationFailed(
+            f"seq {refs['seq_id'][first]} has a neighbour from its own "
+            f"document {chunk_docs[first]} (chunk {refs['chunk_id'][first]})"
+        )
     missing = own & ~inside
     if missing.any():
         first = np.flatnonzero(missing)[0]
-        raise ValidationFailed(f"seq {refs['seq_id'][first]}: doc_ids miss document "
-                               f"{chunk_docs[first]}, which it holds")
+        raise ValidationFailed(
+            f"seq {refs['seq_id'][first]}: doc_ids miss document {chunk_docs[first]}, which it holds"
+        )
 
 
 def check_chunk_file(chunks: ChunkFiles, number: int, blocks, index: IndexFacts | None, sampled: bool):
@@ -508,23 +593,25 @@ def check_seq_ranges(ranges: list[tuple[int, int, str]]) -> None:
 
 # --- the plan: what to check, from the manifests ----------------------------------------------
 
+
 @dataclass
 class ValidationPlan:
     """What a validation reads, decided from the manifests (whose own checks it runs)."""
+
     path: str
     sample: float
-    index_directory: str | None = None     # as given to `plan_validation`
-    index: IndexFacts | None = None        # the index whose chunk files are checked by the rules
+    index_directory: str | None = None  # as given to `plan_validation`
+    index: IndexFacts | None = None  # the index whose chunk files are checked by the rules
     shards: ShardsFacts | None = None
     faiss_index: FaissFacts | None = None
-    chunks: ChunkFiles | None = None       # the chunk database read (the index's, or the shards')
-    shard_entries: list = field(default_factory=list)      # shards checked
+    chunks: ChunkFiles | None = None  # the chunk database read (the index's, or the shards')
+    shard_entries: list = field(default_factory=list)  # shards checked
     sampled_chunk_files: list = field(default_factory=list)
     unsampled_chunk_files: list = field(default_factory=list)  # hashed unless a shard references one
-    embedding_files: list = field(default_factory=list)    # positions in index.embeddings
+    embedding_files: list = field(default_factory=list)  # positions in index.embeddings
     probes_per_file: int = INDEX_PROBES
-    listed_files: list = field(default_factory=list)       # (directory, entry) checked by hash only
-    lines: list = field(default_factory=list)              # what a passing validation prints
+    listed_files: list = field(default_factory=list)  # (directory, entry) checked by hash only
+    lines: list = field(default_factory=list)  # what a passing validation prints
 
     @property
     def complete(self) -> bool:
@@ -538,19 +625,32 @@ def _sample_note(sample: float, parts: list[str], listed: int) -> str:
 
 
 def _plan_index(plan: ValidationPlan, directory: str) -> None:
-    raw, _ = _manifest(directory)
-    manifest = IndexManifest.model_validate(raw)
+    manifest = fileio.committed_manifest(directory, IndexManifest, error=_manifest_problem)
     chunks = ChunkFiles(directory, manifest)
-    _require(chunks.num_chunks == manifest.num_chunks,
-             f"{directory}: {chunks.num_chunks} chunk rows, manifest says {manifest.num_chunks}", "manifest")
+    _require(
+        chunks.num_chunks == manifest.num_chunks,
+        f"{directory}: {chunks.num_chunks} chunk rows, manifest says {manifest.num_chunks}",
+        "manifest",
+    )
     embeddings = in_file_order(manifest.files, "embeddings")
     embedded = int(sum(entry.rows for entry in embeddings))
-    _require(embedded == manifest.num_chunks, f"{directory}: {embedded} embeddings for {manifest.num_chunks} chunks",
-             "manifest")
+    _require(
+        embedded == manifest.num_chunks,
+        f"{directory}: {embedded} embeddings for {manifest.num_chunks} chunks",
+        "manifest",
+    )
     plan.chunks = chunks
     starts = tuple(int(s) for s in np.cumsum([0] + [e.rows for e in embeddings]))
-    plan.index = IndexFacts(directory, manifest.chunk_tokens, manifest.pad_id, manifest.num_documents, chunks,
-                            tuple(embeddings), starts, manifest.dim)
+    plan.index = IndexFacts(
+        directory,
+        manifest.chunk_tokens,
+        manifest.pad_id,
+        manifest.num_documents,
+        chunks,
+        tuple(embeddings),
+        starts,
+        manifest.dim,
+    )
     plan.faiss_index = FaissFacts.of(directory, manifest, manifest.num_chunks)
     chosen = {entry.path for entry in sampled(chunks.entries, plan.sample)}
     plan.sampled_chunk_files = [i for i, entry in enumerate(chunks.entries) if entry.path in chosen]
@@ -560,43 +660,65 @@ def _plan_index(plan: ValidationPlan, directory: str) -> None:
     plan.probes_per_file = max(1, INDEX_PROBES // max(1, len(plan.embedding_files)))
     read = {entry.path for entry in chunks.entries} | chosen  # chunk files: see check_chunk_file
     plan.listed_files += [(directory, entry) for entry in manifest.files if entry.path not in read]
-    note = _sample_note(plan.sample, [f"{len(plan.sampled_chunk_files)} of {len(chunks.entries)} chunk files "
-                                      "(and any a sampled shard references)",
-                                      f"{len(plan.embedding_files)} of {len(embeddings)} embedding files"],
-                        len(manifest.files))
-    plan.lines.append(f"OK index {directory}{note}: {manifest.num_chunks} chunks from {manifest.num_documents} "
-                      f"documents, {manifest.index_factory}, {manifest.recall_at_k.measure} = "
-                      f"{manifest.recall_at_k.value:.3f}")
+    note = _sample_note(
+        plan.sample,
+        [
+            f"{len(plan.sampled_chunk_files)} of {len(chunks.entries)} chunk files "
+            "(and any a sampled shard references)",
+            f"{len(plan.embedding_files)} of {len(embeddings)} embedding files",
+        ],
+        len(manifest.files),
+    )
+    plan.lines.append(
+        f"OK index {directory}{note}: {manifest.num_chunks} chunks from {manifest.num_documents} "
+        f"documents, {manifest.index_factory}, {manifest.recall_at_k.measure} = "
+        f"{manifest.recall_at_k.value:.3f}"
+    )
 
 
 def _check_shard_totals(directory: str, manifest: ShardsManifest, chunks_per_sequence: int) -> None:
     """The manifest's totals against the sums of its shard entries (which `check_shard` holds
     each shard to)."""
     rows = sum(entry.rows for entry in manifest.shards)
-    _require(rows == manifest.num_sequences, f"{directory}: {rows} rows in the shards, manifest says "
-             f"{manifest.num_sequences}", "manifest")
+    _require(
+        rows == manifest.num_sequences,
+        f"{directory}: {rows} rows in the shards, manifest says {manifest.num_sequences}",
+        "manifest",
+    )
     counts = [entry.neighbour_slots_filled for entry in manifest.shards]
     if manifest.neighbour_fill is None or None in counts:
         return
     filled, slots = sum(counts), rows * chunks_per_sequence * manifest.neighbours
-    _require(abs(manifest.neighbour_fill - (filled / slots if slots else 1.0)) < 1e-9,
-             f"{directory}: neighbour_fill {manifest.neighbour_fill} disagrees with the shards ({filled}/{slots})",
-             "manifest")
+    _require(
+        abs(manifest.neighbour_fill - (filled / slots if slots else 1.0)) < 1e-9,
+        f"{directory}: neighbour_fill {manifest.neighbour_fill} disagrees with the shards ({filled}/{slots})",
+        "manifest",
+    )
 
 
 def _plan_shards(plan: ValidationPlan, directory: str, index_directory: str) -> None:
-    raw, _ = _manifest(directory)
-    manifest = ShardsManifest.model_validate(raw)
-    index_raw, index_bytes = _manifest(index_directory)
-    _require(fileio.sha256_bytes(index_bytes) == manifest.index_manifest_sha256,
-             f"{directory}: built against a different index than {index_directory}", "manifest")
+    manifest = fileio.committed_manifest(directory, ShardsManifest, error=_manifest_problem)
+    index_path = fileio.join(index_directory, MANIFEST_FILE)
+    index_bytes = fileio.read_bytes(index_path) if fileio.exists(index_path) else None
+    index_manifest = read_manifest(index_bytes, index_path, IndexManifest, error=_manifest_problem)
+    _require(
+        fileio.sha256_bytes(index_bytes) == manifest.index_manifest_sha256,
+        f"{directory}: built against a different index than {index_directory}",
+        "manifest",
+    )
     m = manifest.chunk_tokens
     _require(manifest.neighbour_tokens == 2 * m, f"{directory}: neighbour_tokens != 2 x chunk_tokens", "manifest")
-    plan.chunks = plan.chunks or ChunkFiles(index_directory, IndexManifest.model_validate(index_raw))
+    plan.chunks = plan.chunks or ChunkFiles(index_directory, index_manifest)
     plan.shards = ShardsFacts(
-        directory, manifest.sequence_tokens, m, manifest.neighbours, manifest.pad_id,
+        directory,
+        manifest.sequence_tokens,
+        m,
+        manifest.neighbours,
+        manifest.pad_id,
         manifest.training_corpus == "same",
-        tuple((key, str(getattr(manifest, key))) for key in SHARD_METADATA_KEYS), plan.chunks)
+        tuple((key, str(getattr(manifest, key))) for key in SHARD_METADATA_KEYS),
+        plan.chunks,
+    )
     _check_shard_totals(directory, manifest, plan.shards.chunks_per_sequence)
     plan.shard_entries = sampled(manifest.shards, plan.sample)
     checked = {entry.path for entry in plan.shard_entries}
@@ -609,18 +731,24 @@ def _plan_shards(plan: ValidationPlan, directory: str, index_directory: str) -> 
     if plan.complete:
         head = f"OK shards {directory}: {rows} sequences in {total} shards"
     else:
-        head = (f"OK shards {directory} (a sample: {len(plan.shard_entries)} of {total} shards and the chunk "
-                f"files they reference; sizes and sha256 of all {total} shards): {rows} sequences in the sample")
-    plan.lines.append(f"{head}, {filled}no same-document neighbour, neighbour tokens equal the chunk "
-                      f"database; {manifest.neighbour_summary()}")
+        head = (
+            f"OK shards {directory} (a sample: {len(plan.shard_entries)} of {total} shards and the chunk "
+            f"files they reference; sizes and sha256 of all {total} shards): {rows} sequences in the sample"
+        )
+    plan.lines.append(
+        f"{head}, {filled}no same-document neighbour, neighbour tokens equal the chunk "
+        f"database; {manifest.neighbour_summary()}"
+    )
 
 
-def _plan_vector_index(plan: ValidationPlan, directory: str, raw: dict) -> None:
-    manifest = VectorIndexManifest.model_validate(raw)
+def _plan_vector_index(plan: ValidationPlan, directory: str) -> None:
+    manifest = fileio.committed_manifest(directory, VectorIndexManifest, error=_manifest_problem)
     plan.listed_files += [(directory, entry) for entry in manifest.files]
     plan.faiss_index = FaissFacts.of(directory, manifest, manifest.num_vectors)
-    plan.lines.append(f"OK vector index {directory}: {manifest.num_vectors} vectors, {manifest.index_factory}, "
-                      f"{manifest.recall_at_k.measure} = {manifest.recall_at_k.value:.3f} at depth {manifest.nprobe}")
+    plan.lines.append(
+        f"OK vector index {directory}: {manifest.num_vectors} vectors, {manifest.index_factory}, "
+        f"{manifest.recall_at_k.measure} = {manifest.recall_at_k.value:.3f} at depth {manifest.nprobe}"
+    )
 
 
 def plan_validation(path: str, sample: float = 1.0, index_directory: str | None = None) -> ValidationPlan:
@@ -629,19 +757,19 @@ def plan_validation(path: str, sample: float = 1.0, index_directory: str | None 
     if not 0 < sample <= 1:
         raise ValueError(f"sample {sample}: must be in (0, 1]")
     plan = ValidationPlan(path, sample, index_directory)
-    manifest_path = fileio.join(path, fileio.MANIFEST)
+    manifest_path = fileio.join(path, MANIFEST_FILE)
     if fileio.exists(manifest_path):
-        raw, _ = _manifest(path)
+        raw = fileio.committed_manifest(path, error=_manifest_problem)
         if "shards" in raw:
             index_directory = index_directory or posixpath.join(posixpath.dirname(path.rstrip("/")), "index")
             _plan_shards(plan, path, index_directory)
         elif "inputs" in raw:
-            _plan_vector_index(plan, path, raw)
+            _plan_vector_index(plan, path)
         else:
             _plan_index(plan, path)
         return plan
     index, shards = fileio.join(path, "index"), fileio.join(path, "shards")
-    found = [d for d in (index, shards) if fileio.exists(fileio.join(d, fileio.MANIFEST))]
+    found = [d for d in (index, shards) if fileio.exists(fileio.join(d, MANIFEST_FILE))]
     _require(found, f"{path}: no manifest.json here, nor in {path}/index or {path}/shards", "manifest")
     if index in found:
         _plan_index(plan, index)
@@ -651,6 +779,7 @@ def plan_validation(path: str, sample: float = 1.0, index_directory: str | None 
 
 
 # --- in-process ---------------------------------------------------------------------------------
+
 
 class _References:
     """Per chunk file, on local disk: the reference blocks of every shard checked, appended
@@ -681,8 +810,9 @@ class _References:
         values = np.memmap(self._path(number, "values"), np.int32, "r").reshape(-1, self.width)
         docs = np.memmap(self._path(number, "docs"), np.int64, "r")
         for begin in range(0, len(refs), REFERENCE_BLOCK):
-            yield ReferenceBlock(np.array(refs[begin:begin + REFERENCE_BLOCK]),
-                                 np.array(values[begin:begin + REFERENCE_BLOCK]), docs)
+            yield ReferenceBlock(
+                np.array(refs[begin : begin + REFERENCE_BLOCK]), np.array(values[begin : begin + REFERENCE_BLOCK]), docs
+            )
 
 
 def check_in_process(plan: ValidationPlan) -> list[str]:
@@ -728,25 +858,27 @@ def validate_path(path: str, sample: float = 1.0) -> list[str]:
 
 # --- problems, as a Beam job gathers them ------------------------------------------------------
 
+
 @dataclass
 class Problems:
     """Problems counted by kind, keeping the PROBLEMS_KEPT first of each in sorted order (the
     same report however the work was split)."""
+
     counts: dict = field(default_factory=dict)
     kept: dict = field(default_factory=dict)
 
-    def add(self, kind: str, message: str) -> "Problems":
+    def add(self, kind: str, message: str) -> Problems:
         self.counts[kind] = self.counts.get(kind, 0) + 1
         self.kept[kind] = sorted(self.kept.get(kind, []) + [message])[:PROBLEMS_KEPT]
         return self
 
-    def merge(self, other: "Problems") -> "Problems":
+    def merge(self, other: Problems) -> Problems:
         for kind, count in other.counts.items():
             self.counts[kind] = self.counts.get(kind, 0) + count
             self.kept[kind] = sorted(self.kept.get(kind, []) + other.kept[kind])[:PROBLEMS_KEPT]
         return self
 
-    def verdict(self, path: str, passed_lines: list[str]) -> "Verdict":
+    def verdict(self, path: str, passed_lines: list[str]) -> Verdict:
         return Verdict(not self.counts, tuple(self.report(path) if self.counts else passed_lines))
 
     def report(self, path: str) -> list[str]:

@@ -8,6 +8,7 @@ checks over small summaries (chunk-file boundaries, document runs, seq_id ranges
 probes). Problems become (kind, message) elements, counted by kind with the first few of
 each kept (`Problems`); the job's last step fails it when there are any, with that report.
 """
+
 from __future__ import annotations
 
 import re
@@ -15,9 +16,21 @@ import re
 import apache_beam as beam
 
 from pipeline.options import pipeline_options
-from pipeline.validate import (Problems, ValidationFailed, ValidationPlan, Verdict, check_chunk_boundaries,
-                               check_chunk_file, check_document_runs, check_embedding_file, check_faiss_index,
-                               check_listed_file, check_seq_ranges, check_shard, plan_validation)
+from pipeline.validate import (
+    Problems,
+    ValidationFailed,
+    ValidationPlan,
+    Verdict,
+    check_chunk_boundaries,
+    check_chunk_file,
+    check_document_runs,
+    check_embedding_file,
+    check_faiss_index,
+    check_listed_file,
+    check_seq_ranges,
+    check_shard,
+    plan_validation,
+)
 
 PROBLEMS = "problems"
 SAMPLED, UNSAMPLED = "sampled", "unsampled"  # what a chunk file is when no checked shard references it
@@ -30,6 +43,7 @@ def _problem(problem: ValidationFailed):
 def _checking(check):
     """A FlatMap function: the check's result (unless None), or its problem as a tagged
     (kind, message) output; any other error fails the job as usual."""
+
     def run(element, *args):
         try:
             result = check(element, *args)
@@ -38,6 +52,7 @@ def _checking(check):
         else:
             if result is not None:
                 yield result
+
     return run
 
 
@@ -87,22 +102,34 @@ class ValidateOutput(beam.PTransform):
 
         # The units come from the manifests, planned again on a worker: a Create of every shard
         # entry would put them all into the job's graph, whose size runners cap.
-        units = (pipeline | "Manifests" >> beam.Create([(plan.path, plan.sample, plan.index_directory)])
-                 | "Plan" >> beam.MapTuple(plan_validation))
+        units = (
+            pipeline
+            | "Manifests" >> beam.Create([(plan.path, plan.sample, plan.index_directory)])
+            | "Plan" >> beam.MapTuple(plan_validation)
+        )
 
         def spread(label, units_of):  # one unit an element, spread over the workers
             return units | label >> beam.FlatMap(units_of) | f"Spread{label}" >> beam.Reshuffle()
 
         listed = spread("ListedFiles", lambda p: p.listed_files)
         checked("CheckListedFiles", listed, lambda file: check_listed_file(*file))
-        shards = checked("CheckShards", spread("Shards", lambda p: p.shard_entries),
-                         lambda entry, facts: check_shard(facts, entry), plan.shards)
+        shards = checked(
+            "CheckShards",
+            spread("Shards", lambda p: p.shard_entries),
+            lambda entry, facts: check_shard(facts, entry),
+            plan.shards,
+        )
         references = shards | "ReferencesByChunkFile" >> beam.FlatMap(lambda shard: shard.references.items())
-        marks = units | "ChunkFiles" >> beam.FlatMap(lambda p: [(n, SAMPLED) for n in p.sampled_chunk_files]
-                                                     + [(n, UNSAMPLED) for n in p.unsampled_chunk_files])
-        summaries = ((references, marks) | "WithMarks" >> beam.Flatten() | "PerChunkFile" >> beam.GroupByKey()
-                     | "CheckChunkFiles" >> beam.FlatMap(_check_chunk_file_group, plan.chunks, plan.index)
-                     .with_outputs(PROBLEMS, main="passed"))
+        marks = units | "ChunkFiles" >> beam.FlatMap(
+            lambda p: [(n, SAMPLED) for n in p.sampled_chunk_files] + [(n, UNSAMPLED) for n in p.unsampled_chunk_files]
+        )
+        summaries = (
+            (references, marks)
+            | "WithMarks" >> beam.Flatten()
+            | "PerChunkFile" >> beam.GroupByKey()
+            | "CheckChunkFiles"
+            >> beam.FlatMap(_check_chunk_file_group, plan.chunks, plan.index).with_outputs(PROBLEMS, main="passed")
+        )
         problems.append(summaries[PROBLEMS])
         summaries = summaries.passed
         if plan.shards is not None:
@@ -112,23 +139,42 @@ class ValidateOutput(beam.PTransform):
         if plan.index is not None:
             ends = summaries | "Ends" >> beam.Map(lambda s: s.ends) | "AllEnds" >> beam.combiners.ToList()
             checked("CheckBoundaries", ends, lambda e, index: check_chunk_boundaries(index, e), plan.index)
-            runs = (summaries | "DocumentStarts" >> beam.FlatMap(lambda s: s.doc_starts.tolist())
-                    | "RunsPerDocument" >> beam.combiners.Count.PerElement()
-                    | "RunsAndOne" >> beam.Map(lambda doc_runs: (doc_runs[1], 1))
-                    | "DocumentRuns" >> beam.CombineGlobally(beam.combiners.TupleCombineFn(sum, sum)))
+            runs = (
+                summaries
+                | "DocumentStarts" >> beam.FlatMap(lambda s: s.doc_starts.tolist())
+                | "RunsPerDocument" >> beam.combiners.Count.PerElement()
+                | "RunsAndOne" >> beam.Map(lambda doc_runs: (doc_runs[1], 1))
+                | "DocumentRuns" >> beam.CombineGlobally(beam.combiners.TupleCombineFn(sum, sum))
+            )
             files = summaries | "FilesSummarized" >> beam.combiners.Count.Globally()
-            checked("CheckDocumentRuns", runs, lambda r, index, files: check_document_runs(index, *r, files),
-                    plan.index, beam.pvalue.AsSingleton(files))
-            probes = checked("CheckEmbeddingFiles", spread("EmbeddingFiles", lambda p: p.embedding_files),
-                             lambda position, index, per_file: check_embedding_file(index, position, per_file),
-                             plan.index, plan.probes_per_file)
+            checked(
+                "CheckDocumentRuns",
+                runs,
+                lambda r, index, files: check_document_runs(index, *r, files),
+                plan.index,
+                beam.pvalue.AsSingleton(files),
+            )
+            probes = checked(
+                "CheckEmbeddingFiles",
+                spread("EmbeddingFiles", lambda p: p.embedding_files),
+                lambda position, index, per_file: check_embedding_file(index, position, per_file),
+                plan.index,
+                plan.probes_per_file,
+            )
         if plan.faiss_index is not None:
-            checked("CheckFaissIndex", probes | "AllProbes" >> beam.combiners.ToList(),
-                    lambda p, facts: check_faiss_index(facts, p), plan.faiss_index)
+            checked(
+                "CheckFaissIndex",
+                probes | "AllProbes" >> beam.combiners.ToList(),
+                lambda p, facts: check_faiss_index(facts, p),
+                plan.faiss_index,
+            )
         path, lines = plan.path, list(plan.lines)
-        return (problems | "AllProblems" >> beam.Flatten()
-                | "GatherProblems" >> beam.CombineGlobally(_GatherProblems())
-                | "Verdict" >> beam.Map(lambda found: found.verdict(path, lines)))
+        return (
+            problems
+            | "AllProblems" >> beam.Flatten()
+            | "GatherProblems" >> beam.CombineGlobally(_GatherProblems())
+            | "Verdict" >> beam.Map(lambda found: found.verdict(path, lines))
+        )
 
 
 def _fail_on_problems(verdict: Verdict) -> None:

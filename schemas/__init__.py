@@ -2,6 +2,7 @@
 
 Imports neither Beam nor faiss nor torch, so every component can depend on it.
 """
+
 from schemas.arrow import SCHEMA_VERSION
 
 __all__ = ["SCHEMA_VERSION"]

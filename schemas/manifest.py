@@ -1,12 +1,23 @@
-"""Manifest models of the index and shard directories (docs/design.md §4).
+"""Manifest models of the index and shard directories (docs/design.md §4), and the one reader
+of a manifest (`read_manifest`).
 
 A stage's output exists only once its manifest.json is written, and that happens last.
 """
+
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+import json
+from collections.abc import Callable
 
-from schemas.arrow import SCHEMA_VERSION
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pipeline import __version__  # the package's version only (pipeline/__init__.py imports no Beam)
+from schemas.arrow import SCHEMA_VERSION, check_schema_version
+
+#: The file that commits a directory: written last, and readers refuse a directory without it.
+MANIFEST_FILE = "manifest.json"
+#: Every manifest's `created_by`.
+CREATED_BY = f"ratrain-pipeline {__version__}"
 
 
 class _Model(BaseModel):
@@ -31,24 +42,34 @@ class DepthRecall(_Model):
 
 
 class Recall(_Model):
-    measure: str = Field(description="'1-recall@10 with ties within 0.001': share of sampled "
-                         "indexed vectors for which one of the index's top 10 (self excluded) is "
-                         "as similar as the exact nearest other vector, within the tolerance.")
+    measure: str = Field(
+        description="'1-recall@10 with ties within 0.001': share of sampled "
+        "indexed vectors for which one of the index's top 10 (self excluded) is "
+        "as similar as the exact nearest other vector, within the tolerance."
+    )
     value: float
     sample_size: int
-    nprobe: int | None = Field(None, description="Search depth it was measured at (nprobe for "
-                               "IVF, efSearch for HNSW; None for exact indexes).")
+    nprobe: int | None = Field(
+        None, description="Search depth it was measured at (nprobe for IVF, efSearch for HNSW; None for exact indexes)."
+    )
     target: float | None = None
-    plateau: bool = Field(False, description="The tuning stopped below the target because "
-                          "doubling the search depth gained less than 0.005 recall.")
-    curve: list[DepthRecall] | None = Field(None, description="Recall at each search depth the "
-                                             "tuning measured, in the order measured (one point for a "
-                                             "fixed index.nprobe; None: an exact index, or an older "
-                                             "manifest).")
+    plateau: bool = Field(
+        False,
+        description="The tuning stopped below the target because "
+        "doubling the search depth gained less than 0.005 recall.",
+    )
+    curve: list[DepthRecall] | None = Field(
+        None,
+        description="Recall at each search depth the "
+        "tuning measured, in the order measured (one point for a "
+        "fixed index.nprobe; None: an exact index, or an older "
+        "manifest).",
+    )
 
 
 class VectorIndex(_Model):
     """What a faiss build records, in an index manifest and in a stand-alone one."""
+
     index_factory: str
     nprobe: int | None
     dim: int
@@ -57,39 +78,52 @@ class VectorIndex(_Model):
     index_bytes: int
     memory_budget: int
     training_vectors: int
-    clustering: str = Field("flat", description="How the IVF lists were trained: 'flat' (one "
-                            "k-means) or 'two_level' (faiss's two-level k-means).")
+    clustering: str = Field(
+        "flat",
+        description="How the IVF lists were trained: 'flat' (one k-means) or 'two_level' (faiss's two-level k-means).",
+    )
     queries_per_second: float | None
-    shard_bytes: int | None = Field(None, description="The index's faiss files are shards of at "
-                                    "most this size (faiss/shard-NNNNN.faiss, chunk-id ranges in "
-                                    "order); None: one file, faiss/index.faiss.")
+    shard_bytes: int | None = Field(
+        None,
+        description="The index's faiss files are shards of at "
+        "most this size (faiss/shard-NNNNN.faiss, chunk-id ranges in "
+        "order); None: one file, faiss/index.faiss.",
+    )
 
 
 class StageTimings(_Model):
     """A job's wall time and throughput, for reports and comparisons between runs."""
+
     stage: str = Field(description="The job: build-index, build-index (faiss only), index or build-shards.")
     started: str = Field(description="UTC time (ISO 8601) the driver built the job's pipeline.")
     committed: str = Field(description="UTC time the job's commit step (on a worker) wrote this manifest.")
-    wall_seconds: float = Field(description="committed - started: submission, every step and the commit "
-                                "(with any offset between the driver's and the worker's clocks).")
+    wall_seconds: float = Field(
+        description="committed - started: submission, every step and the commit "
+        "(with any offset between the driver's and the worker's clocks)."
+    )
     records: str = Field(description="The counter the throughput counts (e.g. chunks, sequences).")
-    records_per_second: float | None = Field(description="None: the two clocks disagree so far that "
-                                             "the wall time is not positive.")
+    records_per_second: float | None = Field(
+        description="None: the two clocks disagree so far that the wall time is not positive."
+    )
 
 
 class _Committed(_Model):
     """What every committed directory's manifest says about itself."""
+
     schema_version: int = SCHEMA_VERSION
-    config_hash: str = Field(description="Hash of the settings the output depends on "
-                             "(never the output location).")
+    config_hash: str = Field(description="Hash of the settings the output depends on (never the output location).")
     counters: dict[str, int] = Field(description="Records read, written and dropped, by reason.")
     created_by: str
-    timings: StageTimings | None = Field(None, description="The job's wall time and throughput (None: "
-                                         "an older manifest). Differs between runs of the same config.")
+    timings: StageTimings | None = Field(
+        None,
+        description="The job's wall time and throughput (None: "
+        "an older manifest). Differs between runs of the same config.",
+    )
 
 
 class VectorIndexManifest(VectorIndex, _Committed):
     """`ratrain-pipeline index`: a faiss index over embeddings the user already had."""
+
     num_vectors: int
     inputs: list[dict] = Field(description="Embedding files read: path, bytes.")
     files: list[FileEntry]
@@ -97,27 +131,34 @@ class VectorIndexManifest(VectorIndex, _Committed):
 
 class PrecisionCheck(_Model):
     """The embed stage's check of its arithmetic against float32, on sampled chunks."""
+
     precision: str = Field(description="What the encoder ran in: float32, bfloat16 or float16.")
     sample_size: int = Field(description="Chunks embedded again in float32 (chosen by id hash).")
-    top2_agreement: float = Field(description="Share of the sample's top-2 neighbours (within the "
-                                  "sample) equal to float32's, ties within 0.001 counted equal.")
-    min_cosine: float = Field(description="Least cosine between a chunk's stored embedding and its "
-                              "float32 one.")
+    top2_agreement: float = Field(
+        description="Share of the sample's top-2 neighbours (within the "
+        "sample) equal to float32's, ties within 0.001 counted equal."
+    )
+    min_cosine: float = Field(description="Least cosine between a chunk's stored embedding and its float32 one.")
     min_agreement: float = Field(description="The agreement below which the build fails.")
 
 
-PRECISION_CHECK = Field(None, description="The precision check of the embed stage (None: nothing "
-                        "embedded, or an older manifest).")
+PRECISION_CHECK = Field(
+    None, description="The precision check of the embed stage (None: nothing embedded, or an older manifest)."
+)
 
 
-ENCODER_THREADS = Field(None, description="Intra-op threads of every CPU encoder process (None: "
-                       "a GPU, or nothing embedded). Embedding bytes are reproducible for the same "
-                       "config, hardware and this count.")
+ENCODER_THREADS = Field(
+    None,
+    description="Intra-op threads of every CPU encoder process (None: "
+    "a GPU, or nothing embedded). Embedding bytes are reproducible for the same "
+    "config, hardware and this count.",
+)
 
 
 class IndexManifest(VectorIndex, _Committed):
-    embed_config_hash: str = Field(description="Hash of what chunks and embeddings depend on: "
-                                   "when only index.* changes, they are reused.")
+    embed_config_hash: str = Field(
+        description="Hash of what chunks and embeddings depend on: when only index.* changes, they are reused."
+    )
     tokenizer: Fingerprint
     embedding_model: Fingerprint
     encoder_threads: int | None = ENCODER_THREADS
@@ -130,15 +171,18 @@ class IndexManifest(VectorIndex, _Committed):
 
 
 class ShardEntry(FileEntry):
-    neighbour_slots_filled: int | None = Field(None, description="Neighbour slots of this shard "
-                                               "holding a neighbour (None: an older manifest).")
+    neighbour_slots_filled: int | None = Field(
+        None, description="Neighbour slots of this shard holding a neighbour (None: an older manifest)."
+    )
 
 
 class NeighbourRecall(_Model):
-    measure: str = Field(description="Share of sampled training chunks' neighbour slots whose "
-                         "neighbour is as near as exact search's k-th best (within tolerance), "
-                         "exact search applying the same own-document exclusion; an empty slot "
-                         "is a miss unless the database has fewer than k chunks to offer.")
+    measure: str = Field(
+        description="Share of sampled training chunks' neighbour slots whose "
+        "neighbour is as near as exact search's k-th best (within tolerance), "
+        "exact search applying the same own-document exclusion; an empty slot "
+        "is a miss unless the database has fewer than k chunks to offer."
+    )
     value: float
     sample_size: int = Field(description="Training chunks sampled (deterministically by id).")
     slots: int = Field(description="Neighbour slots that exact search fills for them.")
@@ -147,8 +191,10 @@ class NeighbourRecall(_Model):
 
 class ShardsManifest(_Committed):
     index_manifest_sha256: str
-    training_corpus: str = Field(description="'same' (sequences packed from the index's own "
-                                 "chunks, seq s = chunks s*L ... s*L+L-1) or 'separate'.")
+    training_corpus: str = Field(
+        description="'same' (sequences packed from the index's own "
+        "chunks, seq s = chunks s*L ... s*L+L-1) or 'separate'."
+    )
     encoder_threads: int | None = ENCODER_THREADS
     embedding_precision: PrecisionCheck | None = PRECISION_CHECK
     sequence_tokens: int
@@ -158,20 +204,76 @@ class ShardsManifest(_Committed):
     pad_id: int
     num_sequences: int
     shards: list[ShardEntry]
-    neighbour_fill: float | None = Field(None, description="Neighbour slots filled / all slots, "
-                                         "counted in the shards written.")
-    neighbour_recall: NeighbourRecall | None = Field(None, description="The neighbour-quality "
-                                                     "check (None when neighbour_recall_sample is 0).")
-    overlap: dict[str, int] = Field(description="Leakage audit, RETRO's chunk overlap r(C) = "
-                                    "longest common token run between a training chunk and its "
-                                    "neighbours / m: training chunks per threshold t, counting "
-                                    "those with r(C) <= t and above the threshold before.")
+    neighbour_fill: float | None = Field(
+        None, description="Neighbour slots filled / all slots, counted in the shards written."
+    )
+    neighbour_recall: NeighbourRecall | None = Field(
+        None, description="The neighbour-quality check (None when neighbour_recall_sample is 0)."
+    )
+    overlap: dict[str, int] = Field(
+        description="Leakage audit, RETRO's chunk overlap r(C) = "
+        "longest common token run between a training chunk and its "
+        "neighbours / m: training chunks per threshold t, counting "
+        "those with r(C) <= t and above the threshold before."
+    )
 
     def neighbour_summary(self) -> str:
         """'neighbour fill 1.000, neighbour recall 0.990 against exact search on 200 sampled
         chunks' (the stage's log, validate, inspect)."""
         text = "neighbour fill " + ("not recorded" if self.neighbour_fill is None else f"{self.neighbour_fill:.3f}")
         if self.neighbour_recall is not None:
-            text += (f", neighbour recall {self.neighbour_recall.value:.3f} against exact search on "
-                     f"{self.neighbour_recall.sample_size} sampled chunks")
+            text += (
+                f", neighbour recall {self.neighbour_recall.value:.3f} against exact search on "
+                f"{self.neighbour_recall.sample_size} sampled chunks"
+            )
         return text
+
+
+class ManifestError(ValueError):
+    """A manifest that is missing, not JSON or not of the kind expected; the message names the file."""
+
+
+#: What `read_manifest`'s messages call each kind of manifest, and what commits it.
+_KINDS = {
+    ShardsManifest: ("a shards manifest", "the shard stage"),
+    IndexManifest: ("an index manifest", "the index stage"),
+    VectorIndexManifest: ("a vector index manifest", "the index command"),
+}
+
+
+def read_manifest(source, where: str, model=None, *, error: Callable[[str], Exception] = ManifestError):
+    """A manifest read, parsed and checked: the one place any reader (pipeline, validate,
+    inspect, report, trainer) does so; each keeps its own file access.
+
+    source: the manifest's text (str or bytes); None when there is no manifest; or a function
+    returning its text that raises FileNotFoundError when there is none.
+    where: the manifest's path or URL, which every error names.
+    model: the manifest model to validate into; a function of the parsed JSON object that
+    picks the model; None: the parsed object itself (its schema_version checked, nothing else).
+    error: called with the message to make the error raised for a missing manifest, one that
+    is not JSON or one that is not `model` (ManifestError, or a caller's own error type). An
+    unknown schema_version raises schemas.arrow.SchemaVersionError whatever `error` is.
+    """
+    if callable(source):
+        try:
+            source = source()
+        except FileNotFoundError:
+            source = None
+    if source is None:
+        committer = _KINDS[model][1] if model in _KINDS else "the stage"
+        raise error(f"{where}: no manifest ({committer} has not committed)")
+    try:
+        raw = json.loads(source)
+    except json.JSONDecodeError as err:
+        raise error(f"{where}: not valid JSON ({err})") from None
+    check_schema_version(raw.get("schema_version") if isinstance(raw, dict) else None, where)
+    if model is None:
+        return raw
+    if not isinstance(model, type):  # a function that picks the model
+        model = model(raw)
+    try:
+        return model.model_validate(raw)
+    except ValidationError as err:
+        kind = _KINDS[model][0] if model in _KINDS else f"a {model.__name__}"
+        first = err.errors()[0]
+        raise error(f"{where}: not {kind} ({err.error_count()} problems: {first['loc']} {first['msg']})") from None

@@ -2,11 +2,20 @@ import apache_beam as beam
 import numpy as np
 from apache_beam.testing.util import assert_that, equal_to
 
-from pipeline.chunking import (ChunkDocuments, bucket_of, chunk_document, chunk_offsets, chunk_tokens,
-                               load_tokenizer, num_chunks, pad_id_of, tokenize_batch)
+from pipeline.chunking import (
+    ChunkDocuments,
+    bucket_of,
+    chunk_document,
+    chunk_offsets,
+    chunk_tokens,
+    load_tokenizer,
+    num_chunks,
+    pad_id_of,
+    tokenize_batch,
+)
 from pipeline.corpus import Document
 from pipeline.models import resolve_tokenizer
-from tests.conftest import local_pipeline
+from tests.helpers import local_pipeline
 
 PAD = 0
 
@@ -17,13 +26,12 @@ def test_chunk_tokens_pads_the_last_chunk():
 
 
 def test_continuation_is_the_next_chunk_of_the_same_document_only():
-    chunks = list(chunk_document(doc_id=9, tokens=np.arange(1, 8, dtype=np.int32),
-                                 first_chunk_id=100, m=3, pad_id=PAD))
+    chunks = list(chunk_document(doc_id=9, tokens=np.arange(1, 8, dtype=np.int32), first_chunk_id=100, m=3, pad_id=PAD))
     assert [c.chunk_id for c in chunks] == [100, 101, 102]
     assert [c.position for c in chunks] == [0, 1, 2]
     assert chunks[0].continuation.tolist() == chunks[1].tokens.tolist()
     assert chunks[1].continuation.tolist() == chunks[2].tokens.tolist()
-    assert chunks[2].continuation.tolist() == [PAD] * 3   # never the next document's tokens
+    assert chunks[2].continuation.tolist() == [PAD] * 3  # never the next document's tokens
 
 
 def test_chunk_offsets_are_dense_in_doc_id_order():
@@ -37,16 +45,20 @@ def test_tokenizer_does_not_truncate_long_documents():
 
 
 def test_chunk_documents_gives_dense_stable_ids():
-    docs = [Document(doc_id=5, identity="b", text="alpha beta gamma delta epsilon", source="s", position=1),
-            Document(doc_id=3, identity="a", text="one two three", source="s", position=2),
-            Document(doc_id=4, identity="c", text=" \u200b ", source="s", position=3)]
+    docs = [
+        Document(doc_id=5, identity="b", text="alpha beta gamma delta epsilon", source="s", position=1),
+        Document(doc_id=3, identity="a", text="one two three", source="s", position=2),
+        Document(doc_id=4, identity="c", text=" \u200b ", source="s", position=3),
+    ]
     with local_pipeline() as p:
         chunks, rejected = p | beam.Create(docs) | ChunkDocuments(resolve_tokenizer(None), 2, PAD)
         # doc 3 (3 tokens -> 2 chunks) takes ids 0-1, doc 5 (5 tokens -> 3 chunks) ids 2-4
-        assert_that(chunks | "Ids" >> beam.Map(lambda c: (c.chunk_id, c.doc_id, c.position)),
-                    equal_to([(0, 3, 0), (1, 3, 1), (2, 5, 0), (3, 5, 1), (4, 5, 2)]), label="Ids")
-        assert_that(rejected | "Reasons" >> beam.Map(lambda r: r.reason), equal_to(["no_tokens"]),
-                    label="Rejected")
+        assert_that(
+            chunks | "Ids" >> beam.Map(lambda c: (c.chunk_id, c.doc_id, c.position)),
+            equal_to([(0, 3, 0), (1, 3, 1), (2, 5, 0), (3, 5, 1), (4, 5, 2)]),
+            label="Ids",
+        )
+        assert_that(rejected | "Reasons" >> beam.Map(lambda r: r.reason), equal_to(["no_tokens"]), label="Rejected")
 
 
 def test_buckets_are_contiguous_doc_id_ranges_in_order():
@@ -62,8 +74,16 @@ def test_bucketed_ids_equal_one_global_table_with_full_and_empty_buckets():
     rng = np.random.default_rng(1)
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
     ids = rng.integers(0, 2**61, 40).tolist() + rng.integers(2**62, 2**63, 40).tolist()  # bucket 1 empty
-    docs = [Document(doc_id=int(d), identity=str(d), text=" ".join(rng.choice(words, int(rng.integers(1, 12)))),
-                     source="s", position=i) for i, d in enumerate(ids)]
+    docs = [
+        Document(
+            doc_id=int(d),
+            identity=str(d),
+            text=" ".join(rng.choice(words, int(rng.integers(1, 12)))),
+            source="s",
+            position=i,
+        )
+        for i, d in enumerate(ids)
+    ]
     tokenizer = load_tokenizer(resolve_tokenizer(None))
     lengths = {d.doc_id: len(t) for d, t in zip(docs, tokenize_batch(tokenizer, [d.text for d in docs]))}
     offsets = chunk_offsets((d, num_chunks(n, 2)) for d, n in lengths.items())

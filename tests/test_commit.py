@@ -1,5 +1,6 @@
 """The commit step runs on a worker, and runners retry a failed step: a commit run again after
 dying at any point ends in the state of one uninterrupted commit."""
+
 import json
 
 import pytest
@@ -35,8 +36,10 @@ def test_a_commit_replaces_the_old_version_and_writes_the_manifest_last(tmp_path
     _old_version(final)
     staging = _stage(tmp_path)
     commit_directory(staging, str(final), {"version": "new"}, FILES)
-    assert _tree(final) == {**{p: f"new {p}" for p in FILES}, "manifest.json": json.dumps({"version": "new"}, indent=2,
-                                                                                           sort_keys=True) + "\n"}
+    assert _tree(final) == {
+        **{p: f"new {p}" for p in FILES},
+        "manifest.json": json.dumps({"version": "new"}, indent=2, sort_keys=True) + "\n",
+    }
     assert not (tmp_path / ".staging").exists()
 
 

@@ -2,7 +2,7 @@ import pytest
 
 from pipeline.cli import main
 from schemas.config import ConfigError, config_from_dict, load_config, parse_size
-from tests.conftest import small_config, write_config
+from tests.helpers import small_config, write_config
 
 
 def test_defaults_and_sizes(tmp_path):
@@ -109,16 +109,21 @@ def test_an_unbuildable_index_type_fails_before_reading_anything(tmp_path):
     from pipeline.faiss_index import IndexBuildError
     from pipeline.stages import build_index
 
-    cfg = config_from_dict(small_config(tmp_path / "out", str(tmp_path / "no-such-corpus-*.jsonl"),
-                                        index={"type": "IVF64,PQ7"}))
+    cfg = config_from_dict(
+        small_config(tmp_path / "out", str(tmp_path / "no-such-corpus-*.jsonl"), index={"type": "IVF64,PQ7"})
+    )
     with pytest.raises(IndexBuildError, match=r"'IVF64,PQ7' is not a valid faiss factory string for dim 384"):
         build_index(cfg, [])  # the corpus glob matches nothing: the index type was checked first
     assert not (tmp_path / "out").exists()
 
 
 def test_one_encoder_per_gpu_by_default(tmp_path):
-    gpu = config_from_dict(small_config(tmp_path, "x", embedding={"device": "cuda", "accelerator": "type:nvidia-l4;count:1"}))
+    gpu = config_from_dict(
+        small_config(tmp_path, "x", embedding={"device": "cuda", "accelerator": "type:nvidia-l4;count:1"})
+    )
     assert gpu.embedding.model_copies == 1  # every SDK process of a GPU worker sees the GPU
-    two = config_from_dict(small_config(tmp_path, "x", embedding={"accelerator": "type:nvidia-l4;count:2", "model_copies": 2}))
+    two = config_from_dict(
+        small_config(tmp_path, "x", embedding={"accelerator": "type:nvidia-l4;count:2", "model_copies": 2})
+    )
     assert two.embedding.model_copies == 2
     assert config_from_dict(small_config(tmp_path, "x")).embedding.model_copies is None

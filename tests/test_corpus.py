@@ -11,11 +11,22 @@ import pyarrow.parquet as pq
 import pytest
 from apache_beam.testing.util import assert_that, equal_to
 
-from pipeline.corpus import (Document, ReadCorpus, Rejected, count_lines, doc_id_for, glob_base,
-                             match_corpus, number_ranges, parse_file, parse_jsonl, parse_range,
-                             split_file)
+from pipeline.corpus import (
+    Document,
+    ReadCorpus,
+    Rejected,
+    count_lines,
+    doc_id_for,
+    glob_base,
+    match_corpus,
+    number_ranges,
+    parse_file,
+    parse_jsonl,
+    parse_range,
+    split_file,
+)
 from schemas.config import CorpusConfig
-from tests.conftest import local_pipeline
+from tests.helpers import local_pipeline
 
 
 def cfg(path, **kw):
@@ -29,15 +40,27 @@ def test_doc_id_is_stable_and_int64():
 
 
 def test_jsonl_every_bad_record_is_rejected_with_its_reason():
-    lines = [json.dumps({"id": "a", "text": "good text"}).encode(), b"{not json",
-             b"[1, 2]", json.dumps({"id": "b"}).encode(), json.dumps({"id": "c", "text": 7}).encode(),
-             json.dumps({"id": "d", "text": "   "}).encode(), b'{"id": "e", "text": "\xff\xfe"}',
-             json.dumps({"text": "no id"}).encode()]
+    lines = [
+        json.dumps({"id": "a", "text": "good text"}).encode(),
+        b"{not json",
+        b"[1, 2]",
+        json.dumps({"id": "b"}).encode(),
+        json.dumps({"id": "c", "text": 7}).encode(),
+        json.dumps({"id": "d", "text": "   "}).encode(),
+        b'{"id": "e", "text": "\xff\xfe"}',
+        json.dumps({"text": "no id"}).encode(),
+    ]
     records = list(parse_jsonl(io.BytesIO(b"\n".join(lines)), CorpusConfig(paths=["x"], id_field="id"), "f", "f"))
     assert isinstance(records[0], Document) and records[0].text == "good text"
-    assert [r.reason for r in records[1:]] == ["malformed_json", "not_an_object", "missing_text",
-                                              "text_not_a_string", "empty_text", "invalid_utf8",
-                                              "missing_id"]
+    assert [r.reason for r in records[1:]] == [
+        "malformed_json",
+        "not_an_object",
+        "missing_text",
+        "text_not_a_string",
+        "empty_text",
+        "invalid_utf8",
+        "missing_id",
+    ]
     assert [r.position for r in records] == list(range(1, 9))
 
 
@@ -57,8 +80,13 @@ def test_gzip_parquet_and_text_formats(tmp_path):
     assert [d.text for d in parse_file(str(gz), str(tmp_path) + "/", cfg(gz, id_field="id"))] == ["zipped"]
 
     pq.write_table(pa.table({"doc": ["p1", "p2"], "body": ["first", "second"]}), tmp_path / "t.parquet")
-    docs = list(parse_file(str(tmp_path / "t.parquet"), str(tmp_path) + "/",
-                           cfg(tmp_path, format="parquet", text_field="body", id_field="doc")))
+    docs = list(
+        parse_file(
+            str(tmp_path / "t.parquet"),
+            str(tmp_path) + "/",
+            cfg(tmp_path, format="parquet", text_field="body", id_field="doc"),
+        )
+    )
     assert [(d.identity, d.text, d.position) for d in docs] == [("p1", "first", 0), ("p2", "second", 1)]
 
     (tmp_path / "page.txt").write_text("a whole file")
@@ -142,12 +170,17 @@ def test_read_corpus_splits_large_files_and_reads_the_same_documents(tmp_path):
     (tmp_path / "b.jsonl.gz").write_bytes(gzip.compress((tmp_path / "a.jsonl").read_bytes()))  # not split
     corpus = cfg(tmp_path / "*.jsonl*")
     expected = [parse_file(p, b, corpus) for p, b, _ in match_corpus(corpus)]
-    expected = sorted((r.source, r.position, r.identity if isinstance(r, Document) else r.reason)
-                      for records in expected for r in records)
+    expected = sorted(
+        (r.source, r.position, r.identity if isinstance(r, Document) else r.reason)
+        for records in expected
+        for r in records
+    )
     with local_pipeline() as p:
         documents, rejected = p | ReadCorpus(corpus, split_bytes=2048)
-        keys = ((documents | "DocKeys" >> beam.Map(lambda d: (d.source, d.position, d.identity))),
-                (rejected | "RejectedKeys" >> beam.Map(lambda r: (r.source, r.position, r.reason))))
+        keys = (
+            (documents | "DocKeys" >> beam.Map(lambda d: (d.source, d.position, d.identity))),
+            (rejected | "RejectedKeys" >> beam.Map(lambda r: (r.source, r.position, r.reason))),
+        )
         assert_that(keys | beam.Flatten(), equal_to(expected))
 
 
@@ -161,11 +194,16 @@ def test_read_corpus_keeps_one_of_duplicate_ids(tmp_path):
     (tmp_path / "b.jsonl").write_text('{"id": "x", "text": "second"}\n{"id": "z"}\n')
     with local_pipeline() as p:
         documents, rejected = p | ReadCorpus(cfg(tmp_path / "*.jsonl", id_field="id"))
-        assert_that(documents | "Texts" >> beam.Map(lambda d: (d.identity, d.text)),
-                    equal_to([("x", "first"), ("y", "other")]), label="KeptDocuments")
-        assert_that(rejected | "Reasons" >> beam.Map(lambda r: (r.source.rsplit("/", 1)[1], r.position, r.reason)),
-                    equal_to([("b.jsonl", 1, "duplicate_id"), ("b.jsonl", 2, "missing_text")]),
-                    label="RejectedRecords")
+        assert_that(
+            documents | "Texts" >> beam.Map(lambda d: (d.identity, d.text)),
+            equal_to([("x", "first"), ("y", "other")]),
+            label="KeptDocuments",
+        )
+        assert_that(
+            rejected | "Reasons" >> beam.Map(lambda r: (r.source.rsplit("/", 1)[1], r.position, r.reason)),
+            equal_to([("b.jsonl", 1, "duplicate_id"), ("b.jsonl", 2, "missing_text")]),
+            label="RejectedRecords",
+        )
 
 
 PEAK_RSS_GROWTH = """
@@ -191,22 +229,26 @@ def write_big_corpus(path, fmt, min_bytes):
             for _ in range(blocks):
                 writer.write_table(pa.table({"text": [text] * block_lines}))
     else:
-        with (gzip.open(path, "wb", compresslevel=1) if str(path).endswith(".gz") else open(path, "wb")) as f:
+        with gzip.open(path, "wb", compresslevel=1) if str(path).endswith(".gz") else open(path, "wb") as f:
             for _ in range(blocks):
                 f.write(line * block_lines)
     return blocks * block_lines
 
 
-@pytest.mark.parametrize("name,fmt", [("big.jsonl.gz", "jsonl"), ("big.jsonl", "jsonl"),
-                                      ("big.parquet", "parquet")])
+@pytest.mark.parametrize("name,fmt", [("big.jsonl.gz", "jsonl"), ("big.jsonl", "jsonl"), ("big.parquet", "parquet")])
 def test_one_input_file_larger_than_a_worker_may_hold_is_read_in_bounded_memory(tmp_path, name, fmt):
     """A file of 256 MB of text is parsed while the process grows by less than a quarter of it
     (reading the file whole, as bytes or rows, takes more than the file)."""
     file_bytes = 256 << 20
     path = tmp_path / name
     rows = write_big_corpus(path, fmt, file_bytes)
-    out = subprocess.run([sys.executable, "-c", PEAK_RSS_GROWTH, str(path), fmt], check=True,
-                         capture_output=True, text=True, cwd=Path(__file__).parent.parent).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", PEAK_RSS_GROWTH, str(path), fmt],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parent.parent,
+    ).stdout
     documents, growth = map(int, out.split())
     assert documents == rows
     assert growth < file_bytes // 4, f"peak RSS grew by {growth >> 20} MB reading {file_bytes >> 20} MB"

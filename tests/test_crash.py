@@ -1,5 +1,6 @@
 """A run killed with SIGKILL at any point leaves no directory whose manifest exists over
 incomplete content, and the next run finishes the work with the bytes of an uninterrupted run."""
+
 import os
 import signal
 import subprocess
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.validate import validate_index, validate_shards
-from tests.conftest import BAD_RECORDS, sample_documents, small_config, write_config, write_jsonl
+from tests.helpers import BAD_RECORDS, sample_documents, small_config, write_config, write_jsonl
 
 CLI = str(Path(sys.executable).parent / "ratrain-pipeline")
 
@@ -29,8 +30,12 @@ KILL_POINTS = {  # when to kill: a condition on the output directory, polled
 def _run_until(config: Path, out: Path, condition) -> bool:
     """Start `run`; SIGKILL its process group once `condition(out)` holds. False if the run
     ended first (the condition never held while it ran)."""
-    process = subprocess.Popen([CLI, "run", "--config", str(config)], start_new_session=True,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [CLI, "run", "--config", str(config)],
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         while process.poll() is None:
             if condition(out):
@@ -45,8 +50,11 @@ def _run_until(config: Path, out: Path, condition) -> bool:
 
 
 def _data_files(out: Path) -> dict:
-    return {p.relative_to(out): p.read_bytes() for p in out.rglob("*")
-            if p.is_file() and p.suffix in (".parquet", ".faiss", ".arrow")}
+    return {
+        p.relative_to(out): p.read_bytes()
+        for p in out.rglob("*")
+        if p.is_file() and p.suffix in (".parquet", ".faiss", ".arrow")
+    }
 
 
 # Kill points inside a commit, too short to hit by polling: the run kills itself there.
@@ -87,8 +95,9 @@ def _nothing_half_committed_and_rerun_matches(config: Path, out: Path, uninterru
         validate_index(str(out / "index"))
     if (out / "shards" / "manifest.json").exists():
         validate_shards(str(out / "shards"))
-    subprocess.run([CLI, "run", "--config", str(config)], check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        [CLI, "run", "--config", str(config)], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     assert _data_files(out) == _data_files(uninterrupted)
     assert not (out / ".staging").exists()
     assert not list(out.rglob("*.tmp-*"))
@@ -102,12 +111,22 @@ def test_killed_run_leaves_nothing_half_committed_and_a_rerun_finishes_it(point,
     _nothing_half_committed_and_rerun_matches(config, out, root / "out")
 
 
-@pytest.mark.parametrize("stage,point", COMMIT_POINTS)
+# the index commit points take 30-60 s each (slow); the shards ones ~20 s
+@pytest.mark.parametrize(
+    "stage,point",
+    [
+        pytest.param(stage, point, marks=pytest.mark.slow) if stage == "index" else (stage, point)
+        for stage, point in COMMIT_POINTS
+    ],
+)
 def test_run_killed_inside_a_commit_is_finished_by_the_next_run(stage, point, built_output, tmp_path):
     root, _, _ = built_output
     config, out = _hostile_run_config(tmp_path)
-    killed = subprocess.run([sys.executable, "-c", COMMIT_KILLER, str(out / stage), point, "run", "--config", str(config)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    killed = subprocess.run(
+        [sys.executable, "-c", COMMIT_KILLER, str(out / stage), point, "run", "--config", str(config)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     assert killed.returncode == -signal.SIGKILL, f"the run was not killed {point} of {stage}"
     assert not (out / stage / "manifest.json").exists()
     _nothing_half_committed_and_rerun_matches(config, out, root / "out")

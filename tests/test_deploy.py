@@ -1,5 +1,6 @@
 """deploy/: the manifests parse, name the right images and versions, and the documented options
 are ones the CLI accepts (checked with --dry-run, offline)."""
+
 import json
 import re
 import string
@@ -12,13 +13,18 @@ import yaml
 from pipeline.cli import main
 from pipeline.flex_template import split_args
 from pipeline.options import pipeline_options
-from tests.conftest import REPO, small_config, write_config
+from tests.helpers import REPO, small_config, write_config
 
 DEPLOY = REPO / "deploy"
 # The variables deploy/README.md has the user export before `envsubst`.
-ENV = {"PROJECT": "p", "REGION": "europe-west4", "BUCKET": "b",
-       "IMAGE": "europe-west4-docker.pkg.dev/p/ratrain/worker:0.1.0", "JOB_HOST": "localhost",
-       "CONFIG": "gs://b/config.yaml"}
+ENV = {
+    "PROJECT": "p",
+    "REGION": "europe-west4",
+    "BUCKET": "b",
+    "IMAGE": "europe-west4-docker.pkg.dev/p/ratrain/worker:0.1.0",
+    "JOB_HOST": "localhost",
+    "CONFIG": "gs://b/config.yaml",
+}
 
 
 def rendered(path) -> str:
@@ -30,8 +36,9 @@ def options(name: str) -> list[str]:
     return rendered(DEPLOY / name / "options.txt").split()
 
 
-@pytest.mark.parametrize("path", sorted(p.relative_to(DEPLOY).as_posix() for p in DEPLOY.rglob("*")
-                                        if p.suffix in (".yaml", ".txt")))
+@pytest.mark.parametrize(
+    "path", sorted(p.relative_to(DEPLOY).as_posix() for p in DEPLOY.rglob("*") if p.suffix in (".yaml", ".txt"))
+)
 def test_applied_files_have_no_placeholder_left(path):
     text = rendered(DEPLOY / path)
     assert "${" not in text and "$(" not in text
@@ -71,14 +78,19 @@ def test_the_flex_template_entry_runs_as_a_file_and_submits_detached(tmp_path):
     import shutil
     import subprocess
 
-    from tests.conftest import sample_documents, write_jsonl
+    from tests.helpers import sample_documents, write_jsonl
 
     write_jsonl(tmp_path / "corpus" / "a.jsonl", sample_documents(2))
     config = write_config(tmp_path / "c.yaml", small_config(tmp_path / "out", str(tmp_path / "corpus" / "*.jsonl")))
     shutil.copy(DEPLOY / "dataflow" / "main.py", tmp_path / "main.py")
     for stage in ("index", "shards"):
-        launched = subprocess.run([sys.executable, str(tmp_path / "main.py"), f"--config={config}", "--command=run",
-                                   "--runner=FnApiRunner"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        launched = subprocess.run(
+            [sys.executable, str(tmp_path / "main.py"), f"--config={config}", "--command=run", "--runner=FnApiRunner"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert launched.returncode == 0, launched.stderr[-2000:]
         assert f"build-{stage} submitted" in launched.stderr
         assert (tmp_path / "out" / stage / "manifest.json").exists()
@@ -110,8 +122,11 @@ def test_flink_manifests_name_the_worker_image_and_beam_version():
 
 def _mounts(pod_spec: dict, container: dict) -> dict:
     """{mount path: claim name} of a container's volumes that are persistent volume claims."""
-    claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod_spec.get("volumes", [])
-              if "persistentVolumeClaim" in v}
+    claims = {
+        v["name"]: v["persistentVolumeClaim"]["claimName"]
+        for v in pod_spec.get("volumes", [])
+        if "persistentVolumeClaim" in v
+    }
     return {m["mountPath"]: claims[m["name"]] for m in container.get("volumeMounts", []) if m["name"] in claims}
 
 
@@ -135,8 +150,14 @@ def test_in_cluster_submission_uses_the_documented_options():
     (job,) = yaml.safe_load_all(rendered(DEPLOY / "flink" / "submit-job.yaml"))
     (container,) = job["spec"]["template"]["spec"]["containers"]
     command = container["command"]
-    assert container["image"] == ENV["IMAGE"] and command[:5] == ["ratrain-pipeline", "run", "--config", ENV["CONFIG"], "--detach"]
-    beam_args = command[command.index("--") + 1:]
+    assert container["image"] == ENV["IMAGE"] and command[:5] == [
+        "ratrain-pipeline",
+        "run",
+        "--config",
+        ENV["CONFIG"],
+        "--detach",
+    ]
+    beam_args = command[command.index("--") + 1 :]
     in_cluster = [a.replace("localhost:809", "ratrain-beam-job-server:809") for a in options("flink")]
     assert sorted(beam_args) == sorted(in_cluster)
 
@@ -151,8 +172,9 @@ def test_documented_options_pass_a_dry_run(runner, tmp_path, capsys):
 
 
 def test_flex_template_splits_its_parameters_from_beam_options():
-    config, command, beam_args = split_args(["--config=gs://b/c.yaml", "--command=build-index",
-                                             "--runner=DataflowRunner", "--project=p"])
+    config, command, beam_args = split_args(
+        ["--config=gs://b/c.yaml", "--command=build-index", "--runner=DataflowRunner", "--project=p"]
+    )
     assert (config, command, beam_args) == ("gs://b/c.yaml", "build-index", ["--runner=DataflowRunner", "--project=p"])
     assert split_args(["--config", "gs://b/c.yaml"])[1] == "run"
     with pytest.raises(SystemExit):

@@ -4,11 +4,20 @@ import pytest
 from apache_beam.testing.util import assert_that
 
 from pipeline.chunking import chunk_document, load_tokenizer, tokenize_batch
-from pipeline.embed import (PrecisionTooLow, EmbedChunks, check_precision, chunk_texts, encode_texts, load_encoder,
-                           resolve_precision, top2_agreement, torch_threads)
+from pipeline.embed import (
+    EmbedChunks,
+    PrecisionTooLow,
+    check_precision,
+    chunk_texts,
+    encode_texts,
+    load_encoder,
+    resolve_precision,
+    top2_agreement,
+    torch_threads,
+)
 from pipeline.models import resolve_tokenizer
 from schemas.config import EmbeddingConfig
-from tests.conftest import local_pipeline, sample_documents
+from tests.helpers import local_pipeline, sample_documents
 
 CFG = EmbeddingConfig(batch_size=8)
 
@@ -31,7 +40,9 @@ def test_embed_chunks_equals_the_raw_encoder_on_the_same_batches():
     # stage's one thread
     precision = resolve_precision(CFG.precision, CFG.device)
     with torch_threads(1):
-        expected = np.concatenate([encode_texts(model, texts[i:i + 8], 8, precision) for i in range(0, len(texts), 8)])
+        expected = np.concatenate(
+            [encode_texts(model, texts[i : i + 8], 8, precision) for i in range(0, len(texts), 8)]
+        )
 
     def check(rows):
         rows = sorted(rows, key=lambda r: r[0])
@@ -55,8 +66,13 @@ def test_embed_chunks_equals_the_raw_encoder_on_the_same_batches():
 def test_chunk_texts_drop_padding():
     tokenizer, chunks = _chunks(1)
     last = chunks[-1]
-    padded = last.__class__(last.chunk_id, last.doc_id, last.position,
-                            np.concatenate([last.tokens[:3], np.zeros(29, np.int32)]), last.continuation)
+    padded = last.__class__(
+        last.chunk_id,
+        last.doc_id,
+        last.position,
+        np.concatenate([last.tokens[:3], np.zeros(29, np.int32)]),
+        last.continuation,
+    )
     (text,) = chunk_texts(tokenizer, [padded])
     assert "[PAD]" not in text and text == tokenizer.decode(last.tokens[:3].tolist())
 
@@ -79,12 +95,12 @@ def test_top2_agreement_counts_equal_and_tied_neighbours():
         return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
 
     base = rng.normal(size=(12, 8))
-    base[3] = base[2]                                            # chunks 2 and 3 are duplicates
+    base[3] = base[2]  # chunks 2 and 3 are duplicates
     base = unit(base)
     assert top2_agreement(base, base) == 1.0
     rounded = unit(base + rng.normal(scale=1e-5, size=base.shape))  # reorders the tie, nothing else
     assert top2_agreement(base, rounded) == 1.0
-    assert top2_agreement(base, base[rng.permutation(len(base))]) < 0.5   # neighbours moved
+    assert top2_agreement(base, base[rng.permutation(len(base))]) < 0.5  # neighbours moved
 
 
 def test_a_precision_that_moves_the_neighbours_fails_the_build():
@@ -92,7 +108,7 @@ def test_a_precision_that_moves_the_neighbours_fails_the_build():
     model = load_encoder(CFG)
     texts = chunk_texts(load_tokenizer(resolve_tokenizer(None)), chunks)
     exact = encode_texts(model, texts, 8)
-    scrambled = exact[np.random.default_rng(1).permutation(len(exact))]   # every neighbour moved
+    scrambled = exact[np.random.default_rng(1).permutation(len(exact))]  # every neighbour moved
     sample = [(i, c) for i, c in enumerate(chunks)]
     cfg = CFG.model_copy(update={"precision": "bfloat16"})
     report = check_precision(sample, [(c.chunk_id, v) for c, v in zip(chunks, exact)], cfg, resolve_tokenizer(None), 1)

@@ -1,4 +1,5 @@
 """The whole path on real text: run -> committed index and shards -> docs/design.md §5 invariants."""
+
 import json
 import shutil
 
@@ -16,7 +17,7 @@ from pipeline.writers import parquet_bytes
 from schemas.arrow import fixed_size_list, read_shard_table, shard_column, tensor_column_to_numpy
 from schemas.config import config_from_dict
 from schemas.manifest import ShardsManifest
-from tests.conftest import BAD_REASONS, read_rejected, rewrite_shard, sample_documents, write_jsonl
+from tests.helpers import BAD_REASONS, read_rejected, rewrite_shard, sample_documents, write_jsonl
 
 
 def _shard_tables(shards_dir):
@@ -111,8 +112,7 @@ def test_shards_do_not_depend_on_the_output_location(built_output, tmp_path):
     shutil.copytree(root / "out" / "index", tmp_path / "index")
     build_shards(config_from_dict({**config, "output": str(tmp_path)}), [])
     for entry, _ in _shard_tables(root / "out" / "shards"):
-        assert (tmp_path / "shards" / entry.path).read_bytes() == \
-            (root / "out" / "shards" / entry.path).read_bytes()
+        assert (tmp_path / "shards" / entry.path).read_bytes() == (root / "out" / "shards" / entry.path).read_bytes()
 
 
 @pytest.fixture
@@ -125,6 +125,7 @@ def tampered(built_output, tmp_path):
 def test_validate_catches_wrong_neighbour_tokens(tampered):
     def corrupt(columns):
         columns["neighbours"][0, 0, 0, 0] += 1
+
     rewrite_shard(tampered / "shards", corrupt)
     with pytest.raises(ValidationFailed, match="neighbour tokens differ"):
         validate_shards(str(tampered / "shards"))
@@ -136,6 +137,7 @@ def test_validate_catches_a_same_document_neighbour(tampered):
     def leak(columns):  # make seq 0's first neighbour its own first chunk, tokens and all
         columns["neighbour_ids"][0, 0, 0] = 0
         columns["neighbours"][0, 0, 0] = db.values(np.array([0]))[0]
+
     rewrite_shard(tampered / "shards", leak)
     with pytest.raises(ValidationFailed, match="own document"):
         validate_shards(str(tampered / "shards"))
@@ -162,10 +164,15 @@ def test_separate_training_corpus_never_retrieves_its_own_documents(built_output
     is never its own neighbour."""
     root, config, _ = built_output
     shutil.copytree(root / "out" / "index", tmp_path / "index")
-    shared = sample_documents(4, start=4)              # also in the retrieval corpus
+    shared = sample_documents(4, start=4)  # also in the retrieval corpus
     write_jsonl(tmp_path / "train" / "t.jsonl", shared + sample_documents(3, start=30))
-    cfg = config_from_dict({**config, "output": str(tmp_path), "training_corpus": {
-        "paths": [str(tmp_path / "train" / "*.jsonl")], "id_field": "id"}})
+    cfg = config_from_dict(
+        {
+            **config,
+            "output": str(tmp_path),
+            "training_corpus": {"paths": [str(tmp_path / "train" / "*.jsonl")], "id_field": "id"},
+        }
+    )
     manifest = build_shards(cfg, [])
     assert manifest.training_corpus == "separate" and manifest.num_sequences > 0
     from pipeline.corpus import doc_id_for
@@ -191,11 +198,13 @@ def test_changing_only_the_index_rebuilds_only_the_faiss_index(built_output, tmp
     cfg = config_from_dict({**config, "output": str(out), "index": {"type": "IVF8,Flat", "target_recall": 0.9}})
     report = run_all(cfg, [])
     assert [status for status, _ in report.values()] == ["built", "built"]  # shards follow the new index
-    assert {p: p.stat().st_mtime_ns for p in kept} == kept                # chunks, embeddings reused
+    assert {p: p.stat().st_mtime_ns for p in kept} == kept  # chunks, embeddings reused
     manifest = json.loads((out / "index" / "manifest.json").read_text())
     assert manifest["index_factory"] == "IVF8,Flat" and manifest["recall_at_k"]["value"] >= 0.9
-    assert manifest["counters"]["chunks"] == json.loads(
-        (root / "out" / "index" / "manifest.json").read_text())["counters"]["chunks"]
+    assert (
+        manifest["counters"]["chunks"]
+        == json.loads((root / "out" / "index" / "manifest.json").read_text())["counters"]["chunks"]
+    )
     assert all(line.startswith("OK") for line in validate_path(str(out)))
 
 
@@ -211,14 +220,15 @@ def test_two_worker_processes_write_byte_identical_outputs(built_output, tmp_pat
     root, config, _ = built_output
     assert config["embedding"]["cpu_threads"] == 1  # both runs encode on one thread per process
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # pipeline_options shares the cores
-    run_all(config_from_dict({**config, "output": str(tmp_path / "out")}),
-            ["--direct_num_workers=2", "--direct_running_mode=multi_processing"])
+    run_all(
+        config_from_dict({**config, "output": str(tmp_path / "out")}),
+        ["--direct_num_workers=2", "--direct_running_mode=multi_processing"],
+    )
 
     timed = {"manifest.json", "build_info.json"}
 
     def files(out):
-        return {p.relative_to(out): p.read_bytes() for p in out.rglob("*")
-                if p.is_file() and p.name not in timed}
+        return {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name not in timed}
 
     assert files(tmp_path / "out") == files(root / "out")
     for path in (root / "out").rglob("*.json"):
@@ -243,8 +253,7 @@ def test_another_encoder_thread_count_gives_the_same_neighbours(built_output, tm
     np.testing.assert_allclose(embeddings(out), embeddings(root / "out"), atol=1e-5)
 
     def neighbour_ids(o):
-        return np.concatenate([shard_column(t, "neighbour_ids").ravel()
-                               for _, t in _shard_tables(o / "shards")])
+        return np.concatenate([shard_column(t, "neighbour_ids").ravel() for _, t in _shard_tables(o / "shards")])
 
     ids_one, ids_two = neighbour_ids(root / "out"), neighbour_ids(out)
     assert ids_one.shape == ids_two.shape and np.mean(ids_one == ids_two) >= 0.999
@@ -258,7 +267,9 @@ def test_bfloat16_and_float32_give_the_same_neighbours_and_the_manifest_says_whi
     assert built["embedding_precision"]["precision"] == resolve_precision("auto", "cpu")  # the default
     other = "float32" if built["embedding_precision"]["precision"] == "bfloat16" else "bfloat16"
     out = tmp_path / "out"
-    run_all(config_from_dict({**config, "output": str(out), "embedding": {**config["embedding"], "precision": other}}), [])
+    run_all(
+        config_from_dict({**config, "output": str(out), "embedding": {**config["embedding"], "precision": other}}), []
+    )
     again = json.loads((out / "index" / "manifest.json").read_text())
     by_precision = {m["embedding_precision"]["precision"]: m for m in (built, again)}
     assert set(by_precision) == {"bfloat16", "float32"}
@@ -285,6 +296,7 @@ def test_shards_manifest_carries_the_overlap_audit(built_output):
 def test_validate_catches_own_tokens_that_differ_from_the_chunks(tampered):
     def corrupt(columns):
         columns["tokens"][0, 3] += 1
+
     rewrite_shard(tampered / "shards", corrupt)
     with pytest.raises(ValidationFailed, match="tokens differ from its chunks"):
         validate_shards(str(tampered / "shards"))
@@ -297,8 +309,11 @@ def test_validate_catches_a_continuation_across_chunk_files(tampered):
     table = pq.read_table(tampered / "index" / entry["path"])
     continuations = tensor_column_to_numpy(table["continuation"]).copy()
     continuations[-1] += 1  # the last chunk of file 0: its continuation is checked against file 1
-    table = table.set_column(table.schema.get_field_index("continuation"), table.schema.field("continuation"),
-                             fixed_size_list(continuations, continuations.shape[1]))
+    table = table.set_column(
+        table.schema.get_field_index("continuation"),
+        table.schema.field("continuation"),
+        fixed_size_list(continuations, continuations.shape[1]),
+    )
     data = parquet_bytes(table)
     (tampered / "index" / entry["path"]).write_bytes(data)
     entry.update(bytes=len(data), sha256=sha256_bytes(data))

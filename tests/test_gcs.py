@@ -1,6 +1,7 @@
 """gs:// end to end against the local GCS emulator: the pipeline reads its corpus from and
 commits its outputs to a bucket through Beam's FileSystems, `validate` checks them there, and the
 trainer streams the shards from there."""
+
 import json
 
 import pytest
@@ -8,13 +9,14 @@ import pytest
 from pipeline.run import run_all
 from pipeline.validate import validate_path
 from schemas.config import config_from_dict
-from tests.conftest import BAD_RECORDS, read_rejected, sample_documents, small_config, write_jsonl
+from tests.helpers import BAD_RECORDS, read_rejected, sample_documents, small_config, write_jsonl
 from trainer import ShardDataset
 
 
 def _blobs(gcs, bucket: str, prefix: str) -> dict[str, bytes]:
-    return {b.name[len(prefix) + 1:]: b.download_as_bytes()
-            for b in gcs.client().list_blobs(bucket, prefix=prefix + "/")}
+    return {
+        b.name[len(prefix) + 1 :]: b.download_as_bytes() for b in gcs.client().list_blobs(bucket, prefix=prefix + "/")
+    }
 
 
 def test_run_on_gcs_gives_the_local_bytes_and_streams_to_the_trainer(gcs, built_output, tmp_path):
@@ -29,16 +31,19 @@ def test_run_on_gcs_gives_the_local_bytes_and_streams_to_the_trainer(gcs, built_
     assert [status for status, _ in report.values()] == ["built", "built"]
 
     remote = _blobs(gcs, "ratrain-e2e", "out")
-    local = {p.relative_to(root / "out").as_posix(): p.read_bytes()
-             for p in (root / "out").rglob("*") if p.is_file()}
+    local = {p.relative_to(root / "out").as_posix(): p.read_bytes() for p in (root / "out").rglob("*") if p.is_file()}
 
     def same(key):  # query speed is measured per run; rejected records name their source
         return not (key.endswith(("manifest.json", "build_info.json")) or key.startswith("rejected/"))
 
     assert not any(k.startswith(".staging/") for k in remote)
     assert {k: v for k, v in remote.items() if same(k)} == {k: v for k, v in local.items() if same(k)}
-    rejected = [json.loads(line) for key, data in sorted(remote.items()) if key.startswith("rejected/build-index-")
-                for line in data.decode().splitlines()]
+    rejected = [
+        json.loads(line)
+        for key, data in sorted(remote.items())
+        if key.startswith("rejected/build-index-")
+        for line in data.decode().splitlines()
+    ]
     assert len(rejected) == len(read_rejected(root / "out", "build-index"))
     assert all(r["source"].startswith("gs://ratrain-e2e/corpus/") for r in rejected)
 
@@ -53,12 +58,11 @@ def test_run_on_gcs_gives_the_local_bytes_and_streams_to_the_trainer(gcs, built_
 
 def test_a_config_on_gcs_is_read_from_there(gcs, tmp_path, capsys):
     from pipeline.cli import main
-    from tests.conftest import write_config
+    from tests.helpers import write_config
 
     bucket = gcs.bucket("ratrain-config")
     (tmp_path / "conf").mkdir()
-    write_config(tmp_path / "conf" / "c.yaml", small_config(f"{bucket}/out", f"{bucket}/corpus/*.jsonl",
-                                                             neighbours=3))
+    write_config(tmp_path / "conf" / "c.yaml", small_config(f"{bucket}/out", f"{bucket}/corpus/*.jsonl", neighbours=3))
     gcs.upload(tmp_path / "conf", f"{bucket}/conf")
     main(["build-shards", "--config", f"{bucket}/conf/c.yaml", "--dry-run"])
     assert json.loads(capsys.readouterr().out)["build-shards"]["stages"]

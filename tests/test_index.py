@@ -6,15 +6,30 @@ import numpy as np
 import pytest
 from apache_beam.testing.util import assert_that, equal_to
 
-from pipeline.faiss_index import (IndexBuildError, build_index, choose_index_factory, estimated_bytes,
-                                  exact_nearest_other, in_sample, load_index, merge_part, nlist_for,
-                                  one_recall_at_k, plan_index, resolve_clustering, search_excluding,
-                                  set_search_depth, train_index, training_size, tune_search_depth)
+from pipeline.faiss_index import (
+    IndexBuildError,
+    build_index,
+    choose_index_factory,
+    estimated_bytes,
+    exact_nearest_other,
+    in_sample,
+    load_index,
+    merge_part,
+    nlist_for,
+    one_recall_at_k,
+    plan_index,
+    resolve_clustering,
+    search_excluding,
+    set_search_depth,
+    train_index,
+    training_size,
+    tune_search_depth,
+)
 from pipeline.index import BuildIndex
 from pipeline.options import pipeline_options
 from pipeline.writers import embeddings_table, parquet_bytes
 from schemas.config import IndexConfig
-from tests.conftest import local_pipeline
+from tests.helpers import local_pipeline
 
 
 def clustered(n, d=32, clusters=50, seed=0):
@@ -27,15 +42,18 @@ def clustered(n, d=32, clusters=50, seed=0):
 MB = 10**6
 
 
-@pytest.mark.parametrize("n, budget, expected", [
-    (5_000, 1000 * MB, "Flat"),
-    (300_000, 1000 * MB, "IVF2048,Flat"),
-    (300_000, 64 * MB, "IVF2048,PQ128x8np"),
-    (300_000, 20 * MB, "IVF2048,PQ32x8np"),
-    (5_000_000, 1000 * MB, "IVF8192,PQ128x8np"),
-    (50_000_000, 10_000 * MB, "IVF65536_HNSW32,PQ128x8np"),
-    (50_000, 5 * MB, "IVF1024,PQ48x8np"),
-])
+@pytest.mark.parametrize(
+    "n, budget, expected",
+    [
+        (5_000, 1000 * MB, "Flat"),
+        (300_000, 1000 * MB, "IVF2048,Flat"),
+        (300_000, 64 * MB, "IVF2048,PQ128x8np"),
+        (300_000, 20 * MB, "IVF2048,PQ32x8np"),
+        (5_000_000, 1000 * MB, "IVF8192,PQ128x8np"),
+        (50_000_000, 10_000 * MB, "IVF65536_HNSW32,PQ128x8np"),
+        (50_000, 5 * MB, "IVF1024,PQ48x8np"),
+    ],
+)
 def test_auto_choice_follows_size_and_budget(n, budget, expected):
     factory = choose_index_factory(n, 384, budget)
     assert factory == expected
@@ -69,11 +87,19 @@ def test_samples_are_deterministic_and_sized():
     assert not np.array_equal(chosen, in_sample(ids, 5_000, len(ids), 2))
 
 
-@pytest.mark.parametrize("clustering, factory, expected", [
-    ("auto", "IVF1024,PQ8", "flat"), ("auto", "IVF4096,PQ8", "two_level"),
-    ("auto", "IVF65536_HNSW32,Flat", "two_level"), ("two_level", "IVF64,Flat", "two_level"),
-    ("flat", "IVF65536,Flat", "flat"), ("two_level", "HNSW32", "flat"), ("auto", "Flat", "flat"),
-    ("auto", "OPQ16,IVF8192,PQ16", "flat")])
+@pytest.mark.parametrize(
+    "clustering, factory, expected",
+    [
+        ("auto", "IVF1024,PQ8", "flat"),
+        ("auto", "IVF4096,PQ8", "two_level"),
+        ("auto", "IVF65536_HNSW32,Flat", "two_level"),
+        ("two_level", "IVF64,Flat", "two_level"),
+        ("flat", "IVF65536,Flat", "flat"),
+        ("two_level", "HNSW32", "flat"),
+        ("auto", "Flat", "flat"),
+        ("auto", "OPQ16,IVF8192,PQ16", "flat"),
+    ],
+)
 def test_clustering_choice(clustering, factory, expected):
     assert resolve_clustering(clustering, factory) == expected
 
@@ -162,8 +188,10 @@ def test_recall_counts_a_tied_neighbour_as_found():
     index = faiss.IndexIDMap2(faiss.IndexFlatIP(vectors.shape[1]))
     index.add_with_ids(vectors[::-1].copy(), ids[::-1].copy())  # ties come back in another order
     assert one_recall_at_k(index, query_ids, vectors[query_ids], truth) == 1.0
-    strict = [t in [f for f in row if f != q][:10] for q, t, row in
-              zip(query_ids, truth[1][:, 0], index.search(vectors[query_ids], 11)[1])]
+    strict = [
+        t in [f for f in row if f != q][:10]
+        for q, t, row in zip(query_ids, truth[1][:, 0], index.search(vectors[query_ids], 11)[1])
+    ]
     assert np.mean(strict) < 1.0  # what counting the exact nearest id alone would have said
 
 
@@ -238,8 +266,7 @@ def test_build_index_transform_flat(tmp_path):
     paths = write_embedding_files(tmp_path / "emb", np.arange(300), vectors, files=2)
     with local_pipeline() as p:
         info = p | beam.Create(paths) | BuildIndex(IndexConfig(), str(tmp_path / "faiss"))
-        assert_that(info | beam.Map(lambda i: (i["index_factory"], i["num_vectors"])),
-                    equal_to([("Flat", 300)]))
+        assert_that(info | beam.Map(lambda i: (i["index_factory"], i["num_vectors"])), equal_to([("Flat", 300)]))
     assert load_index(str(tmp_path / "faiss" / "index.faiss")).ntotal == 300
     assert json.loads((tmp_path / "faiss" / "build_info.json").read_text())["recall_at_k"]["value"] == 1.0
 
@@ -249,8 +276,11 @@ def test_build_index_transform_ivf_in_parts(tmp_path, clustering):
     vectors = clustered(10_000, clusters=100)
     ids = np.arange(10_000, dtype=np.int64) * 3 + 5
     paths = write_embedding_files(tmp_path / "emb", ids, vectors, files=4)
-    info = _build(paths, IndexConfig(type="IVF64,Flat", target_recall=0.9, recall_sample=200,
-                                     clustering=clustering), tmp_path / "faiss")
+    info = _build(
+        paths,
+        IndexConfig(type="IVF64,Flat", target_recall=0.9, recall_sample=200, clustering=clustering),
+        tmp_path / "faiss",
+    )
     assert info["parts"] == 4 and info["num_vectors"] == 10_000 and info["clustering"] == clustering
     assert info["recall_at_k"]["value"] >= 0.9 and info["recall_at_k"]["sample_size"] > 150
     assert not any((tmp_path / "faiss" / "parts").iterdir())
@@ -266,10 +296,10 @@ def test_one_and_two_workers_build_the_same_index(tmp_path, monkeypatch, cluster
     paths = write_embedding_files(tmp_path / "emb", np.arange(12_000), vectors, files=3)
     cfg = IndexConfig(type="IVF32,PQ8x8np", target_recall=0.5, recall_sample=100, clustering=clustering)
     one = _build(paths, cfg, tmp_path / "one")
-    two = _build(paths, cfg, tmp_path / "two",
-                 ["--direct_num_workers=2", "--direct_running_mode=multi_processing"])
-    assert {k: v for k, v in one.items() if k != "queries_per_second"} == \
-        {k: v for k, v in two.items() if k != "queries_per_second"}
+    two = _build(paths, cfg, tmp_path / "two", ["--direct_num_workers=2", "--direct_running_mode=multi_processing"])
+    assert {k: v for k, v in one.items() if k != "queries_per_second"} == {
+        k: v for k, v in two.items() if k != "queries_per_second"
+    }
     a, b = (load_index(str(tmp_path / d / "index.faiss"), one["nprobe"]) for d in ("one", "two"))
     assert np.array_equal(a.search(vectors[::60], 10)[1], b.search(vectors[::60], 10)[1])
 
@@ -281,11 +311,14 @@ def test_mixed_dimensions_are_refused(tmp_path):
         _build(paths, IndexConfig(), tmp_path / "faiss")
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--memory-budget", "10B"], "too small for any index"),
-    (["--type", "IVF64,Flat"], "needs at least 2,496 vectors"),
-    (["--type", "Bogus9"], "not a valid faiss factory string"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--memory-budget", "10B"], "too small for any index"),
+        (["--type", "IVF64,Flat"], "needs at least 2,496 vectors"),
+        (["--type", "Bogus9"], "not a valid faiss factory string"),
+    ],
+)
 def test_index_command_errors_are_one_line(tmp_path, capsys, args, message):
     from pipeline.cli import main
 
@@ -303,8 +336,19 @@ def test_index_command_writes_index_and_manifest(tmp_path):
 
     vectors = clustered(3000, d=16, clusters=30)
     write_embedding_files(tmp_path / "emb", np.arange(3000) + 10, vectors, files=3)
-    main(["index", "--embeddings", str(tmp_path / "emb" / "*.parquet"), "--output", str(tmp_path / "out"),
-          "--type", "IVF16,Flat", "--target-recall", "0.9"])
+    main(
+        [
+            "index",
+            "--embeddings",
+            str(tmp_path / "emb" / "*.parquet"),
+            "--output",
+            str(tmp_path / "out"),
+            "--type",
+            "IVF16,Flat",
+            "--target-recall",
+            "0.9",
+        ]
+    )
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["num_vectors"] == 3000 and manifest["recall_at_k"]["value"] >= 0.9
     assert [f["path"] for f in manifest["files"]] == ["faiss/index.faiss"]

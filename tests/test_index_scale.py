@@ -1,5 +1,6 @@
 """Issue 3's acceptance: 300,000 clustered 384-d vectors under a 64 MB budget, through the
 stand-alone `index` command (the same BuildIndex stage `build-index` uses)."""
+
 import json
 
 import faiss
@@ -11,6 +12,8 @@ from pipeline.cli import main
 from pipeline.faiss_index import RECALL_MEASURE, load_index
 from tests.test_index import write_embedding_files
 
+pytestmark = pytest.mark.slow  # the module fixtures build a 300k-vector index and shard it: minutes
+
 N, D, BUDGET = 300_000, 384, 64 * 10**6
 
 
@@ -20,8 +23,17 @@ def built(tmp_path_factory):
     vectors = LowRankClusters(D).sample(N, np.random.default_rng(1))
     ids = np.arange(N, dtype=np.int64) * 2 + 1_000_000  # not positions: ids must survive as-is
     write_embedding_files(root / "emb", ids, vectors, files=5)
-    main(["index", "--embeddings", str(root / "emb" / "*.parquet"), "--output", str(root / "idx"),
-          "--memory-budget", "64MB"])
+    main(
+        [
+            "index",
+            "--embeddings",
+            str(root / "emb" / "*.parquet"),
+            "--output",
+            str(root / "idx"),
+            "--memory-budget",
+            "64MB",
+        ]
+    )
     return root, ids, vectors, json.loads((root / "idx" / "manifest.json").read_text())
 
 
@@ -38,10 +50,10 @@ def test_manifest_recall_agrees_with_an_outside_measurement(built):
     root, ids, vectors, manifest = built
     index = load_index(str(root / "idx" / "faiss" / "index.faiss"), manifest["nprobe"])
     rng = np.random.default_rng(7)
-    rows = rng.choice(N, 1000, replace=False)           # queries the build never sampled as such
+    rows = rng.choice(N, 1000, replace=False)  # queries the build never sampled as such
     exact = faiss.IndexFlatIP(D)
     exact.add(vectors)
-    _, truth = exact.search(vectors[rows], 2)           # [self, nearest other]
+    _, truth = exact.search(vectors[rows], 2)  # [self, nearest other]
     _, found = index.search(vectors[rows], 11)
     hits = [ids[t[1]] in [f for f in row if f != ids[r]][:10] for r, t, row in zip(rows, truth, found)]
     outside = float(np.mean(hits))
@@ -70,8 +82,19 @@ SHARD_BYTES = 12 * 10**6
 @pytest.fixture(scope="module")
 def sharded(built):
     root, ids, vectors, _ = built
-    main(["index", "--embeddings", str(root / "emb" / "*.parquet"), "--output", str(root / "sharded"),
-          "--memory-budget", "64MB", "--shard-bytes", "12MB"])
+    main(
+        [
+            "index",
+            "--embeddings",
+            str(root / "emb" / "*.parquet"),
+            "--output",
+            str(root / "sharded"),
+            "--memory-budget",
+            "64MB",
+            "--shard-bytes",
+            "12MB",
+        ]
+    )
     return root / "sharded", json.loads((root / "sharded" / "manifest.json").read_text())
 
 
@@ -79,7 +102,7 @@ def outside_recall(search, ids, vectors, rows):
     """1-recall@10 of held-out queries against exact search (self excluded)."""
     exact = faiss.IndexFlatIP(D)
     exact.add(vectors)
-    _, truth = exact.search(vectors[rows], 2)           # [self, nearest other]
+    _, truth = exact.search(vectors[rows], 2)  # [self, nearest other]
     found = search(vectors[rows], 11)
     return float(np.mean([ids[t[1]] in [f for f in row if f != ids[r]][:10] for r, t, row in zip(rows, truth, found)]))
 

@@ -1,23 +1,37 @@
 """Index shards by chunk-id range (`pipeline.index_shards`): the plan, and 300,000 clustered
 384-d vectors under a 64 MiB budget's factory cut into 12 MiB shards that, searched together,
 answer what the one merged index answers."""
+
 import faiss
 import numpy as np
 import pytest
 
 from benchmarks.synthetic import LowRankClusters
-from pipeline.faiss_index import (TRAIN_SALT, IndexBuildError, choose_index_factory, estimated_bytes,
-                                  exact_nearest_other, in_sample, load_index, merge_part, one_recall_at_k,
-                                  search_excluding, set_search_depth, train_index, training_size,
-                                  tune_search_depth, write_index)
-from pipeline.index_shards import (assemble_shard, plan_shards, recall_of_shards, search_shards,
-                                   tune_shards_depth)
+from pipeline.faiss_index import (
+    TRAIN_SALT,
+    IndexBuildError,
+    choose_index_factory,
+    estimated_bytes,
+    exact_nearest_other,
+    in_sample,
+    load_index,
+    merge_part,
+    one_recall_at_k,
+    search_excluding,
+    set_search_depth,
+    train_index,
+    training_size,
+    tune_search_depth,
+    write_index,
+)
+from pipeline.index_shards import assemble_shard, plan_shards, recall_of_shards, search_shards, tune_shards_depth
 
 N, D, BUDGET, SHARD_BYTES, PART_ROWS = 300_000, 384, 64 * 2**20, 12 * 2**20, 32_768
 FACTORY = "IVF2048,PQ128x8np"  # choose_index_factory(N, D, BUDGET), checked below
 
 
 # --- the plan -------------------------------------------------------------------------------
+
 
 def test_everything_that_fits_is_one_shard():
     assert plan_shards([PART_ROWS] * 4, FACTORY, D, 10**9) == [range(0, 4)]
@@ -33,13 +47,15 @@ def test_shards_are_the_fewest_consecutive_groups_that_fit():
         sizes = [sum(rows[p] for p in s) for s in shards]
         assert all(estimated_bytes(FACTORY, n, D) <= SHARD_BYTES for n in sizes)
         # greedy: each shard is full, the next shard's first part would not have fitted
-        assert all(estimated_bytes(FACTORY, n + rows[s.stop], D) > SHARD_BYTES
-                   for n, s in zip(sizes, shards[:-1]))
+        assert all(estimated_bytes(FACTORY, n + rows[s.stop], D) > SHARD_BYTES for n, s in zip(sizes, shards[:-1]))
 
 
 def test_a_part_larger_than_a_shard_is_an_error():
-    with pytest.raises(IndexBuildError, match=r"file 1 holds 70,000 vectors.*at most 66,499: lower "
-                                              r"chunk_file_rows"):
+    with pytest.raises(
+        IndexBuildError,
+        match=r"file 1 holds 70,000 vectors.*at most 66,499: lower "
+        r"chunk_file_rows",
+    ):
         plan_shards([PART_ROWS, 70_000], FACTORY, D, SHARD_BYTES)
 
 
@@ -49,6 +65,7 @@ def test_a_shard_smaller_than_the_trained_index_is_an_error():
 
 
 # --- exact ties: the single index's order ---------------------------------------------------
+
 
 @pytest.mark.parametrize("factory", ["IVF16,Flat", "IVF16,PQ4x8np"])
 def test_exact_ties_come_back_as_the_single_index_gives_them(factory):
@@ -62,7 +79,7 @@ def test_exact_ties_come_back_as_the_single_index_gives_them(factory):
     parts = []
     for start in range(0, len(ids), 1000):
         parts.append(faiss.clone_index(trained))
-        parts[-1].add_with_ids(vectors[start:start + 1000], ids[start:start + 1000])
+        parts[-1].add_with_ids(vectors[start : start + 1000], ids[start : start + 1000])
     single = assemble_shard(trained, [faiss.clone_index(p) for p in parts])
     shards = [assemble_shard(trained, [p]) for p in parts]
     for index in [single, *shards]:
@@ -86,6 +103,7 @@ def test_shards_must_share_one_depth():
 
 # --- 300,000 vectors, 12 MiB shards ---------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """Trained once; each part filled once; the single index merged from copies of the parts,
@@ -98,7 +116,7 @@ def built(tmp_path_factory):
     parts = []
     for start in range(0, N, PART_ROWS):
         parts.append(faiss.clone_index(trained))
-        parts[-1].add_with_ids(vectors[start:start + PART_ROWS], ids[start:start + PART_ROWS])
+        parts[-1].add_with_ids(vectors[start : start + PART_ROWS], ids[start : start + PART_ROWS])
     single = faiss.clone_index(trained)
     for part in parts:
         merge_part(single, faiss.clone_index(part))
@@ -115,22 +133,34 @@ def built(tmp_path_factory):
     depth, _, _ = tune_search_depth(single, query_ids, queries, truth, 0.95)
     for shard in shards:
         set_search_depth(shard, depth)
-    return {"ids": ids, "vectors": vectors, "single": single, "shards": shards, "paths": paths,
-            "plan": plan, "queries": queries, "query_ids": query_ids, "truth": truth, "depth": depth}
+    return {
+        "ids": ids,
+        "vectors": vectors,
+        "single": single,
+        "shards": shards,
+        "paths": paths,
+        "plan": plan,
+        "queries": queries,
+        "query_ids": query_ids,
+        "truth": truth,
+        "depth": depth,
+    }
 
 
+@pytest.mark.slow  # the module's `built` fixture: ~2.5 min, paid by the first test that uses it
 def test_shards_fit_their_size_and_hold_their_id_range(built):
     plan, shards, ids = built["plan"], built["shards"], built["ids"]
     assert len(plan) >= 4
     assert all(path.stat().st_size <= SHARD_BYTES for path in built["paths"])
     assert sum(s.ntotal for s in shards) == N
     for group, shard in zip(plan, shards):
-        own = ids[group.start * PART_ROWS:group.stop * PART_ROWS]
+        own = ids[group.start * PART_ROWS : group.stop * PART_ROWS]
         _, found = shard.search(built["queries"][:200], 10)
         assert shard.ntotal == len(own) and np.isin(found[found >= 0], own).all()
 
 
 @pytest.mark.parametrize("depth", [None, 16])  # the depth tuned on the single index, and a deeper one
+@pytest.mark.slow  # uses `built`
 def test_shards_answer_what_the_single_index_answers(built, depth):
     single, shards, queries = built["single"], built["shards"], built["queries"]
     nprobe = depth or built["depth"]
@@ -144,6 +174,7 @@ def test_shards_answer_what_the_single_index_answers(built, depth):
     assert single_recall >= 0.95 and abs(sharded_recall - single_recall) <= 0.01
 
 
+@pytest.mark.slow  # uses `built`
 def test_tuning_over_shards_finds_the_single_index_depth(built):
     shards, args = built["shards"], (built["query_ids"], built["queries"], built["truth"])
     depth, recall, _ = tune_shards_depth(shards, *args, 0.95)
@@ -155,6 +186,7 @@ def _outside(found, excluded):
     return all(not ((found >= start) & (found < end)).any() for start, end in excluded)
 
 
+@pytest.mark.slow  # uses `built`
 def test_excluded_ranges_as_one_index_excludes_them(built):
     """Sequences of 32 indexed chunks, each with its own chunk-id span excluded (as the
     retrieval stage searches)."""
@@ -163,13 +195,14 @@ def test_excluded_ranges_as_one_index_excludes_them(built):
     same = total = 0
     for start in np.random.default_rng(5).choice(N - 32, 60, replace=False):
         excluded = [(int(ids[start]) - 100, int(ids[start + 31]) + 101)]
-        expected = search_excluding(single, vectors[start:start + 32], 10, excluded)
-        scores, found, deeper = search_shards(shards, vectors[start:start + 32], 10, excluded)
+        expected = search_excluding(single, vectors[start : start + 32], 10, excluded)
+        scores, found, deeper = search_shards(shards, vectors[start : start + 32], 10, excluded)
         assert _outside(found, excluded) and (found >= 0).all() and deeper == expected[2]
         same, total = same + (found == expected[1]).sum(), total + found.size
     assert same / total >= 0.995
 
 
+@pytest.mark.slow  # uses `built`
 def test_exclusion_deepens_as_one_index_does(built):
     """All but 150 vectors of each shard excluded: at the tuned depth the probed lists hold
     fewer than k, so the search deepens; decided on the merged result, as one index decides."""

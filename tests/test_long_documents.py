@@ -3,6 +3,7 @@ are mostly its own document's, which must never starve the k neighbour slots. Fo
 sample corpus as four documents of 127-211 chunks, with near-duplicate passages planted within
 and across them (`examples/long_documents.py`); every neighbour checked against an exact
 search that applies the same exclusion."""
+
 import json
 import shutil
 
@@ -18,7 +19,7 @@ from pipeline.stages import build_shards
 from pipeline.validate import validate_path
 from schemas.arrow import read_shard_table, shard_column, tensor_column_to_numpy
 from schemas.config import config_from_dict
-from tests.conftest import small_config, write_jsonl
+from tests.helpers import small_config, write_jsonl
 
 DATABASE_PAGES = ["howto/enum", "library/enum", "tutorial/classes", "library/collections"]
 TRAINING_PAGES = ["howto/enum", "tutorial/classes", "howto/descriptor"]  # two shared, one not
@@ -38,6 +39,7 @@ def long_output(tmp_path_factory):
 def _database(out):
     def table(kind):
         return pa.concat_tables([pq.read_table(p) for p in sorted((out / "index" / kind).glob("*.parquet"))])
+
     chunks, embeddings = table("chunks"), table("embeddings")
     return chunks["doc_id"].to_numpy(), tensor_column_to_numpy(embeddings["embedding"])
 
@@ -45,8 +47,12 @@ def _database(out):
 def _rows(shards):
     for path in sorted(shards.glob("shard-*.arrow")):
         table = read_shard_table(pa.memory_map(str(path)))
-        yield from zip(table["seq_id"].to_pylist(), table["doc_ids"].to_pylist(),
-                       shard_column(table, "neighbour_ids"), shard_column(table, "neighbour_scores"))
+        yield from zip(
+            table["seq_id"].to_pylist(),
+            table["doc_ids"].to_pylist(),
+            shard_column(table, "neighbour_ids"),
+            shard_column(table, "neighbour_scores"),
+        )
 
 
 def _check_exact(docs, vectors, rows, queries_of, k):
@@ -71,7 +77,7 @@ def test_every_slot_is_filled_with_the_exact_neighbours_outside_own_documents(lo
     docs, vectors = _database(out)
     assert len(np.unique(docs)) == 4 and min(np.bincount(np.unique(docs, return_inverse=True)[1])) > 120
     L, k = config["sequence_tokens"] // config["chunk_tokens"], config["neighbours"]
-    checked = _check_exact(docs, vectors, _rows(out / "shards"), lambda s: vectors[s * L:(s + 1) * L], k)
+    checked = _check_exact(docs, vectors, _rows(out / "shards"), lambda s: vectors[s * L : (s + 1) * L], k)
     assert checked == manifest["num_sequences"] * L > 150
     assert manifest["neighbour_fill"] == 1.0
     assert manifest["neighbour_recall"]["value"] == 1.0 and manifest["neighbour_recall"]["sample_size"] == 200
@@ -90,10 +96,16 @@ def test_a_separate_training_corpus_sharing_documents_is_filled_and_exact(long_o
     out = tmp_path / "out"  # the same index, shards of their own
     shutil.copytree(root / "out" / "index", out / "index")
     training = {"paths": [str(root / "training" / "*.jsonl")], "format": "jsonl", "id_field": "id"}
-    cfg = config_from_dict({**config, "output": str(out), "training_corpus": training,
-                            "neighbour_recall_sample": 100_000,
-                            # queries in float32, as this test embeds them again below
-                            "embedding": {**config["embedding"], "precision": "float32"}})
+    cfg = config_from_dict(
+        {
+            **config,
+            "output": str(out),
+            "training_corpus": training,
+            "neighbour_recall_sample": 100_000,
+            # queries in float32, as this test embeds them again below
+            "embedding": {**config["embedding"], "precision": "float32"},
+        }
+    )
     manifest = build_shards(cfg, [])
     assert manifest.neighbour_fill == 1.0
     assert manifest.neighbour_recall.value == 1.0  # every training chunk sampled
@@ -113,8 +125,9 @@ def test_a_separate_training_corpus_sharing_documents_is_filled_and_exact(long_o
     model = load_encoder(EmbeddingConfig())
 
     def queries_of(seq_id):  # decoded as the embed stage decodes a chunk (padding dropped)
-        texts = tokenizer.decode_batch([tokens[seq_id][j * m:(j + 1) * m].tolist() for j in range(L)],
-                                       skip_special_tokens=True)
+        texts = tokenizer.decode_batch(
+            [tokens[seq_id][j * m : (j + 1) * m].tolist() for j in range(L)], skip_special_tokens=True
+        )
         return encode_texts(model, texts, L)
 
     checked = _check_exact(docs, vectors, rows, queries_of, config["neighbours"])

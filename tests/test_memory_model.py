@@ -1,5 +1,6 @@
 """The memory model: what it marks as growing with the corpus is all that grows, and `--dry-run`
 prints it for the corpus size given or read from the input's size."""
+
 import json
 
 import pytest
@@ -7,13 +8,18 @@ import pytest
 from pipeline.faiss_index import choose_index_factory, estimated_bytes
 from pipeline.memory_model import Corpus, stage_memory
 from schemas.config import config_from_dict, parse_size
-from tests.conftest import sample_documents, small_config, write_config, write_jsonl
+from tests.helpers import sample_documents, small_config, write_config, write_jsonl
 
 
 def model_config(index_type="auto", index=None, **overrides):
-    return config_from_dict(small_config("/tmp/unused", "/tmp/unused/*.jsonl",
-                                         index={"memory_budget": "2TB", "type": index_type, **(index or {})},
-                                         **overrides))
+    return config_from_dict(
+        small_config(
+            "/tmp/unused",
+            "/tmp/unused/*.jsonl",
+            index={"memory_budget": "2TB", "type": index_type, **(index or {})},
+            **overrides,
+        )
+    )
 
 
 @pytest.mark.parametrize("index_type", ["auto", "IVF65536_HNSW32,PQ32x8np"])
@@ -22,8 +28,7 @@ def test_only_the_terms_marked_as_growing_change_with_the_corpus(index_type):
     small, large = (stage_memory(cfg, Corpus.of(c, c / 30)) for c in (1e8, 3e10))
     for a, b in zip(small, large):
         assert len(a["grows_with_corpus"]) == len(b["grows_with_corpus"])
-        fixed, fixed_large = ({k: v for k, v in s["terms"].items() if k not in s["grows_with_corpus"]}
-                              for s in (a, b))
+        fixed, fixed_large = ({k: v for k, v in s["terms"].items() if k not in s["grows_with_corpus"]} for s in (a, b))
         assert fixed == fixed_large, a["stage"]
         assert (a["bytes"] == b["bytes"]) == (not a["grows_with_corpus"]), a["stage"]
 
@@ -32,18 +37,28 @@ def test_the_index_terms_are_the_index_builders_own_estimate():
     stages = {s["stage"]: s for s in stage_memory(model_config(), Corpus.of(1e8))}
     factory = choose_index_factory(10**8, 384, parse_size("2TB"))
     assert f"index: assemble trained {factory}" in stages  # two-level clustering at 2^18 lists
-    assert stages["index: merge"]["terms"] == {"the whole index (100,000,000 vectors)": estimated_bytes(factory, 10**8, 384)}
+    assert stages["index: merge"]["terms"] == {
+        "the whole index (100,000,000 vectors)": estimated_bytes(factory, 10**8, 384)
+    }
 
 
 def test_two_level_training_holds_no_step_with_the_whole_sample():
     corpus = Corpus.of(3e10)
-    flat, two_level = ([s for s in stage_memory(model_config(index={"clustering": c}), corpus)
-                        if s["stage"].startswith("index: ") and "fill" not in s["stage"] and "merge" not in s["stage"]]
-                       for c in ("flat", "auto"))
+    flat, two_level = (
+        [
+            s
+            for s in stage_memory(model_config(index={"clustering": c}), corpus)
+            if s["stage"].startswith("index: ") and "fill" not in s["stage"] and "merge" not in s["stage"]
+        ]
+        for c in ("flat", "auto")
+    )
     (whole,) = flat
-    assert [s["stage"] for s in two_level] == ["index: train first level", "index: train one first-level cluster",
-                                               "index: Lloyd step over one sample file",
-                                               f"index: assemble trained {whole['stage'].split()[-1]}"]
+    assert [s["stage"] for s in two_level] == [
+        "index: train first level",
+        "index: train one first-level cluster",
+        "index: Lloyd step over one sample file",
+        f"index: assemble trained {whole['stage'].split()[-1]}",
+    ]
     assert max(s["bytes"] for s in two_level) < whole["bytes"] / 10
 
 

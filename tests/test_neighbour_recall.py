@@ -3,11 +3,16 @@ import numpy as np
 from apache_beam.testing.util import assert_that
 
 from pipeline.faiss_index import exact_top, merge_top
-from pipeline.neighbour_recall import (TIE_TOLERANCE, MeasureNeighbourRecall, SmallestProbes,
-                                       recall_with_ties, scan_batch)
-from pipeline.shards import ShardRow
+from pipeline.neighbour_recall import (
+    TIE_TOLERANCE,
+    MeasureNeighbourRecall,
+    SmallestProbes,
+    recall_with_ties,
+    scan_batch,
+)
+from pipeline.retro_rows import ShardRow
 from pipeline.writers import embeddings_table, parquet_bytes
-from tests.conftest import local_pipeline
+from tests.helpers import local_pipeline
 
 L, K, D = 2, 3, 16
 
@@ -26,8 +31,12 @@ def _exact(vectors, query, excluded, k=K):
 
 def test_recall_counts_ties_and_empty_slots():
     exact = np.array([[0.9, 0.8], [0.7, -np.inf]], np.float32)  # the second query has one chunk to offer
-    ours = np.array([[0.9, 0.8 - TIE_TOLERANCE / 2],             # a near-tie of the 2nd best: right
-                     [np.nan, np.nan]])                          # empty where one existed: a miss
+    ours = np.array(
+        [
+            [0.9, 0.8 - TIE_TOLERANCE / 2],  # a near-tie of the 2nd best: right
+            [np.nan, np.nan],
+        ]
+    )  # empty where one existed: a miss
     assert recall_with_ties(exact, ours) == (2, 3)
     ours[0, 1] = 0.8 - 2 * TIE_TOLERANCE
     assert recall_with_ties(exact, ours) == (1, 3)
@@ -56,8 +65,11 @@ def test_the_sample_does_not_depend_on_how_probes_are_batched():
     probes = [(key, key, 0, None, ()) for key in (9, 3, 7, 1, 5, 8)]
     fn = SmallestProbes(3)
     one = fn.extract_output(fn.add_input(fn.create_accumulator(), probes))
-    split = fn.extract_output(fn.merge_accumulators(
-        [fn.add_input(fn.create_accumulator(), probes[:2]), fn.add_input(fn.create_accumulator(), probes[2:])]))
+    split = fn.extract_output(
+        fn.merge_accumulators(
+            [fn.add_input(fn.create_accumulator(), probes[:2]), fn.add_input(fn.create_accumulator(), probes[2:])]
+        )
+    )
     assert [p[0] for p in one] == [p[0] for p in split] == [1, 3, 5]
 
 
@@ -68,7 +80,9 @@ def test_measure_neighbour_recall_against_exact_search(tmp_path):
     (tmp_path / "embeddings").mkdir()
     for number, start in enumerate(range(0, len(vectors), 128)):
         rows = [(i, vectors[i]) for i in range(start, min(start + 128, len(vectors)))]
-        (tmp_path / "embeddings" / f"embeddings-{number:05d}.parquet").write_bytes(parquet_bytes(embeddings_table(rows)))
+        (tmp_path / "embeddings" / f"embeddings-{number:05d}.parquet").write_bytes(
+            parquet_bytes(embeddings_table(rows))
+        )
     sequences = 20
     probes, shard_rows, right = [], [], 0
     for s in range(sequences):
@@ -80,8 +94,9 @@ def test_measure_neighbour_recall_against_exact_search(tmp_path):
             best, _ = _exact(vectors, query, own, K + 1)
             ids[j] = best[:K] if s % 2 == 0 else best[1:]
             right += K if s % 2 == 0 else K - 1
-        shard_rows.append(ShardRow(s, np.zeros(5, np.int32), np.zeros((L, K, 4), np.int32), ids,
-                                   np.zeros((L, K), np.float32), (s,)))
+        shard_rows.append(
+            ShardRow(s, np.zeros(5, np.int32), np.zeros((L, K, 4), np.int32), ids, np.zeros((L, K), np.float32), (s,))
+        )
 
     def check(results):
         (result,) = results

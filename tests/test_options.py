@@ -34,16 +34,19 @@ def test_the_users_thread_count_wins(monkeypatch):
     assert os.environ["OMP_NUM_THREADS"] == "3"
 
 
-@pytest.mark.parametrize("configured, device, args, threads", [
-    (3, "cpu", MULTI + ["--direct_num_workers=2"], 3),                # configured wins
-    (None, "cpu", [], 8),                                             # in-process: every core
-    (None, "cpu", MULTI + ["--direct_num_workers=2"], 4),             # local workers share them
-    (None, "cpu", MULTI + ["--direct_num_workers=16"], 1),
-    (None, "cpu", ["--runner=PortableRunner", "--environment_type=LOOPBACK"], 8),  # calls back here
-    (None, "cpu", ["--runner=DataflowRunner"], 1),                    # a process per worker core
-    (None, "cpu", ["--runner=PortableRunner", "--environment_type=DOCKER"], 1),
-    (2, "cuda", [], None),                                            # threads do not touch GPU bytes
-])
+@pytest.mark.parametrize(
+    "configured, device, args, threads",
+    [
+        (3, "cpu", MULTI + ["--direct_num_workers=2"], 3),  # configured wins
+        (None, "cpu", [], 8),  # in-process: every core
+        (None, "cpu", MULTI + ["--direct_num_workers=2"], 4),  # local workers share them
+        (None, "cpu", MULTI + ["--direct_num_workers=16"], 1),
+        (None, "cpu", ["--runner=PortableRunner", "--environment_type=LOOPBACK"], 8),  # calls back here
+        (None, "cpu", ["--runner=DataflowRunner"], 1),  # a process per worker core
+        (None, "cpu", ["--runner=PortableRunner", "--environment_type=DOCKER"], 1),
+        (2, "cuda", [], None),  # threads do not touch GPU bytes
+    ],
+)
 def test_encoder_threads_are_fixed_once_per_job(monkeypatch, configured, device, args, threads):
     monkeypatch.setenv("OMP_NUM_THREADS", "5")  # what faiss gets does not decide the encoder's
     monkeypatch.setattr(os, "cpu_count", lambda: 8)
@@ -52,18 +55,49 @@ def test_encoder_threads_are_fixed_once_per_job(monkeypatch, configured, device,
 
 # --- options Beam would drop are refused ------------------------------------------------------
 
-@pytest.mark.parametrize("args", [
-    ["--runner=DataflowRunner", "--project=p", "--region=r", "--temp_location=gs://b/t", "--staging_location=gs://b/s",
-     "--sdk_container_image=i", "--experiments=use_runner_v2", "--machine_type=n1-highmem-8", "--disk_size_gb=100",
-     "--max_num_workers=32", "--number_of_worker_harness_threads=4", "--dataflow_service_options=a=b"],
-    ["--runner", "PortableRunner", "--job_endpoint", "h:8099", "--artifact_endpoint", "h:8098", "--environment_type",
-     "EXTERNAL", "--environment_config", "localhost:50000", "--parallelism", "16", "--sdk_worker_parallelism", "4"],
-    ["--runner=FlinkRunner", "--flink_master=m:8081", "--flink_version=1.19", "--flink_submit_uber_jar"],
-    ["--runner=SparkRunner", "--spark_master_url=spark://m:7077"],
-    ["--direct_num_workers", "-1"],  # a negative number is a value
-    ["--update_compatibility_version"],  # its value is optional
-    ["--runner=direct"], ["--runner=fnapi"], ["--runner=apache_beam.runners.render.RenderRunner", "--render_output=x.png"],
-])
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        [
+            "--runner=DataflowRunner",
+            "--project=p",
+            "--region=r",
+            "--temp_location=gs://b/t",
+            "--staging_location=gs://b/s",
+            "--sdk_container_image=i",
+            "--experiments=use_runner_v2",
+            "--machine_type=n1-highmem-8",
+            "--disk_size_gb=100",
+            "--max_num_workers=32",
+            "--number_of_worker_harness_threads=4",
+            "--dataflow_service_options=a=b",
+        ],
+        [
+            "--runner",
+            "PortableRunner",
+            "--job_endpoint",
+            "h:8099",
+            "--artifact_endpoint",
+            "h:8098",
+            "--environment_type",
+            "EXTERNAL",
+            "--environment_config",
+            "localhost:50000",
+            "--parallelism",
+            "16",
+            "--sdk_worker_parallelism",
+            "4",
+        ],
+        ["--runner=FlinkRunner", "--flink_master=m:8081", "--flink_version=1.19", "--flink_submit_uber_jar"],
+        ["--runner=SparkRunner", "--spark_master_url=spark://m:7077"],
+        ["--direct_num_workers", "-1"],  # a negative number is a value
+        ["--update_compatibility_version"],  # its value is optional
+        ["--runner=direct"],
+        ["--runner=fnapi"],
+        ["--runner=apache_beam.runners.render.RenderRunner", "--render_output=x.png"],
+    ],
+)
 def test_beam_options_in_either_form_are_accepted(args):
     assert check_beam_args(args) == args
 
@@ -92,18 +126,26 @@ def test_options_of_any_imported_options_class_are_accepted():
         check_beam_args(["--ratrain_test_only_flag=3"])
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--direct_num_worker=2"], "unknown option --direct_num_worker (did you mean --direct_num_workers?): "
-                                "not a Beam pipeline option"),
-    (["--temp-location", "gs://b/t"], "unknown option --temp-location (did you mean --temp_location?)"),
-    (["--zzz", "--qqq=1", "--zzz"], "unknown options --zzz, --qqq: not a Beam pipeline option"),
-    (["-x"], "unknown option -x"),
-    (["--project", "p", "stray"], "unexpected argument 'stray' among the Beam pipeline options"),
-    (["--project=p", "--", "--region=r"], "a second `--` among the Beam pipeline options"),
-    (["--direct_num_workers=two"], "Beam pipeline options: argument --direct_num_workers: invalid int value: 'two'"),
-    (["--project"], "Beam pipeline options: argument --project: expected one argument"),
-    (["--runner=Dataflow_Runner"], "unknown runner Dataflow_Runner (did you mean DataflowRunner?)"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--direct_num_worker=2"],
+            "unknown option --direct_num_worker (did you mean --direct_num_workers?): not a Beam pipeline option",
+        ),
+        (["--temp-location", "gs://b/t"], "unknown option --temp-location (did you mean --temp_location?)"),
+        (["--zzz", "--qqq=1", "--zzz"], "unknown options --zzz, --qqq: not a Beam pipeline option"),
+        (["-x"], "unknown option -x"),
+        (["--project", "p", "stray"], "unexpected argument 'stray' among the Beam pipeline options"),
+        (["--project=p", "--", "--region=r"], "a second `--` among the Beam pipeline options"),
+        (
+            ["--direct_num_workers=two"],
+            "Beam pipeline options: argument --direct_num_workers: invalid int value: 'two'",
+        ),
+        (["--project"], "Beam pipeline options: argument --project: expected one argument"),
+        (["--runner=Dataflow_Runner"], "unknown runner Dataflow_Runner (did you mean DataflowRunner?)"),
+    ],
+)
 def test_what_beam_would_drop_or_cannot_parse_is_one_error(args, message):
     with pytest.raises(PipelineOptionsError) as raised:
         pipeline_options(args)  # an error, not argparse's usage text and SystemExit

@@ -1,5 +1,6 @@
 """Hostile input: every kind of bad record or file ends in rejected/ with its reason, the good
 ones are all indexed, and too many rejections fail the stage before anything is committed."""
+
 import gzip
 import io
 import json
@@ -10,10 +11,10 @@ import pytest
 
 from pipeline.stages import StageError, build_index
 from schemas.config import config_from_dict
-from tests.conftest import read_rejected, sample_documents, small_config
+from tests.helpers import read_rejected, sample_documents, small_config
 
 GOOD = sample_documents(3)
-SHORT = {"id": "short", "text": "Too short for one chunk."}        # kept: one padded chunk
+SHORT = {"id": "short", "text": "Too short for one chunk."}  # kept: one padded chunk
 LARGE = {"id": "large", "text": " ".join(d["text"] for d in sample_documents(12, start=20))}  # kept
 BAD_LINES = [  # (line bytes, reason)
     (b'{"id": "broken", "text": "no closing brace"', "malformed_json"),
@@ -24,8 +25,10 @@ BAD_LINES = [  # (line bytes, reason)
     (b'{"id": "latin1", "text": "caf\xe9"}', "invalid_utf8"),
     (json.dumps({"id": GOOD[0]["id"], "text": "a second document with a taken id"}).encode(), "duplicate_id"),
 ]
-BAD_FILES = {"garbage.jsonl.gz": b"this is not gzip at all" * 10,                      # unreadable_file
-             "truncated.jsonl.gz": gzip.compress(b'{"id": "t", "text": "cut short"}\n' * 200)[:60]}
+BAD_FILES = {
+    "garbage.jsonl.gz": b"this is not gzip at all" * 10,  # unreadable_file
+    "truncated.jsonl.gz": gzip.compress(b'{"id": "t", "text": "cut short"}\n' * 200)[:60],
+}
 
 
 def hostile_corpus(directory):
@@ -43,7 +46,7 @@ def test_every_bad_kind_is_rejected_with_its_reason_and_every_good_record_indexe
     cfg = config_from_dict(small_config(tmp_path / "out", corpus, max_rejected_fraction=1.0))
     manifest = build_index(cfg, [])
     assert manifest.num_documents == len(GOOD) + 2  # the short and the large one too
-    assert manifest.num_chunks > 40                  # the large document is chunked whole
+    assert manifest.num_chunks > 40  # the large document is chunked whole
     rejected = read_rejected(tmp_path / "out", "build-index")
     by_reason = sorted(r["reason"] for r in rejected)
     assert by_reason == sorted([reason for _, reason in BAD_LINES] + ["unreadable_file"] * len(BAD_FILES))
@@ -80,8 +83,7 @@ def test_a_parquet_corpus_with_wrong_schemas_and_bad_rows_completes(tmp_path):
     for name, (data, _) in PARQUET_FILES.items():
         (corpus / name).write_bytes(data)
     settings = {"paths": [str(corpus / "*.parquet")], "format": "parquet", "id_field": "id"}
-    cfg = config_from_dict(small_config(tmp_path / "out", "", retrieval_corpus=settings,
-                                        max_rejected_fraction=1.0))
+    cfg = config_from_dict(small_config(tmp_path / "out", "", retrieval_corpus=settings, max_rejected_fraction=1.0))
     manifest = build_index(cfg, [])
     assert manifest.num_documents == sum(reason is None for *_, reason in PARQUET_ROWS)
     rejected = read_rejected(tmp_path / "out", "build-index")
@@ -89,8 +91,10 @@ def test_a_parquet_corpus_with_wrong_schemas_and_bad_rows_completes(tmp_path):
     expected += [(str(corpus / name), reason) for name, (_, reason) in PARQUET_FILES.items()]
     assert sorted((r["source"], r["reason"]) for r in rejected) == sorted(expected)
     schema_refusals = {r["source"].rsplit("/", 1)[1]: r["excerpt"] for r in rejected if r["reason"] == "wrong_schema"}
-    assert schema_refusals == {"renamed.parquet": "missing column(s) ['text']; has ['id', 'body']; rows in file: 2",
-                               "numbers.parquet": "column 'text' is int64, not string; rows in file: 1"}
+    assert schema_refusals == {
+        "renamed.parquet": "missing column(s) ['text']; has ['id', 'body']; rows in file: 2",
+        "numbers.parquet": "column 'text' is int64, not string; rows in file: 1",
+    }
     assert manifest.counters["rejected_wrong_schema"] == 2
 
 
@@ -111,10 +115,19 @@ def test_credentials_never_reach_logs_manifests_or_rejected_records(tmp_path, ca
     corpus.mkdir()
     (corpus / "a.jsonl").write_text("".join(json.dumps(d) + "\n" for d in GOOD) + '{"id": "x", "text": 1}\n')
     from pipeline.cli import main
-    from tests.conftest import write_config
+    from tests.helpers import write_config
 
     config = write_config(tmp_path / "c.yaml", small_config(tmp_path / "out", str(corpus / "*.jsonl")))
-    main(["run", "--config", str(config), "--", f"--dataflow_service_options=api_token={secret}", f"--service_account_email={secret}@x"])
+    main(
+        [
+            "run",
+            "--config",
+            str(config),
+            "--",
+            f"--dataflow_service_options=api_token={secret}",
+            f"--service_account_email={secret}@x",
+        ]
+    )
     captured = capfd.readouterr()
     written = [p.read_text(errors="replace") for p in (tmp_path / "out").rglob("*") if p.suffix in (".json", ".jsonl")]
     assert written and all(secret not in text for text in written + [captured.out, captured.err])
@@ -127,7 +140,7 @@ def test_manifest_facts_come_from_the_data_not_from_metrics(tmp_path, monkeypatc
 
     from pipeline.run import run_all
     from pipeline.validate import validate_path
-    from tests.conftest import write_jsonl
+    from tests.helpers import write_jsonl
 
     counter = Metrics.counter
 
@@ -159,13 +172,12 @@ def test_rejected_records_are_spread_over_stably_named_files(tmp_path):
 
     from pipeline.corpus import Rejected
     from pipeline.writers import WriteRejected, rejected_file_of
-    from tests.conftest import local_pipeline
+    from tests.helpers import local_pipeline
 
     records = [Rejected(f"gs://b/corpus/part-{i % 7}.jsonl", i, "malformed_json", "x") for i in range(40)]
     with local_pipeline() as p:
         entries = p | beam.Create(records) | WriteRejected(str(tmp_path / "rejected"), "build-index")
-        assert_that(entries | beam.Map(lambda e: e["rows"]) | beam.combiners.ToList()
-                    | beam.Map(sum), equal_to([40]))
+        assert_that(entries | beam.Map(lambda e: e["rows"]) | beam.combiners.ToList() | beam.Map(sum), equal_to([40]))
     files = {p.name for p in (tmp_path / "rejected").iterdir()}
     assert files == {f"build-index-{rejected_file_of(r):05d}.jsonl" for r in records} and len(files) > 1
     written = read_rejected(tmp_path, "build-index")
@@ -204,7 +216,9 @@ def test_build_shards_runs_once_more_when_the_runner_loses_shuffle_data(built_ou
     with caplog.at_level(logging.WARNING, logger="ratrain"):
         manifest = build_shards(cfg, [])
     assert len(losses) == 1 and "lost shuffle data" in caplog.text and "runs once more" in caplog.text
-    assert manifest.num_sequences == json.loads((root / "out" / "shards" / "manifest.json").read_text())["num_sequences"]
+    assert (
+        manifest.num_sequences == json.loads((root / "out" / "shards" / "manifest.json").read_text())["num_sequences"]
+    )
     written = {p.name: p.read_bytes() for p in (out / "shards").glob("*.arrow")}
     assert written == {p.name: p.read_bytes() for p in (root / "out" / "shards").glob("*.arrow")}
     assert not (out / ".staging").exists() or not any((out / ".staging").iterdir())

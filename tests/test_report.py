@@ -1,5 +1,6 @@
 """`report`: one self-contained HTML page on an output, index or shards directory; and the
 stage timings and recall curve the manifests record for it."""
+
 import json
 import re
 import shutil
@@ -16,7 +17,7 @@ from pipeline.stages import build_vector_index, stage_timings
 from schemas.arrow import read_shard_table, shard_column
 from schemas.config import IndexConfig
 from schemas.manifest import IndexManifest, ShardsManifest
-from tests.conftest import BAD_REASONS, rewrite_shards_as_schema_version_1
+from tests.helpers import BAD_REASONS, rewrite_shards_as_schema_version_1
 
 INLINE_PNG = re.compile(r'<img alt="[^"]+" src="data:image/png;base64,[A-Za-z0-9+/]+=*">')
 
@@ -115,8 +116,10 @@ def test_report_of_a_directory_that_is_no_output_fails_with_one_line(tmp_path, c
         main(["report", str(tmp_path / "something")])
     assert exit_.value.code == 1
     err = capsys.readouterr().err.strip()
-    assert err == (f"error: {tmp_path}/something: not an output, index or shards directory (no manifest.json "
-                   f"here, nor in {tmp_path}/something/index or {tmp_path}/something/shards)")
+    assert err == (
+        f"error: {tmp_path}/something: not an output, index or shards directory (no manifest.json "
+        f"here, nor in {tmp_path}/something/index or {tmp_path}/something/shards)"
+    )
     assert not (tmp_path / "something" / "report.html").exists()
 
 
@@ -127,24 +130,33 @@ def test_the_cli_prints_the_report_path(output, capsys):
 
 # --- what the report reads ----------------------------------------------------------------------
 
+
 def test_committed_manifests_carry_positive_timings(built_output):
     root, _, _ = built_output
-    for name, model, stage, records in (("index", IndexManifest, "build-index", "chunks"),
-                                        ("shards", ShardsManifest, "build-shards", "sequences")):
+    for name, model, stage, records in (
+        ("index", IndexManifest, "build-index", "chunks"),
+        ("shards", ShardsManifest, "build-shards", "sequences"),
+    ):
         manifest = model.model_validate_json((root / "out" / name / "manifest.json").read_text())
         timings = manifest.timings
         assert (timings.stage, timings.records) == (stage, records)
         assert timings.wall_seconds > 0 and timings.records_per_second > 0
         assert datetime.fromisoformat(timings.started) <= datetime.fromisoformat(timings.committed)
-        assert timings.records_per_second == pytest.approx(manifest.counters[records] / timings.wall_seconds,
-                                                                 abs=0.06)  # rounded to 0.1
+        assert timings.records_per_second == pytest.approx(
+            manifest.counters[records] / timings.wall_seconds, abs=0.06
+        )  # rounded to 0.1
 
 
 def test_stage_timings_are_the_wall_time_between_the_two_clocks():
     timings = stage_timings("build-shards", 1_000.0, 1_012.5, {"sequences": 50}, "sequences")
-    assert timings == {"stage": "build-shards", "started": "1970-01-01T00:16:40+00:00",
-                       "committed": "1970-01-01T00:16:52+00:00", "wall_seconds": 12.5,
-                       "records": "sequences", "records_per_second": 4.0}
+    assert timings == {
+        "stage": "build-shards",
+        "started": "1970-01-01T00:16:40+00:00",
+        "committed": "1970-01-01T00:16:52+00:00",
+        "wall_seconds": 12.5,
+        "records": "sequences",
+        "records_per_second": 4.0,
+    }
     assert stage_timings("build-shards", 1_000.0, 999.0, {"sequences": 50}, "sequences")["records_per_second"] is None
 
 
@@ -157,8 +169,7 @@ def test_a_commit_retried_after_success_keeps_the_first_timings(tmp_path):
 
 
 def test_overlap_bars_name_each_threshold_range():
-    assert overlap_bars({"0.125": 7, "0.0": 1, "1.0": 2}) == [("r ≤ 0.0", 1), ("(0.0, 0.125]", 7),
-                                                              ("(0.125, 1.0]", 2)]
+    assert overlap_bars({"0.125": 7, "0.0": 1, "1.0": 2}) == [("r ≤ 0.0", 1), ("(0.0, 0.125]", 7), ("(0.125, 1.0]", 2)]
 
 
 def test_score_histograms_hold_every_filled_slot_and_sample_shards_when_asked(built_output):

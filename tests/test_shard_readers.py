@@ -1,6 +1,7 @@
 """Training shards read without this project's code: Hugging Face `datasets`, polars, duckdb,
 pandas and plain pyarrow see the right rows and arrays (schema_version 2: fixed_size_list
 columns, each field's per-row shape in its metadata), as the README's examples show."""
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,12 @@ def shards(built_output):
 
 def _shapes(manifest: ShardsManifest) -> dict[str, tuple]:
     n, m, k = manifest.sequence_tokens, manifest.chunk_tokens, manifest.neighbours
-    return {"tokens": (n + 1,), "neighbours": (n // m, k, 2 * m), "neighbour_ids": (n // m, k),
-            "neighbour_scores": (n // m, k)}
+    return {
+        "tokens": (n + 1,),
+        "neighbours": (n // m, k, 2 * m),
+        "neighbour_ids": (n // m, k),
+        "neighbour_scores": (n // m, k),
+    }
 
 
 def _check(columns: dict, shapes: dict, manifest: ShardsManifest, expected: dict) -> None:
@@ -49,8 +54,12 @@ def _check(columns: dict, shapes: dict, manifest: ShardsManifest, expected: dict
 def _schema_shapes(schema: pa.Schema) -> dict[str, tuple]:
     """Per-row shapes as an outside reader finds them: the `shape` field metadata, or the
     list size of a one-dimensional column."""
-    return {name: tuple(json.loads(schema.field(name).metadata[b"shape"])) if schema.field(name).metadata
-            else (schema.field(name).type.list_size,) for name in ARRAYS}
+    return {
+        name: tuple(json.loads(schema.field(name).metadata[b"shape"]))
+        if schema.field(name).metadata
+        else (schema.field(name).type.list_size,)
+        for name in ARRAYS
+    }
 
 
 def test_pyarrow_reads_the_shards_as_a_dataset(shards):
@@ -58,7 +67,8 @@ def test_pyarrow_reads_the_shards_as_a_dataset(shards):
     table = pads.dataset(paths, format="arrow").to_table()
     assert table.schema.metadata[b"schema_version"] == b"2"
     assert table.schema.field("neighbours").type == pa.list_(
-        pa.int32(), manifest.sequence_tokens // manifest.chunk_tokens * manifest.neighbours * 2 * manifest.chunk_tokens)
+        pa.int32(), manifest.sequence_tokens // manifest.chunk_tokens * manifest.neighbours * 2 * manifest.chunk_tokens
+    )
     columns = {name: np.array(table[name].to_pylist()) for name in ARRAYS}
     _check({**columns, "seq_id": table["seq_id"].to_numpy()}, _schema_shapes(table.schema), manifest, expected)
 
@@ -85,8 +95,9 @@ def test_duckdb_queries_the_shards(shards):
     duckdb = pytest.importorskip("duckdb")
     paths, manifest, expected = shards
     shards_dataset = pads.dataset(paths, format="arrow")  # noqa: F841 (duckdb finds it by its name)
-    rows = duckdb.sql("SELECT seq_id, neighbour_ids[1] AS first_id, len(neighbours) AS width "
-                      "FROM shards_dataset ORDER BY seq_id").fetchall()
+    rows = duckdb.sql(
+        "SELECT seq_id, neighbour_ids[1] AS first_id, len(neighbours) AS width FROM shards_dataset ORDER BY seq_id"
+    ).fetchall()
     assert [r[0] for r in rows] == sorted(expected["seq_id"].tolist())
     order = np.argsort(expected["seq_id"])
     assert [r[1] for r in rows] == expected["neighbour_ids"][order, 0, 0].tolist()

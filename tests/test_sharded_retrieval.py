@@ -1,22 +1,24 @@
 """build-shards over an index split into shards: each search batch goes to every shard, a
 process loads one shard per group of batches, and each batch's hits from all shards are merged
 by score; the neighbours are those of the same index in one file."""
+
 import json
 
-import pyarrow as pa
 import numpy as np
+import pyarrow as pa
 
 from pipeline.run import run_all
 from pipeline.validate import validate_path
 from schemas.arrow import read_shard_table
 from schemas.config import config_from_dict
-from tests.conftest import sample_documents, small_config, write_jsonl
+from tests.helpers import sample_documents, small_config, write_jsonl
 
 
 def neighbour_ids(out):
     tables = [read_shard_table(pa.memory_map(str(p))) for p in sorted((out / "shards").glob("*.arrow"))]
-    return np.concatenate([np.stack(t["neighbour_ids"].to_numpy(zero_copy_only=False)).reshape(len(t), -1)
-                           for t in tables])
+    return np.concatenate(
+        [np.stack(t["neighbour_ids"].to_numpy(zero_copy_only=False)).reshape(len(t), -1) for t in tables]
+    )
 
 
 def test_build_shards_over_a_sharded_index_finds_the_neighbours_of_one_index(tmp_path):

@@ -1,3 +1,7 @@
+import subprocess
+import sys
+from pathlib import Path
+
 import apache_beam as beam
 import faiss
 import numpy as np
@@ -8,14 +12,26 @@ from apache_beam.testing.util import assert_that, equal_to
 from pipeline.chunkdb import ChunkFileRanges
 from pipeline.chunking import chunk_document
 from pipeline.faiss_index import build_index
-from pipeline.shards import (CANDIDATE, DocumentSpans, PackSequences, RetrieveNeighbours, Retrieval,
-                             WriteShards, chunk_overlap, document_spans, merge_ranges, neighbour_arrays,
-                             overlap_bucket, overlap_histogram, pack_sequence, select_distinct, token_key,
-                             widest_span)
+from pipeline.retro_rows import chunk_overlap, overlap_bucket, overlap_histogram
+from pipeline.shards import (
+    CANDIDATE,
+    DocumentSpans,
+    PackSequences,
+    Retrieval,
+    RetrieveNeighbours,
+    WriteShards,
+    document_spans,
+    merge_ranges,
+    neighbour_arrays,
+    pack_sequence,
+    select_distinct,
+    token_key,
+    widest_span,
+)
 from pipeline.writers import chunks_table, parquet_bytes
 from schemas.arrow import SCHEMA_VERSION, read_shard_table, shard_column
 from schemas.manifest import FileEntry
-from tests.conftest import local_pipeline
+from tests.helpers import local_pipeline
 
 M, L, K, PAD = 4, 2, 2, 0
 
@@ -30,8 +46,13 @@ def test_pack_sequence_adds_the_next_token_and_its_document():
 
 def candidates(*rows):
     """CANDIDATE rows from (j, rank, score, chunk_id[, token_key]) tuples."""
-    return np.array([(0, j, rank, chunk, score, key) for j, rank, score, chunk, key in
-                     (row + (0,) * (5 - len(row)) for row in rows)], CANDIDATE)
+    return np.array(
+        [
+            (0, j, rank, chunk, score, key)
+            for j, rank, score, chunk, key in (row + (0,) * (5 - len(row)) for row in rows)
+        ],
+        CANDIDATE,
+    )
 
 
 def test_neighbour_arrays_pad_the_slots_without_a_neighbour():
@@ -46,14 +67,18 @@ def test_neighbour_arrays_pad_the_slots_without_a_neighbour():
 def test_select_distinct_skips_candidates_repeating_a_kept_neighbour():
     same, other = token_key(np.array([5, 6, 7, 8])), token_key(np.array([5, 6, 7, 9]))
     assert same == token_key(np.array([5, 6, 7, 8], dtype=np.int64)) and same != other
-    found = candidates((0, 2, 0.25, 12, other), (0, 1, 0.5, 11, same), (0, 0, 1.0, 10, same),  # any order
-                       (1, 0, 0.75, 13, same))
+    found = candidates(
+        (0, 2, 0.25, 12, other),
+        (0, 1, 0.5, 11, same),
+        (0, 0, 1.0, 10, same),  # any order
+        (1, 0, 0.75, 13, same),
+    )
     picks, dropped = select_distinct(found, K)
     assert picks == [(0, 0, 10, 1.0), (0, 1, 12, 0.25), (1, 0, 13, 0.75)] and dropped == 1
 
 
 def test_document_spans_and_ranges():
-    ids = np.array([7, 3, 4, 5, 6, 8])          # any order; doc 20 continues past this batch
+    ids = np.array([7, 3, 4, 5, 6, 8])  # any order; doc 20 continues past this batch
     docs = np.array([20, 10, 10, 20, 20, 20])
     assert document_spans(ids, docs) == [(10, (3, 5)), (20, (5, 9))]
     assert widest_span([(5, 9), (9, 12), (7, 8)]) == (5, 12)
@@ -75,9 +100,13 @@ def _longest_common_run(a, b, pad):
 
 def test_chunk_overlap_is_the_longest_common_token_run_over_m():
     m = 8
-    chunks = np.array([[1, 2, 3, 4, 5, 6, 7, 8],      # shares 1..4 (4) with n0, 6..8 (3) with n1
-                       [9, 9, 9, 9, 9, 9, 9, 9],      # all of it with n0's continuation
-                       [1, 2, 3, 4, 0, 0, 0, 0]])     # 1..4, padding never counts
+    chunks = np.array(
+        [
+            [1, 2, 3, 4, 5, 6, 7, 8],  # shares 1..4 (4) with n0, 6..8 (3) with n1
+            [9, 9, 9, 9, 9, 9, 9, 9],  # all of it with n0's continuation
+            [1, 2, 3, 4, 0, 0, 0, 0],
+        ]
+    )  # 1..4, padding never counts
     neighbours = np.zeros((3, 2, 2 * m), np.int32)
     neighbours[0, 0, 3:7] = [1, 2, 3, 4]
     neighbours[0, 1, :5] = [6, 7, 8, 1, 1]
@@ -91,11 +120,38 @@ def test_chunk_overlap_is_the_longest_common_token_run_over_m():
 
 
 def test_overlap_buckets_and_histogram():
-    assert [overlap_bucket(r) for r in (0, 0.01, 0.125, 0.2, 0.5, 0.9, 1.0)] == \
-        ["0.0", "0.125", "0.125", "0.25", "0.5", "1.0", "1.0"]
+    assert [overlap_bucket(r) for r in (0, 0.01, 0.125, 0.2, 0.5, 0.9, 1.0)] == [
+        "0.0",
+        "0.125",
+        "0.125",
+        "0.25",
+        "0.5",
+        "1.0",
+        "1.0",
+    ]
     counters = {"overlap_r_le_0.0": 3, "overlap_r_le_1.0": 1, "sequences": 2}
     assert overlap_histogram(counters) == {"0.0": 3, "0.125": 0, "0.25": 0, "0.5": 0, "0.75": 0, "1.0": 1}
     assert counters == {"sequences": 2}
+
+
+@pytest.mark.parametrize(
+    "imports",
+    [
+        "import pipeline.retro_rows",
+        "from pipeline.retro_rows import chunk_overlap",  # what inspect (and so report) takes from it
+        "import tests.trainer_fixtures",  # the trainer tests' shards and overlap audit
+    ],
+)
+def test_row_types_and_the_overlap_audit_import_neither_beam_nor_faiss_nor_torch(imports):
+    code = f"import sys; {imports}; print([m for m in ('apache_beam', 'faiss', 'torch') if m in sys.modules])"
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert result.stdout.strip() == "[]"
 
 
 def _database():
@@ -106,8 +162,9 @@ def _database():
         tokens = rng.integers(1, 1000, 4 * M).astype(np.int32)
         chunks += list(chunk_document(100 + doc, tokens, doc * 4, M, PAD))
     base = rng.normal(size=(4, 16))
-    vectors = np.stack([base[c.position] + 0.05 * (c.doc_id - 100) * rng.normal(size=16)
-                        for c in chunks]).astype(np.float32)
+    vectors = np.stack([base[c.position] + 0.05 * (c.doc_id - 100) * rng.normal(size=16) for c in chunks]).astype(
+        np.float32
+    )
     faiss.normalize_L2(vectors)
     return chunks, vectors
 
@@ -118,7 +175,7 @@ def write_chunk_files(directory, chunks, rows_per_file=5) -> ChunkFileRanges:
     (directory / "chunks").mkdir(parents=True)
     entries = []
     for number, begin in enumerate(range(0, len(chunks), rows_per_file)):
-        part = chunks[begin:begin + rows_per_file]
+        part = chunks[begin : begin + rows_per_file]
         path = f"chunks/chunks-{number:05d}.parquet"
         (directory / path).write_bytes(parquet_bytes(chunks_table(part, M)))
         entries.append(FileEntry(path=path, rows=len(part), bytes=0, sha256=""))
@@ -170,25 +227,37 @@ def test_retrieve_neighbours_excludes_the_sequence_documents(tmp_path):
                     if q == 0:  # the best is the same position in a document it does not hold
                         assert neighbour.position == by_id[query].position
                     assert row.neighbours[j, q].tolist() == (
-                        neighbour.tokens.tolist() + neighbour.continuation.tolist())
-            assert row.tokens[:-1].tolist() == np.concatenate(
-                [by_id[row.seq_id * L + j].tokens for j in range(L)]).tolist()
+                        neighbour.tokens.tolist() + neighbour.continuation.tolist()
+                    )
+            assert (
+                row.tokens[:-1].tolist()
+                == np.concatenate([by_id[row.seq_id * L + j].tokens for j in range(L)]).tolist()
+            )
 
     with local_pipeline() as p:
         assert_that(retrieve(p, chunks, vectors, index_path, chunk_files), check)
 
 
 def test_write_shards_is_sorted_and_split_by_seq_id(tmp_path):
-    from pipeline.shards import ShardRow
+    from pipeline.retro_rows import ShardRow
 
-    rows = [ShardRow(s, np.full(L * M + 1, s, np.int32), np.full((L, K, 2 * M), s, np.int32),
-                     np.full((L, K), s, np.int64), np.full((L, K), 0.5, np.float32), (s,))
-            for s in (4, 0, 3, 1, 2)]
+    rows = [
+        ShardRow(
+            s,
+            np.full(L * M + 1, s, np.int32),
+            np.full((L, K, 2 * M), s, np.int32),
+            np.full((L, K), s, np.int64),
+            np.full((L, K), 0.5, np.float32),
+            (s,),
+        )
+        for s in (4, 0, 3, 1, 2)
+    ]
     with local_pipeline() as p:
         entries = p | beam.Create(rows) | WriteShards(str(tmp_path), shard_rows=2, pad_id=PAD)
-        assert_that(entries | beam.Map(lambda e: (e["path"], e["rows"])),
-                    equal_to([("shard-00000.arrow", 2), ("shard-00001.arrow", 2),
-                              ("shard-00002.arrow", 1)]))
+        assert_that(
+            entries | beam.Map(lambda e: (e["path"], e["rows"])),
+            equal_to([("shard-00000.arrow", 2), ("shard-00001.arrow", 2), ("shard-00002.arrow", 1)]),
+        )
     table = read_shard_table(pa.memory_map(str(tmp_path / "shard-00001.arrow")))
     assert table["seq_id"].to_pylist() == [2, 3]
     assert shard_column(table, "neighbours").shape == (2, L, K, 2 * M)
@@ -218,6 +287,7 @@ def test_retrieve_neighbours_dedupe_skips_repeated_tokens(tmp_path):
             (row,) = [r for r in rows if r.seq_id == 3]
             assert [docs[i] for i in row.neighbour_ids[:, 1]] == ([103, 103] if dedupe else [102, 102])
             assert [docs[i] for i in row.neighbour_ids[:, 0]] == [101, 101]
+
         return check
 
     for dedupe in (False, True):
@@ -261,15 +331,26 @@ def test_shards_worse_than_they_look_get_a_warning_with_the_cause(tmp_path):
     from pipeline.stages import neighbour_warnings
     from schemas.config import config_from_dict
     from schemas.manifest import NeighbourRecall, ShardEntry, ShardsManifest
-    from tests.conftest import small_config
+    from tests.helpers import small_config
 
     def manifest(filled, recall, counters=None):  # 10 sequences of L = 4 chunks, k = 2: 80 slots
         return ShardsManifest(
-            config_hash="", index_manifest_sha256="", training_corpus="same", sequence_tokens=128,
-            chunk_tokens=32, neighbours=2, neighbour_tokens=64, pad_id=0, num_sequences=10,
+            config_hash="",
+            index_manifest_sha256="",
+            training_corpus="same",
+            sequence_tokens=128,
+            chunk_tokens=32,
+            neighbours=2,
+            neighbour_tokens=64,
+            pad_id=0,
+            num_sequences=10,
             shards=[ShardEntry(path="shard-00000.arrow", rows=10, bytes=0, sha256="", neighbour_slots_filled=filled)],
-            neighbour_fill=filled / 80, counters=counters or {}, created_by="", overlap={},
-            neighbour_recall=NeighbourRecall(measure="", value=recall, sample_size=40, slots=80, tolerance=1e-3))
+            neighbour_fill=filled / 80,
+            counters=counters or {},
+            created_by="",
+            overlap={},
+            neighbour_recall=NeighbourRecall(measure="", value=recall, sample_size=40, slots=80, tolerance=1e-3),
+        )
 
     cfg = config_from_dict(small_config(tmp_path, "x"))
     assert neighbour_warnings(manifest(80, 1.0), cfg) == []

@@ -1,4 +1,5 @@
 """Trainer: shard dataset (partition, shuffle, resume, refusals), RETRO model causality, training run."""
+
 from __future__ import annotations
 
 import json
@@ -53,6 +54,7 @@ def loader_ids(dataset: ShardDataset, *, batch_size: int, num_workers: int, batc
 
 # -- dataset --------------------------------------------------------------------------------
 
+
 def test_samples_match_the_shards(shard_dir):
     dataset = ShardDataset(shard_dir)
     assert (dataset.sequence_tokens, dataset.chunk_tokens, dataset.neighbours, dataset.pad_id) == (16, 4, 2, 0)
@@ -77,10 +79,10 @@ def test_reads_schema_version_1_shards(tmp_path):
     old, new = tmp_path / "v1", tmp_path / "v2"
     write_shard_dir(old, shard_rows=[5, 4], schema_version=1)
     write_shard_dir(new, shard_rows=[5, 4])
-    assert isinstance(read_shard_table(pa.memory_map(str(old / "shard-00000.arrow")))["neighbours"].type,
-                      pa.FixedShapeTensorType)
-    samples = {version: list(ShardDataset(directory, seed=3))
-               for version, directory in (("1", old), ("2", new))}
+    assert isinstance(
+        read_shard_table(pa.memory_map(str(old / "shard-00000.arrow")))["neighbours"].type, pa.FixedShapeTensorType
+    )
+    samples = {version: list(ShardDataset(directory, seed=3)) for version, directory in (("1", old), ("2", new))}
     assert len(samples["1"]) == len(samples["2"]) == 9
     for a, b in zip(samples["1"], samples["2"]):
         assert a.keys() == b.keys()
@@ -113,8 +115,9 @@ def test_one_shard_is_mapped_at_a_time(shard_dir, monkeypatch):
     dataset = ShardDataset(shard_dir, seed=4)
     opened = []
     real_open = dataset_module._LocalFiles.open
-    monkeypatch.setattr(dataset_module._LocalFiles, "open",
-                        lambda self, path: opened.append(real_open(self, path)) or opened[-1])
+    monkeypatch.setattr(
+        dataset_module._LocalFiles, "open", lambda self, path: opened.append(real_open(self, path)) or opened[-1]
+    )
     most_open = max(sum(not f.closed for f in opened) for _ in dataset)
     assert most_open == 1 and len(opened) == len(SHARD_ROWS)
     assert all(f.closed for f in opened)
@@ -146,6 +149,7 @@ def test_worker_count_does_not_change_the_order(shard_dir):
 def test_batched_mode_yields_the_collated_batches(shard_dir, workers):
     """One batch per block, gathered at once: equal to collating the per-sample stream
     (batches cross shard boundaries: shards of 7, 5, 9, 6 rows, batches of 4)."""
+
     def loader(batched):
         dataset = ShardDataset(shard_dir, rank=1, world_size=2, seed=6, batch_size=4, batched=batched)
         return list(DataLoader(dataset, batch_size=None if batched else 4, num_workers=workers))
@@ -317,13 +321,17 @@ def test_construction_reads_the_manifest_and_no_shard(shard_dir, monkeypatch):
     calls = []
     for name in ("read_text", "open", "prefetch"):
         real = getattr(dataset_module._LocalFiles, name)
-        monkeypatch.setattr(dataset_module._LocalFiles, name,
-                            lambda self, path, name=name, real=real: calls.append((name, path)) or real(self, path))
+        monkeypatch.setattr(
+            dataset_module._LocalFiles,
+            name,
+            lambda self, path, name=name, real=real: calls.append((name, path)) or real(self, path),
+        )
     dataset = ShardDataset(shard_dir, verify=True, skip_bad_shards=True)
     assert calls == [("read_text", str(shard_dir / "manifest.json"))]
     assert len(list(dataset)) == len(SEQ_IDS)
-    assert sorted(path for name, path in calls if name == "open") == \
-        [str(shard_dir / f"shard-{i:05d}.arrow") for i in range(len(SHARD_ROWS))]  # each once, as reached
+    assert sorted(path for name, path in calls if name == "open") == [
+        str(shard_dir / f"shard-{i:05d}.arrow") for i in range(len(SHARD_ROWS))
+    ]  # each once, as reached
 
 
 def test_a_manifest_without_its_shards_builds_and_fails_on_the_first_one_read(shard_dir, tmp_path):
@@ -336,6 +344,7 @@ def test_a_manifest_without_its_shards_builds_and_fails_on_the_first_one_read(sh
 
 
 # -- gs:// (against the local GCS emulator) -----------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def gcs_shards(gcs, shard_dir) -> str:
@@ -367,10 +376,12 @@ def test_gcs_reads_ahead_one_shard(gcs_shards, monkeypatch):
 
     fetched, opened = [], []
     real_fetch, real_open = dataset_module._RemoteFiles._fetch, dataset_module._RemoteFiles.open
-    monkeypatch.setattr(dataset_module._RemoteFiles, "_fetch",
-                        lambda self, path: fetched.append(path) or real_fetch(self, path))
-    monkeypatch.setattr(dataset_module._RemoteFiles, "open",
-                        lambda self, path: opened.append(path) or real_open(self, path))
+    monkeypatch.setattr(
+        dataset_module._RemoteFiles, "_fetch", lambda self, path: fetched.append(path) or real_fetch(self, path)
+    )
+    monkeypatch.setattr(
+        dataset_module._RemoteFiles, "open", lambda self, path: opened.append(path) or real_open(self, path)
+    )
     dataset = ShardDataset(gcs_shards, seed=4)
     assert fetched == [gcs_shards + "/manifest.json"] and opened == []  # building reads the manifest only
     fetched.clear()
@@ -402,8 +413,9 @@ M = 4  # chunk tokens in the model tests
 @pytest.fixture(scope="module")
 def model() -> Retro:
     torch.manual_seed(0)
-    config = RetroConfig(vocab_size=50, sequence_tokens=16, chunk_tokens=M, dim=32, depth=3, heads=4,
-                         cca_layers=(0, 2), encoder_depth=1)
+    config = RetroConfig(
+        vocab_size=50, sequence_tokens=16, chunk_tokens=M, dim=32, depth=3, heads=4, cca_layers=(0, 2), encoder_depth=1
+    )
     return Retro(config).eval()
 
 
@@ -463,8 +475,7 @@ def test_pad_neighbours_are_masked_out(model, inputs):
 
 
 def test_no_retrieval_model_has_no_encoder_or_cca():
-    config = RetroConfig(vocab_size=50, sequence_tokens=16, chunk_tokens=M, dim=32, depth=3, heads=4,
-                         retrieval=False)
+    config = RetroConfig(vocab_size=50, sequence_tokens=16, chunk_tokens=M, dim=32, depth=3, heads=4, retrieval=False)
     model = Retro(config)
     assert model.encoder is None and all(block.cca is None for block in model.blocks)
     assert model(torch.ones(1, 16, dtype=torch.long), None).shape == (1, 16, 50)
@@ -499,8 +510,23 @@ def test_loss_leaves_pad_targets_out():
 
 
 def test_training_loss_decreases(train_dir, capsys):
-    main(["--shards", str(train_dir), "--steps", "30", "--batch-size", "8", "--lr", "1e-2",
-          "--log-every", "1", "--seed", "1", *TINY_MODEL])
+    main(
+        [
+            "--shards",
+            str(train_dir),
+            "--steps",
+            "30",
+            "--batch-size",
+            "8",
+            "--lr",
+            "1e-2",
+            "--log-every",
+            "1",
+            "--seed",
+            "1",
+            *TINY_MODEL,
+        ]
+    )
     by_step = losses(capsys.readouterr().out)
     assert sorted(by_step) == list(range(1, 31))
     assert all(math.isfinite(v) for v in by_step.values())
@@ -512,16 +538,48 @@ def test_training_loss_decreases(train_dir, capsys):
 def test_validation_on_held_out_shards_is_scored_and_falls(train_dir, tmp_path, capsys):
     held_out = tmp_path / "val"
     write_shard_dir(held_out, shard_rows=[16], vocab_size=64, seed=9, first_seq_id=5000)
-    main(["--shards", str(train_dir), "--steps", "30", "--batch-size", "8", "--lr", "1e-2",
-          "--log-every", "10", "--seed", "1", "--val-shards", str(held_out), "--val-every", "10", *TINY_MODEL])
+    main(
+        [
+            "--shards",
+            str(train_dir),
+            "--steps",
+            "30",
+            "--batch-size",
+            "8",
+            "--lr",
+            "1e-2",
+            "--log-every",
+            "10",
+            "--seed",
+            "1",
+            "--val-shards",
+            str(held_out),
+            "--val-every",
+            "10",
+            *TINY_MODEL,
+        ]
+    )
     val = {int(s): float(v) for s, v in re.findall(r"step=(\d+) val_loss=(\S+)", capsys.readouterr().out)}
     assert sorted(val) == [10, 20, 30] and val[30] < val[10] - 0.5, val
 
 
 def test_resumed_training_continues_the_uninterrupted_run(train_dir, tmp_path, capsys):
     # 120 sequences / batch 8: epoch 0 ends at step 15, so resuming at 10 crosses an epoch.
-    common = ["--shards", str(train_dir), "--steps", "20", "--batch-size", "8", "--lr", "1e-2",
-              "--log-every", "1", "--num-workers", "2", *TINY_MODEL]
+    common = [
+        "--shards",
+        str(train_dir),
+        "--steps",
+        "20",
+        "--batch-size",
+        "8",
+        "--lr",
+        "1e-2",
+        "--log-every",
+        "1",
+        "--num-workers",
+        "2",
+        *TINY_MODEL,
+    ]
     main(common)
     uninterrupted = losses(capsys.readouterr().out)
 
@@ -546,15 +604,21 @@ def test_no_retrieval_ablation_trains(train_dir, capsys):
 
 def test_tokens_outside_the_vocabulary_stop_the_run_with_one_line(train_dir, capsys):
     with pytest.raises(SystemExit, match="outside the vocabulary .0, 30.: pass --vocab-size"):
-        main(["--shards", str(train_dir), "--steps", "2", "--batch-size", "4",
-              *TINY_MODEL[2:], "--vocab-size", "30"])
+        main(["--shards", str(train_dir), "--steps", "2", "--batch-size", "4", *TINY_MODEL[2:], "--vocab-size", "30"])
 
 
 def test_trainer_imports_neither_beam_nor_faiss_nor_sentence_transformers():
-    code = ("import sys, trainer.train; "
-            "print([m for m in ('apache_beam', 'faiss', 'sentence_transformers') if m in sys.modules])")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                            cwd=Path(__file__).resolve().parents[1])
+    code = (
+        "import sys, trainer.train; "
+        "print([m for m in ('apache_beam', 'faiss', 'sentence_transformers') if m in sys.modules])"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     assert result.stdout.strip() == "[]"
 
 
@@ -571,8 +635,19 @@ def test_an_epoch_with_every_shard_skipped_stops_training_instead_of_looping(tmp
 
 def test_resume_from_a_checkpoint_at_the_end_of_an_epoch(train_dir, tmp_path, capsys):
     # 120 sequences / batch 8: the checkpoint at step 15 holds position 120 of epoch 0.
-    common = ["--shards", str(train_dir), "--steps", "17", "--batch-size", "8", "--lr", "1e-2",
-              "--log-every", "1", *TINY_MODEL]
+    common = [
+        "--shards",
+        str(train_dir),
+        "--steps",
+        "17",
+        "--batch-size",
+        "8",
+        "--lr",
+        "1e-2",
+        "--log-every",
+        "1",
+        *TINY_MODEL,
+    ]
     main(common)
     uninterrupted = losses(capsys.readouterr().out)
     checkpoint = tmp_path / "ckpt.pt"
@@ -587,18 +662,41 @@ def test_resume_from_a_checkpoint_at_the_end_of_an_epoch(train_dir, tmp_path, ca
 
 # -- options, accumulation, precision, metrics ----------------------------------------------
 
+
 def test_every_option_is_a_flag_named_after_its_field():
-    config = parse_args(["--shards", "s", "--steps", "5", "--weight-decay", "0.02", "--grad-clip", "0.5",
-                         "--min-lr-ratio", "0", "--grad-accum", "3", "--precision", "bf16", "--compile",
-                         "--no-retrieval", "--cca-layers", "0,2", "--metrics", "m.jsonl"])
+    config = parse_args(
+        [
+            "--shards",
+            "s",
+            "--steps",
+            "5",
+            "--weight-decay",
+            "0.02",
+            "--grad-clip",
+            "0.5",
+            "--min-lr-ratio",
+            "0",
+            "--grad-accum",
+            "3",
+            "--precision",
+            "bf16",
+            "--compile",
+            "--no-retrieval",
+            "--cca-layers",
+            "0,2",
+            "--metrics",
+            "m.jsonl",
+        ]
+    )
     assert (config.weight_decay, config.grad_clip, config.min_lr_ratio, config.grad_accum) == (0.02, 0.5, 0.0, 3)
     assert (config.precision, config.compile, config.retrieval, config.cca_layers) == ("bf16", True, False, (0, 2))
     assert config.metrics == "m.jsonl" and config.batch_size == TrainConfig.__dataclass_fields__["batch_size"].default
     assert parse_args(["--shards", "s", "--steps", "5"]).retrieval is True
 
 
-@pytest.mark.parametrize("flag, value", [("--grad-accum", "0"), ("--batch-size", "0"), ("--steps", "0"),
-                                         ("--precision", "fp8")])
+@pytest.mark.parametrize(
+    "flag, value", [("--grad-accum", "0"), ("--batch-size", "0"), ("--steps", "0"), ("--precision", "fp8")]
+)
 def test_out_of_range_options_are_refused(flag, value, capsys):
     argv = ["--shards", "s", "--steps", "5", flag, value]
     with pytest.raises(SystemExit):
@@ -616,16 +714,24 @@ def padded_dir(tmp_path_factory) -> Path:
 
 def test_grad_accum_gives_the_gradient_of_the_whole_batch(padded_dir):
     batch = next(iter(ShardDataset(padded_dir, batch_size=8, batched=True)))
-    halves = [{name: tensor[:3] for name, tensor in batch.items()}, {name: tensor[3:] for name, tensor in batch.items()}]
-    config = RetroConfig(vocab_size=64, sequence_tokens=16, chunk_tokens=4, dim=32, depth=2, heads=2,
-                         encoder_depth=1)
+    halves = [
+        {name: tensor[:3] for name, tensor in batch.items()},
+        {name: tensor[3:] for name, tensor in batch.items()},
+    ]
+    config = RetroConfig(vocab_size=64, sequence_tokens=16, chunk_tokens=4, dim=32, depth=2, heads=2, encoder_depth=1)
 
     def gradients(micro_batches):
         torch.manual_seed(0)
         model = Retro(config)
-        loss_sum, targets = accumulate_gradients(model, micro_batches, pad_id=0, retrieval=True,
-                                                 device=torch.device("cpu"), precision="fp32",
-                                                 scaler=torch.amp.GradScaler("cpu", enabled=False))
+        loss_sum, targets = accumulate_gradients(
+            model,
+            micro_batches,
+            pad_id=0,
+            retrieval=True,
+            device=torch.device("cpu"),
+            precision="fp32",
+            scaler=torch.amp.GradScaler("cpu", enabled=False),
+        )
         return float(loss_sum / targets), {name: p.grad for name, p in model.named_parameters()}
 
     whole_loss, whole = gradients([batch])
@@ -647,15 +753,27 @@ def read_metrics(path: Path) -> list[dict]:
 def test_grad_accum_2_trains_as_a_batch_twice_as_large(padded_dir, tmp_path, capsys):
     common = ["--shards", str(padded_dir), "--steps", "5", "--lr", "1e-2", "--log-every", "1", *TINY_MODEL]
     runs = {}
-    for name, batching in {"accumulated": ["--batch-size", "4", "--grad-accum", "2"],
-                           "whole": ["--batch-size", "8"]}.items():
-        main([*common, *batching, "--metrics", str(tmp_path / f"{name}.jsonl"),
-              "--checkpoint", str(tmp_path / f"{name}.pt")])
+    for name, batching in {
+        "accumulated": ["--batch-size", "4", "--grad-accum", "2"],
+        "whole": ["--batch-size", "8"],
+    }.items():
+        main(
+            [
+                *common,
+                *batching,
+                "--metrics",
+                str(tmp_path / f"{name}.jsonl"),
+                "--checkpoint",
+                str(tmp_path / f"{name}.pt"),
+            ]
+        )
         runs[name] = (read_metrics(tmp_path / f"{name}.jsonl"), torch.load(tmp_path / f"{name}.pt")["model"])
     (accumulated, accumulated_model), (whole, whole_model) = runs["accumulated"], runs["whole"]
     assert [r["step"] for r in accumulated] == [r["step"] for r in whole] == [1, 2, 3, 4, 5]
     for a, b in zip(accumulated, whole):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(
+            b["grad_norm"], rel=1e-4
+        )
     # Adam turns rounding noise in gradients that are zero in exact arithmetic (key biases) into
     # updates of ~1e-5; a different gradient would move weights by ~lr = 1e-2.
     assert all(torch.allclose(accumulated_model[k], whole_model[k], atol=1e-4) for k in whole_model)
@@ -665,8 +783,23 @@ QUICKSTART_MODEL = ["--vocab-size", "64", "--dim", "128", "--depth", "4", "--hea
 
 
 def test_bf16_on_cpu_trains_the_quickstart_model(train_dir, capsys):
-    main(["--shards", str(train_dir), "--steps", "40", "--batch-size", "8", "--lr", "3e-3", "--log-every", "1",
-          "--precision", "bf16", *QUICKSTART_MODEL])
+    main(
+        [
+            "--shards",
+            str(train_dir),
+            "--steps",
+            "40",
+            "--batch-size",
+            "8",
+            "--lr",
+            "3e-3",
+            "--log-every",
+            "1",
+            "--precision",
+            "bf16",
+            *QUICKSTART_MODEL,
+        ]
+    )
     output = capsys.readouterr().out
     by_step = losses(output)
     assert "bf16" in output and sorted(by_step) == list(range(1, 41))
@@ -676,12 +809,40 @@ def test_bf16_on_cpu_trains_the_quickstart_model(train_dir, capsys):
 
 def test_fp16_scales_the_loss_and_keeps_the_scale_in_the_checkpoint(train_dir, tmp_path, capsys):
     checkpoint = tmp_path / "ckpt.pt"
-    main(["--shards", str(train_dir), "--steps", "4", "--batch-size", "4", "--log-every", "1",
-          "--precision", "fp16", "--checkpoint", str(checkpoint), *TINY_MODEL])
+    main(
+        [
+            "--shards",
+            str(train_dir),
+            "--steps",
+            "4",
+            "--batch-size",
+            "4",
+            "--log-every",
+            "1",
+            "--precision",
+            "fp16",
+            "--checkpoint",
+            str(checkpoint),
+            *TINY_MODEL,
+        ]
+    )
     assert all(math.isfinite(v) for v in losses(capsys.readouterr().out).values())
     assert torch.load(checkpoint)["scaler"]["scale"] > 1  # bf16 and fp32 keep no scaler state
-    main(["--shards", str(train_dir), "--steps", "5", "--batch-size", "4", "--precision", "fp16",
-          "--resume", str(checkpoint), *TINY_MODEL])
+    main(
+        [
+            "--shards",
+            str(train_dir),
+            "--steps",
+            "5",
+            "--batch-size",
+            "4",
+            "--precision",
+            "fp16",
+            "--resume",
+            str(checkpoint),
+            *TINY_MODEL,
+        ]
+    )
     assert sorted(losses(capsys.readouterr().out)) == [5]
 
 
@@ -689,8 +850,23 @@ def test_metrics_append_one_json_line_per_log_step_with_validation_loss(train_di
     held_out = tmp_path / "val"
     write_shard_dir(held_out, shard_rows=[8], vocab_size=64, seed=9, first_seq_id=5000)
     metrics = tmp_path / "metrics.jsonl"
-    argv = ["--shards", str(train_dir), "--steps", "6", "--batch-size", "4", "--log-every", "2",
-            "--val-shards", str(held_out), "--val-every", "3", "--metrics", str(metrics), *TINY_MODEL]
+    argv = [
+        "--shards",
+        str(train_dir),
+        "--steps",
+        "6",
+        "--batch-size",
+        "4",
+        "--log-every",
+        "2",
+        "--val-shards",
+        str(held_out),
+        "--val-every",
+        "3",
+        "--metrics",
+        str(metrics),
+        *TINY_MODEL,
+    ]
     main(argv)
     printed = capsys.readouterr().out
     records = read_metrics(metrics)
@@ -698,7 +874,8 @@ def test_metrics_append_one_json_line_per_log_step_with_validation_loss(train_di
         (2, ["grad_norm", "loss", "lr", "step", "tokens_per_s"]),
         (3, ["step", "val_loss"]),  # scored between log steps
         (4, ["grad_norm", "loss", "lr", "step", "tokens_per_s"]),
-        (6, ["grad_norm", "loss", "lr", "step", "tokens_per_s", "val_loss"])]
+        (6, ["grad_norm", "loss", "lr", "step", "tokens_per_s", "val_loss"]),
+    ]
     for record in records:
         if "loss" in record:
             assert f"step={record['step']} loss={record['loss']:.4f} tok/s={record['tokens_per_s']:.0f}" in printed
@@ -710,8 +887,19 @@ def test_metrics_append_one_json_line_per_log_step_with_validation_loss(train_di
 
 
 def test_tensorboard_writes_scalars_or_says_what_is_missing(train_dir, tmp_path):
-    argv = ["--shards", str(train_dir), "--steps", "2", "--batch-size", "4", "--log-every", "1",
-            "--tensorboard", str(tmp_path / "tb"), *TINY_MODEL]
+    argv = [
+        "--shards",
+        str(train_dir),
+        "--steps",
+        "2",
+        "--batch-size",
+        "4",
+        "--log-every",
+        "1",
+        "--tensorboard",
+        str(tmp_path / "tb"),
+        *TINY_MODEL,
+    ]
     try:
         import tensorboard  # noqa: F401
     except ImportError:

@@ -4,6 +4,7 @@ The uninterrupted run is launched with torch.multiprocessing (each process sets 
 torchrun would, calls `train` and saves its replica); the interrupted and resumed runs with
 torchrun itself, as people launch it.
 """
+
 from __future__ import annotations
 
 import json
@@ -39,8 +40,24 @@ def shards(tmp_path_factory) -> Path:
 def arguments(shards: Path, steps: int, *extra: str) -> list[str]:
     # 2 ranks × 2 micro-batches × 2 sequences per step: rank 0's epoch ends at step 15, rank 1's
     # 61st sequence and its next epoch's first two make up its step 16.
-    return ["--shards", str(shards), "--steps", str(steps), "--batch-size", "2", "--grad-accum", "2",
-            "--lr", "1e-2", "--log-every", "1", "--seed", "4", *MODEL, *extra]
+    return [
+        "--shards",
+        str(shards),
+        "--steps",
+        str(steps),
+        "--batch-size",
+        "2",
+        "--grad-accum",
+        "2",
+        "--lr",
+        "1e-2",
+        "--log-every",
+        "1",
+        "--seed",
+        "4",
+        *MODEL,
+        *extra,
+    ]
 
 
 def losses(output: str) -> dict[int, float]:
@@ -54,8 +71,9 @@ def free_port() -> int:
 
 
 def run_rank(rank: int, world_size: int, port: int, argv: list[str], out: Path) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     torch.set_num_threads(1)
     with open(out / f"rank{rank}.log", "w") as log, redirect_stdout(log):
         model = train(parse_args(argv))
@@ -64,9 +82,22 @@ def run_rank(rank: int, world_size: int, port: int, argv: list[str], out: Path) 
 
 def torchrun(argv: list[str]) -> str:
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         "-m", "trainer.train", *argv],
-        cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "trainer.train",
+            *argv,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 
@@ -106,17 +137,24 @@ def test_a_step_on_2_ranks_is_one_step_on_both_ranks_micro_batches(uninterrupted
         batches = iter(ShardDataset(shards, rank=rank, world_size=2, seed=4, batch_size=2, batched=True))
         micro_batches += [next(batches), next(batches)]
     torch.manual_seed(4)  # the trainer's --seed, so the same initial model
-    model = Retro(RetroConfig(vocab_size=64, sequence_tokens=16, chunk_tokens=4, dim=32, depth=2, heads=2,
-                              encoder_depth=1))
-    loss_sum, targets = accumulate_gradients(model, micro_batches, pad_id=0, retrieval=True,
-                                             device=torch.device("cpu"), precision="fp32",
-                                             scaler=torch.amp.GradScaler("cpu", enabled=False))
+    model = Retro(
+        RetroConfig(vocab_size=64, sequence_tokens=16, chunk_tokens=4, dim=32, depth=2, heads=2, encoder_depth=1)
+    )
+    loss_sum, targets = accumulate_gradients(
+        model,
+        micro_batches,
+        pad_id=0,
+        retrieval=True,
+        device=torch.device("cpu"),
+        precision="fp32",
+        scaler=torch.amp.GradScaler("cpu", enabled=False),
+    )
     grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
     step_1 = json.loads((uninterrupted / "metrics.jsonl").read_text().splitlines()[0])
     assert step_1["step"] == 1
     assert step_1["loss"] == pytest.approx(float(loss_sum / targets), rel=1e-5)
     assert step_1["grad_norm"] == pytest.approx(float(grad_norm), rel=1e-4)
-    per_rank = [sum(int((b["tokens"][:, 1:] != 0).sum()) for b in micro_batches[i:i + 2]) for i in (0, 2)]
+    per_rank = [sum(int((b["tokens"][:, 1:] != 0).sum()) for b in micro_batches[i : i + 2]) for i in (0, 2)]
     assert per_rank[0] != per_rank[1]  # so a mean of per-rank means would differ
 
 

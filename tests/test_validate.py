@@ -1,4 +1,5 @@
 """`validate --sample` and the validation as a Beam job, on copies of the session's built output."""
+
 import shutil
 
 import apache_beam as beam
@@ -11,7 +12,7 @@ from pipeline.validate import Problems, ValidationFailed, plan_validation, sampl
 from pipeline.validate_job import ValidateOutput
 from schemas.arrow import tensor_column_to_numpy
 from schemas.manifest import FileEntry
-from tests.conftest import local_pipeline, rewrite_shard, rewrite_shards_as_schema_version_1
+from tests.helpers import local_pipeline, rewrite_shard, rewrite_shards_as_schema_version_1
 
 SAMPLE = 0.2  # 2 of the built output's 6 shards
 
@@ -25,7 +26,7 @@ def test_the_sample_is_the_same_every_time_and_never_empty():
     chosen = [e.path for e in sampled(entries, 0.01)]
     assert len(chosen) == 10 and chosen == [e.path for e in sampled(entries, 0.01)]
     assert [e.path for e in sampled(entries[::-1], 0.01)] == chosen[::-1]  # by name, not by position
-    assert chosen != [e.path for e in entries[:10]]                         # spread, not the first ones
+    assert chosen != [e.path for e in entries[:10]]  # spread, not the first ones
     assert len(sampled(entries[:3], 0.001)) == 1
     assert sampled(entries[:3], 1.0) == entries[:3]
     assert len(sampled(entries[:100], 0.07)) == 7
@@ -63,10 +64,11 @@ def _wrong_neighbour_tokens(columns):
 def test_a_sample_says_what_it_checked(output, capsys):
     main(["validate", str(output), "--sample", str(SAMPLE)])
     index_line, shards_line = capsys.readouterr().out.splitlines()
-    assert "a sample: 1 of 2 chunk files (and any a sampled shard references), 1 of 2 embedding files; " \
-           "sizes and sha256 of all 5 files" in index_line
-    assert "a sample: 2 of 6 shards and the chunk files they reference; sizes and sha256 of all 6 shards" \
-        in shards_line
+    assert (
+        "a sample: 1 of 2 chunk files (and any a sampled shard references), 1 of 2 embedding files; "
+        "sizes and sha256 of all 5 files" in index_line
+    )
+    assert "a sample: 2 of 6 shards and the chunk files they reference; sizes and sha256 of all 6 shards" in shards_line
     assert len(_shard_names(output, SAMPLE)) == 2 and _shard_names(output, SAMPLE) == _shard_names(output, SAMPLE)
 
 
@@ -109,8 +111,11 @@ def test_a_sample_still_checks_every_files_hash(output, damaged, capsys):
         path = output / "shards" / name
     elif damaged == "embedding file":
         sampled_embeddings = {plan.index.embeddings[i].path for i in plan.embedding_files}
-        path = next(p for p in sorted((output / "index" / "embeddings").iterdir())
-                    if f"embeddings/{p.name}" not in sampled_embeddings)
+        path = next(
+            p
+            for p in sorted((output / "index" / "embeddings").iterdir())
+            if f"embeddings/{p.name}" not in sampled_embeddings
+        )
     else:
         path = output / "index" / damaged
     data = bytearray(path.read_bytes())
@@ -139,12 +144,14 @@ def _same_document_neighbour(out):
     import pyarrow.parquet as pq
 
     chunks = pq.read_table(out / "index" / "chunks" / "chunks-00000.parquet")
-    value = np.concatenate([tensor_column_to_numpy(chunks["tokens"])[0],
-                            tensor_column_to_numpy(chunks["continuation"])[0]])
+    value = np.concatenate(
+        [tensor_column_to_numpy(chunks["tokens"])[0], tensor_column_to_numpy(chunks["continuation"])[0]]
+    )
 
     def leak(columns):
         columns["neighbour_ids"][0, 0, 0] = 0
         columns["neighbours"][0, 0, 0] = value
+
     rewrite_shard(out / "shards", leak, "shard-00000.arrow")
 
 
@@ -156,6 +163,7 @@ def _truncated_shard(out):
 def _own_tokens_changed(out):
     def change(columns):
         columns["tokens"][0, 3] += 1
+
     rewrite_shard(out / "shards", change, "shard-00001.arrow")
 
 
@@ -167,8 +175,20 @@ def test_the_beam_job_reports_what_the_in_process_check_finds(output, corrupt):
     plan = plan_validation(str(output))
     with local_pipeline() as pipeline:
         verdict = pipeline | ValidateOutput(plan) | beam.Map(_passed_and_lines)
-        assert_that(verdict, equal_to([(False, (f"FAILED {output}: 1 problem (1 {in_process.value.kind})",
-                                                f"  {in_process.value.kind}: {in_process.value}"))]))
+        assert_that(
+            verdict,
+            equal_to(
+                [
+                    (
+                        False,
+                        (
+                            f"FAILED {output}: 1 problem (1 {in_process.value.kind})",
+                            f"  {in_process.value.kind}: {in_process.value}",
+                        ),
+                    )
+                ]
+            ),
+        )
 
 
 def test_the_beam_job_reports_every_problem_and_fails_the_command(output, capsys):

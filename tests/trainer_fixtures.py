@@ -1,5 +1,6 @@
 """Small synthetic shard directories for the trainer tests: real Arrow IPC files and a real
 ShardsManifest (rows, bytes and sha256 of the files as written)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -10,13 +11,22 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from pipeline.shards import OVERLAP_BUCKETS, chunk_overlap, overlap_bucket
+from pipeline.retro_rows import OVERLAP_BUCKETS, chunk_overlap, overlap_bucket
 from schemas.arrow import SCHEMA_VERSION, read_shard_table, shard_ipc_bytes, shard_table
 from schemas.manifest import ShardEntry, ShardsManifest
 
 
-def synthetic_rows(num_sequences: int, *, sequence_tokens: int, chunk_tokens: int, neighbours: int,
-                   vocab_size: int, pad_id: int, seed: int, pad_tails: bool = False) -> dict[str, np.ndarray]:
+def synthetic_rows(
+    num_sequences: int,
+    *,
+    sequence_tokens: int,
+    chunk_tokens: int,
+    neighbours: int,
+    vocab_size: int,
+    pad_id: int,
+    seed: int,
+    pad_tails: bool = False,
+) -> dict[str, np.ndarray]:
     """Rows whose tokens count up by one (mod vocab, skipping pad_id) from a random start: a
     pattern a tiny model learns in a few steps. Neighbour 0 of each chunk is the chunk that
     follows it plus its continuation; the last neighbour of every other chunk is absent (pad).
@@ -45,15 +55,24 @@ def synthetic_rows(num_sequences: int, *, sequence_tokens: int, chunk_tokens: in
     neighbours_[:, absent] = pad_id
     neighbour_ids[:, absent] = -1
     scores = rng.random((num_sequences, chunks, k), dtype=np.float32)
-    return {"tokens": tokens, "neighbours": neighbours_, "neighbour_ids": neighbour_ids,
-            "neighbour_scores": scores}
+    return {"tokens": tokens, "neighbours": neighbours_, "neighbour_ids": neighbour_ids, "neighbour_scores": scores}
 
 
-def write_shard_dir(directory: Path, *, shard_rows: list[int], sequence_tokens: int = 16,
-                    chunk_tokens: int = 4, neighbours: int = 2, vocab_size: int = 64,
-                    pad_id: int = 0, batch_rows: int = 3, seed: int = 0,
-                    first_seq_id: int = 1000, pad_tails: bool = False,
-                    schema_version: int = SCHEMA_VERSION) -> ShardsManifest:
+def write_shard_dir(
+    directory: Path,
+    *,
+    shard_rows: list[int],
+    sequence_tokens: int = 16,
+    chunk_tokens: int = 4,
+    neighbours: int = 2,
+    vocab_size: int = 64,
+    pad_id: int = 0,
+    batch_rows: int = 3,
+    seed: int = 0,
+    first_seq_id: int = 1000,
+    pad_tails: bool = False,
+    schema_version: int = SCHEMA_VERSION,
+) -> ShardsManifest:
     """Write shards of `shard_rows` rows each (record batches of `batch_rows`) and the manifest.
 
     Sequence ids count up from first_seq_id in manifest order; doc_ids are [seq_id].
@@ -62,33 +81,65 @@ def write_shard_dir(directory: Path, *, shard_rows: list[int], sequence_tokens: 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     total = sum(shard_rows)
-    rows = synthetic_rows(total, sequence_tokens=sequence_tokens, chunk_tokens=chunk_tokens,
-                          neighbours=neighbours, vocab_size=vocab_size, pad_id=pad_id, seed=seed,
-                          pad_tails=pad_tails)
+    rows = synthetic_rows(
+        total,
+        sequence_tokens=sequence_tokens,
+        chunk_tokens=chunk_tokens,
+        neighbours=neighbours,
+        vocab_size=vocab_size,
+        pad_id=pad_id,
+        seed=seed,
+        pad_tails=pad_tails,
+    )
     seq_ids = np.arange(first_seq_id, first_seq_id + total, dtype=np.int64)
     entries, start = [], 0
     for i, count in enumerate(shard_rows):
         part = slice(start, start + count)
-        table = shard_table(seq_ids[part], rows["tokens"][part], rows["neighbours"][part],
-                            rows["neighbour_ids"][part], rows["neighbour_scores"][part],
-                            [[s] for s in seq_ids[part]], pad_id=pad_id, version=schema_version)
+        table = shard_table(
+            seq_ids[part],
+            rows["tokens"][part],
+            rows["neighbours"][part],
+            rows["neighbour_ids"][part],
+            rows["neighbour_scores"][part],
+            [[s] for s in seq_ids[part]],
+            pad_id=pad_id,
+            version=schema_version,
+        )
         path = directory / f"shard-{i:05d}.arrow"
         data = shard_ipc_bytes(table, batch_rows)
         path.write_bytes(data)
-        entries.append(ShardEntry(path=path.name, rows=count, bytes=len(data),
-                                  sha256=hashlib.sha256(data).hexdigest(),
-                                  neighbour_slots_filled=int((rows["neighbour_ids"][part] >= 0).sum())))
+        entries.append(
+            ShardEntry(
+                path=path.name,
+                rows=count,
+                bytes=len(data),
+                sha256=hashlib.sha256(data).hexdigest(),
+                neighbour_slots_filled=int((rows["neighbour_ids"][part] >= 0).sum()),
+            )
+        )
         start += count
     L = sequence_tokens // chunk_tokens
-    overlap = Counter(overlap_bucket(r) for tokens, values in zip(rows["tokens"], rows["neighbours"])
-                      for r in chunk_overlap(tokens[:-1].reshape(L, chunk_tokens), values, pad_id))
+    overlap = Counter(
+        overlap_bucket(r)
+        for tokens, values in zip(rows["tokens"], rows["neighbours"])
+        for r in chunk_overlap(tokens[:-1].reshape(L, chunk_tokens), values, pad_id)
+    )
     manifest = ShardsManifest(
-        overlap={str(t): overlap[str(t)] for t in OVERLAP_BUCKETS}, config_hash="test", index_manifest_sha256="test", training_corpus="separate",
+        overlap={str(t): overlap[str(t)] for t in OVERLAP_BUCKETS},
+        config_hash="test",
+        index_manifest_sha256="test",
+        training_corpus="separate",
         sequence_tokens=sequence_tokens,
-        chunk_tokens=chunk_tokens, neighbours=neighbours, neighbour_tokens=2 * chunk_tokens,
-        pad_id=pad_id, num_sequences=total, shards=entries,
-        counters={"sequences_written": total}, created_by="tests/trainer_fixtures.py",
-        schema_version=schema_version)
+        chunk_tokens=chunk_tokens,
+        neighbours=neighbours,
+        neighbour_tokens=2 * chunk_tokens,
+        pad_id=pad_id,
+        num_sequences=total,
+        shards=entries,
+        counters={"sequences_written": total},
+        created_by="tests/trainer_fixtures.py",
+        schema_version=schema_version,
+    )
     (directory / "manifest.json").write_text(manifest.model_dump_json(indent=2))
     return manifest
 

@@ -28,10 +28,10 @@ worker copies yield, so the trainer reports consumption with `advance(n)` after 
 A resumed dataset yields the rank stream from `position` on, re-blocking from there, so the
 result is exact with any num_workers before and after (and any batch size after).
 """
+
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import posixpath
 import warnings
@@ -41,13 +41,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 import torch
-from pydantic import ValidationError
 from torch.utils.data import IterableDataset, get_worker_info
 
-from schemas.arrow import SHARD_METADATA_KEYS, check_schema_version, read_shard, shard_schema, shard_column
-from schemas.manifest import FileEntry, ShardsManifest
+from schemas.arrow import SHARD_METADATA_KEYS, check_schema_version, read_shard, shard_column, shard_schema
+from schemas.manifest import MANIFEST_FILE, FileEntry, ShardsManifest, read_manifest
 
-MANIFEST_NAME = "manifest.json"
 _TENSOR_COLUMNS = ("tokens", "neighbours", "neighbour_ids", "neighbour_scores")
 _WIDENED = ("seq_id", "tokens", "neighbours")  # int32 in the shard, int64 for torch embeddings
 
@@ -75,15 +73,17 @@ class _RemoteFiles:
     sequential read, then zero-copy views), and `prefetch` fetches the next shard in a
     background thread while the current one is consumed: at most two shards are held."""
 
-    def __init__(self):
-        self._pid = None  # the process that owns the client and the thread (DataLoader workers fork)
-        self._fs = None
+    def __init__(self) -> None:
+        self._pid: int | None = None  # the process that owns the client and the thread (DataLoader workers fork)
+        self._fs: pafs.GcsFileSystem | None = None
         self._pending: dict[str, Future] = {}
         self._pool: ThreadPoolExecutor | None = None
 
-    def _own(self) -> None:
-        if self._pid != os.getpid():
+    def _own(self) -> pafs.GcsFileSystem:
+        """This process's client (a forked DataLoader worker makes its own)."""
+        if self._fs is None or self._pid != os.getpid():
             self._pid, self._fs, self._pool, self._pending = os.getpid(), gcs_filesystem(), None, {}
+        return self._fs
 
     @staticmethod
     def _key(path: str) -> str:
@@ -94,8 +94,7 @@ class _RemoteFiles:
 
     def _fetch(self, path: str) -> bytes:
         """The whole object (pyarrow raises FileNotFoundError for a missing one)."""
-        self._own()
-        with self._fs.open_input_stream(self._key(path)) as f:
+        with self._own().open_input_stream(self._key(path)) as f:
             return f.read()
 
     def prefetch(self, path: str) -> None:
@@ -114,7 +113,7 @@ class _RemoteFiles:
         return {"_pid": None, "_fs": None, "_pending": {}, "_pool": None}
 
 
-def gcs_filesystem():
+def gcs_filesystem() -> pafs.GcsFileSystem:
     """pyarrow's GCS client; against the emulator named by STORAGE_EMULATOR_HOST, anonymous."""
     emulator = os.environ.get("STORAGE_EMULATOR_HOST")
     if emulator:
@@ -153,9 +152,10 @@ class _OpenShard:
         rows = self.row_order[offsets]
         which = np.searchsorted(self._batch_starts, rows, side="right") - 1
         local = rows - self._batch_starts[which]
-        out = {name: np.empty((len(rows), *column.shape[1:]),
-                              np.int64 if name in _WIDENED else column.dtype)
-               for name, column in self._batches[0].items()}
+        out = {
+            name: np.empty((len(rows), *column.shape[1:]), np.int64 if name in _WIDENED else column.dtype)
+            for name, column in self._batches[0].items()
+        }
         for b in np.unique(which).tolist():
             mine = np.flatnonzero(which == b)
             for name, column in self._batches[b].items():
@@ -198,9 +198,19 @@ class ShardDataset(IterableDataset):
     `DataLoader(dataset, batch_size=None)`. Same order, same partition, same state.
     """
 
-    def __init__(self, source: str | os.PathLike, *, rank: int = 0, world_size: int = 1,
-                 shuffle: bool = True, seed: int = 0, batch_size: int = 1, batched: bool = False,
-                 verify: bool = False, skip_bad_shards: bool = False):
+    def __init__(
+        self,
+        source: str | os.PathLike,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle: bool = True,
+        seed: int = 0,
+        batch_size: int = 1,
+        batched: bool = False,
+        verify: bool = False,
+        skip_bad_shards: bool = False,
+    ):
         super().__init__()
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
@@ -218,8 +228,9 @@ class ShardDataset(IterableDataset):
         self.chunk_tokens = self.manifest.chunk_tokens
         self.neighbours = self.manifest.neighbours
         self.pad_id = self.manifest.pad_id
-        self._expected_schema = shard_schema(self.sequence_tokens, self.chunk_tokens, self.neighbours,
-                                             self.pad_id, version=self.manifest.schema_version)
+        self._expected_schema = shard_schema(
+            self.sequence_tokens, self.chunk_tokens, self.neighbours, self.pad_id, version=self.manifest.schema_version
+        )
         self._expected_metadata = {k.decode(): v.decode() for k, v in self._expected_schema.metadata.items()}
         self.skipped: list[str] = []  # the errors of shards left out (skip_bad_shards)
         # Rows as the manifest says: no request per shard here (each is checked when opened).
@@ -231,19 +242,8 @@ class ShardDataset(IterableDataset):
         return posixpath.join(self.source, relative) if "://" in self.source else os.path.join(self.source, relative)
 
     def _read_manifest(self) -> ShardsManifest:
-        path = self._path(MANIFEST_NAME)
-        try:
-            data = json.loads(self._files.read_text(path))
-        except FileNotFoundError:
-            raise ShardDataError(f"{path}: no manifest (the shard stage has not committed)") from None
-        except json.JSONDecodeError as err:
-            raise ShardDataError(f"{path}: not valid JSON ({err})") from None
-        check_schema_version(data.get("schema_version") if isinstance(data, dict) else None, path)
-        try:
-            manifest = ShardsManifest.model_validate(data)
-        except ValidationError as err:
-            raise ShardDataError(f"{path}: not a shards manifest ({err.error_count()} problems: "
-                                 f"{err.errors()[0]['loc']} {err.errors()[0]['msg']})") from None
+        path = self._path(MANIFEST_FILE)
+        manifest = read_manifest(lambda: self._files.read_text(path), path, ShardsManifest, error=ShardDataError)
         n, m = manifest.sequence_tokens, manifest.chunk_tokens
         if m < 1 or n % m:
             raise ShardDataError(f"{path}: sequence_tokens {n} is not a multiple of chunk_tokens {m}")
@@ -277,12 +277,15 @@ class ShardDataset(IterableDataset):
             check_schema_version(metadata.get("schema_version"), path)
             for key in SHARD_METADATA_KEYS:
                 if metadata.get(key) != self._expected_metadata[key]:
-                    raise ShardDataError(f"{path}: metadata {key}={metadata.get(key)!r}, the manifest "
-                                         f"says {self._expected_metadata[key]}")
+                    raise ShardDataError(
+                        f"{path}: metadata {key}={metadata.get(key)!r}, the manifest "
+                        f"says {self._expected_metadata[key]}"
+                    )
             if not schema.remove_metadata().equals(self._expected_schema.remove_metadata()):
                 raise ShardDataError(
                     f"{path}: columns do not match the manifest's shapes (n={self.sequence_tokens}, "
-                    f"m={self.chunk_tokens}, k={self.neighbours}): {schema.remove_metadata()}")
+                    f"m={self.chunk_tokens}, k={self.neighbours}): {schema.remove_metadata()}"
+                )
             rows = sum(batch.num_rows for batch in batches)
             if rows != entry.rows:
                 raise ShardDataError(f"{path}: {rows} rows in the file, the manifest says {entry.rows}")
@@ -360,8 +363,11 @@ class ShardDataset(IterableDataset):
                     index = end
                 if not pieces:  # the whole block lay in skipped shards
                     continue
-                rows = pieces[0] if len(pieces) == 1 else \
-                    {name: np.concatenate([p[name] for p in pieces]) for name in pieces[0]}
+                rows = (
+                    pieces[0]
+                    if len(pieces) == 1
+                    else {name: np.concatenate([p[name] for p in pieces]) for name in pieces[0]}
+                )
                 tensors = to_tensors(rows)
                 if self.batched:
                     yield tensors
@@ -381,17 +387,24 @@ class ShardDataset(IterableDataset):
     def advance(self, samples: int) -> None:
         """Record that the trainer consumed `samples` more samples of this rank's stream."""
         if samples < 0 or self.position + samples > len(self):
-            raise ValueError(f"cannot advance {samples} from position {self.position} "
-                             f"of an epoch of {len(self)} samples")
+            raise ValueError(
+                f"cannot advance {samples} from position {self.position} of an epoch of {len(self)} samples"
+            )
         self.position += samples
 
     def state_dict(self) -> dict:
         """Where this rank's stream stands (its position counts that rank's own samples). Rank
         streams differ in length by up to one, so ranks stepping in lockstep can reach an epoch's
         end at different steps: resume each rank from its own state."""
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
-                "shuffle": self.shuffle, "rank": self.rank, "world_size": self.world_size,
-                "num_sequences": self.manifest.num_sequences}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "num_sequences": self.manifest.num_sequences,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Continue where `state` left off; the stream's shape (data, ranks, shuffle) must match."""
@@ -400,6 +413,5 @@ class ShardDataset(IterableDataset):
             if state[key] != current[key]:
                 raise ValueError(f"cannot resume: state has {key}={state[key]!r}, this dataset {current[key]!r}")
         if not 0 <= state["position"] <= len(self):
-            raise ValueError(f"cannot resume: position {state['position']} is outside an epoch "
-                             f"of {len(self)} samples")
+            raise ValueError(f"cannot resume: position {state['position']} is outside an epoch of {len(self)} samples")
         self.seed, self.epoch, self.position = state["seed"], state["epoch"], state["position"]

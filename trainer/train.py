@@ -14,6 +14,7 @@ model's shape comes from the checkpoint. Prints `step=<i> loss=<value> tok/s=<va
 every --log-every steps: the loss is the mean over every non-pad target of the step (all
 micro-batches, all ranks), tok/s counts every rank's input tokens.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,8 +61,9 @@ class TrainConfig:
     steps: int = option(help="train until this optimizer step (counting the steps before --resume)", minimum=1)
     decay_steps: int | None = option(None, "length of the LR schedule (default: --steps)", minimum=1)
     batch_size: int = option(8, "sequences per micro-batch on each rank", minimum=1)
-    grad_accum: int = option(1, "micro-batches per optimizer step; a step takes batch size × this × ranks "
-                                "sequences", minimum=1)
+    grad_accum: int = option(
+        1, "micro-batches per optimizer step; a step takes batch size × this × ranks sequences", minimum=1
+    )
     lr: float = option(3e-4, "peak learning rate, after warmup")
     min_lr_ratio: float = option(0.1, "cosine decay ends at lr × this")
     warmup_steps: int | None = option(None, "linear warmup (default: 5% of the schedule)", minimum=0)
@@ -69,8 +71,9 @@ class TrainConfig:
     grad_clip: float = option(1.0, "max global gradient norm")
     seed: int = option(0, "model init and data order")
     device: str = option("cpu", "cpu, cuda or cuda:N (under torchrun, cuda is cuda:LOCAL_RANK)")
-    precision: str = option("fp32", "autocast dtype of forward and loss (fp16 adds a gradient scaler)",
-                            choices=tuple(PRECISIONS))
+    precision: str = option(
+        "fp32", "autocast dtype of forward and loss (fp16 adds a gradient scaler)", choices=tuple(PRECISIONS)
+    )
     compile: bool = option(False, "torch.compile the model (slow first steps, faster after)")
     retrieval: bool = option(True, "the ablation: train without neighbours (no encoder, no CCA)")
     vocab_size: int = option(RetroConfig.vocab_size, "token ids must be below it", minimum=1)
@@ -78,23 +81,25 @@ class TrainConfig:
     depth: int = option(RetroConfig.depth, "decoder blocks", minimum=1)
     heads: int = option(RetroConfig.heads, "attention heads", minimum=1)
     encoder_depth: int = option(RetroConfig.encoder_depth, "neighbour encoder blocks", minimum=0)
-    cca_layers: tuple[int, ...] | None = option(None, "comma-separated 0-based decoder blocks with CCA "
-                                                      "(default: every third from block 2)", type=int_list)
+    cca_layers: tuple[int, ...] | None = option(
+        None, "comma-separated 0-based decoder blocks with CCA (default: every third from block 2)", type=int_list
+    )
     num_workers: int = option(0, "DataLoader worker processes per rank", minimum=0)
-    checkpoint: str | None = option(None, "write model, optimizer and data positions here at the end "
-                                          "(on storage every node sees)")
+    checkpoint: str | None = option(
+        None, "write model, optimizer and data positions here at the end (on storage every node sees)"
+    )
     checkpoint_every: int | None = option(None, "also checkpoint every K steps", minimum=1)
     resume: str | None = option(None, "continue from this checkpoint (same number of ranks)")
     log_every: int = option(10, "print (and record) every K steps", minimum=1)
     metrics: str | None = option(None, "append one JSON line per log step to this file")
-    tensorboard: str | None = option(None, "also write TensorBoard scalars to this directory "
-                                           "(needs the tensorboard package)")
+    tensorboard: str | None = option(
+        None, "also write TensorBoard scalars to this directory (needs the tensorboard package)"
+    )
     val_shards: str | None = option(None, "held-out shard directory (local or gs://) to score")
     val_every: int = option(50, "score --val-shards every K steps and at the end", minimum=1)
     val_batches: int | None = option(None, "score only this many batches (default: all)", minimum=1)
     verify_shards: bool = option(False, "check each shard's sha256 against the manifest whenever it is opened")
-    skip_bad_shards: bool = option(False, "leave out, with a warning, shards that fail their checks "
-                                          "(default: refuse)")
+    skip_bad_shards: bool = option(False, "leave out, with a warning, shards that fail their checks (default: refuse)")
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
@@ -106,15 +111,24 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         flag["help"] = flag["help"].replace("%", "%%")
         name = spec.name.replace("_", "-")
         if hints[spec.name] is bool:
-            parser.add_argument(f"--no-{name}" if spec.default else f"--{name}", dest=spec.name,
-                                action="store_false" if spec.default else "store_true", **flag)
+            parser.add_argument(
+                f"--no-{name}" if spec.default else f"--{name}",
+                dest=spec.name,
+                action="store_false" if spec.default else "store_true",
+                **flag,
+            )
             continue
         if spec.default not in (MISSING, None):
             flag["help"] += f" (default: {spec.default})"
         scalar = [t for t in typing.get_args(hints[spec.name]) if t is not type(None)] or [hints[spec.name]]
         flag.setdefault("type", scalar[0])
-        parser.add_argument(f"--{name}", dest=spec.name, required=spec.default is MISSING,
-                            default=None if spec.default is MISSING else spec.default, **flag)
+        parser.add_argument(
+            f"--{name}",
+            dest=spec.name,
+            required=spec.default is MISSING,
+            default=None if spec.default is MISSING else spec.default,
+            **flag,
+        )
     args = parser.parse_args(argv)
     for spec in fields(TrainConfig):
         value, minimum = getattr(args, spec.name), spec.metadata.get("minimum")
@@ -126,6 +140,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
 @dataclass
 class Process:
     """This process's place in the run: rank 0 of 1 when launched alone."""
+
     rank: int
     world_size: int
     device: torch.device
@@ -176,8 +191,10 @@ def lr_multiplier(step: int, *, warmup: int, total: int, min_ratio: float) -> fl
 
 def build_optimizer(model: Retro, config: TrainConfig) -> torch.optim.AdamW:
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": config.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # biases, norms
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": config.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]  # biases, norms
     return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95))
 
 
@@ -192,13 +209,14 @@ def epochs(loader: DataLoader, dataset: ShardDataset):
             dataset.advance(len(batch["tokens"]))
             yield batch
         if batches == 0 and left:
-            raise TrainError(f"epoch {dataset.epoch} of {dataset.source} yielded no batch: every shard was "
-                             "skipped as bad (see the warnings) or the rank got no rows")
+            raise TrainError(
+                f"epoch {dataset.epoch} of {dataset.source} yielded no batch: every shard was "
+                "skipped as bad (see the warnings) or the rank got no rows"
+            )
         dataset.set_epoch(dataset.epoch + 1)
 
 
-def next_token_loss(logits: torch.Tensor, targets: torch.Tensor, pad_id: int,
-                    reduction: str = "mean") -> torch.Tensor:
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor, pad_id: int, reduction: str = "mean") -> torch.Tensor:
     """Cross-entropy of logits [b, n, vocab] against targets [b, n], pad targets left out."""
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=pad_id, reduction=reduction)
 
@@ -207,8 +225,9 @@ def check_token_range(batch: dict, vocab_size: int) -> None:
     for name in ("tokens", "neighbours"):
         low, high = int(batch[name].min()), int(batch[name].max())
         if low < 0 or high >= vocab_size:
-            raise TrainError(f"{name} hold ids in [{low}, {high}], outside the vocabulary "
-                             f"[0, {vocab_size}): pass --vocab-size")
+            raise TrainError(
+                f"{name} hold ids in [{low}, {high}], outside the vocabulary [0, {vocab_size}): pass --vocab-size"
+            )
 
 
 def model_inputs(batch: dict, device: torch.device, retrieval: bool):
@@ -222,9 +241,16 @@ def autocast(device: torch.device, precision: str):
     return torch.autocast(device.type, dtype=PRECISIONS[precision], enabled=precision != "fp32")
 
 
-def accumulate_gradients(model: torch.nn.Module, micro_batches: list[dict], *, pad_id: int, retrieval: bool,
-                         device: torch.device, precision: str,
-                         scaler: torch.amp.GradScaler) -> tuple[torch.Tensor, torch.Tensor]:
+def accumulate_gradients(
+    model: torch.nn.Module,
+    micro_batches: list[dict],
+    *,
+    pad_id: int,
+    retrieval: bool,
+    device: torch.device,
+    precision: str,
+    scaler: torch.amp.GradScaler,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Backward over one step's micro-batches for the loss sum(token losses) ÷ the count of
     non-pad targets over every micro-batch of every rank, so the gradient is the same however
     the step's sequences are split (not a mean of per-batch means). Returns this rank's sum of
@@ -235,10 +261,11 @@ def accumulate_gradients(model: torch.nn.Module, micro_batches: list[dict], *, p
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     for i, batch in enumerate(micro_batches):
         inputs, batch_targets, neighbours = model_inputs(batch, device, retrieval)
-        syncs = i == len(micro_batches) - 1 or not isinstance(model, DistributedDataParallel)
-        with nullcontext() if syncs else model.no_sync():  # all-reduce gradients once, after the last
+        last = i == len(micro_batches) - 1
+        # all-reduce gradients once, after the last micro-batch
+        with model.no_sync() if isinstance(model, DistributedDataParallel) and not last else nullcontext():
             with autocast(device, precision):
-                logits = model(inputs, neighbours)                                     # [b, n, vocab]
+                logits = model(inputs, neighbours)  # [b, n, vocab]
                 token_losses = next_token_loss(logits, batch_targets, pad_id, reduction="sum")
             scaler.scale(token_losses * scale).backward()
         loss_sum += token_losses.detach()
@@ -246,8 +273,9 @@ def accumulate_gradients(model: torch.nn.Module, micro_batches: list[dict], *, p
 
 
 @torch.no_grad()
-def validation_loss(model: Retro, loader: DataLoader, device: torch.device, precision: str, pad_id: int,
-                    max_batches: int | None) -> float:
+def validation_loss(
+    model: Retro, loader: DataLoader, device: torch.device, precision: str, pad_id: int, max_batches: int | None
+) -> float:
     """Mean next-token loss over the held-out shards (every non-pad target counts once)."""
     model.eval()
     total, count = 0.0, 0
@@ -309,9 +337,17 @@ def train(config: TrainConfig) -> Retro:
 def train_process(config: TrainConfig, process: Process) -> Retro:
     device = process.device
     torch.manual_seed(config.seed)  # every rank builds the same model
-    dataset = ShardDataset(config.shards, rank=process.rank, world_size=process.world_size, shuffle=True,
-                           seed=config.seed, batch_size=config.batch_size, batched=True,
-                           verify=config.verify_shards, skip_bad_shards=config.skip_bad_shards)
+    dataset = ShardDataset(
+        config.shards,
+        rank=process.rank,
+        world_size=process.world_size,
+        shuffle=True,
+        seed=config.seed,
+        batch_size=config.batch_size,
+        batched=True,
+        verify=config.verify_shards,
+        skip_bad_shards=config.skip_bad_shards,
+    )
     if len(dataset) == 0:
         raise TrainError(f"{config.shards}: no sequences for rank {process.rank} of {process.world_size}")
     if config.resume and not os.path.isfile(config.resume):
@@ -321,35 +357,56 @@ def train_process(config: TrainConfig, process: Process) -> Retro:
         model_config = RetroConfig(**checkpoint["model_config"])
     else:
         model_config = RetroConfig(
-            vocab_size=config.vocab_size, sequence_tokens=dataset.sequence_tokens,
-            chunk_tokens=dataset.chunk_tokens, dim=config.dim, depth=config.depth, heads=config.heads,
-            cca_layers=config.cca_layers, encoder_depth=config.encoder_depth, pad_id=dataset.pad_id,
-            retrieval=config.retrieval)
+            vocab_size=config.vocab_size,
+            sequence_tokens=dataset.sequence_tokens,
+            chunk_tokens=dataset.chunk_tokens,
+            dim=config.dim,
+            depth=config.depth,
+            heads=config.heads,
+            cca_layers=config.cca_layers,
+            encoder_depth=config.encoder_depth,
+            pad_id=dataset.pad_id,
+            retrieval=config.retrieval,
+        )
     if (model_config.sequence_tokens, model_config.chunk_tokens) != (dataset.sequence_tokens, dataset.chunk_tokens):
-        raise TrainError(f"model takes n={model_config.sequence_tokens}, m={model_config.chunk_tokens}; "
-                         f"the shards hold n={dataset.sequence_tokens}, m={dataset.chunk_tokens}")
+        raise TrainError(
+            f"model takes n={model_config.sequence_tokens}, m={model_config.chunk_tokens}; "
+            f"the shards hold n={dataset.sequence_tokens}, m={dataset.chunk_tokens}"
+        )
     retro = Retro(model_config).to(device)
     optimizer = build_optimizer(retro, config)
     decay_steps = config.decay_steps or config.steps
     warmup = config.warmup_steps if config.warmup_steps is not None else max(1, decay_steps // 20)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(
-        step, warmup=warmup, total=decay_steps, min_ratio=config.min_lr_ratio))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_multiplier(step, warmup=warmup, total=decay_steps, min_ratio=config.min_lr_ratio)
+    )
     scaler = torch.amp.GradScaler(device.type, enabled=config.precision == "fp16")  # bf16 needs no scaling
-    step = restore(checkpoint, config.resume, process, retro, optimizer, scheduler, scaler, dataset) \
-        if checkpoint is not None else 0
-    model = torch.compile(retro) if config.compile else retro
+    step = (
+        restore(checkpoint, config.resume, process, retro, optimizer, scheduler, scaler, dataset)
+        if checkpoint is not None and config.resume
+        else 0
+    )
+    model = typing.cast(torch.nn.Module, torch.compile(retro)) if config.compile else retro
     if process.world_size > 1:  # averages gradients over ranks during backward
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
     report = Reporter(config, enabled=process.is_main)
-    report.line(f"model: {retro.num_parameters():,} parameters, retrieval={model_config.uses_retrieval}, "
-                f"n={dataset.sequence_tokens} m={dataset.chunk_tokens} k={dataset.neighbours}, "
-                f"{len(dataset)} sequences per epoch and rank, steps of {process.world_size} ranks × "
-                f"{config.grad_accum} micro-batches × {config.batch_size} sequences, {config.precision}, "
-                f"starting at step {step}")
-    loader = DataLoader(dataset, batch_size=None, num_workers=config.num_workers,  # batched by the dataset
-                        pin_memory=device.type == "cuda")
-    val_loader = validation_loader(config, dataset) if config.val_shards and process.is_main else None
+    report.line(
+        f"model: {retro.num_parameters():,} parameters, retrieval={model_config.uses_retrieval}, "
+        f"n={dataset.sequence_tokens} m={dataset.chunk_tokens} k={dataset.neighbours}, "
+        f"{len(dataset)} sequences per epoch and rank, steps of {process.world_size} ranks × "
+        f"{config.grad_accum} micro-batches × {config.batch_size} sequences, {config.precision}, "
+        f"starting at step {step}"
+    )
+    loader = DataLoader(
+        dataset,
+        batch_size=None,
+        num_workers=config.num_workers,  # batched by the dataset
+        pin_memory=device.type == "cuda",
+    )
+    val_loader = (
+        validation_loader(config.val_shards, config, dataset) if config.val_shards and process.is_main else None
+    )
     batches = epochs(loader, dataset)
     model.train()
     tokens_since_log, last_log = 0, time.perf_counter()
@@ -360,8 +417,14 @@ def train_process(config: TrainConfig, process: Process) -> Retro:
                 check_token_range(batch, model_config.vocab_size)
             optimizer.zero_grad(set_to_none=True)
             loss_sum, targets = accumulate_gradients(
-                model, micro_batches, pad_id=dataset.pad_id, retrieval=model_config.uses_retrieval,
-                device=device, precision=config.precision, scaler=scaler)
+                model,
+                micro_batches,
+                pad_id=dataset.pad_id,
+                retrieval=model_config.uses_retrieval,
+                device=device,
+                precision=config.precision,
+                scaler=scaler,
+            )
             scaler.unscale_(optimizer)  # clip the true gradients
             grad_norm = torch.nn.utils.clip_grad_norm_(retro.parameters(), config.grad_clip)
             scaler.step(optimizer)
@@ -371,52 +434,85 @@ def train_process(config: TrainConfig, process: Process) -> Retro:
             tokens_since_log += sum(len(batch["tokens"]) for batch in micro_batches) * dataset.sequence_tokens
             record = {}
             if step % config.log_every == 0 or step == config.steps:
-                loss_total, tokens = sum_over_ranks(torch.stack([  # one all-reduce per log step
-                    loss_sum, torch.tensor(float(tokens_since_log), dtype=torch.float64, device=device)])).tolist()
+                loss_total, tokens = sum_over_ranks(
+                    torch.stack(
+                        [  # one all-reduce per log step
+                            loss_sum,
+                            torch.tensor(float(tokens_since_log), dtype=torch.float64, device=device),
+                        ]
+                    )
+                ).tolist()
                 now = time.perf_counter()
-                record = {"step": step, "loss": loss_total / targets.item(), "lr": scheduler.get_last_lr()[0],
-                          "tokens_per_s": tokens / (now - last_log), "grad_norm": grad_norm.item()}
-                report.line(f"step={step} loss={record['loss']:.4f} tok/s={record['tokens_per_s']:.0f} "
-                            f"lr={record['lr']:.3g}")
+                record = {
+                    "step": step,
+                    "loss": loss_total / targets.item(),
+                    "lr": scheduler.get_last_lr()[0],
+                    "tokens_per_s": tokens / (now - last_log),
+                    "grad_norm": grad_norm.item(),
+                }
+                report.line(
+                    f"step={step} loss={record['loss']:.4f} tok/s={record['tokens_per_s']:.0f} lr={record['lr']:.3g}"
+                )
                 tokens_since_log, last_log = 0, now
             if val_loader is not None and (step % config.val_every == 0 or step == config.steps):
-                record = {"step": step, **record, "val_loss": validation_loss(
-                    retro, val_loader, device, config.precision, dataset.pad_id, config.val_batches)}
+                record = {
+                    "step": step,
+                    **record,
+                    "val_loss": validation_loss(
+                        retro, val_loader, device, config.precision, dataset.pad_id, config.val_batches
+                    ),
+                }
                 report.line(f"step={step} val_loss={record['val_loss']:.4f}")
                 last_log = time.perf_counter()  # tok/s counts training only
             if record:
                 report.record(record)
-            if config.checkpoint and (step == config.steps or
-                                      (config.checkpoint_every and step % config.checkpoint_every == 0)):
+            if config.checkpoint and (
+                step == config.steps or (config.checkpoint_every and step % config.checkpoint_every == 0)
+            ):
                 ranks = gather_to_main({"dataset": dataset.state_dict(), "rng": torch.get_rng_state()}, process)
                 if process.is_main:
-                    save_checkpoint(config.checkpoint, {
-                        "model": retro.state_dict(), "optimizer": optimizer.state_dict(),
-                        "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "ranks": ranks,
-                        "step": step, "model_config": asdict(model_config), "train_config": asdict(config)})
+                    save_checkpoint(
+                        config.checkpoint,
+                        {
+                            "model": retro.state_dict(),
+                            "optimizer": optimizer.state_dict(),
+                            "scheduler": scheduler.state_dict(),
+                            "scaler": scaler.state_dict(),
+                            "ranks": ranks,
+                            "step": step,
+                            "model_config": asdict(model_config),
+                            "train_config": asdict(config),
+                        },
+                    )
                     report.line(f"checkpoint: {config.checkpoint} (step {step})")
     finally:
         report.close()
     return retro
 
 
-def validation_loader(config: TrainConfig, dataset: ShardDataset) -> DataLoader:
-    val_set = ShardDataset(config.val_shards, shuffle=False, batch_size=config.batch_size, batched=True,
-                           verify=config.verify_shards)
-    if (val_set.sequence_tokens, val_set.chunk_tokens, val_set.neighbours) != \
-            (dataset.sequence_tokens, dataset.chunk_tokens, dataset.neighbours):
+def validation_loader(source: str, config: TrainConfig, dataset: ShardDataset) -> DataLoader:
+    val_set = ShardDataset(
+        source, shuffle=False, batch_size=config.batch_size, batched=True, verify=config.verify_shards
+    )
+    if (val_set.sequence_tokens, val_set.chunk_tokens, val_set.neighbours) != (
+        dataset.sequence_tokens,
+        dataset.chunk_tokens,
+        dataset.neighbours,
+    ):
         raise TrainError(f"--val-shards {config.val_shards}: shapes differ from the training shards")
     return DataLoader(val_set, batch_size=None, num_workers=config.num_workers)
 
 
-def restore(checkpoint: dict, path: str, process: Process, retro: Retro, optimizer, scheduler, scaler,
-            dataset: ShardDataset) -> int:
+def restore(
+    checkpoint: dict, path: str, process: Process, retro: Retro, optimizer, scheduler, scaler, dataset: ShardDataset
+) -> int:
     """Load a checkpoint's states, this rank's data position and RNG among them; the step it was taken at."""
     # Checkpoints from before multi-rank training held one rank's state at the top level.
     ranks = checkpoint.get("ranks") or [{"dataset": checkpoint["dataset"], "rng": checkpoint["rng"]}]
     if len(ranks) != process.world_size:
-        raise TrainError(f"--resume {path}: written by {len(ranks)} ranks, this run has "
-                         f"{process.world_size}: launch as many")
+        raise TrainError(
+            f"--resume {path}: written by {len(ranks)} ranks, this run has {process.world_size}: launch as many"
+        )
     retro.load_state_dict(checkpoint["model"])
     optimizer.load_state_dict(checkpoint["optimizer"])
     scheduler.load_state_dict(checkpoint["scheduler"])

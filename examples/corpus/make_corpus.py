@@ -53,31 +53,31 @@ EXCLUDE_PAGES = {
 # different documents (e.g. howto/regex and library/re).
 INCLUDE_PAGES = [
     "glossary",
-    "reference/executionmodel",   # tutorial/classes (scopes and namespaces)
-    "reference/compound_stmts",   # tutorial/controlflow, tutorial/errors
-    "reference/import",           # tutorial/modules
-    "library/re",                 # howto/regex
-    "library/logging",            # howto/logging, howto/logging-cookbook
-    "library/argparse",           # howto/argparse
-    "library/functools",          # howto/functional
-    "library/itertools",          # howto/functional
-    "library/enum",               # howto/enum
-    "library/ipaddress",          # howto/ipaddress
-    "library/urllib.request",     # howto/urllib2
-    "library/socket",             # howto/sockets
-    "library/curses",             # howto/curses
-    "library/unicodedata",        # howto/unicode
-    "library/codecs",             # howto/unicode
-    "library/exceptions",         # tutorial/errors
-    "library/collections",        # tutorial/datastructures
-    "library/venv",               # tutorial/venv
+    "reference/executionmodel",  # tutorial/classes (scopes and namespaces)
+    "reference/compound_stmts",  # tutorial/controlflow, tutorial/errors
+    "reference/import",  # tutorial/modules
+    "library/re",  # howto/regex
+    "library/logging",  # howto/logging, howto/logging-cookbook
+    "library/argparse",  # howto/argparse
+    "library/functools",  # howto/functional
+    "library/itertools",  # howto/functional
+    "library/enum",  # howto/enum
+    "library/ipaddress",  # howto/ipaddress
+    "library/urllib.request",  # howto/urllib2
+    "library/socket",  # howto/sockets
+    "library/curses",  # howto/curses
+    "library/unicodedata",  # howto/unicode
+    "library/codecs",  # howto/unicode
+    "library/exceptions",  # tutorial/errors
+    "library/collections",  # tutorial/datastructures
+    "library/venv",  # tutorial/venv
 ]
 
 OUT_PREFIX = "python311-docs-part"
 N_PARTS = 3
 
-MIN_WORDS = 150      # sections shorter than this are merged with a neighbour
-MAX_WORDS = 1500     # sections longer than this are split further
+MIN_WORDS = 150  # sections shorter than this are merged with a neighbour
+MAX_WORDS = 1500  # sections longer than this are split further
 DROP_BELOW_WORDS = 80  # whole pages shorter than this are skipped
 
 SUBSTITUTIONS = {"version": "3.11", "release": "3.11.2", "today": ""}
@@ -90,40 +90,126 @@ ADORN_CHARS = set("=-~^*#\"'`+:._")
 
 # Directives dropped together with their content.
 DROP_DIRECTIVES = {
-    "index", "toctree", "code-block", "code", "sourcecode", "doctest",
-    "testcode", "testsetup", "testoutput", "testcleanup", "productionlist",
-    "literalinclude", "highlight", "highlightlang", "tabularcolumns",
-    "sectionauthor", "moduleauthor", "codeauthor", "contents", "image",
-    "figure", "only", "include", "raw", "audit-event", "currentmodule",
-    "module", "program", "list-table", "csv-table", "table", "raw-html",
-    "ifconfig", "literal", "parsed-literal", "math", "graphviz",
-    "autoclass", "autofunction", "automodule", "c:namespace", "default-role",
-    "role", "container", "pdbcommand-group", "blockdiag", "centered",
-    "hlist", "versionchanged-list", "miscnews", "limited-api-list",
-    "refcounting", "stable-api-list",
+    "index",
+    "toctree",
+    "code-block",
+    "code",
+    "sourcecode",
+    "doctest",
+    "testcode",
+    "testsetup",
+    "testoutput",
+    "testcleanup",
+    "productionlist",
+    "literalinclude",
+    "highlight",
+    "highlightlang",
+    "tabularcolumns",
+    "sectionauthor",
+    "moduleauthor",
+    "codeauthor",
+    "contents",
+    "image",
+    "figure",
+    "only",
+    "include",
+    "raw",
+    "audit-event",
+    "currentmodule",
+    "module",
+    "program",
+    "list-table",
+    "csv-table",
+    "table",
+    "raw-html",
+    "ifconfig",
+    "literal",
+    "parsed-literal",
+    "math",
+    "graphviz",
+    "autoclass",
+    "autofunction",
+    "automodule",
+    "c:namespace",
+    "default-role",
+    "role",
+    "container",
+    "pdbcommand-group",
+    "blockdiag",
+    "centered",
+    "hlist",
+    "versionchanged-list",
+    "miscnews",
+    "limited-api-list",
+    "refcounting",
+    "stable-api-list",
 }
 
 # Object-description directives: the signature is kept as a line of text.
 DESC_DIRECTIVES = {
-    "function", "method", "classmethod", "staticmethod", "attribute",
-    "data", "class", "exception", "decorator", "decoratormethod",
-    "coroutinemethod", "coroutinefunction", "abstractmethod",
-    "awaitablemethod", "awaitablefunction", "opcode", "cmdoption",
-    "option", "describe", "object", "pdbcommand", "envvar", "property",
-    "py:function", "py:method", "py:class", "py:attribute", "py:data",
-    "c:function", "c:macro", "c:type", "c:member", "c:var", "c:struct",
-    "c:enum", "c:enumerator", "c:union", "fixer", "2to3fixer",
-    "monitoring-event", "setting",
+    "function",
+    "method",
+    "classmethod",
+    "staticmethod",
+    "attribute",
+    "data",
+    "class",
+    "exception",
+    "decorator",
+    "decoratormethod",
+    "coroutinemethod",
+    "coroutinefunction",
+    "abstractmethod",
+    "awaitablemethod",
+    "awaitablefunction",
+    "opcode",
+    "cmdoption",
+    "option",
+    "describe",
+    "object",
+    "pdbcommand",
+    "envvar",
+    "property",
+    "py:function",
+    "py:method",
+    "py:class",
+    "py:attribute",
+    "py:data",
+    "c:function",
+    "c:macro",
+    "c:type",
+    "c:member",
+    "c:var",
+    "c:struct",
+    "c:enum",
+    "c:enumerator",
+    "c:union",
+    "fixer",
+    "2to3fixer",
+    "monitoring-event",
+    "setting",
 }
-DESC_PREFIX = {"class": "class ", "exception": "exception ",
-               "decorator": "@", "decoratormethod": "@",
-               "py:class": "class "}
+DESC_PREFIX = {
+    "class": "class ",
+    "exception": "exception ",
+    "decorator": "@",
+    "decoratormethod": "@",
+    "py:class": "class ",
+}
 
 ADMONITIONS = {
-    "note": "Note", "warning": "Warning", "important": "Important",
-    "caution": "Caution", "attention": "Attention", "danger": "Danger",
-    "error": "Error", "hint": "Hint", "tip": "Tip", "seealso": "See also",
-    "impl-detail": "CPython implementation detail", "admonition": None,
+    "note": "Note",
+    "warning": "Warning",
+    "important": "Important",
+    "caution": "Caution",
+    "attention": "Attention",
+    "danger": "Danger",
+    "error": "Error",
+    "hint": "Hint",
+    "tip": "Tip",
+    "seealso": "See also",
+    "impl-detail": "CPython implementation detail",
+    "admonition": None,
 }
 
 RE_DIRECTIVE = re.compile(r"^\.\.\s+([\w:-]+)::(?:\s+(.*))?$")
@@ -140,16 +226,16 @@ def indent_of(line: str) -> int:
 
 
 def dedent(lines: list[str]) -> list[str]:
-    widths = [indent_of(l) for l in lines if l.strip()]
+    widths = [indent_of(line) for line in lines if line.strip()]
     if not widths:
         return []
     n = min(widths)
-    return [l[n:] if l.strip() else "" for l in lines]
+    return [line[n:] if line.strip() else "" for line in lines]
 
 
 def is_adornment(line: str) -> bool:
     s = line.rstrip()
-    return (len(s) >= 3 and s[0] in ADORN_CHARS and s == s[0] * len(s))
+    return len(s) >= 3 and s[0] in ADORN_CHARS and s == s[0] * len(s)
 
 
 def is_simple_table_border(line: str) -> bool:
@@ -172,7 +258,7 @@ class Converter:
     paragraph of plain text.
     """
 
-    def __init__(self, inline: "Inline"):
+    def __init__(self, inline: Inline):
         self.inline = inline
         self.styles: list[tuple[str, bool]] = []
 
@@ -185,7 +271,7 @@ class Converter:
 
     def para(self, text_lines: list[str]) -> tuple[str, bool]:
         """Inline-convert a paragraph; report whether it opens a literal."""
-        raw = " ".join(l.strip() for l in text_lines)
+        raw = " ".join(line.strip() for line in text_lines)
         literal_next = False
         if raw.endswith("::"):
             literal_next = True
@@ -221,17 +307,25 @@ class Converter:
             nxt = lines[i + 1].rstrip() if i + 1 < n else ""
 
             # Section title with overline.
-            if (is_adornment(s) and i + 2 < n and lines[i + 1].strip()
-                    and is_adornment(lines[i + 2])
-                    and lines[i + 2].rstrip()[0] == s[0]):
+            if (
+                is_adornment(s)
+                and i + 2 < n
+                and lines[i + 1].strip()
+                and is_adornment(lines[i + 2])
+                and lines[i + 2].rstrip()[0] == s[0]
+            ):
                 level = self.heading_level(s[0], True)
                 out.append(("h", level, self.inline.convert(lines[i + 1].strip())))
                 i += 3
                 continue
             # Section title with underline only.
-            if (nxt and is_adornment(nxt) and not is_adornment(s)
-                    and not is_simple_table_border(nxt)
-                    and len(nxt) >= max(3, len(s.strip()) - 2)):
+            if (
+                nxt
+                and is_adornment(nxt)
+                and not is_adornment(s)
+                and not is_simple_table_border(nxt)
+                and len(nxt) >= max(3, len(s.strip()) - 2)
+            ):
                 level = self.heading_level(nxt[0], False)
                 out.append(("h", level, self.inline.convert(s.strip())))
                 i += 2
@@ -276,7 +370,7 @@ class Converter:
                 while j < n and (not lines[j].strip() or indent_of(lines[j]) >= width):
                     j += 1
                 # Trailing blank lines belong to nobody.
-                body = [m.group(3)] + [l[width:] if l.strip() else "" for l in lines[i + 1:j]]
+                body = [m.group(3)] + [line[width:] if line.strip() else "" for line in lines[i + 1 : j]]
                 blocks = self.convert(body)
                 marker = "-" if m.group(1) in "*+-\u2022" else m.group(1).replace("#", "")
                 if blocks and blocks[0][0] == "p":
@@ -291,7 +385,7 @@ class Converter:
                 j = take_indented(lines, i + 1, 1)
                 if term:
                     out.append(("p", term))
-                out.extend(self.convert(dedent(lines[i + 1:j])))
+                out.extend(self.convert(dedent(lines[i + 1 : j])))
                 i = j
                 continue
             # Plain paragraph.
@@ -320,7 +414,7 @@ class Converter:
         end = take_indented(lines, i + 1, 1)
         m = RE_FOOTNOTE.match(s)
         if m:
-            body = [m.group(2)] + dedent(lines[i + 1:end])
+            body = [m.group(2)] + dedent(lines[i + 1 : end])
             out.extend(self.convert(body))
             return end
         if RE_LABEL.match(s):
@@ -329,7 +423,7 @@ class Converter:
         if not m:
             return end  # comment or substitution definition
         name, arg = m.group(1), (m.group(2) or "").strip()
-        block = lines[i + 1:end]
+        block = lines[i + 1 : end]
         if name in DROP_DIRECTIVES:
             return end
         # Header continuation lines (until the first blank line) and options.
@@ -340,8 +434,12 @@ class Converter:
             k += 1
         while k < len(block) and block[k].strip() and RE_OPTION.match(block[k].strip()):
             k += 1
-            while k < len(block) and block[k].strip() and not RE_OPTION.match(block[k].strip()) \
-                    and indent_of(block[k]) > indent_of(block[k - 1]):
+            while (
+                k < len(block)
+                and block[k].strip()
+                and not RE_OPTION.match(block[k].strip())
+                and indent_of(block[k]) > indent_of(block[k - 1])
+            ):
                 k += 1
         content = dedent(block[k:])
 
@@ -363,10 +461,12 @@ class Converter:
             else:
                 ver = parts[0] if parts else ""
                 rest = parts[1] if len(parts) > 1 else ""
-            label = {"versionadded": "New in version ",
-                     "versionchanged": "Changed in version ",
-                     "deprecated": "Deprecated since version ",
-                     "deprecated-removed": "Deprecated since version "}[name] + ver
+            label = {
+                "versionadded": "New in version ",
+                "versionchanged": "Changed in version ",
+                "deprecated": "Deprecated since version ",
+                "deprecated-removed": "Deprecated since version ",
+            }[name] + ver
             body_lines = ([rest] if rest else []) + head + ([""] if head or rest else []) + content
             blocks = self.convert(body_lines)
             if blocks and blocks[0][0] == "p":
@@ -376,10 +476,17 @@ class Converter:
             out.extend(blocks)
             return end
 
-        if name in ADMONITIONS or name in ("topic", "sidebar", "rubric",
-                                           "availability", "glossary",
-                                           "epigraph", "highlights",
-                                           "compound", "class-directive"):
+        if name in ADMONITIONS or name in (
+            "topic",
+            "sidebar",
+            "rubric",
+            "availability",
+            "glossary",
+            "epigraph",
+            "highlights",
+            "compound",
+            "class-directive",
+        ):
             label = ADMONITIONS.get(name)
             if name == "availability":
                 out.append(("p", "Availability: " + self.inline.convert(" ".join([arg] + head)) + "."))
@@ -451,10 +558,28 @@ class Inline:
             return self.labels.get(target.lower(), target.replace("-", " "))
         if short == "doc":
             return self.doc_titles.get(target.lstrip("/"), target.rsplit("/", 1)[-1])
-        if short in ("keyword", "term", "kbd", "dfn", "math", "sup", "sub",
-                     "manpage", "mailheader", "mimetype", "program",
-                     "command", "envvar", "option", "token", "source",
-                     "pdbcmd", "opcode", "2to3fixer", "newsfragment"):
+        if short in (
+            "keyword",
+            "term",
+            "kbd",
+            "dfn",
+            "math",
+            "sup",
+            "sub",
+            "manpage",
+            "mailheader",
+            "mimetype",
+            "program",
+            "command",
+            "envvar",
+            "option",
+            "token",
+            "source",
+            "pdbcmd",
+            "opcode",
+            "2to3fixer",
+            "newsfragment",
+        ):
             return target.lstrip("!~")
         # Cross-reference roles (class, func, meth, mod, exc, attr, data, ...).
         text = target
@@ -463,8 +588,7 @@ class Inline:
         if text.startswith("~"):
             text = text[1:].rsplit(".", 1)[-1]
         text = text.lstrip(".")
-        if short in PAREN_ROLES and name.split(":")[0] in ("func", "meth", "c", "py") \
-                and not text.endswith(")"):
+        if short in PAREN_ROLES and name.split(":")[0] in ("func", "meth", "c", "py") and not text.endswith(")"):
             text += "()"
         return text
 
@@ -500,6 +624,7 @@ class Inline:
 # Pages, labels and splitting
 # --------------------------------------------------------------------------
 
+
 def find_sources(root: Path) -> Path:
     if root.name == "_sources" and root.is_dir():
         return root
@@ -532,8 +657,7 @@ def scan_labels(src: Path) -> tuple[dict[str, str], dict[str, str]]:
             if not s.strip():
                 continue
             title = None
-            if i + 1 < len(lines) and is_adornment(lines[i + 1]) and not is_adornment(s) \
-                    and not s.startswith(" "):
+            if i + 1 < len(lines) and is_adornment(lines[i + 1]) and not is_adornment(s) and not s.startswith(" "):
                 title = s.strip()
             elif is_adornment(s) and i + 2 < len(lines) and is_adornment(lines[i + 2]):
                 title = lines[i + 1].strip()
@@ -571,8 +695,11 @@ def split_sections(blocks: list[tuple], level: int) -> list[list[tuple]]:
 def merge_small(groups: list[list[tuple]]) -> list[list[tuple]]:
     merged: list[list[tuple]] = []
     for g in groups:
-        if merged and (words(merged[-1]) < MIN_WORDS or words(g) < MIN_WORDS) \
-                and words(merged[-1]) + words(g) <= MAX_WORDS:
+        if (
+            merged
+            and (words(merged[-1]) < MIN_WORDS or words(g) < MIN_WORDS)
+            and words(merged[-1]) + words(g) <= MAX_WORDS
+        ):
             merged[-1] = merged[-1] + g
         else:
             merged.append(list(g))
@@ -654,10 +781,13 @@ def selected_pages(src: Path) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("package_dir", type=Path,
-                    help="extracted python3.11-doc package (dpkg-deb -x output)")
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent,
-                    help="output folder (default: the folder of this script)")
+    ap.add_argument("package_dir", type=Path, help="extracted python3.11-doc package (dpkg-deb -x output)")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=Path(__file__).resolve().parent,
+        help="output folder (default: the folder of this script)",
+    )
     args = ap.parse_args(argv)
 
     src = find_sources(args.package_dir)

@@ -1,0 +1,184 @@
+"""Test helpers (not fixtures): a slice of the sample corpus, small configs, shard rewriting,
+the GCS emulator, a local TestPipeline. Fixtures live in conftest.py; tests import helpers from
+here, never from conftest."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+SAMPLE_CORPUS = REPO / "examples" / "corpus"
+
+
+def sample_documents(count: int, start: int = 0) -> list[dict]:
+    """The first `count` documents (from `start`) of the sample corpus, in file order."""
+    docs = []
+    for path in sorted(SAMPLE_CORPUS.glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            docs.append(json.loads(line))
+    return docs[start : start + count]
+
+
+def write_jsonl(path: Path, records: list) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+def small_config(output: Path, corpus_glob: str, **overrides) -> dict:
+    config = {
+        "output": str(output),
+        "retrieval_corpus": {"paths": [corpus_glob], "format": "jsonl", "id_field": "id"},
+        "training_corpus": "same",
+        "chunk_tokens": 32,
+        "sequence_tokens": 128,
+        "neighbours": 2,
+        "neighbour_candidates": 16,
+        "shard_rows": 16,
+        "chunk_file_rows": 200,
+        # One encoder thread, as each process of a two-worker run has: embedding bytes are
+        # reproducible for the same config, hardware and encoder threads, and tests compare
+        # bytes across runs, runners and worker counts.
+        "embedding": {"batch_size": 32, "cpu_threads": 1},
+    }
+    config.update(overrides)
+    return config
+
+
+def write_config(path: Path, config: dict) -> Path:
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def rewrite_shard(shards_dir: Path, change, name: str | None = None, version: int | None = None) -> None:
+    """Apply `change(columns)` to one shard (`name`, default the first) and re-sign it in the
+    manifest, so only the content checks can notice. `version`: write that shard layout
+    (schema_version) instead of the current one."""
+    import pyarrow as pa
+
+    from pipeline.fileio import sha256_bytes
+    from schemas.arrow import read_shard_table, shard_column, shard_ipc_bytes, shard_table
+
+    manifest_path = shards_dir / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    entry = next(e for e in manifest["shards"] if name is None or e["path"] == name)
+    table = read_shard_table(pa.memory_map(str(shards_dir / entry["path"])))
+    columns = {
+        column: shard_column(table, column).copy()
+        for column in ("tokens", "neighbours", "neighbour_ids", "neighbour_scores")
+    }
+    change(columns)
+    data = shard_ipc_bytes(
+        shard_table(
+            table["seq_id"].to_numpy(),
+            columns["tokens"],
+            columns["neighbours"],
+            columns["neighbour_ids"],
+            columns["neighbour_scores"],
+            table["doc_ids"].to_pylist(),
+            pad_id=manifest["pad_id"],
+            **({} if version is None else {"version": version}),
+        )
+    )
+    (shards_dir / entry["path"]).write_bytes(data)
+    entry.update(bytes=len(data), sha256=sha256_bytes(data))
+    manifest_path.write_text(json.dumps(manifest))
+
+
+def rewrite_shards_as_schema_version_1(shards_dir: Path) -> None:
+    """Rewrite every shard in the old layout (IPC file, tensor extension columns) under a
+    manifest that says schema_version 1."""
+    manifest = json.loads((shards_dir / "manifest.json").read_text())
+    for entry in manifest["shards"]:
+        rewrite_shard(shards_dir, lambda columns: None, entry["path"], version=1)
+    manifest = json.loads((shards_dir / "manifest.json").read_text())
+    (shards_dir / "manifest.json").write_text(json.dumps({**manifest, "schema_version": 1}))
+
+
+def read_rejected(out: Path, stage: str) -> list[dict]:
+    """Every rejected record a stage published (`rejected/<stage>-NNNNN.jsonl`)."""
+    return [
+        json.loads(line)
+        for path in sorted((out / "rejected").glob(f"{stage}-*.jsonl"))
+        for line in path.read_text().splitlines()
+    ]
+
+
+# one of each kind of bad record, with the reason it must be rejected for
+BAD_RECORDS = [
+    '{"id": "broken", "text": "no closing brace"',
+    '["not", "an", "object"]',
+    '{"id": "blank", "text": "   "}',
+    '{"id": "numeric", "text": 12}',
+    '{"id": "tutorial/appetite", "text": "a second document with a taken id"}',
+]
+BAD_REASONS = ["malformed_json", "not_an_object", "empty_text", "text_not_a_string", "duplicate_id"]
+
+
+class GcsEmulator:
+    """A `gcp-storage-emulator` on 127.0.0.1 (in memory), the one stand-in for the cloud."""
+
+    def __init__(self):
+        import socket
+        import subprocess
+        import sys
+        import time
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        command = [
+            str(Path(sys.executable).parent / "gcp-storage-emulator"),
+            "start",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--in-memory",
+        ]
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while True:  # wait until it accepts connections (a readiness poll, not a timing sleep)
+            try:
+                socket.create_connection(("127.0.0.1", self.port), 0.2).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or self.process.poll() is not None:
+                    raise RuntimeError("gcp-storage-emulator did not start") from None
+                time.sleep(0.05)
+        self.host = f"http://127.0.0.1:{self.port}"
+
+    def client(self):
+        from google.auth.credentials import AnonymousCredentials
+        from google.cloud import storage
+
+        return storage.Client(credentials=AnonymousCredentials(), project="test")
+
+    def bucket(self, name: str) -> str:
+        """Create a bucket; its gs:// URL."""
+        self.client().create_bucket(name)
+        return f"gs://{name}"
+
+    def upload(self, directory: Path, url: str) -> str:
+        """Copy a local directory tree to gs://bucket/prefix; the URL."""
+        bucket_name, _, prefix = url[len("gs://") :].partition("/")
+        bucket = self.client().bucket(bucket_name)
+        for path in sorted(Path(directory).rglob("*")):
+            if path.is_file():
+                bucket.blob(f"{prefix}/{path.relative_to(directory).as_posix()}").upload_from_filename(str(path))
+        return url
+
+    def stop(self):
+        self.process.terminate()
+        self.process.wait(10)
+
+
+def local_pipeline():
+    """A TestPipeline on the in-process runner (the default DirectRunner would try a download)."""
+    from apache_beam.options.pipeline_options import PipelineOptions
+    from apache_beam.testing.test_pipeline import TestPipeline
+
+    return TestPipeline(options=PipelineOptions(["--runner=FnApiRunner"]))
