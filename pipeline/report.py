@@ -98,7 +98,11 @@ def human_bytes(count: int) -> str:
 
 def index_summary(manifest: IndexManifest | VectorIndexManifest) -> list[tuple[str, str]]:
     recall = manifest.recall_at_k
-    rows = [("created by", manifest.created_by), ("config hash", manifest.config_hash[:16])]
+    rows = [
+        ("created by", manifest.created_by),
+        ("config hash", manifest.config_hash[:16]),
+        ("schema version", str(manifest.schema_version)),
+    ]
     if isinstance(manifest, IndexManifest):
         precision = manifest.embedding_precision
         rows += [
@@ -129,12 +133,11 @@ def index_summary(manifest: IndexManifest | VectorIndexManifest) -> list[tuple[s
         ),
         ("index size", f"{human_bytes(manifest.index_bytes)} (memory budget {human_bytes(manifest.memory_budget)})"),
         ("training vectors", f"{manifest.training_vectors:,}"),
-        (
-            "IVF list training",
-            {"flat": "one k-means", "two_level": "two-level k-means"}.get(manifest.clustering, manifest.clustering),
-        ),
-        ("queries / s", "—" if manifest.queries_per_second is None else f"{manifest.queries_per_second:,.0f}"),
     ]
+    if "IVF" in manifest.index_factory:  # only an IVF index has lists to train
+        clustering = {"flat": "one k-means", "two_level": "two-level k-means"}
+        rows.append(("IVF list training", clustering.get(manifest.clustering, manifest.clustering)))
+    rows.append(("queries / s", "—" if manifest.queries_per_second is None else f"{manifest.queries_per_second:,.0f}"))
     return rows
 
 

@@ -51,6 +51,8 @@ def _section(page: str, name: str) -> str:
 def test_the_report_of_an_output_is_one_page_with_its_figures_inline(output):
     page = _report(output)
     assert _sections(page) == ["summary", "neighbours", "overlap", "recall", "timings", "rejected", "samples"]
+    summary = _section(page, "summary")
+    assert summary.count("schema version") == 2 and "IVF list training" not in summary  # a Flat index
     assert len(INLINE_PNG.findall(page)) == 2  # scores by rank, overlap (an exact index has no depth curve)
     assert INLINE_PNG.search(_section(page, "neighbours")) and INLINE_PNG.search(_section(page, "overlap"))
     assert "An exact index (Flat)" in _section(page, "recall")
