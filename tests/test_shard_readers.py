@@ -79,6 +79,10 @@ def test_hugging_face_datasets_reads_the_shards(shards, tmp_path):
     loaded = datasets.load_dataset("arrow", data_files=paths, split="train", cache_dir=str(tmp_path))
     schema = pa.ipc.open_file(paths[0]).schema
     _check(loaded.with_format("numpy")[:], _schema_shapes(schema), manifest, expected)
+    mapped = datasets.concatenate_datasets(
+        [datasets.Dataset(pa.ipc.open_file(pa.memory_map(path)).read_all()) for path in paths]
+    )
+    _check(mapped.with_format("numpy")[:], _schema_shapes(schema), manifest, expected)
     row = loaded.with_format("torch")[0]
     assert row["neighbours"].reshape(_shapes(manifest)["neighbours"]).shape == _shapes(manifest)["neighbours"]
 
