@@ -169,10 +169,11 @@ def check_beam_args(beam_args: Sequence[str], cli_options: Mapping[str, str] | N
         raise PipelineOptionsError("a second `--` among the Beam pipeline options (one `--` ends the command's own)")
     runner = _runner_arg(args)
     if runner and "." in runner:  # a runner module may define options of its own: Beam imports it to run
+        module = runner.rsplit(".", 1)[0]
         try:
-            importlib.import_module(runner.rsplit(".", 1)[0])
-        except Exception:  # pylint: disable=broad-except  (Beam names the failure when it creates the runner)
-            pass
+            importlib.import_module(module)
+        except ImportError as err:  # say so now, not as "unknown option" for the module's own options
+            raise PipelineOptionsError(f"--runner={runner}: cannot import {module} ({err})") from None
     parser = beam_option_parser()
     known, extra = parser.parse_known_args(args)
     unknown = list(

@@ -165,3 +165,8 @@ def test_an_unknown_options_value_is_never_in_the_error():
         with pytest.raises(PipelineOptionsError) as raised:
             check_beam_args(args)
         assert "--api_token" in str(raised.value) and "s3cr3t" not in str(raised.value)
+
+
+def test_a_runner_module_that_cannot_be_imported_is_named():
+    with pytest.raises(PipelineOptionsError, match=r"--runner=no_such_module\.Runner: cannot import no_such_module"):
+        check_beam_args(["--runner=no_such_module.Runner"])
