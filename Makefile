@@ -24,12 +24,13 @@ quickstart: install
 		--dim 128 --depth 4 --heads 4 --batch-size 4
 	$(BIN)/ratrain-pipeline report out/quickstart
 
+# PYTEST_ARGS="--embedding-precision float32|bfloat16": the encoder path this CPU would not choose.
 test: install
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # Everything but the tests marked slow (each over ~30 s); `make test` (and CI) runs them all.
 test-fast: install
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 # ruff (lint and format, pyproject.toml [tool.ruff]) over the tree, mypy over schemas/ and trainer/.
 lint: install

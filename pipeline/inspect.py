@@ -30,10 +30,7 @@ def inspect_shards(directory: str, count: int, max_chunks: int = 4) -> list[str]
     lines: list[str] = [f"{directory}: {manifest.num_sequences} sequences, {manifest.neighbour_summary()}"]
     check = index.embedding_precision
     if check is not None:
-        lines.append(
-            f"embeddings in {check.precision}: top-2 neighbours of {check.sample_size} sampled chunks "
-            f"agree with float32 on {check.top2_agreement:.3f}, least cosine {check.min_cosine:.4f}"
-        )
+        lines.append(f"embeddings in {check.summary()}")
     for entry in manifest.shards:
         table = read_shard_table(pa.BufferReader(fileio.read_bytes(fileio.join(directory, entry.path))))
         tokens = shard_column(table, "tokens")

@@ -112,13 +112,7 @@ def index_summary(manifest: IndexManifest | VectorIndexManifest) -> list[tuple[s
             ("chunk tokens (m)", str(manifest.chunk_tokens)),
             ("embedding model", manifest.embedding_model.name),
             ("tokenizer", manifest.tokenizer.name),
-            (
-                "embedding precision",
-                "not recorded"
-                if precision is None
-                else f"{precision.precision} (top-2 agreement with float32 {precision.top2_agreement:.3f} "
-                f"on {precision.sample_size} chunks)",
-            ),
+            ("embedding precision", "not recorded" if precision is None else precision.summary()),
             ("encoder threads", "—" if manifest.encoder_threads is None else str(manifest.encoder_threads)),
         ]
     else:

@@ -138,8 +138,23 @@ class PrecisionCheck(_Model):
         description="Share of the sample's top-2 neighbours (within the "
         "sample) equal to float32's, ties within 0.001 counted equal."
     )
+    agreement_upper_bound: float | None = Field(
+        None,
+        description="Wilson 99% upper confidence bound of the agreement given the sample "
+        "(None: an older manifest); the build fails when it is below min_agreement.",
+    )
     min_cosine: float = Field(description="Least cosine between a chunk's stored embedding and its float32 one.")
-    min_agreement: float = Field(description="The agreement below which the build fails.")
+    min_agreement: float = Field(
+        description="The agreement below which the build fails (when the upper bound is below it)."
+    )
+
+    def summary(self) -> str:
+        """One line for inspect and the report."""
+        bound = "" if self.agreement_upper_bound is None else f", at most {self.agreement_upper_bound:.3f} at 99%"
+        return (
+            f"{self.precision}: top-2 neighbours of {self.sample_size} sampled chunks agree with float32 on "
+            f"{self.top2_agreement:.3f}{bound} (fails below {self.min_agreement}), least cosine {self.min_cosine:.4f}"
+        )
 
 
 PRECISION_CHECK = Field(

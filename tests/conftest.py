@@ -9,9 +9,41 @@ import os
 
 import pytest
 
-from tests.helpers import BAD_RECORDS, GcsEmulator, sample_documents, small_config, write_config, write_jsonl
+from tests.helpers import (
+    BAD_RECORDS,
+    PRECISION_ENV,
+    GcsEmulator,
+    sample_documents,
+    small_config,
+    write_config,
+    write_jsonl,
+)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--embedding-precision",
+        choices=("auto", "float32", "bfloat16"),
+        default=None,
+        help="embedding.precision of the suite's builds (default: auto, or $RATRAIN_TEST_PRECISION)",
+    )
+
+
+def pytest_configure(config):
+    precision = config.getoption("--embedding-precision")
+    if precision is not None:  # the environment carries it to subprocesses too
+        os.environ[PRECISION_ENV] = precision
+
+
+def pytest_report_header(config):
+    """Which CPU and precision ran the suite: bfloat16 results differ between CPU kinds."""
+    from pipeline.embed import cpu_summary, resolve_precision
+    from tests.helpers import suite_precision
+
+    precision = suite_precision()
+    return f"embedding precision: {precision} -> {resolve_precision(precision, 'cpu')} on {cpu_summary()}"
 
 
 @pytest.fixture(scope="session")

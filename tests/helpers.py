@@ -5,12 +5,23 @@ here, never from conftest."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE_CORPUS = REPO / "examples" / "corpus"
+
+
+PRECISION_ENV = "RATRAIN_TEST_PRECISION"
+
+
+def suite_precision() -> str:
+    """The `embedding.precision` the suite's builds run in: `pytest --embedding-precision
+    float32|bfloat16` (or RATRAIN_TEST_PRECISION) forces the path this CPU would not choose
+    itself; by default `auto` (bfloat16 on CPUs with AVX512-BF16 or AMX, else float32)."""
+    return os.environ.get(PRECISION_ENV, "auto")
 
 
 def sample_documents(count: int, start: int = 0) -> list[dict]:
@@ -42,7 +53,7 @@ def small_config(output: Path, corpus_glob: str, **overrides) -> dict:
         # One encoder thread, as each process of a two-worker run has: embedding bytes are
         # reproducible for the same config, hardware and encoder threads, and tests compare
         # bytes across runs, runners and worker counts.
-        "embedding": {"batch_size": 32, "cpu_threads": 1},
+        "embedding": {"batch_size": 32, "cpu_threads": 1, "precision": suite_precision()},
     }
     config.update(overrides)
     return config

@@ -17,7 +17,7 @@ from pipeline.writers import parquet_bytes
 from schemas.arrow import fixed_size_list, read_shard_table, shard_column, tensor_column_to_numpy
 from schemas.config import config_from_dict
 from schemas.manifest import ShardsManifest
-from tests.helpers import BAD_REASONS, read_rejected, rewrite_shard, sample_documents, write_jsonl
+from tests.helpers import BAD_REASONS, read_rejected, rewrite_shard, sample_documents, suite_precision, write_jsonl
 
 
 def _shard_tables(shards_dir):
@@ -236,27 +236,44 @@ def test_two_worker_processes_write_byte_identical_outputs(built_output, tmp_pat
             assert _without_timings(tmp_path / "out" / path.relative_to(root / "out")) == _without_timings(path)
 
 
+BFLOAT16_STEP = 2e-3  # two bfloat16 rounding steps of an embedding's largest components (~0.25)
+
+
 def test_another_encoder_thread_count_gives_the_same_neighbours(built_output, tmp_path):
-    """Bytes are promised for equal encoder threads only (CPU kernels split sums by thread
-    count); another count moves embeddings by float rounding, not the neighbours."""
+    """What the README promises for each precision. Bytes are promised for equal encoder
+    threads only (CPU kernels split sums by thread count). In float32 another count moves
+    embeddings by float rounding (1e-5) and keeps >= 99.9% of neighbour slots; in bfloat16
+    (AMX kernels round intermediate sums to bfloat16 differently per count) embeddings move by
+    up to BFLOAT16_STEP and only near-ties swap: a slot that differs holds a neighbour as
+    similar as the other run's, within BFLOAT16_STEP."""
     root, config, _ = built_output
     out = tmp_path / "out"
-    run_all(config_from_dict({**config, "output": str(out), "embedding": {"batch_size": 32, "cpu_threads": 2}}), [])
+    embedding = {**config["embedding"], "cpu_threads": 2}
+    run_all(config_from_dict({**config, "output": str(out), "embedding": embedding}), [])
     one, two = (json.loads((o / "index" / "manifest.json").read_text()) for o in (root / "out", out))
     assert (one["encoder_threads"], two["encoder_threads"]) == (1, 2)
     assert one["embed_config_hash"] == two["embed_config_hash"]  # placement, not content
+    precision = one["embedding_precision"]["precision"]
+    assert precision == two["embedding_precision"]["precision"]
 
     def embeddings(o):
         files = sorted((o / "index" / "embeddings").glob("*.parquet"))
         return np.concatenate([tensor_column_to_numpy(pq.read_table(f)["embedding"]) for f in files])
 
-    np.testing.assert_allclose(embeddings(out), embeddings(root / "out"), atol=1e-5)
+    def neighbours(o, column):
+        return np.concatenate([shard_column(t, column).ravel() for _, t in _shard_tables(o / "shards")])
 
-    def neighbour_ids(o):
-        return np.concatenate([shard_column(t, "neighbour_ids").ravel() for _, t in _shard_tables(o / "shards")])
-
-    ids_one, ids_two = neighbour_ids(root / "out"), neighbour_ids(out)
-    assert ids_one.shape == ids_two.shape and np.mean(ids_one == ids_two) >= 0.999
+    ids_one, ids_two = neighbours(root / "out", "neighbour_ids"), neighbours(out, "neighbour_ids")
+    assert ids_one.shape == ids_two.shape
+    if precision == "float32":
+        np.testing.assert_allclose(embeddings(out), embeddings(root / "out"), atol=1e-5)
+        assert np.mean(ids_one == ids_two) >= 0.999
+    else:
+        np.testing.assert_allclose(embeddings(out), embeddings(root / "out"), atol=BFLOAT16_STEP)
+        moved = ids_one != ids_two
+        scores_one, scores_two = neighbours(root / "out", "neighbour_scores"), neighbours(out, "neighbour_scores")
+        np.testing.assert_allclose(scores_one[moved], scores_two[moved], atol=BFLOAT16_STEP)
+        assert np.mean(~moved) >= 0.95
 
 
 def test_bfloat16_and_float32_give_the_same_neighbours_and_the_manifest_says_which(built_output, tmp_path):
@@ -264,7 +281,7 @@ def test_bfloat16_and_float32_give_the_same_neighbours_and_the_manifest_says_whi
 
     root, config, _ = built_output
     built = json.loads((root / "out" / "index" / "manifest.json").read_text())
-    assert built["embedding_precision"]["precision"] == resolve_precision("auto", "cpu")  # the default
+    assert built["embedding_precision"]["precision"] == resolve_precision(suite_precision(), "cpu")
     other = "float32" if built["embedding_precision"]["precision"] == "bfloat16" else "bfloat16"
     out = tmp_path / "out"
     run_all(
@@ -275,7 +292,8 @@ def test_bfloat16_and_float32_give_the_same_neighbours_and_the_manifest_says_whi
     assert set(by_precision) == {"bfloat16", "float32"}
     assert built["embed_config_hash"] != again["embed_config_hash"]  # the precision is part of it
     check = by_precision["bfloat16"]["embedding_precision"]
-    assert check["sample_size"] == min(256, built["num_chunks"]) and check["top2_agreement"] >= 0.98
+    assert check["sample_size"] == min(256, built["num_chunks"])
+    assert check["agreement_upper_bound"] >= check["min_agreement"] and check["top2_agreement"] >= 0.95
     assert check["min_cosine"] > 0.99 and by_precision["float32"]["embedding_precision"]["top2_agreement"] == 1.0
 
     def neighbour_ids(o):
