@@ -31,7 +31,7 @@ TIE_TOLERANCE = 1e-3  # ann-benchmarks' epsilon: similarities this close are a t
 # the exact nearest other vector, within TIE_TOLERANCE: near-duplicates are interchangeable.
 RECALL_MEASURE = f"1-recall@{RECALL_K} with ties within {TIE_TOLERANCE:g}"
 TRUTH_DEPTH = 100  # exact best per query kept as ground truth (ties beyond it count as misses)
-PLATEAU_GAIN = 0.005  # stop deepening the search when doubling the depth gains less recall
+PLATEAU_GAIN = 0.005  # stop deepening the search when two doublings of the depth gain less recall
 ID_BYTES = 8  # faiss keeps an int64 id per vector
 FLAT_MAX_VECTORS = 100_000  # exact search stays fast below this
 IVF_FLAT_MAX_VECTORS = 1_000_000
@@ -527,6 +527,25 @@ def exact_nearest_other(query_ids, queries, ids, vectors, depth: int = TRUTH_DEP
     return result
 
 
+def truth_depth(k: int) -> int:
+    """Exact best kept per query for a recall@k: enough to read the similarity of any
+    neighbour that can count (one beyond the list is below its k-th best)."""
+    return max(TRUTH_DEPTH, 4 * k)
+
+
+def exact_nearest_outside(queries, excluded, ids, vectors, depth: int):
+    """Per query, the `depth` nearest vectors among `ids` outside that query's [start, end) id
+    ranges (`excluded`, one tuple of ranges per query): (scores, ids) [q, depth]. Rows in any
+    order; merge over blocks with `merge_top`."""
+    order = np.argsort(ids, kind="stable")
+    ids, vectors = ids[order], np.asarray(vectors, np.float32)[order]
+    scores = np.asarray(queries, np.float32) @ vectors.T  # [q, r]
+    for row, ranges in enumerate(excluded):
+        for start, end in ranges:
+            scores[row, np.searchsorted(ids, start) : np.searchsorted(ids, end)] = -np.inf
+    return exact_top(scores, ids, depth)
+
+
 def merge_nearest(a, b):
     """Associative merge of two ground truths (`exact_nearest_other` results)."""
     return merge_top(a, b, a[0].shape[1])
@@ -547,21 +566,74 @@ def one_recall_at_k(index, query_ids, queries, truth, k: int = RECALL_K) -> floa
     return hits / len(query_ids) if len(query_ids) else 1.0
 
 
+# The neighbour measure: what build-shards checks, and what the index stage tunes on when it
+# knows each query's document.
+NEIGHBOUR_MEASURE = f"recall@k with ties within {TIE_TOLERANCE:g} (empty slot = miss)"
+
+
+def recall_with_ties(exact_scores: np.ndarray, ours_exact: np.ndarray) -> tuple[int, int]:
+    """(right neighbours, slots that exact search fills) over the sampled queries.
+
+    exact_scores [n, >= k]: exact search's best scores (-inf where fewer exist), of which the
+    first k count; ours_exact [n, k]: the exact score of each of our neighbours (nan for an
+    empty slot). A neighbour is right when it is within TIE_TOLERANCE of the exact k-th best
+    (near-duplicates are interchangeable); an empty slot is a miss unless exact search has
+    nothing to offer either."""
+    k = ours_exact.shape[1]
+    slots = np.isfinite(exact_scores[:, :k]).sum(axis=1)  # [n]
+    kth = np.where(slots > 0, exact_scores[np.arange(len(slots)), np.maximum(slots - 1, 0)], np.inf)
+    with np.errstate(invalid="ignore"):
+        right = (ours_exact >= kth[:, None] - TIE_TOLERANCE).sum(axis=1)  # nan compares False
+    return int(np.minimum(right, slots).sum()), int(slots.sum())
+
+
+def exact_scores_of(truth, found: np.ndarray) -> np.ndarray:
+    """The exact similarity of each found id [n, k] to its query, from the truth lists (scores,
+    ids [n, depth]): nan for an empty slot (-1), -inf for an id beyond the list (below its
+    depth-th best, so below the k-th)."""
+    truth_scores, truth_ids = truth
+    ours = np.full(found.shape, -np.inf, np.float64)
+    ours[found < 0] = np.nan
+    for row in range(len(found)):
+        known = {i: s for i, s in zip(truth_ids[row].tolist(), truth_scores[row].tolist()) if i >= 0}
+        for slot, chunk_id in enumerate(found[row].tolist()):
+            if chunk_id in known:
+                ours[row, slot] = known[chunk_id]
+    return ours
+
+
+def recall_of(truth, found: np.ndarray) -> float:
+    """NEIGHBOUR_MEASURE of found ids [n, k] against the truth (scores, ids) of the same queries."""
+    right, slots = recall_with_ties(truth[0], exact_scores_of(truth, found))
+    return right / slots if slots else 1.0
+
+
+def search_each_excluding(index, queries: np.ndarray, k: int, excluded) -> tuple[np.ndarray, np.ndarray]:
+    """Each query searched alone with its own id ranges skipped (`search_excluding`, deepening
+    included) at the index's depth: (scores, ids) [q, k]."""
+    found = [search_excluding(index, query[None], k, list(ranges))[:2] for query, ranges in zip(queries, excluded)]
+    if not found:
+        return np.zeros((0, k), np.float32), np.zeros((0, k), np.int64)
+    return np.concatenate([f[0] for f in found]), np.concatenate([f[1] for f in found])
+
+
 def tune_depth(depths: list[int], recall_at, target: float, curve: list | None = None):
     """Over `depths` (smallest first), `recall_at(depth)` until one reaches `target`, or until
-    doubling the depth gains less than PLATEAU_GAIN (then the depth before that plateau: deeper
-    would cost time for nothing, the codes, not the depth, limit recall):
-    (depth, recall, plateaued). Each measurement is appended to `curve` as {depth, recall}."""
-    previous = None
+    two doublings of the depth in a row gain less than PLATEAU_GAIN together (then the depth
+    before that plateau: deeper would cost time for nothing, the codes, not the depth, limit
+    recall). One flat doubling is not a plateau: with a query's own document excluded, the
+    first lists probed can all be its document's, and the gain comes after them.
+    -> (depth, recall, plateaued). Each measurement is appended to `curve` as {depth, recall}."""
+    measured: list[tuple[int, float]] = []
     for depth in depths:
         recall = recall_at(depth)
         if curve is not None:
             curve.append({"depth": depth, "recall": recall})
         if recall >= target:
             return depth, recall, False
-        if previous is not None and recall - previous[1] < PLATEAU_GAIN:
-            return previous[0], previous[1], True
-        previous = (depth, recall)
+        if len(measured) >= 2 and recall - measured[-2][1] < PLATEAU_GAIN:
+            return measured[-2][0], measured[-2][1], True
+        measured.append((depth, recall))
     return depth, recall, False
 
 

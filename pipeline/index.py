@@ -27,6 +27,7 @@ import logging
 import posixpath
 import time
 import types
+from dataclasses import dataclass
 
 import apache_beam as beam
 import numpy as np
@@ -35,6 +36,7 @@ from apache_beam.metrics import Metrics
 from pipeline import fileio
 from pipeline.corpus import METRICS_NAMESPACE
 from pipeline.faiss_index import (
+    NEIGHBOUR_MEASURE,
     QUERY_SALT,
     RECALL_K,
     RECALL_MEASURE,
@@ -45,6 +47,7 @@ from pipeline.faiss_index import (
     embedding_file_info,
     encoder_size,
     exact_nearest_other,
+    exact_nearest_outside,
     first_level_clusters,
     first_level_size,
     in_sample,
@@ -61,17 +64,20 @@ from pipeline.faiss_index import (
     query_rate,
     read_embeddings,
     read_index,
+    recall_of,
     search_depth_range,
+    search_each_excluding,
     second_level_centroids,
     set_search_depth,
     spherical_kmeans,
     train_index,
+    truth_depth,
     tune_depth,
-    tune_search_depth,
     write_index,
     write_part,
 )
 from pipeline.index_shards import assemble_shard, assign_shards, merge_shard_results
+from pipeline.shards import widest_span
 from schemas.config import IndexConfig
 
 INDEX_FILE = "index.faiss"
@@ -105,11 +111,36 @@ def _sample_rows(path: str, plan: dict, size_key: str, salt: int):
         yield from zip(ids[keep].tolist(), vectors[keep])
 
 
-def _stack(rows, dim: int):
+@dataclass(frozen=True)
+class QuerySample:
+    """The held-out queries the depth is tuned on: indexed vectors chosen by a hash of their ids."""
+
+    ids: np.ndarray  # [q] chunk ids, ascending
+    vectors: np.ndarray  # [q, d]
+    documents: list | None  # per query, its document's chunk-id range ((start, end),); None: unknown
+
+
+@dataclass(frozen=True)
+class Truth:
+    """The exact neighbours of the query sample, (scores, ids) [q, depth] each, merged over parts."""
+
+    nearest_other: tuple  # every vector but the query itself
+    outside_document: tuple | None  # every vector outside the query's document (None: unknown)
+
+    def merge(self, other: Truth) -> Truth:
+        outside = None
+        if self.outside_document is not None:
+            outside = merge_nearest(self.outside_document, other.outside_document)
+        return Truth(merge_nearest(self.nearest_other, other.nearest_other), outside)
+
+
+def _stack(rows, dim: int, spans: dict | None) -> QuerySample:
     rows = sorted(rows, key=lambda r: r[0])
     if not rows:
-        return np.zeros(0, np.int64), np.zeros((0, dim), np.float32)
-    return np.array([r[0] for r in rows], np.int64), np.stack([r[1] for r in rows]).astype(np.float32)
+        return QuerySample(np.zeros(0, np.int64), np.zeros((0, dim), np.float32), [] if spans is not None else None)
+    ids = np.array([r[0] for r in rows], np.int64)
+    documents = None if spans is None else [(tuple(spans[i]),) if i in spans else () for i in ids.tolist()]
+    return QuerySample(ids, np.stack([r[1] for r in rows]).astype(np.float32), documents)
 
 
 def _file_stem(path: str) -> str:
@@ -316,9 +347,11 @@ class TrainIndex(beam.PTransform):
         return (one_level, two_level) | "Trained" >> beam.Flatten()
 
 
-def _truth_of(queries, ids, vectors):
-    query_ids, query_vectors = queries
-    return exact_nearest_other(query_ids, query_vectors, ids, vectors)
+def _truth_of(queries: QuerySample, ids, vectors, k: int) -> Truth:
+    outside = None
+    if queries.documents is not None:
+        outside = exact_nearest_outside(queries.vectors, queries.documents, ids, vectors, truth_depth(k))
+    return Truth(exact_nearest_other(queries.ids, queries.vectors, ids, vectors), outside)
 
 
 class _FillPart(beam.DoFn):
@@ -327,16 +360,16 @@ class _FillPart(beam.DoFn):
     quantizer (only its lists and codes travel); plus the part's exact nearest neighbour of
     every query of the recall sample."""
 
-    def __init__(self, out_dir):
-        self.out_dir = out_dir
+    def __init__(self, out_dir, neighbours: int):
+        self.out_dir, self.neighbours = out_dir, neighbours
 
     def process(self, path, trained_path, queries):
         index = read_index(trained_path)
         truth = None
         for ids, vectors in read_embeddings(path):
             index.add_with_ids(vectors, ids)
-            found = _truth_of(queries, ids, vectors)
-            truth = found if truth is None else merge_nearest(truth, found)
+            found = _truth_of(queries, ids, vectors, self.neighbours)
+            truth = found if truth is None else truth.merge(found)
             Metrics.counter(METRICS_NAMESPACE, "index_vectors_added").inc(len(ids))
         part_path = fileio.join(self.out_dir, "parts", f"part-{_file_stem(path)}.faiss")
         write_part(index, part_path)
@@ -350,31 +383,31 @@ class _MergeTruth(beam.CombineFn):
         return None
 
     def add_input(self, acc, truth):
-        return truth if acc is None else merge_nearest(acc, truth)
+        return truth if acc is None else acc.merge(truth)
 
     def merge_accumulators(self, accs):
         result = None
         for acc in accs:
             if acc is not None:
-                result = acc if result is None else merge_nearest(result, acc)
+                result = acc if result is None else result.merge(acc)
         return result
 
     def extract_output(self, acc):
         return acc
 
 
-def _merge_and_tune(parts, trained_path, plan, queries, truth, cfg: IndexConfig, out_dir):
+def _merge_and_tune(parts, trained_path, plan, queries, truth, cfg: IndexConfig, out_dir, neighbours: int):
     """One worker: merge the parts into the trained index in input-file order, tune, write."""
     index = read_index(trained_path)
     part_paths = [part for _, part in sorted(parts)]
     for path in part_paths:
         merge_part(index, read_index(path))
-    info = _finish(index, plan, queries, truth, cfg, out_dir, len(part_paths))
+    info = _finish(index, plan, queries, truth, cfg, out_dir, len(part_paths), neighbours)
     beam.io.filesystems.FileSystems.delete(part_paths + [trained_path])  # only once it is written
     return info
 
 
-def _build_in_one(paths, plan, queries, cfg: IndexConfig, out_dir):
+def _build_in_one(paths, plan, queries: QuerySample, cfg: IndexConfig, out_dir, neighbours: int):
     """Flat and graph indexes: one worker adds everything (they cannot be merged)."""
     batches = [batch for path in sorted(paths) for batch in read_embeddings(path)]
     ids = np.concatenate([b[0] for b in batches])
@@ -382,18 +415,74 @@ def _build_in_one(paths, plan, queries, cfg: IndexConfig, out_dir):
     order = np.argsort(ids, kind="stable")
     ids, vectors = ids[order], vectors[order]
     index = build_index(ids, vectors, plan["factory"])
-    return _finish(index, plan, queries, _truth_of(queries, ids, vectors), cfg, out_dir, 1)
+    return _finish(index, plan, queries, _truth_of(queries, ids, vectors, neighbours), cfg, out_dir, 1, neighbours)
 
 
-def _finish(index, plan, queries, truth, cfg: IndexConfig, out_dir, parts: int):
-    query_ids, query_vectors = queries
-    curve = []
-    if cfg.nprobe is not None and search_depth_range(index) is not None:
-        set_search_depth(index, cfg.nprobe)
-        depth, recall, plateau = cfg.nprobe, one_recall_at_k(index, query_ids, query_vectors, truth), False
-        curve.append({"depth": depth, "recall": recall})
+def _recorded(curve: list, recall_at, depth: int) -> float:
+    """The recall at `depth` from the curve, measured (and appended) if it is not there."""
+    for point in curve:
+        if point["depth"] == depth:
+            return point["recall"]
+    curve.append({"depth": depth, "recall": recall_at(depth)})
+    return curve[-1]["recall"]
+
+
+def tune_index_depth(depths, plain_at, own_at, cfg: IndexConfig, neighbours: int) -> tuple:
+    """The depth an index is searched at, from two measures on the query sample: plain_at(depth),
+    RECALL_MEASURE (the query itself excluded), and own_at(depth) (None: documents unknown),
+    NEIGHBOUR_MEASURE at k = neighbours with the query's whole document excluded, as
+    build-shards searches. Each is tuned to cfg.target_recall (`tune_depth`) and the deeper
+    depth is kept: on long documents a chunk's nearest lists are its own document's, and the
+    depth that finds its nearest other vector misses its nearest chunks of other documents.
+    depths: those to try (None: an exact index). -> ((depth, recall, plateau), curve, own)."""
+    own = None
+    if depths is None:
+        if own_at is not None:
+            own = {"measure": NEIGHBOUR_MEASURE, "k": neighbours, "value": own_at(None), "depth": None, "curve": None}
+        return (None, plain_at(None), False), None, own
+    curve: list = []
+    if cfg.nprobe is not None:
+        depth, recall, plateau = cfg.nprobe, _recorded(curve, plain_at, cfg.nprobe), False
     else:
-        depth, recall, plateau = tune_search_depth(index, query_ids, query_vectors, truth, cfg.target_recall, curve)
+        depth, recall, plateau = tune_depth(depths, plain_at, cfg.target_recall, curve)
+    if own_at is not None:
+        own_curve: list = []
+        if cfg.nprobe is not None:
+            own_depth, own_plateau = cfg.nprobe, False
+        else:
+            own_depth, _, own_plateau = tune_depth(depths, own_at, cfg.target_recall, own_curve)
+        if own_depth > depth:
+            depth = own_depth
+            recall = _recorded(curve, plain_at, depth)
+            plateau = plateau and recall < cfg.target_recall
+        own = {
+            "measure": NEIGHBOUR_MEASURE,
+            "k": neighbours,
+            "value": _recorded(own_curve, own_at, depth),
+            "depth": own_depth,
+            "plateau": own_plateau,
+            "curve": own_curve,
+        }
+    return (depth, recall, plateau), curve, own
+
+
+def _finish(index, plan, queries: QuerySample, truth: Truth, cfg: IndexConfig, out_dir, parts: int, neighbours: int):
+    def plain_at(depth):
+        if depth is not None:
+            set_search_depth(index, depth)
+        return one_recall_at_k(index, queries.ids, queries.vectors, truth.nearest_other)
+
+    def own_at(depth):
+        if depth is not None:
+            set_search_depth(index, depth)
+        found = search_each_excluding(index, queries.vectors, neighbours, queries.documents)[1]
+        return recall_of(truth.outside_document, found)
+
+    tuned, curve, own = tune_index_depth(
+        search_depth_range(index), plain_at, own_at if truth.outside_document is not None else None, cfg, neighbours
+    )
+    if tuned[0] is not None:
+        set_search_depth(index, tuned[0])
     index_bytes, index_sha256 = write_index(index, fileio.join(out_dir, INDEX_FILE))
     files = [{"path": INDEX_FILE, "rows": int(index.ntotal), "bytes": index_bytes, "sha256": index_sha256}]
     return _build_info(
@@ -402,17 +491,27 @@ def _finish(index, plan, queries, truth, cfg: IndexConfig, out_dir, parts: int):
         out_dir,
         parts,
         files,
-        (depth, recall, plateau, len(query_ids)),
-        query_rate(index, query_vectors),
-        curve or None,
+        (*tuned, len(queries.ids)),
+        query_rate(index, queries.vectors),
+        curve,
+        own,
     )
 
 
 def _build_info(
-    plan, cfg: IndexConfig, out_dir, parts: int, files: list[dict], tuned, rate: float, curve: list[dict] | None
+    plan,
+    cfg: IndexConfig,
+    out_dir,
+    parts: int,
+    files: list[dict],
+    tuned,
+    rate: float,
+    curve: list[dict] | None,
+    own: dict | None,
 ) -> dict:
     """build_info.json: what the manifest records of the index, and its faiss files; `curve`:
-    the recall at each depth measured (None for an exact index)."""
+    the recall at each depth measured (None for an exact index); `own`: the recall with the
+    query's own document excluded (None: documents unknown)."""
     depth, recall, plateau, sample_size = tuned
     info = {
         "index_factory": plan["factory"],
@@ -431,6 +530,7 @@ def _build_info(
             "target": cfg.target_recall,
             "plateau": plateau,
             "curve": curve,
+            "own_document_excluded": own,
         },
         "queries_per_second": round(rate, 1),
         "index_bytes": sum(f["bytes"] for f in files),
@@ -450,51 +550,49 @@ def _plan_shards(footers: list[dict], plan: dict, shard_bytes: int | None) -> di
     return assign_shards({f["path"]: f["rows"] for f in footers}, plan["factory"], plan["dim"], shard_bytes)
 
 
-def _assemble(keyed, trained_path, queries, cfg: IndexConfig, out_dir):
+def _assemble(keyed, trained_path, queries: QuerySample, cfg: IndexConfig, out_dir, neighbours: int):
     """One worker per shard: its parts (in chunk-id order) merged into a copy of the trained
     index, written as shard-NNNNN.faiss; then the query sample searched at every depth the
-    tuning may pick, for the merge step to combine with the other shards' results."""
+    tuning may pick (plainly, and with each query's own document excluded as build-shards
+    searches a shard), for the merge step to combine with the other shards' results."""
     number, parts = keyed
     part_paths = [part for _, part in sorted(parts)]
     shard = assemble_shard(read_index(trained_path), (read_index(p) for p in part_paths))
     name = SHARD_FILE.format(number)
     shard_bytes, sha256 = write_index(shard, fileio.join(out_dir, name))
-    _, query_vectors = queries
-    results = {}
+    results, own = {}, {}
     for depth in [cfg.nprobe] if cfg.nprobe is not None else search_depth_range(shard):
         set_search_depth(shard, depth)
         start = time.perf_counter()
-        scores, ids = shard.search(np.ascontiguousarray(query_vectors, np.float32), RECALL_K + 1)
+        scores, ids = shard.search(np.ascontiguousarray(queries.vectors, np.float32), RECALL_K + 1)
         results[depth] = (scores, ids, time.perf_counter() - start)
+        if queries.documents is not None:
+            own[depth] = search_each_excluding(shard, queries.vectors, neighbours, queries.documents)
     beam.io.filesystems.FileSystems.delete(part_paths)
     return {
         "file": {"path": name, "rows": int(shard.ntotal), "bytes": shard_bytes, "sha256": sha256},
         "number": number,
         "parts": len(part_paths),
         "results": results,
+        "own": own,
     }
 
 
-def _tune_shards(shards, trained_path, plan, queries, truth, cfg: IndexConfig, out_dir):
+def _tune_shards(shards, trained_path, plan, queries: QuerySample, truth: Truth, cfg: IndexConfig, out_dir, k: int):
     """One worker: the shards' results merged by score per depth, the one nprobe of all shards
     tuned on them as on one index (the same lists are probed, so the same recall)."""
     shards = sorted(shards, key=lambda s: s["number"])
-    query_ids, query_vectors = queries
 
-    def merged(depth):
-        return merge_shard_results([s["results"][depth][:2] for s in shards], RECALL_K + 1)
+    def plain_at(depth):
+        merged = merge_shard_results([s["results"][depth][:2] for s in shards], RECALL_K + 1)
+        searcher = types.SimpleNamespace(search=lambda q, width: merged)
+        return one_recall_at_k(searcher, queries.ids, queries.vectors, truth.nearest_other)
 
-    def recall_at(depth):
-        searcher = types.SimpleNamespace(search=lambda q, k: merged(depth))
-        return one_recall_at_k(searcher, query_ids, query_vectors, truth)
+    def own_at(depth):
+        return recall_of(truth.outside_document, merge_shard_results([s["own"][depth] for s in shards], k)[1])
 
-    depths = sorted(shards[0]["results"])
-    curve = []
-    if cfg.nprobe is not None:
-        tuned = (cfg.nprobe, recall_at(cfg.nprobe), False)
-        curve.append({"depth": cfg.nprobe, "recall": tuned[1]})
-    else:
-        tuned = tune_depth(depths, recall_at, cfg.target_recall, curve)
+    measured = own_at if truth.outside_document is not None else None
+    tuned, curve, own = tune_index_depth(sorted(shards[0]["results"]), plain_at, measured, cfg, k)
     seconds = sum(s["results"][tuned[0]][2] for s in shards)
     info = _build_info(
         plan,
@@ -502,9 +600,10 @@ def _tune_shards(shards, trained_path, plan, queries, truth, cfg: IndexConfig, o
         out_dir,
         sum(s["parts"] for s in shards),
         [s["file"] for s in shards],
-        (*tuned, len(query_ids)),
-        len(query_ids) / seconds if seconds else 0.0,
+        (*tuned, len(queries.ids)),
+        len(queries.ids) / seconds if seconds else 0.0,
         curve,
+        own,
     )
     beam.io.filesystems.FileSystems.delete([trained_path])
     return info
@@ -517,16 +616,45 @@ class BuildIndex(beam.PTransform):
     IVF types: trained on a deterministic sample in one worker; each file is a part, filled by
     whichever worker reads it (vectors never go through a shuffle), and the parts are merged
     in file order. Flat and HNSW are built in one worker (the budget rule keeps them small).
+
+    `documents` ((chunk id, doc id) per vector; None: not known) lets the depth be tuned also
+    on the search build-shards makes: each query's whole document excluded, `neighbours` (k)
+    kept (`tune_index_depth`).
     """
 
-    def __init__(self, cfg: IndexConfig, out_dir: str):
+    def __init__(self, cfg: IndexConfig, out_dir: str, documents=None, neighbours: int = RECALL_K):
         super().__init__()
-        self.cfg, self.out_dir = cfg, out_dir
+        self.cfg, self.out_dir, self.documents, self.neighbours = cfg, out_dir, documents, neighbours
         if cfg.min_ram:  # high-memory workers for training and merging
             self.with_resource_hints(min_ram=cfg.min_ram)
 
+    def _query_documents(self, plan):
+        """{query chunk id: its document's (first chunk id, last + 1)} as a singleton side
+        input, or None."""
+        if self.documents is None:
+            return None
+        spans = (
+            self.documents
+            | "DocumentChunk" >> beam.Map(lambda chunk_doc: (chunk_doc[1], (chunk_doc[0], chunk_doc[0] + 1)))
+            | "DocumentSpans" >> beam.CombinePerKey(widest_span)
+        )
+        queries = self.documents | "QueryDocuments" >> beam.FlatMap(
+            lambda chunk_doc, p: (
+                [(chunk_doc[1], chunk_doc[0])]
+                if in_sample(np.array([chunk_doc[0]]), p["queries"], p["count"], QUERY_SALT)[0]
+                else []
+            ),
+            plan,
+        )
+        return beam.pvalue.AsSingleton(
+            {"span": spans, "query": queries}
+            | "JoinQueryDocuments" >> beam.CoGroupByKey()
+            | "QuerySpans" >> beam.FlatMap(lambda kv: [(c, s) for c in kv[1]["query"] for s in kv[1]["span"]])
+            | "GatherQuerySpans" >> beam.combiners.ToDict()
+        )
+
     def expand(self, paths):
-        cfg, out_dir = self.cfg, self.out_dir
+        cfg, out_dir, k = self.cfg, self.out_dir, self.neighbours
         paths = paths | "SpreadFiles" >> beam.Reshuffle()
         footers = paths | "ReadFooters" >> beam.Map(lambda path: {**embedding_file_info(path), "path": path})
         plan = beam.pvalue.AsSingleton(
@@ -537,11 +665,17 @@ class BuildIndex(beam.PTransform):
             | "GatherFileRows" >> beam.combiners.ToList()
             | "PlanShards" >> beam.Map(_plan_shards, plan, cfg.shard_bytes)
         )
+        query_documents = self._query_documents(plan)
         queries = beam.pvalue.AsSingleton(
             paths
             | "QuerySample" >> beam.FlatMap(lambda path, p: _sample_rows(path, p, "queries", QUERY_SALT), plan)
             | "GatherQueries" >> beam.combiners.ToList()
-            | "StackQueries" >> beam.Map(lambda rows, p: _stack(rows, p["dim"]), plan)
+            | "StackQueries"
+            >> beam.Map(
+                lambda rows, p, spans=None: _stack(rows, p["dim"], spans),
+                plan,
+                *([query_documents] if query_documents is not None else []),
+            )
         )
 
         # IVF: sample, train, fill per file, merge. Each branch is empty unless the plan picks it.
@@ -555,7 +689,8 @@ class BuildIndex(beam.PTransform):
         filled = (
             paths
             | "ForMerge" >> beam.Filter(lambda path, p: p["mergeable"], plan)
-            | "FillParts" >> beam.ParDo(_FillPart(out_dir), trained_path, queries).with_outputs("truth", main="parts")
+            | "FillParts"
+            >> beam.ParDo(_FillPart(out_dir, k), trained_path, queries).with_outputs("truth", main="parts")
         )
         truth = beam.pvalue.AsSingleton(
             filled.truth | "MergeTruth" >> beam.CombineGlobally(_MergeTruth()).without_defaults(), default_value=None
@@ -566,7 +701,7 @@ class BuildIndex(beam.PTransform):
             | "MergeAndTune"
             >> beam.FlatMap(
                 lambda parts, trained, p, q, t, shards: (
-                    [_merge_and_tune(parts, trained, p, q, t, cfg, out_dir)] if p["mergeable"] and not shards else []
+                    [_merge_and_tune(parts, trained, p, q, t, cfg, out_dir, k)] if p["mergeable"] and not shards else []
                 ),
                 trained_path,
                 plan,
@@ -579,12 +714,12 @@ class BuildIndex(beam.PTransform):
             filled.parts
             | "KeyByShard" >> beam.FlatMap(lambda part, shards: [(shards[part[0]], part)] if shards else [], shard_of)
             | "GroupShards" >> beam.GroupByKey()
-            | "AssembleShards" >> beam.Map(_assemble, trained_path, queries, cfg, out_dir)
+            | "AssembleShards" >> beam.Map(_assemble, trained_path, queries, cfg, out_dir, k)
             | "GatherShards" >> beam.combiners.ToList()
             | "TuneShards"
             >> beam.FlatMap(
                 lambda shards, trained, p, q, t: (
-                    [_tune_shards(shards, trained, p, q, t, cfg, out_dir)] if shards else []
+                    [_tune_shards(shards, trained, p, q, t, cfg, out_dir, k)] if shards else []
                 ),
                 trained_path,
                 plan,
@@ -599,7 +734,7 @@ class BuildIndex(beam.PTransform):
             | "GatherPaths" >> beam.combiners.ToList()
             | "BuildInOne"
             >> beam.FlatMap(
-                lambda all_paths, p, q: [] if p["mergeable"] else [_build_in_one(all_paths, p, q, cfg, out_dir)],
+                lambda all_paths, p, q: [] if p["mergeable"] else [_build_in_one(all_paths, p, q, cfg, out_dir, k)],
                 plan,
                 queries,
             )

@@ -530,7 +530,9 @@ def _recall_body(manifest) -> str:
             f"<p>The tuning curve is not recorded (a manifest from before it was); the chosen depth "
             f"{manifest.nprobe} gives {html.escape(recall.measure)} = {recall.value:.3f}.</p>"
         )
-    plateau = " The tuning stopped on a plateau: doubling the depth gained less than 0.005." if recall.plateau else ""
+    plateau = (
+        " The tuning stopped on a plateau: two doublings of the depth gained less than 0.005." if recall.plateau else ""
+    )
     return (
         f"<p>{html.escape(recall.measure)} on {recall.sample_size:,} sampled indexed vectors, at each depth "
         f"the tuning measured; it keeps the smallest depth that reaches the target.{plateau}</p>"

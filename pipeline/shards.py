@@ -22,7 +22,19 @@ from apache_beam.utils import shared
 
 from pipeline.chunkdb import ChunkFileRanges
 from pipeline.chunking import Chunk
-from pipeline.faiss_index import load_index, sample_keys, search_excluding
+from pipeline.faiss_index import (
+    load_index,
+    recall_of,
+    sample_keys,
+    search_depth_range,
+    search_each_excluding,
+    search_excluding,
+    set_search_depth,
+    truth_depth,
+    tune_depth,
+)
+from pipeline.index_shards import merge_shard_results
+from pipeline.neighbour_recall import ExactTruth, Probe, SmallestProbes
 from pipeline.retro_rows import Sequence, ShardRow
 from pipeline.writers import WriteGroupedFiles
 from schemas.arrow import shard_ipc_bytes, shard_table
@@ -37,7 +49,6 @@ SEQUENCES_PER_SEARCH = 64  # fixed search batches: faiss scores depend on batch 
 CANDIDATE = np.dtype(
     [("seq_id", "<i8"), ("j", "<i4"), ("rank", "<i4"), ("chunk_id", "<i8"), ("score", "<f4"), ("token_key", "<i8")]
 )
-PROBE = "probe"  # tagged output: the search batch's queries in the neighbour-recall sample
 TALLY = "tally"  # tagged output: (name, count) pairs, counted as data (pipeline.tally)
 PROBE_SALT = 3
 
@@ -189,7 +200,10 @@ class Retrieval:
     candidates: int  # hits searched per chunk when deduplicating
     pad_id: int
     dedupe: bool = False
-    probes: int = 0  # training chunks sampled for the neighbour-recall check
+    probes: int = 0  # training chunks sampled for the neighbour-recall check and the depth tuning
+    embeddings: str = ""  # the embedding files (a glob): the probes' exact search
+    target_recall: float = 0.95  # index.target_recall: what the depth is tuned to
+    recall_below_target: str = "deepen"  # deepen | warn | fail (PipelineConfig.recall_below_target)
 
 
 def _excluded_ranges(keyed):
@@ -213,21 +227,38 @@ def _loaded_index(holder: shared.Shared, path: str, depth: int | None):
     return holder.acquire(_Holder, tag=f"{path}:{depth}")
 
 
-def search_batch(index, grouped, spec: Retrieval, probing: bool = True):
-    """One search batch (sequences, their query embeddings, their excluded chunk-id ranges) ->
-    (sequences, CANDIDATE hits with the best `width` per query outside the ranges, seq ids
-    whose search went deeper, neighbour-recall probes)."""
-    sequences = sorted(grouped["sequences"], key=lambda s: s.seq_id)
+def batch_queries(grouped, L: int):
+    """A joined search batch -> per sequence (seq id order): (sequence, its queries [L, d], its
+    documents' chunk-id ranges, merged)."""
     vectors = dict(grouped["embeddings"])
     excluded: dict[int, list] = {}
     for seq_id, span in grouped["excluded"]:
         excluded.setdefault(seq_id, []).append(span)
+    for s in sorted(grouped["sequences"], key=lambda s: s.seq_id):
+        queries = np.stack([vectors[s.seq_id * L + j] for j in range(L)])  # [L, d]
+        yield s, queries, merge_ranges(excluded.get(s.seq_id, []))
+
+
+def batch_probes(keyed, spec: Retrieval) -> list[Probe]:
+    """A joined search batch -> its training chunks in the probe sample's running: the
+    `spec.probes` smallest by (key, seq_id, j), keys a hash of the chunk's position."""
+    _, grouped = keyed
+    L, probes = spec.chunks_per_seq, []
+    for s, queries, ranges in batch_queries(grouped, L):
+        keys = sample_keys(s.seq_id * L + np.arange(L), PROBE_SALT)
+        probes += [Probe(int(key), s.seq_id, j, queries[j], tuple(ranges)) for j, key in enumerate(keys)]
+    return sorted(probes, key=lambda p: p[:3])[: spec.probes]
+
+
+def search_batch(index, grouped, spec: Retrieval):
+    """One search batch (sequences, their query embeddings, their excluded chunk-id ranges) ->
+    (sequences, CANDIDATE hits with the best `width` per query outside the ranges, seq ids
+    whose search went deeper)."""
     L = spec.chunks_per_seq
     width = spec.candidates if spec.dedupe else spec.neighbours
-    blocks, probes, deeper_seqs = [np.zeros(0, CANDIDATE)], [], set()
-    for s in sequences:
-        queries = np.stack([vectors[s.seq_id * L + j] for j in range(L)])  # [L, d]
-        ranges = merge_ranges(excluded.get(s.seq_id, []))
+    blocks, sequences, deeper_seqs = [np.zeros(0, CANDIDATE)], [], set()
+    for s, queries, ranges in batch_queries(grouped, L):
+        sequences.append(s)
         scores, found, deeper = search_excluding(index, queries, width, ranges)  # [L, width]
         if deeper:
             deeper_seqs.add(s.seq_id)
@@ -236,10 +267,72 @@ def search_batch(index, grouped, spec: Retrieval, probing: bool = True):
         block["rank"] = np.tile(np.arange(width), L)
         block["chunk_id"], block["score"] = found.ravel(), scores.ravel()
         blocks.append(block[block["chunk_id"] >= 0])  # -1: fewer than `width` reachable
-        if spec.probes and probing:
-            keys = sample_keys(s.seq_id * L + np.arange(L), PROBE_SALT)
-            probes += [(int(key), s.seq_id, j, queries[j], tuple(ranges)) for j, key in enumerate(keys)]
-    return sequences, np.concatenate(blocks), deeper_seqs, sorted(probes, key=lambda p: p[:3])[: spec.probes]
+    return sequences, np.concatenate(blocks), deeper_seqs
+
+
+# --- the search depth, tuned on the probes ----------------------------------------------------
+
+
+class NeighbourRecallTooLow(RuntimeError):
+    """recall_below_target: fail, and the index's search depth misses the target."""
+
+
+def search_probes(indexes, probes: list[Probe], k: int, depth: int | None) -> np.ndarray:
+    """The probes' k neighbour ids [n, k] as the search finds them at `depth`: each probe with
+    its own ranges excluded, in every index of `indexes` (an iterable that loads them in turn,
+    so one is held at a time), deepening per index as the search does, merged by score."""
+    queries, excluded = np.stack([p.query for p in probes]), [p.excluded for p in probes]
+    results = []
+    for index in indexes:
+        if depth is not None:
+            set_search_depth(index, depth)
+        results.append(search_each_excluding(index, queries, k, excluded))
+    return merge_shard_results(results, k)[1]
+
+
+def tune_search_depth(spec: Retrieval, probes: list[Probe], truth) -> dict:
+    """The depth build-shards searches at, from the recall of the probes' neighbours against
+    their exact truth, own documents excluded (what the shards will hold): the index's depth,
+    then (recall_below_target: deepen or fail) twice that and so on until `target_recall` is
+    met or two doublings gain less than PLATEAU_GAIN (`tune_depth`). fail raises when the index's
+    depth misses the target, naming the depth that meets it. -> the manifest's search_depth."""
+    result = {
+        "index_depth": spec.depth,
+        "depth": spec.depth,
+        "target": spec.target_recall,
+        "recall_below_target": spec.recall_below_target,
+        "curve": [],
+        "plateau": False,
+    }
+    if truth is None or not probes:
+        return result
+
+    def indexes():
+        for path in spec.index_paths:
+            yield load_index(path)
+
+    def recall_at(depth):
+        return recall_of(truth, search_probes(indexes(), probes, spec.neighbours, depth))
+
+    depths = search_depth_range(next(indexes()))
+    if depths is None or spec.recall_below_target == "warn":  # exhaustive, or kept as it is
+        result["curve"].append({"depth": spec.depth, "recall": recall_at(spec.depth)})
+        return result
+    start = spec.depth if spec.depth is not None else depths[0]
+    curve = result["curve"]
+    depth, recall, plateau = tune_depth(
+        [start] + [d for d in depths if d > start], recall_at, spec.target_recall, curve
+    )
+    result.update(depth=depth, plateau=plateau)
+    at_index = curve[0]["recall"]
+    if spec.recall_below_target == "fail" and at_index < spec.target_recall:
+        reached = f"depth {depth} reaches {recall:.3f}" if recall >= spec.target_recall else "no depth reaches it"
+        raise NeighbourRecallTooLow(
+            f"neighbour recall {at_index:.3f} at the index's search depth {start} is below index.target_recall "
+            f"{spec.target_recall} on {len(probes)} sampled training chunks with their own documents excluded; "
+            f"{reached} (recall_below_target: fail; 'deepen' searches deeper)"
+        )
+    return result
 
 
 def merge_shard_hits(blocks: list[np.ndarray], width: int) -> np.ndarray:
@@ -259,8 +352,8 @@ def merge_shard_hits(blocks: list[np.ndarray], width: int) -> np.ndarray:
     return hits
 
 
-def emit_hits(spec: Retrieval, seq_ids: list[int], hits: np.ndarray, deeper_seqs, probes):
-    """What a searched batch sends on: tallies, probes, the count each sequence will receive,
+def emit_hits(spec: Retrieval, seq_ids: list[int], hits: np.ndarray, deeper_seqs):
+    """What a searched batch sends on: tallies, the count each sequence will receive,
     and the hits (the k neighbours keyed by chunk id, or candidate blocks by chunk file)."""
     unknown = hits["chunk_id"][hits["chunk_id"] >= spec.chunk_files.num_chunks]
     if len(unknown):
@@ -271,8 +364,6 @@ def emit_hits(spec: Retrieval, seq_ids: list[int], hits: np.ndarray, deeper_seqs
     L = spec.chunks_per_seq
     yield beam.pvalue.TaggedOutput(TALLY, ("queries", len(seq_ids) * L))
     yield beam.pvalue.TaggedOutput(TALLY, ("queries_searched_deeper", len(deeper_seqs) * L))
-    if probes:
-        yield beam.pvalue.TaggedOutput(PROBE, probes)
     hit_seqs, counts = np.unique(hits["seq_id"], return_counts=True)
     sent = dict(zip(hit_seqs.tolist(), counts.tolist()))
     for seq_id in seq_ids:  # what each sequence must receive back, checked when it arrives
@@ -295,53 +386,50 @@ def emit_hits(spec: Retrieval, seq_ids: list[int], hits: np.ndarray, deeper_seqs
 class _Search(beam.DoFn):
     """A search batch of sequences -> per sequence, its queries searched with the chunk-id
     ranges of its own documents skipped inside faiss (the one index file, loaded once per
-    process). Emits the k neighbours as picks keyed by chunk id, or (deduplicating) the
-    candidates as CANDIDATE blocks keyed by the chunk file holding them; plus the batch's
-    queries that fall in the neighbour-recall sample (tagged PROBE)."""
+    process, at the tuned depth: a side input). Emits the k neighbours as picks keyed by chunk
+    id, or (deduplicating) the candidates as CANDIDATE blocks keyed by the chunk file holding
+    them."""
 
     _shared_index = shared.Shared()
 
     def __init__(self, spec: Retrieval):
         self.spec = spec
 
-    def setup(self):
-        self.holder = _loaded_index(self._shared_index, self.spec.index_paths[0], self.spec.depth)
-
-    def process(self, keyed):
+    def process(self, keyed, tuned: dict):
         _, grouped = keyed
-        sequences, hits, deeper, probes = search_batch(self.holder.index, grouped, self.spec)
+        index = _loaded_index(self._shared_index, self.spec.index_paths[0], tuned["depth"]).index
+        sequences, hits, deeper = search_batch(index, grouped, self.spec)
         if sequences:  # none: only the embeddings of chunks left over after the last sequence
-            yield from emit_hits(self.spec, [s.seq_id for s in sequences], hits, deeper, probes)
+            yield from emit_hits(self.spec, [s.seq_id for s in sequences], hits, deeper)
 
 
 class _SearchShard(beam.DoFn):
-    """((shard, group), search batches) -> (batch, (shard, its hits, deeper seq ids, probes)):
-    each process loads the shard of the group it is given, and searches every batch of the
-    group with it."""
+    """((shard, group), search batches) -> (batch, (shard, seq ids, its hits, deeper seq ids)):
+    each process loads the shard of the group it is given (at the tuned depth), and searches
+    every batch of the group with it."""
 
     _shared_index = shared.Shared()
 
     def __init__(self, spec: Retrieval):
         self.spec = spec
 
-    def process(self, keyed):
+    def process(self, keyed, tuned: dict):
         (shard, _), batches = keyed
-        index = _loaded_index(self._shared_index, self.spec.index_paths[shard], self.spec.depth).index
+        index = _loaded_index(self._shared_index, self.spec.index_paths[shard], tuned["depth"]).index
         for batch, grouped in batches:
-            sequences, hits, deeper, probes = search_batch(index, grouped, self.spec, probing=shard == 0)
+            sequences, hits, deeper = search_batch(index, grouped, self.spec)
             if sequences:
-                yield batch, (shard, [s.seq_id for s in sequences], hits, deeper, probes)
+                yield batch, (shard, [s.seq_id for s in sequences], hits, deeper)
 
 
 def _merge_shards(keyed, spec: Retrieval):
     """(batch, every shard's search of it) -> what one index's search would send on."""
     _, results = keyed
     results = sorted(results, key=lambda r: r[0])
-    seq_ids, probes = results[0][1], results[0][4]
     width = spec.candidates if spec.dedupe else spec.neighbours
     hits = merge_shard_hits([r[2] for r in results], width)
     deeper = set().union(*(r[3] for r in results))
-    yield from emit_hits(spec, seq_ids, hits, deeper, probes)
+    yield from emit_hits(spec, results[0][1], hits, deeper)
 
 
 SEARCH_GROUPS_PER_SHARD = 64  # search batches of a shard split over this many groups (parallelism)
@@ -420,47 +508,63 @@ def _to_row(keyed, chunks_per_seq: int, k: int, m: int, pad_id: int):
 
 
 class _SearchIndex(beam.PTransform):
-    """Joined search batches -> the search's outputs (found, SENT, PROBE, TALLY). One index
+    """Joined search batches -> the search's outputs (found, SENT, TALLY), at the depth in
+    `tuned` (a singleton side input: `tune_search_depth`'s result). One index
     file: each batch searched where it is. Shards: each batch goes to every shard, the batches
     of a shard grouped so a process loads one shard per group, and each batch's hits from all
     shards merged by score (a query's candidates are those one index would find, up to ties
     and the depth each shard deepens to alone)."""
 
-    def __init__(self, spec: Retrieval):
+    def __init__(self, spec: Retrieval, tuned):
         super().__init__()
-        self.spec = spec
+        self.spec, self.tuned = spec, tuned
 
     def expand(self, batches):
-        spec = self.spec
-        outputs = (SENT, PROBE, TALLY)
+        spec, tuned = self.spec, beam.pvalue.AsSingleton(self.tuned)
+        outputs = (SENT, TALLY)
         if len(spec.index_paths) == 1:
-            return batches | "SearchBatches" >> beam.ParDo(_Search(spec)).with_outputs(*outputs, main="found")
+            return batches | "SearchBatches" >> beam.ParDo(_Search(spec), tuned).with_outputs(*outputs, main="found")
         shards = len(spec.index_paths)
         return (
             batches
             | "ToEveryShard"
             >> beam.FlatMap(lambda b: [((shard, b[0] % SEARCH_GROUPS_PER_SHARD), b) for shard in range(shards)])
             | "GroupByShard" >> beam.GroupByKey()
-            | "SearchShards" >> beam.ParDo(_SearchShard(spec))
+            | "SearchShards" >> beam.ParDo(_SearchShard(spec), tuned)
             | "GroupShardHits" >> beam.GroupByKey()
             | "MergeShards" >> beam.FlatMap(_merge_shards, spec).with_outputs(*outputs, main="found")
         )
 
 
+@dataclass
+class Retrieved:
+    """What `RetrieveNeighbours` gives: PCollections of the rows and of what checks them."""
+
+    rows: beam.PCollection  # ShardRows
+    probes: beam.PCollection  # one sorted list of Probes: the training chunks sampled
+    truth: beam.PCollection  # one (scores, ids) [probes, truth_depth]: their exact neighbours, or None
+    search_depth: beam.PCollection  # one dict: `tune_search_depth`'s result
+    tallies: beam.PCollection  # (name, count) pairs
+
+
 class RetrieveNeighbours(beam.PTransform):
-    """(sequences, query embeddings, database document spans) -> (ShardRows with the k nearest
-    chunks of the database outside each sequence's documents, neighbour-recall probes, tallies).
+    """(sequences, query embeddings, database document spans) -> `Retrieved`: ShardRows with
+    the k nearest chunks of the database outside each sequence's documents, and the probe
+    sample with its exact truth and the search depth tuned on it.
 
     The exclusion happens inside the search (faiss skips the sequences' documents' chunk-id
     ranges), so long documents, whose nearest chunks are mostly their own, cannot starve the
-    k slots. Only the kept neighbours (or, deduplicating, the candidates) travel on.
+    k slots. The depth is tuned on the same search, before it runs (`tune_search_depth`): on
+    long documents the nearest chunks outside a chunk's own document sit in lists that the
+    index's own depth, tuned without that exclusion, does not probe. Only the kept neighbours
+    (or, deduplicating, the candidates) travel on.
     """
 
-    def __init__(self, spec: Retrieval, min_ram: str | None = None):
+    def __init__(self, spec: Retrieval, min_ram: str | None = None, validate: bool = True):
         super().__init__()
         if min_ram:  # every worker holds the index
             self.with_resource_hints(min_ram=min_ram)
-        self.spec = spec
+        self.spec, self.validate = spec, validate
 
     def expand(self, inputs):
         sequences, embeddings, doc_spans = inputs
@@ -475,15 +579,24 @@ class RetrieveNeighbours(beam.PTransform):
             | "JoinDocumentSpans" >> beam.CoGroupByKey()
             | "ExcludedRanges" >> beam.FlatMap(_excluded_ranges)
         )
-        searched = (
-            {
-                "sequences": sequences | "SeqBySearchBatch" >> beam.Map(lambda s: (s.seq_id // batch, s)),
-                "embeddings": embeddings | "QueryBySearchBatch" >> beam.Map(lambda e: (e[0] // L // batch, e)),
-                "excluded": excluded | "ExcludedBySearchBatch" >> beam.Map(lambda e: (e[0] // batch, e)),
-            }
-            | "JoinQueries" >> beam.CoGroupByKey()
-            | "Search" >> _SearchIndex(spec)
+        joined = {
+            "sequences": sequences | "SeqBySearchBatch" >> beam.Map(lambda s: (s.seq_id // batch, s)),
+            "embeddings": embeddings | "QueryBySearchBatch" >> beam.Map(lambda e: (e[0] // L // batch, e)),
+            "excluded": excluded | "ExcludedBySearchBatch" >> beam.Map(lambda e: (e[0] // batch, e)),
+        } | "JoinQueries" >> beam.CoGroupByKey()
+        probes = (
+            joined
+            | "BatchProbes" >> beam.Map(batch_probes, spec)
+            | "SampleProbes" >> beam.CombineGlobally(SmallestProbes(spec.probes))
         )
+        if spec.probes:
+            truth = probes | "ExactTruth" >> ExactTruth(spec.embeddings, truth_depth(spec.neighbours), self.validate)
+        else:
+            truth = probes | "NoTruth" >> beam.Map(lambda _: None)
+        depth = probes | "TuneSearchDepth" >> beam.Map(
+            lambda sample, truth: tune_search_depth(spec, sample, truth), beam.pvalue.AsSingleton(truth)
+        )
+        searched = joined | "Search" >> _SearchIndex(spec, depth)
         tallies = [searched[TALLY]]
         if spec.dedupe:
             picked = (
@@ -514,7 +627,7 @@ class RetrieveNeighbours(beam.PTransform):
             | "JoinNeighbours" >> beam.CoGroupByKey()
             | "AssembleRows" >> beam.FlatMap(_to_row, L, spec.neighbours, spec.chunk_tokens, spec.pad_id)
         )
-        return rows, searched[PROBE], tallies | "RetrievalTallies" >> beam.Flatten()
+        return Retrieved(rows, probes, truth, depth, tallies | "RetrievalTallies" >> beam.Flatten())
 
 
 def rows_to_ipc(rows: list[ShardRow], pad_id: int) -> bytes:

@@ -26,7 +26,7 @@ from pipeline.chunkdb import ChunkFileRanges, chunk_arrays
 from pipeline.chunking import Chunk, ChunkDocuments, load_tokenizer, pad_id_of
 from pipeline.commit import REJECTED_STAGING, StageError, commit_stage, new_staging_dir
 from pipeline.corpus import ReadCorpus
-from pipeline.faiss_index import new_index, resolve_clustering
+from pipeline.faiss_index import RECALL_K, new_index, resolve_clustering
 from pipeline.index import BUILD_INFO_FILE, INDEX_FILE, BuildIndex
 from pipeline.models import DEFAULT_MODEL_NAMES, embedding_dim, fingerprint_path, resolve_model, resolve_tokenizer
 from pipeline.neighbour_recall import MeasureNeighbourRecall
@@ -44,6 +44,7 @@ from schemas.manifest import (
     Fingerprint,
     IndexManifest,
     NeighbourRecall,
+    SearchDepth,
     ShardsManifest,
     StageTimings,
     VectorIndex,
@@ -53,7 +54,6 @@ from schemas.manifest import (
 
 log = logging.getLogger("ratrain")
 MIN_FILL = 0.99  # below this share of filled neighbour slots, the stage warns
-MIN_NEIGHBOUR_RECALL = 0.95
 
 
 @dataclass(frozen=True)
@@ -318,7 +318,13 @@ def build_index(
     info = (
         embedding_files
         | "EmbeddingPaths" >> beam.Map(lambda entry: fileio.join(staging, entry["path"]))
-        | "BuildIndex" >> BuildIndex(cfg.index, fileio.join(staging, "faiss"))
+        | "BuildIndex"
+        >> BuildIndex(
+            cfg.index,
+            fileio.join(staging, "faiss"),
+            chunks | "DocumentOfChunk" >> beam.Map(lambda c: (c.chunk_id, c.doc_id)),
+            cfg.neighbours,
+        )
     )
     all_rejected = (rejected, unusable) | "MergeRejected" >> beam.Flatten()
     rejected_files = all_rejected | "WriteRejected" >> WriteRejected(
@@ -385,7 +391,7 @@ def _log_index(directory: str, manifest) -> None:
     )
     if recall.target is not None and recall.value < recall.target:
         where = (
-            f"and doubling the search depth beyond {manifest.nprobe} gained less than 0.005 "
+            f"and two doublings of the search depth beyond {manifest.nprobe} gained less than 0.005 "
             "(a plateau: the codes limit recall, not the depth)"
             if recall.plateau
             else "even at the deepest search"
@@ -402,16 +408,33 @@ def _log_index(directory: str, manifest) -> None:
 
 
 def _index_only_pipeline(
-    paths: list[str], cfg_index, staging: str, beam_args: list[str], to_manifest, final: str, stage: str
+    paths: list[str],
+    cfg_index,
+    staging: str,
+    beam_args: list[str],
+    to_manifest,
+    final: str,
+    stage: str,
+    chunk_files: str | None = None,
+    neighbours: int = RECALL_K,
 ) -> tuple[beam.Pipeline, StageClock]:
     """A job that builds a faiss index from embedding files and commits it into `final/faiss/`
-    (the rest of `final` stays): `to_manifest(info)` makes the manifest dict."""
+    (the rest of `final` stays): `to_manifest(info)` makes the manifest dict. `chunk_files` (a
+    glob; None: unknown): where the vectors' documents are read from."""
     pipeline = new_pipeline(beam_args)
     clock = StageClock(stage, "index_vectors_added")
+    documents = None
+    if chunk_files is not None:
+        documents = (
+            pipeline
+            | "ReadDocumentIds" >> ReadFromParquetBatched(chunk_files, columns=["chunk_id", "doc_id"])
+            | "DocumentOfChunk"
+            >> beam.FlatMap(lambda t: zip(t["chunk_id"].to_numpy().tolist(), t["doc_id"].to_numpy().tolist()))
+        )
     _ = (
         pipeline
         | "EmbeddingFiles" >> beam.Create(paths)
-        | "BuildIndex" >> BuildIndex(cfg_index, fileio.join(staging, "faiss"))
+        | "BuildIndex" >> BuildIndex(cfg_index, fileio.join(staging, "faiss"), documents, neighbours)
         | "Manifest" >> beam.Map(to_manifest)
         | "Commit"
         >> beam.Map(
@@ -449,7 +472,15 @@ def _rebuild_faiss(
         ).model_dump(mode="json")
 
     pipeline, clock = _index_only_pipeline(
-        paths, cfg.index, staging, beam_args, to_manifest, directory, "build-index (faiss only)"
+        paths,
+        cfg.index,
+        staging,
+        beam_args,
+        to_manifest,
+        directory,
+        "build-index (faiss only)",
+        fileio.join(directory, "chunks", "*.parquet"),
+        cfg.neighbours,
     )
     manifest = run_stage(pipeline, clock, directory, IndexManifest, detach)
     if isinstance(manifest, IndexManifest):
@@ -544,7 +575,7 @@ def _embeddings_from_table(table) -> list[tuple[int, np.ndarray]]:
 
 
 def _shards_manifest(
-    entries, tallies, recall, precision, cfg: PipelineConfig, index_sha: str, threads, pad_id: int
+    entries, tallies, recall, search_depth, precision, cfg: PipelineConfig, index_sha: str, threads, pad_id: int
 ) -> dict:
     shards = _sorted_entries(entries)
     L, k = cfg.chunks_per_sequence, cfg.neighbours
@@ -567,6 +598,7 @@ def _shards_manifest(
         shards=shards,
         neighbour_fill=sum(s[FILLED] for s in shards) / slots if slots else 1.0,
         neighbour_recall=None if recall is None else NeighbourRecall(**recall),
+        search_depth=SearchDepth(**search_depth) if search_depth["curve"] else None,
         overlap=overlap_histogram(counters),
         counters=dict(sorted(counters.items())),
         created_by=CREATED_BY,
@@ -647,22 +679,20 @@ def _build_shards(
         tok.pad_id,
         cfg.dedupe_neighbours,
         cfg.neighbour_recall_sample,
+        fileio.join(idx, "embeddings", "*.parquet"),
+        cfg.index.target_recall,
+        cfg.recall_below_target,
     )
-    rows, probes, retrieval_tallies = (sequences, queries, spans) | "RetrieveNeighbours" >> RetrieveNeighbours(
-        spec, cfg.index.min_ram
+    retrieved = (sequences, queries, spans) | "RetrieveNeighbours" >> RetrieveNeighbours(
+        spec, cfg.index.min_ram, validate=not dry_run
     )
-    rows = rows | "ShardProgress" >> ReportProgress("retrieve", "sequences")
+    rows = retrieved.rows | "ShardProgress" >> ReportProgress("retrieve", "sequences")
     shard_files = rows | "WriteShards" >> WriteShards(staging, cfg.rows_per_shard(), tok.pad_id)
     rejected_files = rejected | "WriteRejected" >> WriteRejected(fileio.join(staging, REJECTED_STAGING), "build-shards")
-    if cfg.neighbour_recall_sample:
-        recall = (probes, rows) | "MeasureNeighbourRecall" >> MeasureNeighbourRecall(
-            fileio.join(idx, "embeddings", "*.parquet"), k, cfg.neighbour_recall_sample, validate=not dry_run
-        )
-    else:
-        recall = pipeline | "NoRecallCheck" >> beam.Create([None])
+    recall = (retrieved.probes, retrieved.truth, rows) | "MeasureNeighbourRecall" >> MeasureNeighbourRecall(k)
     tallies = (
         *read_tallies,
-        retrieval_tallies,
+        retrieved.tallies,
         _rejected_tally(rejected, "TallyRejected"),
         counted("training_chunks", training_chunks),
         counted("sequences", rows),
@@ -677,6 +707,7 @@ def _build_shards(
             _shards_manifest,
             beam.pvalue.AsDict(tallies),
             beam.pvalue.AsSingleton(recall),
+            beam.pvalue.AsSingleton(retrieved.search_depth),
             beam.pvalue.AsSingleton(precision),
             cfg,
             index_sha,
@@ -731,11 +762,21 @@ def neighbour_warnings(manifest: ShardsManifest, cfg: PipelineConfig) -> list[st
             f"only {fill:.1%} of neighbour slots are filled ({empty:,} empty): {cause}; "
             "a RETRO model sees these slots as padding"
         )
-    recall = manifest.neighbour_recall
-    if recall is not None and recall.value < MIN_NEIGHBOUR_RECALL:
-        warnings.append(
-            f"neighbour recall {recall.value:.3f} against exact search is below "
-            f"{MIN_NEIGHBOUR_RECALL}: the index misses near neighbours (raise "
-            "index.target_recall or index.nprobe, or a larger index.memory_budget)"
-        )
+    recall, depth, target = manifest.neighbour_recall, manifest.search_depth, cfg.index.target_recall
+    if recall is not None and recall.value < target:
+        if depth is not None and depth.recall_below_target == "warn":
+            cause = f"recall_below_target: warn kept the index's search depth {depth.depth} ('deepen' tunes it)"
+        elif depth is not None and depth.plateau:
+            cause = (
+                f"two doublings of the search depth beyond {depth.depth} gained less than 0.005 (the index's "
+                "codes limit recall, not the depth: a larger index.memory_budget or another index.type)"
+            )
+        elif depth is not None and depth.curve and depth.curve[-1]["recall"] >= target:
+            cause = (
+                f"the search depth {depth.depth} reached {depth.curve[-1]['recall']:.3f} on the tuning sample, "
+                "which this check's sample misses (a larger neighbour_recall_sample tunes on more chunks)"
+            )
+        else:
+            cause = "the index misses near neighbours even at its deepest search (raise index.memory_budget)"
+        warnings.append(f"neighbour recall {recall.value:.3f} against exact search is below {target}: {cause}")
     return warnings

@@ -230,6 +230,14 @@ class PipelineConfig(_Strict):
         "neighbours build-shards checks against an exact search "
         "(one scan of the embedding files); 0 skips the check.",
     )
+    recall_below_target: Literal["deepen", "warn", "fail"] = Field(
+        "deepen",
+        description="What build-shards does when the neighbour recall of its sampled training "
+        "chunks (own documents excluded, measured before the search) is below "
+        "index.target_recall at the index's search depth: 'deepen' doubles the depth until it "
+        "is met or stops improving; 'warn' searches at the index's depth and warns; 'fail' "
+        "commits nothing and names the depth that meets it.",
+    )
     dedupe_neighbours: bool = Field(
         False,
         description="Drop a candidate whose m tokens equal "
@@ -316,6 +324,7 @@ class PipelineConfig(_Strict):
                         "neighbour_candidates",
                         "dedupe_neighbours",
                         "neighbour_recall_sample",
+                        "recall_below_target",
                     }
                 ),
                 "rows_per_shard": self.rows_per_shard(),

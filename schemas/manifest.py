@@ -41,6 +41,22 @@ class DepthRecall(_Model):
     recall: float
 
 
+class OwnDocumentRecall(_Model):
+    """The index's recall on the search build-shards makes: each query's whole document excluded."""
+
+    measure: str = Field(
+        description="'recall@k with ties within 0.001 (empty slot = miss)': share of the "
+        "query sample's k neighbour slots, found with the query's own document excluded "
+        "(chunk-id range skipped inside faiss, deepening as build-shards does), that are as "
+        "similar as exact search's k-th best outside that document."
+    )
+    k: int
+    value: float = Field(description="At the index's search depth.")
+    depth: int | None = Field(description="The depth this measure alone reached the target at (None: exact).")
+    plateau: bool = False
+    curve: list[DepthRecall] | None = Field(None, description="Recall at each depth measured (None: exact index).")
+
+
 class Recall(_Model):
     measure: str = Field(
         description="'1-recall@10 with ties within 0.001': share of sampled "
@@ -56,7 +72,7 @@ class Recall(_Model):
     plateau: bool = Field(
         False,
         description="The tuning stopped below the target because "
-        "doubling the search depth gained less than 0.005 recall.",
+        "two doublings of the search depth gained less than 0.005 recall.",
     )
     curve: list[DepthRecall] | None = Field(
         None,
@@ -64,6 +80,12 @@ class Recall(_Model):
         "tuning measured, in the order measured (one point for a "
         "fixed index.nprobe; None: an exact index, or an older "
         "manifest).",
+    )
+    own_document_excluded: OwnDocumentRecall | None = Field(
+        None,
+        description="The same queries with their own document excluded (None: documents not "
+        "known, e.g. `ratrain-pipeline index`, or an older manifest). The index's depth is the "
+        "deeper of the two tunings.",
     )
 
 
@@ -204,6 +226,20 @@ class NeighbourRecall(_Model):
     tolerance: float
 
 
+class SearchDepth(_Model):
+    """How build-shards chose its search depth: from the neighbour recall of its sampled
+    training chunks (own documents excluded, as in the search), before searching."""
+
+    index_depth: int | None = Field(description="The depth the index stage tuned (nprobe, efSearch; None: exact).")
+    depth: int | None = Field(description="The depth build-shards searched at.")
+    target: float = Field(description="index.target_recall.")
+    recall_below_target: str = Field(description="The policy: deepen, warn or fail.")
+    curve: list[dict] = Field(
+        description="{depth, recall} measured, index depth first (recall as neighbour_recall measures it)."
+    )
+    plateau: bool = Field(description="Deepening stopped because two doublings of the depth gained less than 0.005.")
+
+
 class ShardsManifest(_Committed):
     index_manifest_sha256: str
     training_corpus: str = Field(
@@ -224,6 +260,9 @@ class ShardsManifest(_Committed):
     )
     neighbour_recall: NeighbourRecall | None = Field(
         None, description="The neighbour-quality check (None when neighbour_recall_sample is 0)."
+    )
+    search_depth: SearchDepth | None = Field(
+        None, description="The search depth and how it was chosen (None: no sample, or an older manifest)."
     )
     overlap: dict[str, int] = Field(
         description="Leakage audit, RETRO's chunk overlap r(C) = "

@@ -2,14 +2,8 @@ import apache_beam as beam
 import numpy as np
 from apache_beam.testing.util import assert_that
 
-from pipeline.faiss_index import exact_top, merge_top
-from pipeline.neighbour_recall import (
-    TIE_TOLERANCE,
-    MeasureNeighbourRecall,
-    SmallestProbes,
-    recall_with_ties,
-    scan_batch,
-)
+from pipeline.faiss_index import TIE_TOLERANCE, exact_scores_of, exact_top, merge_top, recall_of, recall_with_ties
+from pipeline.neighbour_recall import ExactTruth, MeasureNeighbourRecall, Probe, SmallestProbes, scan_batch
 from pipeline.retro_rows import ShardRow
 from pipeline.writers import embeddings_table, parquet_bytes
 from tests.helpers import local_pipeline
@@ -45,24 +39,28 @@ def test_recall_counts_ties_and_empty_slots():
 def test_scans_of_parts_merge_to_the_exact_answer():
     vectors = _vectors()
     ids = np.arange(len(vectors))
-    probes = [(0, 0, j, vectors[j], ((0, 10), (50, 60))) for j in range(4)]
-    ours = np.array([[11, 12, -1]] * 4)
-    whole = scan_batch(ids, vectors, probes, ours, K)
+    probes = [Probe(0, 0, j, vectors[j], ((0, 10), (50, 60))) for j in range(4)]
+    whole = scan_batch(ids, vectors, probes, K)
     shuffled = np.random.default_rng(1).permutation(len(ids))  # parts in any row order
     a, b = shuffled[:120], shuffled[120:]
-    (top_a, ours_a), (top_b, ours_b) = (scan_batch(ids[p], vectors[p], probes, ours, K) for p in (a, b))
-    top = merge_top(top_a, top_b, K)
-    assert np.array_equal(top[1], whole[0][1]) and np.allclose(top[0], whole[0][0])
-    assert np.allclose(np.where(np.isnan(ours_a), ours_b, ours_a), whole[1], equal_nan=True)
+    top = merge_top(*(scan_batch(ids[p], vectors[p], probes, K) for p in (a, b)), K)
+    assert np.array_equal(top[1], whole[1]) and np.allclose(top[0], whole[0])
     for j in range(4):
-        expected, scores = _exact(vectors, vectors[j], probes[j][4])
-        assert whole[0][1][j].tolist() == expected.tolist()
-        assert np.allclose(whole[1][j, :2], scores[[11, 12]]) and np.isnan(whole[1][j, 2])
+        expected, _ = _exact(vectors, vectors[j], probes[j].excluded)
+        assert whole[1][j].tolist() == expected.tolist()
     assert exact_top(np.zeros((2, 0), np.float32), np.zeros(0, np.int64), K)[1].tolist() == [[-1] * K] * 2
 
 
+def test_our_neighbours_are_scored_from_the_truth_lists():
+    truth = (np.array([[0.9, 0.8, 0.7, 0.6]], np.float32), np.array([[5, 3, 8, 1]]))
+    ours = exact_scores_of(truth, np.array([[3, 9, -1]]))  # in the list, beyond it, empty
+    assert ours[0, 0] == np.float32(0.8) and ours[0, 1] == -np.inf and np.isnan(ours[0, 2])
+    assert recall_of(truth, np.array([[5, 8]])) == 0.5  # 8 is 3rd, below the 2nd best
+    assert recall_of(truth, np.array([[3, 5]])) == 1.0  # the best two, in any order
+
+
 def test_the_sample_does_not_depend_on_how_probes_are_batched():
-    probes = [(key, key, 0, None, ()) for key in (9, 3, 7, 1, 5, 8)]
+    probes = [Probe(key, key, 0, None, ()) for key in (9, 3, 7, 1, 5, 8)]
     fn = SmallestProbes(3)
     one = fn.extract_output(fn.add_input(fn.create_accumulator(), probes))
     split = fn.extract_output(
@@ -84,30 +82,30 @@ def test_measure_neighbour_recall_against_exact_search(tmp_path):
             parquet_bytes(embeddings_table(rows))
         )
     sequences = 20
-    probes, shard_rows, right = [], [], 0
+    probes, shard_rows = [], []
     for s in range(sequences):
         own = ((2 * s, 2 * s + 2),)
         ids = np.zeros((L, K), np.int64)
         for j in range(L):
             query = vectors[2 * s + j]
-            probes.append((s * L + j, s, j, query, own))
+            probes.append(Probe(s * L + j, s, j, query, own))
             best, _ = _exact(vectors, query, own, K + 1)
             ids[j] = best[:K] if s % 2 == 0 else best[1:]
-            right += K if s % 2 == 0 else K - 1
         shard_rows.append(
             ShardRow(s, np.zeros(5, np.int32), np.zeros((L, K, 4), np.int32), ids, np.zeros((L, K), np.float32), (s,))
         )
+    sampled = sorted(probes, key=lambda p: p[:3])[:30]  # keys are the chunk ids here
 
     def check(results):
         (result,) = results
         assert result["sample_size"] == 30 and result["slots"] == 30 * K
         assert result["tolerance"] == TIE_TOLERANCE
-        sampled = sorted(probes, key=lambda p: p[:3])[:30]  # keys are the chunk ids here
-        expected = sum(K if p[1] % 2 == 0 else K - 1 for p in sampled)
+        expected = sum(K if p.seq_id % 2 == 0 else K - 1 for p in sampled)
         assert abs(result["value"] - expected / (30 * K)) < 1e-9
 
     with local_pipeline() as p:
-        batches = p | "Probes" >> beam.Create([probes[:15], probes[15:]])
+        sample = p | "Probes" >> beam.Create([probes[:15], probes[15:]]) | beam.CombineGlobally(SmallestProbes(30))
+        truth = sample | ExactTruth(str(tmp_path / "embeddings" / "*.parquet"), 100)
         rows = p | "Rows" >> beam.Create(shard_rows)
-        result = (batches, rows) | MeasureNeighbourRecall(str(tmp_path / "embeddings" / "*.parquet"), K, 30)
+        result = (sample, truth, rows) | MeasureNeighbourRecall(K)
         assert_that(result, check)

@@ -203,7 +203,7 @@ def retrieve(p, chunks, vectors, index_path, chunk_files, dedupe=False, candidat
     queries = p | "Queries" >> beam.Create([(i, vectors[i]) for i in range(len(chunks))])
     spans = p | DocumentSpans(f"{chunk_files.directory}/chunks/*.parquet")
     spec = Retrieval((index_path,), None, chunk_files, L, M, K, candidates, PAD, dedupe)
-    rows, _, _ = (sequences, queries, spans) | RetrieveNeighbours(spec)
+    rows = ((sequences, queries, spans) | RetrieveNeighbours(spec)).rows
     return rows
 
 
