@@ -24,7 +24,7 @@ from pipeline import fileio
 from pipeline.inspect import inspect_shards
 from pipeline.validate import sampled
 from schemas.arrow import read_shard, shard_column
-from schemas.manifest import MANIFEST_FILE, IndexManifest, ShardsManifest, VectorIndexManifest
+from schemas.manifest import MANIFEST_FILE, IndexManifest, SearchDepth, ShardsManifest, VectorIndexManifest
 
 REPORT_FILE = "report.html"
 SCORE_SAMPLE_SEQUENCES = 20_000  # shards are sampled (by name hash) down to about this many sequences
@@ -160,7 +160,17 @@ def neighbour_quality(manifest: ShardsManifest) -> list[tuple[str, str]]:
         fill = f"{manifest.neighbour_fill:.4f} of {slots:,} slots"
     else:
         fill = f"{manifest.neighbour_fill:.4f} ({sum(filled):,} of {slots:,} slots; {slots - sum(filled):,} empty)"
-    recall = manifest.neighbour_recall
+    recall, depth = manifest.neighbour_recall, manifest.search_depth
+    searched = []
+    if depth is not None and depth.depth is not None:
+        measured = ", ".join(f"{p['recall']:.3f} at {p['depth']}" for p in depth.curve)
+        searched = [
+            (
+                "search depth",
+                f"{depth.depth} (the index's {depth.index_depth}; neighbour recall {measured}; "
+                f"recall_below_target: {depth.recall_below_target})",
+            )
+        ]
     return [
         ("neighbour fill", fill),
         (
@@ -170,6 +180,7 @@ def neighbour_quality(manifest: ShardsManifest) -> list[tuple[str, str]]:
             else f"{recall.value:.3f} on {recall.sample_size} sampled chunks ({recall.slots} slots, "
             f"tolerance {recall.tolerance})",
         ),
+        *searched,
     ]
 
 
@@ -444,13 +455,34 @@ def scores_figure(sample: ScoreSample) -> str:
     return _img(figure, "neighbour scores by rank")
 
 
-def recall_figure(manifest) -> str:
+def recall_curves(manifest, search_depth: SearchDepth | None) -> list[tuple[str, list[tuple[int, float]]]]:
+    """(label, [(depth, recall)] in depth order) of every recall curve measured: the index's
+    plain one, with each query's own document excluded, and build-shards' own (its training
+    chunks, the sequence's documents excluded)."""
     recall = manifest.recall_at_k
-    depths = [point.depth for point in recall.curve]
-    values = [point.recall for point in recall.curve]
-    figure = _figure(6.5, 3.2)
+    curves = [(f"index: {recall.measure}", [(p.depth, p.recall) for p in recall.curve or []])]
+    own = recall.own_document_excluded
+    if own is not None and own.curve:
+        curves.append((f"index, own document excluded: recall@{own.k}", [(p.depth, p.recall) for p in own.curve]))
+    if search_depth is not None and search_depth.curve and search_depth.curve[0]["depth"] is not None:
+        curves.append(
+            (
+                "build-shards, own documents excluded: neighbour recall",
+                [(p["depth"], p["recall"]) for p in search_depth.curve],
+            )
+        )
+    return [(label, sorted(points)) for label, points in curves if points]
+
+
+def recall_figure(manifest, search_depth: SearchDepth | None = None) -> str:
+    recall = manifest.recall_at_k
+    figure = _figure(6.5, 3.4)
     ax = figure.subplots()
-    ax.plot(depths, values, marker="o", color="#4c72b0", label=recall.measure)
+    depths: set[int] = set()
+    for (label, points), colour in zip(recall_curves(manifest, search_depth), ("#4c72b0", "#dd8452", "#55a868")):
+        ax.plot([d for d, _ in points], [r for _, r in points], marker="o", color=colour, label=label)
+        depths |= {d for d, _ in points}
+    ticks = sorted(depths)
     if recall.target is not None:
         ax.axhline(recall.target, linestyle="--", color="grey", linewidth=1, label=f"target {recall.target}")
     if manifest.nprobe is not None:
@@ -464,8 +496,12 @@ def recall_figure(manifest) -> str:
             linestyle="none",
             label=f"chosen depth {manifest.nprobe}",
         )
+    if search_depth is not None and search_depth.depth not in (None, manifest.nprobe):
+        ax.axvline(
+            search_depth.depth, color="#55a868", linestyle=":", label=f"build-shards searched at {search_depth.depth}"
+        )
     ax.set_xscale("log", base=2)
-    ax.set_xticks(depths, [str(d) for d in depths])
+    ax.set_xticks(ticks, [str(d) for d in ticks])
     ax.set_xlabel("search depth (nprobe / efSearch)")
     ax.set_ylabel("recall")
     ax.legend(fontsize=8, loc="lower right")
@@ -518,7 +554,7 @@ def _sample_line(line: str) -> str:
     return f'<div class="{kind}">{html.escape(line.strip())}</div>'
 
 
-def _recall_body(manifest) -> str:
+def _recall_body(manifest, search_depth: SearchDepth | None = None) -> str:
     recall = manifest.recall_at_k
     if manifest.nprobe is None:
         return (
@@ -533,10 +569,25 @@ def _recall_body(manifest) -> str:
     plateau = (
         " The tuning stopped on a plateau: two doublings of the depth gained less than 0.005." if recall.plateau else ""
     )
+    own = recall.own_document_excluded
+    excluded = (
+        f" The same queries were also searched as build-shards searches, their own document excluded, keeping "
+        f"{own.k} neighbours: recall@{own.k} {own.value:.3f} at the chosen depth; the index keeps the deeper of the "
+        "two depths that reach the target (on long documents a chunk's nearest lists are its own document's)."
+        if own is not None
+        else " The queries' documents were not known, so no curve with them excluded was measured."
+    )
+    shards = ""
+    if search_depth is not None and search_depth.curve and search_depth.curve[0]["depth"] is not None:
+        shards = (
+            f" build-shards measured its own sampled training chunks, their sequence's documents excluded, from the "
+            f"index's depth {search_depth.index_depth} and searched at {search_depth.depth} "
+            f"(recall_below_target: {search_depth.recall_below_target})."
+        )
     return (
         f"<p>{html.escape(recall.measure)} on {recall.sample_size:,} sampled indexed vectors, at each depth "
-        f"the tuning measured; it keeps the smallest depth that reaches the target.{plateau}</p>"
-        + recall_figure(manifest)
+        f"the tuning measured; it keeps the smallest depth that reaches the target.{plateau}"
+        f"{html.escape(excluded + shards)}</p>" + recall_figure(manifest, search_depth)
     )
 
 
@@ -615,7 +666,8 @@ def render(report: Report) -> str:
             )
         )
     if report.index is not None:
-        sections.append(("recall", "Index recall against search depth", _recall_body(report.index)))
+        search_depth = report.shards.search_depth if report.shards is not None else None
+        sections.append(("recall", "Index recall against search depth", _recall_body(report.index, search_depth)))
     sections.append(
         (
             "timings",

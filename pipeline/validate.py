@@ -671,8 +671,7 @@ def _plan_index(plan: ValidationPlan, directory: str) -> None:
     )
     plan.lines.append(
         f"OK index {directory}{note}: {manifest.num_chunks} chunks from {manifest.num_documents} "
-        f"documents, {manifest.index_factory}, {manifest.recall_at_k.measure} = "
-        f"{manifest.recall_at_k.value:.3f}"
+        f"documents, {manifest.index_factory}, {manifest.recall_at_k.summary()}"
     )
 
 

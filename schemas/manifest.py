@@ -88,6 +88,14 @@ class Recall(_Model):
         "deeper of the two tunings.",
     )
 
+    def summary(self) -> str:
+        """'1-recall@10 ... = 0.977, recall@2 with the own document excluded = 0.963, at depth 8'."""
+        text = f"{self.measure} = {self.value:.3f}"
+        if self.own_document_excluded is not None:
+            own = self.own_document_excluded
+            text += f", recall@{own.k} with the own document excluded = {own.value:.3f}"
+        return text + ("" if self.nprobe is None else f", at depth {self.nprobe}")
+
 
 class VectorIndex(_Model):
     """What a faiss build records, in an index manifest and in a stand-alone one."""
@@ -172,6 +180,8 @@ class PrecisionCheck(_Model):
 
     def summary(self) -> str:
         """One line for inspect and the report."""
+        if self.precision == "float32":
+            return "float32 (the reference itself: nothing to check)"
         bound = "" if self.agreement_upper_bound is None else f", at most {self.agreement_upper_bound:.3f} at 99%"
         return (
             f"{self.precision}: top-2 neighbours of {self.sample_size} sampled chunks agree with float32 on "
@@ -280,6 +290,10 @@ class ShardsManifest(_Committed):
                 f", neighbour recall {self.neighbour_recall.value:.3f} against exact search on "
                 f"{self.neighbour_recall.sample_size} sampled chunks"
             )
+        depth = self.search_depth
+        if depth is not None and depth.depth is not None:
+            deeper = "" if depth.depth == depth.index_depth else f", deeper than the index's {depth.index_depth}"
+            text += f", searched at depth {depth.depth}{deeper}"
         return text
 
 

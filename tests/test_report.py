@@ -5,6 +5,7 @@ import json
 import re
 import shutil
 from datetime import datetime
+from types import SimpleNamespace
 
 import numpy as np
 import pyarrow as pa
@@ -12,11 +13,11 @@ import pytest
 
 from pipeline.cli import main
 from pipeline.commit import commit_directory, new_staging_dir
-from pipeline.report import gather_scores, overlap_bars, read_shards_manifest, write_report
+from pipeline.report import _recall_body, gather_scores, overlap_bars, read_shards_manifest, recall_curves, write_report
 from pipeline.stages import build_vector_index, stage_timings
 from schemas.arrow import read_shard_table, shard_column
 from schemas.config import IndexConfig
-from schemas.manifest import IndexManifest, ShardsManifest
+from schemas.manifest import IndexManifest, OwnDocumentRecall, Recall, SearchDepth, ShardsManifest
 from tests.helpers import BAD_REASONS, rewrite_shards_as_schema_version_1
 
 INLINE_PNG = re.compile(r'<img alt="[^"]+" src="data:image/png;base64,[A-Za-z0-9+/]+=*">')
@@ -193,3 +194,43 @@ def test_score_histograms_hold_every_filled_slot_and_sample_shards_when_asked(bu
         assert abs(sample.quantile(rank, 0.5) - np.median(filled)) <= 0.005 + 1e-6
     one = gather_scores(str(shards), manifest, max_sequences=1)
     assert one.shards_read == 1 < one.shards_total and one.sequences < manifest.num_sequences
+
+
+def test_the_recall_section_draws_the_curves_without_and_with_own_documents_excluded():
+    own = OwnDocumentRecall(
+        measure="recall@k", k=2, value=0.96, depth=8, curve=[{"depth": 4, "recall": 0.9}, {"depth": 8, "recall": 0.96}]
+    )
+    recall = Recall(
+        measure="1-recall@10",
+        value=0.98,
+        sample_size=500,
+        nprobe=8,
+        target=0.95,
+        curve=[{"depth": 1, "recall": 0.9}, {"depth": 2, "recall": 0.96}, {"depth": 8, "recall": 0.98}],
+        own_document_excluded=own,
+    )
+    manifest = SimpleNamespace(recall_at_k=recall, nprobe=8, index_factory="IVF64,Flat")
+    depth = SearchDepth(
+        index_depth=8,
+        depth=16,
+        target=0.95,
+        recall_below_target="deepen",
+        curve=[{"depth": 8, "recall": 0.93}, {"depth": 16, "recall": 0.97}],
+        plateau=False,
+    )
+    curves = recall_curves(manifest, depth)
+    assert [label.split(":")[0] for label, _ in curves] == [
+        "index",
+        "index, own document excluded",
+        "build-shards, own documents excluded",
+    ]
+    assert curves[1][1] == [(4, 0.9), (8, 0.96)] and curves[2][1] == [(8, 0.93), (16, 0.97)]
+    body = _recall_body(manifest, depth)
+    assert "recall@2 0.960 at the chosen depth" in body and "searched at 16" in body
+    assert len(INLINE_PNG.findall(body)) == 1
+    assert [
+        label
+        for label, _ in recall_curves(
+            SimpleNamespace(recall_at_k=recall.model_copy(update={"own_document_excluded": None})), None
+        )
+    ] == ["index: 1-recall@10"]
