@@ -47,6 +47,7 @@ MB = 10**6
     [
         (5_000, 1000 * MB, "Flat"),
         (300_000, 1000 * MB, "IVF2048,Flat"),
+        (300_000, 200 * MB, "IVF2048,SQ8"),  # a quarter of Flat: a byte per dimension
         (300_000, 64 * MB, "IVF2048,PQ128x8np"),
         (300_000, 20 * MB, "IVF2048,PQ32x8np"),
         (5_000_000, 1000 * MB, "IVF8192,PQ128x8np"),
@@ -120,7 +121,7 @@ def _recall_at_10(index, queries, truth, nprobe):
     return float(np.mean(np.any(index.search(queries, 10)[1] == truth[:, None], axis=1)))
 
 
-@pytest.mark.parametrize("factory", ["IVF256,Flat", "IVF128_HNSW16,Flat", "IVF128,PQ8x8np"])
+@pytest.mark.parametrize("factory", ["IVF256,Flat", "IVF128_HNSW16,Flat", "IVF128,PQ8x8np", "IVF128,SQ8"])
 def test_two_level_clustering_trains_every_list_and_keeps_recall(factory):
     vectors = clustered(30_000, clusters=400, seed=4)
     queries, base = vectors[:300], vectors[300:]
