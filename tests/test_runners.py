@@ -190,7 +190,7 @@ def test_placement_hints_do_not_change_what_is_built(tmp_path):
         small_config(
             tmp_path,
             "x",
-            embedding={"batch_size": 32, "accelerator": "type:nvidia-l4;count:1", "model_copies": 1},
+            embedding={**plain.embedding.model_dump(), "accelerator": "type:nvidia-l4;count:1", "model_copies": 1},
             index={"min_ram": "64GB"},
         )
     )
