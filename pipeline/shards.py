@@ -564,6 +564,8 @@ class RetrieveNeighbours(beam.PTransform):
         super().__init__()
         if min_ram:  # every worker holds the index
             self.with_resource_hints(min_ram=min_ram)
+        if spec.probes and not spec.embeddings:
+            raise ValueError("Retrieval.probes needs Retrieval.embeddings: the files their exact search reads")
         self.spec, self.validate = spec, validate
 
     def expand(self, inputs):

@@ -203,3 +203,8 @@ def test_recall_below_target_warn_keeps_the_index_depth_and_fail_names_the_depth
     with pytest.raises(Exception, match=r"at the index's search depth 1 is below index.target_recall 0.95.*depth \d+"):
         _retrieve(tmp_path / "fail", corpus, "fail", 1, kept, below)
     assert issubclass(NeighbourRecallTooLow, RuntimeError)
+
+
+def test_a_probe_sample_without_embedding_files_is_refused():
+    with pytest.raises(ValueError, match="probes needs Retrieval.embeddings"):
+        RetrieveNeighbours(Retrieval(("index.faiss",), 1, None, L, M, K, K, PAD, probes=10))
