@@ -1,4 +1,4 @@
-"""Per-step rates of the index on this machine (train, fill, search), the inputs of the README's
+"""Per-step rates of the index on this machine (train, fill, search), the inputs of docs/scale.md's
 plan for 100M and 30B chunks.
 
     .venv/bin/python benchmarks/index_rates.py [--n 1000000] [--factory IVF4096,PQ32x8np] [--workdir DIR]

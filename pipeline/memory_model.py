@@ -1,6 +1,6 @@
 """What one worker process holds, stage by stage, as a function of the config and the corpus size.
 
-An estimate from the code's own sizes (the README's memory model prints it at two scales, and
+An estimate from the code's own sizes (docs/scale.md's memory model prints it at two scales, and
 `--dry-run --corpus-chunks N` for yours): every term is something a step holds at once, so the
 largest stage says how much memory a worker process needs. Terms that grow with the corpus are
 marked; all others are fixed by the config. Process sizes were measured on the local runner.
