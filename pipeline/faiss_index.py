@@ -601,13 +601,9 @@ def exact_scores_of(truth, found: np.ndarray) -> np.ndarray:
     ids [n, depth]): nan for an empty slot (-1), -inf for an id beyond the list (below its
     depth-th best, so below the k-th)."""
     truth_scores, truth_ids = truth
-    ours = np.full(found.shape, -np.inf, np.float64)
+    hit = (found[:, :, None] == truth_ids[:, None, :]) & (found[:, :, None] >= 0)  # [n, k, depth]
+    ours = np.where(hit, truth_scores[:, None, :].astype(np.float64), -np.inf).max(axis=2, initial=-np.inf)
     ours[found < 0] = np.nan
-    for row in range(len(found)):
-        known = {i: s for i, s in zip(truth_ids[row].tolist(), truth_scores[row].tolist()) if i >= 0}
-        for slot, chunk_id in enumerate(found[row].tolist()):
-            if chunk_id in known:
-                ours[row, slot] = known[chunk_id]
     return ours
 
 

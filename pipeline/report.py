@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeline import fileio
+from pipeline.faiss_index import PLATEAU_GAIN
 from pipeline.inspect import inspect_shards
 from pipeline.validate import sampled
 from schemas.arrow import read_shard, shard_column
@@ -567,7 +568,9 @@ def _recall_body(manifest, search_depth: SearchDepth | None = None) -> str:
             f"{manifest.nprobe} gives {html.escape(recall.measure)} = {recall.value:.3f}.</p>"
         )
     plateau = (
-        " The tuning stopped on a plateau: two doublings of the depth gained less than 0.005." if recall.plateau else ""
+        f" The tuning stopped on a plateau: two doublings of the depth gained less than {PLATEAU_GAIN}."
+        if recall.plateau
+        else ""
     )
     own = recall.own_document_excluded
     excluded = (

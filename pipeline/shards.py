@@ -290,7 +290,7 @@ def search_probes(indexes, probes: list[Probe], k: int, depth: int | None) -> np
     return merge_shard_results(results, k)[1]
 
 
-def tune_search_depth(spec: Retrieval, probes: list[Probe], truth) -> dict:
+def tune_retrieval_depth(spec: Retrieval, probes: list[Probe], truth) -> dict:
     """The depth build-shards searches at, from the recall of the probes' neighbours against
     their exact truth, own documents excluded (what the shards will hold): the index's depth,
     then (recall_below_target: deepen or fail) twice that and so on until `target_recall` is
@@ -307,14 +307,17 @@ def tune_search_depth(spec: Retrieval, probes: list[Probe], truth) -> dict:
     if truth is None or not probes:
         return result
 
-    def indexes():
-        for path in spec.index_paths:
+    first = load_index(spec.index_paths[0])
+
+    def indexes():  # one file is loaded once; shards one at a time, at each depth measured
+        yield first
+        for path in spec.index_paths[1:]:
             yield load_index(path)
 
     def recall_at(depth):
         return recall_of(truth, search_probes(indexes(), probes, spec.neighbours, depth))
 
-    depths = search_depth_range(next(indexes()))
+    depths = search_depth_range(first)
     if depths is None or spec.recall_below_target == "warn":  # exhaustive, or kept as it is
         result["curve"].append({"depth": spec.depth, "recall": recall_at(spec.depth)})
         return result
@@ -509,7 +512,7 @@ def _to_row(keyed, chunks_per_seq: int, k: int, m: int, pad_id: int):
 
 class _SearchIndex(beam.PTransform):
     """Joined search batches -> the search's outputs (found, SENT, TALLY), at the depth in
-    `tuned` (a singleton side input: `tune_search_depth`'s result). One index
+    `tuned` (a singleton side input: `tune_retrieval_depth`'s result). One index
     file: each batch searched where it is. Shards: each batch goes to every shard, the batches
     of a shard grouped so a process loads one shard per group, and each batch's hits from all
     shards merged by score (a query's candidates are those one index would find, up to ties
@@ -543,7 +546,7 @@ class Retrieved:
     rows: beam.PCollection  # ShardRows
     probes: beam.PCollection  # one sorted list of Probes: the training chunks sampled
     truth: beam.PCollection  # one (scores, ids) [probes, truth_depth]: their exact neighbours, or None
-    search_depth: beam.PCollection  # one dict: `tune_search_depth`'s result
+    search_depth: beam.PCollection  # one dict: `tune_retrieval_depth`'s result
     tallies: beam.PCollection  # (name, count) pairs
 
 
@@ -554,7 +557,7 @@ class RetrieveNeighbours(beam.PTransform):
 
     The exclusion happens inside the search (faiss skips the sequences' documents' chunk-id
     ranges), so long documents, whose nearest chunks are mostly their own, cannot starve the
-    k slots. The depth is tuned on the same search, before it runs (`tune_search_depth`): on
+    k slots. The depth is tuned on the same search, before it runs (`tune_retrieval_depth`): on
     long documents the nearest chunks outside a chunk's own document sit in lists that the
     index's own depth, tuned without that exclusion, does not probe. Only the kept neighbours
     (or, deduplicating, the candidates) travel on.
@@ -586,17 +589,20 @@ class RetrieveNeighbours(beam.PTransform):
             "embeddings": embeddings | "QueryBySearchBatch" >> beam.Map(lambda e: (e[0] // L // batch, e)),
             "excluded": excluded | "ExcludedBySearchBatch" >> beam.Map(lambda e: (e[0] // batch, e)),
         } | "JoinQueries" >> beam.CoGroupByKey()
-        probes = (
-            joined
-            | "BatchProbes" >> beam.Map(batch_probes, spec)
-            | "SampleProbes" >> beam.CombineGlobally(SmallestProbes(spec.probes))
-        )
+        if spec.probes:
+            probes = (
+                joined
+                | "BatchProbes" >> beam.Map(batch_probes, spec)
+                | "SampleProbes" >> beam.CombineGlobally(SmallestProbes(spec.probes))
+            )
+        else:
+            probes = joined.pipeline | "NoProbes" >> beam.Create([[]])
         if spec.probes:
             truth = probes | "ExactTruth" >> ExactTruth(spec.embeddings, truth_depth(spec.neighbours), self.validate)
         else:
             truth = probes | "NoTruth" >> beam.Map(lambda _: None)
         depth = probes | "TuneSearchDepth" >> beam.Map(
-            lambda sample, truth: tune_search_depth(spec, sample, truth), beam.pvalue.AsSingleton(truth)
+            lambda sample, truth: tune_retrieval_depth(spec, sample, truth), beam.pvalue.AsSingleton(truth)
         )
         searched = joined | "Search" >> _SearchIndex(spec, depth)
         tallies = [searched[TALLY]]

@@ -26,7 +26,7 @@ from pipeline.chunkdb import ChunkFileRanges, chunk_arrays
 from pipeline.chunking import Chunk, ChunkDocuments, load_tokenizer, pad_id_of
 from pipeline.commit import REJECTED_STAGING, StageError, commit_stage, new_staging_dir
 from pipeline.corpus import ReadCorpus
-from pipeline.faiss_index import RECALL_K, new_index, resolve_clustering
+from pipeline.faiss_index import PLATEAU_GAIN, RECALL_K, new_index, resolve_clustering
 from pipeline.index import BUILD_INFO_FILE, INDEX_FILE, BuildIndex
 from pipeline.models import DEFAULT_MODEL_NAMES, embedding_dim, fingerprint_path, resolve_model, resolve_tokenizer
 from pipeline.neighbour_recall import MeasureNeighbourRecall
@@ -391,7 +391,7 @@ def _log_index(directory: str, manifest) -> None:
     )
     if recall.target is not None and recall.value < recall.target:
         where = (
-            f"and two doublings of the search depth beyond {manifest.nprobe} gained less than 0.005 "
+            f"and two doublings of the search depth beyond {manifest.nprobe} gained less than {PLATEAU_GAIN} "
             "(a plateau: the codes limit recall, not the depth)"
             if recall.plateau
             else "even at the deepest search"
@@ -768,7 +768,7 @@ def neighbour_warnings(manifest: ShardsManifest, cfg: PipelineConfig) -> list[st
             cause = f"recall_below_target: warn kept the index's search depth {depth.depth} ('deepen' tunes it)"
         elif depth is not None and depth.plateau:
             cause = (
-                f"two doublings of the search depth beyond {depth.depth} gained less than 0.005 (the index's "
+                f"two doublings of the search depth beyond {depth.depth} gained less than {PLATEAU_GAIN} (the index's "
                 "codes limit recall, not the depth: a larger index.memory_budget or another index.type)"
             )
         elif depth is not None and depth.curve and depth.curve[-1]["recall"] >= target:
