@@ -72,11 +72,12 @@ def job_main(corpus: str, out: str) -> None:
     """The stage's transforms up to the chunk files, on 2 worker processes."""
     import apache_beam as beam
 
-    from pipeline.chunking import ChunkDocuments, load_tokenizer, pad_id_of
-    from pipeline.corpus import ReadCorpus
-    from pipeline.models import resolve_tokenizer
-    from pipeline.options import pipeline_options
-    from pipeline.writers import WriteGroupedFiles, chunks_table, parquet_bytes
+    from pipeline.chunks.beam import ChunkDocuments
+    from pipeline.chunks.chunking import load_tokenizer, pad_id_of
+    from pipeline.common.models import resolve_tokenizer
+    from pipeline.common.writers import WriteGroupedFiles, chunks_table, parquet_bytes
+    from pipeline.corpus.read import ReadCorpus
+    from pipeline.jobs.options import pipeline_options
     from schemas.config import CorpusConfig
 
     tokenizer = resolve_tokenizer(None)
@@ -101,10 +102,10 @@ def floor_main(corpus: str, out: str, documents: str) -> None:
     """The same chunk rows without ids or deduplication, grouped by a hash into as many files."""
     import apache_beam as beam
 
-    from pipeline.chunking import Chunk, chunk_document, load_tokenizer, pad_id_of, tokenize_batch
-    from pipeline.models import resolve_tokenizer
-    from pipeline.options import pipeline_options
-    from pipeline.writers import WriteGroupedFiles, chunks_table, parquet_bytes
+    from pipeline.chunks.chunking import Chunk, chunk_document, load_tokenizer, pad_id_of, tokenize_batch
+    from pipeline.common.models import resolve_tokenizer
+    from pipeline.common.writers import WriteGroupedFiles, chunks_table, parquet_bytes
+    from pipeline.jobs.options import pipeline_options
 
     path = resolve_tokenizer(None)
     pad = pad_id_of(load_tokenizer(path))

@@ -27,11 +27,13 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 from benchmarks.report import timed, write_results  # noqa: E402
-from pipeline.chunking import load_tokenizer
-from pipeline.embed import EmbedChunks, chunk_texts, encode_texts, load_encoder, torch_threads
-from pipeline.models import resolve_tokenizer
-from pipeline.options import pipeline_options
-from pipeline.stages import _chunks_from_table, build_index, build_shards
+from pipeline.chunks.chunking import load_tokenizer
+from pipeline.common.models import resolve_tokenizer
+from pipeline.embed.beam import EmbedChunks
+from pipeline.embed.encoder import chunk_texts, encode_texts, load_encoder, torch_threads
+from pipeline.jobs.index_job import build_index
+from pipeline.jobs.options import pipeline_options
+from pipeline.jobs.shards_job import _chunks_from_table, build_shards
 from schemas.config import load_config
 
 

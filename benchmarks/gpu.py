@@ -34,11 +34,13 @@ from benchmarks.report import (
     timed,  # noqa: E402
     write_results,  # noqa: E402
 )
-from pipeline.chunking import load_tokenizer  # noqa: E402
-from pipeline.embed import chunk_texts, encode_texts, load_encoder, torch_threads  # noqa: E402
-from pipeline.faiss_index import load_index, query_rate  # noqa: E402
-from pipeline.models import resolve_tokenizer  # noqa: E402
-from pipeline.stages import _chunks_from_table, build_index, build_shards  # noqa: E402
+from pipeline.chunks.chunking import load_tokenizer  # noqa: E402
+from pipeline.common.models import resolve_tokenizer  # noqa: E402
+from pipeline.embed.encoder import chunk_texts, encode_texts, load_encoder, torch_threads  # noqa: E402
+from pipeline.index.files import load_index  # noqa: E402
+from pipeline.index.search import query_rate  # noqa: E402
+from pipeline.jobs.index_job import build_index  # noqa: E402
+from pipeline.jobs.shards_job import _chunks_from_table, build_shards  # noqa: E402
 from schemas.arrow import tensor_column_to_numpy  # noqa: E402
 from schemas.config import load_config  # noqa: E402
 

@@ -22,7 +22,7 @@ Per size N:
      --memory-budget <budget>` (FnApiRunner, in-process: one OS process does all the work).
      Its factory and tuned nprobe come from `<out>/manifest.json`.
    - faiss 1-process: this file's `_baseline` mode: every vector read into one [N, d] array,
-     then `pipeline.faiss_index.build_index(ids, vectors, <the factory ours chose>)` and
+     then `pipeline.index.train.build_index(ids, vectors, <the factory ours chose>)` and
      `faiss.write_index`. Same factory, same training sample rule, same faiss.
    - autofaiss (optional, needs numpy<2, hence its own interpreter): `autofaiss.build_index`
      on the same directory, `max_index_memory_usage` = the same budget in bytes (autofaiss's
@@ -32,7 +32,7 @@ Per size N:
    Skip any of them with `--builders`.
 4. Recall, for every index, in this process, on the same queries and ground truth:
    `1-R@10` = share of queries whose exact nearest other vector is in the index's top 10 (the
-   query itself excluded; `pipeline.faiss_index.one_recall_at_k`)
+   query itself excluded; `pipeline.index.recall.one_recall_at_k`)
    - "own": at the builder's own search setting (ours: the nprobe in its manifest, which should
      reproduce the manifest's recall exactly; 1-process faiss: the same nprobe; autofaiss: its
      `index_param`);
@@ -204,7 +204,9 @@ def data_files(directory: Path) -> list[str]:
 
 def ground_truth(directory: Path, n: int, sample: int):
     """(query ids, query vectors, exact nearest other id) with the pipeline's own query rule."""
-    from pipeline.faiss_index import QUERY_SALT, exact_nearest_other, in_sample, merge_nearest, read_embeddings
+    from pipeline.index.exact import exact_nearest_other, merge_nearest
+    from pipeline.index.files import read_embeddings
+    from pipeline.index.sampling import QUERY_SALT, in_sample
 
     size = min(sample, n)
     q_ids, q_vecs = [], []
@@ -238,7 +240,9 @@ class _Remapped:
 def measure_recall(index_path: str, truth, own_depth=None, own_params=None, position_to_id=None, target=0.95) -> dict:
     import faiss
 
-    from pipeline.faiss_index import one_recall_at_k, search_depth_range, set_search_depth, tune_search_depth
+    from pipeline.index.recall import one_recall_at_k
+    from pipeline.index.search import search_depth_range, set_search_depth
+    from pipeline.index.tuning import tune_search_depth
 
     query_ids, queries, truth_ids = truth
     index = faiss.read_index(index_path)
@@ -408,7 +412,8 @@ def autofaiss_ids(ids_path: str, n: int) -> np.ndarray:
 def import_baseline(workdir: Path) -> float:
     """Peak RSS of a process that only imports the index stage and its CLI."""
     result = measured(
-        [sys.executable, "-c", "import pipeline.cli, pipeline.stages, pipeline.index"], workdir / "import-baseline.log"
+        [sys.executable, "-c", "import pipeline.cli, pipeline.jobs.index_job, pipeline.index.build"],
+        workdir / "import-baseline.log",
     )
     return result["peak_rss_mb"]
 
@@ -442,7 +447,8 @@ def runner_baseline(workdir: Path, dim: int, row_group: int) -> float:
 def baseline_main(data: str, factory: str, index_path: str, info_path: str) -> None:
     import faiss
 
-    from pipeline.faiss_index import build_index, embedding_file_info, read_embeddings
+    from pipeline.index.files import embedding_file_info, read_embeddings
+    from pipeline.index.train import build_index
 
     start = time.perf_counter()
     paths = data_files(Path(data))
@@ -465,7 +471,9 @@ def baseline_main(data: str, factory: str, index_path: str, info_path: str) -> N
 
 
 def memory_bound(ours: dict, n: int, dim: int, files: int, row_group: int, runner_mb: float) -> dict:
-    from pipeline.faiss_index import EXACT_BLOCK, READ_BATCH, ivf_lists
+    from pipeline.index.exact import EXACT_BLOCK
+    from pipeline.index.factory import ivf_lists
+    from pipeline.index.files import READ_BATCH
 
     index = ours["index_bytes"] / MB
     train = ours["training_vectors"] * dim * 4 / MB
@@ -606,7 +614,7 @@ def main() -> None:
                 factory = ours["factory"]
             if "faiss" in args.builders:
                 if factory is None:
-                    from pipeline.faiss_index import choose_index_factory
+                    from pipeline.index.factory import choose_index_factory
 
                     factory = choose_index_factory(n, args.dim, budget)
                 print(f"[faiss] single process, {factory} ...", flush=True)

@@ -12,7 +12,7 @@ In one process, with faiss using every core here, on `--n` 384-d `LowRankCluster
   vectors per second (coarse assignment + PQ encoding);
 - search: 4,096 queries, k = 10, at nprobe 16 over the filled index, and the coarse
   assignment alone (the quantizer searched for 16 lists) -> queries per second for both: with
-  S shards the coarse part is paid S times, the list scans once.
+  S index slices the coarse part is paid S times, the list scans once.
 
 Results: a table on stdout, JSON in benchmarks/results/index_rates.json.
 """
@@ -45,7 +45,9 @@ def main() -> None:
     import faiss
     import pyarrow.parquet as pq
 
-    from pipeline.faiss_index import ivf_lists, set_search_depth, train_index, training_size
+    from pipeline.index.factory import ivf_lists, training_size
+    from pipeline.index.search import set_search_depth
+    from pipeline.index.train import train_index
     from schemas.arrow import tensor_column_to_numpy
 
     data = ensure_data(Path(args.workdir or tempfile.mkdtemp(prefix="index_rates-")), args.n, DIM, FILES, ROW_GROUP)

@@ -1,19 +1,22 @@
-"""A sharded index at 1M vectors: build time and peak memory of the build, and of one search
-worker, for 1, 4 and 16 shards.
+"""An index in slices at 1M vectors: build time and peak memory of the build, and of one search
+worker, for 1, 4 and 16 index slices (`--shards` gives the slice counts).
+
+"Shard" in this script's name, options, output and results means an index slice
+(docs/pipeline.md, "Index slices").
 
     .venv/bin/python benchmarks/index_shards.py [--n 1000000] [--shards 1 4 16] [--workdir DIR]
 
 1. Data: `--n` 384-d `LowRankClusters` vectors in 16 embeddings files (`index_build.py`'s
    generator, reused from --workdir).
-2. Per shard count S: `ratrain-pipeline index --memory-budget 64MB --shard-bytes B` with
+2. Per slice count S: `ratrain-pipeline index --memory-budget 64MB --slice-bytes B` with
    `--direct_num_workers=2 --direct_running_mode=multi_processing`, B the smallest size that
    holds 16/S embeddings files (by the builder's own estimate); S = 1 builds one index file.
    Measured: wall time, the peak RSS of the largest process (the job's main process or a
    worker).
-3. The search step: a fresh process reads one shard (whole, as from gs://) and searches 4,096
-   queries at the manifest's nprobe, as a search worker holding one shard does. Measured: its
-   resident memory, and what the shard and the search added to it (RSS after - before).
-4. Recall: the merged search of all shards against the single index on 1,000 held-out
+3. The search step: a fresh process reads one slice (whole, as from gs://) and searches 4,096
+   queries at the manifest's nprobe, as a search worker holding one slice does. Measured: its
+   resident memory, and what the slice and the search added to it (RSS after - before).
+4. Recall: the merged search of all slices against the single index on 1,000 held-out
    queries (1-recall@10 with exact ground truth); the two must agree within 0.01.
 
 Results: a table on stdout, JSON in benchmarks/results/index_shards.json.
@@ -43,7 +46,8 @@ WORKERS = ["--direct_num_workers=2", "--direct_running_mode=multi_processing"]
 SEARCH_ONE_SHARD = """
 import json, sys
 import numpy as np
-from pipeline.faiss_index import read_index, set_search_depth
+from pipeline.index.files import read_index
+from pipeline.index.search import set_search_depth
 
 def rss_kb():
     with open("/proc/self/status") as f:
@@ -59,12 +63,12 @@ print(json.dumps({"process_kb": rss_kb(), "held_kb": rss_kb() - before}))
 
 
 def shard_bytes_for(data: Path, shards: int) -> int | None:
-    """The smallest shard size that holds FILES / shards embeddings files, by the estimate."""
+    """The smallest slice size that holds FILES / shards embeddings files, by the estimate."""
     if shards == 1:
         return None
     import pyarrow.parquet as pq
 
-    from pipeline.faiss_index import choose_index_factory, estimated_bytes
+    from pipeline.index.factory import choose_index_factory, estimated_bytes
 
     rows = [pq.ParquetFile(p).metadata.num_rows for p in sorted(data.glob("*.parquet"))]
     factory = choose_index_factory(sum(rows), DIM, BUDGET)
@@ -118,8 +122,8 @@ def search_one_shard(path: str, depth: int, queries: Path) -> dict:
 
 
 def merged_recall(files: list[str], depth: int, vectors: np.ndarray, rows: np.ndarray, truth: np.ndarray) -> float:
-    from pipeline.faiss_index import load_index
-    from pipeline.index_shards import search_shards
+    from pipeline.index.files import load_index
+    from pipeline.index.slices import search_shards
 
     shards = [load_index(f, depth) for f in files]
     _, found, _ = search_shards(shards, vectors[rows], 11)

@@ -1,5 +1,5 @@
 """Training the IVF lists: one k-means over all lists against two-level k-means (faiss's
-scheme plus Lloyd refinement, `pipeline/faiss_index.py`), for time and for the recall of the
+scheme plus Lloyd refinement, `pipeline/index/kmeans.py`), for time and for the recall of the
 index they give.
 
     .venv/bin/python benchmarks/index_training.py [--n 1000000]
@@ -35,7 +35,7 @@ DIM, QUERIES, K, NPROBES = 384, 1000, 10, (8, 16, 32, 64)
 def recall_at_k(index, vectors: np.ndarray, queries: np.ndarray, best: np.ndarray) -> float:
     """Share of queries with a top-K hit truly as similar as the exact best (within the
     tolerance): the hits' exact similarities, not the index's compressed ones."""
-    from pipeline.faiss_index import TIE_TOLERANCE
+    from pipeline.index.recall import TIE_TOLERANCE
 
     _, ids = index.search(queries, K)
     exact = np.where(ids >= 0, np.einsum("qkd,qd->qk", vectors[np.maximum(ids, 0)], queries), -np.inf)
@@ -45,7 +45,9 @@ def recall_at_k(index, vectors: np.ndarray, queries: np.ndarray, best: np.ndarra
 def measure(factory: str, clustering: str, vectors, queries, best) -> dict:
     import faiss
 
-    from pipeline.faiss_index import set_search_depth, train_index, training_size
+    from pipeline.index.factory import training_size
+    from pipeline.index.search import set_search_depth
+    from pipeline.index.train import train_index
 
     rng = np.random.default_rng(5)
     sample = vectors[np.sort(rng.choice(len(vectors), training_size(len(vectors), factory), replace=False))]

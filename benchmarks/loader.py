@@ -25,7 +25,7 @@ into the int64 tensors the trainer uses:
 Reported: sequences/s for each, the ratio ours/raw (goal ≥ 0.8), peak RSS (VmHWM) of each
 reader, and ours' RSS for each shard count, which should not grow with the count (one shard is
 mapped at a time). For scale:
-the quickstart's reference model on CPU consumes ~2 sequences/s of n = 512.
+the quickstart's reference model on CPU consumes a few sequences/s of n = 512 (docs/trainer.md).
 """
 
 from __future__ import annotations

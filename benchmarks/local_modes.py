@@ -15,7 +15,8 @@ torch and faiss use every core through their own threads) and with `--direct_num
   the index stage alone (`ratrain-pipeline index` over the database's embeddings, same factory)
   and the build-shards transforms (retrieve_join's `ours`: `--query-chunks` training chunks).
   Embedding is left out at this size: it is the encoder's arithmetic, the same per chunk as in
-  the quickstart run (~70 chunks/s on 2 cores in either mode), 48 minutes at 200k.
+  the quickstart run in either mode (~143 chunks/s in bfloat16 on 2 cores of an AMD EPYC with
+  AVX512-BF16, `embed_vs_encoder.py`), so about 25 minutes at 200k (an estimate).
 
 Reported per job: wall seconds in each mode and the ratio in-process ÷ multi-process (above 1:
 the multi-process mode is faster).

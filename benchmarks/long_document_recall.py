@@ -12,13 +12,16 @@ Corpora, real text as long documents:
 Settings: m = 64, n = 1024, k = 2, `index.target_recall` 0.95, the neighbour check's 200
 sampled training chunks. Per corpus the chunks and embeddings are built once; each row then
 rebuilds only the faiss index (run skips what matches) and builds the shards:
-- `before`: IVF64,Flat at the depth the plain tuning picks (the query itself excluded, as the
-  index tuned before; set through index.nprobe) with `recall_below_target: warn`: what the
-  shards held before the depth was tuned on the search that is made;
+- `before`: IVF64,Flat at the depth the plain tuning picks (the query itself excluded; set
+  through index.nprobe) with `recall_below_target: warn`: what the shards hold without the
+  depth tuned on the search that is made (docs/long_document_recall.md names this row
+  `plain tuning only`);
 - `IVF64,Flat`: one index file, depths tuned as they are now;
-- `IVF64,Flat, shards`: the same in one file per embeddings file of 1,000 vectors (>= 4);
+- `IVF64,Flat, shards`: the same with the index in slices, one per embeddings file of 1,000
+  vectors (>= 4; docs/long_document_recall.md names these rows `slices`);
 - `auto, budget < Flat`: index.type auto with a memory budget half of Flat's size (auto then
-  picks an IVF index with compressed codes), in one file and in one shard per embeddings file.
+  picks an IVF index with compressed codes), in one file and in one index slice per embeddings
+  file.
 Reported per row: the factory, index files, the index's depth (and the depths its plain and
 own-document tunings reached), build-shards' depth, its neighbour recall, and build-shards' wall
 time from its manifest. Results: a table on stdout, JSON in
@@ -37,9 +40,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 from benchmarks.report import write_results  # noqa: E402
 from examples.long_documents import long_documents  # noqa: E402
-from pipeline.embed import cpu_summary  # noqa: E402
-from pipeline.faiss_index import estimated_bytes  # noqa: E402
-from pipeline.run import run_all  # noqa: E402
+from pipeline.embed.encoder import cpu_summary  # noqa: E402
+from pipeline.index.factory import estimated_bytes  # noqa: E402
+from pipeline.jobs.run import run_all  # noqa: E402
 from schemas.config import config_from_dict  # noqa: E402
 
 TARGET = 0.95
@@ -106,7 +109,7 @@ def run_corpus(name: str, workdir: Path) -> dict:
     rows = {"IVF64,Flat": build(config(corpus, out, {"type": "IVF64,Flat"}))}
     plain_depth = rows["IVF64,Flat"]["plain_tuning_depth"]
     rows["before"] = build(config(corpus, out, {"type": "IVF64,Flat", "nprobe": plain_depth}, policy="warn"))
-    one_file_each = estimated_bytes("IVF64,Flat", CHUNK_FILE_ROWS, 384)  # a shard per embeddings file
+    one_file_each = estimated_bytes("IVF64,Flat", CHUNK_FILE_ROWS, 384)  # an index slice per embeddings file
     rows["IVF64,Flat, shards"] = build(config(corpus, out, {"type": "IVF64,Flat", "shard_bytes": one_file_each}))
     flat = estimated_bytes("Flat", rows["IVF64,Flat"]["chunks"], 384)
     rows["auto, budget < Flat"] = build(config(corpus, out, {"type": "auto", "memory_budget": flat // 2}))

@@ -71,7 +71,7 @@ MB = 1e6
 
 def make_chunks(n: int):
     """N chunks in documents of 1-40 chunks (the last one partly padded), dense ids."""
-    from pipeline.chunking import chunk_document
+    from pipeline.chunks.chunking import chunk_document
 
     rng = np.random.default_rng([SEED, 0])
     chunks, doc = [], 0
@@ -89,8 +89,9 @@ def make_chunks(n: int):
 def ensure_data(workdir: Path, n: int) -> Path:
     import faiss
 
-    from pipeline.faiss_index import build_index, set_search_depth
-    from pipeline.writers import chunks_table, embeddings_table, parquet_bytes
+    from pipeline.common.writers import chunks_table, embeddings_table, parquet_bytes
+    from pipeline.index.search import set_search_depth
+    from pipeline.index.train import build_index
 
     root = workdir / f"db-{n}"
     if (root / "done").exists():
@@ -123,10 +124,12 @@ def ours_main(root: str, out: str, query_chunks: int, beam_args: list[str]) -> N
     import pyarrow.parquet as pq
     from apache_beam.io.parquetio import ReadAllFromParquetBatched
 
-    from pipeline.chunkdb import ChunkFileRanges
-    from pipeline.options import pipeline_options
-    from pipeline.shards import DocumentSpans, PackSequences, Retrieval, RetrieveNeighbours, WriteShards
-    from pipeline.stages import _chunks_from_table, _embeddings_from_table
+    from pipeline.chunks.chunk_files import ChunkFileRanges
+    from pipeline.jobs.options import pipeline_options
+    from pipeline.jobs.shards_job import _chunks_from_table, _embeddings_from_table
+    from pipeline.retrieve.beam import DocumentSpans, PackSequences, RetrieveNeighbours
+    from pipeline.retrieve.search import Retrieval
+    from pipeline.shards.write import WriteShards
 
     limit = query_chunks
     files = sorted(Path(root, "chunks").glob("*.parquet"))
@@ -167,8 +170,8 @@ def floor_main(root: str, out: str, query_chunks: int) -> None:
     import faiss
     import pyarrow.parquet as pq
 
-    from pipeline.retro_rows import ShardRow
-    from pipeline.shards import rows_to_ipc
+    from pipeline.shards.rows import ShardRow
+    from pipeline.shards.write import rows_to_ipc
     from schemas.arrow import shard_column, tensor_column_to_numpy
 
     tables = [pq.read_table(p) for p in sorted(Path(root, "chunks").glob("*.parquet"))]

@@ -8,7 +8,7 @@ The data and the job are `retrieve_join.py`'s (`ours`: PackSequences -> Retrieve
 WriteShards over a synthetic chunk database, IVF256,PQ32x8np), each run a subprocess of its own
 with `--direct_num_workers=N --direct_running_mode=multi_processing`, its options made by the
 project's `pipeline_options` (which turns off the runner's timed flush: the cause of the loss,
-see `pipeline/options.py` `no_timed_flush_on_local_runner`). Per run: committed or failed (the
+see `pipeline/jobs/options.py` `no_timed_flush_on_local_runner`). Per run: committed or failed (the
 stage's own check that every hit and neighbour sent through a shuffle came back), wall time,
 and the sha256 of all shards; at the end, whether every run committed the same bytes.
 
@@ -44,7 +44,7 @@ def ours_with_timing(
     if timed_flush:
         from apache_beam.runners.portability.fn_api_runner import worker_handlers
 
-        from pipeline import options
+        from pipeline.jobs import options
 
         def keep_timed_flush() -> None:  # the project's avoidance, undone
             worker_handlers.DATA_BUFFER_TIME_LIMIT_MS = 1000

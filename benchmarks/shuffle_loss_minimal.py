@@ -68,7 +68,7 @@ def job(out: str, sequences: int, files: int, picks: int, payload: int, widen: f
     if "--no-time-flush" in beam_args:  # the project's avoidance: no 1 s flusher thread on the runner's streams
         beam_args = [a for a in beam_args if a != "--no-time-flush"]
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        from pipeline.options import no_timed_flush_on_local_runner
+        from pipeline.jobs.options import no_timed_flush_on_local_runner
 
         no_timed_flush_on_local_runner()
     if widen:
@@ -160,7 +160,7 @@ def main() -> None:
     parser.add_argument(
         "--no-time-flush",
         action="store_true",
-        help="the project's avoidance (pipeline.options.no_timed_flush_on_local_runner) in the job process",
+        help="the project's avoidance (pipeline.jobs.options.no_timed_flush_on_local_runner) in the job process",
     )
     parser.add_argument(
         "--widen",

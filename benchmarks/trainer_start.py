@@ -14,8 +14,9 @@ Each measurement is the median of `--repeats` after one untimed pass (imports, p
   that building a dataset needs;
 - start: `ShardDataset(dir, shuffle=True)` and `next(iter(dataset))`: the manifest, then the
   first shard of the shuffled order opened, checked and read;
-- check all: every shard opened and checked against the manifest, one after the other, as the
-  constructor did before training could start (what start no longer pays).
+- check all: every shard opened and checked against the manifest, one after the other, as a
+  constructor that checked every shard before training could start would (what start does not
+  pay: each shard is checked when an epoch reaches it).
 
 Reported per shard count, and as the ratio of the largest count to the smallest: start should
 grow no faster than the manifest it reads (start − manifest flat), check all with the count.

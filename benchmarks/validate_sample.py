@@ -35,9 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 import pyarrow as pa  # noqa: E402
 
 from benchmarks.report import write_results  # noqa: E402
-from pipeline.fileio import sha256_bytes  # noqa: E402
-from pipeline.validate import check_listed_file, plan_validation, validate_path  # noqa: E402
-from pipeline.writers import parquet_bytes  # noqa: E402
+from pipeline.check.plan import plan_validation  # noqa: E402
+from pipeline.check.problems import check_listed_file  # noqa: E402
+from pipeline.check.validate import validate_path  # noqa: E402
+from pipeline.common.fileio import sha256_bytes  # noqa: E402
+from pipeline.common.writers import parquet_bytes  # noqa: E402
 from schemas.arrow import chunk_schema, embedding_schema, fixed_size_list, shard_ipc_bytes, shard_table  # noqa: E402
 from schemas.manifest import FileEntry, Fingerprint, IndexManifest, Recall, ShardEntry, ShardsManifest  # noqa: E402
 

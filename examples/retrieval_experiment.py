@@ -135,7 +135,8 @@ def pipeline_config(output: Path, corpora: dict[str, Path], training: str) -> di
 
 
 def build(out: Path, corpora: dict[str, Path]) -> tuple[Path, Path]:
-    from pipeline.stages import build_index, build_shards
+    from pipeline.jobs.index_job import build_index
+    from pipeline.jobs.shards_job import build_shards
     from schemas.config import config_from_dict
 
     train_cfg = config_from_dict(pipeline_config(out / "train", corpora, "train"))

@@ -1,8 +1,10 @@
-"""ratrain-pipeline: Beam stages that turn a corpus into RETRO-style training shards."""
+"""ratrain-pipeline: Beam jobs that turn a corpus into RETRO-style training shards.
 
-from importlib.metadata import PackageNotFoundError, version
+A package per stage, in the order data flows: `corpus`, `chunks`, `embed`, `index`, `retrieve`,
+`shards`; `jobs` wires them into Beam jobs, `check` looks at their outputs, `common` serves
+them all, and `cli` is the command line (docs/design.md §2).
+"""
 
-try:
-    __version__ = version("ratrain-pipeline")
-except PackageNotFoundError:  # running from a source tree that is not installed
-    __version__ = "0.0.0+src"
+from schemas import __version__
+
+__all__ = ["__version__"]

@@ -22,7 +22,7 @@ def _beam_args(beam_args) -> list[str]:
     """The command's Beam arguments, once Beam knows every option among them: an unknown one
     (a typo of the command's own option before `--`, or of a Beam option) fails naming it,
     before anything is read, waited for or written. Run inside a command."""
-    from pipeline.options import check_beam_args
+    from pipeline.jobs.options import check_beam_args
 
     ctx = click.get_current_context()
     ours = {}
@@ -69,7 +69,7 @@ def _config(path: str):
 
     if "://" not in path:
         return load_config(path)
-    from pipeline import fileio
+    from pipeline.common import fileio
 
     if not fileio.exists(path):
         raise ConfigError(f"config file not found: {path}")
@@ -114,7 +114,7 @@ CORPUS_DOCUMENTS = click.option(
 
 def _print_plan(plan: dict, cfg, chunks: float | None, documents: float | None) -> None:
     """The dry-run plan with the memory model's estimate per worker process."""
-    from pipeline.memory_model import estimate
+    from pipeline.jobs.memory_model import estimate
 
     plan = {**plan, "memory_estimate": estimate(cfg, chunks, documents)}
     click.echo(json.dumps(plan, indent=2, sort_keys=True, default=str))
@@ -129,7 +129,7 @@ DETACH = click.option(
 
 def _report(result, title: str) -> None:
     """A committed stage's counters, or where a detached one will commit."""
-    from pipeline.stages import Submitted
+    from pipeline.jobs.job import Submitted
 
     if isinstance(result, Submitted):
         job = f" as job {result.job}" if result.job else ""
@@ -148,7 +148,7 @@ def _report(result, title: str) -> None:
 @DETACH
 def build_index_cmd(config_path, beam_args, force, dry_run, corpus_chunks, corpus_documents, detach):
     """Stages 1-3: chunk, embed and index the retrieval corpus -> <output>/index/."""
-    from pipeline.stages import build_index
+    from pipeline.jobs.index_job import build_index
 
     beam_args = _beam_args(beam_args)
     cfg = _config(config_path)
@@ -184,7 +184,7 @@ def index_cmd(embeddings, output, index_type, memory_budget, target_recall, npro
     """Build a faiss index over embeddings you already have (the index stage alone)."""
     from pydantic import ValidationError
 
-    from pipeline.stages import build_vector_index
+    from pipeline.jobs.vector_index_job import build_vector_index
     from schemas.config import ConfigError, IndexConfig, format_validation_error
 
     beam_args = _beam_args(beam_args)
@@ -233,8 +233,8 @@ def build_shards_cmd(
     config_path, beam_args, dry_run, corpus_chunks, corpus_documents, detach, wait_for_index, wait_timeout, poll_every
 ):
     """Stages 4-5: retrieve neighbours for the training corpus -> <output>/shards/."""
-    from pipeline.stages import build_shards
-    from pipeline.stages import wait_for_index as wait
+    from pipeline.jobs.index_files import wait_for_index as wait
+    from pipeline.jobs.shards_job import build_shards
 
     beam_args = _beam_args(beam_args)
     cfg = _config(config_path)
@@ -259,8 +259,9 @@ def run_cmd(config_path, force, beam_args, dry_run, corpus_chunks, corpus_docume
     """Both stages; a stage whose committed manifest matches the config is skipped. With
     --detach, the first stage to build is submitted and the command exits (follow a detached
     build-index with `build-shards --wait-for-index`)."""
-    from pipeline.run import run_all
-    from pipeline.stages import build_index, build_shards
+    from pipeline.jobs.index_job import build_index
+    from pipeline.jobs.run import run_all
+    from pipeline.jobs.shards_job import build_shards
 
     beam_args = _beam_args(beam_args)
     if dry_run:
@@ -300,12 +301,13 @@ def run_cmd(config_path, force, beam_args, dry_run, corpus_chunks, corpus_docume
 def validate_cmd(directory, sample, beam_args):
     """Check an index, shards or output directory end to end; exit 0 only if sound. In this
     process, or as a Beam job when pipeline options follow `--`."""
-    from pipeline.validate import ValidationFailed, validate_path
+    from pipeline.check.problems import ValidationFailed
+    from pipeline.check.validate import validate_path
 
     beam_args = _beam_args(beam_args)
     try:
         if beam_args:
-            from pipeline.validate_job import validate_with_beam
+            from pipeline.check.validate_beam import validate_with_beam
 
             lines = validate_with_beam(directory, beam_args, sample)
         else:
@@ -323,7 +325,7 @@ def validate_cmd(directory, sample, beam_args):
 @click.option("--chunks", "max_chunks", default=4, show_default=True, help="Chunks per sequence to print (0: all).")
 def inspect_cmd(directory, count, max_chunks):
     """Print sequences with their decoded neighbours and scores."""
-    from pipeline.inspect import inspect_shards
+    from pipeline.check.inspect import inspect_shards
 
     for line in inspect_shards(directory, count, max_chunks):
         click.echo(line)
@@ -335,7 +337,7 @@ def report_cmd(directory):
     """Write DIRECTORY/report.html: one self-contained page on an output, index or shards
     directory (manifests, neighbour scores and fill, overlap, recall against search depth,
     stage timings, rejected records, sample sequences); prints its path."""
-    from pipeline.report import write_report
+    from pipeline.check.html import write_report
 
     click.echo(write_report(directory))
 

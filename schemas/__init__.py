@@ -3,6 +3,13 @@
 Imports neither Beam nor faiss nor torch, so every component can depend on it.
 """
 
+from importlib.metadata import PackageNotFoundError, version
+
 from schemas.arrow import SCHEMA_VERSION
 
-__all__ = ["SCHEMA_VERSION"]
+try:  # the distribution's version: pipeline, schemas and trainer ship together
+    __version__ = version("ratrain-pipeline")
+except PackageNotFoundError:  # a source tree that is not installed
+    __version__ = "0.0.0+src"
+
+__all__ = ["SCHEMA_VERSION", "__version__"]

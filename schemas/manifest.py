@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pipeline import __version__  # the package's version only (pipeline/__init__.py imports no Beam)
+from schemas import __version__
 from schemas.arrow import SCHEMA_VERSION, check_schema_version
 
 #: The file that commits a directory: written last, and readers refuse a directory without it.

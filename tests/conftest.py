@@ -39,7 +39,7 @@ def pytest_configure(config):
 
 def pytest_report_header(config):
     """Which CPU and precision ran the suite: bfloat16 results differ between CPU kinds."""
-    from pipeline.embed import cpu_summary, resolve_precision
+    from pipeline.embed.encoder import cpu_summary, resolve_precision
     from tests.helpers import suite_precision
 
     precision = suite_precision()
@@ -50,7 +50,7 @@ def pytest_report_header(config):
 def built_output(tmp_path_factory):
     """A committed index + shards built by `run` from 16 real documents (~500 chunks) plus one
     bad record of each kind."""
-    from pipeline.run import run_all
+    from pipeline.jobs.run import run_all
     from schemas.config import config_from_dict
 
     root = tmp_path_factory.mktemp("built")
@@ -67,7 +67,7 @@ def built_output(tmp_path_factory):
 def gcs():
     """The emulator, with STORAGE_EMULATOR_HOST pointing at it for the whole session (Beam's GCS
     client, google-cloud-storage and the trainer's pyarrow client all honour it)."""
-    from pipeline import fileio
+    from pipeline.common import fileio
 
     emulator = GcsEmulator()
     previous = os.environ.get("STORAGE_EMULATOR_HOST")

@@ -70,7 +70,7 @@ def rewrite_shard(shards_dir: Path, change, name: str | None = None, version: in
     (schema_version) instead of the current one."""
     import pyarrow as pa
 
-    from pipeline.fileio import sha256_bytes
+    from pipeline.common.fileio import sha256_bytes
     from schemas.arrow import read_shard_table, shard_column, shard_ipc_bytes, shard_table
 
     manifest_path = shards_dir / "manifest.json"

@@ -2,8 +2,8 @@ import apache_beam as beam
 import numpy as np
 from apache_beam.testing.util import assert_that, equal_to
 
-from pipeline.chunking import (
-    ChunkDocuments,
+from pipeline.chunks.beam import ChunkDocuments
+from pipeline.chunks.chunking import (
     bucket_of,
     chunk_document,
     chunk_offsets,
@@ -13,8 +13,8 @@ from pipeline.chunking import (
     pad_id_of,
     tokenize_batch,
 )
-from pipeline.corpus import Document
-from pipeline.models import resolve_tokenizer
+from pipeline.common.models import resolve_tokenizer
+from pipeline.corpus.records import Document
 from tests.helpers import local_pipeline
 
 PAD = 0

@@ -6,7 +6,7 @@ import json
 import pytest
 from apache_beam.io.filesystems import FileSystems
 
-from pipeline.commit import commit_directory, new_staging_dir, publish_rejected
+from pipeline.jobs.commit import commit_directory, new_staging_dir, publish_rejected
 
 FILES = ["chunks/chunks-00000.parquet", "chunks/chunks-00001.parquet", "faiss/index.faiss"]
 

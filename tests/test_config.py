@@ -99,15 +99,15 @@ def test_load_config_reads_yaml(tmp_path):
 
 
 def test_the_default_encoder_width_is_read_without_loading_it():
-    from pipeline.models import embedding_dim
+    from pipeline.common.models import embedding_dim
 
     assert embedding_dim("all-MiniLM-L6-v2") == 384
     assert embedding_dim("some-org/a-hub-model") is None  # not local: checked when it is built
 
 
 def test_an_unbuildable_index_type_fails_before_reading_anything(tmp_path):
-    from pipeline.faiss_index import IndexBuildError
-    from pipeline.stages import build_index
+    from pipeline.index.factory import IndexBuildError
+    from pipeline.jobs.index_job import build_index
 
     cfg = config_from_dict(
         small_config(tmp_path / "out", str(tmp_path / "no-such-corpus-*.jsonl"), index={"type": "IVF64,PQ7"})

@@ -11,12 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 from apache_beam.testing.util import assert_that, equal_to
 
-from pipeline.corpus import (
-    Document,
-    ReadCorpus,
-    Rejected,
+from pipeline.corpus.parse import (
     count_lines,
-    doc_id_for,
     glob_base,
     match_corpus,
     number_ranges,
@@ -25,6 +21,8 @@ from pipeline.corpus import (
     parse_range,
     split_file,
 )
+from pipeline.corpus.read import ReadCorpus
+from pipeline.corpus.records import Document, Rejected, doc_id_for
 from schemas.config import CorpusConfig
 from tests.helpers import local_pipeline
 
@@ -208,7 +206,8 @@ def test_read_corpus_keeps_one_of_duplicate_ids(tmp_path):
 
 PEAK_RSS_GROWTH = """
 import resource, sys
-from pipeline.corpus import Document, parse_file
+from pipeline.corpus.parse import parse_file
+from pipeline.corpus.records import Document
 from schemas.config import CorpusConfig
 
 path, fmt = sys.argv[1], sys.argv[2]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.validate import validate_index, validate_shards
+from pipeline.check.validate import validate_index, validate_shards
 from tests.helpers import BAD_RECORDS, sample_documents, small_config, write_config, write_jsonl
 
 CLI = str(Path(sys.executable).parent / "ratrain-pipeline")

@@ -3,20 +3,11 @@ import numpy as np
 import pytest
 from apache_beam.testing.util import assert_that
 
-from pipeline.chunking import chunk_document, load_tokenizer, tokenize_batch
-from pipeline.embed import (
-    EmbedChunks,
-    PrecisionTooLow,
-    agreement_upper_bound,
-    check_precision,
-    chunk_texts,
-    encode_texts,
-    load_encoder,
-    resolve_precision,
-    top2_agreement,
-    torch_threads,
-)
-from pipeline.models import resolve_tokenizer
+from pipeline.chunks.chunking import chunk_document, load_tokenizer, tokenize_batch
+from pipeline.common.models import resolve_tokenizer
+from pipeline.embed.beam import EmbedChunks
+from pipeline.embed.encoder import chunk_texts, encode_texts, load_encoder, resolve_precision, torch_threads
+from pipeline.embed.precision import PrecisionTooLow, agreement_upper_bound, check_precision, top2_agreement
 from schemas.config import EmbeddingConfig
 from tests.helpers import local_pipeline, sample_documents, suite_precision
 

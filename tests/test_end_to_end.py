@@ -8,12 +8,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from pipeline.check.problems import ValidationFailed
+from pipeline.check.validate import validate_index, validate_path, validate_shards
 from pipeline.cli import main
-from pipeline.fileio import sha256_bytes
-from pipeline.run import run_all
-from pipeline.stages import build_shards
-from pipeline.validate import ValidationFailed, validate_index, validate_path, validate_shards
-from pipeline.writers import parquet_bytes
+from pipeline.common.fileio import sha256_bytes
+from pipeline.common.writers import parquet_bytes
+from pipeline.jobs.run import run_all
+from pipeline.jobs.shards_job import build_shards
 from schemas.arrow import fixed_size_list, read_shard_table, shard_column, tensor_column_to_numpy
 from schemas.config import config_from_dict
 from schemas.manifest import ShardsManifest
@@ -175,7 +176,7 @@ def test_separate_training_corpus_never_retrieves_its_own_documents(built_output
     )
     manifest = build_shards(cfg, [])
     assert manifest.training_corpus == "separate" and manifest.num_sequences > 0
-    from pipeline.corpus import doc_id_for
+    from pipeline.corpus.records import doc_id_for
 
     shared_ids = {doc_id_for(d["id"]) for d in shared}
     db = _chunk_db(tmp_path)
@@ -277,7 +278,7 @@ def test_another_encoder_thread_count_gives_the_same_neighbours(built_output, tm
 
 
 def test_bfloat16_and_float32_give_the_same_neighbours_and_the_manifest_says_which(built_output, tmp_path):
-    from pipeline.embed import resolve_precision
+    from pipeline.embed.encoder import resolve_precision
 
     root, config, _ = built_output
     built = json.loads((root / "out" / "index" / "manifest.json").read_text())
@@ -341,7 +342,7 @@ def test_validate_catches_a_continuation_across_chunk_files(tampered):
 
 
 def test_validate_checks_references_in_blocks(built_output, monkeypatch):
-    import pipeline.validate as validate
+    import pipeline.check.validate as validate
 
     root, _, _ = built_output
     monkeypatch.setattr(validate, "REFERENCE_BLOCK", 7)  # many blocks per chunk file

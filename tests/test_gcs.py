@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from pipeline.run import run_all
-from pipeline.validate import validate_path
+from pipeline.check.validate import validate_path
+from pipeline.jobs.run import run_all
 from schemas.config import config_from_dict
 from tests.helpers import BAD_RECORDS, read_rejected, sample_documents, small_config, write_jsonl
 from trainer import ShardDataset

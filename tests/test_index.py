@@ -6,28 +6,25 @@ import numpy as np
 import pytest
 from apache_beam.testing.util import assert_that, equal_to
 
-from pipeline.faiss_index import (
+from pipeline.common.writers import embeddings_table, parquet_bytes
+from pipeline.index.build import BuildIndex
+from pipeline.index.exact import exact_nearest_other
+from pipeline.index.factory import (
     IndexBuildError,
-    build_index,
     choose_index_factory,
     estimated_bytes,
-    exact_nearest_other,
-    in_sample,
-    load_index,
-    merge_part,
     nlist_for,
-    one_recall_at_k,
     plan_index,
     resolve_clustering,
-    search_excluding,
-    set_search_depth,
-    train_index,
     training_size,
-    tune_search_depth,
 )
-from pipeline.index import BuildIndex
-from pipeline.options import pipeline_options
-from pipeline.writers import embeddings_table, parquet_bytes
+from pipeline.index.files import load_index
+from pipeline.index.recall import one_recall_at_k
+from pipeline.index.sampling import in_sample
+from pipeline.index.search import search_excluding, set_search_depth
+from pipeline.index.train import build_index, merge_part, train_index
+from pipeline.index.tuning import tune_search_depth
+from pipeline.jobs.options import pipeline_options
 from schemas.config import IndexConfig
 from tests.helpers import local_pipeline
 
@@ -332,8 +329,8 @@ def test_index_command_errors_are_one_line(tmp_path, capsys, args, message):
 
 
 def test_index_command_writes_index_and_manifest(tmp_path):
+    from pipeline.check.validate import validate_path
     from pipeline.cli import main
-    from pipeline.validate import validate_path
 
     vectors = clustered(3000, d=16, clusters=30)
     write_embedding_files(tmp_path / "emb", np.arange(3000) + 10, vectors, files=3)
@@ -359,8 +356,8 @@ def test_index_command_writes_index_and_manifest(tmp_path):
 
 
 def test_shard_bytes_on_an_index_that_cannot_be_sharded_builds_one_file_and_says_so(tmp_path, caplog):
-    from pipeline.faiss_index import embedding_file_info
-    from pipeline.index import _plan_shards
+    from pipeline.index.build import _plan_shards
+    from pipeline.index.files import embedding_file_info
 
     vectors = np.random.default_rng(0).standard_normal((300, 8)).astype(np.float32)
     paths = write_embedding_files(tmp_path, np.arange(300, dtype=np.int64), vectors, files=3)

@@ -9,7 +9,8 @@ import pytest
 
 from benchmarks.synthetic import LowRankClusters
 from pipeline.cli import main
-from pipeline.faiss_index import RECALL_MEASURE, load_index
+from pipeline.index.files import load_index
+from pipeline.index.recall import RECALL_MEASURE
 from tests.test_index import write_embedding_files
 
 pytestmark = pytest.mark.slow  # the module fixtures build a 300k-vector index and shard it: minutes
@@ -69,7 +70,7 @@ def test_chunk_ids_survive_as_faiss_ids(built):
 
 
 def test_validate_accepts_the_stand_alone_index(built):
-    from pipeline.validate import validate_path
+    from pipeline.check.validate import validate_path
 
     root, _, _, _ = built
     (line,) = validate_path(str(root / "idx"))
@@ -108,7 +109,7 @@ def outside_recall(search, ids, vectors, rows):
 
 
 def test_a_sharded_index_is_shards_within_the_size_that_search_as_the_single_index(built, sharded):
-    from pipeline.index_shards import search_shards
+    from pipeline.index.slices import search_shards
 
     root, ids, vectors, single = built
     directory, manifest = sharded
@@ -127,7 +128,7 @@ def test_a_sharded_index_is_shards_within_the_size_that_search_as_the_single_ind
 
 
 def test_validate_checks_every_shard(sharded):
-    from pipeline.validate import validate_path
+    from pipeline.check.validate import validate_path
 
     directory, _ = sharded
     (line,) = validate_path(str(directory))

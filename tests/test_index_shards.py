@@ -1,4 +1,4 @@
-"""Index shards by chunk-id range (`pipeline.index_shards`): the plan, and 300,000 clustered
+"""Index shards by chunk-id range (`pipeline.index.slices`): the plan, and 300,000 clustered
 384-d vectors under a 64 MiB budget's factory cut into 12 MiB shards that, searched together,
 answer what the one merged index answers."""
 
@@ -7,24 +7,15 @@ import numpy as np
 import pytest
 
 from benchmarks.synthetic import LowRankClusters
-from pipeline.faiss_index import (
-    TRAIN_SALT,
-    IndexBuildError,
-    choose_index_factory,
-    estimated_bytes,
-    exact_nearest_other,
-    in_sample,
-    load_index,
-    merge_part,
-    one_recall_at_k,
-    search_excluding,
-    set_search_depth,
-    train_index,
-    training_size,
-    tune_search_depth,
-    write_index,
-)
-from pipeline.index_shards import assemble_shard, plan_shards, recall_of_shards, search_shards, tune_shards_depth
+from pipeline.index.exact import exact_nearest_other
+from pipeline.index.factory import IndexBuildError, choose_index_factory, estimated_bytes, training_size
+from pipeline.index.files import load_index, write_index
+from pipeline.index.recall import one_recall_at_k
+from pipeline.index.sampling import TRAIN_SALT, in_sample
+from pipeline.index.search import search_excluding, set_search_depth
+from pipeline.index.slices import assemble_shard, plan_shards, recall_of_shards, search_shards, tune_shards_depth
+from pipeline.index.train import merge_part, train_index
+from pipeline.index.tuning import tune_search_depth
 
 N, D, BUDGET, SHARD_BYTES, PART_ROWS = 300_000, 384, 64 * 2**20, 12 * 2**20, 32_768
 FACTORY = "IVF2048,PQ128x8np"  # choose_index_factory(N, D, BUDGET), checked below
@@ -220,7 +211,8 @@ def test_exclusion_deepens_as_one_index_does(built):
 
 
 def test_a_part_is_written_without_the_coarse_quantizer_and_merges_as_a_whole_one(tmp_path):
-    from pipeline.faiss_index import read_index, write_part
+    from pipeline.index.files import read_index
+    from pipeline.index.train import write_part
 
     rng = np.random.default_rng(3)
     vectors = rng.standard_normal((4000, 32)).astype(np.float32)

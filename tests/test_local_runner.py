@@ -1,5 +1,5 @@
 """The shuffle loss on Beam's local multi-process runner, reduced to its cause, and the
-project's avoidance (`pipeline.options.no_timed_flush_on_local_runner`).
+project's avoidance (`pipeline.jobs.options.no_timed_flush_on_local_runner`).
 
 The runner writes a bundle's input into a stream whose 1 s timed flush sends the buffer and
 then clears it, while the runner's `write` takes no lock: what is written during the send is
@@ -19,7 +19,7 @@ import pytest
 from apache_beam.runners.portability.fn_api_runner import worker_handlers
 from apache_beam.runners.worker import data_plane
 
-from pipeline.options import pipeline_options
+from pipeline.jobs.options import pipeline_options
 
 REPO = Path(__file__).resolve().parent.parent
 BEAM_RACE = (

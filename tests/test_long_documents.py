@@ -13,10 +13,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from examples.long_documents import long_documents
-from pipeline.corpus import doc_id_for
-from pipeline.run import run_all
-from pipeline.stages import build_shards
-from pipeline.validate import validate_path
+from pipeline.check.validate import validate_path
+from pipeline.corpus.records import doc_id_for
+from pipeline.jobs.run import run_all
+from pipeline.jobs.shards_job import build_shards
 from schemas.arrow import read_shard_table, shard_column, tensor_column_to_numpy
 from schemas.config import config_from_dict
 from tests.helpers import small_config, write_jsonl
@@ -87,9 +87,9 @@ def test_every_slot_is_filled_with_the_exact_neighbours_outside_own_documents(lo
 
 
 def test_a_separate_training_corpus_sharing_documents_is_filled_and_exact(long_output, tmp_path):
-    from pipeline.chunking import load_tokenizer
-    from pipeline.embed import encode_texts, load_encoder
-    from pipeline.models import resolve_tokenizer
+    from pipeline.chunks.chunking import load_tokenizer
+    from pipeline.common.models import resolve_tokenizer
+    from pipeline.embed.encoder import encode_texts, load_encoder
     from schemas.config import EmbeddingConfig
 
     root, config = long_output

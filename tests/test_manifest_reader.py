@@ -1,4 +1,4 @@
-"""`schemas.manifest.read_manifest`, the one reader of a manifest, and `pipeline.fileio`'s
+"""`schemas.manifest.read_manifest`, the one reader of a manifest, and `pipeline.common.fileio`'s
 reading of a committed directory's manifest through it."""
 
 import hashlib
@@ -128,7 +128,7 @@ def test_the_caller_chooses_the_error_type():
 
 
 def test_a_committed_directory_through_fileio(tmp_path):
-    from pipeline import fileio
+    from pipeline.common import fileio
 
     with pytest.raises(ManifestError, match=rf"^{tmp_path}/manifest.json: no manifest"):
         fileio.committed_manifest(str(tmp_path), ShardsManifest)
@@ -139,7 +139,7 @@ def test_a_committed_directory_through_fileio(tmp_path):
 
 
 def test_sha256_file_streams_a_file_and_can_feed_one_hash_over_several(tmp_path):
-    from pipeline import fileio
+    from pipeline.common import fileio
 
     data = bytes(range(256)) * 40_000  # ~10 MB: several blocks
     (tmp_path / "a").write_bytes(data)

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from pipeline.faiss_index import choose_index_factory, estimated_bytes
-from pipeline.memory_model import Corpus, stage_memory
+from pipeline.index.factory import choose_index_factory, estimated_bytes
+from pipeline.jobs.memory_model import Corpus, stage_memory
 from schemas.config import config_from_dict, parse_size
 from tests.helpers import sample_documents, small_config, write_config, write_jsonl
 

@@ -2,10 +2,11 @@ import apache_beam as beam
 import numpy as np
 from apache_beam.testing.util import assert_that
 
-from pipeline.faiss_index import TIE_TOLERANCE, exact_scores_of, exact_top, merge_top, recall_of, recall_with_ties
-from pipeline.neighbour_recall import ExactTruth, MeasureNeighbourRecall, Probe, SmallestProbes, scan_batch
-from pipeline.retro_rows import ShardRow
-from pipeline.writers import embeddings_table, parquet_bytes
+from pipeline.common.writers import embeddings_table, parquet_bytes
+from pipeline.index.exact import exact_scores_of, exact_top, merge_top
+from pipeline.index.recall import TIE_TOLERANCE, recall_of, recall_with_ties
+from pipeline.retrieve.recall import ExactTruth, MeasureNeighbourRecall, Probe, SmallestProbes, scan_batch
+from pipeline.shards.rows import ShardRow
 from tests.helpers import local_pipeline
 
 L, K, D = 2, 3, 16

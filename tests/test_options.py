@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from pipeline.options import LOCAL_RUNNER, PipelineOptionsError, check_beam_args, encoder_threads, pipeline_options
+from pipeline.jobs.options import LOCAL_RUNNER, PipelineOptionsError, check_beam_args, encoder_threads, pipeline_options
 
 MULTI = ["--direct_running_mode=multi_processing"]
 

@@ -9,7 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.stages import StageError, build_index
+from pipeline.jobs.commit import StageError
+from pipeline.jobs.index_job import build_index
 from schemas.config import config_from_dict
 from tests.helpers import read_rejected, sample_documents, small_config
 
@@ -138,8 +139,8 @@ def test_manifest_facts_come_from_the_data_not_from_metrics(tmp_path, monkeypatc
     manifests still state what their files hold, and validate passes."""
     from apache_beam.metrics import Metrics
 
-    from pipeline.run import run_all
-    from pipeline.validate import validate_path
+    from pipeline.check.validate import validate_path
+    from pipeline.jobs.run import run_all
     from tests.helpers import write_jsonl
 
     counter = Metrics.counter
@@ -170,8 +171,8 @@ def test_rejected_records_are_spread_over_stably_named_files(tmp_path):
     import apache_beam as beam
     from apache_beam.testing.util import assert_that, equal_to
 
-    from pipeline.corpus import Rejected
-    from pipeline.writers import WriteRejected, rejected_file_of
+    from pipeline.common.writers import WriteRejected, rejected_file_of
+    from pipeline.corpus.records import Rejected
     from tests.helpers import local_pipeline
 
     records = [Rejected(f"gs://b/corpus/part-{i % 7}.jsonl", i, "malformed_json", "x") for i in range(40)]
@@ -191,8 +192,8 @@ def test_build_shards_runs_once_more_when_the_runner_loses_shuffle_data(built_ou
     import logging
     import shutil
 
-    import pipeline.shards as shards
-    from pipeline.stages import build_shards
+    import pipeline.retrieve.beam as shards
+    from pipeline.jobs.shards_job import build_shards
 
     root, config, _ = built_output
     out = tmp_path / "out"

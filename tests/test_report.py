@@ -11,10 +11,13 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from pipeline.check.figures import recall_curves
+from pipeline.check.html import _recall_body, write_report
+from pipeline.check.report import gather_scores, overlap_bars, read_shards_manifest
 from pipeline.cli import main
-from pipeline.commit import commit_directory, new_staging_dir
-from pipeline.report import _recall_body, gather_scores, overlap_bars, read_shards_manifest, recall_curves, write_report
-from pipeline.stages import build_vector_index, stage_timings
+from pipeline.jobs.commit import commit_directory, new_staging_dir
+from pipeline.jobs.job import stage_timings
+from pipeline.jobs.vector_index_job import build_vector_index
 from schemas.arrow import read_shard_table, shard_column
 from schemas.config import IndexConfig
 from schemas.manifest import IndexManifest, OwnDocumentRecall, Recall, SearchDepth, ShardsManifest

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from pipeline.run import run_all
-from pipeline.validate import validate_path
-from pipeline.validate_job import validate_with_beam
+from pipeline.check.validate import validate_path
+from pipeline.check.validate_beam import validate_with_beam
+from pipeline.jobs.run import run_all
 from schemas.config import config_from_dict
 from tests.helpers import sample_documents, small_config, write_config, write_jsonl
 

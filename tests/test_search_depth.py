@@ -12,27 +12,20 @@ import pytest
 from apache_beam.testing.util import assert_that
 
 from benchmarks.synthetic import long_documents
-from pipeline.chunkdb import ChunkFileRanges
-from pipeline.chunking import Chunk
-from pipeline.faiss_index import (
-    QUERY_SALT,
-    TRAIN_SALT,
-    build_index,
-    exact_nearest_other,
-    exact_nearest_outside,
-    in_sample,
-    one_recall_at_k,
-    recall_of,
-    search_depth_range,
-    search_each_excluding,
-    set_search_depth,
-    train_index,
-    training_size,
-)
-from pipeline.index import BuildIndex, tune_index_depth
-from pipeline.neighbour_recall import MeasureNeighbourRecall
-from pipeline.shards import DocumentSpans, NeighbourRecallTooLow, PackSequences, Retrieval, RetrieveNeighbours
-from pipeline.writers import chunks_table, embeddings_table, parquet_bytes
+from pipeline.chunks.chunk_files import ChunkFileRanges
+from pipeline.chunks.chunking import Chunk
+from pipeline.common.writers import chunks_table, embeddings_table, parquet_bytes
+from pipeline.index.build import BuildIndex
+from pipeline.index.exact import exact_nearest_other, exact_nearest_outside
+from pipeline.index.factory import training_size
+from pipeline.index.recall import one_recall_at_k, recall_of
+from pipeline.index.sampling import QUERY_SALT, TRAIN_SALT, in_sample
+from pipeline.index.search import search_depth_range, search_each_excluding, set_search_depth
+from pipeline.index.train import build_index, train_index
+from pipeline.index.tuning import tune_index_depth
+from pipeline.retrieve.beam import DocumentSpans, PackSequences, RetrieveNeighbours
+from pipeline.retrieve.recall import MeasureNeighbourRecall
+from pipeline.retrieve.search import NeighbourRecallTooLow, Retrieval
 from schemas.config import IndexConfig
 from schemas.manifest import FileEntry
 from tests.helpers import local_pipeline

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pyarrow as pa
 
-from pipeline.run import run_all
-from pipeline.validate import validate_path
+from pipeline.check.validate import validate_path
+from pipeline.jobs.run import run_all
 from schemas.arrow import read_shard_table
 from schemas.config import config_from_dict
 from tests.helpers import sample_documents, small_config, write_jsonl

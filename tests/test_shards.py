@@ -9,26 +9,15 @@ import pyarrow as pa
 import pytest
 from apache_beam.testing.util import assert_that, equal_to
 
-from pipeline.chunkdb import ChunkFileRanges
-from pipeline.chunking import chunk_document
-from pipeline.faiss_index import build_index
-from pipeline.retro_rows import chunk_overlap, overlap_bucket, overlap_histogram
-from pipeline.shards import (
-    CANDIDATE,
-    DocumentSpans,
-    PackSequences,
-    Retrieval,
-    RetrieveNeighbours,
-    WriteShards,
-    document_spans,
-    merge_ranges,
-    neighbour_arrays,
-    pack_sequence,
-    select_distinct,
-    token_key,
-    widest_span,
-)
-from pipeline.writers import chunks_table, parquet_bytes
+from pipeline.chunks.chunk_files import ChunkFileRanges
+from pipeline.chunks.chunking import chunk_document
+from pipeline.common.writers import chunks_table, parquet_bytes
+from pipeline.index.train import build_index
+from pipeline.retrieve.beam import DocumentSpans, PackSequences, RetrieveNeighbours
+from pipeline.retrieve.search import CANDIDATE, Retrieval, select_distinct, token_key
+from pipeline.retrieve.sequences import document_spans, merge_ranges, pack_sequence, widest_span
+from pipeline.shards.rows import chunk_overlap, overlap_bucket, overlap_histogram
+from pipeline.shards.write import WriteShards, neighbour_arrays
 from schemas.arrow import SCHEMA_VERSION, read_shard_table, shard_column
 from schemas.manifest import FileEntry
 from tests.helpers import local_pipeline
@@ -137,8 +126,8 @@ def test_overlap_buckets_and_histogram():
 @pytest.mark.parametrize(
     "imports",
     [
-        "import pipeline.retro_rows",
-        "from pipeline.retro_rows import chunk_overlap",  # what inspect (and so report) takes from it
+        "import pipeline.shards.rows",
+        "from pipeline.shards.rows import chunk_overlap",  # what inspect (and so report) takes from it
         "import tests.trainer_fixtures",  # the trainer tests' shards and overlap audit
     ],
 )
@@ -239,7 +228,7 @@ def test_retrieve_neighbours_excludes_the_sequence_documents(tmp_path):
 
 
 def test_write_shards_is_sorted_and_split_by_seq_id(tmp_path):
-    from pipeline.retro_rows import ShardRow
+    from pipeline.shards.rows import ShardRow
 
     rows = [
         ShardRow(
@@ -298,7 +287,7 @@ def test_retrieve_neighbours_dedupe_skips_repeated_tokens(tmp_path):
 def test_a_search_batch_with_only_leftover_chunks_is_skipped(tmp_path):
     """64 whole sequences fill search batch 0 exactly; the one chunk after them (too few for a
     sequence) still has an embedding, keyed to batch 1, which therefore holds no sequence."""
-    from pipeline.shards import SEQUENCES_PER_SEARCH
+    from pipeline.retrieve.search import SEQUENCES_PER_SEARCH
 
     rng = np.random.default_rng(2)
     whole = SEQUENCES_PER_SEARCH * L
@@ -318,7 +307,7 @@ def test_a_search_batch_with_only_leftover_chunks_is_skipped(tmp_path):
 
 
 def test_a_shuffle_that_loses_elements_fails_loudly():
-    from pipeline.shards import _arrived
+    from pipeline.retrieve.beam import _arrived
 
     _arrived(7, "search hits", 256, [256])  # all arrived
     with pytest.raises(RuntimeError, match="sequence 7: 200 search hits arrived, \\[256\\] were sent"):
@@ -328,7 +317,7 @@ def test_a_shuffle_that_loses_elements_fails_loudly():
 
 
 def test_shards_worse_than_they_look_get_a_warning_with_the_cause(tmp_path):
-    from pipeline.stages import neighbour_warnings
+    from pipeline.jobs.shards_job import neighbour_warnings
     from schemas.config import config_from_dict
     from schemas.manifest import NeighbourRecall, ShardEntry, ShardsManifest
     from tests.helpers import small_config

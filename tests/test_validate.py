@@ -7,9 +7,11 @@ import numpy as np
 import pytest
 from apache_beam.testing.util import assert_that, equal_to
 
+from pipeline.check.plan import plan_validation, sampled
+from pipeline.check.problems import ValidationFailed
+from pipeline.check.validate import Problems, validate_path
+from pipeline.check.validate_beam import ValidateOutput
 from pipeline.cli import main
-from pipeline.validate import Problems, ValidationFailed, plan_validation, sampled, validate_path
-from pipeline.validate_job import ValidateOutput
 from schemas.arrow import tensor_column_to_numpy
 from schemas.manifest import FileEntry
 from tests.helpers import local_pipeline, rewrite_shard, rewrite_shards_as_schema_version_1

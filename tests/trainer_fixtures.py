@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from pipeline.retro_rows import OVERLAP_BUCKETS, chunk_overlap, overlap_bucket
+from pipeline.shards.rows import OVERLAP_BUCKETS, chunk_overlap, overlap_bucket
 from schemas.arrow import SCHEMA_VERSION, read_shard_table, shard_ipc_bytes, shard_table
 from schemas.manifest import ShardEntry, ShardsManifest
 

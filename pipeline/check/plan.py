@@ -1,0 +1,226 @@
+"""Which units `validate` checks: the manifest's totals against its entries, and with
+`sample` < 1 the hash-chosen shards, chunk files and embedding files (`plan_validation`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import posixpath
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pipeline.check.facts import ChunkFiles, FaissFacts, IndexFacts, ShardsFacts
+from pipeline.check.problems import _manifest_problem, _require
+from pipeline.chunks.chunk_files import in_file_order
+from pipeline.common import fileio
+from schemas.arrow import (
+    SHARD_METADATA_KEYS,
+)
+from schemas.manifest import (
+    MANIFEST_FILE,
+    IndexManifest,
+    ShardsManifest,
+    VectorIndexManifest,
+    read_manifest,
+)
+
+INDEX_PROBES = 64  # embeddings searched for themselves in the faiss index
+
+
+def _name_hash(path: str) -> bytes:
+    return hashlib.sha256(posixpath.basename(path).encode()).digest()
+
+
+def sampled(entries: list, fraction: float) -> list:
+    """The ceil(fraction x len) entries (at least one) whose file names hash lowest, in their
+    own order: the same sample on every run, whatever else the directory holds."""
+    if fraction >= 1 or not entries:
+        return list(entries)
+    count = max(1, math.ceil(fraction * len(entries) - 1e-9))  # 0.07 x 100 is 7.000000000000001
+    chosen = set(sorted(range(len(entries)), key=lambda i: _name_hash(entries[i].path))[:count])
+    return [entry for i, entry in enumerate(entries) if i in chosen]
+
+
+@dataclass
+class ValidationPlan:
+    """What a validation reads, decided from the manifests (whose own checks it runs)."""
+
+    path: str
+    sample: float
+    index_directory: str | None = None  # as given to `plan_validation`
+    index: IndexFacts | None = None  # the index whose chunk files are checked by the rules
+    shards: ShardsFacts | None = None
+    faiss_index: FaissFacts | None = None
+    chunks: ChunkFiles | None = None  # the chunk database read (the index's, or the shards')
+    shard_entries: list = field(default_factory=list)  # shards checked
+    sampled_chunk_files: list = field(default_factory=list)
+    unsampled_chunk_files: list = field(default_factory=list)  # hashed unless a shard references one
+    embedding_files: list = field(default_factory=list)  # positions in index.embeddings
+    probes_per_file: int = INDEX_PROBES
+    listed_files: list = field(default_factory=list)  # (directory, entry) checked by hash only
+    lines: list = field(default_factory=list)  # what a passing validation prints
+
+    @property
+    def complete(self) -> bool:
+        return self.sample >= 1
+
+
+def _sample_note(sample: float, parts: list[str], listed: int) -> str:
+    if sample >= 1:
+        return ""
+    return f" (a sample: {', '.join(parts)}; sizes and sha256 of all {listed} files)"
+
+
+def _plan_index(plan: ValidationPlan, directory: str) -> None:
+    manifest = fileio.committed_manifest(directory, IndexManifest, error=_manifest_problem)
+    chunks = ChunkFiles(directory, manifest)
+    _require(
+        chunks.num_chunks == manifest.num_chunks,
+        f"{directory}: {chunks.num_chunks} chunk rows, manifest says {manifest.num_chunks}",
+        "manifest",
+    )
+    embeddings = in_file_order(manifest.files, "embeddings")
+    embedded = int(sum(entry.rows for entry in embeddings))
+    _require(
+        embedded == manifest.num_chunks,
+        f"{directory}: {embedded} embeddings for {manifest.num_chunks} chunks",
+        "manifest",
+    )
+    plan.chunks = chunks
+    starts = tuple(int(s) for s in np.cumsum([0] + [e.rows for e in embeddings]))
+    plan.index = IndexFacts(
+        directory,
+        manifest.chunk_tokens,
+        manifest.pad_id,
+        manifest.num_documents,
+        chunks,
+        tuple(embeddings),
+        starts,
+        manifest.dim,
+    )
+    plan.faiss_index = FaissFacts.of(directory, manifest, manifest.num_chunks)
+    chosen = {entry.path for entry in sampled(chunks.entries, plan.sample)}
+    plan.sampled_chunk_files = [i for i, entry in enumerate(chunks.entries) if entry.path in chosen]
+    plan.unsampled_chunk_files = [i for i, entry in enumerate(chunks.entries) if entry.path not in chosen]
+    chosen = {entry.path for entry in sampled(embeddings, plan.sample)}
+    plan.embedding_files = [i for i, entry in enumerate(embeddings) if entry.path in chosen]
+    plan.probes_per_file = max(1, INDEX_PROBES // max(1, len(plan.embedding_files)))
+    read = {entry.path for entry in chunks.entries} | chosen  # chunk files: see check_chunk_file
+    plan.listed_files += [(directory, entry) for entry in manifest.files if entry.path not in read]
+    note = _sample_note(
+        plan.sample,
+        [
+            f"{len(plan.sampled_chunk_files)} of {len(chunks.entries)} chunk files "
+            "(and any a sampled shard references)",
+            f"{len(plan.embedding_files)} of {len(embeddings)} embedding files",
+        ],
+        len(manifest.files),
+    )
+    plan.lines.append(
+        f"OK index {directory}{note}: {manifest.num_chunks} chunks from {manifest.num_documents} "
+        f"documents, {manifest.index_factory}, {manifest.recall_at_k.summary()}"
+    )
+
+
+def _check_shard_totals(directory: str, manifest: ShardsManifest, chunks_per_sequence: int) -> None:
+    """The manifest's totals against the sums of its shard entries (which `check_shard` holds
+    each shard to)."""
+    rows = sum(entry.rows for entry in manifest.shards)
+    _require(
+        rows == manifest.num_sequences,
+        f"{directory}: {rows} rows in the shards, manifest says {manifest.num_sequences}",
+        "manifest",
+    )
+    counts = [entry.neighbour_slots_filled for entry in manifest.shards]
+    if manifest.neighbour_fill is None or None in counts:
+        return
+    filled, slots = sum(counts), rows * chunks_per_sequence * manifest.neighbours
+    _require(
+        abs(manifest.neighbour_fill - (filled / slots if slots else 1.0)) < 1e-9,
+        f"{directory}: neighbour_fill {manifest.neighbour_fill} disagrees with the shards ({filled}/{slots})",
+        "manifest",
+    )
+
+
+def _plan_shards(plan: ValidationPlan, directory: str, index_directory: str) -> None:
+    manifest = fileio.committed_manifest(directory, ShardsManifest, error=_manifest_problem)
+    index_path = fileio.join(index_directory, MANIFEST_FILE)
+    index_bytes = fileio.read_bytes(index_path) if fileio.exists(index_path) else None
+    index_manifest = read_manifest(index_bytes, index_path, IndexManifest, error=_manifest_problem)
+    _require(
+        fileio.sha256_bytes(index_bytes) == manifest.index_manifest_sha256,
+        f"{directory}: built against a different index than {index_directory}",
+        "manifest",
+    )
+    m = manifest.chunk_tokens
+    _require(manifest.neighbour_tokens == 2 * m, f"{directory}: neighbour_tokens != 2 x chunk_tokens", "manifest")
+    plan.chunks = plan.chunks or ChunkFiles(index_directory, index_manifest)
+    plan.shards = ShardsFacts(
+        directory,
+        manifest.sequence_tokens,
+        m,
+        manifest.neighbours,
+        manifest.pad_id,
+        manifest.training_corpus == "same",
+        tuple((key, str(getattr(manifest, key))) for key in SHARD_METADATA_KEYS),
+        plan.chunks,
+    )
+    _check_shard_totals(directory, manifest, plan.shards.chunks_per_sequence)
+    plan.shard_entries = sampled(manifest.shards, plan.sample)
+    checked = {entry.path for entry in plan.shard_entries}
+    plan.listed_files += [(directory, entry) for entry in manifest.shards if entry.path not in checked]
+    L, k = plan.shards.chunks_per_sequence, manifest.neighbours
+    rows = sum(entry.rows for entry in plan.shard_entries)
+    counts = [entry.neighbour_slots_filled for entry in plan.shard_entries]
+    filled = "" if None in counts else f"{sum(counts)}/{rows * L * k} neighbour slots filled, "
+    total = len(manifest.shards)
+    if plan.complete:
+        head = f"OK shards {directory}: {rows} sequences in {total} shards"
+    else:
+        head = (
+            f"OK shards {directory} (a sample: {len(plan.shard_entries)} of {total} shards and the chunk "
+            f"files they reference; sizes and sha256 of all {total} shards): {rows} sequences in the sample"
+        )
+    plan.lines.append(
+        f"{head}, {filled}no same-document neighbour, neighbour tokens equal the chunk "
+        f"database; {manifest.neighbour_summary()}"
+    )
+
+
+def _plan_vector_index(plan: ValidationPlan, directory: str) -> None:
+    manifest = fileio.committed_manifest(directory, VectorIndexManifest, error=_manifest_problem)
+    plan.listed_files += [(directory, entry) for entry in manifest.files]
+    plan.faiss_index = FaissFacts.of(directory, manifest, manifest.num_vectors)
+    plan.lines.append(
+        f"OK vector index {directory}: {manifest.num_vectors} vectors, {manifest.index_factory}, "
+        f"{manifest.recall_at_k.measure} = {manifest.recall_at_k.value:.3f} at depth {manifest.nprobe}"
+    )
+
+
+def plan_validation(path: str, sample: float = 1.0, index_directory: str | None = None) -> ValidationPlan:
+    """The plan for an index dir, a shards dir (its index: `index_directory`, by default the
+    `index` beside it), or an output dir holding both; `sample` in (0, 1]."""
+    if not 0 < sample <= 1:
+        raise ValueError(f"sample {sample}: must be in (0, 1]")
+    plan = ValidationPlan(path, sample, index_directory)
+    manifest_path = fileio.join(path, MANIFEST_FILE)
+    if fileio.exists(manifest_path):
+        raw = fileio.committed_manifest(path, error=_manifest_problem)
+        if "shards" in raw:
+            index_directory = index_directory or posixpath.join(posixpath.dirname(path.rstrip("/")), "index")
+            _plan_shards(plan, path, index_directory)
+        elif "inputs" in raw:
+            _plan_vector_index(plan, path)
+        else:
+            _plan_index(plan, path)
+        return plan
+    index, shards = fileio.join(path, "index"), fileio.join(path, "shards")
+    found = [d for d in (index, shards) if fileio.exists(fileio.join(d, MANIFEST_FILE))]
+    _require(found, f"{path}: no manifest.json here, nor in {path}/index or {path}/shards", "manifest")
+    if index in found:
+        _plan_index(plan, index)
+    if shards in found:
+        _plan_shards(plan, shards, index)
+    return plan

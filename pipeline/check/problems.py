@@ -1,0 +1,86 @@
+"""What a failed check raises (`ValidationFailed`, with its kind), and reading a listed file
+after checking its size and sha256 against the manifest.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.common import fileio
+from schemas.arrow import (
+    SchemaVersionError,
+)
+from schemas.manifest import (
+    FileEntry,
+)
+
+
+class ValidationFailed(ValueError):
+    """The directory breaks a contract; the message names the file and the problem. `kind`
+    names the check that found it (a Beam job reports problems counted by kind)."""
+
+    def __init__(self, message: str, kind: str | None = None):
+        super().__init__(message)
+        self.kind = kind
+
+
+def _require(condition, message: str, kind: str | None = None) -> None:
+    if not condition:
+        raise ValidationFailed(message, kind)
+
+
+def _kind(kind: str):
+    """Problems a check raises are of this kind unless a step inside it named another."""
+
+    def wrap(check):
+        @functools.wraps(check)
+        def run(*args, **kwargs):
+            try:
+                return check(*args, **kwargs)
+            except ValidationFailed as problem:
+                problem.kind = problem.kind or kind
+                raise
+            except SchemaVersionError as err:  # a problem of the data like any other
+                raise ValidationFailed(str(err), kind) from None
+
+        return run
+
+    return wrap
+
+
+def _manifest_problem(message: str) -> ValidationFailed:
+    """What a missing, non-JSON or invalid manifest raises here (`read_manifest`'s `error`)."""
+    return ValidationFailed(message, "manifest")
+
+
+def _read_checked(directory: str, entry: FileEntry) -> bytes:
+    """A listed file's bytes, after checking its size and sha256 against the manifest."""
+    path = fileio.join(directory, entry.path)
+    _require(fileio.exists(path), f"{path}: listed in the manifest but missing", "file")
+    data = fileio.read_bytes(path)
+    _require(len(data) == entry.bytes, f"{path}: {len(data)} bytes, manifest says {entry.bytes}", "file")
+    _require(fileio.sha256_bytes(data) == entry.sha256, f"{path}: sha256 differs from the manifest", "file")
+    return data
+
+
+@_kind("file")
+def check_listed_file(directory: str, entry: FileEntry) -> None:
+    """Size and sha256 of a listed file, read block by block (never held whole)."""
+    path = fileio.join(directory, entry.path)
+    _require(fileio.exists(path), f"{path}: listed in the manifest but missing")
+    digest, size = fileio.sha256_file(path)
+    _require(size == entry.bytes, f"{path}: {size} bytes, manifest says {entry.bytes}")
+    _require(digest == entry.sha256, f"{path}: sha256 differs from the manifest")
+
+
+def _parquet(directory: str, entry: FileEntry) -> pa.Table:
+    table = pq.read_table(pa.BufferReader(_read_checked(directory, entry)))
+    _require(
+        table.num_rows == entry.rows,
+        f"{directory}/{entry.path}: {table.num_rows} rows, manifest says {entry.rows}",
+        "file",
+    )
+    return table

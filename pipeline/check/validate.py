@@ -1,0 +1,162 @@
+"""`validate`: check an index or shard directory end to end against docs/design.md §4-5.
+
+Every check is a function of one unit that reads the committed files themselves (never the
+pipeline's memory): a listed file, a shard, a chunk file with the references into it, an
+embedding file. The in-process check here and the Beam job (`pipeline.validate_job`) run the
+same functions, each holding one unit at a time:
+
+- every file a manifest lists: its size and sha256 (streamed, or while it is read below);
+- index: each chunk file against the rules, the rows across the boundaries between chunk
+  files (continuations), the document runs, each embedding file, then the faiss index
+  against probes taken from the embedding files checked;
+- shards: each shard; its neighbours (and, for `training_corpus: same`, the sequence's own
+  chunks) become references grouped by the chunk file holding their chunk (on local disk
+  here, a GroupByKey in the job), and each chunk file is read once to check them: tokens
+  equal the chunk database, no neighbour from the sequence's documents.
+
+With `sample` < 1, ceil(sample x count) shards, chunk files and embedding files are checked,
+chosen by a hash of their file names (the same ones every time, at least one of each), plus
+every chunk file the sampled shards reference; sizes and sha256 are still checked for every
+listed file.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pipeline.check.plan import ValidationPlan, plan_validation
+from pipeline.check.problems import check_listed_file
+from pipeline.check.rules import (
+    REFERENCE,
+    ReferenceBlock,
+    check_chunk_boundaries,
+    check_chunk_file,
+    check_document_runs,
+    check_embedding_file,
+    check_faiss_index,
+    check_seq_ranges,
+    check_shard,
+)
+
+PROBLEMS_KEPT = 10  # problems of each kind a failed Beam job reports in full
+
+REFERENCE_BLOCK = 65536  # references checked at a time against a chunk file
+
+
+class _References:
+    """Per chunk file, on local disk: the reference blocks of every shard checked, appended
+    (refs, their tokens [r, 2m], the doc ids), read back in blocks of REFERENCE_BLOCK."""
+
+    def __init__(self, root: str, width: int):
+        self.root, self.width, self.docs_written = root, width, {}
+
+    def _path(self, number: int, kind: str) -> str:
+        return os.path.join(self.root, f"{number}.{kind}")
+
+    def add(self, number: int, block: ReferenceBlock) -> None:
+        refs = block.refs.copy()
+        refs["docs_start"] += self.docs_written.get(number, 0)
+        for kind, array in (("refs", refs), ("values", block.values), ("docs", block.docs)):
+            with open(self._path(number, kind), "ab") as f:
+                f.write(np.ascontiguousarray(array).tobytes())
+        self.docs_written[number] = self.docs_written.get(number, 0) + len(block.docs)
+
+    def __contains__(self, number: int) -> bool:
+        return number in self.docs_written
+
+    def files(self) -> list[int]:
+        return sorted(self.docs_written)
+
+    def blocks(self, number: int):
+        refs = np.memmap(self._path(number, "refs"), REFERENCE, "r")
+        values = np.memmap(self._path(number, "values"), np.int32, "r").reshape(-1, self.width)
+        docs = np.memmap(self._path(number, "docs"), np.int64, "r")
+        for begin in range(0, len(refs), REFERENCE_BLOCK):
+            yield ReferenceBlock(
+                np.array(refs[begin : begin + REFERENCE_BLOCK]), np.array(values[begin : begin + REFERENCE_BLOCK]), docs
+            )
+
+
+def check_in_process(plan: ValidationPlan) -> list[str]:
+    """Run the plan in this process, one unit at a time (references on local disk); raises
+    ValidationFailed at the first problem, else returns the plan's lines."""
+    for directory, entry in plan.listed_files:
+        check_listed_file(directory, entry)
+    with tempfile.TemporaryDirectory(prefix="ratrain-validate-") as scratch:
+        references = _References(scratch, 2 * plan.shards.chunk_tokens if plan.shards else 0)
+        ranges = []
+        for entry in plan.shard_entries:
+            result = check_shard(plan.shards, entry)
+            for number, block in result.references.items():
+                references.add(number, block)
+            ranges.append((result.first_seq, result.last_seq, result.path))
+        check_seq_ranges(ranges)
+        summaries, chosen = [], set(plan.sampled_chunk_files)
+        for number in sorted(chosen | set(plan.unsampled_chunk_files) | set(references.files())):
+            blocks = references.blocks(number) if number in references else None
+            summaries += check_chunk_file(plan.chunks, number, blocks, plan.index, number in chosen)
+    if plan.index is not None:
+        check_chunk_boundaries(plan.index, [s.ends for s in summaries])
+        starts = np.concatenate([s.doc_starts for s in summaries]) if summaries else np.zeros(0, np.int64)
+        check_document_runs(plan.index, len(starts), len(np.unique(starts)), len(summaries))
+    probes = [check_embedding_file(plan.index, position, plan.probes_per_file) for position in plan.embedding_files]
+    if plan.faiss_index is not None:
+        check_faiss_index(plan.faiss_index, probes)
+    return list(plan.lines)
+
+
+def validate_index(directory: str) -> str:
+    return check_in_process(plan_validation(directory))[0]
+
+
+def validate_shards(directory: str, index_directory: str | None = None) -> str:
+    return check_in_process(plan_validation(directory, index_directory=index_directory))[0]
+
+
+def validate_path(path: str, sample: float = 1.0) -> list[str]:
+    """Validate an index dir, a shards dir, or an output dir holding both, in this process."""
+    return check_in_process(plan_validation(path, sample))
+
+
+@dataclass
+class Problems:
+    """Problems counted by kind, keeping the PROBLEMS_KEPT first of each in sorted order (the
+    same report however the work was split)."""
+
+    counts: dict = field(default_factory=dict)
+    kept: dict = field(default_factory=dict)
+
+    def add(self, kind: str, message: str) -> Problems:
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+        self.kept[kind] = sorted(self.kept.get(kind, []) + [message])[:PROBLEMS_KEPT]
+        return self
+
+    def merge(self, other: Problems) -> Problems:
+        for kind, count in other.counts.items():
+            self.counts[kind] = self.counts.get(kind, 0) + count
+            self.kept[kind] = sorted(self.kept.get(kind, []) + other.kept[kind])[:PROBLEMS_KEPT]
+        return self
+
+    def verdict(self, path: str, passed_lines: list[str]) -> Verdict:
+        return Verdict(not self.counts, tuple(self.report(path) if self.counts else passed_lines))
+
+    def report(self, path: str) -> list[str]:
+        """'FAILED path: 3 problems (2 reference, 1 file)' and one line per problem kept."""
+        total = sum(self.counts.values())
+        kinds = ", ".join(f"{count} {kind}" for kind, count in sorted(self.counts.items()))
+        lines = [f"FAILED {path}: {total} problem{'s' if total != 1 else ''} ({kinds})"]
+        for kind in sorted(self.counts):
+            lines += [f"  {kind}: {message}" for message in self.kept[kind]]
+            if self.counts[kind] > len(self.kept[kind]):
+                lines.append(f"  {kind}: ... and {self.counts[kind] - len(self.kept[kind])} more")
+        return lines
+
+
+@dataclass(frozen=True)
+class Verdict:
+    passed: bool
+    lines: tuple  # the plan's lines, or the report of the problems found

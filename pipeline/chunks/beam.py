@@ -1,0 +1,87 @@
+"""`ChunkDocuments`: documents into chunks with dense chunk ids, in Beam.
+
+Ids are assigned per doc-id bucket (`chunking.bucket_of`): a prefix sum over the buckets'
+chunk counts gives each bucket its first id, and within a bucket documents take ids in doc-id
+order, so no step holds a table of all documents.
+"""
+
+from __future__ import annotations
+
+import apache_beam as beam
+from apache_beam.metrics import Metrics
+
+from pipeline.chunks.chunking import (
+    BUCKET_BITS,
+    TOKENIZE_BATCH,
+    bucket_of,
+    chunk_document,
+    chunk_offsets,
+    load_tokenizer,
+    num_chunks,
+    tokenize_batch,
+)
+from pipeline.corpus.records import METRICS_NAMESPACE, Document, Rejected
+
+
+class _Tokenize(beam.DoFn):
+    """Batches of documents -> (doc_id, tokens); a document with no tokens is rejected."""
+
+    def __init__(self, tokenizer_path: str):
+        self.tokenizer_path = tokenizer_path
+        self.tokens = Metrics.counter(METRICS_NAMESPACE, "tokens")
+
+    def setup(self):
+        self.tokenizer = load_tokenizer(self.tokenizer_path)
+
+    def process(self, docs: list[Document]):
+        for doc, tokens in zip(docs, tokenize_batch(self.tokenizer, [d.text for d in docs])):
+            if len(tokens) == 0:
+                Metrics.counter(METRICS_NAMESPACE, "rejected_no_tokens").inc()
+                yield beam.pvalue.TaggedOutput(
+                    "rejected", Rejected(doc.source, doc.position, "no_tokens", doc.text[:200])
+                )
+                continue
+            self.tokens.inc(len(tokens))
+            yield doc.doc_id, tokens
+
+
+def _cut_bucket(keyed, offsets: dict[int, int], m: int, pad_id: int):
+    """One bucket's documents, numbered in doc-id order from the bucket's first chunk id."""
+    bucket, docs = keyed
+    next_id = offsets[bucket]
+    for doc_id, tokens in sorted(docs, key=lambda d: d[0]):
+        Metrics.counter(METRICS_NAMESPACE, "documents_chunked").inc()
+        yield from chunk_document(doc_id, tokens, next_id, m, pad_id)
+        next_id += num_chunks(len(tokens), m)
+
+
+class ChunkDocuments(beam.PTransform):
+    """Documents -> (Chunk rows with dense stable ids, rejected documents)."""
+
+    def __init__(self, tokenizer_path: str, chunk_tokens: int, pad_id: int, bucket_bits: int = BUCKET_BITS):
+        super().__init__()
+        self.tokenizer_path, self.m, self.pad_id = tokenizer_path, chunk_tokens, pad_id
+        self.bucket_bits = bucket_bits
+
+    def expand(self, documents):
+        tokenized = (
+            documents
+            | "BatchDocuments" >> beam.BatchElements(min_batch_size=1, max_batch_size=TOKENIZE_BATCH)
+            | "Tokenize" >> beam.ParDo(_Tokenize(self.tokenizer_path)).with_outputs("rejected", main="tokens")
+        )
+        m, bits = self.m, self.bucket_bits
+        by_bucket = tokenized.tokens | "KeyByBucket" >> beam.Map(lambda d: (bucket_of(d[0], bits), d))
+        offsets = (
+            by_bucket
+            | "CountChunks" >> beam.Map(lambda b: (b[0], num_chunks(len(b[1][1]), m)))
+            | "ChunksPerBucket" >> beam.CombinePerKey(sum)
+            | "CollectBuckets" >> beam.combiners.ToList()
+            | "BucketOffsets" >> beam.Map(chunk_offsets)
+        )
+        chunks = (
+            by_bucket
+            | "GroupBuckets" >> beam.GroupByKey()
+            | "CutChunks"
+            >> beam.FlatMap(_cut_bucket, offsets=beam.pvalue.AsSingleton(offsets), m=m, pad_id=self.pad_id)
+        )
+        return chunks, tokenized.rejected

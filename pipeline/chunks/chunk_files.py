@@ -1,0 +1,89 @@
+"""The chunk database as files: which file holds a chunk id, and reading one file's columns
+(`chunk_arrays`: the one reader of chunk rows, for the lookups here, `validate` and the
+build-shards job).
+
+Chunk ids are dense and `chunks-NNNNN.parquet` holds the ids NNNNN·R ... in order
+(`validate_index` checks both), so the manifest's row counts say where every id lives. A
+lookup by chunk id is then a shuffle of the requests by file plus one read of that file.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from pipeline.common import fileio
+from schemas.arrow import tensor_column_to_numpy
+
+CHUNK_COLUMNS = ("chunk_id", "doc_id", "position", "tokens", "continuation")  # schemas.arrow.chunk_schema
+
+
+TENSOR_COLUMNS = ("tokens", "continuation")
+
+
+def chunk_arrays(table, columns=CHUNK_COLUMNS) -> dict[str, np.ndarray]:
+    """Columns of a chunk file's table (or of a batch of its rows) as numpy arrays by column
+    name: chunk_id, doc_id, position [rows]; tokens, continuation [rows, m] (zero-copy if it can)."""
+    return {c: (tensor_column_to_numpy(table[c]) if c in TENSOR_COLUMNS else table[c].to_numpy()) for c in columns}
+
+
+def in_file_order(entries, prefix: str) -> list:
+    """The manifest entries of `prefix/` files by their number (`name-NNNNN.ext`)."""
+
+    def number(entry):
+        found = re.search(r"-(\d+)\.\w+$", entry.path)
+        return int(found.group(1)) if found else -1
+
+    return sorted((e for e in entries if e.path.startswith(prefix + "/")), key=number)
+
+
+@dataclass(frozen=True)
+class ChunkFileRanges:
+    """Where each chunk id of an index directory lives (small and picklable: it travels with
+    the transforms that look chunks up)."""
+
+    directory: str  # the index directory
+    paths: tuple[str, ...]  # chunk files relative to it, in chunk-id order
+    starts: tuple[int, ...]  # file f holds ids starts[f] ... starts[f + 1] - 1
+
+    @classmethod
+    def from_entries(cls, directory: str, entries) -> ChunkFileRanges:
+        """From an index manifest's file entries (anything with .path and .rows)."""
+        ordered = in_file_order(entries, "chunks")
+        return cls(
+            directory, tuple(e.path for e in ordered), tuple(int(s) for s in np.cumsum([0] + [e.rows for e in ordered]))
+        )
+
+    @property
+    def num_chunks(self) -> int:
+        return self.starts[-1]
+
+    def file_of(self, chunk_id: int) -> int:
+        """The number of the file holding `chunk_id`; an error for an id not in the database."""
+        if not 0 <= chunk_id < self.num_chunks:
+            raise ValueError(
+                f"chunk id {chunk_id} is not in the chunk database at {self.directory} ({self.num_chunks} chunks)"
+            )
+        return bisect.bisect_right(self.starts, chunk_id) - 1
+
+    def files_of(self, chunk_ids: np.ndarray) -> np.ndarray:
+        """file_of for an array of ids (unchecked)."""
+        return np.searchsorted(np.asarray(self.starts), chunk_ids, side="right") - 1
+
+    def read(self, number: int, columns: list[str]) -> dict[str, np.ndarray]:
+        """These columns of file `number` (tensor columns as [rows, width] arrays), after
+        checking that it holds the ids the manifest puts there."""
+        path = fileio.join(self.directory, self.paths[number])
+        with fileio.open_read(path) as f:
+            table = pq.ParquetFile(f).read(columns=["chunk_id", *columns])
+        start, end = self.starts[number], self.starts[number + 1]
+        if not np.array_equal(table["chunk_id"].to_numpy(), np.arange(start, end)):
+            raise ValueError(
+                f"{path} does not hold the chunk ids {start}..{end - 1} its manifest "
+                "implies: run `ratrain-pipeline validate` on the index"
+            )
+        return chunk_arrays(table, columns)

@@ -1,0 +1,138 @@
+"""Deterministic file writers: rows are grouped by id range, sorted, and written under stable
+names, so a file's bytes never depend on bundling or on the number of workers."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from collections.abc import Callable
+
+import apache_beam as beam
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.chunks.chunking import Chunk
+from pipeline.common import fileio
+from pipeline.corpus.records import Rejected
+from schemas.arrow import chunk_schema, embedding_schema, fixed_size_list
+
+
+def chunks_table(chunks: list[Chunk], m: int) -> pa.Table:
+    return pa.Table.from_arrays(
+        [
+            pa.array([c.chunk_id for c in chunks], pa.int64()),
+            pa.array([c.doc_id for c in chunks], pa.int64()),
+            pa.array([c.position for c in chunks], pa.int32()),
+            fixed_size_list(np.stack([c.tokens for c in chunks]), m),
+            fixed_size_list(np.stack([c.continuation for c in chunks]), m),
+        ],
+        schema=chunk_schema(m),
+    )
+
+
+def embeddings_table(rows: list[tuple[int, np.ndarray]]) -> pa.Table:
+    vectors = np.stack([r[1] for r in rows]).astype(np.float32)
+    return pa.Table.from_arrays(
+        [pa.array([r[0] for r in rows], pa.int64()), fixed_size_list(vectors, vectors.shape[1])],
+        schema=embedding_schema(vectors.shape[1]),
+    )
+
+
+def parquet_bytes(table: pa.Table) -> bytes:
+    sink = io.BytesIO()
+    pq.write_table(table, sink, compression="zstd")
+    return sink.getvalue()
+
+
+def write_file(directory: str, name: str, data: bytes, rows: int, relative_to: str) -> dict:
+    """Write one file; return its manifest entry (path relative to the stage directory)."""
+    path = fileio.join(directory, name)
+    fileio.write_bytes(path, data)
+    relative = path[len(relative_to.rstrip("/")) + 1 :]
+    return {"path": relative, "rows": rows, "bytes": len(data), "sha256": fileio.sha256_bytes(data)}
+
+
+class WriteGroupedFiles(beam.PTransform):
+    """Rows -> files `<directory>/<prefix>-NNNNN.<ext>`, file NNNNN holding the rows with
+    `key(row) // rows_per_file == NNNNN`, sorted by key. Yields manifest entries, with what
+    `facts(rows)` says of the rows written added to each (facts from the data, not metrics)."""
+
+    def __init__(
+        self,
+        directory: str,
+        relative_to: str,
+        prefix: str,
+        extension: str,
+        key: Callable,
+        rows_per_file: int,
+        to_bytes: Callable[[list], bytes],
+        facts: Callable[[list], dict] | None = None,
+    ):
+        super().__init__()
+        self.directory, self.relative_to = directory, relative_to
+        self.prefix, self.extension = prefix, extension
+        self.key, self.rows_per_file, self.to_bytes = key, rows_per_file, to_bytes
+        self.facts = facts
+
+    def expand(self, rows):
+        key, per_file = self.key, self.rows_per_file
+
+        def write(group):
+            number, members = group
+            members = sorted(members, key=key)
+            entry = write_file(
+                self.directory,
+                f"{self.prefix}-{number:05d}.{self.extension}",
+                self.to_bytes(members),
+                len(members),
+                self.relative_to,
+            )
+            return {**entry, **(self.facts(members) if self.facts else {})}
+
+        return (
+            rows
+            | "KeyByFile" >> beam.Map(lambda row: (key(row) // per_file, row))
+            | "GroupByFile" >> beam.GroupByKey()
+            | "WriteFile" >> beam.Map(write)
+        )
+
+
+def rejected_jsonl(records: list[Rejected]) -> bytes:
+    ordered = sorted(records, key=lambda r: (r.source, r.position, r.reason))
+    return "".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in ordered).encode()
+
+
+REJECTED_FILES = 256  # rejected records spread over this many files by a hash of their source
+
+
+def rejected_file_of(record: Rejected) -> int:
+    """The file a rejected record goes to: a stable hash of its source file, so one input
+    file's records stay together and no worker gathers them all."""
+    digest = hashlib.blake2b(record.source.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % REJECTED_FILES
+
+
+class WriteRejected(beam.PTransform):
+    """Rejected records -> `<directory>/<name>-NNNNN.jsonl`, NNNNN chosen by `rejected_file_of`,
+    each sorted by (source, position, reason); written by whichever workers hold them."""
+
+    def __init__(self, directory: str, name: str):
+        super().__init__()
+        self.directory, self.name = directory, name
+
+    def expand(self, rejected):
+        def write(group):
+            number, records = group
+            records = list(records)
+            return write_file(
+                self.directory, f"{self.name}-{number:05d}.jsonl", rejected_jsonl(records), len(records), self.directory
+            )
+
+        return (
+            rejected
+            | "KeyByRejectedFile" >> beam.Map(lambda r: (rejected_file_of(r), r))
+            | "GroupRejected" >> beam.GroupByKey()
+            | "WriteRejectedFile" >> beam.Map(write)
+        )

@@ -1,0 +1,266 @@
+"""Read corpora (JSONL, Parquet, plain text; plain or gzip) into documents.
+
+Files are read as streams, record by record, so a worker's memory does not grow with a file's
+size; an uncompressed JSONL or Parquet file larger than `SPLIT_BYTES` is cut into ranges that
+several workers parse (`FileRange`). Pure functions turn one range into `Document`s or
+`Rejected` records; `ReadCorpus` only lists, splits and fans out. A record that cannot be used is
+never dropped silently: it becomes a `Rejected` with its source, position and reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import posixpath
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import replace
+from typing import BinaryIO
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from apache_beam.io.filesystem import CompressionTypes
+from apache_beam.io.filesystems import FileSystems
+
+from pipeline.corpus.records import EXCERPT_CHARS, Document, FileRange, Record, Rejected, _excerpt, doc_id_for
+from schemas.config import CorpusConfig
+
+SPLIT_BYTES = 64 << 20  # an uncompressed JSONL or Parquet file larger than this is read in ranges
+
+
+PARQUET_BATCH_ROWS = 1024  # rows decoded at a time: bounds memory for long documents
+
+
+COUNT_BLOCK_BYTES = 1 << 20  # read size when counting the lines before a range
+
+
+def glob_base(pattern: str) -> str:
+    """The directory part of a glob before its first wildcard: identities are relative to it,
+    so moving a corpus does not change its doc ids."""
+    head = re.split(r"[*?\[]", pattern, maxsplit=1)[0]
+    return head if head.endswith("/") else posixpath.dirname(head) + "/"
+
+
+def _document(text, identity: str, source: str, position: int, raw) -> Record:
+    if not isinstance(text, str):
+        reason = "missing_text" if text is None else "text_not_a_string"
+        return Rejected(source, position, reason, _excerpt(raw))
+    if not text.strip():
+        return Rejected(source, position, "empty_text", _excerpt(raw))
+    return Document(doc_id_for(identity), identity, text, source, position)
+
+
+def _identity(record: dict, id_field: str | None, relative: str, position: int) -> str | None:
+    if id_field is None:
+        return f"{relative}:{position}"
+    value = record.get(id_field)
+    if value is None or isinstance(value, (dict, list)):
+        return None
+    return str(value)
+
+
+def parse_jsonl(
+    lines: Iterable[bytes], cfg: CorpusConfig, source: str, relative: str, first_line: int = 1
+) -> Iterator[Record]:
+    """One JSON object per line (lines end in \\n); `first_line` numbers the first one."""
+    for number, line in enumerate(lines, start=first_line):
+        line = line.rstrip(b"\r\n")
+        if not line.strip():
+            continue
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError:
+            yield Rejected(source, number, "invalid_utf8", _excerpt(line[:EXCERPT_CHARS]))
+            continue
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError:
+            yield Rejected(source, number, "malformed_json", _excerpt(text))
+            continue
+        if not isinstance(record, dict):
+            yield Rejected(source, number, "not_an_object", _excerpt(text))
+            continue
+        identity = _identity(record, cfg.id_field, relative, number)
+        if identity is None:
+            yield Rejected(source, number, "missing_id", _excerpt(text))
+            continue
+        yield _document(record.get(cfg.text_field), identity, source, number, text)
+
+
+def _schema_problem(schema: pa.Schema, cfg: CorpusConfig) -> str | None:
+    """Why a Parquet file's schema cannot give documents, or None: a missing text or id column,
+    or a text column that does not hold strings."""
+    missing = [f for f in (cfg.text_field, cfg.id_field) if f and f not in schema.names]
+    if missing:
+        return f"missing column(s) {missing}; has {schema.names}"
+    text_type = schema.field(cfg.text_field).type
+    if pa.types.is_dictionary(text_type):
+        text_type = text_type.value_type
+    if not (pa.types.is_string(text_type) or pa.types.is_large_string(text_type) or pa.types.is_string_view(text_type)):
+        return f"column {cfg.text_field!r} is {text_type}, not string"
+    return None
+
+
+def parse_parquet(
+    parquet: pq.ParquetFile,
+    cfg: CorpusConfig,
+    source: str,
+    relative: str,
+    row_groups: range | None = None,
+    first_row: int = 0,
+) -> Iterator[Record]:
+    """One row per document; positions are row numbers of the file, starting at 0."""
+    problem = _schema_problem(parquet.schema_arrow, cfg)
+    if problem:  # the whole file is refused (by its first range only): say how many rows that is
+        if row_groups is None or row_groups.start == 0:
+            yield Rejected(
+                source, -1, "wrong_schema", f"{problem}; rows in file: {parquet.metadata.num_rows}"[:EXCERPT_CHARS]
+            )
+        return
+    columns = [c for c in (cfg.text_field, cfg.id_field) if c]
+    row = first_row
+    for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns, row_groups=row_groups):
+        for record in batch.to_pylist():
+            identity = _identity(record, cfg.id_field, relative, row)
+            if identity is None:
+                yield Rejected(source, row, "missing_id", _excerpt(record))
+            else:
+                yield _document(record[cfg.text_field], identity, source, row, record)
+            row += 1
+
+
+def parse_text(data: bytes, cfg: CorpusConfig, source: str, relative: str) -> Iterator[Record]:
+    """A whole file is one document; its identity is its relative path."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        yield Rejected(source, 0, "invalid_utf8", _excerpt(data[:EXCERPT_CHARS]))
+        return
+    yield _document(text, relative, source, 0, text)
+
+
+@contextlib.contextmanager
+def open_input(path: str) -> Iterator[BinaryIO]:
+    """A stream of the file's bytes, gunzipped as they are read when its name ends in .gz."""
+    with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as raw:
+        if not path.endswith(".gz"):
+            yield raw
+            return
+        with gzip.GzipFile(fileobj=raw, mode="rb") as unzipped:
+            yield unzipped
+
+
+def lines_in_range(f: BinaryIO, start: int, end: int | None) -> tuple[bool, Iterator[bytes]]:
+    """(whether a line that began before `start` was skipped, the lines whose first byte lies in
+    [start, end)). A stream that cannot seek is read from its start (start must be 0)."""
+    skipped = False
+    if start > 0:
+        f.seek(start - 1)
+        if f.read(1) != b"\n":
+            start += len(f.readline())
+            skipped = True
+
+    def lines():
+        offset = start
+        for line in f:
+            if end is not None and offset >= end:
+                return
+            yield line
+            offset += len(line)
+
+    return skipped, lines()
+
+
+def count_lines(path: str, start: int, end: int) -> int:
+    """The number of line ends in bytes [start, end) of an uncompressed file."""
+    count = 0
+    with open_input(path) as f:
+        f.seek(start)
+        remaining = end - start
+        while remaining > 0:
+            block = f.read(min(COUNT_BLOCK_BYTES, remaining))
+            if not block:
+                break
+            count += block.count(b"\n")
+            remaining -= len(block)
+    return count
+
+
+def _records(r: FileRange, cfg: CorpusConfig, f: BinaryIO) -> Iterator[Record]:
+    if cfg.format == "jsonl":
+        skipped, lines = lines_in_range(f, r.start, r.end)
+        yield from parse_jsonl(lines, cfg, r.path, r.relative, r.records_before + 1 + skipped)
+    elif cfg.format == "parquet":
+        parquet = pq.ParquetFile(f)
+        groups = None if r.end is None else range(r.start, r.end)
+        yield from parse_parquet(parquet, cfg, r.path, r.relative, groups, r.records_before)
+    else:
+        yield from parse_text(f.read(), cfg, r.path, r.relative)
+
+
+def parse_range(r: FileRange, cfg: CorpusConfig) -> Iterator[Record]:
+    """Every record of one range, streamed. A file that cannot be read becomes one Rejected
+    record: at position -1 when nothing of it was read, else at the position where reading
+    broke off (the records before it are kept)."""
+    position = -1
+    try:
+        with open_input(r.path) as f:
+            for record in _records(r, cfg, f):
+                position = record.position
+                yield record
+    except (OSError, EOFError, ValueError) as err:  # gzip, parquet and I/O errors
+        at = -1 if position == -1 else position + 1
+        yield Rejected(r.path, at, "unreadable_file", f"{type(err).__name__}: {err}"[:EXCERPT_CHARS])
+
+
+def parse_file(path: str, base: str, cfg: CorpusConfig) -> Iterator[Record]:
+    """Every record of one whole file."""
+    return parse_range(FileRange(path, base), cfg)
+
+
+def split_file(path: str, base: str, size: int, cfg: CorpusConfig, split_bytes: int = SPLIT_BYTES) -> list[FileRange]:
+    """The ranges one file is read in: byte ranges of an uncompressed JSONL file (lines before
+    each not yet counted), groups of row groups of about `split_bytes` of a Parquet file, else
+    the whole file."""
+    whole = [FileRange(path, base)]
+    if size <= split_bytes or path.endswith(".gz") or cfg.format == "text":
+        return whole
+    if cfg.format == "jsonl":
+        return [
+            FileRange(path, base, start, min(start + split_bytes, size), None) for start in range(0, size, split_bytes)
+        ]
+    try:
+        with open_input(path) as f:
+            meta = pq.ParquetFile(f).metadata
+    except (OSError, ValueError):
+        return whole  # parse_range reports it
+    sizes = np.array([meta.row_group(g).total_byte_size for g in range(meta.num_row_groups)])
+    rows = np.array([meta.row_group(g).num_rows for g in range(meta.num_row_groups)])
+    cut = np.flatnonzero(np.diff(np.cumsum(sizes) // split_bytes)) + 1  # first group of each range
+    starts = [0, *cut.tolist()]
+    ends = [*cut.tolist(), meta.num_row_groups]
+    return [FileRange(path, base, s, e, int(rows[:s].sum())) for s, e in zip(starts, ends)]
+
+
+def number_ranges(keyed: tuple[str, Iterable[tuple[FileRange, int]]]) -> Iterator[FileRange]:
+    """The byte ranges of one JSONL file with their line ends counted -> the ranges with the
+    lines before each (a prefix sum in file order)."""
+    _, counted = keyed
+    before = 0
+    for r, lines in sorted(counted, key=lambda rc: rc[0].start):
+        yield replace(r, records_before=before)
+        before += lines
+
+
+def match_corpus(cfg: CorpusConfig) -> list[tuple[str, str, int]]:
+    """(path, glob base, size in bytes) of every file the globs match, sorted; error if a glob
+    matches nothing."""
+    files = {}
+    for pattern, result in zip(cfg.paths, FileSystems.match(cfg.paths)):
+        if not result.metadata_list:
+            raise FileNotFoundError(f"input glob matches no file: {pattern}")
+        for meta in result.metadata_list:
+            files.setdefault(meta.path, (glob_base(pattern), meta.size_in_bytes))
+    return sorted((path, base, size) for path, (base, size) in files.items())

@@ -1,0 +1,78 @@
+"""The records reading produces: `Document`, `Rejected` (with its reason and an excerpt),
+`FileRange` (the part of one input file a worker parses), and the rejected-share rule.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import posixpath
+from dataclasses import dataclass
+
+METRICS_NAMESPACE = "ratrain"
+
+
+EXCERPT_CHARS = 200
+
+
+@dataclass(frozen=True)
+class Document:
+    doc_id: int  # stable 64-bit id derived from `identity`
+    identity: str  # id_field value, or "<relative path>:<line>"
+    text: str
+    source: str
+    position: int  # line (jsonl), row (parquet) or 0 (text)
+
+
+@dataclass(frozen=True)
+class Rejected:
+    source: str
+    position: int
+    reason: str
+    excerpt: str
+
+    def to_json(self) -> dict:
+        return {"source": self.source, "position": self.position, "reason": self.reason, "excerpt": self.excerpt}
+
+
+Record = Document | Rejected
+
+
+@dataclass(frozen=True)
+class FileRange:
+    """The part of one input file that one worker parses.
+
+    JSONL: bytes [start, end); a line belongs to the range that holds its first byte.
+    Parquet: row groups [start, end). end None: to the end of the file.
+    records_before: lines (JSONL) or rows (Parquet) of the file before `start`, which number the
+    range's records as if the file were read whole; None until they are counted."""
+
+    path: str
+    base: str
+    start: int = 0
+    end: int | None = None
+    records_before: int | None = 0
+
+    @property
+    def relative(self) -> str:
+        return posixpath.relpath(self.path, self.base) if self.path.startswith(self.base) else self.path
+
+
+def doc_id_for(identity: str) -> int:
+    """Stable non-negative 64-bit id (fits int64) of a document identity."""
+    digest = hashlib.blake2b(identity.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "big") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def _excerpt(value) -> str:
+    text = value if isinstance(value, str) else repr(value)
+    return text[:EXCERPT_CHARS]
+
+
+def rejected_share(counters: dict[str, int]) -> tuple[int, int]:
+    """(records rejected, input records) of a job, from its counters."""
+    rejected = sum(v for k, v in counters.items() if k.startswith("rejected_"))
+    refused_unread = rejected - sum(counters.get(k, 0) for k in AFTER_PARSING)
+    return rejected, counters.get("documents_read", 0) + refused_unread
+
+
+AFTER_PARSING = ("rejected_duplicate_id", "rejected_no_tokens")  # of documents already read

@@ -1,0 +1,117 @@
+"""Embed chunks with a frozen sentence-transformers encoder through Beam `RunInference`.
+
+Batches are formed from chunk-id ranges (`chunk_id // batch_size`), not from bundles: the
+encoder's output depends on batch composition at the 1e-7 level, so this is what keeps the
+embeddings byte-identical whatever the runner or the number of workers. On a CPU it also
+depends on the number of intra-op threads (matrix kernels split their sums by thread
+count, e.g. AMX kernels on small batches), so every encoder call runs with the job's fixed
+thread count (`options.encoder_threads`), recorded in the manifest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import apache_beam as beam
+import numpy as np
+from apache_beam.metrics import Metrics
+from apache_beam.ml.inference.base import ModelHandler, RunInference
+
+from pipeline.chunks.chunking import load_tokenizer
+from pipeline.corpus.records import METRICS_NAMESPACE
+from pipeline.embed.encoder import chunk_texts, encode_texts, load_encoder, resolve_precision, torch_threads
+from pipeline.embed.precision import PRECISION_SALT, _in_sample, check_precision
+from schemas.config import EmbeddingConfig
+
+
+class SentenceEncoderHandler(ModelHandler):
+    """RunInference handler; one element = one pre-formed batch (chunk ids, texts).
+
+    The model is loaded once per worker process by RunInference (Beam `Shared`); on GPU
+    runners `model_copies=1` shares one copy between a machine's processes.
+    """
+
+    def __init__(self, cfg: EmbeddingConfig, threads: int | None, model_copies: int | None = None):
+        # One element is already a batch, so RunInference must not batch again.
+        super().__init__(min_batch_size=1, max_batch_size=1, model_copies=model_copies)
+        self.cfg, self.threads = cfg, threads
+
+    def load_model(self):
+        return load_encoder(self.cfg)
+
+    def run_inference(self, batch, model, inference_args=None) -> Iterable:
+        precision = resolve_precision(self.cfg.precision, self.cfg.device)
+        for chunk_ids, texts in batch:
+            with torch_threads(self.threads):
+                embeddings = encode_texts(model, texts, self.cfg.batch_size, precision)
+            yield chunk_ids, embeddings
+
+    def get_num_bytes(self, batch) -> int:
+        return sum(len(t) for _, texts in batch for t in texts)
+
+    def get_metrics_namespace(self) -> str:
+        return "EmbedChunks"
+
+
+class _PrepareBatch(beam.DoFn):
+    def __init__(self, tokenizer_path: str):
+        self.tokenizer_path = tokenizer_path
+
+    def setup(self):
+        self.tokenizer = load_tokenizer(self.tokenizer_path)
+
+    def process(self, keyed):
+        _, chunks = keyed
+        chunks = sorted(chunks, key=lambda c: c.chunk_id)
+        yield (np.array([c.chunk_id for c in chunks], dtype=np.int64), chunk_texts(self.tokenizer, chunks))
+
+
+def _split_batch(result):
+    chunk_ids, embeddings = result
+    Metrics.counter(METRICS_NAMESPACE, "chunks_embedded").inc(len(chunk_ids))
+    yield from zip(chunk_ids.tolist(), embeddings)
+
+
+class EmbedChunks(beam.PTransform):
+    """Chunk rows -> ((chunk_id, float32 embedding [d]), precision check report), batched by
+    chunk-id range, encoded in `embedding.precision` with `threads` intra-op threads on a CPU.
+    With `embedding.accelerator` set, the stage carries that Beam resource hint (GPU workers).
+
+    The check: `precision_sample` chunks (the smallest hashes of their ids, so the same ones
+    whatever the bundling) are embedded again in float32 and compared with what was stored."""
+
+    def __init__(self, cfg: EmbeddingConfig, tokenizer_path: str, threads: int | None):
+        super().__init__()
+        self.cfg, self.tokenizer_path, self.threads = cfg, tokenizer_path, threads
+        if cfg.accelerator:
+            self.with_resource_hints(accelerator=cfg.accelerator)
+
+    def expand(self, chunks):
+        from pipeline.index.sampling import sample_keys
+
+        cfg, size = self.cfg, self.cfg.batch_size
+        embeddings = (
+            chunks
+            | "KeyByBatch" >> beam.Map(lambda c: (c.chunk_id // size, c))
+            | "GroupBatches" >> beam.GroupByKey()
+            | "DecodeTexts" >> beam.ParDo(_PrepareBatch(self.tokenizer_path))
+            | "Encode" >> RunInference(SentenceEncoderHandler(cfg, self.threads, cfg.model_copies))
+            | "SplitBatches" >> beam.FlatMap(_split_batch)
+        )
+        sample = (
+            chunks
+            | "KeyForPrecisionCheck"
+            >> beam.Map(lambda c: (int(sample_keys(np.array([c.chunk_id]), PRECISION_SALT)[0]), c.chunk_id, c))
+            | "PrecisionSample" >> beam.combiners.Top.Smallest(cfg.precision_sample, key=lambda s: s[:2])
+            | "SampleChunks" >> beam.Map(lambda picked: [(key, chunk) for key, _, chunk in picked])
+        )
+        sampled = sample | "SampledIds" >> beam.Map(lambda picked: {c.chunk_id for _, c in picked})
+        stored = (
+            embeddings
+            | "StoredForCheck" >> beam.Filter(_in_sample, beam.pvalue.AsSingleton(sampled))
+            | "GatherStored" >> beam.combiners.ToList()
+        )
+        report = sample | "CheckPrecision" >> beam.Map(
+            check_precision, beam.pvalue.AsSingleton(stored), cfg, self.tokenizer_path, self.threads
+        )
+        return embeddings, report

@@ -1,0 +1,108 @@
+"""Loading the encoder, choosing its precision for this CPU, and encoding texts: the only
+module that imports torch.
+
+On a CPU the encoder's output depends on the number of intra-op threads (matrix kernels split
+their sums by thread count), so every call runs with the job's fixed thread count
+(`torch_threads`), recorded in the manifest.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+from contextlib import contextmanager
+
+import numpy as np
+
+from pipeline.chunks.chunking import Chunk
+from pipeline.common.models import resolve_model
+from schemas.config import EmbeddingConfig
+
+
+def load_encoder(cfg: EmbeddingConfig):
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(resolve_model(cfg.model), device=cfg.device)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return {flag for line in f if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
+    except OSError:
+        return set()
+
+
+def cpu_summary() -> str:
+    """The CPU's model name and its bfloat16 instructions, for benchmark and test reports."""
+    name = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    flags = _cpu_flags()
+    bf16 = [label for flag, label in (("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX-BF16")) if flag in flags]
+    return f"{name} ({', '.join(bf16) or 'no bfloat16 instructions'})"
+
+
+@functools.lru_cache(maxsize=8)
+def resolve_precision(precision: str, device: str) -> str:
+    """`embedding.precision` on this worker's device: auto is bfloat16 where the device runs it
+    natively (a CUDA GPU with bf16; a CPU with AVX512-BF16 or AMX), else float32."""
+    if precision != "auto":
+        return precision
+    if device.startswith("cuda"):
+        import torch
+
+        return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
+    return "bfloat16" if _cpu_flags() & {"avx512_bf16", "amx_bf16"} else "float32"
+
+
+@contextmanager
+def arithmetic(precision: str, device: str):
+    """torch autocast to `precision` (resolved) on `device`; float32 runs as it is."""
+    import torch
+
+    if precision == "float32":
+        yield
+        return
+    with torch.autocast(device_type=device.split(":")[0], dtype=getattr(torch, precision)):
+        yield
+
+
+def encode_texts(model, texts: Sequence[str], batch_size: int, precision: str = "float32") -> np.ndarray:
+    """L2-normalised float32 embeddings [len(texts), d] (inner product = cosine), computed in
+    `precision` (resolved: float32, bfloat16 or float16)."""
+    with arithmetic(precision, str(model.device)):
+        encoded = model.encode(
+            list(texts),
+            batch_size=batch_size,
+            normalize_embeddings=True,
+            convert_to_tensor=True,
+            show_progress_bar=False,
+        )
+    return encoded.float().cpu().numpy()
+
+
+@contextmanager
+def torch_threads(threads: int | None):
+    """Run torch's CPU kernels with `threads` intra-op threads (None: as the process has them),
+    restoring the process's count after."""
+    import torch
+
+    before = torch.get_num_threads()
+    if threads is not None and threads != before:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
+
+
+def chunk_texts(tokenizer, chunks: Sequence[Chunk]) -> list[str]:
+    """The text the encoder sees: a chunk's tokens decoded, padding and special tokens dropped."""
+    return tokenizer.decode_batch([c.tokens.tolist() for c in chunks], skip_special_tokens=True)

@@ -1,0 +1,8 @@
+"""Stage 4, index: the faiss index over chunk embeddings.
+
+Without Beam, a module per concern: `factory` (the factory from a memory budget, the plan),
+`sampling`, `kmeans` (two-level), `train` (train, fill, merge), `search` (depth, exclusion),
+`exact` (exact search), `recall` (the two measures), `tuning` (depth against a target),
+`files` (index and embedding I/O), `slices` (an index split by chunk-id range).
+The Beam wiring apart: `train_beam` (`TrainIndex`), `build` (`BuildIndex`).
+"""

@@ -1,0 +1,83 @@
+"""Exact search, in blocks so memory stays bounded: each query's nearest vectors other than
+itself, or outside its own chunk-id ranges; the ground truth of both recall measures.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+TRUTH_DEPTH = 100  # exact best per query kept as ground truth (ties beyond it count as misses)
+EXACT_BLOCK = 32768  # vectors per block of the exact search: bounds its [q, block] scores
+
+
+def exact_top(scores: np.ndarray, ids: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of scores [n, r] over `ids` [r] (excluded entries -inf), the k best (higher
+    score, then lower id): (scores [n, k] float32, ids [n, k]); -inf / -1 past the reachable."""
+    n = len(scores)
+    top_scores, top_ids = np.full((n, k), -np.inf, np.float32), np.full((n, k), -1, np.int64)
+    if scores.shape[1] > k:  # the k best in linear time, then only those sorted
+        best = np.argpartition(-scores, k - 1, axis=1)[:, :k]
+        scores, candidates = np.take_along_axis(scores, best, axis=1), ids[best]
+    else:
+        candidates = np.broadcast_to(ids, scores.shape)
+    order = np.lexsort((candidates, -scores), axis=1)
+    found = np.take_along_axis(scores, order, axis=1)
+    top_scores[:, : found.shape[1]] = found
+    top_ids[:, : found.shape[1]] = np.where(np.isfinite(found), np.take_along_axis(candidates, order, axis=1), -1)
+    return top_scores, top_ids
+
+
+def merge_top(a, b, k: int):
+    """Associative merge of two (scores, ids) top-k lists of the same queries."""
+    scores = np.concatenate([a[0], b[0]], axis=1)
+    ids = np.concatenate([a[1], b[1]], axis=1)
+    order = np.lexsort((ids, -scores), axis=1)[:, :k]
+    return np.take_along_axis(scores, order, axis=1), np.take_along_axis(ids, order, axis=1)
+
+
+def exact_nearest_other(query_ids, queries, ids, vectors, depth: int = TRUTH_DEPTH):
+    """Per query, the `depth` nearest vectors among `ids` other than itself: (scores, ids)
+    [q, depth], merged over blocks with `merge_top`."""
+    result = None
+    for start in range(0, len(ids), EXACT_BLOCK):
+        block_ids = ids[start : start + EXACT_BLOCK]
+        scores = queries @ vectors[start : start + EXACT_BLOCK].T  # [q, block]
+        scores[query_ids[:, None] == block_ids[None, :]] = -np.inf
+        found = exact_top(scores, block_ids, depth)
+        result = found if result is None else merge_top(result, found, depth)
+    return result
+
+
+def truth_depth(k: int) -> int:
+    """Exact best kept per query for a recall@k: enough to read the similarity of any
+    neighbour that can count (one beyond the list is below its k-th best)."""
+    return max(TRUTH_DEPTH, 4 * k)
+
+
+def exact_nearest_outside(queries, excluded, ids, vectors, depth: int):
+    """Per query, the `depth` nearest vectors among `ids` outside that query's [start, end) id
+    ranges (`excluded`, one tuple of ranges per query): (scores, ids) [q, depth]. Rows in any
+    order; merge over blocks with `merge_top`."""
+    order = np.argsort(ids, kind="stable")
+    ids, vectors = ids[order], np.asarray(vectors, np.float32)[order]
+    scores = np.asarray(queries, np.float32) @ vectors.T  # [q, r]
+    for row, ranges in enumerate(excluded):
+        for start, end in ranges:
+            scores[row, np.searchsorted(ids, start) : np.searchsorted(ids, end)] = -np.inf
+    return exact_top(scores, ids, depth)
+
+
+def merge_nearest(a, b):
+    """Associative merge of two ground truths (`exact_nearest_other` results)."""
+    return merge_top(a, b, a[0].shape[1])
+
+
+def exact_scores_of(truth, found: np.ndarray) -> np.ndarray:
+    """The exact similarity of each found id [n, k] to its query, from the truth lists (scores,
+    ids [n, depth]): nan for an empty slot (-1), -inf for an id beyond the list (below its
+    depth-th best, so below the k-th)."""
+    truth_scores, truth_ids = truth
+    hit = (found[:, :, None] == truth_ids[:, None, :]) & (found[:, :, None] >= 0)  # [n, k, depth]
+    ours = np.where(hit, truth_scores[:, None, :].astype(np.float64), -np.inf).max(axis=2, initial=-np.inf)
+    ours[found < 0] = np.nan
+    return ours

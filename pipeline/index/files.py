@@ -1,0 +1,87 @@
+"""Reading and writing faiss indexes (streamed in blocks; a local file memory-mapped) and the
+embedding files the index is built from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import faiss
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.index.factory import IndexBuildError
+from pipeline.index.search import set_search_depth
+from schemas.arrow import tensor_column_to_numpy
+
+IO_BLOCK = 1 << 22  # bytes per read / write call when streaming an index
+
+
+def write_index(index, path: str) -> tuple[int, str]:
+    """Stream the index to any Beam filesystem path, never as one bytes object (that would be
+    a second copy of the index in memory): (bytes written, sha256)."""
+    from pipeline.common import fileio
+
+    digest, size = hashlib.sha256(), 0
+    with fileio.open_write(path) as f:
+
+        def write(block: bytes) -> int:
+            nonlocal size
+            digest.update(block)
+            f.write(block)
+            size += len(block)
+            return len(block)
+
+        faiss.write_index(index, faiss.PyCallbackIOWriter(write, IO_BLOCK))
+    return size, digest.hexdigest()
+
+
+def read_index(path: str):
+    """Read an index file from any Beam filesystem path, streamed (no bytes copy)."""
+    from pipeline.common import fileio
+
+    with fileio.open_read(path) as f:
+        return faiss.read_index(faiss.PyCallbackIOReader(f.read, IO_BLOCK))
+
+
+def load_index(path: str, depth: int | None = None):
+    """`read_index`, but local IVF files are memory-mapped."""
+    if "://" in path:
+        index = read_index(path)
+    else:
+        try:
+            index = faiss.read_index(path, faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY)
+        except RuntimeError:
+            index = faiss.read_index(path)
+    if depth is not None:
+        set_search_depth(index, depth)
+    return index
+
+
+READ_BATCH = 16384  # rows per record batch read from an embeddings file
+
+
+def embedding_file_info(path: str) -> dict:
+    """Rows and vector width of one embeddings Parquet file (from its footer only)."""
+    from pipeline.common import fileio
+
+    with fileio.open_read(path) as f:
+        parquet = pq.ParquetFile(f)
+        schema = parquet.schema_arrow
+        if "chunk_id" not in schema.names or "embedding" not in schema.names:
+            raise IndexBuildError(f"{path}: needs columns chunk_id and embedding, has {schema.names}")
+        vector = schema.field("embedding").type
+        if not pa.types.is_fixed_size_list(vector) or vector.value_type not in (pa.float32(), pa.float16()):
+            raise IndexBuildError(f"{path}: embedding must be fixed_size_list<float32 or float16>[d], is {vector}")
+        return {"rows": parquet.metadata.num_rows, "dim": vector.list_size}
+
+
+def read_embeddings(path: str):
+    """(ids int64 [b], vectors float32 [b, d]) record batch by record batch."""
+    from pipeline.common import fileio
+
+    with fileio.open_read(path) as f:
+        for batch in pq.ParquetFile(f).iter_batches(batch_size=READ_BATCH, columns=["chunk_id", "embedding"]):
+            ids = batch.column("chunk_id").to_numpy().astype(np.int64)
+            yield ids, tensor_column_to_numpy(batch.column("embedding")).astype(np.float32)

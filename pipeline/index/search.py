@@ -1,0 +1,120 @@
+"""Searching an index: the search depth (nprobe or efSearch), excluding chunk-id ranges inside
+faiss, and deepening a query until its k slots are filled.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import faiss
+import numpy as np
+
+from pipeline.index.factory import is_ivf
+from pipeline.index.recall import RECALL_K
+
+
+def set_search_depth(index, depth: int) -> None:
+    """nprobe for IVF, efSearch for HNSW."""
+    if is_ivf(index):
+        faiss.extract_index_ivf(index).nprobe = depth
+    elif _hnsw(index) is not None:
+        _hnsw(index).efSearch = depth
+
+
+def _hnsw(index):
+    inner = faiss.downcast_index(index.index) if isinstance(index, faiss.IndexIDMap) else index
+    return inner.hnsw if hasattr(inner, "hnsw") else None
+
+
+def search_depth(index) -> int | None:
+    """The depth searches run at: nprobe (IVF), efSearch (HNSW), None (exhaustive types)."""
+    if is_ivf(index):
+        return faiss.extract_index_ivf(index).nprobe
+    hnsw = _hnsw(index)
+    return None if hnsw is None else hnsw.efSearch
+
+
+def deepest_search(index) -> int | None:
+    """The depth at which a search reaches every vector: all lists (IVF), a candidate list as
+    long as the index (HNSW); None for exhaustive types."""
+    if is_ivf(index):
+        return faiss.extract_index_ivf(index).nlist
+    return None if _hnsw(index) is None else max(int(index.ntotal), 1)
+
+
+def _search_params(index, selector, depth: int | None):
+    """faiss SearchParameters with `selector` at `depth` (faiss params replace the index's own
+    nprobe / efSearch, so the depth is always given)."""
+    if is_ivf(index):
+        return faiss.SearchParametersIVF(sel=selector, nprobe=depth)
+    if _hnsw(index) is not None:
+        return faiss.SearchParametersHNSW(sel=selector, efSearch=depth)
+    return faiss.SearchParameters(sel=selector)
+
+
+def exclusion_selector(excluded: list[tuple[int, int]]):
+    """(a faiss selector of every id outside the [start, end) ranges, or None for no ranges;
+    the selectors it is built of, which the caller keeps alive while searching: they hold raw
+    pointers to each other)."""
+    parts = [faiss.IDSelectorRange(int(start), int(end)) for start, end in excluded]
+    keep, union = list(parts), parts[0] if parts else None
+    for part in parts[1:]:
+        union = faiss.IDSelectorOr(union, part)
+        keep.append(union)
+    return (faiss.IDSelectorNot(union) if parts else None), keep
+
+
+def search_deepening(search_at, depth: int | None, deepest: int | None):
+    """`search_at(depth)` -> (scores, ids); the rows that come back with an empty slot are
+    searched again at twice the depth, up to `deepest` (None: never).
+    -> (scores [q, k], ids [q, k] (-1 = none), deeper searches made)."""
+    scores, ids = search_at(depth)
+    deeper = 0
+    while deepest is not None and depth < deepest and (ids < 0).any():
+        depth = min(2 * depth, deepest)
+        deeper += 1
+        # the same query block again (fixed shape), keeping the rows that were already full
+        more_scores, more_ids = search_at(depth)
+        short = (ids < 0).any(axis=1)
+        scores[short], ids[short] = more_scores[short], more_ids[short]
+    return scores, ids, deeper
+
+
+def search_excluding(index, queries: np.ndarray, k: int, excluded: list[tuple[int, int]]):
+    """The k best ids outside the id ranges `excluded` ([start, end) each) per query, skipped
+    by faiss during the search itself, so they never take a place in the top k. A query that
+    comes back with fewer than k (an IVF whose probed lists, or an HNSW walk, hold mostly
+    excluded vectors) is searched again at twice the depth, up to the deepest: a slot stays
+    empty only when the index holds fewer than k vectors outside the ranges.
+    -> (scores [q, k], ids [q, k] (-1 = none), deeper searches made)."""
+    selector, _keep = exclusion_selector(excluded)
+    queries = np.ascontiguousarray(queries, dtype=np.float32)
+    return search_deepening(
+        lambda depth: index.search(queries, k, params=_search_params(index, selector, depth)),
+        search_depth(index),
+        deepest_search(index),
+    )
+
+
+def search_depth_range(index) -> list[int] | None:
+    """Depths to try, smallest first; None when the index is exact or has no depth knob."""
+    if is_ivf(index):
+        nlist = faiss.extract_index_ivf(index).nlist
+        return sorted({min(2**i, nlist) for i in range(int(math.log2(nlist)) + 2)})
+    return [16, 32, 64, 128, 256, 512, 1024] if _hnsw(index) is not None else None
+
+
+def search_each_excluding(index, queries: np.ndarray, k: int, excluded) -> tuple[np.ndarray, np.ndarray]:
+    """Each query searched alone with its own id ranges skipped (`search_excluding`, deepening
+    included) at the index's depth: (scores, ids) [q, k]."""
+    found = [search_excluding(index, query[None], k, list(ranges))[:2] for query, ranges in zip(queries, excluded)]
+    if not found:
+        return np.zeros((0, k), np.float32), np.zeros((0, k), np.int64)
+    return np.concatenate([f[0] for f in found]), np.concatenate([f[1] for f in found])
+
+
+def query_rate(index, queries: np.ndarray, k: int = RECALL_K) -> float:
+    start = time.perf_counter()
+    index.search(np.ascontiguousarray(queries, dtype=np.float32), k)
+    return len(queries) / max(time.perf_counter() - start, 1e-9)

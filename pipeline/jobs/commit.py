@@ -1,0 +1,131 @@
+"""The commit protocol (docs/design.md §8): a stage writes into `<output>/.staging/<stage>-<id>/`; the
+commit moves the staged files into place and writes `manifest.json` last, so a directory with a
+manifest is whole.
+
+The commit runs as the last step of the stage's own pipeline, on a worker, so a job submitted
+to a cluster commits itself with no driver waiting for it. Runners retry a failed step, so
+every function here can run again after dying half-way: it picks up where the last attempt
+stopped and ends in the same state.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import uuid
+
+from apache_beam.io.filesystems import FileSystems
+
+from pipeline.common import fileio
+from pipeline.corpus.records import rejected_share
+from schemas.manifest import MANIFEST_FILE
+
+REJECTED_STAGING = "_rejected"
+
+
+class StageError(RuntimeError):
+    """A stage that cannot run on what it was given (e.g. no committed index), or whose job
+    rejected more of its input than it may (nothing is committed)."""
+
+
+def new_staging_dir(output: str, stage: str, dry_run: bool = False) -> str:
+    """A fresh staging directory for `stage`, after deleting what a killed run of it left in
+    `<output>/.staging/` (one run per output directory at a time; a dry run deletes nothing)."""
+    root = fileio.join(output, ".staging")
+    if not dry_run:
+        stale = {
+            posixpath.relpath(path.replace("\\", "/"), root.rstrip("/")).split("/")[0]
+            for path in fileio.list_files(root)
+        }
+        for name in sorted(n for n in stale if n.startswith(f"{stage}-")):
+            fileio.delete_tree(fileio.join(root, name))
+    return fileio.join(root, f"{stage}-{uuid.uuid4().hex[:12]}")
+
+
+def _relative(path: str, directory: str) -> str:
+    return posixpath.relpath(path.replace("\\", "/"), directory.rstrip("/"))
+
+
+def publish_rejected(staging: str, output: str) -> None:
+    """Move the job's rejected-record files to `<output>/rejected/`."""
+    source_dir = fileio.join(staging, REJECTED_STAGING)
+    for source in fileio.list_files(source_dir):
+        fileio.move(source, fileio.join(output, "rejected", posixpath.basename(source)))
+
+
+def _without_timings(manifest: dict) -> dict:
+    """A manifest less its `timings`: a retried commit step reads its clock again."""
+    return {key: value for key, value in manifest.items() if key != "timings"}
+
+
+def commit_stage(
+    manifest: dict,
+    staging: str,
+    output: str,
+    final: str,
+    clock,
+    staged: list[str],
+    max_rejected_fraction: float = 1.0,
+    replace: tuple[str, ...] | None = None,
+) -> None:
+    """A job's last step: publish its rejected records, refuse a job that rejected too much
+    (staging discarded, nothing committed), else move the staged files into `final` and write
+    the manifest, with the job's timings, last. `clock` names the stage (`stage`) and reads the
+    commit's own clock (`timings(counters)`: `pipeline.stages.StageClock`)."""
+    publish_rejected(staging, output)
+    rejected, records = rejected_share(manifest["counters"])
+    if records and rejected / records > max_rejected_fraction:
+        discard_staging(staging)
+        reasons = ", ".join(
+            f"{k[len('rejected_') :]} {v:,}" for k, v in manifest["counters"].items() if k.startswith("rejected_") and v
+        )
+        raise StageError(
+            f"{clock.stage}: {rejected:,} of {records:,} input records rejected "
+            f"({rejected / records:.0%}: {reasons}), more than max_rejected_fraction "
+            f"{max_rejected_fraction:.0%}; see {fileio.join(output, 'rejected')}"
+        )
+    commit_directory(staging, final, {**manifest, "timings": clock.timings(manifest["counters"])}, staged, replace)
+
+
+def commit_directory(
+    staging: str, final: str, manifest: dict, staged: list[str], replace: tuple[str, ...] | None = None
+) -> None:
+    """Move the files `staged` (paths relative to both directories) from `staging` into
+    `final`, then write `final/manifest.json` last.
+
+    replace=None: `final` is the stage's own directory and keeps nothing else. Otherwise only
+    these subdirectories of `final` are cleared of what the new manifest does not list (the
+    rest, e.g. reused chunks, stays). The old manifest goes first, so a crash in between
+    leaves a directory without a manifest (rebuilt on the next run), never a manifest over
+    mixed content. Run again after a crash, it moves what is still staged, checks that the
+    rest arrived, and writes the same manifest; after a finished commit it changes nothing.
+    """
+    manifest_path = fileio.join(final, MANIFEST_FILE)
+    if fileio.exists(manifest_path) and _without_timings(fileio.read_json(manifest_path)) == _without_timings(manifest):
+        return  # an earlier attempt of this commit finished (its timings stand)
+    if fileio.exists(manifest_path):
+        FileSystems.delete([manifest_path])
+    wanted = set(staged)
+    scopes = [final] if replace is None else [fileio.join(final, sub) for sub in replace]
+    stale = [path for scope in scopes for path in fileio.list_files(scope) if _relative(path, final) not in wanted]
+    if stale:
+        FileSystems.delete(stale)
+    waiting = {_relative(path, staging) for path in fileio.list_files(staging)} & wanted
+    for path in sorted(wanted - waiting):
+        if not fileio.exists(fileio.join(final, path)):
+            raise FileNotFoundError(f"commit of {final}: {path} is neither staged nor in place")
+    sources = [fileio.join(staging, path) for path in sorted(waiting)]
+    targets = [fileio.join(final, path) for path in sorted(waiting)]
+    for target in targets:
+        fileio.ensure_parent(target)
+    if sources:
+        FileSystems.rename(sources, targets)
+    discard_staging(staging)
+    fileio.write_json_atomic(manifest_path, manifest)
+
+
+def discard_staging(staging: str) -> None:
+    """Delete a staging directory; the last stage out removes `.staging/` too."""
+    fileio.delete_tree(staging)
+    parent = posixpath.dirname(staging.rstrip("/"))
+    if "://" not in parent and fileio.exists(parent) and not fileio.list_files(parent):
+        FileSystems.delete([parent])

@@ -1,0 +1,147 @@
+"""What an index directory holds, for the jobs that write and read it: its file entries and
+faiss files, the counters from its tallies, the committed manifest (and waiting for it).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import apache_beam as beam
+
+from pipeline.common import fileio
+from pipeline.common.models import (
+    embedding_dim,
+)
+from pipeline.common.tally import counted
+from pipeline.index.build import BUILD_INFO_FILE
+from pipeline.index.factory import new_index, resolve_clustering
+from pipeline.index.recall import PLATEAU_GAIN
+from pipeline.jobs.commit import StageError
+from pipeline.jobs.job import (
+    index_dir,
+)
+from schemas.config import PipelineConfig
+from schemas.manifest import (
+    MANIFEST_FILE,
+    IndexManifest,
+    read_manifest,
+)
+
+log = logging.getLogger("ratrain")
+
+
+def check_index_type(cfg: PipelineConfig) -> None:
+    """A faiss factory string that cannot be built, or a clustering it cannot take, fails now,
+    not after hours of embedding (when the encoder's width can be read without loading it)."""
+    dim = embedding_dim(cfg.embedding.model)
+    if cfg.index.type != "auto" and dim is not None:
+        new_index(cfg.index.type, dim)
+        resolve_clustering(cfg.index.clustering, cfg.index.type)
+
+
+def _index_entries(info: dict) -> list[dict]:
+    """The manifest entries of the faiss files, index.faiss or its shards (hashed by their
+    writer: they are never read back)."""
+    return [{**entry, "path": f"faiss/{entry['path']}"} for entry in info["files"]]
+
+
+def faiss_files(paths: list[str]) -> list[str]:
+    """Of an index manifest's file paths, the faiss files (index.faiss, or its shards in
+    chunk-id order)."""
+    return [path for path in paths if path.startswith("faiss/")]
+
+
+def _index_staged(manifest: dict) -> list[str]:
+    """What BuildIndex staged: the faiss files the manifest lists, and the build info."""
+    return faiss_files([e["path"] for e in manifest["files"]]) + [f"faiss/{BUILD_INFO_FILE}"]
+
+
+def _index_counters(info: dict) -> dict[str, int]:
+    return {"index_vectors_added": info["num_vectors"], "index_training_vectors": info["training_vectors"]}
+
+
+def _committed_index(cfg: PipelineConfig) -> IndexManifest | None:
+    try:
+        return fileio.committed_manifest(index_dir(cfg), IndexManifest)
+    except ValueError:  # none, or an older or foreign manifest: rebuild from scratch
+        return None
+
+
+def _rejected_tally(rejected, label: str):
+    return rejected | label >> beam.Map(lambda r: (f"rejected_{r.reason}", 1))
+
+
+def _documents_read_tally(documents, rejected, prefix: str):
+    """Documents parsed: those kept, plus those refused after parsing (a duplicate id)."""
+    return (
+        counted("documents_read", documents, label=f"{prefix}DocumentsKept"),
+        rejected
+        | f"{prefix}DuplicatesRead"
+        >> beam.FlatMap(lambda r: [("documents_read", 1)] if r.reason == "duplicate_id" else []),
+    )
+
+
+def _log_index(directory: str, manifest) -> None:
+    recall = manifest.recall_at_k
+    log.info(
+        "committed %s (%s, %s = %.3f at depth %s, %s bytes)",
+        directory,
+        manifest.index_factory,
+        recall.measure,
+        recall.value,
+        manifest.nprobe,
+        f"{manifest.index_bytes:,}",
+    )
+    if recall.target is not None and recall.value < recall.target:
+        where = (
+            f"and two doublings of the search depth beyond {manifest.nprobe} gained less than {PLATEAU_GAIN} "
+            "(a plateau: the codes limit recall, not the depth)"
+            if recall.plateau
+            else "even at the deepest search"
+        )
+        log.warning(
+            "%s: %s = %.3f misses the target %.2f %s; a larger index.memory_budget "
+            "(bigger codes) or another index.type would reach it",
+            directory,
+            recall.measure,
+            recall.value,
+            recall.target,
+            where,
+        )
+
+
+def _nonempty(pattern, result):
+    if not result.metadata_list:
+        raise FileNotFoundError(f"embeddings glob matches no file: {pattern}")
+    return result.metadata_list
+
+
+def load_index_manifest(cfg: PipelineConfig) -> tuple[IndexManifest, str]:
+    """The committed index manifest and its sha256, or a clear error."""
+    path = fileio.join(index_dir(cfg), MANIFEST_FILE)
+    if not fileio.exists(path):
+        raise StageError(f"no committed index at {index_dir(cfg)}: run build-index first")
+    data = fileio.read_bytes(path)
+    manifest = read_manifest(data, path, IndexManifest)
+    if manifest.chunk_tokens != cfg.chunk_tokens:
+        raise StageError(
+            f"index at {index_dir(cfg)} has chunk_tokens={manifest.chunk_tokens}, "
+            f"config asks for {cfg.chunk_tokens}: rebuild the index"
+        )
+    return manifest, fileio.sha256_bytes(data)
+
+
+def wait_for_index(cfg: PipelineConfig, timeout_s: float, poll_s: float = 30.0) -> None:
+    """Wait until the index this config describes is committed (a detached build-index on a
+    cluster): its manifest exists with this config's index hash."""
+    path = fileio.join(index_dir(cfg), MANIFEST_FILE)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        committed = _committed_index(cfg)
+        if committed is not None and committed.config_hash == cfg.index_hash():
+            return
+        if time.monotonic() >= deadline:
+            raise StageError(f"no index matching the config was committed at {path} within {timeout_s:.0f} s")
+        log.info("build-shards: waiting for %s", path)
+        time.sleep(poll_s)

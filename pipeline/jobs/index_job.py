@@ -1,0 +1,191 @@
+"""build-index: read, chunk, embed and index the retrieval corpus in one Beam job that commits
+itself.
+"""
+
+from __future__ import annotations
+
+import apache_beam as beam
+import numpy as np
+
+from pipeline.chunks.beam import ChunkDocuments
+from pipeline.chunks.chunking import Chunk
+from pipeline.common import fileio
+from pipeline.common.models import (
+    fingerprint_path,
+    resolve_model,
+)
+from pipeline.common.progress import ReportProgress
+from pipeline.common.tally import Tally, counted
+from pipeline.common.writers import WriteGroupedFiles, WriteRejected, chunks_table, embeddings_table, parquet_bytes
+from pipeline.corpus.read import ReadCorpus
+from pipeline.index.build import BuildIndex
+from pipeline.jobs.commit import REJECTED_STAGING, commit_stage, new_staging_dir
+from pipeline.jobs.index_files import (
+    _committed_index,
+    _documents_read_tally,
+    _index_counters,
+    _index_entries,
+    _index_staged,
+    _log_index,
+    _rejected_tally,
+    check_index_type,
+)
+from pipeline.jobs.job import (
+    StageClock,
+    Submitted,
+    Tokenization,
+    _sorted_entries,
+    describe,
+    index_dir,
+    new_pipeline,
+    run_stage,
+)
+from pipeline.jobs.options import encoder_threads
+from pipeline.jobs.vector_index_job import _rebuild_faiss, _vector_index_fields
+from schemas.config import PipelineConfig
+from schemas.manifest import (
+    CREATED_BY,
+    Fingerprint,
+    IndexManifest,
+)
+
+
+def tokens_in_chunk(chunk: Chunk, pad_id: int) -> int:
+    """The document tokens a chunk holds: all m but in a document's last chunk (its
+    continuation is padding), which ends at its last non-pad token."""
+    if (chunk.continuation != pad_id).any():
+        return len(chunk.tokens)
+    held = np.flatnonzero(chunk.tokens != pad_id)
+    return int(held[-1]) + 1 if len(held) else 0
+
+
+def _index_manifest(entries, info, tallies, precision, cfg: PipelineConfig, tok: Tokenization, threads) -> dict:
+    files = _sorted_entries(list(entries) + _index_entries(info))
+    return IndexManifest(
+        config_hash=cfg.index_hash(),
+        embed_config_hash=cfg.embed_hash(),
+        tokenizer=Fingerprint(name=tok.name, fingerprint=fingerprint_path(tok.path)),
+        embedding_model=Fingerprint(
+            name=cfg.embedding.model, fingerprint=fingerprint_path(resolve_model(cfg.embedding.model))
+        ),
+        encoder_threads=threads,
+        embedding_precision=precision,
+        num_documents=tallies.get("documents_chunked", 0),
+        num_chunks=sum(e["rows"] for e in files if e["path"].startswith("chunks/")),
+        chunk_tokens=cfg.chunk_tokens,
+        pad_id=tok.pad_id,
+        files=files,
+        counters=dict(sorted({**tallies, **_index_counters(info)}.items())),
+        created_by=CREATED_BY,
+        **_vector_index_fields(info),
+    ).model_dump(mode="json")
+
+
+def build_index(
+    cfg: PipelineConfig, beam_args: list[str], force: bool = False, dry_run: bool = False, detach: bool = False
+) -> IndexManifest | Submitted | dict:
+    """Stages 1-3: retrieval corpus -> chunks, embeddings, faiss index, committed manifest.
+
+    When the committed chunks and embeddings match the config (only `index.*` changed), only
+    the faiss index is rebuilt from them. dry_run: build the graph, touch no input or output,
+    run nothing; return `describe(pipeline)`. detach: submit and return.
+    """
+    check_index_type(cfg)
+    previous = None if force or dry_run else _committed_index(cfg)
+    if previous is not None and previous.embed_config_hash == cfg.embed_hash():
+        return _rebuild_faiss(cfg, previous, beam_args, detach)
+    tok = Tokenization.of(cfg)
+    staging = new_staging_dir(cfg.output, "index", dry_run)
+    m, pad = cfg.chunk_tokens, tok.pad_id
+    pipeline = new_pipeline(beam_args, dry_run)
+    clock = StageClock("build-index", "chunks")
+    threads = encoder_threads(cfg.embedding.cpu_threads, cfg.embedding.device, pipeline.options)
+    documents, rejected = pipeline | "ReadRetrievalCorpus" >> ReadCorpus(cfg.retrieval_corpus, match=not dry_run)
+    chunks, unusable = (
+        documents
+        | "DocumentProgress" >> ReportProgress("read", "documents")
+        | "ChunkDocuments" >> ChunkDocuments(tok.path, m, pad)
+    )
+    chunk_files = chunks | "WriteChunks" >> WriteGroupedFiles(
+        fileio.join(staging, "chunks"),
+        staging,
+        "chunks",
+        "parquet",
+        key=lambda c: c.chunk_id,
+        rows_per_file=cfg.chunk_file_rows,
+        to_bytes=lambda rows: parquet_bytes(chunks_table(rows, m)),
+    )
+    from pipeline.embed.beam import EmbedChunks
+
+    embeddings, precision = chunks | "EmbedChunks" >> EmbedChunks(cfg.embedding, tok.path, threads)
+    embeddings = embeddings | "EmbedProgress" >> ReportProgress("embed", "chunks")
+    embedding_files = embeddings | "WriteEmbeddings" >> WriteGroupedFiles(
+        fileio.join(staging, "embeddings"),
+        staging,
+        "embeddings",
+        "parquet",
+        key=lambda e: e[0],
+        rows_per_file=cfg.chunk_file_rows,
+        to_bytes=lambda rows: parquet_bytes(embeddings_table(rows)),
+    )
+    info = (
+        embedding_files
+        | "EmbeddingPaths" >> beam.Map(lambda entry: fileio.join(staging, entry["path"]))
+        | "BuildIndex"
+        >> BuildIndex(
+            cfg.index,
+            fileio.join(staging, "faiss"),
+            chunks | "DocumentOfChunk" >> beam.Map(lambda c: (c.chunk_id, c.doc_id)),
+            cfg.neighbours,
+        )
+    )
+    all_rejected = (rejected, unusable) | "MergeRejected" >> beam.Flatten()
+    rejected_files = all_rejected | "WriteRejected" >> WriteRejected(
+        fileio.join(staging, REJECTED_STAGING), "build-index"
+    )
+    tallies = (
+        *_documents_read_tally(documents, all_rejected, "Index"),
+        _rejected_tally(all_rejected, "TallyRejected"),
+        chunks
+        | "TallyDocumentsChunked" >> beam.FlatMap(lambda c: [("documents_chunked", 1)] if c.position == 0 else []),
+        counted("chunks", chunks),
+        counted("tokens", chunks, lambda c: tokens_in_chunk(c, pad)),
+        counted("chunks_embedded", embeddings),
+    ) | "Tallies" >> Tally()
+    entries = (chunk_files, embedding_files) | "FileEntries" >> beam.Flatten()
+    manifest = (
+        entries
+        | "GatherEntries" >> beam.combiners.ToList()
+        | "IndexManifest"
+        >> beam.Map(
+            _index_manifest,
+            beam.pvalue.AsSingleton(info),
+            beam.pvalue.AsDict(tallies),
+            beam.pvalue.AsSingleton(precision),
+            cfg,
+            tok,
+            threads,
+        )
+    )
+    staged = beam.pvalue.AsSingleton(
+        entries | "StagedPaths" >> beam.Map(lambda e: e["path"]) | "AllStaged" >> beam.combiners.ToList()
+    )
+    _ = manifest | "Commit" >> beam.Map(
+        lambda manifest, staged, *after: commit_stage(
+            manifest,
+            staging,
+            cfg.output,
+            index_dir(cfg),
+            clock,
+            staged + _index_staged(manifest),
+            cfg.max_rejected_fraction,
+        ),
+        staged,
+        beam.pvalue.AsList(rejected_files),
+    )
+    if dry_run:
+        return describe(pipeline)
+    manifest = run_stage(pipeline, clock, index_dir(cfg), IndexManifest, detach)
+    if isinstance(manifest, IndexManifest):
+        _log_index(index_dir(cfg), manifest)
+    return manifest

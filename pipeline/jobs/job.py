@@ -1,0 +1,156 @@
+"""The two Beam jobs (build-index: stages 1-3; build-shards: stages 4-5), each ending in its own
+commit.
+
+Each job writes into a staging directory under `<output>/.staging/`; its last step, on a worker,
+builds the manifest from the data the job wrote (file entries, counts computed as data:
+`pipeline.tally`) and commits (`pipeline.commit`): rejected records to `<output>/rejected/`,
+the files into place, manifest.json last (docs/design.md §4). So a job submitted to a cluster and left
+(`detach`) commits itself; attached, the driver waits and reads the committed manifest.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+import apache_beam as beam
+
+from pipeline.chunks.chunking import load_tokenizer, pad_id_of
+from pipeline.common import fileio
+from pipeline.common.models import (
+    DEFAULT_MODEL_NAMES,
+    resolve_tokenizer,
+)
+from pipeline.common.progress import StageTimer
+from pipeline.jobs.commit import StageError
+from pipeline.jobs.options import pipeline_options
+from schemas.config import PipelineConfig
+from schemas.manifest import (
+    MANIFEST_FILE,
+    StageTimings,
+)
+
+log = logging.getLogger("ratrain")
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """A detached stage: submitted, committing itself when it finishes."""
+
+    stage: str
+    manifest: str  # where its manifest appears once committed
+    job: str | None = None  # the runner's job id, where it has one
+
+
+@dataclass(frozen=True)
+class Tokenization:
+    name: str  # as recorded in the manifest: the config value or the default encoder's
+    path: str
+    pad_id: int
+
+    @classmethod
+    def of(cls, cfg: PipelineConfig) -> Tokenization:
+        name = cfg.tokenizer or DEFAULT_MODEL_NAMES[0]
+        path = resolve_tokenizer(name)
+        if not os.path.isfile(path):
+            raise StageError(f"tokenizer: file not found: {path}")
+        return cls(name, path, pad_id_of(load_tokenizer(path)))
+
+
+def stage_timings(stage: str, started: float, committed: float, counters: dict[str, int], records: str) -> dict:
+    """A manifest's `timings`: the wall time from `started` to `committed` (seconds since the
+    epoch) and the throughput in the counter `records` (None when the clocks disagree so far
+    that the wall time is not positive)."""
+    wall = committed - started
+    return StageTimings(
+        stage=stage,
+        started=_utc(started),
+        committed=_utc(committed),
+        wall_seconds=round(wall, 3),
+        records=records,
+        records_per_second=round(counters.get(records, 0) / wall, 1) if wall > 0 else None,
+    ).model_dump(mode="json")
+
+
+def _utc(seconds: float) -> str:
+    return datetime.fromtimestamp(seconds, timezone.utc).isoformat(timespec="seconds")
+
+
+@dataclass(frozen=True)
+class StageClock:
+    """A job's name, the counter its throughput counts, and when the driver built its pipeline.
+    The commit step runs on a worker, maybe long after the driver left (detached): it reads
+    its own clock against `started` (wall-clock time, comparable across machines)."""
+
+    stage: str
+    records: str
+    started: float = field(default_factory=time.time)
+
+    def timings(self, counters: dict[str, int]) -> dict:
+        return stage_timings(self.stage, self.started, time.time(), counters, self.records)
+
+
+def index_dir(cfg: PipelineConfig) -> str:
+    return fileio.join(cfg.output, "index")
+
+
+def shards_dir(cfg: PipelineConfig) -> str:
+    return fileio.join(cfg.output, "shards")
+
+
+def _sorted_entries(entries) -> list[dict]:
+    return sorted(entries, key=lambda e: e["path"])
+
+
+def describe(pipeline: beam.Pipeline) -> dict:
+    """What `--dry-run` prints: the resolved Beam options and the top-level stages with their
+    resource hints (accelerator, min_ram), and any step inside one with hints of its own."""
+
+    def hints(applied) -> dict:
+        return {urn.split(":")[2]: value.decode() for urn, value in (applied.resource_hints or {}).items()}
+
+    def hinted_steps(applied):  # steps inside a stage that carry hints of their own
+        for part in applied.parts:
+            if hints(part) and hints(part) != hints(applied):
+                yield {"stage": part.full_label, "resource_hints": hints(part)}
+            yield from hinted_steps(part)
+
+    stages = []
+    for applied in pipeline.transforms_stack[0].parts:
+        stages.append({"stage": applied.full_label, **({"resource_hints": hints(applied)} if hints(applied) else {})})
+        stages += hinted_steps(applied)
+    options = pipeline.options.get_all_options(drop_default=True, retain_unknown_options=True)
+    return {"options": options, "stages": stages}
+
+
+def new_pipeline(beam_args: list[str], dry_run: bool = False) -> beam.Pipeline:
+    """A pipeline for these options. A dry run builds it on the local runner: the configured
+    runner (Dataflow's checks its buckets when the pipeline is created) is never contacted."""
+    options = pipeline_options(beam_args)
+    if dry_run:
+        from apache_beam.runners.portability.fn_api_runner import FnApiRunner
+
+        return beam.Pipeline(runner=FnApiRunner(), options=options)
+    return beam.Pipeline(options=options)
+
+
+def run_stage(pipeline: beam.Pipeline, clock: StageClock, directory: str, model, detach: bool):
+    """Run a job that commits itself. Attached: wait, then read and return the committed
+    manifest. Detached: return once the runner has the job (`Submitted`)."""
+    name, main = clock.stage, clock.records
+    manifest_path = fileio.join(directory, MANIFEST_FILE)
+    with StageTimer(name) as timer:
+        result = pipeline.run()
+        if detach:
+            job = getattr(result, "job_id", lambda: None)()
+            log.info(
+                "%s: submitted%s; it commits %s when it finishes", name, f" (job {job})" if job else "", manifest_path
+            )
+            return Submitted(name, manifest_path, job)
+        result.wait_until_finish()
+        manifest = fileio.committed_manifest(directory, model)
+        timer.done(manifest.counters, main)
+    return manifest

@@ -1,0 +1,201 @@
+"""What one worker process holds, stage by stage, as a function of the config and the corpus size.
+
+An estimate from the code's own sizes (docs/scale.md's memory model prints it at two scales, and
+`--dry-run --corpus-chunks N` for yours): every term is something a step holds at once, so the
+largest stage says how much memory a worker process needs. Terms that grow with the corpus are
+marked; all others are fixed by the config. Process sizes were measured on the local runner.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pipeline.chunks.chunking import BUCKET_BITS
+from pipeline.index.factory import (
+    choose_index_factory,
+    encoder_size,
+    estimated_bytes,
+    ivf_lists,
+    resolve_clustering,
+    training_size,
+)
+from pipeline.index.files import READ_BATCH
+from pipeline.index.kmeans import first_level_clusters, first_level_size
+from pipeline.index.slices import vectors_per_shard
+from schemas.config import PipelineConfig
+
+MB = 2**20
+
+
+SDK_PROCESS = 400 * MB  # a Beam SDK process with pyarrow, numpy and tokenizers (210-440 MB measured)
+
+
+ENCODER = 600 * MB  # torch and a MiniLM-sized encoder on top of it, batches included
+
+
+ROW_OVERHEAD = 250  # bytes of Python objects around one row held as a Python object
+
+
+PARQUET_ROW_GROUP = 128 * MB  # what pyarrow decodes at once from a Parquet input (writers' usual row group)
+
+
+BYTES_PER_TOKEN = 4  # of English text, for a corpus size given in bytes
+
+
+GZIP_RATIO = 3.5  # text compresses about this much
+
+
+SEARCH_BATCH = 4096  # queries searched at once, with their candidates
+
+
+@dataclass(frozen=True)
+class Corpus:
+    chunks: int
+    documents: int
+
+    @classmethod
+    def of(cls, chunks: float, documents: float | None = None) -> Corpus:
+        """`documents` defaults to one per ten chunks (web pages of ~640 tokens)."""
+        chunks = int(chunks)
+        return cls(chunks, int(documents) if documents else max(1, chunks // 10))
+
+    @classmethod
+    def from_input_bytes(cls, sizes: dict[str, int], chunk_tokens: int) -> Corpus:
+        """From the sizes of the input files: ~4 bytes of text per token, gzip ~3.5x."""
+        text = sum(size * (GZIP_RATIO if path.endswith(".gz") else 1) for path, size in sizes.items())
+        return cls.of(max(1, text / BYTES_PER_TOKEN / chunk_tokens))
+
+
+def stage_memory(cfg: PipelineConfig, corpus: Corpus, dim: int = 384) -> list[dict]:
+    """[{stage, bytes, terms: {what: bytes}, grows: [terms that grow with the corpus]}], one entry
+    per step, for one worker process."""
+    m, rows, C, D = cfg.chunk_tokens, cfg.chunk_file_rows, corpus.chunks, corpus.documents
+    chunk_row = 2 * m * 4 + ROW_OVERHEAD  # tokens + continuation
+    per_bucket = math.ceil(D / 2**BUCKET_BITS)
+    factory = cfg.index.type if cfg.index.type != "auto" else choose_index_factory(C, dim, cfg.index.memory_budget)
+    # index.type auto: the lists (up to 2^20) and the codes follow the corpus size and the budget
+    auto_grows = [0, 1] if cfg.index.type == "auto" else []
+    index_bytes = estimated_bytes(factory, C, dim)
+    # merged and searched by shard: IVF indexes only, as the build does
+    if cfg.index.shard_bytes is not None and ivf_lists(factory) and index_bytes > cfg.index.shard_bytes:
+        shards = math.ceil(C / vectors_per_shard(factory, dim, cfg.index.shard_bytes))
+        held, held_bytes, held_grows = f"one index shard (of {shards:,})", cfg.index.shard_bytes, []
+    else:
+        held, held_bytes, held_grows = f"the whole index ({C:,} vectors)", index_bytes, [0]
+    per_vector = estimated_bytes(factory, 1, dim) - estimated_bytes(factory, 0, dim)
+    L, k = cfg.sequence_tokens // m, cfg.neighbours
+    shard_row = (cfg.sequence_tokens + 1 + L * k * 2 * m) * 4 + L * k * 12 + ROW_OVERHEAD
+    stages = [
+        ("read", {"one record, or a Parquet row group": PARQUET_ROW_GROUP}, []),
+        (
+            "chunk: one doc-id bucket",
+            {
+                f"{per_bucket:,} documents' tokens and chunks": per_bucket * math.ceil(C / D) * (m * 4 + chunk_row),
+                f"bucket offsets (2^{BUCKET_BITS})": 2**BUCKET_BITS * 64,
+            },
+            [0],
+        ),
+        ("write chunks", {f"one file: {rows:,} chunk rows and their Parquet bytes": rows * chunk_row * 2}, []),
+        (
+            "embed",
+            {
+                "encoder": ENCODER,
+                f"one file: {rows:,} embeddings and their Parquet bytes": rows * (dim * 4 + ROW_OVERHEAD) * 2,
+            },
+            [],
+        ),
+        *_training_steps(
+            factory, C, dim, cfg.index.clustering, cfg.index.accelerator is not None, cfg.index.type == "auto"
+        ),
+        (
+            "index: fill one embeddings file",
+            {
+                "trained index": estimated_bytes(factory, 0, dim),
+                f"codes of {rows:,} vectors": rows * per_vector,
+                "a read batch": READ_BATCH * dim * 4,
+            },
+            auto_grows,
+        ),
+        ("index: merge", {held: held_bytes}, held_grows),
+        (
+            "build-shards: search",
+            {
+                f"{held}, one copy per process": held_bytes,
+                f"{SEARCH_BATCH:,} queries and candidates": SEARCH_BATCH * (dim * 4 + 64 * 12),
+            },
+            held_grows,
+        ),
+        ("build-shards: join one chunk file", {f"tokens and continuations of {rows:,} chunks": rows * chunk_row}, []),
+        (
+            "build-shards: write one shard",
+            {f"{cfg.rows_per_shard():,} rows and their Arrow bytes": cfg.rows_per_shard() * shard_row * 2},
+            [],
+        ),
+    ]
+    out = []
+    for name, terms, growing in stages:
+        total = SDK_PROCESS + sum(terms.values())
+        out.append(
+            {
+                "stage": name,
+                "bytes": int(total),
+                "terms": {k: int(v) for k, v in terms.items()},
+                "grows_with_corpus": [list(terms)[i] for i in growing],
+            }
+        )
+    return out
+
+
+def _training_steps(factory: str, C: int, dim: int, clustering: str, accelerator: bool, auto: bool) -> list[tuple]:
+    """The index training steps: one worker with the whole sample ('flat'), or the two-level
+    steps, none of which holds the sample (a first-level cluster is assumed twice its share).
+    With index.type auto every term follows the corpus (through the lists)."""
+    sample, nlist = training_size(C, factory), ivf_lists(factory) or 1
+    vector, centroids = dim * 4, nlist * dim * 4
+    if resolve_clustering(clustering, factory, accelerator) != "two_level":
+        steps = [
+            (f"index: train {factory}", {f"{sample:,} training vectors": sample * vector * 2, "centroids": centroids})
+        ]
+    else:
+        cluster = 2 * math.ceil(sample / first_level_clusters(nlist))
+        steps = [
+            (
+                "index: train first level",
+                {f"{first_level_size(sample, nlist):,} training vectors": first_level_size(sample, nlist) * vector * 2},
+            ),
+            ("index: train one first-level cluster", {f"~{cluster:,} training vectors": cluster * vector * 2}),
+            ("index: Lloyd step over one sample file", {"centroids and their assigner": centroids * 3}),
+            (
+                f"index: assemble trained {factory}",
+                {"centroids and the quantizer": centroids * 3, "encoder sample": encoder_size(factory) * vector},
+            ),
+        ]
+    return [(name, terms, list(range(len(terms))) if auto else []) for name, terms in steps]
+
+
+def largest(stages: list[dict]) -> dict:
+    return max(stages, key=lambda s: s["bytes"])
+
+
+def estimate(cfg: PipelineConfig, chunks: float | None = None, documents: float | None = None) -> dict:
+    """What `--dry-run` prints: the corpus size assumed (given, or from the sizes of a local
+    retrieval corpus's files: a listing, no content read; a dry run contacts no remote store),
+    each step's bytes per worker process, and the largest."""
+    from pipeline.common.models import embedding_dim
+    from pipeline.corpus.parse import match_corpus
+
+    if chunks:
+        corpus, source = Corpus.of(chunks, documents), "given"
+    elif any("://" in path for path in cfg.retrieval_corpus.paths):
+        return {"corpus": "unknown: pass --corpus-chunks (a dry run lists no remote files)"}
+    else:
+        files = match_corpus(cfg.retrieval_corpus)
+        corpus = Corpus.from_input_bytes({p: size for p, _, size in files}, cfg.chunk_tokens)
+        source = f"from {len(files):,} input files (~{BYTES_PER_TOKEN} bytes per token)"
+    stages = stage_memory(cfg, corpus, embedding_dim(cfg.embedding.model) or 384)
+    return {
+        "corpus": {"chunks": corpus.chunks, "documents": corpus.documents, "source": source},
+        "per_worker_process": stages,
+        "largest": largest(stages)["stage"],
+    }

@@ -1,0 +1,214 @@
+"""Beam pipeline options: whatever follows `--` on the command line, over local defaults.
+
+The local default is the in-process FnApiRunner: Beam's DirectRunner would first try to
+download the Prism binary, which a machine without network cannot do.
+
+Beam itself drops an option it does not know with a log line (a typo then silently changes
+nothing); `check_beam_args` refuses it instead, naming it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import os
+import re
+from collections.abc import Mapping, Sequence
+
+from apache_beam.options.pipeline_options import (
+    DirectOptions,
+    PipelineOptions,
+    PortableOptions,
+    StandardOptions,
+    _BeamArgumentParser,
+)
+
+LOCAL_RUNNER = "FnApiRunner"
+
+
+# Runners whose SDK workers run on the machine that launches the job.
+IN_PROCESS_RUNNERS = {None, LOCAL_RUNNER, "DirectRunner", "BundleBasedDirectRunner", "SwitchingDirectRunner"}
+
+
+def with_defaults(beam_args: list[str]) -> list[str]:
+    args = list(beam_args)
+    if not any(a == "--runner" or a.startswith("--runner=") for a in args):
+        args.insert(0, f"--runner={LOCAL_RUNNER}")
+    return args
+
+
+def local_worker_processes(options: PipelineOptions) -> int | None:
+    """How many SDK worker processes share this machine's cores, or None when the workers run
+    elsewhere (a cluster runner, or a portable job service with its own worker environment)."""
+    runner = options.view_as(StandardOptions).runner
+    if runner in IN_PROCESS_RUNNERS:
+        direct = options.view_as(DirectOptions)
+        if direct.direct_running_mode != "multi_processing":
+            return 1
+        return direct.direct_num_workers or os.cpu_count() or 1  # 0 means one worker per core
+    if runner == "PortableRunner" and options.view_as(PortableOptions).environment_type == "LOOPBACK":
+        return 1  # the job service calls back into this process
+    return None
+
+
+def encoder_threads(configured: int | None, device: str, options: PipelineOptions) -> int | None:
+    """Intra-op threads of each CPU encoder process. Part of what decides the embeddings' last
+    bits (CPU matrix kernels split their sums by thread count), so it is fixed once per job
+    and recorded in the manifest. Configured: as given. Otherwise this machine's share of
+    the cores where the workers run here, and 1 on cluster runners (one SDK process per
+    core). None on a GPU, where threads do not touch the arithmetic."""
+    if not device.startswith("cpu"):
+        return None
+    if configured is not None:
+        return configured
+    workers = local_worker_processes(options)
+    return 1 if workers is None else max(1, (os.cpu_count() or 1) // workers)
+
+
+def no_timed_flush_on_local_runner() -> None:
+    """Turn off the local runner's 1 s timed flush of the data it sends its SDK workers.
+
+    Beam 2.77's FnApiRunner writes a bundle's input into a `TimeBasedBufferingClosableOutputStream`
+    (`worker_handlers.DATA_BUFFER_TIME_LIMIT_MS` = 1000) whose flusher thread sends the buffer
+    and then clears it (`data_plane.py`, `flush`: `get()`, send, `_clear()`), while the runner
+    thread's `write` takes no lock: whatever the runner writes during the send is dropped, and
+    the worker processes a short bundle with no error. With several SDK worker processes
+    (`--direct_running_mode=multi_processing` or `multi_threading`) a stage's input goes out
+    in ~10 MB messages, and once writing one worker's share takes longer than a second (a
+    large shuffle, a loaded machine) the tail of it can vanish: build-shards then saw
+    sequences with 11 of their 16 neighbours, a lost query embedding (KeyError) or a lost
+    sequence. `tests/test_options.py` holds the reproduction (xfail while Beam has the race).
+    Without the timed flush the stream flushes by size only, from the writing thread: nothing
+    is lost. Batch jobs gain nothing from timed flushes, and cluster runners (Dataflow,
+    Flink) never run this code."""
+    from apache_beam.runners.portability.fn_api_runner import worker_handlers
+
+    worker_handlers.DATA_BUFFER_TIME_LIMIT_MS = 0
+
+
+def share_cores(options: PipelineOptions) -> None:
+    """Local multi-process runs: each worker process gets its share of the cores for the
+    OpenMP pools of faiss and torch (every process using all cores made a 2-worker index
+    build on 2 cores 10-100x slower). An OMP_NUM_THREADS set by the user wins; worker
+    processes inherit the environment."""
+    workers = local_worker_processes(options)
+    if workers is None or workers == 1 or "OMP_NUM_THREADS" in os.environ:
+        return
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
+
+
+class PipelineOptionsError(ValueError):
+    """Arguments meant for Beam that Beam would not use, or a value it cannot parse."""
+
+
+class _StrictParser(_BeamArgumentParser):
+    """Beam's parser, raising instead of printing its usage and exiting."""
+
+    def error(self, message):
+        if message.startswith("ambiguous option: "):  # as Beam's own parser (none with allow_abbrev=False)
+            return
+        raise PipelineOptionsError(f"Beam pipeline options: {message}")
+
+
+def _options_classes() -> list[type[PipelineOptions]]:
+    """Every PipelineOptions subclass imported so far that declares options: Beam's standard
+    ones (Dataflow, portable, Flink, Spark, ...), and any the project or a runner module defines.
+    A subclass of a subclass counts too (`view_as` reads its options)."""
+    found: dict[str, type[PipelineOptions]] = {}
+    pending = list(PipelineOptions.__subclasses__())
+    while pending:
+        cls = pending.pop(0)
+        pending.extend(cls.__subclasses__())
+        if "_add_argparse_args" in cls.__dict__:
+            found.setdefault(f"{cls.__module__}.{cls.__qualname__}", cls)  # a module imported twice: once
+    return list(found.values())
+
+
+def beam_option_parser() -> _BeamArgumentParser:
+    """One parser holding every option Beam would accept now (as `get_all_options` builds it)."""
+    parser = _StrictParser(allow_abbrev=False, add_help=False, conflict_handler="resolve")
+    for cls in _options_classes():
+        cls._add_argparse_args(parser)  # pylint: disable=protected-access
+    return parser
+
+
+def _runner_arg(args: Sequence[str]) -> str | None:
+    runner = None
+    for i, arg in enumerate(args):
+        if arg.startswith("--runner="):
+            runner = arg.split("=", 1)[1]
+        elif arg == "--runner" and i + 1 < len(args):
+            runner = args[i + 1]
+    return runner
+
+
+KNOWN_RUNNERS = {path.rsplit(".", 1)[1].lower() for path in StandardOptions.ALL_KNOWN_RUNNERS}
+
+
+def _check_runner(runner: str | None) -> None:
+    """The names Beam's `create_runner` resolves: a known runner's name in any case, with or
+    without its 'Runner' suffix, or a dotted module.Class path."""
+    if runner is None or "." in runner or {runner.lower(), runner.lower() + "runner"} & KNOWN_RUNNERS:
+        return
+    close = difflib.get_close_matches(runner, StandardOptions.KNOWN_RUNNER_NAMES, n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    raise PipelineOptionsError(
+        f"unknown runner {runner}{hint}; known: {', '.join(StandardOptions.KNOWN_RUNNER_NAMES)} or a module.Class path"
+    )
+
+
+_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")  # a negative number is a value, as argparse reads it
+
+
+def check_beam_args(beam_args: Sequence[str], cli_options: Mapping[str, str] | None = None) -> list[str]:
+    """The arguments, if Beam knows every option among them; else one PipelineOptionsError
+    naming the ones it does not (never their values: they may be credentials), with a close
+    match. Both `--name=value` and `--name value`. `cli_options`: the command line's own
+    options, each with where it belongs (one given among Beam's is named as misplaced, and
+    they are candidates for the close match)."""
+    args, cli_options = list(beam_args), dict(cli_options or {})
+    if "--" in args:
+        raise PipelineOptionsError("a second `--` among the Beam pipeline options (one `--` ends the command's own)")
+    runner = _runner_arg(args)
+    if runner and "." in runner:  # a runner module may define options of its own: Beam imports it to run
+        module = runner.rsplit(".", 1)[0]
+        try:
+            importlib.import_module(module)
+        except ImportError as err:  # say so now, not as "unknown option" for the module's own options
+            raise PipelineOptionsError(f"--runner={runner}: cannot import {module} ({err})") from None
+    parser = beam_option_parser()
+    known, extra = parser.parse_known_args(args)
+    unknown = list(
+        dict.fromkeys(a.split("=", 1)[0] for a in extra if a.startswith("-") and a != "-" and not _NUMBER.match(a))
+    )
+    for name in unknown:
+        if name in cli_options:
+            raise PipelineOptionsError(f"{name} is not a Beam pipeline option: {cli_options[name]}")
+    if unknown:
+        candidates = [*cli_options, *(o for action in parser._actions for o in action.option_strings)]
+
+        def named(name: str) -> str:
+            close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.75)
+            return f"{name} (did you mean {close[0]}?)" if close else name
+
+        what = (
+            "neither a ratrain-pipeline option nor a Beam pipeline option"
+            if cli_options
+            else "not a Beam pipeline option"
+        )
+        plural = "s" if len(unknown) > 1 else ""
+        raise PipelineOptionsError(f"unknown option{plural} {', '.join(map(named, unknown))}: {what}")
+    if extra:  # no unknown option to take them as its value
+        raise PipelineOptionsError(
+            f"unexpected argument {extra[0]!r} among the Beam pipeline options (--name=value or --name value)"
+        )
+    _check_runner(known.runner)
+    return args
+
+
+def pipeline_options(beam_args: list[str]) -> PipelineOptions:
+    options = PipelineOptions(with_defaults(check_beam_args(beam_args)))
+    share_cores(options)
+    if local_worker_processes(options) is not None:
+        no_timed_flush_on_local_runner()
+    return options

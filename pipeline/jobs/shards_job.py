@@ -1,0 +1,278 @@
+"""build-shards: pack the training corpus into sequences, retrieve each chunk's neighbours
+from the index, join their tokens and write the training shards, in one Beam job that commits
+itself.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import apache_beam as beam
+import numpy as np
+from apache_beam.io.parquetio import ReadFromParquetBatched
+
+from pipeline.chunks.beam import ChunkDocuments
+from pipeline.chunks.chunk_files import ChunkFileRanges, chunk_arrays
+from pipeline.chunks.chunking import Chunk
+from pipeline.common import fileio
+from pipeline.common.progress import ReportProgress
+from pipeline.common.tally import Tally, counted
+from pipeline.common.writers import WriteRejected
+from pipeline.corpus.read import ReadCorpus
+from pipeline.index.build import INDEX_FILE
+from pipeline.index.recall import PLATEAU_GAIN
+from pipeline.jobs.commit import REJECTED_STAGING, commit_stage, new_staging_dir
+from pipeline.jobs.index_files import _documents_read_tally, _rejected_tally, faiss_files, load_index_manifest
+from pipeline.jobs.job import (
+    StageClock,
+    Submitted,
+    Tokenization,
+    _sorted_entries,
+    describe,
+    index_dir,
+    new_pipeline,
+    run_stage,
+    shards_dir,
+)
+from pipeline.jobs.options import encoder_threads
+from pipeline.retrieve.beam import LOST_DATA, DocumentSpans, PackSequences, RetrieveNeighbours
+from pipeline.retrieve.recall import MeasureNeighbourRecall
+from pipeline.retrieve.search import Retrieval
+from pipeline.shards.rows import overlap_histogram, overlap_tally
+from pipeline.shards.write import FILLED, WriteShards
+from schemas.arrow import tensor_column_to_numpy
+from schemas.config import PipelineConfig
+from schemas.manifest import (
+    CREATED_BY,
+    NeighbourRecall,
+    SearchDepth,
+    ShardsManifest,
+)
+
+log = logging.getLogger("ratrain")
+
+
+MIN_FILL = 0.99  # below this share of filled neighbour slots, the stage warns
+
+
+def _chunks_from_table(table) -> list[Chunk]:
+    rows = chunk_arrays(table)
+    return [
+        Chunk(int(i), int(d), int(p), t, c)
+        for i, d, p, t, c in zip(
+            rows["chunk_id"], rows["doc_id"], rows["position"], rows["tokens"], rows["continuation"]
+        )
+    ]
+
+
+def _embeddings_from_table(table) -> list[tuple[int, np.ndarray]]:
+    vectors = tensor_column_to_numpy(table["embedding"])
+    return list(zip(table["chunk_id"].to_numpy().tolist(), vectors))
+
+
+def _shards_manifest(
+    entries, tallies, recall, search_depth, precision, cfg: PipelineConfig, index_sha: str, threads, pad_id: int
+) -> dict:
+    shards = _sorted_entries(entries)
+    L, k = cfg.chunks_per_sequence, cfg.neighbours
+    num_sequences = sum(s["rows"] for s in shards)
+    slots = num_sequences * L * k
+    counters = dict(tallies)
+    counters["chunks_not_in_a_sequence"] = counters.pop("training_chunks", 0) - num_sequences * L
+    return ShardsManifest(
+        config_hash=cfg.shards_hash(),
+        index_manifest_sha256=index_sha,
+        training_corpus="same" if cfg.training_corpus == "same" else "separate",
+        encoder_threads=threads,
+        embedding_precision=precision,
+        sequence_tokens=cfg.sequence_tokens,
+        chunk_tokens=cfg.chunk_tokens,
+        neighbours=k,
+        neighbour_tokens=2 * cfg.chunk_tokens,
+        pad_id=pad_id,
+        num_sequences=num_sequences,
+        shards=shards,
+        neighbour_fill=sum(s[FILLED] for s in shards) / slots if slots else 1.0,
+        neighbour_recall=None if recall is None else NeighbourRecall(**recall),
+        search_depth=SearchDepth(**search_depth) if search_depth["curve"] else None,
+        overlap=overlap_histogram(counters),
+        counters=dict(sorted(counters.items())),
+        created_by=CREATED_BY,
+    ).model_dump(mode="json")
+
+
+def build_shards(
+    cfg: PipelineConfig, beam_args: list[str], dry_run: bool = False, detach: bool = False
+) -> ShardsManifest | Submitted | dict:
+    """Stages 4-5: training sequences + retrieved neighbours -> Arrow shards, committed.
+    dry_run, detach: as for `build_index` (a dry run needs no committed index).
+
+    A job that fails because the runner lost shuffle data committed nothing; it runs once
+    more, from fresh staging, and says so, and a second loss fails the stage. (Beam 2.77's
+    local multi-process runner lost data through a race in its timed flush, which
+    `pipeline_options` turns off: `options.no_timed_flush_on_local_runner`. The check and
+    the retry stay, for any runner.)"""
+    try:
+        return _build_shards(cfg, beam_args, dry_run, detach)
+    except Exception as err:  # the runner reraises the worker's error wrapped in its own type
+        if dry_run or detach or LOST_DATA not in str(err):
+            raise
+        log.warning(
+            "build-shards: the runner lost shuffle data (%s); nothing was committed, so the stage runs once more",
+            str(err).strip().splitlines()[-1][:300],
+        )
+        return _build_shards(cfg, beam_args, dry_run, detach)
+
+
+def _build_shards(
+    cfg: PipelineConfig, beam_args: list[str], dry_run: bool, detach: bool
+) -> ShardsManifest | Submitted | dict:
+    index_manifest, index_sha = (None, None) if dry_run else load_index_manifest(cfg)
+    tok = Tokenization.of(cfg)
+    staging = new_staging_dir(cfg.output, "shards", dry_run)
+    L, m, k = cfg.chunks_per_sequence, cfg.chunk_tokens, cfg.neighbours
+    idx = index_dir(cfg)
+    pipeline = new_pipeline(beam_args, dry_run)
+    clock = StageClock("build-shards", "sequences")
+    threads = None
+    chunk_files = ChunkFileRanges.from_entries(idx, [] if dry_run else index_manifest.files)
+    if cfg.training_corpus == "same":
+        training_chunks = (
+            pipeline
+            | "ReadChunkDatabase"
+            >> ReadFromParquetBatched(fileio.join(idx, "chunks", "*.parquet"), validate=not dry_run)
+            | "ChunkRows" >> beam.FlatMap(_chunks_from_table)
+        )
+        queries = (
+            pipeline
+            | "ReadEmbeddings"
+            >> ReadFromParquetBatched(fileio.join(idx, "embeddings", "*.parquet"), validate=not dry_run)
+            | "EmbeddingRows" >> beam.FlatMap(_embeddings_from_table)
+        )
+        rejected = pipeline | "NoRejected" >> beam.Create([])
+        precision = pipeline | "NothingEmbedded" >> beam.Create([None])
+        read_tallies = ()
+    else:
+        documents, read_rejected = pipeline | "ReadTrainingCorpus" >> ReadCorpus(cfg.training_corpus, match=not dry_run)
+        training_chunks, unusable = documents | "ChunkTrainingDocuments" >> ChunkDocuments(tok.path, m, tok.pad_id)
+        from pipeline.embed.beam import EmbedChunks
+
+        threads = encoder_threads(cfg.embedding.cpu_threads, cfg.embedding.device, pipeline.options)
+        queries, precision = training_chunks | "EmbedTrainingChunks" >> EmbedChunks(cfg.embedding, tok.path, threads)
+        rejected = (read_rejected, unusable) | "MergeRejected" >> beam.Flatten()
+        read_tallies = _documents_read_tally(documents, rejected, "Training")
+    sequences = training_chunks | "PackSequences" >> PackSequences(L, tok.pad_id)
+    spans = pipeline | "DocumentSpans" >> DocumentSpans(fileio.join(idx, "chunks", "*.parquet"), validate=not dry_run)
+    index_paths = [f"faiss/{INDEX_FILE}"] if dry_run else faiss_files([f.path for f in index_manifest.files])
+    spec = Retrieval(
+        tuple(fileio.join(idx, path) for path in index_paths),
+        None if dry_run else index_manifest.nprobe,
+        chunk_files,
+        L,
+        m,
+        k,
+        cfg.neighbour_candidates,
+        tok.pad_id,
+        cfg.dedupe_neighbours,
+        cfg.neighbour_recall_sample,
+        fileio.join(idx, "embeddings", "*.parquet"),
+        cfg.index.target_recall,
+        cfg.recall_below_target,
+    )
+    retrieved = (sequences, queries, spans) | "RetrieveNeighbours" >> RetrieveNeighbours(
+        spec, cfg.index.min_ram, validate=not dry_run
+    )
+    rows = retrieved.rows | "ShardProgress" >> ReportProgress("retrieve", "sequences")
+    shard_files = rows | "WriteShards" >> WriteShards(staging, cfg.rows_per_shard(), tok.pad_id)
+    rejected_files = rejected | "WriteRejected" >> WriteRejected(fileio.join(staging, REJECTED_STAGING), "build-shards")
+    recall = (retrieved.probes, retrieved.truth, rows) | "MeasureNeighbourRecall" >> MeasureNeighbourRecall(k)
+    tallies = (
+        *read_tallies,
+        retrieved.tallies,
+        _rejected_tally(rejected, "TallyRejected"),
+        counted("training_chunks", training_chunks),
+        counted("sequences", rows),
+        counted("neighbour_slots_padded", rows, lambda r: (r.neighbour_ids < 0).sum()),
+        rows | "TallyOverlap" >> beam.FlatMap(overlap_tally, m, tok.pad_id),
+    ) | "Tallies" >> Tally()
+    manifest = (
+        shard_files
+        | "GatherShards" >> beam.combiners.ToList()
+        | "ShardsManifest"
+        >> beam.Map(
+            _shards_manifest,
+            beam.pvalue.AsDict(tallies),
+            beam.pvalue.AsSingleton(recall),
+            beam.pvalue.AsSingleton(retrieved.search_depth),
+            beam.pvalue.AsSingleton(precision),
+            cfg,
+            index_sha,
+            threads,
+            tok.pad_id,
+        )
+    )
+    staged = beam.pvalue.AsSingleton(
+        shard_files | "StagedPaths" >> beam.Map(lambda e: e["path"]) | "AllStaged" >> beam.combiners.ToList()
+    )
+    _ = manifest | "Commit" >> beam.Map(
+        lambda manifest, staged, *after: commit_stage(
+            manifest, staging, cfg.output, shards_dir(cfg), clock, staged, cfg.max_rejected_fraction
+        ),
+        staged,
+        beam.pvalue.AsList(rejected_files),
+    )
+    if dry_run:
+        return describe(pipeline)
+    manifest = run_stage(pipeline, clock, shards_dir(cfg), ShardsManifest, detach)
+    if isinstance(manifest, ShardsManifest):
+        log.info(
+            "committed %s (%d sequences in %d shards, %s)",
+            shards_dir(cfg),
+            manifest.num_sequences,
+            len(manifest.shards),
+            manifest.neighbour_summary(),
+        )
+        for warning in neighbour_warnings(manifest, cfg):
+            log.warning("%s: %s", shards_dir(cfg), warning)
+    return manifest
+
+
+def neighbour_warnings(manifest: ShardsManifest, cfg: PipelineConfig) -> list[str]:
+    """What makes the shards worse than they look, with the cause."""
+    warnings = []
+    fill = manifest.neighbour_fill
+    if fill is not None and fill < MIN_FILL:
+        slots = manifest.num_sequences * manifest.sequence_tokens // manifest.chunk_tokens * manifest.neighbours
+        empty = slots - sum(entry.neighbour_slots_filled or 0 for entry in manifest.shards)
+        if cfg.dedupe_neighbours and manifest.counters.get("candidates_dropped_duplicate_tokens", 0):
+            cause = (
+                f"after dropping repeated tokens fewer than k of the {cfg.neighbour_candidates} "
+                "candidates were left (raise neighbour_candidates)"
+            )
+        else:
+            cause = (
+                "the chunk database holds fewer than k chunks outside a sequence's own "
+                "documents for these chunks (a database of few, long documents)"
+            )
+        warnings.append(
+            f"only {fill:.1%} of neighbour slots are filled ({empty:,} empty): {cause}; "
+            "a RETRO model sees these slots as padding"
+        )
+    recall, depth, target = manifest.neighbour_recall, manifest.search_depth, cfg.index.target_recall
+    if recall is not None and recall.value < target:
+        if depth is not None and depth.recall_below_target == "warn":
+            cause = f"recall_below_target: warn kept the index's search depth {depth.depth} ('deepen' tunes it)"
+        elif depth is not None and depth.plateau:
+            cause = (
+                f"two doublings of the search depth beyond {depth.depth} gained less than {PLATEAU_GAIN} (the index's "
+                "codes limit recall, not the depth: a larger index.memory_budget or another index.type)"
+            )
+        elif depth is not None and depth.curve and depth.curve[-1]["recall"] >= target:
+            cause = (
+                f"the search depth {depth.depth} reached {depth.curve[-1]['recall']:.3f} on the tuning sample, "
+                "which this check's sample misses (a larger neighbour_recall_sample tunes on more chunks)"
+            )
+        else:
+            cause = "the index misses near neighbours even at its deepest search (raise index.memory_budget)"
+        warnings.append(f"neighbour recall {recall.value:.3f} against exact search is below {target}: {cause}")
+    return warnings

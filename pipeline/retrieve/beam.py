@@ -1,0 +1,380 @@
+"""Pack training sequences, retrieve their neighbours, join neighbour tokens, write shards.
+
+Everything moves through Beam shuffles keyed by ids: a sequence's documents meet their chunk-id
+ranges by document id; sequences meet their query embeddings and those ranges by search batch;
+the search skips the ranges inside faiss, so the k best hits are already the neighbours (with
+`dedupe_neighbours`, the candidates first fetch their tokens from the chunk file holding
+them); the kept neighbours are shuffled by the chunk file that holds them and read their
+tokens in one read of that file; and neighbours meet their sequence by sequence id. No
+process holds the chunk database, and nothing shuffles it: what moves grows with the
+training sequences (plus one (doc id, range) per database document), not with the chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import apache_beam as beam
+import numpy as np
+from apache_beam.io.parquetio import ReadFromParquetBatched
+from apache_beam.utils import shared
+
+from pipeline.chunks.chunk_files import ChunkFileRanges
+from pipeline.chunks.chunking import Chunk
+from pipeline.index.exact import truth_depth
+from pipeline.retrieve.recall import ExactTruth, SmallestProbes
+from pipeline.retrieve.search import (
+    CANDIDATE,
+    SEQUENCES_PER_SEARCH,
+    Retrieval,
+    _excluded_ranges,
+    _loaded_index,
+    batch_probes,
+    merge_shard_hits,
+    search_batch,
+    select_distinct,
+    token_key,
+    tune_retrieval_depth,
+)
+from pipeline.retrieve.sequences import document_spans, pack_sequence, widest_span
+from pipeline.shards.rows import ShardRow
+from pipeline.shards.write import neighbour_arrays
+
+SENT = "sent"  # tagged output: (seq_id, elements it sent through the next shuffle)
+
+
+TALLY = "tally"  # tagged output: (name, count) pairs, counted as data (pipeline.tally)
+
+
+def _sequence_parts(chunk: Chunk, chunks_per_seq: int):
+    seq_id, offset = divmod(chunk.chunk_id, chunks_per_seq)
+    yield seq_id, ("chunk", chunk)
+    if offset == 0 and seq_id > 0:  # the first token of a sequence is the previous one's target
+        yield seq_id - 1, ("next", (int(chunk.tokens[0]), chunk.doc_id))
+
+
+def _assemble(keyed, chunks_per_seq: int, pad_id: int):
+    seq_id, parts = keyed
+    chunks = sorted((p for kind, p in parts if kind == "chunk"), key=lambda c: c.chunk_id)
+    following = [p for kind, p in parts if kind == "next"]
+    if len(chunks) < chunks_per_seq:  # the chunk database's tail: too short for a sequence
+        return
+    next_token, next_doc = following[0] if following else (None, None)
+    yield pack_sequence(seq_id, chunks, next_token, next_doc, pad_id)
+
+
+class PackSequences(beam.PTransform):
+    """Chunk rows -> Sequences of `chunks_per_seq` consecutive chunks (ids seq·L … seq·L+L-1)."""
+
+    def __init__(self, chunks_per_seq: int, pad_id: int):
+        super().__init__()
+        self.chunks_per_seq, self.pad_id = chunks_per_seq, pad_id
+
+    def expand(self, chunks):
+        return (
+            chunks
+            | "KeyBySequence" >> beam.FlatMap(_sequence_parts, self.chunks_per_seq)
+            | "GroupBySequence" >> beam.GroupByKey()
+            | "Assemble" >> beam.FlatMap(_assemble, self.chunks_per_seq, self.pad_id)
+        )
+
+
+class DocumentSpans(beam.PTransform):
+    """Chunk files (a glob) -> (doc_id, (first chunk id, last + 1)) per database document: a
+    document's chunks are one contiguous id range, so excluding it is excluding a range."""
+
+    def __init__(self, pattern: str, validate: bool = True):
+        super().__init__()
+        self.pattern, self.validate = pattern, validate
+
+    def expand(self, pbegin):
+        return (
+            pbegin
+            | "ReadDocumentIds"
+            >> ReadFromParquetBatched(self.pattern, columns=["chunk_id", "doc_id"], validate=self.validate)
+            | "SpansInBatch" >> beam.FlatMap(lambda t: document_spans(t["chunk_id"].to_numpy(), t["doc_id"].to_numpy()))
+            | "WidestSpan" >> beam.CombinePerKey(widest_span)
+        )
+
+
+def emit_hits(spec: Retrieval, seq_ids: list[int], hits: np.ndarray, deeper_seqs):
+    """What a searched batch sends on: tallies, the count each sequence will receive,
+    and the hits (the k neighbours keyed by chunk id, or candidate blocks by chunk file)."""
+    unknown = hits["chunk_id"][hits["chunk_id"] >= spec.chunk_files.num_chunks]
+    if len(unknown):
+        raise ValueError(
+            f"the index returned chunk id {unknown[0]}, which is not in the chunk "
+            f"database ({spec.chunk_files.num_chunks} chunks): index and chunks disagree"
+        )
+    L = spec.chunks_per_seq
+    yield beam.pvalue.TaggedOutput(TALLY, ("queries", len(seq_ids) * L))
+    yield beam.pvalue.TaggedOutput(TALLY, ("queries_searched_deeper", len(deeper_seqs) * L))
+    hit_seqs, counts = np.unique(hits["seq_id"], return_counts=True)
+    sent = dict(zip(hit_seqs.tolist(), counts.tolist()))
+    for seq_id in seq_ids:  # what each sequence must receive back, checked when it arrives
+        yield beam.pvalue.TaggedOutput(SENT, (seq_id, sent.get(seq_id, 0)))
+    if not spec.dedupe:  # the k hits are the neighbours (rank = slot)
+        for seq_id, j, slot, chunk_id, score in zip(
+            hits["seq_id"].tolist(),
+            hits["j"].tolist(),
+            hits["rank"].tolist(),
+            hits["chunk_id"].tolist(),
+            hits["score"].tolist(),
+        ):
+            yield chunk_id, (seq_id, j, slot, score)
+        return
+    files = spec.chunk_files.files_of(hits["chunk_id"])
+    for number in np.unique(files):
+        yield int(number), hits[files == number]
+
+
+class _Search(beam.DoFn):
+    """A search batch of sequences -> per sequence, its queries searched with the chunk-id
+    ranges of its own documents skipped inside faiss (the one index file, loaded once per
+    process, at the tuned depth: a side input). Emits the k neighbours as picks keyed by chunk
+    id, or (deduplicating) the candidates as CANDIDATE blocks keyed by the chunk file holding
+    them."""
+
+    _shared_index = shared.Shared()
+
+    def __init__(self, spec: Retrieval):
+        self.spec = spec
+
+    def process(self, keyed, tuned: dict):
+        _, grouped = keyed
+        index = _loaded_index(self._shared_index, self.spec.index_paths[0], tuned["depth"]).index
+        sequences, hits, deeper = search_batch(index, grouped, self.spec)
+        if sequences:  # none: only the embeddings of chunks left over after the last sequence
+            yield from emit_hits(self.spec, [s.seq_id for s in sequences], hits, deeper)
+
+
+class _SearchShard(beam.DoFn):
+    """((shard, group), search batches) -> (batch, (shard, seq ids, its hits, deeper seq ids)):
+    each process loads the shard of the group it is given (at the tuned depth), and searches
+    every batch of the group with it."""
+
+    _shared_index = shared.Shared()
+
+    def __init__(self, spec: Retrieval):
+        self.spec = spec
+
+    def process(self, keyed, tuned: dict):
+        (shard, _), batches = keyed
+        index = _loaded_index(self._shared_index, self.spec.index_paths[shard], tuned["depth"]).index
+        for batch, grouped in batches:
+            sequences, hits, deeper = search_batch(index, grouped, self.spec)
+            if sequences:
+                yield batch, (shard, [s.seq_id for s in sequences], hits, deeper)
+
+
+def _merge_shards(keyed, spec: Retrieval):
+    """(batch, every shard's search of it) -> what one index's search would send on."""
+    _, results = keyed
+    results = sorted(results, key=lambda r: r[0])
+    width = spec.candidates if spec.dedupe else spec.neighbours
+    hits = merge_shard_hits([r[2] for r in results], width)
+    deeper = set().union(*(r[3] for r in results))
+    yield from emit_hits(spec, results[0][1], hits, deeper)
+
+
+SEARCH_GROUPS_PER_SHARD = 64  # search batches of a shard split over this many groups (parallelism)
+
+
+class _CandidateTokens(beam.DoFn):
+    """(chunk file, candidate blocks in it) -> one CANDIDATE block per sequence, each hit with
+    its chunk's token hash, from one read of that file's tokens."""
+
+    def __init__(self, chunk_files: ChunkFileRanges):
+        self.chunk_files = chunk_files
+
+    def process(self, keyed):
+        number, blocks = keyed
+        tokens = self.chunk_files.read(number, ["tokens"])["tokens"]
+        hits = np.concatenate(list(blocks))
+        local = hits["chunk_id"] - self.chunk_files.starts[number]
+        unique, inverse = np.unique(local, return_inverse=True)  # a chunk is hit by many queries
+        hits["token_key"] = np.array([token_key(tokens[r]) for r in unique], np.int64)[inverse]
+        hits = hits[np.argsort(hits["seq_id"], kind="stable")]
+        seq_ids, starts = np.unique(hits["seq_id"], return_index=True)
+        yield from zip(seq_ids.tolist(), np.split(hits, starts[1:]))
+
+
+class _NeighbourTokens(beam.DoFn):
+    """(chunk file, kept neighbours in it) -> neighbours keyed by sequence, each with its
+    chunk + continuation [2m] as raw int32 bytes (compact through the next shuffle)."""
+
+    def __init__(self, chunk_files: ChunkFileRanges):
+        self.chunk_files = chunk_files
+
+    def process(self, keyed):
+        number, picks = keyed
+        rows = self.chunk_files.read(number, ["tokens", "continuation"])
+        values = np.concatenate([rows["tokens"], rows["continuation"]], axis=1).astype(np.int32)
+        start = self.chunk_files.starts[number]
+        for chunk_id, (seq_id, j, slot, score) in picks:
+            yield seq_id, (j, slot, chunk_id, score, values[chunk_id - start].tobytes())
+
+
+LOST_DATA = "the runner lost data"  # build_shards retries a stage that failed with this, once
+
+
+def _arrived(seq_id: int, what: str, received: int, sent: list[int]) -> None:
+    """Each sequence counts what it sent through a shuffle; fail loudly if any went missing
+    rather than write a shard with silently padded neighbours."""
+    if len(sent) != 1 or received != sent[0]:
+        raise RuntimeError(
+            f"sequence {seq_id}: {received} {what} arrived, {sent or 'no count'} were "
+            f"sent: {LOST_DATA}; nothing is committed"
+        )
+
+
+def _select_distinct(keyed, k: int):
+    seq_id, grouped = keyed
+    blocks = list(grouped["candidates"])  # none when the index reached no chunk for it
+    candidates = np.concatenate(blocks) if blocks else np.zeros(0, CANDIDATE)
+    _arrived(seq_id, "search hits", len(candidates), list(grouped["sent"]))
+    picks, dropped = select_distinct(candidates, k)
+    yield beam.pvalue.TaggedOutput(TALLY, ("candidates_dropped_duplicate_tokens", dropped))
+    yield beam.pvalue.TaggedOutput(SENT, (seq_id, len(picks)))
+    for j, slot, chunk_id, score in picks:
+        yield chunk_id, (seq_id, j, slot, score)
+
+
+def _to_row(keyed, chunks_per_seq: int, k: int, m: int, pad_id: int):
+    _, grouped = keyed
+    (sequence,) = grouped["sequence"]
+    picks = [
+        (j, slot, chunk_id, score, np.frombuffer(value, np.int32))
+        for j, slot, chunk_id, score, value in grouped["picks"]
+    ]
+    _arrived(sequence.seq_id, "neighbours", len(picks), list(grouped["sent"]))
+    neighbours, ids, scores = neighbour_arrays(picks, chunks_per_seq, k, m, pad_id)
+    yield ShardRow(sequence.seq_id, sequence.tokens, neighbours, ids, scores, sequence.doc_ids)
+
+
+class _SearchIndex(beam.PTransform):
+    """Joined search batches -> the search's outputs (found, SENT, TALLY), at the depth in
+    `tuned` (a singleton side input: `tune_retrieval_depth`'s result). One index
+    file: each batch searched where it is. Shards: each batch goes to every shard, the batches
+    of a shard grouped so a process loads one shard per group, and each batch's hits from all
+    shards merged by score (a query's candidates are those one index would find, up to ties
+    and the depth each shard deepens to alone)."""
+
+    def __init__(self, spec: Retrieval, tuned):
+        super().__init__()
+        self.spec, self.tuned = spec, tuned
+
+    def expand(self, batches):
+        spec, tuned = self.spec, beam.pvalue.AsSingleton(self.tuned)
+        outputs = (SENT, TALLY)
+        if len(spec.index_paths) == 1:
+            return batches | "SearchBatches" >> beam.ParDo(_Search(spec), tuned).with_outputs(*outputs, main="found")
+        shards = len(spec.index_paths)
+        return (
+            batches
+            | "ToEveryShard"
+            >> beam.FlatMap(lambda b: [((shard, b[0] % SEARCH_GROUPS_PER_SHARD), b) for shard in range(shards)])
+            | "GroupByShard" >> beam.GroupByKey()
+            | "SearchShards" >> beam.ParDo(_SearchShard(spec), tuned)
+            | "GroupShardHits" >> beam.GroupByKey()
+            | "MergeShards" >> beam.FlatMap(_merge_shards, spec).with_outputs(*outputs, main="found")
+        )
+
+
+@dataclass
+class Retrieved:
+    """What `RetrieveNeighbours` gives: PCollections of the rows and of what checks them."""
+
+    rows: beam.PCollection  # ShardRows
+    probes: beam.PCollection  # one sorted list of Probes: the training chunks sampled
+    truth: beam.PCollection  # one (scores, ids) [probes, truth_depth]: their exact neighbours, or None
+    search_depth: beam.PCollection  # one dict: `tune_retrieval_depth`'s result
+    tallies: beam.PCollection  # (name, count) pairs
+
+
+class RetrieveNeighbours(beam.PTransform):
+    """(sequences, query embeddings, database document spans) -> `Retrieved`: ShardRows with
+    the k nearest chunks of the database outside each sequence's documents, and the probe
+    sample with its exact truth and the search depth tuned on it.
+
+    The exclusion happens inside the search (faiss skips the sequences' documents' chunk-id
+    ranges), so long documents, whose nearest chunks are mostly their own, cannot starve the
+    k slots. The depth is tuned on the same search, before it runs (`tune_retrieval_depth`): on
+    long documents the nearest chunks outside a chunk's own document sit in lists that the
+    index's own depth, tuned without that exclusion, does not probe. Only the kept neighbours
+    (or, deduplicating, the candidates) travel on.
+    """
+
+    def __init__(self, spec: Retrieval, min_ram: str | None = None, validate: bool = True):
+        super().__init__()
+        if min_ram:  # every worker holds the index
+            self.with_resource_hints(min_ram=min_ram)
+        if spec.probes and not spec.embeddings:
+            raise ValueError("Retrieval.probes needs Retrieval.embeddings: the files their exact search reads")
+        self.spec, self.validate = spec, validate
+
+    def expand(self, inputs):
+        sequences, embeddings, doc_spans = inputs
+        spec, batch = self.spec, SEQUENCES_PER_SEARCH
+        L, files = spec.chunks_per_seq, spec.chunk_files
+        by_seq = sequences | "SeqById" >> beam.Map(lambda s: (s.seq_id, s))
+        excluded = (
+            {
+                "span": doc_spans,
+                "seq": sequences | "SeqDocuments" >> beam.FlatMap(lambda s: [(d, s.seq_id) for d in s.doc_ids]),
+            }
+            | "JoinDocumentSpans" >> beam.CoGroupByKey()
+            | "ExcludedRanges" >> beam.FlatMap(_excluded_ranges)
+        )
+        joined = {
+            "sequences": sequences | "SeqBySearchBatch" >> beam.Map(lambda s: (s.seq_id // batch, s)),
+            "embeddings": embeddings | "QueryBySearchBatch" >> beam.Map(lambda e: (e[0] // L // batch, e)),
+            "excluded": excluded | "ExcludedBySearchBatch" >> beam.Map(lambda e: (e[0] // batch, e)),
+        } | "JoinQueries" >> beam.CoGroupByKey()
+        if spec.probes:
+            probes = (
+                joined
+                | "BatchProbes" >> beam.Map(batch_probes, spec)
+                | "SampleProbes" >> beam.CombineGlobally(SmallestProbes(spec.probes))
+            )
+        else:
+            probes = joined.pipeline | "NoProbes" >> beam.Create([[]])
+        if spec.probes:
+            truth = probes | "ExactTruth" >> ExactTruth(spec.embeddings, truth_depth(spec.neighbours), self.validate)
+        else:
+            truth = probes | "NoTruth" >> beam.Map(lambda _: None)
+        depth = probes | "TuneSearchDepth" >> beam.Map(
+            lambda sample, truth: tune_retrieval_depth(spec, sample, truth), beam.pvalue.AsSingleton(truth)
+        )
+        searched = joined | "Search" >> _SearchIndex(spec, depth)
+        tallies = [searched[TALLY]]
+        if spec.dedupe:
+            picked = (
+                {
+                    "candidates": (
+                        searched.found
+                        | "GroupHitsByChunkFile" >> beam.GroupByKey()
+                        | "CandidateTokens" >> beam.ParDo(_CandidateTokens(files))
+                    ),
+                    "sent": searched[SENT],
+                }
+                | "JoinCandidates" >> beam.CoGroupByKey()
+                | "DropDuplicateTokens"
+                >> beam.FlatMap(_select_distinct, spec.neighbours).with_outputs(SENT, TALLY, main="picks")
+            )
+            picks, sent = picked.picks, picked[SENT]
+            tallies.append(picked[TALLY])
+        else:
+            picks, sent = searched.found, searched[SENT]
+        neighbours = (
+            picks
+            | "PicksByChunkFile" >> beam.Map(lambda pick: (files.file_of(pick[0]), pick))
+            | "GroupPicksByChunkFile" >> beam.GroupByKey()
+            | "NeighbourTokens" >> beam.ParDo(_NeighbourTokens(files))
+        )
+        rows = (
+            {"sequence": by_seq, "picks": neighbours, "sent": sent}
+            | "JoinNeighbours" >> beam.CoGroupByKey()
+            | "AssembleRows" >> beam.FlatMap(_to_row, L, spec.neighbours, spec.chunk_tokens, spec.pad_id)
+        )
+        return Retrieved(rows, probes, truth, depth, tallies | "RetrievalTallies" >> beam.Flatten())

@@ -1,0 +1,152 @@
+"""Neighbour recall inside build-shards: on a deterministic sample of training chunks (probes),
+an exact search over the stored embeddings that applies the same exclusion as the real search
+(the chunk-id ranges of the sequence's own documents). It is computed once, before the search,
+and serves twice: to tune the search depth on the workload it serves (`pipeline.shards`), and
+to check the neighbours written against it.
+
+Recall counts distance ties the way ann-benchmarks does: a neighbour is right when its exact
+similarity to the query is within `TIE_TOLERANCE` of the exact k-th best, so near-duplicate
+chunks are interchangeable; an empty slot is a miss unless the database has fewer than k
+chunks outside the sequence's documents. The exact side is one scan over the embedding files
+(a matrix product per record batch against the probes), merged like a top-k. It keeps the
+`truth_depth` best per probe, so a neighbour's exact similarity is read from that list; one
+beyond it is below the k-th best (a miss).
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import NamedTuple
+
+import apache_beam as beam
+import numpy as np
+from apache_beam.io.parquetio import ReadFromParquetBatched
+
+from pipeline.index.exact import exact_nearest_outside, exact_scores_of, merge_top
+from pipeline.index.recall import NEIGHBOUR_MEASURE, TIE_TOLERANCE, recall_with_ties
+from schemas.arrow import tensor_column_to_numpy
+
+
+class Probe(NamedTuple):
+    """A sampled training chunk: ordered by (key, seq_id, j), so the sample depends on neither
+    bundling nor workers."""
+
+    key: int  # sample_keys of its chunk position
+    seq_id: int
+    j: int  # the chunk's place in its sequence
+    query: np.ndarray  # its embedding [d]
+    excluded: tuple  # its sequence's documents' chunk-id ranges ((start, end), ...)
+
+
+def scan_batch(ids: np.ndarray, vectors: np.ndarray, probes: list[Probe], depth: int):
+    """One (non-empty) record batch of embeddings against the probes: its exact top `depth`
+    (scores, ids) per probe, each probe's ranges excluded."""
+    return exact_nearest_outside(np.stack([p.query for p in probes]), [p.excluded for p in probes], ids, vectors, depth)
+
+
+class SmallestProbes(beam.CombineFn):
+    """The `size` probes with the smallest (key, seq_id, j): a sample that depends on neither
+    bundling nor workers. Inputs are lists of probes (one per search batch)."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def create_accumulator(self):
+        return []
+
+    def add_input(self, acc, probes):
+        return heapq.nsmallest(self.size, acc + list(probes), key=lambda p: p[:3])
+
+    def merge_accumulators(self, accs):
+        return heapq.nsmallest(self.size, [p for acc in accs for p in acc], key=lambda p: p[:3])
+
+    def extract_output(self, acc):
+        return sorted(acc, key=lambda p: p[:3])
+
+
+class _MergeTops(beam.CombineFn):
+    def __init__(self, depth: int):
+        self.depth = depth
+
+    def create_accumulator(self):
+        return None
+
+    def add_input(self, acc, top):
+        return top if acc is None else merge_top(acc, top, self.depth)
+
+    def merge_accumulators(self, accs):
+        result = None
+        for acc in accs:
+            if acc is not None:
+                result = acc if result is None else merge_top(result, acc, self.depth)
+        return result
+
+    def extract_output(self, acc):
+        return acc
+
+
+def _scan(table, probes, depth: int):
+    if probes and table.num_rows:
+        yield scan_batch(table["chunk_id"].to_numpy(), tensor_column_to_numpy(table["embedding"]), probes, depth)
+
+
+class ExactTruth(beam.PTransform):
+    """The probe sample (one sorted list) -> one (scores, ids) [n, depth] in sample order: the
+    exact best chunks of the embedding files `embeddings` (a glob) outside each probe's ranges;
+    None when nothing was sampled."""
+
+    def __init__(self, embeddings: str, depth: int, validate: bool = True):
+        super().__init__()
+        self.embeddings, self.depth, self.validate = embeddings, depth, validate
+
+    def expand(self, sample):
+        return (
+            sample.pipeline
+            | "ReadEmbeddings" >> ReadFromParquetBatched(self.embeddings, validate=self.validate)
+            | "ExactScan" >> beam.FlatMap(_scan, beam.pvalue.AsSingleton(sample), self.depth)
+            | "MergeScans" >> beam.CombineGlobally(_MergeTops(self.depth))
+        )
+
+
+def _our_neighbours(row, wanted: set):
+    for j in range(len(row.neighbour_ids)):
+        if (row.seq_id, j) in wanted:
+            yield (row.seq_id, j), row.neighbour_ids[j]
+
+
+def neighbour_recall(probes: list[Probe], truth, ours: list, k: int) -> dict | None:
+    """The check's result for the manifest: the written neighbours `ours` ([((seq_id, j),
+    ids [k])]) of the sampled probes against their truth; None when nothing was sampled."""
+    if truth is None or not probes:
+        return None
+    found = dict(ours)
+    ids = np.stack([found.get((p.seq_id, p.j), np.full(k, -1, np.int64)) for p in probes])
+    right, slots = recall_with_ties(truth[0], exact_scores_of(truth, ids))
+    return {
+        "measure": NEIGHBOUR_MEASURE,
+        "value": right / slots if slots else 1.0,
+        "sample_size": len(probes),
+        "slots": slots,
+        "tolerance": TIE_TOLERANCE,
+    }
+
+
+class MeasureNeighbourRecall(beam.PTransform):
+    """(probe sample, its exact truth, shard rows) -> one dict: the recall of the neighbours
+    written for the sampled training chunks (`neighbour_recall`), or None."""
+
+    def __init__(self, k: int):
+        super().__init__()
+        self.k = k
+
+    def expand(self, inputs):
+        sample, truth, rows = inputs
+        wanted = sample | "SampledChunks" >> beam.Map(lambda ps: {(p.seq_id, p.j) for p in ps})
+        ours = (
+            rows
+            | "OurNeighbours" >> beam.FlatMap(_our_neighbours, beam.pvalue.AsSingleton(wanted))
+            | "GatherOurs" >> beam.combiners.ToList()
+        )
+        return sample | "Recall" >> beam.Map(
+            neighbour_recall, beam.pvalue.AsSingleton(truth), beam.pvalue.AsSingleton(ours), self.k
+        )

@@ -1,0 +1,228 @@
+"""The search of build-shards without Beam: query batches, the search with each sequence's own
+documents excluded inside faiss, merging hits of index slices, picking distinct neighbours,
+and the search depth tuned on sampled training chunks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+from apache_beam.utils import shared
+
+from pipeline.chunks.chunk_files import ChunkFileRanges
+from pipeline.index.files import load_index
+from pipeline.index.recall import recall_of
+from pipeline.index.sampling import sample_keys
+from pipeline.index.search import search_depth_range, search_each_excluding, search_excluding, set_search_depth
+from pipeline.index.slices import merge_shard_results
+from pipeline.index.tuning import tune_depth
+from pipeline.retrieve.recall import Probe
+from pipeline.retrieve.sequences import merge_ranges
+
+SEQUENCES_PER_SEARCH = 64  # fixed search batches: faiss scores depend on batch shape
+
+
+# With dedupe_neighbours, search hits travel in numpy blocks, one per (search batch, chunk
+# file), not one tuple each; token_key is filled from the hit's chunk file.
+CANDIDATE = np.dtype(
+    [("seq_id", "<i8"), ("j", "<i4"), ("rank", "<i4"), ("chunk_id", "<i8"), ("score", "<f4"), ("token_key", "<i8")]
+)
+
+
+PROBE_SALT = 3
+
+
+def select_distinct(candidates: np.ndarray, k: int) -> tuple[list[tuple], int]:
+    """Per chunk j, the k best-ranked CANDIDATE rows whose tokens differ from those already
+    kept for j: ([(j, slot, chunk_id, score)], candidates dropped as duplicates)."""
+    c = candidates[np.lexsort((candidates["rank"], candidates["j"]))]
+    picks, kept, dropped = [], {}, 0
+    for j, chunk_id, score, key in zip(
+        c["j"].tolist(), c["chunk_id"].tolist(), c["score"].tolist(), c["token_key"].tolist()
+    ):
+        keys = kept.setdefault(j, [])
+        if len(keys) >= k:
+            continue
+        if key in keys:
+            dropped += 1
+            continue
+        picks.append((j, len(keys), chunk_id, score))
+        keys.append(key)
+    return picks, dropped
+
+
+def token_key(tokens: np.ndarray) -> int:
+    """A 63-bit hash of a chunk's tokens, equal for equal tokens."""
+    return (
+        int.from_bytes(
+            hashlib.blake2b(np.ascontiguousarray(tokens, np.int32).tobytes(), digest_size=8).digest(), "little"
+        )
+        >> 1
+    )
+
+
+@dataclass(frozen=True)
+class Retrieval:
+    """What `RetrieveNeighbours` needs (small and picklable: it travels with the transforms)."""
+
+    index_paths: tuple  # index.faiss, or its shards in chunk-id order
+    depth: int | None  # search depth the index was tuned to (nprobe, efSearch)
+    chunk_files: ChunkFileRanges  # the chunk database
+    chunks_per_seq: int  # L
+    chunk_tokens: int  # m
+    neighbours: int  # k
+    candidates: int  # hits searched per chunk when deduplicating
+    pad_id: int
+    dedupe: bool = False
+    probes: int = 0  # training chunks sampled for the neighbour-recall check and the depth tuning
+    embeddings: str = ""  # the embedding files (a glob): the probes' exact search
+    target_recall: float = 0.95  # index.target_recall: what the depth is tuned to
+    recall_below_target: str = "deepen"  # deepen | warn | fail (PipelineConfig.recall_below_target)
+
+
+def _excluded_ranges(keyed):
+    """(doc_id, its span and the sequences holding it) -> (seq_id, span) per sequence; a
+    document not in the database (a separate training corpus) excludes nothing."""
+    _, grouped = keyed
+    spans = list(grouped["span"])
+    if spans:
+        for seq_id in grouped["seq"]:
+            yield seq_id, spans[0]
+
+
+def _loaded_index(holder: shared.Shared, path: str, depth: int | None):
+    """The faiss file at `path`, loaded once per process through Beam `Shared` (which keeps the
+    last one acquired alive: a process searching shards in turn holds one at a time)."""
+
+    class _Holder:  # Shared needs a weak-referenceable object
+        def __init__(self):
+            self.index = load_index(path, depth)
+
+    return holder.acquire(_Holder, tag=f"{path}:{depth}")
+
+
+def batch_queries(grouped, L: int):
+    """A joined search batch -> per sequence (seq id order): (sequence, its queries [L, d], its
+    documents' chunk-id ranges, merged)."""
+    vectors = dict(grouped["embeddings"])
+    excluded: dict[int, list] = {}
+    for seq_id, span in grouped["excluded"]:
+        excluded.setdefault(seq_id, []).append(span)
+    for s in sorted(grouped["sequences"], key=lambda s: s.seq_id):
+        queries = np.stack([vectors[s.seq_id * L + j] for j in range(L)])  # [L, d]
+        yield s, queries, merge_ranges(excluded.get(s.seq_id, []))
+
+
+def batch_probes(keyed, spec: Retrieval) -> list[Probe]:
+    """A joined search batch -> its training chunks in the probe sample's running: the
+    `spec.probes` smallest by (key, seq_id, j), keys a hash of the chunk's position."""
+    _, grouped = keyed
+    L, probes = spec.chunks_per_seq, []
+    for s, queries, ranges in batch_queries(grouped, L):
+        keys = sample_keys(s.seq_id * L + np.arange(L), PROBE_SALT)
+        probes += [Probe(int(key), s.seq_id, j, queries[j], tuple(ranges)) for j, key in enumerate(keys)]
+    return sorted(probes, key=lambda p: p[:3])[: spec.probes]
+
+
+def search_batch(index, grouped, spec: Retrieval):
+    """One search batch (sequences, their query embeddings, their excluded chunk-id ranges) ->
+    (sequences, CANDIDATE hits with the best `width` per query outside the ranges, seq ids
+    whose search went deeper)."""
+    L = spec.chunks_per_seq
+    width = spec.candidates if spec.dedupe else spec.neighbours
+    blocks, sequences, deeper_seqs = [np.zeros(0, CANDIDATE)], [], set()
+    for s, queries, ranges in batch_queries(grouped, L):
+        sequences.append(s)
+        scores, found, deeper = search_excluding(index, queries, width, ranges)  # [L, width]
+        if deeper:
+            deeper_seqs.add(s.seq_id)
+        block = np.zeros(found.size, CANDIDATE)
+        block["seq_id"], block["j"] = s.seq_id, np.repeat(np.arange(L), width)
+        block["rank"] = np.tile(np.arange(width), L)
+        block["chunk_id"], block["score"] = found.ravel(), scores.ravel()
+        blocks.append(block[block["chunk_id"] >= 0])  # -1: fewer than `width` reachable
+    return sequences, np.concatenate(blocks), deeper_seqs
+
+
+class NeighbourRecallTooLow(RuntimeError):
+    """recall_below_target: fail, and the index's search depth misses the target."""
+
+
+def search_probes(indexes, probes: list[Probe], k: int, depth: int | None) -> np.ndarray:
+    """The probes' k neighbour ids [n, k] as the search finds them at `depth`: each probe with
+    its own ranges excluded, in every index of `indexes` (an iterable that loads them in turn,
+    so one is held at a time), deepening per index as the search does, merged by score."""
+    queries, excluded = np.stack([p.query for p in probes]), [p.excluded for p in probes]
+    results = []
+    for index in indexes:
+        if depth is not None:
+            set_search_depth(index, depth)
+        results.append(search_each_excluding(index, queries, k, excluded))
+    return merge_shard_results(results, k)[1]
+
+
+def tune_retrieval_depth(spec: Retrieval, probes: list[Probe], truth) -> dict:
+    """The depth build-shards searches at, from the recall of the probes' neighbours against
+    their exact truth, own documents excluded (what the shards will hold): the index's depth,
+    then (recall_below_target: deepen or fail) twice that and so on until `target_recall` is
+    met or two doublings gain less than PLATEAU_GAIN (`tune_depth`). fail raises when the index's
+    depth misses the target, naming the depth that meets it. -> the manifest's search_depth."""
+    result = {
+        "index_depth": spec.depth,
+        "depth": spec.depth,
+        "target": spec.target_recall,
+        "recall_below_target": spec.recall_below_target,
+        "curve": [],
+        "plateau": False,
+    }
+    if truth is None or not probes:
+        return result
+
+    first = load_index(spec.index_paths[0])
+
+    def indexes():  # one file is loaded once; shards one at a time, at each depth measured
+        yield first
+        for path in spec.index_paths[1:]:
+            yield load_index(path)
+
+    def recall_at(depth):
+        return recall_of(truth, search_probes(indexes(), probes, spec.neighbours, depth))
+
+    depths = search_depth_range(first)
+    if depths is None or spec.recall_below_target == "warn":  # exhaustive, or kept as it is
+        result["curve"].append({"depth": spec.depth, "recall": recall_at(spec.depth)})
+        return result
+    start = spec.depth if spec.depth is not None else depths[0]
+    curve = result["curve"]
+    depth, recall, plateau = tune_depth(
+        [start] + [d for d in depths if d > start], recall_at, spec.target_recall, curve
+    )
+    result.update(depth=depth, plateau=plateau)
+    at_index = curve[0]["recall"]
+    if spec.recall_below_target == "fail" and at_index < spec.target_recall:
+        reached = f"depth {depth} reaches {recall:.3f}" if recall >= spec.target_recall else "no depth reaches it"
+        raise NeighbourRecallTooLow(
+            f"neighbour recall {at_index:.3f} at the index's search depth {start} is below index.target_recall "
+            f"{spec.target_recall} on {len(probes)} sampled training chunks with their own documents excluded; "
+            f"{reached} (recall_below_target: fail; 'deepen' searches deeper)"
+        )
+    return result
+
+
+def merge_shard_hits(blocks: list[np.ndarray], width: int) -> np.ndarray:
+    """The shards' hits of the same queries -> the best `width` per query (seq_id, j) by score,
+    ranked as one index ranks them: of exact ties the lowest chunk ids are kept (the first an
+    index scans) and listed highest id first (faiss's top-k heap pops them so)."""
+    hits = np.concatenate(blocks)
+    hits = hits[np.lexsort((hits["chunk_id"], -hits["score"], hits["j"], hits["seq_id"]))]
+    query = np.stack([hits["seq_id"], hits["j"]], axis=1)
+    first = np.ones(len(hits), bool)
+    first[1:] = (query[1:] != query[:-1]).any(axis=1)
+    starts = np.flatnonzero(first)
+    place = np.arange(len(hits)) - np.repeat(starts, np.diff(np.append(starts, len(hits))))
+    hits = hits[place < width]
+    hits = hits[np.lexsort((-hits["chunk_id"], -hits["score"], hits["j"], hits["seq_id"]))]
+    hits["rank"] = place[place < width]
+    return hits

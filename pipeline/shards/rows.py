@@ -1,0 +1,74 @@
+"""The rows of the build-shards stage and RETRO's chunk-overlap audit, without Beam.
+
+`Sequence` (a packed training sequence) and `ShardRow` (a sequence with its neighbours: one
+row of a shard) are what `shards.py`'s transforms pass on; the audit measures r(C) for each
+chunk of a row (docs/design.md §4, `overlap`). `inspect`, `report` and the tests' shard
+fixtures need these without a Beam job, so this module imports numpy only (no Beam, faiss
+or torch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Sequence:
+    seq_id: int
+    tokens: np.ndarray  # int32 [n + 1]: n input tokens and the next-token target
+    doc_ids: tuple  # sorted ids of every document whose tokens it holds
+
+
+@dataclass(frozen=True)
+class ShardRow:
+    seq_id: int
+    tokens: np.ndarray  # [n + 1]
+    neighbours: np.ndarray  # [n/m, k, 2m]
+    neighbour_ids: np.ndarray  # [n/m, k]
+    neighbour_scores: np.ndarray  # [n/m, k]
+    doc_ids: tuple
+
+
+OVERLAP_BUCKETS = (0.0, 0.125, 0.25, 0.5, 0.75, 1.0)  # RETRO's r(C) thresholds
+
+
+def chunk_overlap(chunks: np.ndarray, neighbours: np.ndarray, pad_id: int) -> np.ndarray:
+    """RETRO's leakage measure r(C) per chunk: the longest run of tokens the chunk shares
+    with any of its neighbours (chunk + continuation), divided by m. Padding never matches.
+    chunks [L, m], neighbours [L, k, 2m] -> float64 [L] in [0, 1]."""
+    m = chunks.shape[1]
+    equal = (chunks[:, None, :, None] == neighbours[:, :, None, :]) & (chunks != pad_id)[
+        :, None, :, None
+    ]  # [L, k, m, 2m]
+    run = np.zeros(neighbours.shape, np.int32)  # [L, k, 2m]: run ending at (i, col)
+    longest = np.zeros(len(chunks), np.int32)
+    for i in range(m):
+        extended = np.zeros_like(run)
+        extended[..., 1:] = run[..., :-1] + 1  # diagonal step (i-1, col-1) -> (i, col)
+        extended[..., 0] = 1
+        run = np.where(equal[:, :, i, :], extended, 0)
+        longest = np.maximum(longest, run.max(axis=(1, 2), initial=0))
+    return longest / m
+
+
+def overlap_bucket(ratio: float) -> str:
+    """The histogram key of r(C): the smallest threshold at or above it."""
+    return str(next(t for t in OVERLAP_BUCKETS if ratio <= t))
+
+
+OVERLAP_COUNTER = "overlap_r_le_"
+
+
+def overlap_tally(row: ShardRow, m: int, pad_id: int):
+    """(overlap counter of its bucket, 1) per chunk of a shard row: the audit, counted as data."""
+    chunks = row.tokens[: len(row.neighbours) * m].reshape(-1, m)
+    for ratio in chunk_overlap(chunks, row.neighbours, pad_id):
+        yield OVERLAP_COUNTER + overlap_bucket(ratio), 1
+
+
+def overlap_histogram(counters: dict[str, int]) -> dict[str, int]:
+    """Take the overlap counters out of a job's counters: {threshold: chunks}, every threshold
+    present (chunks whose r(C) is ≤ it and above the one before)."""
+    return {str(t): counters.pop(f"{OVERLAP_COUNTER}{t}", 0) for t in OVERLAP_BUCKETS}

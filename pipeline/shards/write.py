@@ -1,0 +1,57 @@
+"""`WriteShards`: rows into `shard-NNNNN.arrow` training shards, deterministic by seq id."""
+
+from __future__ import annotations
+
+import apache_beam as beam
+import numpy as np
+
+from pipeline.common.writers import WriteGroupedFiles
+from pipeline.shards.rows import ShardRow
+from schemas.arrow import shard_ipc_bytes, shard_table
+
+FILLED = "neighbour_slots_filled"  # per shard in the manifest: slots holding a neighbour
+
+
+def neighbour_arrays(picks: list[tuple], chunks_per_seq: int, k: int, m: int, pad_id: int):
+    """(j, slot, chunk_id, score, value [2m]) picks -> neighbours [L, k, 2m], ids [L, k]
+    (-1 = absent), scores [L, k]; absent slots hold pad_id and score 0."""
+    tokens = np.full((chunks_per_seq, k, 2 * m), pad_id, dtype=np.int32)
+    ids = np.full((chunks_per_seq, k), -1, dtype=np.int64)
+    scores = np.zeros((chunks_per_seq, k), dtype=np.float32)
+    for j, slot, chunk_id, score, value in picks:
+        tokens[j, slot], ids[j, slot], scores[j, slot] = value, chunk_id, score
+    return tokens, ids, scores
+
+
+def rows_to_ipc(rows: list[ShardRow], pad_id: int) -> bytes:
+    table = shard_table(
+        np.array([r.seq_id for r in rows], dtype=np.int64),
+        np.stack([r.tokens for r in rows]),
+        np.stack([r.neighbours for r in rows]),
+        np.stack([r.neighbour_ids for r in rows]),
+        np.stack([r.neighbour_scores for r in rows]),
+        [r.doc_ids for r in rows],
+        pad_id=pad_id,
+    )
+    return shard_ipc_bytes(table)
+
+
+class WriteShards(beam.PTransform):
+    """ShardRows -> `shard-NNNNN.arrow`, shard NNNNN holding seq ids NNNNN·rows … (sorted)."""
+
+    def __init__(self, directory: str, shard_rows: int, pad_id: int):
+        super().__init__()
+        self.directory, self.shard_rows, self.pad_id = directory, shard_rows, pad_id
+
+    def expand(self, rows):
+        pad_id = self.pad_id
+        return rows | "WriteShardFiles" >> WriteGroupedFiles(
+            self.directory,
+            self.directory,
+            "shard",
+            "arrow",
+            key=lambda r: r.seq_id,
+            rows_per_file=self.shard_rows,
+            to_bytes=lambda rs: rows_to_ipc(rs, pad_id),
+            facts=lambda rs: {FILLED: sum(int((r.neighbour_ids >= 0).sum()) for r in rs)},
+        )
