@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 QUICKSTART := examples/quickstart.yaml
 
-.PHONY: install quickstart test test-fast lint benchmark experiment clean
+.PHONY: install quickstart test test-fast test-unit lint benchmark experiment clean
 
 install: $(STAMP)
 
@@ -24,6 +24,12 @@ quickstart: install
 		--dim 128 --depth 4 --heads 4 --batch-size 4
 	$(BIN)/ratrain-pipeline report out/quickstart
 
+# Tests live in tests/<package>/ as pipeline/ does (plus trainer/, schemas/, cli/, deploy/, and
+# e2e/ for whole-pipeline runs). Each carries one marker of its kind (pyproject.toml): unit (plain
+# functions: no Beam pipeline, no CLI subprocess or dry run, no service), beam (runs a Beam
+# pipeline over a stage), e2e (whole jobs, the CLI, the built sample output, the GCS emulator,
+# the real encoder); slow (over ~30 s) comes on top. Select with -m, e.g.
+# PYTEST_ARGS='-m "beam and not slow"'.
 # PYTEST_ARGS="--embedding-precision float32|bfloat16": the encoder path this CPU would not choose.
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
@@ -32,7 +38,11 @@ test: install
 test-fast: install
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
-# ruff (lint and format, pyproject.toml [tool.ruff]) over the tree, mypy over schemas/ and trainer/.
+# The unit tests only: under a minute on 2 cores, for the edit-test loop.
+test-unit: install
+	$(BIN)/python -m pytest -m unit $(PYTEST_ARGS)
+
+# ruff (lint and format, pyproject.toml [tool.ruff]) over the tree, mypy over pipeline/, schemas/ and trainer/.
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .

@@ -70,20 +70,19 @@ def write_corpus(directory: Path, documents: int) -> None:
 
 def job_main(corpus: str, out: str) -> None:
     """The stage's transforms up to the chunk files, on 2 worker processes."""
-    import apache_beam as beam
 
     from pipeline.chunks.beam import ChunkDocuments
     from pipeline.chunks.chunking import load_tokenizer, pad_id_of
     from pipeline.common.models import resolve_tokenizer
     from pipeline.common.writers import WriteGroupedFiles, chunks_table, parquet_bytes
     from pipeline.corpus.read import ReadCorpus
-    from pipeline.jobs.options import pipeline_options
+    from pipeline.jobs.options import new_pipeline
     from schemas.config import CorpusConfig
 
     tokenizer = resolve_tokenizer(None)
     pad = pad_id_of(load_tokenizer(tokenizer))
     workers = WorkerPeak()
-    with beam.Pipeline(options=pipeline_options(WORKERS)) as p:
+    with new_pipeline(WORKERS) as p:
         documents, _ = p | "ReadCorpus" >> ReadCorpus(CorpusConfig(paths=[f"{corpus}/*.jsonl"], id_field="id"))
         chunks, _ = documents | "ChunkDocuments" >> ChunkDocuments(tokenizer, M, pad)
         _ = chunks | "WriteChunks" >> WriteGroupedFiles(
@@ -105,7 +104,7 @@ def floor_main(corpus: str, out: str, documents: str) -> None:
     from pipeline.chunks.chunking import Chunk, chunk_document, load_tokenizer, pad_id_of, tokenize_batch
     from pipeline.common.models import resolve_tokenizer
     from pipeline.common.writers import WriteGroupedFiles, chunks_table, parquet_bytes
-    from pipeline.jobs.options import pipeline_options
+    from pipeline.jobs.options import new_pipeline
 
     path = resolve_tokenizer(None)
     pad = pad_id_of(load_tokenizer(path))
@@ -120,7 +119,7 @@ def floor_main(corpus: str, out: str, documents: str) -> None:
         ]
 
     workers = WorkerPeak()
-    with beam.Pipeline(options=pipeline_options(WORKERS)) as p:
+    with new_pipeline(WORKERS) as p:
         _ = (
             p
             | "ReadLines" >> beam.io.ReadFromText(f"{corpus}/*.jsonl")

@@ -32,7 +32,7 @@ from pipeline.common.models import resolve_tokenizer
 from pipeline.embed.beam import EmbedChunks
 from pipeline.embed.encoder import chunk_texts, encode_texts, load_encoder, torch_threads
 from pipeline.jobs.index_job import build_index
-from pipeline.jobs.options import pipeline_options
+from pipeline.jobs.options import new_pipeline
 from pipeline.jobs.shards_job import _chunks_from_table, build_shards
 from schemas.config import load_config
 
@@ -41,7 +41,7 @@ def time_embed_stage(cfg, chunks, threads) -> float:
     """Seconds of a Beam job (in-process) that runs `EmbedChunks` over these chunks."""
 
     def embed_stage():
-        with beam.Pipeline(options=pipeline_options([])) as p:
+        with new_pipeline([]) as p:
             embedded, _ = (
                 p
                 | beam.Create(chunks, reshuffle=False)

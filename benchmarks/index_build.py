@@ -453,7 +453,7 @@ def baseline_main(data: str, factory: str, index_path: str, info_path: str) -> N
     start = time.perf_counter()
     paths = data_files(Path(data))
     infos = [embedding_file_info(p) for p in paths]
-    n, dim = sum(i["rows"] for i in infos), infos[0]["dim"]
+    n, dim = sum(i.rows for i in infos), infos[0].dim
     ids, vectors = np.empty(n, np.int64), np.empty((n, dim), np.float32)  # all of them, once
     at = 0
     for path in paths:

@@ -110,11 +110,11 @@ def run_corpus(name: str, workdir: Path) -> dict:
     plain_depth = rows["IVF64,Flat"]["plain_tuning_depth"]
     rows["before"] = build(config(corpus, out, {"type": "IVF64,Flat", "nprobe": plain_depth}, policy="warn"))
     one_file_each = estimated_bytes("IVF64,Flat", CHUNK_FILE_ROWS, 384)  # an index slice per embeddings file
-    rows["IVF64,Flat, shards"] = build(config(corpus, out, {"type": "IVF64,Flat", "shard_bytes": one_file_each}))
+    rows["IVF64,Flat, shards"] = build(config(corpus, out, {"type": "IVF64,Flat", "slice_bytes": one_file_each}))
     flat = estimated_bytes("Flat", rows["IVF64,Flat"]["chunks"], 384)
     rows["auto, budget < Flat"] = build(config(corpus, out, {"type": "auto", "memory_budget": flat // 2}))
     chosen = rows["auto, budget < Flat"]["factory"]
-    shards = {"type": "auto", "memory_budget": flat // 2, "shard_bytes": estimated_bytes(chosen, CHUNK_FILE_ROWS, 384)}
+    shards = {"type": "auto", "memory_budget": flat // 2, "slice_bytes": estimated_bytes(chosen, CHUNK_FILE_ROWS, 384)}
     rows["auto, budget < Flat, shards"] = build(config(corpus, out, shards))
     return rows
 

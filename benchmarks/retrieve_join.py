@@ -125,7 +125,7 @@ def ours_main(root: str, out: str, query_chunks: int, beam_args: list[str]) -> N
     from apache_beam.io.parquetio import ReadAllFromParquetBatched
 
     from pipeline.chunks.chunk_files import ChunkFileRanges
-    from pipeline.jobs.options import pipeline_options
+    from pipeline.jobs.options import new_pipeline
     from pipeline.jobs.shards_job import _chunks_from_table, _embeddings_from_table
     from pipeline.retrieve.beam import DocumentSpans, PackSequences, RetrieveNeighbours
     from pipeline.retrieve.search import Retrieval
@@ -140,7 +140,7 @@ def ours_main(root: str, out: str, query_chunks: int, beam_args: list[str]) -> N
         ],
     )
     workers = WorkerPeak()
-    with beam.Pipeline(options=pipeline_options(beam_args)) as p:
+    with new_pipeline(beam_args) as p:
         # the training chunks are the first `limit` + 1 (the last gives the last sequence its
         # target token, then is left over), from as many files as hold them
         used = limit // FILE_ROWS + 1

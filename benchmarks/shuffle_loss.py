@@ -7,7 +7,7 @@ transforms again and again with 2 worker processes and hash the shards each run 
 The data and the job are `retrieve_join.py`'s (`ours`: PackSequences -> RetrieveNeighbours ->
 WriteShards over a synthetic chunk database, IVF256,PQ32x8np), each run a subprocess of its own
 with `--direct_num_workers=N --direct_running_mode=multi_processing`, its options made by the
-project's `pipeline_options` (which turns off the runner's timed flush: the cause of the loss,
+project's `new_pipeline` (which turns off the runner's timed flush: the cause of the loss,
 see `pipeline/jobs/options.py` `no_timed_flush_on_local_runner`). Per run: committed or failed (the
 stage's own check that every hit and neighbour sent through a shuffle came back), wall time,
 and the sha256 of all shards; at the end, whether every run committed the same bytes.

@@ -175,12 +175,12 @@ def build_index_cmd(config_path, beam_args, force, dry_run, corpus_chunks, corpu
 )
 @click.option("--nprobe", default=None, type=int, help="Fixed search depth instead of tuning.")
 @click.option(
-    "--shard-bytes",
+    "--slice-bytes",
     default=None,
-    help="Split an IVF index into shards of at most this size (e.g. 12MB), by chunk-id range.",
+    help="Split an IVF index into slices of at most this size (e.g. 12MB), by chunk-id range.",
 )
 @click.argument("beam_args", nargs=-1, type=click.UNPROCESSED)
-def index_cmd(embeddings, output, index_type, memory_budget, target_recall, nprobe, shard_bytes, beam_args):
+def index_cmd(embeddings, output, index_type, memory_budget, target_recall, nprobe, slice_bytes, beam_args):
     """Build a faiss index over embeddings you already have (the index stage alone)."""
     from pydantic import ValidationError
 
@@ -194,7 +194,7 @@ def index_cmd(embeddings, output, index_type, memory_budget, target_recall, npro
             memory_budget=memory_budget,
             target_recall=target_recall,
             nprobe=nprobe,
-            shard_bytes=shard_bytes,
+            slice_bytes=slice_bytes,
         )
     except ValidationError as err:
         raise ConfigError(format_validation_error(err, "index options")) from None

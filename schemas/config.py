@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 _SIZE_UNITS = {
     "": 1,
@@ -179,19 +179,21 @@ class IndexConfig(_Strict):
         "'type:nvidia-l4;count:1;install-nvidia-driver'; with a CUDA "
         "build of faiss there, the clustering runs on the GPUs.",
     )
-    shard_bytes: int | None = Field(
+    slice_bytes: int | None = Field(
         None,
         gt=0,
-        description="Split an IVF index into shards of at "
+        # `shard_bytes` was its name before "shard" came to mean a training shard only
+        validation_alias=AliasChoices("slice_bytes", "shard_bytes"),
+        description="Split an IVF index into slices of at "
         "most this size ('12MB', '4GiB'), by chunk-id range: files "
-        "faiss/shard-NNNNN.faiss sharing one trained quantizer, each "
+        "faiss/slice-NNNNN.faiss sharing one trained quantizer, each "
         "loadable alone, searched by different workers. Default: one "
         "index file.",
     )
 
     PLACEMENT: ClassVar[tuple[str, ...]] = ("min_ram", "accelerator")
 
-    @field_validator("memory_budget", "shard_bytes", mode="before")
+    @field_validator("memory_budget", "slice_bytes", mode="before")
     @classmethod
     def _size(cls, v):
         return None if v is None else parse_size(v)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 
 from schemas import __version__
 from schemas.arrow import SCHEMA_VERSION, check_schema_version
@@ -113,10 +113,11 @@ class VectorIndex(_Model):
         description="How the IVF lists were trained: 'flat' (one k-means) or 'two_level' (faiss's two-level k-means).",
     )
     queries_per_second: float | None
-    shard_bytes: int | None = Field(
+    slice_bytes: int | None = Field(
         None,
-        description="The index's faiss files are shards of at "
-        "most this size (faiss/shard-NNNNN.faiss, chunk-id ranges in "
+        validation_alias=AliasChoices("slice_bytes", "shard_bytes"),  # as manifests before the rename wrote it
+        description="The index's faiss files are slices of at "
+        "most this size (faiss/slice-NNNNN.faiss, chunk-id ranges in "
         "order); None: one file, faiss/index.faiss.",
     )
 

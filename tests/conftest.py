@@ -1,7 +1,8 @@
-"""Shared fixtures only: one built output that the end-to-end tests share (building it embeds a
-few hundred chunks with the real encoder, so it is done once per session) and the GCS emulator.
-Helpers (sample corpus, configs, shard rewriting, `local_pipeline`) live in tests/helpers.py;
-tests import them from there, never from conftest."""
+"""Shared fixtures: one built output that the end-to-end tests share (building it embeds a few
+hundred chunks with the real encoder, so it is done once per session) and the GCS emulator; and
+the rule that every test is marked unit, beam or e2e. Helpers (sample corpus, configs, shard
+rewriting, `local_pipeline`) live in tests/helpers.py; tests import them from there, never from
+conftest."""
 
 from __future__ import annotations
 
@@ -35,6 +36,25 @@ def pytest_configure(config):
     precision = config.getoption("--embedding-precision")
     if precision is not None:  # the environment carries it to subprocesses too
         os.environ[PRECISION_ENV] = precision
+
+
+KINDS = ("unit", "beam", "e2e")  # pyproject.toml [tool.pytest.ini_options] markers says what each means
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: the rule holds for every collected test
+def pytest_collection_modifyitems(config, items):
+    """Every test is exactly one kind: unit, beam or e2e (slow may come on top). A test without
+    one, or with two, stops the collection with the list of offenders."""
+    wrong = []
+    for item in items:
+        kinds = sorted({mark.name for mark in item.iter_markers() if mark.name in KINDS})
+        if len(kinds) != 1:
+            wrong.append(f"  {item.nodeid}: {', '.join(kinds) or 'no kind'}")
+    if wrong:
+        raise pytest.UsageError(
+            "each test needs exactly one of the markers unit, beam, e2e (see pyproject.toml; a module-level "
+            "`pytestmark = pytest.mark.unit` where the whole file is one kind):\n" + "\n".join(wrong)
+        )
 
 
 def pytest_report_header(config):

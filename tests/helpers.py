@@ -1,6 +1,7 @@
 """Test helpers (not fixtures): a slice of the sample corpus, small configs, shard rewriting,
-the GCS emulator, a local TestPipeline. Fixtures live in conftest.py; tests import helpers from
-here, never from conftest."""
+chunk and embedding files as the index stage writes them, the GCS emulator, a local
+TestPipeline. Fixtures live in conftest.py; tests import helpers from here, never from
+conftest."""
 
 from __future__ import annotations
 
@@ -185,6 +186,40 @@ class GcsEmulator:
     def stop(self):
         self.process.terminate()
         self.process.wait(10)
+
+
+def write_chunk_files(directory: Path, chunks: list, rows_per_file: int = 5):
+    """The chunk database as the index stage writes it: `chunks/chunks-NNNNN.parquet` under
+    `directory`, file NNNNN holding ids NNNNN·rows_per_file ... (several files, so lookups
+    cross them); its `ChunkFileRanges`."""
+    from pipeline.chunks.chunk_files import ChunkFileRanges
+    from pipeline.common.writers import chunks_table, parquet_bytes
+    from schemas.manifest import FileEntry
+
+    (directory / "chunks").mkdir(parents=True)
+    entries = []
+    for number, begin in enumerate(range(0, len(chunks), rows_per_file)):
+        part = chunks[begin : begin + rows_per_file]
+        path = f"chunks/chunks-{number:05d}.parquet"
+        (directory / path).write_bytes(parquet_bytes(chunks_table(part, len(part[0].tokens))))
+        entries.append(FileEntry(path=path, rows=len(part), bytes=0, sha256=""))
+    return ChunkFileRanges.from_entries(str(directory), entries)
+
+
+def write_embedding_files(directory: Path, ids, vectors, files: int) -> list[str]:
+    """Real embeddings Parquet files, as the embed stage writes them: `files` files of
+    consecutive rows, `embeddings-NNNNN.parquet`; their paths."""
+    import numpy as np
+
+    from pipeline.common.writers import embeddings_table, parquet_bytes
+
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for number, part in enumerate(np.array_split(np.arange(len(ids)), files)):
+        path = directory / f"embeddings-{number:05d}.parquet"
+        path.write_bytes(parquet_bytes(embeddings_table(list(zip(ids[part].tolist(), vectors[part])))))
+        paths.append(str(path))
+    return paths
 
 
 def local_pipeline():

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeline.check.problems import _parquet, _require
-from pipeline.chunks.chunk_files import chunk_arrays, in_file_order
+from pipeline.chunks.chunk_files import ChunkFileRanges, ChunkRows, in_file_order
 from pipeline.common import fileio
 from schemas.manifest import (
     IndexManifest,
@@ -18,34 +18,29 @@ from schemas.manifest import (
 
 
 class ChunkFiles:
-    """The chunk files of an index directory, in chunk-id order: file f holds the dense ids
-    starts[f] ... starts[f + 1] - 1 (checked against the rules by `check_chunk_file`)."""
+    """The chunk files of an index directory, in chunk-id order, located as every reader
+    locates them (`ChunkFileRanges`: file f holds the dense ids starts[f] ... starts[f + 1] - 1,
+    checked against the rules by `check_chunk_file`), read after checking their sha256."""
 
     def __init__(self, directory: str, manifest: IndexManifest):
         self.directory = directory
         self.entries = in_file_order(manifest.files, "chunks")
         _require(self.entries, f"{directory}: manifest lists no chunk files", "manifest")
-        self.starts = np.cumsum([0] + [entry.rows for entry in self.entries])
+        self.ranges = ChunkFileRanges.from_entries(directory, manifest.files)
+        self.starts = self.ranges.starts
 
     @property
     def num_chunks(self) -> int:
-        return int(self.starts[-1])
+        return self.ranges.num_chunks
 
     def file_of(self, chunk_ids: np.ndarray) -> np.ndarray:
-        return np.searchsorted(self.starts, chunk_ids, side="right") - 1
+        return self.ranges.files_of(chunk_ids)
 
     def path(self, number: int) -> str:
         return fileio.join(self.directory, self.entries[number].path)
 
-    def read(self, number: int) -> dict:
-        rows = chunk_arrays(_parquet(self.directory, self.entries[number]))
-        return {
-            "ids": rows["chunk_id"],
-            "docs": rows["doc_id"],
-            "positions": rows["position"],
-            "tokens": rows["tokens"],
-            "continuations": rows["continuation"],
-        }
+    def read(self, number: int) -> ChunkRows:
+        return ChunkRows.of(_parquet(self.directory, self.entries[number]))
 
 
 @dataclass(frozen=True)
@@ -82,13 +77,13 @@ class FaissFacts:
     nprobe: int | None
     num_vectors: int
     dim: int
-    files: tuple  # (path, vectors, bytes) of index.faiss or of each shard, in chunk-id order
-    shard_bytes: int | None
+    files: tuple  # (path, vectors, bytes) of index.faiss or of each slice, in chunk-id order
+    slice_bytes: int | None
 
     @classmethod
     def of(cls, directory: str, manifest, num_vectors: int) -> FaissFacts:
         files = tuple((f.path, f.rows, f.bytes) for f in manifest.files if f.path.startswith("faiss/"))
-        return cls(directory, manifest.nprobe, num_vectors, manifest.dim, files, manifest.shard_bytes)
+        return cls(directory, manifest.nprobe, num_vectors, manifest.dim, files, manifest.slice_bytes)
 
 
 @dataclass(frozen=True)

@@ -153,6 +153,7 @@ def render(report: Report) -> str:
     )
     if report.shards is not None:
         scores = report.scores
+        assert scores is not None  # gather reads the scores whenever there are shards
         read = (
             "all shards"
             if scores.shards_read == scores.shards_total

@@ -133,8 +133,8 @@ def _check_shard_totals(directory: str, manifest: ShardsManifest, chunks_per_seq
         f"{directory}: {rows} rows in the shards, manifest says {manifest.num_sequences}",
         "manifest",
     )
-    counts = [entry.neighbour_slots_filled for entry in manifest.shards]
-    if manifest.neighbour_fill is None or None in counts:
+    counts = [n for entry in manifest.shards if (n := entry.neighbour_slots_filled) is not None]
+    if manifest.neighbour_fill is None or len(counts) < len(manifest.shards):
         return
     filled, slots = sum(counts), rows * chunks_per_sequence * manifest.neighbours
     _require(
@@ -149,6 +149,7 @@ def _plan_shards(plan: ValidationPlan, directory: str, index_directory: str) -> 
     index_path = fileio.join(index_directory, MANIFEST_FILE)
     index_bytes = fileio.read_bytes(index_path) if fileio.exists(index_path) else None
     index_manifest = read_manifest(index_bytes, index_path, IndexManifest, error=_manifest_problem)
+    assert index_bytes is not None  # read_manifest raises for a missing manifest
     _require(
         fileio.sha256_bytes(index_bytes) == manifest.index_manifest_sha256,
         f"{directory}: built against a different index than {index_directory}",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import posixpath
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -95,10 +96,14 @@ def read_shards_manifest(directory: str) -> ShardsManifest:
 
 
 def human_bytes(count: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if count < 1024 or unit == "TiB":
-            return f"{count:,} {unit}" if unit == "B" else f"{count:.1f} {unit}"
-        count /= 1024
+    if count < 1024:
+        return f"{count:,} B"
+    size = count / 1024
+    for unit in ("KiB", "MiB", "GiB"):
+        if size < 1024:
+            return f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
 
 
 def index_summary(manifest: IndexManifest | VectorIndexManifest) -> list[tuple[str, str]]:
@@ -158,10 +163,10 @@ def shards_summary(manifest: ShardsManifest) -> list[tuple[str, str]]:
 def neighbour_quality(manifest: ShardsManifest) -> list[tuple[str, str]]:
     """Fill (share of neighbour slots holding a neighbour) and recall against exact search."""
     slots = manifest.num_sequences * (manifest.sequence_tokens // manifest.chunk_tokens) * manifest.neighbours
-    filled = [entry.neighbour_slots_filled for entry in manifest.shards]
+    filled = [n for entry in manifest.shards if (n := entry.neighbour_slots_filled) is not None]
     if manifest.neighbour_fill is None:
         fill = "not recorded"
-    elif None in filled:
+    elif len(filled) < len(manifest.shards):  # a shard without its count
         fill = f"{manifest.neighbour_fill:.4f} of {slots:,} slots"
     else:
         fill = f"{manifest.neighbour_fill:.4f} ({sum(filled):,} of {slots:,} slots; {slots - sum(filled):,} empty)"
@@ -200,7 +205,9 @@ def overlap_bars(overlap: dict[str, int]) -> list[tuple[str, int]]:
     return bars
 
 
-def timing_rows(manifests: list[tuple[str, object]]) -> list[tuple[str, str, str, str, str]]:
+def timing_rows(
+    manifests: Sequence[tuple[str, IndexManifest | VectorIndexManifest | ShardsManifest]],
+) -> list[tuple[str, str, str, str, str]]:
     """(job, started, wall time, records, records / s) per (directory kind, manifest); 'not
     recorded' for a manifest written before timings were recorded."""
     rows = []
@@ -262,7 +269,7 @@ def gather_scores(directory: str, manifest: ShardsManifest, max_sequences: int =
 
 def score_table(sample: ScoreSample) -> list[tuple[str, ...]]:
     """(rank, filled slots, mean, 10th percentile, median, 90th percentile) per rank."""
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for rank, counts in enumerate(sample.counts):
         filled = int(counts.sum())
         if not filled:
@@ -334,22 +341,23 @@ def gather(path: str) -> Report:
     sources = find_sources(path)
     index = None if sources.index is None else read_index_manifest(sources.index)
     shards = None if sources.shards is None else read_shards_manifest(sources.shards)
-    counters = {}
+    counters: dict[str, int] = {}
     for manifest in (index, shards):
         for name, value in ({} if manifest is None else manifest.counters).items():
             counters[name] = counters.get(name, 0) + value
-    samples, note = [], ""
-    if shards is not None:
+    samples, note, scores = [], "", None
+    if sources.shards is not None and shards is not None:  # shards is read iff sources.shards is set
         beside = posixpath.join(posixpath.dirname(sources.shards.rstrip("/")), "index")
         if fileio.exists(fileio.join(beside, MANIFEST_FILE)):
             samples = inspect_shards(sources.shards, SAMPLE_SEQUENCES, SAMPLE_CHUNKS)
         else:
             note = f"No index beside the shards ({beside}) to decode their tokens with."
+        scores = gather_scores(sources.shards, shards)
     return Report(
         sources.path,
         index,
         shards,
-        None if shards is None else gather_scores(sources.shards, shards),
+        scores,
         gather_rejected(sources, counters),
         samples,
         note,

@@ -20,9 +20,10 @@ from pipeline.check.facts import (
     ShardsFacts,
 )
 from pipeline.check.problems import ValidationFailed, _kind, _parquet, _read_checked, _require, check_listed_file
+from pipeline.chunks.chunk_files import ChunkRows
 from pipeline.common import fileio
 from pipeline.index.files import load_index
-from pipeline.index.slices import merge_shard_results
+from pipeline.index.slices import merge_slice_results
 from schemas.arrow import (
     check_schema_version,
     read_shard_table,
@@ -37,13 +38,13 @@ NORM_TOLERANCE = 1e-3
 
 
 @_kind("chunk file")
-def _check_chunk_rules(index: IndexFacts, number: int, rows: dict) -> ChunkFileSummary:
+def _check_chunk_rules(index: IndexFacts, number: int, rows: ChunkRows) -> ChunkFileSummary:
     """One chunk file against the rules, within the file (its first row is checked against
     the file before it by `check_chunk_boundaries`)."""
     path = f"{index.directory}/chunks file {number}"
     m, pad, start = index.chunk_tokens, index.pad_id, int(index.chunks.starts[number])
-    ids, docs, positions, tokens = rows["ids"], rows["docs"], rows["positions"], rows["tokens"]
-    continuations = rows["continuations"]
+    ids, docs, positions, tokens = rows.chunk_id, rows.doc_id, rows.position, rows.tokens
+    continuations = rows.continuation
     _require(len(ids) > 0, f"{path}: holds no chunks")
     _require(
         np.array_equal(ids, np.arange(start, start + len(ids))),
@@ -154,8 +155,8 @@ def check_embedding_file(index: IndexFacts, position: int, probes_per_file: int)
 
 @_kind("faiss index")
 def check_faiss_index(faiss_index: FaissFacts, probes: list[Probes]) -> None:
-    """The index (or each of its shards, one at a time, each within the shard size) holds the
-    manifest's vectors, and the probes find themselves in it (shards' results merged by score)."""
+    """The index (or each of its slices, one at a time, each within the slice size) holds the
+    manifest's vectors, and the probes find themselves in it (slices' results merged by score)."""
     directory, n = faiss_index.directory, faiss_index.num_vectors
     listed = sum(rows for _, rows, _ in faiss_index.files)
     _require(listed == n, f"{directory}: the faiss files hold {listed} vectors, manifest says {n}")
@@ -173,15 +174,15 @@ def check_faiss_index(faiss_index: FaissFacts, probes: list[Probes]) -> None:
             f"{path}: holds {index.ntotal} x {index.d}, manifest says {rows} x {faiss_index.dim}",
         )
         _require(
-            faiss_index.shard_bytes is None or size <= faiss_index.shard_bytes,
-            f"{path}: {size} bytes, more than the shard size {faiss_index.shard_bytes}",
+            faiss_index.slice_bytes is None or size <= faiss_index.slice_bytes,
+            f"{path}: {size} bytes, more than the slice size {faiss_index.slice_bytes}",
         )
         if vectors is not None:
             results.append(index.search(vectors, 10))
         del index
     if not results:
         return
-    _, found = merge_shard_results(results, 10)
+    _, found = merge_slice_results(results, 10)
     _require(((found >= 0) & (found < n) | (found == -1)).all(), f"{directory}: index returns unknown ids")
     self_hits = np.mean([chunk_id in row for chunk_id, row in zip(ids, found)])
     _require(self_hits >= 0.5, f"{directory}: only {self_hits:.0%} of indexed vectors find themselves")
@@ -313,14 +314,14 @@ def check_shard(shards: ShardsFacts, entry: ShardEntry) -> ShardResult:
 
 
 @_kind("reference")
-def check_references(chunks: ChunkFiles, number: int, rows: dict, block: ReferenceBlock) -> None:
+def check_references(chunks: ChunkFiles, number: int, rows: ChunkRows, block: ReferenceBlock) -> None:
     """References into chunk file `number` (its `rows`): a neighbour's tokens are the chunk and
     its continuation and it is from none of the sequence's documents; a sequence's own chunks
     hold its tokens and their documents are among its doc_ids."""
     refs, values, docs = block.refs, block.values, block.docs
-    m = rows["tokens"].shape[1]
+    m = rows.tokens.shape[1]
     local = refs["chunk_id"] - int(chunks.starts[number])
-    expected = np.concatenate([rows["tokens"][local], rows["continuations"][local]], axis=1)
+    expected = np.concatenate([rows.tokens[local], rows.continuation[local]], axis=1)
     own = refs["own"]
     wrong = np.where(own, (values[:, :m] != expected[:, :m]).any(axis=1), (values != expected).any(axis=1))
     if wrong.any():
@@ -329,7 +330,7 @@ def check_references(chunks: ChunkFiles, number: int, rows: dict, block: Referen
         raise ValidationFailed(
             f"seq {refs['seq_id'][first]}: {what} (chunk {refs['chunk_id'][first]}, {chunks.path(number)})"
         )
-    chunk_docs = rows["docs"][local]
+    chunk_docs = rows.doc_id[local]
     inside = _contains(docs, refs["docs_start"], refs["docs_count"], chunk_docs)
     leak = ~own & inside
     if leak.any():

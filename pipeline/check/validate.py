@@ -52,7 +52,8 @@ class _References:
     (refs, their tokens [r, 2m], the doc ids), read back in blocks of REFERENCE_BLOCK."""
 
     def __init__(self, root: str, width: int):
-        self.root, self.width, self.docs_written = root, width, {}
+        self.root, self.width = root, width
+        self.docs_written: dict[int, int] = {}  # chunk file number -> doc ids appended
 
     def _path(self, number: int, kind: str) -> str:
         return os.path.join(self.root, f"{number}.{kind}")
@@ -97,6 +98,8 @@ def check_in_process(plan: ValidationPlan) -> list[str]:
         check_seq_ranges(ranges)
         summaries, chosen = [], set(plan.sampled_chunk_files)
         for number in sorted(chosen | set(plan.unsampled_chunk_files) | set(references.files())):
+            if plan.chunks is None:  # only a vector index's plan has none, and it has no chunk files
+                raise ValueError(f"{plan.path}: chunk file {number} to check but no chunk database planned")
             blocks = references.blocks(number) if number in references else None
             summaries += check_chunk_file(plan.chunks, number, blocks, plan.index, number in chosen)
     if plan.index is not None:

@@ -27,7 +27,7 @@ from pipeline.check.rules import (
     check_shard,
 )
 from pipeline.check.validate import Problems, Verdict
-from pipeline.jobs.options import pipeline_options
+from pipeline.jobs.options import new_pipeline
 
 PROBLEMS = "problems"
 
@@ -185,7 +185,7 @@ def validate_with_beam(path: str, beam_args: list[str], sample: float = 1.0) -> 
     """Run the validation of `path` as a Beam job with these pipeline options; its lines, or
     ValidationFailed with the job's report."""
     plan = plan_validation(path, sample)
-    pipeline = beam.Pipeline(options=pipeline_options(beam_args))
+    pipeline = new_pipeline(beam_args)
     _ = pipeline | "Validate" >> ValidateOutput(plan) | "FailOnProblems" >> beam.Map(_fail_on_problems)
     try:
         pipeline.run().wait_until_finish()

@@ -31,6 +31,21 @@ def chunk_arrays(table, columns=CHUNK_COLUMNS) -> dict[str, np.ndarray]:
     return {c: (tensor_column_to_numpy(table[c]) if c in TENSOR_COLUMNS else table[c].to_numpy()) for c in columns}
 
 
+@dataclass(frozen=True)
+class ChunkRows:
+    """The rows of one chunk file, column by column."""
+
+    chunk_id: np.ndarray  # [rows]
+    doc_id: np.ndarray  # [rows]
+    position: np.ndarray  # [rows], the chunk's place in its document
+    tokens: np.ndarray  # [rows, m]
+    continuation: np.ndarray  # [rows, m], the document's next chunk or padding
+
+    @classmethod
+    def of(cls, table) -> ChunkRows:
+        return cls(**chunk_arrays(table))
+
+
 def in_file_order(entries, prefix: str) -> list:
     """The manifest entries of `prefix/` files by their number (`name-NNNNN.ext`)."""
 

@@ -16,7 +16,7 @@ import posixpath
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
-from typing import BinaryIO
+from typing import Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -34,6 +34,16 @@ PARQUET_BATCH_ROWS = 1024  # rows decoded at a time: bounds memory for long docu
 
 
 COUNT_BLOCK_BYTES = 1 << 20  # read size when counting the lines before a range
+
+
+class ByteStream(Protocol):
+    """What readers use of an input file: a Beam channel or, for a .gz file, a GzipFile (which
+    typing.BinaryIO, a nominal type, does not cover)."""
+
+    def read(self, size: int = -1, /) -> bytes: ...
+    def readline(self, size: int = -1, /) -> bytes: ...
+    def seek(self, offset: int, whence: int = 0, /) -> int: ...
+    def __iter__(self) -> Iterator[bytes]: ...
 
 
 def glob_base(pattern: str) -> str:
@@ -142,7 +152,7 @@ def parse_text(data: bytes, cfg: CorpusConfig, source: str, relative: str) -> It
 
 
 @contextlib.contextmanager
-def open_input(path: str) -> Iterator[BinaryIO]:
+def open_input(path: str) -> Iterator[ByteStream]:
     """A stream of the file's bytes, gunzipped as they are read when its name ends in .gz."""
     with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as raw:
         if not path.endswith(".gz"):
@@ -152,7 +162,7 @@ def open_input(path: str) -> Iterator[BinaryIO]:
             yield unzipped
 
 
-def lines_in_range(f: BinaryIO, start: int, end: int | None) -> tuple[bool, Iterator[bytes]]:
+def lines_in_range(f: ByteStream, start: int, end: int | None) -> tuple[bool, Iterator[bytes]]:
     """(whether a line that began before `start` was skipped, the lines whose first byte lies in
     [start, end)). A stream that cannot seek is read from its start (start must be 0)."""
     skipped = False
@@ -188,14 +198,17 @@ def count_lines(path: str, start: int, end: int) -> int:
     return count
 
 
-def _records(r: FileRange, cfg: CorpusConfig, f: BinaryIO) -> Iterator[Record]:
+def _records(r: FileRange, cfg: CorpusConfig, f: ByteStream) -> Iterator[Record]:
+    before = r.records_before
+    if before is None:  # a bug, not a bad file: RuntimeError is not caught as unreadable_file
+        raise RuntimeError(f"{r.path} [{r.start}, {r.end}): parsed before the records before it were counted")
     if cfg.format == "jsonl":
         skipped, lines = lines_in_range(f, r.start, r.end)
-        yield from parse_jsonl(lines, cfg, r.path, r.relative, r.records_before + 1 + skipped)
+        yield from parse_jsonl(lines, cfg, r.path, r.relative, before + 1 + skipped)
     elif cfg.format == "parquet":
         parquet = pq.ParquetFile(f)
         groups = None if r.end is None else range(r.start, r.end)
-        yield from parse_parquet(parquet, cfg, r.path, r.relative, groups, r.records_before)
+        yield from parse_parquet(parquet, cfg, r.path, r.relative, groups, before)
     else:
         yield from parse_text(f.read(), cfg, r.path, r.relative)
 
@@ -257,7 +270,7 @@ def number_ranges(keyed: tuple[str, Iterable[tuple[FileRange, int]]]) -> Iterato
 def match_corpus(cfg: CorpusConfig) -> list[tuple[str, str, int]]:
     """(path, glob base, size in bytes) of every file the globs match, sorted; error if a glob
     matches nothing."""
-    files = {}
+    files: dict[str, tuple[str, int]] = {}
     for pattern, result in zip(cfg.paths, FileSystems.match(cfg.paths)):
         if not result.metadata_list:
             raise FileNotFoundError(f"input glob matches no file: {pattern}")

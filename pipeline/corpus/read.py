@@ -5,6 +5,7 @@ into ranges (`SplitFiles`), parsed, duplicate document ids kept once (the first 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Final, Literal
 
 import apache_beam as beam
 from apache_beam.metrics import Metrics
@@ -18,12 +19,12 @@ from pipeline.corpus.parse import (
     parse_range,
     split_file,
 )
-from pipeline.corpus.records import METRICS_NAMESPACE, FileRange, Record, Rejected
+from pipeline.corpus.records import METRICS_NAMESPACE, Document, FileRange, Rejected
 from schemas.config import CorpusConfig
 
 
 class _ParseRange(beam.DoFn):
-    REJECTED = "rejected"
+    REJECTED: Final = "rejected"
 
     def __init__(self, cfg: CorpusConfig):
         self.cfg = cfg
@@ -39,8 +40,9 @@ class _ParseRange(beam.DoFn):
                 yield record
 
 
-def _keep_first(keyed) -> Iterator[Record]:
-    """Of documents sharing a doc id, keep the first by (source, position); reject the rest."""
+def _keep_first(keyed) -> Iterator[Document | beam.pvalue.TaggedOutput[Literal["rejected"], Rejected]]:
+    """Of documents sharing a doc id, keep the first by (source, position); reject the rest.
+    (Beam reads a tagged output's type only with its tag as a Literal: _ParseRange.REJECTED.)"""
     _, docs = keyed
     first, *rest = sorted(docs, key=lambda d: (d.source, d.position))
     yield first

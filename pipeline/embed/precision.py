@@ -78,16 +78,18 @@ def check_precision(sample, stored, cfg: EmbeddingConfig, tokenizer_path: str, t
     with torch_threads(threads):
         reference = encode_texts(load_encoder(cfg), chunk_texts(load_tokenizer(tokenizer_path), chunks), cfg.batch_size)
     agreeing, slots = top2_agreement(reference, reduced)
+    agreement = agreeing / slots if slots else 1.0
+    upper = agreement_upper_bound(agreeing, slots)
     report.update(
-        top2_agreement=agreeing / slots if slots else 1.0,
-        agreement_upper_bound=agreement_upper_bound(agreeing, slots),
+        top2_agreement=agreement,
+        agreement_upper_bound=upper,
         min_cosine=float(np.min(np.sum(reference * reduced, axis=1))),
     )
-    if report["agreement_upper_bound"] < cfg.min_agreement:
+    if upper < cfg.min_agreement:
         raise PrecisionTooLow(
             f"embedding.precision {precision}: only {agreeing} of {slots} top-2 neighbour slots of "
-            f"{len(chunks)} sampled chunks agree with float32 ({report['top2_agreement']:.3f}; at 99% "
-            f"confidence at most {report['agreement_upper_bound']:.3f}, below min_agreement "
+            f"{len(chunks)} sampled chunks agree with float32 ({agreement:.3f}; at 99% "
+            f"confidence at most {upper:.3f}, below min_agreement "
             f"{cfg.min_agreement}); set embedding.precision: float32"
         )
     return report

@@ -4,5 +4,6 @@ Without Beam, a module per concern: `factory` (the factory from a memory budget,
 `sampling`, `kmeans` (two-level), `train` (train, fill, merge), `search` (depth, exclusion),
 `exact` (exact search), `recall` (the two measures), `tuning` (depth against a target),
 `files` (index and embedding I/O), `slices` (an index split by chunk-id range).
-The Beam wiring apart: `train_beam` (`TrainIndex`), `build` (`BuildIndex`).
+The Beam wiring apart: `train_beam` (`TrainIndex`), `build` (`BuildIndex`), and
+`build_info` (what it hands the job that commits it).
 """

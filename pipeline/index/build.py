@@ -3,7 +3,7 @@ from a memory budget, trained on a sample, filled in parallel, merged, and tuned
 recall.
 
 The rules (factory choice, sample, recall, tuning) are the Beam-free functions of
-`pipeline.faiss_index`; `BuildIndex` wires them into Beam so that, for IVF types, no process
+`pipeline.index`; `BuildIndex` wires them into Beam so that, for IVF types, no process
 ever holds all embeddings:
 
     embeddings ─► stats (count, dims) ─► sample ─► train (one worker) ─► trained.faiss
@@ -12,10 +12,10 @@ ever holds all embeddings:
                               └─► exact top 100 of the query sample ─► ground truth
     parts ─► merge (IVF lists, in part order) ─► index.faiss ─► tune nprobe to target recall
 
-With `index.shard_bytes`, consecutive parts are grouped into shards instead (`index_shards`):
-each shard is assembled by its own worker into shard-NNNNN.faiss and searches the query sample
-at every depth; one worker merges those results by score and tunes the one nprobe of all
-shards. No worker holds more than one shard and the trained index.
+With `index.slice_bytes`, consecutive parts are grouped into slices instead (`slices`): each
+slice is assembled by its own worker into slice-NNNNN.faiss and searches the query sample at
+every depth; one worker merges those results by score and tunes the one nprobe of all slices.
+No worker holds more than one slice and the trained index.
 
 Chunk ids are the faiss ids, so a search answers chunk ids.
 """
@@ -32,13 +32,14 @@ from apache_beam.metrics import Metrics
 
 from pipeline.common import fileio
 from pipeline.corpus.records import METRICS_NAMESPACE
+from pipeline.index.build_info import write_build_info
 from pipeline.index.exact import exact_nearest_other, exact_nearest_outside, truth_depth
-from pipeline.index.factory import plan_index
-from pipeline.index.files import embedding_file_info, read_embeddings, read_index, write_index
-from pipeline.index.recall import RECALL_K, RECALL_MEASURE, one_recall_at_k, recall_of
+from pipeline.index.factory import IndexBuildError, IndexPlan, plan_index
+from pipeline.index.files import EmbeddingFile, embedding_file_info, read_embeddings, read_index, write_index
+from pipeline.index.recall import RECALL_K, one_recall_at_k, recall_of
 from pipeline.index.sampling import QUERY_SALT, in_sample
 from pipeline.index.search import query_rate, search_depth_range, search_each_excluding, set_search_depth
-from pipeline.index.slices import assemble_shard, assign_shards, merge_shard_results
+from pipeline.index.slices import assemble_slice, assign_slices, merge_slice_results
 from pipeline.index.train import build_index, merge_part, write_part
 from pipeline.index.train_beam import TrainIndex, _file_stem, _sample_rows, _stack, _Stats, _write_sample
 from pipeline.index.tuning import QuerySample, Truth, tune_index_depth
@@ -48,13 +49,10 @@ from schemas.config import IndexConfig
 INDEX_FILE = "index.faiss"
 
 
-SHARD_FILE = "shard-{:05d}.faiss"
+SLICE_FILE = "slice-{:05d}.faiss"
 
 
 log = logging.getLogger("ratrain")
-
-
-BUILD_INFO_FILE = "build_info.json"
 
 
 def _truth_of(queries: QuerySample, ids, vectors, k: int) -> Truth:
@@ -106,7 +104,7 @@ class _MergeTruth(beam.CombineFn):
         return acc
 
 
-def _merge_and_tune(parts, trained_path, plan, queries, truth, cfg: IndexConfig, out_dir, neighbours: int):
+def _merge_and_tune(parts, trained_path, plan: IndexPlan, queries, truth, cfg: IndexConfig, out_dir, neighbours: int):
     """One worker: merge the parts into the trained index in input-file order, tune, write."""
     index = read_index(trained_path)
     part_paths = [part for _, part in sorted(parts)]
@@ -117,18 +115,20 @@ def _merge_and_tune(parts, trained_path, plan, queries, truth, cfg: IndexConfig,
     return info
 
 
-def _build_in_one(paths, plan, queries: QuerySample, cfg: IndexConfig, out_dir, neighbours: int):
+def _build_in_one(paths, plan: IndexPlan, queries: QuerySample, cfg: IndexConfig, out_dir, neighbours: int):
     """Flat and graph indexes: one worker adds everything (they cannot be merged)."""
     batches = [batch for path in sorted(paths) for batch in read_embeddings(path)]
     ids = np.concatenate([b[0] for b in batches])
     vectors = np.concatenate([b[1] for b in batches])
     order = np.argsort(ids, kind="stable")
     ids, vectors = ids[order], vectors[order]
-    index = build_index(ids, vectors, plan["factory"])
+    index = build_index(ids, vectors, plan.factory)
     return _finish(index, plan, queries, _truth_of(queries, ids, vectors, neighbours), cfg, out_dir, 1, neighbours)
 
 
-def _finish(index, plan, queries: QuerySample, truth: Truth, cfg: IndexConfig, out_dir, parts: int, neighbours: int):
+def _finish(
+    index, plan: IndexPlan, queries: QuerySample, truth: Truth, cfg: IndexConfig, out_dir, parts: int, neighbours: int
+):
     def plain_at(depth):
         if depth is not None:
             set_search_depth(index, depth)
@@ -147,7 +147,7 @@ def _finish(index, plan, queries: QuerySample, truth: Truth, cfg: IndexConfig, o
         set_search_depth(index, tuned[0])
     index_bytes, index_sha256 = write_index(index, fileio.join(out_dir, INDEX_FILE))
     files = [{"path": INDEX_FILE, "rows": int(index.ntotal), "bytes": index_bytes, "sha256": index_sha256}]
-    return _build_info(
+    return write_build_info(
         plan,
         cfg,
         out_dir,
@@ -160,79 +160,38 @@ def _finish(index, plan, queries: QuerySample, truth: Truth, cfg: IndexConfig, o
     )
 
 
-def _build_info(
-    plan,
-    cfg: IndexConfig,
-    out_dir,
-    parts: int,
-    files: list[dict],
-    tuned,
-    rate: float,
-    curve: list[dict] | None,
-    own: dict | None,
-) -> dict:
-    """build_info.json: what the manifest records of the index, and its faiss files; `curve`:
-    the recall at each depth measured (None for an exact index); `own`: the recall with the
-    query's own document excluded (None: documents unknown)."""
-    depth, recall, plateau, sample_size = tuned
-    info = {
-        "index_factory": plan["factory"],
-        "nprobe": depth,
-        "dim": plan["dim"],
-        "metric": "inner_product",
-        "num_vectors": sum(f["rows"] for f in files),
-        "training_vectors": plan["train_size"],
-        "clustering": plan["clustering"],
-        "parts": parts,
-        "recall_at_k": {
-            "measure": RECALL_MEASURE,
-            "value": recall,
-            "sample_size": int(sample_size),
-            "nprobe": depth,
-            "target": cfg.target_recall,
-            "plateau": plateau,
-            "curve": curve,
-            "own_document_excluded": own,
-        },
-        "queries_per_second": round(rate, 1),
-        "index_bytes": sum(f["bytes"] for f in files),
-        "files": files,
-        "memory_budget": cfg.memory_budget,
-        "shard_bytes": cfg.shard_bytes if len(files) > 1 else None,
-    }
-    fileio.write_json_atomic(fileio.join(out_dir, BUILD_INFO_FILE), info)
-    return info
-
-
-def _plan_shards(footers: list[dict], plan: dict, shard_bytes: int | None) -> dict[str, int]:
-    """{embeddings file: shard} for an IVF index in shards; {} for one index file."""
-    if shard_bytes is not None and not plan["mergeable"]:
-        log.warning("index.shard_bytes applies to IVF indexes; %s is built as one file", plan["factory"])
+def _plan_slices(footers: list[EmbeddingFile], plan: IndexPlan, slice_bytes: int | None) -> dict[str, int]:
+    """{embeddings file: slice number} for an IVF index in slices; {} for one index file."""
+    if slice_bytes is not None and not plan.mergeable:
+        log.warning("index.slice_bytes applies to IVF indexes; %s is built as one file", plan.factory)
         return {}
-    return assign_shards({f["path"]: f["rows"] for f in footers}, plan["factory"], plan["dim"], shard_bytes)
+    return assign_slices({f.path: f.rows for f in footers}, plan.factory, plan.dim, slice_bytes)
 
 
 def _assemble(keyed, trained_path, queries: QuerySample, cfg: IndexConfig, out_dir, neighbours: int):
-    """One worker per shard: its parts (in chunk-id order) merged into a copy of the trained
-    index, written as shard-NNNNN.faiss; then the query sample searched at every depth the
+    """One worker per slice: its parts (in chunk-id order) merged into a copy of the trained
+    index, written as slice-NNNNN.faiss; then the query sample searched at every depth the
     tuning may pick (plainly, and with each query's own document excluded as build-shards
-    searches a shard), for the merge step to combine with the other shards' results."""
+    searches a slice), for the merge step to combine with the other slices' results."""
     number, parts = keyed
     part_paths = [part for _, part in sorted(parts)]
-    shard = assemble_shard(read_index(trained_path), (read_index(p) for p in part_paths))
-    name = SHARD_FILE.format(number)
-    shard_bytes, sha256 = write_index(shard, fileio.join(out_dir, name))
+    index_slice = assemble_slice(read_index(trained_path), (read_index(p) for p in part_paths))
+    name = SLICE_FILE.format(number)
+    slice_bytes, sha256 = write_index(index_slice, fileio.join(out_dir, name))
+    depths = [cfg.nprobe] if cfg.nprobe is not None else search_depth_range(index_slice)
+    if depths is None:
+        raise IndexBuildError(f"{name}: an index slice must be an IVF index, with lists to probe")
     results, own = {}, {}
-    for depth in [cfg.nprobe] if cfg.nprobe is not None else search_depth_range(shard):
-        set_search_depth(shard, depth)
+    for depth in depths:
+        set_search_depth(index_slice, depth)
         start = time.perf_counter()
-        scores, ids = shard.search(np.ascontiguousarray(queries.vectors, np.float32), RECALL_K + 1)
+        scores, ids = index_slice.search(np.ascontiguousarray(queries.vectors, np.float32), RECALL_K + 1)
         results[depth] = (scores, ids, time.perf_counter() - start)
         if queries.documents is not None:
-            own[depth] = search_each_excluding(shard, queries.vectors, neighbours, queries.documents)
+            own[depth] = search_each_excluding(index_slice, queries.vectors, neighbours, queries.documents)
     beam.io.filesystems.FileSystems.delete(part_paths)
     return {
-        "file": {"path": name, "rows": int(shard.ntotal), "bytes": shard_bytes, "sha256": sha256},
+        "file": {"path": name, "rows": int(index_slice.ntotal), "bytes": slice_bytes, "sha256": sha256},
         "number": number,
         "parts": len(part_paths),
         "results": results,
@@ -240,28 +199,30 @@ def _assemble(keyed, trained_path, queries: QuerySample, cfg: IndexConfig, out_d
     }
 
 
-def _tune_shards(shards, trained_path, plan, queries: QuerySample, truth: Truth, cfg: IndexConfig, out_dir, k: int):
-    """One worker: the shards' results merged by score per depth, the one nprobe of all shards
+def _tune_slices(
+    slices, trained_path, plan: IndexPlan, queries: QuerySample, truth: Truth, cfg: IndexConfig, out_dir, k: int
+):
+    """One worker: the slices' results merged by score per depth, the one nprobe of all slices
     tuned on them as on one index (the same lists are probed, so the same recall)."""
-    shards = sorted(shards, key=lambda s: s["number"])
+    slices = sorted(slices, key=lambda s: s["number"])
 
     def plain_at(depth):
-        merged = merge_shard_results([s["results"][depth][:2] for s in shards], RECALL_K + 1)
+        merged = merge_slice_results([s["results"][depth][:2] for s in slices], RECALL_K + 1)
         searcher = types.SimpleNamespace(search=lambda q, width: merged)
         return one_recall_at_k(searcher, queries.ids, queries.vectors, truth.nearest_other)
 
     def own_at(depth):
-        return recall_of(truth.outside_document, merge_shard_results([s["own"][depth] for s in shards], k)[1])
+        return recall_of(truth.outside_document, merge_slice_results([s["own"][depth] for s in slices], k)[1])
 
     measured = own_at if truth.outside_document is not None else None
-    tuned, curve, own = tune_index_depth(sorted(shards[0]["results"]), plain_at, measured, cfg, k)
-    seconds = sum(s["results"][tuned[0]][2] for s in shards)
-    info = _build_info(
+    tuned, curve, own = tune_index_depth(sorted(slices[0]["results"]), plain_at, measured, cfg, k)
+    seconds = sum(s["results"][tuned[0]][2] for s in slices)
+    info = write_build_info(
         plan,
         cfg,
         out_dir,
-        sum(s["parts"] for s in shards),
-        [s["file"] for s in shards],
+        sum(s["parts"] for s in slices),
+        [s["file"] for s in slices],
         (*tuned, len(queries.ids)),
         len(queries.ids) / seconds if seconds else 0.0,
         curve,
@@ -303,7 +264,7 @@ class BuildIndex(beam.PTransform):
         queries = self.documents | "QueryDocuments" >> beam.FlatMap(
             lambda chunk_doc, p: (
                 [(chunk_doc[1], chunk_doc[0])]
-                if in_sample(np.array([chunk_doc[0]]), p["queries"], p["count"], QUERY_SALT)[0]
+                if in_sample(np.array([chunk_doc[0]]), p.queries, p.count, QUERY_SALT)[0]
                 else []
             ),
             plan,
@@ -318,23 +279,23 @@ class BuildIndex(beam.PTransform):
     def expand(self, paths):
         cfg, out_dir, k = self.cfg, self.out_dir, self.neighbours
         paths = paths | "SpreadFiles" >> beam.Reshuffle()
-        footers = paths | "ReadFooters" >> beam.Map(lambda path: {**embedding_file_info(path), "path": path})
+        footers = paths | "ReadFooters" >> beam.Map(embedding_file_info)
         plan = beam.pvalue.AsSingleton(
             footers | "Stats" >> beam.CombineGlobally(_Stats()) | "Plan" >> beam.Map(plan_index, cfg)
         )
-        shard_of = beam.pvalue.AsSingleton(  # {embeddings file: shard}, empty for one index file
+        slice_of = beam.pvalue.AsSingleton(  # {embeddings file: slice number}, empty for one index file
             footers
             | "GatherFileRows" >> beam.combiners.ToList()
-            | "PlanShards" >> beam.Map(_plan_shards, plan, cfg.shard_bytes)
+            | "PlanSlices" >> beam.Map(_plan_slices, plan, cfg.slice_bytes)
         )
         query_documents = self._query_documents(plan)
         queries = beam.pvalue.AsSingleton(
             paths
-            | "QuerySample" >> beam.FlatMap(lambda path, p: _sample_rows(path, p, "queries", QUERY_SALT), plan)
+            | "QuerySample" >> beam.FlatMap(lambda path, p: _sample_rows(path, p.queries, p.count, QUERY_SALT), plan)
             | "GatherQueries" >> beam.combiners.ToList()
             | "StackQueries"
             >> beam.Map(
-                lambda rows, p, spans=None: _stack(rows, p["dim"], spans),
+                lambda rows, p, spans=None: _stack(rows, p.dim, spans),
                 plan,
                 *([query_documents] if query_documents is not None else []),
             )
@@ -344,13 +305,13 @@ class BuildIndex(beam.PTransform):
         trained = (
             paths
             | "TrainSample"
-            >> beam.FlatMap(lambda path, p: [_write_sample(path, p, out_dir)] if p["mergeable"] else [], plan)
+            >> beam.FlatMap(lambda path, p: [_write_sample(path, p, out_dir)] if p.mergeable else [], plan)
             | "TrainIndex" >> TrainIndex(plan, out_dir, cfg.accelerator)
         )
         trained_path = beam.pvalue.AsSingleton(trained, default_value=None)
         filled = (
             paths
-            | "ForMerge" >> beam.Filter(lambda path, p: p["mergeable"], plan)
+            | "ForMerge" >> beam.Filter(lambda path, p: p.mergeable, plan)
             | "FillParts"
             >> beam.ParDo(_FillPart(out_dir, k), trained_path, queries).with_outputs("truth", main="parts")
         )
@@ -362,26 +323,26 @@ class BuildIndex(beam.PTransform):
             | "GatherParts" >> beam.combiners.ToList()
             | "MergeAndTune"
             >> beam.FlatMap(
-                lambda parts, trained, p, q, t, shards: (
-                    [_merge_and_tune(parts, trained, p, q, t, cfg, out_dir, k)] if p["mergeable"] and not shards else []
+                lambda parts, trained, p, q, t, slices: (
+                    [_merge_and_tune(parts, trained, p, q, t, cfg, out_dir, k)] if p.mergeable and not slices else []
                 ),
                 trained_path,
                 plan,
                 queries,
                 truth,
-                shard_of,
+                slice_of,
             )
         )
-        sharded = (
+        sliced = (
             filled.parts
-            | "KeyByShard" >> beam.FlatMap(lambda part, shards: [(shards[part[0]], part)] if shards else [], shard_of)
-            | "GroupShards" >> beam.GroupByKey()
-            | "AssembleShards" >> beam.Map(_assemble, trained_path, queries, cfg, out_dir, k)
-            | "GatherShards" >> beam.combiners.ToList()
-            | "TuneShards"
+            | "KeyBySlice" >> beam.FlatMap(lambda part, slices: [(slices[part[0]], part)] if slices else [], slice_of)
+            | "GroupSlices" >> beam.GroupByKey()
+            | "AssembleSlices" >> beam.Map(_assemble, trained_path, queries, cfg, out_dir, k)
+            | "GatherSlices" >> beam.combiners.ToList()
+            | "TuneSlices"
             >> beam.FlatMap(
-                lambda shards, trained, p, q, t: (
-                    [_tune_shards(shards, trained, p, q, t, cfg, out_dir, k)] if shards else []
+                lambda slices, trained, p, q, t: (
+                    [_tune_slices(slices, trained, p, q, t, cfg, out_dir, k)] if slices else []
                 ),
                 trained_path,
                 plan,
@@ -396,9 +357,9 @@ class BuildIndex(beam.PTransform):
             | "GatherPaths" >> beam.combiners.ToList()
             | "BuildInOne"
             >> beam.FlatMap(
-                lambda all_paths, p, q: [] if p["mergeable"] else [_build_in_one(all_paths, p, q, cfg, out_dir, k)],
+                lambda all_paths, p, q: [] if p.mergeable else [_build_in_one(all_paths, p, q, cfg, out_dir, k)],
                 plan,
                 queries,
             )
         )
-        return (merged, sharded, whole) | "Info" >> beam.Flatten()
+        return (merged, sliced, whole) | "Info" >> beam.Flatten()

@@ -9,6 +9,7 @@ open one.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import faiss
 
@@ -140,10 +141,20 @@ def choose_index_factory(num_vectors: int, dim: int, memory_budget: int) -> str:
 
 
 def ivf_lists(factory: str) -> int | None:
+    """The inverted lists of an IVF factory string; None for a type without lists."""
     for part in factory.split(","):
         if part.startswith("IVF"):
             return int(part[3:].split("_")[0])
     return None
+
+
+def required_ivf_lists(factory: str) -> int:
+    """`ivf_lists` where only an IVF index will do (two-level training): a type without
+    inverted lists is an error."""
+    nlist = ivf_lists(factory)
+    if nlist is None:
+        raise IndexBuildError(f"{factory} has no inverted lists: two-level clustering needs an IVF index")
+    return nlist
 
 
 def training_size(num_vectors: int, factory: str) -> int:
@@ -199,22 +210,43 @@ def encoder_size(factory: str) -> int:
     return 256 * 256 if "PQ" in factory or ",SQ" in factory else 0
 
 
-def plan_index(stats: dict, cfg: IndexConfig) -> dict:
+@dataclass(frozen=True)
+class EmbeddingStats:
+    """What the embeddings files' footers say together."""
+
+    count: int
+    dims: tuple[int, ...]  # every vector width seen, sorted (one, for a usable index)
+
+
+@dataclass(frozen=True)
+class IndexPlan:
+    """What the index stage builds, decided once from the embeddings' stats and the config."""
+
+    factory: str  # the faiss index_factory string
+    dim: int
+    count: int  # vectors to index
+    train_size: int  # vectors in the training sample
+    clustering: str  # 'flat' or 'two_level' ('flat' for an index without lists)
+    mergeable: bool  # IVF: filled in parts and merged; else built by one worker
+    queries: int  # vectors in the query sample the depth is tuned on
+
+
+def plan_index(stats: EmbeddingStats, cfg: IndexConfig) -> IndexPlan:
     """Factory string, training size and query sample size from the stats."""
-    if len(stats["dims"]) > 1:
-        raise IndexBuildError(f"embeddings have mixed dimensions {stats['dims']}: one index needs one dimension")
-    count = stats["count"]
+    if len(stats.dims) > 1:
+        raise IndexBuildError(f"embeddings have mixed dimensions {list(stats.dims)}: one index needs one dimension")
+    count = stats.count
     if count == 0:
         raise IndexBuildError("no vectors to index: every input record was rejected or empty")
-    dim = stats["dims"][0]
+    dim = stats.dims[0]
     factory = choose_index_factory(count, dim, cfg.memory_budget) if cfg.type == "auto" else cfg.type
     new_index(factory, dim)  # a bad factory string fails here, with its reason
-    return {
-        "factory": factory,
-        "dim": dim,
-        "count": count,
-        "train_size": training_size(count, factory),
-        "clustering": resolve_clustering(cfg.clustering, factory, cfg.accelerator is not None),
-        "mergeable": ivf_lists(factory) is not None,
-        "queries": min(cfg.recall_sample, count),
-    }
+    return IndexPlan(
+        factory=factory,
+        dim=dim,
+        count=count,
+        train_size=training_size(count, factory),
+        clustering=resolve_clustering(cfg.clustering, factory, cfg.accelerator is not None),
+        mergeable=ivf_lists(factory) is not None,
+        queries=min(cfg.recall_sample, count),
+    )

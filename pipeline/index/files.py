@@ -5,6 +5,7 @@ embedding files the index is built from.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 
 import faiss
 import numpy as np
@@ -33,7 +34,7 @@ def write_index(index, path: str) -> tuple[int, str]:
             size += len(block)
             return len(block)
 
-        faiss.write_index(index, faiss.PyCallbackIOWriter(write, IO_BLOCK))
+        faiss.write_index(index, faiss.PyCallbackIOWriter(write, IO_BLOCK))  # type: ignore[attr-defined]  # not in faiss's stubs
     return size, digest.hexdigest()
 
 
@@ -42,7 +43,7 @@ def read_index(path: str):
     from pipeline.common import fileio
 
     with fileio.open_read(path) as f:
-        return faiss.read_index(faiss.PyCallbackIOReader(f.read, IO_BLOCK))
+        return faiss.read_index(faiss.PyCallbackIOReader(f.read, IO_BLOCK))  # type: ignore[attr-defined]  # not in faiss's stubs
 
 
 def load_index(path: str, depth: int | None = None):
@@ -62,7 +63,16 @@ def load_index(path: str, depth: int | None = None):
 READ_BATCH = 16384  # rows per record batch read from an embeddings file
 
 
-def embedding_file_info(path: str) -> dict:
+@dataclass(frozen=True)
+class EmbeddingFile:
+    """One embeddings Parquet file, as its footer describes it."""
+
+    path: str
+    rows: int
+    dim: int
+
+
+def embedding_file_info(path: str) -> EmbeddingFile:
     """Rows and vector width of one embeddings Parquet file (from its footer only)."""
     from pipeline.common import fileio
 
@@ -74,7 +84,7 @@ def embedding_file_info(path: str) -> dict:
         vector = schema.field("embedding").type
         if not pa.types.is_fixed_size_list(vector) or vector.value_type not in (pa.float32(), pa.float16()):
             raise IndexBuildError(f"{path}: embedding must be fixed_size_list<float32 or float16>[d], is {vector}")
-        return {"rows": parquet.metadata.num_rows, "dim": vector.list_size}
+        return EmbeddingFile(path, parquet.metadata.num_rows, vector.list_size)
 
 
 def read_embeddings(path: str):

@@ -9,7 +9,7 @@ import math
 import faiss
 import numpy as np
 
-from pipeline.index.factory import IndexBuildError, encoder_size, ivf_lists, new_index
+from pipeline.index.factory import IndexBuildError, encoder_size, new_index, required_ivf_lists
 
 # Two-level k-means (faiss.contrib.clustering's scheme, split into steps that can run on
 # different workers): √nlist first-level clusters trained on a bounded subsample, every training
@@ -47,6 +47,8 @@ def spherical_kmeans(vectors: np.ndarray, k: int) -> np.ndarray:
     """[k, d] unit centroids (inner-product search: spherical, as faiss trains IVF lists for it)."""
     kmeans = faiss.Kmeans(vectors.shape[1], k, spherical=True, seed=KMEANS_SEED)
     kmeans.train(np.ascontiguousarray(vectors, dtype=np.float32))
+    if kmeans.centroids is None:  # faiss sets them in train(); None would be a faiss failure
+        raise IndexBuildError(f"k-means of {k} clusters over {len(vectors)} vectors produced no centroids")
     return kmeans.centroids
 
 
@@ -122,7 +124,7 @@ def index_from_centroids(factory: str, centroids: np.ndarray, encoder_sample: np
 
 def _train_two_level(factory: str, sample: np.ndarray):
     """Two-level training in one process: the steps BuildIndex spreads over workers."""
-    nlist = ivf_lists(factory)
+    nlist = required_ivf_lists(factory)
     first = spherical_kmeans(
         sample[_spread(len(sample), first_level_size(len(sample), nlist))], first_level_clusters(nlist)
     )

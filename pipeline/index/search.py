@@ -46,32 +46,38 @@ def deepest_search(index) -> int | None:
 def _search_params(index, selector, depth: int | None):
     """faiss SearchParameters with `selector` at `depth` (faiss params replace the index's own
     nprobe / efSearch, so the depth is always given)."""
+    # faiss's stubs list neither the SWIG constructors' keyword arguments nor SearchParametersHNSW
     if is_ivf(index):
-        return faiss.SearchParametersIVF(sel=selector, nprobe=depth)
+        return faiss.SearchParametersIVF(sel=selector, nprobe=depth)  # type: ignore[call-arg]
     if _hnsw(index) is not None:
-        return faiss.SearchParametersHNSW(sel=selector, efSearch=depth)
-    return faiss.SearchParameters(sel=selector)
+        return faiss.SearchParametersHNSW(sel=selector, efSearch=depth)  # type: ignore[attr-defined]
+    return faiss.SearchParameters(sel=selector)  # type: ignore[call-arg]
 
 
-def exclusion_selector(excluded: list[tuple[int, int]]):
+def exclusion_selector(excluded: list[tuple[int, int]]) -> tuple[faiss.IDSelector | None, list[faiss.IDSelector]]:
     """(a faiss selector of every id outside the [start, end) ranges, or None for no ranges;
     the selectors it is built of, which the caller keeps alive while searching: they hold raw
     pointers to each other)."""
     parts = [faiss.IDSelectorRange(int(start), int(end)) for start, end in excluded]
-    keep, union = list(parts), parts[0] if parts else None
+    if not parts:
+        return None, []
+    keep: list[faiss.IDSelector] = list(parts)
+    union: faiss.IDSelector = parts[0]
     for part in parts[1:]:
         union = faiss.IDSelectorOr(union, part)
         keep.append(union)
-    return (faiss.IDSelectorNot(union) if parts else None), keep
+    return faiss.IDSelectorNot(union), keep
 
 
 def search_deepening(search_at, depth: int | None, deepest: int | None):
     """`search_at(depth)` -> (scores, ids); the rows that come back with an empty slot are
     searched again at twice the depth, up to `deepest` (None: never).
     -> (scores [q, k], ids [q, k] (-1 = none), deeper searches made)."""
+    if deepest is not None and depth is None:
+        raise ValueError(f"searching deeper, up to depth {deepest}, needs a starting depth, got None")
     scores, ids = search_at(depth)
     deeper = 0
-    while deepest is not None and depth < deepest and (ids < 0).any():
+    while deepest is not None and depth is not None and depth < deepest and (ids < 0).any():
         depth = min(2 * depth, deepest)
         deeper += 1
         # the same query block again (fixed shape), keeping the rows that were already full

@@ -47,6 +47,8 @@ def merge_part(merged, part) -> None:
             f"a part of {source.nlist} lists of {source.code_size} B codes does not "
             f"merge into an index of {target.nlist} lists of {target.code_size} B"
         )
+    if target.invlists is None or source.invlists is None:
+        raise IndexBuildError("an IVF index without inverted lists cannot merge or be merged into")
     target.invlists.merge_from(source.invlists, 0)
     target.ntotal += source.ntotal
     source.ntotal = 0

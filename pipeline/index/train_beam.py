@@ -13,8 +13,8 @@ from apache_beam.metrics import Metrics
 
 from pipeline.common import fileio
 from pipeline.corpus.records import METRICS_NAMESPACE
-from pipeline.index.factory import encoder_size, ivf_lists
-from pipeline.index.files import read_embeddings, write_index
+from pipeline.index.factory import EmbeddingStats, IndexPlan, encoder_size, required_ivf_lists
+from pipeline.index.files import EmbeddingFile, read_embeddings, write_index
 from pipeline.index.kmeans import (
     REFINE_ITERATIONS,
     assign_first_level,
@@ -41,20 +41,21 @@ class _Stats(beam.CombineFn):
     def create_accumulator(self):
         return 0, frozenset()
 
-    def add_input(self, acc, info):
-        return acc[0] + info["rows"], acc[1] | {info["dim"]}
+    def add_input(self, acc, info: EmbeddingFile):
+        return acc[0] + info.rows, acc[1] | {info.dim}
 
     def merge_accumulators(self, accs):
         accs = list(accs)
         return sum(a[0] for a in accs), frozenset().union(*(a[1] for a in accs))
 
-    def extract_output(self, acc):
-        return {"count": acc[0], "dims": sorted(acc[1])}
+    def extract_output(self, acc) -> EmbeddingStats:
+        return EmbeddingStats(acc[0], tuple(sorted(acc[1])))
 
 
-def _sample_rows(path: str, plan: dict, size_key: str, salt: int):
+def _sample_rows(path: str, size: int, count: int, salt: int):
+    """The rows of one embeddings file in the sample of `size` of `count` vectors salted so."""
     for ids, vectors in read_embeddings(path):
-        keep = in_sample(ids, plan[size_key], plan["count"], salt)
+        keep = in_sample(ids, size, count, salt)
         yield from zip(ids[keep].tolist(), vectors[keep])
 
 
@@ -81,13 +82,13 @@ def _read_npy(path: str) -> np.ndarray:
     return np.load(io.BytesIO(fileio.read_bytes(path)))
 
 
-def _write_sample(path: str, plan: dict, out_dir: str) -> str:
+def _write_sample(path: str, plan: IndexPlan, out_dir: str) -> str:
     """One embeddings file's share of the training sample, written as sample/<file>.ids.npy and
     .vectors.npy: the sample travels as files, not as Beam rows, so it is held once, by the
     trainer. Yields the path prefix."""
-    ids, vectors = [np.zeros(0, np.int64)], [np.zeros((0, plan["dim"]), np.float32)]
+    ids, vectors = [np.zeros(0, np.int64)], [np.zeros((0, plan.dim), np.float32)]
     for batch_ids, batch_vectors in read_embeddings(path):
-        keep = in_sample(batch_ids, plan["train_size"], plan["count"], TRAIN_SALT)
+        keep = in_sample(batch_ids, plan.train_size, plan.count, TRAIN_SALT)
         ids.append(batch_ids[keep])
         vectors.append(batch_vectors[keep])
     prefix = fileio.join(out_dir, "sample", _file_stem(path))
@@ -107,11 +108,11 @@ def _gather_sample(prefixes, dim: int) -> np.ndarray:
     return sample
 
 
-def _train(sample_prefixes, plan, out_dir):
+def _train(sample_prefixes, plan: IndexPlan, out_dir):
     """One worker: train the empty index on the sample, write it for the fill workers."""
-    sample = _gather_sample(sorted(sample_prefixes), plan["dim"])
+    sample = _gather_sample(sorted(sample_prefixes), plan.dim)
     path = fileio.join(out_dir, TRAINED_FILE)
-    write_index(train_index(plan["factory"], sample), path)
+    write_index(train_index(plan.factory, sample), path)
     Metrics.counter(METRICS_NAMESPACE, "index_training_vectors").inc(len(sample))
     _delete_sample(sample_prefixes)
     return path
@@ -129,11 +130,12 @@ def _read_sample(prefixes, keep) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(ids)[order], np.concatenate(vectors)[order]
 
 
-def _first_level(prefixes, plan) -> np.ndarray:
+def _first_level(prefixes, plan: IndexPlan) -> np.ndarray:
     """One worker: the first-level centroids, trained on a bounded subset of the sample."""
-    size = first_level_size(plan["train_size"], ivf_lists(plan["factory"]))
-    _, vectors = _read_sample(prefixes, lambda ids: in_sample(ids, size, plan["count"], TRAIN_SALT))
-    return spherical_kmeans(vectors, first_level_clusters(ivf_lists(plan["factory"])))
+    nlist = required_ivf_lists(plan.factory)
+    size = first_level_size(plan.train_size, nlist)
+    _, vectors = _read_sample(prefixes, lambda ids: in_sample(ids, size, plan.count, TRAIN_SALT))
+    return spherical_kmeans(vectors, first_level_clusters(nlist))
 
 
 def _assign_sample(prefix: str, first: np.ndarray):
@@ -144,11 +146,12 @@ def _assign_sample(prefix: str, first: np.ndarray):
         yield int(c), (ids[cluster == c], vectors[cluster == c])
 
 
-def _lists_per_cluster(sizes, plan) -> np.ndarray:
-    counts = np.zeros(first_level_clusters(ivf_lists(plan["factory"])), np.int64)
+def _lists_per_cluster(sizes, plan: IndexPlan) -> np.ndarray:
+    nlist = required_ivf_lists(plan.factory)
+    counts = np.zeros(first_level_clusters(nlist), np.int64)
     for cluster, size in sizes:
         counts[cluster] = size
-    return lists_per_cluster(counts, ivf_lists(plan["factory"]))
+    return lists_per_cluster(counts, nlist)
 
 
 def _second_level(keyed, lists):
@@ -182,14 +185,14 @@ def _add_sums(pairs):
     return sum(p[0] for p in pairs), sum(p[1] for p in pairs)
 
 
-def _assemble_trained(centroids, prefixes, plan, out_dir) -> str:
+def _assemble_trained(centroids, prefixes, plan: IndexPlan, out_dir) -> str:
     """One worker: the lists' centroids into the coarse quantizer, the encoder trained on its
     share of the sample; written for the fill workers."""
-    size = encoder_size(plan["factory"])
-    _, encoder_sample = _read_sample(prefixes, lambda ids: in_sample(ids, size, plan["count"], TRAIN_SALT))
+    size = encoder_size(plan.factory)
+    _, encoder_sample = _read_sample(prefixes, lambda ids: in_sample(ids, size, plan.count, TRAIN_SALT))
     path = fileio.join(out_dir, TRAINED_FILE)
-    write_index(index_from_centroids(plan["factory"], centroids, encoder_sample), path)
-    Metrics.counter(METRICS_NAMESPACE, "index_training_vectors").inc(plan["train_size"])
+    write_index(index_from_centroids(plan.factory, centroids, encoder_sample), path)
+    Metrics.counter(METRICS_NAMESPACE, "index_training_vectors").inc(plan.train_size)
     _delete_sample(prefixes)
     return path
 
@@ -219,7 +222,7 @@ class TrainIndex(beam.PTransform):
         plan, out_dir = self.plan, self.out_dir
 
         def picked(p, clustering):
-            return p["mergeable"] and p["clustering"] == clustering
+            return p.mergeable and p.clustering == clustering
 
         one_level = (
             prefixes

@@ -14,6 +14,7 @@ import posixpath
 import uuid
 
 from apache_beam.io.filesystems import FileSystems
+from pydantic import BaseModel
 
 from pipeline.common import fileio
 from pipeline.corpus.records import rejected_share
@@ -58,7 +59,7 @@ def _without_timings(manifest: dict) -> dict:
 
 
 def commit_stage(
-    manifest: dict,
+    manifest: BaseModel,
     staging: str,
     output: str,
     final: str,
@@ -70,20 +71,22 @@ def commit_stage(
     """A job's last step: publish its rejected records, refuse a job that rejected too much
     (staging discarded, nothing committed), else move the staged files into `final` and write
     the manifest, with the job's timings, last. `clock` names the stage (`stage`) and reads the
-    commit's own clock (`timings(counters)`: `pipeline.stages.StageClock`)."""
+    commit's own clock (`timings(counters)`: `pipeline.jobs.job.StageClock`). The manifest
+    stays a model until here, where it is written."""
     publish_rejected(staging, output)
-    rejected, records = rejected_share(manifest["counters"])
+    data = manifest.model_dump(mode="json")
+    rejected, records = rejected_share(data["counters"])
     if records and rejected / records > max_rejected_fraction:
         discard_staging(staging)
         reasons = ", ".join(
-            f"{k[len('rejected_') :]} {v:,}" for k, v in manifest["counters"].items() if k.startswith("rejected_") and v
+            f"{k[len('rejected_') :]} {v:,}" for k, v in data["counters"].items() if k.startswith("rejected_") and v
         )
         raise StageError(
             f"{clock.stage}: {rejected:,} of {records:,} input records rejected "
             f"({rejected / records:.0%}: {reasons}), more than max_rejected_fraction "
             f"{max_rejected_fraction:.0%}; see {fileio.join(output, 'rejected')}"
         )
-    commit_directory(staging, final, {**manifest, "timings": clock.timings(manifest["counters"])}, staged, replace)
+    commit_directory(staging, final, {**data, "timings": clock.timings(data["counters"])}, staged, replace)
 
 
 def commit_directory(

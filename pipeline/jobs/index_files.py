@@ -14,17 +14,19 @@ from pipeline.common.models import (
     embedding_dim,
 )
 from pipeline.common.tally import counted
-from pipeline.index.build import BUILD_INFO_FILE
+from pipeline.index.build_info import BUILD_INFO_FILE
 from pipeline.index.factory import new_index, resolve_clustering
 from pipeline.index.recall import PLATEAU_GAIN
 from pipeline.jobs.commit import StageError
 from pipeline.jobs.job import (
     index_dir,
 )
+from pipeline.jobs.reuse import committed, index_action
 from schemas.config import PipelineConfig
 from schemas.manifest import (
     MANIFEST_FILE,
     IndexManifest,
+    VectorIndexManifest,
     read_manifest,
 )
 
@@ -52,20 +54,13 @@ def faiss_files(paths: list[str]) -> list[str]:
     return [path for path in paths if path.startswith("faiss/")]
 
 
-def _index_staged(manifest: dict) -> list[str]:
+def _index_staged(manifest: IndexManifest | VectorIndexManifest) -> list[str]:
     """What BuildIndex staged: the faiss files the manifest lists, and the build info."""
-    return faiss_files([e["path"] for e in manifest["files"]]) + [f"faiss/{BUILD_INFO_FILE}"]
+    return faiss_files([e.path for e in manifest.files]) + [f"faiss/{BUILD_INFO_FILE}"]
 
 
 def _index_counters(info: dict) -> dict[str, int]:
     return {"index_vectors_added": info["num_vectors"], "index_training_vectors": info["training_vectors"]}
-
-
-def _committed_index(cfg: PipelineConfig) -> IndexManifest | None:
-    try:
-        return fileio.committed_manifest(index_dir(cfg), IndexManifest)
-    except ValueError:  # none, or an older or foreign manifest: rebuild from scratch
-        return None
 
 
 def _rejected_tally(rejected, label: str):
@@ -138,8 +133,8 @@ def wait_for_index(cfg: PipelineConfig, timeout_s: float, poll_s: float = 30.0) 
     path = fileio.join(index_dir(cfg), MANIFEST_FILE)
     deadline = time.monotonic() + timeout_s
     while True:
-        committed = _committed_index(cfg)
-        if committed is not None and committed.config_hash == cfg.index_hash():
+        index = committed(index_dir(cfg), IndexManifest)
+        if index is not None and index_action(cfg, index) == "reuse":
             return
         if time.monotonic() >= deadline:
             raise StageError(f"no index matching the config was committed at {path} within {timeout_s:.0f} s")

@@ -19,9 +19,8 @@ from pipeline.common.tally import Tally, counted
 from pipeline.common.writers import WriteGroupedFiles, WriteRejected, chunks_table, embeddings_table, parquet_bytes
 from pipeline.corpus.read import ReadCorpus
 from pipeline.index.build import BuildIndex
-from pipeline.jobs.commit import REJECTED_STAGING, commit_stage, new_staging_dir
+from pipeline.jobs.commit import REJECTED_STAGING
 from pipeline.jobs.index_files import (
-    _committed_index,
     _documents_read_tally,
     _index_counters,
     _index_entries,
@@ -31,16 +30,14 @@ from pipeline.jobs.index_files import (
     check_index_type,
 )
 from pipeline.jobs.job import (
-    StageClock,
+    Job,
     Submitted,
     Tokenization,
     _sorted_entries,
-    describe,
     index_dir,
-    new_pipeline,
-    run_stage,
 )
 from pipeline.jobs.options import encoder_threads
+from pipeline.jobs.reuse import committed, index_action
 from pipeline.jobs.vector_index_job import _rebuild_faiss, _vector_index_fields
 from schemas.config import PipelineConfig
 from schemas.manifest import (
@@ -59,7 +56,9 @@ def tokens_in_chunk(chunk: Chunk, pad_id: int) -> int:
     return int(held[-1]) + 1 if len(held) else 0
 
 
-def _index_manifest(entries, info, tallies, precision, cfg: PipelineConfig, tok: Tokenization, threads) -> dict:
+def _index_manifest(
+    entries, info, tallies, precision, cfg: PipelineConfig, tok: Tokenization, threads
+) -> IndexManifest:
     files = _sorted_entries(list(entries) + _index_entries(info))
     return IndexManifest(
         config_hash=cfg.index_hash(),
@@ -78,7 +77,7 @@ def _index_manifest(entries, info, tallies, precision, cfg: PipelineConfig, tok:
         counters=dict(sorted({**tallies, **_index_counters(info)}.items())),
         created_by=CREATED_BY,
         **_vector_index_fields(info),
-    ).model_dump(mode="json")
+    )
 
 
 def build_index(
@@ -91,14 +90,24 @@ def build_index(
     run nothing; return `describe(pipeline)`. detach: submit and return.
     """
     check_index_type(cfg)
-    previous = None if force or dry_run else _committed_index(cfg)
-    if previous is not None and previous.embed_config_hash == cfg.embed_hash():
+    previous = None if force or dry_run else committed(index_dir(cfg), IndexManifest)
+    if previous is not None and index_action(cfg, previous) != "build":  # asked to build: at least the faiss files
         return _rebuild_faiss(cfg, previous, beam_args, detach)
     tok = Tokenization.of(cfg)
-    staging = new_staging_dir(cfg.output, "index", dry_run)
+    job = Job(
+        "build-index",
+        "chunks",
+        cfg.output,
+        index_dir(cfg),
+        IndexManifest,
+        beam_args,
+        staging="index",
+        dry_run=dry_run,
+        detach=detach,
+        max_rejected_fraction=cfg.max_rejected_fraction,
+    )
+    pipeline, staging = job.pipeline, job.staging
     m, pad = cfg.chunk_tokens, tok.pad_id
-    pipeline = new_pipeline(beam_args, dry_run)
-    clock = StageClock("build-index", "chunks")
     threads = encoder_threads(cfg.embedding.cpu_threads, cfg.embedding.device, pipeline.options)
     documents, rejected = pipeline | "ReadRetrievalCorpus" >> ReadCorpus(cfg.retrieval_corpus, match=not dry_run)
     chunks, unusable = (
@@ -167,25 +176,8 @@ def build_index(
             threads,
         )
     )
-    staged = beam.pvalue.AsSingleton(
-        entries | "StagedPaths" >> beam.Map(lambda e: e["path"]) | "AllStaged" >> beam.combiners.ToList()
-    )
-    _ = manifest | "Commit" >> beam.Map(
-        lambda manifest, staged, *after: commit_stage(
-            manifest,
-            staging,
-            cfg.output,
-            index_dir(cfg),
-            clock,
-            staged + _index_staged(manifest),
-            cfg.max_rejected_fraction,
-        ),
-        staged,
-        beam.pvalue.AsList(rejected_files),
-    )
-    if dry_run:
-        return describe(pipeline)
-    manifest = run_stage(pipeline, clock, index_dir(cfg), IndexManifest, detach)
+    job.commit(manifest, staged=entries, staged_of=_index_staged, after=(rejected_files,))
+    manifest = job.run()
     if isinstance(manifest, IndexManifest):
         _log_index(index_dir(cfg), manifest)
     return manifest

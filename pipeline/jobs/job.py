@@ -1,11 +1,12 @@
-"""The two Beam jobs (build-index: stages 1-3; build-shards: stages 4-5), each ending in its own
-commit.
+"""What every job shares: `Job` (staging, the pipeline, the one commit step, running), the
+clock its manifest's timings come from, and where its directories are.
 
-Each job writes into a staging directory under `<output>/.staging/`; its last step, on a worker,
-builds the manifest from the data the job wrote (file entries, counts computed as data:
-`pipeline.tally`) and commits (`pipeline.commit`): rejected records to `<output>/rejected/`,
-the files into place, manifest.json last (docs/design.md §4). So a job submitted to a cluster and left
-(`detach`) commits itself; attached, the driver waits and reads the committed manifest.
+Each job (build-index, build-shards, `index`) writes into a staging directory under
+`<output>/.staging/`; its last step, on a worker, builds the manifest from the data the job
+wrote (file entries, counts computed as data: `pipeline.common.tally`) and commits
+(`pipeline.jobs.commit`): rejected records to `<output>/rejected/`, the files into place,
+manifest.json last (docs/design.md §8). So a job submitted to a cluster and left (`detach`)
+commits itself; attached, the driver waits and reads the committed manifest.
 """
 
 from __future__ import annotations
@@ -13,10 +14,13 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from typing import Any
 
 import apache_beam as beam
+from pydantic import BaseModel
 
 from pipeline.chunks.chunking import load_tokenizer, pad_id_of
 from pipeline.common import fileio
@@ -25,8 +29,8 @@ from pipeline.common.models import (
     resolve_tokenizer,
 )
 from pipeline.common.progress import StageTimer
-from pipeline.jobs.commit import StageError
-from pipeline.jobs.options import pipeline_options
+from pipeline.jobs.commit import StageError, commit_stage, new_staging_dir
+from pipeline.jobs.options import new_pipeline
 from schemas.config import PipelineConfig
 from schemas.manifest import (
     MANIFEST_FILE,
@@ -93,6 +97,65 @@ class StageClock:
         return stage_timings(self.stage, self.started, time.time(), counters, self.records)
 
 
+class Job:
+    """One Beam job that commits itself. A job function makes one, resolves its inputs (or,
+    for a dry run, stands them in), builds its graph on `pipeline` writing into `staging`,
+    builds its manifest (a `model` instance) from the data written, hands it to `commit`, and
+    returns `run()`."""
+
+    def __init__(
+        self,
+        name: str,
+        records: str,
+        output: str,
+        directory: str,
+        model: type[BaseModel],
+        beam_args: list[str],
+        *,
+        staging: str,
+        dry_run: bool = False,
+        detach: bool = False,
+        max_rejected_fraction: float = 1.0,
+        replace: tuple[str, ...] | None = None,
+    ):
+        self.output, self.directory, self.model = output, directory, model
+        self.dry_run, self.detach = dry_run, detach
+        self.max_rejected_fraction, self.replace = max_rejected_fraction, replace
+        self.staging = new_staging_dir(output, staging, dry_run)
+        self.pipeline = new_pipeline(beam_args, dry_run)
+        self.clock = StageClock(name, records)
+
+    def commit(
+        self,
+        manifest: beam.PCollection,
+        staged: beam.PCollection | None = None,
+        staged_of: Callable[[Any], list[str]] | None = None,
+        after: tuple[beam.PCollection, ...] = (),
+    ) -> None:
+        """The job's last step (`commit_stage`), once `manifest` (one model) exists and every
+        PCollection in `after` is written: the staged files are the paths in `staged` (file
+        entries) and those `staged_of(manifest)` names."""
+        staging, output, directory, clock = self.staging, self.output, self.directory, self.clock
+        fraction, replace = self.max_rejected_fraction, self.replace
+        paths = beam.pvalue.AsList(
+            (staged if staged is not None else self.pipeline | "NothingStaged" >> beam.Create([]))
+            | "StagedPaths" >> beam.Map(lambda entry: entry["path"])
+        )
+
+        def commit(manifest, paths, *_after):
+            extra = staged_of(manifest) if staged_of is not None else []
+            commit_stage(manifest, staging, output, directory, clock, sorted(paths) + extra, fraction, replace)
+
+        _ = manifest | "Commit" >> beam.Map(commit, paths, *(beam.pvalue.AsList(pc) for pc in after))
+
+    def run(self):
+        """Dry run: `describe(pipeline)`. Detached: `Submitted` once the runner has the job.
+        Attached: the committed manifest."""
+        if self.dry_run:
+            return describe(self.pipeline)
+        return run_stage(self.pipeline, self.clock, self.directory, self.model, self.detach)
+
+
 def index_dir(cfg: PipelineConfig) -> str:
     return fileio.join(cfg.output, "index")
 
@@ -124,17 +187,6 @@ def describe(pipeline: beam.Pipeline) -> dict:
         stages += hinted_steps(applied)
     options = pipeline.options.get_all_options(drop_default=True, retain_unknown_options=True)
     return {"options": options, "stages": stages}
-
-
-def new_pipeline(beam_args: list[str], dry_run: bool = False) -> beam.Pipeline:
-    """A pipeline for these options. A dry run builds it on the local runner: the configured
-    runner (Dataflow's checks its buckets when the pipeline is created) is never contacted."""
-    options = pipeline_options(beam_args)
-    if dry_run:
-        from apache_beam.runners.portability.fn_api_runner import FnApiRunner
-
-        return beam.Pipeline(runner=FnApiRunner(), options=options)
-    return beam.Pipeline(options=options)
 
 
 def run_stage(pipeline: beam.Pipeline, clock: StageClock, directory: str, model, detach: bool):

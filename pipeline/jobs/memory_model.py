@@ -22,7 +22,7 @@ from pipeline.index.factory import (
 )
 from pipeline.index.files import READ_BATCH
 from pipeline.index.kmeans import first_level_clusters, first_level_size
-from pipeline.index.slices import vectors_per_shard
+from pipeline.index.slices import vectors_per_slice
 from schemas.config import PipelineConfig
 
 MB = 2**20
@@ -77,10 +77,10 @@ def stage_memory(cfg: PipelineConfig, corpus: Corpus, dim: int = 384) -> list[di
     # index.type auto: the lists (up to 2^20) and the codes follow the corpus size and the budget
     auto_grows = [0, 1] if cfg.index.type == "auto" else []
     index_bytes = estimated_bytes(factory, C, dim)
-    # merged and searched by shard: IVF indexes only, as the build does
-    if cfg.index.shard_bytes is not None and ivf_lists(factory) and index_bytes > cfg.index.shard_bytes:
-        shards = math.ceil(C / vectors_per_shard(factory, dim, cfg.index.shard_bytes))
-        held, held_bytes, held_grows = f"one index shard (of {shards:,})", cfg.index.shard_bytes, []
+    # merged and searched by slice: IVF indexes only, as the build does
+    if cfg.index.slice_bytes is not None and ivf_lists(factory) and index_bytes > cfg.index.slice_bytes:
+        slices = math.ceil(C / vectors_per_slice(factory, dim, cfg.index.slice_bytes))
+        held, held_bytes, held_grows = f"one index slice (of {slices:,})", cfg.index.slice_bytes, []
     else:
         held, held_bytes, held_grows = f"the whole index ({C:,} vectors)", index_bytes, [0]
     per_vector = estimated_bytes(factory, 1, dim) - estimated_bytes(factory, 0, dim)

@@ -15,6 +15,7 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 
+import apache_beam as beam
 from apache_beam.options.pipeline_options import (
     DirectOptions,
     PipelineOptions,
@@ -77,7 +78,7 @@ def no_timed_flush_on_local_runner() -> None:
     in ~10 MB messages, and once writing one worker's share takes longer than a second (a
     large shuffle, a loaded machine) the tail of it can vanish: build-shards then saw
     sequences with 11 of their 16 neighbours, a lost query embedding (KeyError) or a lost
-    sequence. `tests/test_options.py` holds the reproduction (xfail while Beam has the race).
+    sequence. `tests/jobs/test_local_runner.py` holds the reproduction (xfail while Beam has the race).
     Without the timed flush the stream flushes by size only, from the writing thread: nothing
     is lost. Batch jobs gain nothing from timed flushes, and cluster runners (Dataflow,
     Flink) never run this code."""
@@ -86,15 +87,15 @@ def no_timed_flush_on_local_runner() -> None:
     worker_handlers.DATA_BUFFER_TIME_LIMIT_MS = 0
 
 
-def share_cores(options: PipelineOptions) -> None:
-    """Local multi-process runs: each worker process gets its share of the cores for the
-    OpenMP pools of faiss and torch (every process using all cores made a 2-worker index
-    build on 2 cores 10-100x slower). An OMP_NUM_THREADS set by the user wins; worker
-    processes inherit the environment."""
+def thread_environment(options: PipelineOptions, environ: Mapping[str, str]) -> dict[str, str]:
+    """What the environment needs for local multi-process runs: each worker process gets its
+    share of the cores for the OpenMP pools of faiss and torch (every process using all cores
+    made a 2-worker index build on 2 cores 10-100x slower). An OMP_NUM_THREADS set by the user
+    wins; worker processes inherit the environment. Empty when nothing is to be set."""
     workers = local_worker_processes(options)
-    if workers is None or workers == 1 or "OMP_NUM_THREADS" in os.environ:
-        return
-    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
+    if workers is None or workers == 1 or "OMP_NUM_THREADS" in environ:
+        return {}
+    return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // workers))}
 
 
 class PipelineOptionsError(ValueError):
@@ -207,8 +208,22 @@ def check_beam_args(beam_args: Sequence[str], cli_options: Mapping[str, str] | N
 
 
 def pipeline_options(beam_args: list[str]) -> PipelineOptions:
-    options = PipelineOptions(with_defaults(check_beam_args(beam_args)))
-    share_cores(options)
+    """The options for these arguments (unknown ones refused) over the local defaults. Changes
+    nothing in this process: `new_pipeline` sets up the runner."""
+    return PipelineOptions(with_defaults(check_beam_args(beam_args)))
+
+
+def new_pipeline(beam_args: list[str], dry_run: bool = False) -> beam.Pipeline:
+    """A pipeline for these options, with what its runner needs set in this process (runners
+    whose workers run here: their share of the cores, no timed flush). A dry run builds it on
+    the local runner: the configured runner (Dataflow's checks its buckets when the pipeline is
+    created) is never contacted."""
+    options = pipeline_options(beam_args)
     if local_worker_processes(options) is not None:
+        os.environ.update(thread_environment(options, os.environ))
         no_timed_flush_on_local_runner()
-    return options
+    if dry_run:
+        from apache_beam.runners.portability.fn_api_runner import FnApiRunner
+
+        return beam.Pipeline(runner=FnApiRunner(), options=options)
+    return beam.Pipeline(options=options)

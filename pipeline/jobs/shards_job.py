@@ -21,29 +21,27 @@ from pipeline.common.writers import WriteRejected
 from pipeline.corpus.read import ReadCorpus
 from pipeline.index.build import INDEX_FILE
 from pipeline.index.recall import PLATEAU_GAIN
-from pipeline.jobs.commit import REJECTED_STAGING, commit_stage, new_staging_dir
+from pipeline.jobs.commit import REJECTED_STAGING
 from pipeline.jobs.index_files import _documents_read_tally, _rejected_tally, faiss_files, load_index_manifest
 from pipeline.jobs.job import (
-    StageClock,
+    Job,
     Submitted,
     Tokenization,
     _sorted_entries,
-    describe,
     index_dir,
-    new_pipeline,
-    run_stage,
     shards_dir,
 )
 from pipeline.jobs.options import encoder_threads
 from pipeline.retrieve.beam import LOST_DATA, DocumentSpans, PackSequences, RetrieveNeighbours
 from pipeline.retrieve.recall import MeasureNeighbourRecall
-from pipeline.retrieve.search import Retrieval
+from pipeline.retrieve.search import Retrieval, TunedDepth
 from pipeline.shards.rows import overlap_histogram, overlap_tally
 from pipeline.shards.write import FILLED, WriteShards
 from schemas.arrow import tensor_column_to_numpy
 from schemas.config import PipelineConfig
 from schemas.manifest import (
     CREATED_BY,
+    IndexManifest,
     NeighbourRecall,
     SearchDepth,
     ShardsManifest,
@@ -71,8 +69,16 @@ def _embeddings_from_table(table) -> list[tuple[int, np.ndarray]]:
 
 
 def _shards_manifest(
-    entries, tallies, recall, search_depth, precision, cfg: PipelineConfig, index_sha: str, threads, pad_id: int
-) -> dict:
+    entries,
+    tallies,
+    recall,
+    search_depth: TunedDepth,
+    precision,
+    cfg: PipelineConfig,
+    index_sha: str,
+    threads,
+    pad_id: int,
+) -> ShardsManifest:
     shards = _sorted_entries(entries)
     L, k = cfg.chunks_per_sequence, cfg.neighbours
     num_sequences = sum(s["rows"] for s in shards)
@@ -98,7 +104,7 @@ def _shards_manifest(
         overlap=overlap_histogram(counters),
         counters=dict(sorted(counters.items())),
         created_by=CREATED_BY,
-    ).model_dump(mode="json")
+    )
 
 
 def build_shards(
@@ -127,15 +133,28 @@ def build_shards(
 def _build_shards(
     cfg: PipelineConfig, beam_args: list[str], dry_run: bool, detach: bool
 ) -> ShardsManifest | Submitted | dict:
-    index_manifest, index_sha = (None, None) if dry_run else load_index_manifest(cfg)
+    index_manifest: IndexManifest | None = None  # none for a dry run
+    index_sha: str | None = None
+    if not dry_run:
+        index_manifest, index_sha = load_index_manifest(cfg)
     tok = Tokenization.of(cfg)
-    staging = new_staging_dir(cfg.output, "shards", dry_run)
+    job = Job(
+        "build-shards",
+        "sequences",
+        cfg.output,
+        shards_dir(cfg),
+        ShardsManifest,
+        beam_args,
+        staging="shards",
+        dry_run=dry_run,
+        detach=detach,
+        max_rejected_fraction=cfg.max_rejected_fraction,
+    )
+    pipeline, staging = job.pipeline, job.staging
     L, m, k = cfg.chunks_per_sequence, cfg.chunk_tokens, cfg.neighbours
     idx = index_dir(cfg)
-    pipeline = new_pipeline(beam_args, dry_run)
-    clock = StageClock("build-shards", "sequences")
     threads = None
-    chunk_files = ChunkFileRanges.from_entries(idx, [] if dry_run else index_manifest.files)
+    chunk_files = ChunkFileRanges.from_entries(idx, [] if index_manifest is None else index_manifest.files)
     if cfg.training_corpus == "same":
         training_chunks = (
             pipeline
@@ -163,10 +182,12 @@ def _build_shards(
         read_tallies = _documents_read_tally(documents, rejected, "Training")
     sequences = training_chunks | "PackSequences" >> PackSequences(L, tok.pad_id)
     spans = pipeline | "DocumentSpans" >> DocumentSpans(fileio.join(idx, "chunks", "*.parquet"), validate=not dry_run)
-    index_paths = [f"faiss/{INDEX_FILE}"] if dry_run else faiss_files([f.path for f in index_manifest.files])
+    index_paths = (
+        [f"faiss/{INDEX_FILE}"] if index_manifest is None else faiss_files([f.path for f in index_manifest.files])
+    )
     spec = Retrieval(
         tuple(fileio.join(idx, path) for path in index_paths),
-        None if dry_run else index_manifest.nprobe,
+        None if index_manifest is None else index_manifest.nprobe,
         chunk_files,
         L,
         m,
@@ -211,19 +232,8 @@ def _build_shards(
             tok.pad_id,
         )
     )
-    staged = beam.pvalue.AsSingleton(
-        shard_files | "StagedPaths" >> beam.Map(lambda e: e["path"]) | "AllStaged" >> beam.combiners.ToList()
-    )
-    _ = manifest | "Commit" >> beam.Map(
-        lambda manifest, staged, *after: commit_stage(
-            manifest, staging, cfg.output, shards_dir(cfg), clock, staged, cfg.max_rejected_fraction
-        ),
-        staged,
-        beam.pvalue.AsList(rejected_files),
-    )
-    if dry_run:
-        return describe(pipeline)
-    manifest = run_stage(pipeline, clock, shards_dir(cfg), ShardsManifest, detach)
+    job.commit(manifest, staged=shard_files, after=(rejected_files,))
+    manifest = job.run()
     if isinstance(manifest, ShardsManifest):
         log.info(
             "committed %s (%d sequences in %d shards, %s)",

@@ -13,9 +13,9 @@ from apache_beam.io.parquetio import ReadFromParquetBatched
 from pipeline.common import fileio
 from pipeline.index.build import BuildIndex
 from pipeline.index.recall import RECALL_K
-from pipeline.jobs.commit import commit_stage, new_staging_dir
+from pipeline.jobs.commit import StageError
 from pipeline.jobs.index_files import _index_counters, _index_entries, _index_staged, _log_index, _nonempty
-from pipeline.jobs.job import StageClock, Submitted, _sorted_entries, index_dir, new_pipeline, run_stage
+from pipeline.jobs.job import Job, Submitted, _sorted_entries, index_dir
 from schemas.config import PipelineConfig, stable_hash
 from schemas.manifest import (
     CREATED_BY,
@@ -31,43 +31,25 @@ def _vector_index_fields(info: dict) -> dict:
     return {key: info[key] for key in VectorIndex.model_fields}
 
 
-def _index_only_pipeline(
-    paths: list[str],
-    cfg_index,
-    staging: str,
-    beam_args: list[str],
-    to_manifest,
-    final: str,
-    stage: str,
-    chunk_files: str | None = None,
-    neighbours: int = RECALL_K,
-) -> tuple[beam.Pipeline, StageClock]:
-    """A job that builds a faiss index from embedding files and commits it into `final/faiss/`
-    (the rest of `final` stays): `to_manifest(info)` makes the manifest dict. `chunk_files` (a
-    glob; None: unknown): where the vectors' documents are read from."""
-    pipeline = new_pipeline(beam_args)
-    clock = StageClock(stage, "index_vectors_added")
+def _index_only_job(job: Job, paths: list[str], cfg_index, to_manifest, chunk_files: str | None, neighbours: int):
+    """The graph of a job that builds a faiss index from embedding files and commits it into
+    `<job.directory>/faiss/` (the rest of the directory stays): `to_manifest(info)` makes the
+    manifest. `chunk_files` (a glob; None: unknown): where the vectors' documents are read from."""
     documents = None
     if chunk_files is not None:
         documents = (
-            pipeline
+            job.pipeline
             | "ReadDocumentIds" >> ReadFromParquetBatched(chunk_files, columns=["chunk_id", "doc_id"])
             | "DocumentOfChunk"
             >> beam.FlatMap(lambda t: zip(t["chunk_id"].to_numpy().tolist(), t["doc_id"].to_numpy().tolist()))
         )
-    _ = (
-        pipeline
+    manifest = (
+        job.pipeline
         | "EmbeddingFiles" >> beam.Create(paths)
-        | "BuildIndex" >> BuildIndex(cfg_index, fileio.join(staging, "faiss"), documents, neighbours)
+        | "BuildIndex" >> BuildIndex(cfg_index, fileio.join(job.staging, "faiss"), documents, neighbours)
         | "Manifest" >> beam.Map(to_manifest)
-        | "Commit"
-        >> beam.Map(
-            lambda manifest: commit_stage(
-                manifest, staging, final, final, clock, _index_staged(manifest), replace=("faiss",)
-            )
-        )
     )
-    return pipeline, clock
+    job.commit(manifest, staged_of=_index_staged)
 
 
 def _rebuild_faiss(
@@ -78,12 +60,11 @@ def _rebuild_faiss(
     directory = index_dir(cfg)
     kept = [f.model_dump(mode="json") for f in previous.files if not f.path.startswith("faiss/")]
     paths = [fileio.join(directory, f["path"]) for f in kept if f["path"].startswith("embeddings/")]
-    staging = new_staging_dir(cfg.output, "faiss")
     earlier = {k: v for k, v in previous.counters.items() if not k.startswith("index_")}
     base = previous.model_dump(mode="json")
     index_hash = cfg.index_hash()
 
-    def to_manifest(info: dict) -> dict:
+    def to_manifest(info: dict) -> IndexManifest:
         return IndexManifest.model_validate(
             {
                 **base,
@@ -93,20 +74,21 @@ def _rebuild_faiss(
                 "created_by": CREATED_BY,
                 **_vector_index_fields(info),
             }
-        ).model_dump(mode="json")
+        )
 
-    pipeline, clock = _index_only_pipeline(
-        paths,
-        cfg.index,
-        staging,
-        beam_args,
-        to_manifest,
-        directory,
+    job = Job(
         "build-index (faiss only)",
-        fileio.join(directory, "chunks", "*.parquet"),
-        cfg.neighbours,
+        "index_vectors_added",
+        cfg.output,
+        directory,
+        IndexManifest,
+        beam_args,
+        staging="faiss",
+        detach=detach,
+        replace=("faiss",),
     )
-    manifest = run_stage(pipeline, clock, directory, IndexManifest, detach)
+    _index_only_job(job, paths, cfg.index, to_manifest, fileio.join(directory, "chunks", "*.parquet"), cfg.neighbours)
+    manifest = job.run()
     if isinstance(manifest, IndexManifest):
         _log_index(directory, manifest)
     return manifest
@@ -123,11 +105,10 @@ def build_vector_index(embeddings: list[str], output: str, cfg_index, beam_args:
         }
     )
     sizes = {m.path: m.size_in_bytes for r in FileSystems.match(paths) for m in r.metadata_list}
-    staging = new_staging_dir(output, "faiss")
     inputs = [{"path": p, "bytes": sizes[p]} for p in paths]
     config_hash = stable_hash({"index": cfg_index.model_dump(), "inputs": inputs})
 
-    def to_manifest(info: dict) -> dict:
+    def to_manifest(info: dict) -> VectorIndexManifest:
         return VectorIndexManifest(
             config_hash=config_hash,
             num_vectors=info["num_vectors"],
@@ -136,9 +117,21 @@ def build_vector_index(embeddings: list[str], output: str, cfg_index, beam_args:
             counters=_index_counters(info),
             created_by=CREATED_BY,
             **_vector_index_fields(info),
-        ).model_dump(mode="json")
+        )
 
-    pipeline, clock = _index_only_pipeline(paths, cfg_index, staging, beam_args, to_manifest, output, "index")
-    manifest = run_stage(pipeline, clock, output, VectorIndexManifest, False)
+    job = Job(
+        "index",
+        "index_vectors_added",
+        output,
+        output,
+        VectorIndexManifest,
+        beam_args,
+        staging="faiss",
+        replace=("faiss",),
+    )
+    _index_only_job(job, paths, cfg_index, to_manifest, None, RECALL_K)
+    manifest = job.run()
+    if not isinstance(manifest, VectorIndexManifest):
+        raise StageError(f"index: expected the committed manifest of {output}, got {manifest!r}")
     _log_index(output, manifest)
     return manifest

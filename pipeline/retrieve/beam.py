@@ -27,10 +27,11 @@ from pipeline.retrieve.search import (
     CANDIDATE,
     SEQUENCES_PER_SEARCH,
     Retrieval,
+    TunedDepth,
     _excluded_ranges,
     _loaded_index,
     batch_probes,
-    merge_shard_hits,
+    merge_slice_hits,
     search_batch,
     select_distinct,
     token_key,
@@ -140,7 +141,7 @@ class _Search(beam.DoFn):
     def __init__(self, spec: Retrieval):
         self.spec = spec
 
-    def process(self, keyed, tuned: dict):
+    def process(self, keyed, tuned: TunedDepth):
         _, grouped = keyed
         index = _loaded_index(self._shared_index, self.spec.index_paths[0], tuned["depth"]).index
         sequences, hits, deeper = search_batch(index, grouped, self.spec)
@@ -148,9 +149,19 @@ class _Search(beam.DoFn):
             yield from emit_hits(self.spec, [s.seq_id for s in sequences], hits, deeper)
 
 
-class _SearchShard(beam.DoFn):
-    """((shard, group), search batches) -> (batch, (shard, seq ids, its hits, deeper seq ids)):
-    each process loads the shard of the group it is given (at the tuned depth), and searches
+@dataclass(frozen=True)
+class SliceHits:
+    """One index slice's search of one search batch."""
+
+    index_slice: int
+    seq_ids: list[int]  # the batch's sequences, in the order `search_batch` returns them
+    hits: np.ndarray  # CANDIDATE records
+    deeper: set[int]  # seq ids of the queries searched deeper than the tuned depth
+
+
+class _SearchSlice(beam.DoFn):
+    """((slice, group), search batches) -> (batch, SliceHits):
+    each process loads the slice of the group it is given (at the tuned depth), and searches
     every batch of the group with it."""
 
     _shared_index = shared.Shared()
@@ -158,26 +169,26 @@ class _SearchShard(beam.DoFn):
     def __init__(self, spec: Retrieval):
         self.spec = spec
 
-    def process(self, keyed, tuned: dict):
-        (shard, _), batches = keyed
-        index = _loaded_index(self._shared_index, self.spec.index_paths[shard], tuned["depth"]).index
+    def process(self, keyed, tuned: TunedDepth):
+        (index_slice, _), batches = keyed
+        index = _loaded_index(self._shared_index, self.spec.index_paths[index_slice], tuned["depth"]).index
         for batch, grouped in batches:
             sequences, hits, deeper = search_batch(index, grouped, self.spec)
             if sequences:
-                yield batch, (shard, [s.seq_id for s in sequences], hits, deeper)
+                yield batch, SliceHits(index_slice, [s.seq_id for s in sequences], hits, deeper)
 
 
-def _merge_shards(keyed, spec: Retrieval):
-    """(batch, every shard's search of it) -> what one index's search would send on."""
+def _merge_slices(keyed, spec: Retrieval):
+    """(batch, every slice's search of it) -> what one index's search would send on."""
     _, results = keyed
-    results = sorted(results, key=lambda r: r[0])
+    results = sorted(results, key=lambda r: r.index_slice)
     width = spec.candidates if spec.dedupe else spec.neighbours
-    hits = merge_shard_hits([r[2] for r in results], width)
-    deeper = set().union(*(r[3] for r in results))
-    yield from emit_hits(spec, results[0][1], hits, deeper)
+    hits = merge_slice_hits([r.hits for r in results], width)
+    deeper = set().union(*(r.deeper for r in results))
+    yield from emit_hits(spec, results[0].seq_ids, hits, deeper)
 
 
-SEARCH_GROUPS_PER_SHARD = 64  # search batches of a shard split over this many groups (parallelism)
+SEARCH_GROUPS_PER_SLICE = 64  # search batches of a slice split over this many groups (parallelism)
 
 
 class _CandidateTokens(beam.DoFn):
@@ -255,10 +266,10 @@ def _to_row(keyed, chunks_per_seq: int, k: int, m: int, pad_id: int):
 class _SearchIndex(beam.PTransform):
     """Joined search batches -> the search's outputs (found, SENT, TALLY), at the depth in
     `tuned` (a singleton side input: `tune_retrieval_depth`'s result). One index
-    file: each batch searched where it is. Shards: each batch goes to every shard, the batches
-    of a shard grouped so a process loads one shard per group, and each batch's hits from all
-    shards merged by score (a query's candidates are those one index would find, up to ties
-    and the depth each shard deepens to alone)."""
+    file: each batch searched where it is. Slices: each batch goes to every slice, the batches
+    of a slice grouped so a process loads one slice per group, and each batch's hits from all
+    slices merged by score (a query's candidates are those one index would find, up to ties
+    and the depth each slice deepens to alone)."""
 
     def __init__(self, spec: Retrieval, tuned):
         super().__init__()
@@ -269,15 +280,17 @@ class _SearchIndex(beam.PTransform):
         outputs = (SENT, TALLY)
         if len(spec.index_paths) == 1:
             return batches | "SearchBatches" >> beam.ParDo(_Search(spec), tuned).with_outputs(*outputs, main="found")
-        shards = len(spec.index_paths)
+        slices = len(spec.index_paths)
         return (
             batches
-            | "ToEveryShard"
-            >> beam.FlatMap(lambda b: [((shard, b[0] % SEARCH_GROUPS_PER_SHARD), b) for shard in range(shards)])
-            | "GroupByShard" >> beam.GroupByKey()
-            | "SearchShards" >> beam.ParDo(_SearchShard(spec), tuned)
-            | "GroupShardHits" >> beam.GroupByKey()
-            | "MergeShards" >> beam.FlatMap(_merge_shards, spec).with_outputs(*outputs, main="found")
+            | "ToEverySlice"
+            >> beam.FlatMap(
+                lambda b: [((index_slice, b[0] % SEARCH_GROUPS_PER_SLICE), b) for index_slice in range(slices)]
+            )
+            | "GroupBySlice" >> beam.GroupByKey()
+            | "SearchSlices" >> beam.ParDo(_SearchSlice(spec), tuned)
+            | "GroupSliceHits" >> beam.GroupByKey()
+            | "MergeSlices" >> beam.FlatMap(_merge_slices, spec).with_outputs(*outputs, main="found")
         )
 
 
@@ -288,7 +301,7 @@ class Retrieved:
     rows: beam.PCollection  # ShardRows
     probes: beam.PCollection  # one sorted list of Probes: the training chunks sampled
     truth: beam.PCollection  # one (scores, ids) [probes, truth_depth]: their exact neighbours, or None
-    search_depth: beam.PCollection  # one dict: `tune_retrieval_depth`'s result
+    search_depth: beam.PCollection  # one TunedDepth: `tune_retrieval_depth`'s result
     tallies: beam.PCollection  # (name, count) pairs
 
 

@@ -1,7 +1,7 @@
 """Neighbour recall inside build-shards: on a deterministic sample of training chunks (probes),
 an exact search over the stored embeddings that applies the same exclusion as the real search
 (the chunk-id ranges of the sequence's own documents). It is computed once, before the search,
-and serves twice: to tune the search depth on the workload it serves (`pipeline.shards`), and
+and serves twice: to tune the search depth on the workload it serves (`pipeline.retrieve`), and
 to check the neighbours written against it.
 
 Recall counts distance ties the way ann-benchmarks does: a neighbour is right when its exact

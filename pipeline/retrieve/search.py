@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import TypedDict
 
 import numpy as np
 from apache_beam.utils import shared
@@ -16,7 +17,7 @@ from pipeline.index.files import load_index
 from pipeline.index.recall import recall_of
 from pipeline.index.sampling import sample_keys
 from pipeline.index.search import search_depth_range, search_each_excluding, search_excluding, set_search_depth
-from pipeline.index.slices import merge_shard_results
+from pipeline.index.slices import merge_slice_results, one_index_order
 from pipeline.index.tuning import tune_depth
 from pipeline.retrieve.recall import Probe
 from pipeline.retrieve.sequences import merge_ranges
@@ -38,7 +39,9 @@ def select_distinct(candidates: np.ndarray, k: int) -> tuple[list[tuple], int]:
     """Per chunk j, the k best-ranked CANDIDATE rows whose tokens differ from those already
     kept for j: ([(j, slot, chunk_id, score)], candidates dropped as duplicates)."""
     c = candidates[np.lexsort((candidates["rank"], candidates["j"]))]
-    picks, kept, dropped = [], {}, 0
+    picks: list[tuple] = []
+    kept: dict[int, list[int]] = {}
+    dropped = 0
     for j, chunk_id, score, key in zip(
         c["j"].tolist(), c["chunk_id"].tolist(), c["score"].tolist(), c["token_key"].tolist()
     ):
@@ -67,7 +70,7 @@ def token_key(tokens: np.ndarray) -> int:
 class Retrieval:
     """What `RetrieveNeighbours` needs (small and picklable: it travels with the transforms)."""
 
-    index_paths: tuple  # index.faiss, or its shards in chunk-id order
+    index_paths: tuple  # index.faiss, or its slices in chunk-id order
     depth: int | None  # search depth the index was tuned to (nprobe, efSearch)
     chunk_files: ChunkFileRanges  # the chunk database
     chunks_per_seq: int  # L
@@ -94,7 +97,7 @@ def _excluded_ranges(keyed):
 
 def _loaded_index(holder: shared.Shared, path: str, depth: int | None):
     """The faiss file at `path`, loaded once per process through Beam `Shared` (which keeps the
-    last one acquired alive: a process searching shards in turn holds one at a time)."""
+    last one acquired alive: a process searching slices in turn holds one at a time)."""
 
     class _Holder:  # Shared needs a weak-referenceable object
         def __init__(self):
@@ -146,6 +149,18 @@ def search_batch(index, grouped, spec: Retrieval):
     return sequences, np.concatenate(blocks), deeper_seqs
 
 
+class TunedDepth(TypedDict):
+    """`tune_retrieval_depth`'s result: the manifest's `SearchDepth`, as the dict that travels
+    through Beam (a side input of the search) to the job that writes the manifest."""
+
+    index_depth: int | None  # the depth the index stage tuned (None: exact)
+    depth: int | None  # the depth build-shards searches at
+    target: float  # index.target_recall
+    recall_below_target: str  # deepen | warn | fail
+    curve: list[dict]  # {depth, recall} measured, the index's depth first
+    plateau: bool  # deepening stopped: two doublings gained less than PLATEAU_GAIN
+
+
 class NeighbourRecallTooLow(RuntimeError):
     """recall_below_target: fail, and the index's search depth misses the target."""
 
@@ -160,16 +175,16 @@ def search_probes(indexes, probes: list[Probe], k: int, depth: int | None) -> np
         if depth is not None:
             set_search_depth(index, depth)
         results.append(search_each_excluding(index, queries, k, excluded))
-    return merge_shard_results(results, k)[1]
+    return merge_slice_results(results, k)[1]
 
 
-def tune_retrieval_depth(spec: Retrieval, probes: list[Probe], truth) -> dict:
+def tune_retrieval_depth(spec: Retrieval, probes: list[Probe], truth) -> TunedDepth:
     """The depth build-shards searches at, from the recall of the probes' neighbours against
-    their exact truth, own documents excluded (what the shards will hold): the index's depth,
+    their exact truth, own documents excluded (what the training shards will hold): the index's depth,
     then (recall_below_target: deepen or fail) twice that and so on until `target_recall` is
     met or two doublings gain less than PLATEAU_GAIN (`tune_depth`). fail raises when the index's
     depth misses the target, naming the depth that meets it. -> the manifest's search_depth."""
-    result = {
+    result: TunedDepth = {
         "index_depth": spec.depth,
         "depth": spec.depth,
         "target": spec.target_recall,
@@ -182,7 +197,7 @@ def tune_retrieval_depth(spec: Retrieval, probes: list[Probe], truth) -> dict:
 
     first = load_index(spec.index_paths[0])
 
-    def indexes():  # one file is loaded once; shards one at a time, at each depth measured
+    def indexes():  # one file is loaded once; slices one at a time, at each depth measured
         yield first
         for path in spec.index_paths[1:]:
             yield load_index(path)
@@ -199,7 +214,7 @@ def tune_retrieval_depth(spec: Retrieval, probes: list[Probe], truth) -> dict:
     depth, recall, plateau = tune_depth(
         [start] + [d for d in depths if d > start], recall_at, spec.target_recall, curve
     )
-    result.update(depth=depth, plateau=plateau)
+    result["depth"], result["plateau"] = depth, plateau
     at_index = curve[0]["recall"]
     if spec.recall_below_target == "fail" and at_index < spec.target_recall:
         reached = f"depth {depth} reaches {recall:.3f}" if recall >= spec.target_recall else "no depth reaches it"
@@ -211,18 +226,11 @@ def tune_retrieval_depth(spec: Retrieval, probes: list[Probe], truth) -> dict:
     return result
 
 
-def merge_shard_hits(blocks: list[np.ndarray], width: int) -> np.ndarray:
-    """The shards' hits of the same queries -> the best `width` per query (seq_id, j) by score,
-    ranked as one index ranks them: of exact ties the lowest chunk ids are kept (the first an
-    index scans) and listed highest id first (faiss's top-k heap pops them so)."""
+def merge_slice_hits(blocks: list[np.ndarray], width: int) -> np.ndarray:
+    """The slices' hits of the same queries -> the best `width` per query (seq_id, j), ranked
+    as one index ranks them (`one_index_order`)."""
     hits = np.concatenate(blocks)
-    hits = hits[np.lexsort((hits["chunk_id"], -hits["score"], hits["j"], hits["seq_id"]))]
-    query = np.stack([hits["seq_id"], hits["j"]], axis=1)
-    first = np.ones(len(hits), bool)
-    first[1:] = (query[1:] != query[:-1]).any(axis=1)
-    starts = np.flatnonzero(first)
-    place = np.arange(len(hits)) - np.repeat(starts, np.diff(np.append(starts, len(hits))))
-    hits = hits[place < width]
-    hits = hits[np.lexsort((-hits["chunk_id"], -hits["score"], hits["j"], hits["seq_id"]))]
-    hits["rank"] = place[place < width]
+    listed, rank = one_index_order((hits["seq_id"], hits["j"]), hits["chunk_id"], hits["score"], width)
+    hits = hits[listed]
+    hits["rank"] = rank
     return hits

@@ -1,0 +1,56 @@
+"""build_info.json: what the index stage hands the job that commits it: the index's facts and
+faiss files."""
+
+from __future__ import annotations
+
+from pipeline.common import fileio
+from pipeline.index.factory import IndexPlan
+from pipeline.index.recall import RECALL_MEASURE
+from schemas.config import IndexConfig
+
+BUILD_INFO_FILE = "build_info.json"
+
+
+def write_build_info(
+    plan: IndexPlan,
+    cfg: IndexConfig,
+    out_dir: str,
+    parts: int,
+    files: list[dict],
+    tuned: tuple[int | None, float, bool, int],
+    rate: float,
+    curve: list[dict] | None,
+    own: dict | None,
+) -> dict:
+    """build_info.json: what the manifest records of the index, and its faiss files; `tuned`:
+    (depth, recall, plateau, query sample size); `curve`: the recall at each depth measured
+    (None for an exact index); `own`: the recall with the query's own document excluded
+    (None: documents unknown)."""
+    depth, recall, plateau, sample_size = tuned
+    info = {
+        "index_factory": plan.factory,
+        "nprobe": depth,
+        "dim": plan.dim,
+        "metric": "inner_product",
+        "num_vectors": sum(f["rows"] for f in files),
+        "training_vectors": plan.train_size,
+        "clustering": plan.clustering,
+        "parts": parts,
+        "recall_at_k": {
+            "measure": RECALL_MEASURE,
+            "value": recall,
+            "sample_size": int(sample_size),
+            "nprobe": depth,
+            "target": cfg.target_recall,
+            "plateau": plateau,
+            "curve": curve,
+            "own_document_excluded": own,
+        },
+        "queries_per_second": round(rate, 1),
+        "index_bytes": sum(f["bytes"] for f in files),
+        "files": files,
+        "memory_budget": cfg.memory_budget,
+        "slice_bytes": cfg.slice_bytes if len(files) > 1 else None,
+    }
+    fileio.write_json_atomic(fileio.join(out_dir, BUILD_INFO_FILE), info)
+    return info

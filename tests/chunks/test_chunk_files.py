@@ -1,0 +1,31 @@
+"""`ChunkFileRanges`: which chunk file holds a chunk id, and the one reader of chunk rows, which
+checks that a file holds the ids the manifest says."""
+
+import numpy as np
+import pytest
+
+from pipeline.chunks.chunk_files import ChunkFileRanges
+from pipeline.chunks.chunking import chunk_document
+from tests.helpers import write_chunk_files
+
+pytestmark = pytest.mark.unit
+
+M, PAD = 4, 0
+
+
+def test_chunk_file_ranges_locate_ids_and_check_what_they_read(tmp_path):
+    rng = np.random.default_rng(0)
+    chunks = []  # 3 documents of 4 chunks -> files of 5, 5 and 2
+    for doc in range(3):
+        chunks += list(chunk_document(100 + doc, rng.integers(1, 1000, 4 * M).astype(np.int32), doc * 4, M, PAD))
+    files = write_chunk_files(tmp_path, chunks)
+    assert [files.file_of(c) for c in (0, 4, 5, 9, 10, 11)] == [0, 0, 1, 1, 2, 2]
+    assert files.files_of(np.array([0, 5, 11])).tolist() == [0, 1, 2]
+    with pytest.raises(ValueError, match="chunk id 12 is not in the chunk database"):
+        files.file_of(12)
+    rows = files.read(1, ["doc_id", "tokens"])
+    assert rows["doc_id"].tolist() == [c.doc_id for c in chunks[5:10]]
+    assert rows["tokens"].tolist() == [c.tokens.tolist() for c in chunks[5:10]]
+    lying = ChunkFileRanges(files.directory, files.paths, (0, 4, 10, 12))  # manifest rows disagree
+    with pytest.raises(ValueError, match="does not hold the chunk ids 4..9"):
+        lying.read(1, ["doc_id"])

@@ -1,0 +1,134 @@
+"""A run killed with SIGKILL at any point leaves no directory whose manifest exists over
+incomplete content, and the next run finishes the work with the bytes of an uninterrupted run."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline.check.validate import validate_index, validate_shards
+from tests.helpers import BAD_RECORDS, sample_documents, small_config, write_config, write_jsonl
+
+pytestmark = pytest.mark.e2e
+
+CLI = str(Path(sys.executable).parent / "ratrain-pipeline")
+
+
+def _staged(out: Path, stage: str, suffix: str) -> bool:
+    return any((out / ".staging").glob(f"{stage}-*/**/*{suffix}"))
+
+
+KILL_POINTS = {  # when to kill: a condition on the output directory, polled
+    "chunks staged": lambda out: _staged(out, "index", ".parquet"),
+    "index committed": lambda out: (out / "index" / "manifest.json").exists(),
+    "shards staged": lambda out: _staged(out, "shards", ".arrow"),
+}
+
+
+def _run_until(config: Path, out: Path, condition) -> bool:
+    """Start `run`; SIGKILL its process group once `condition(out)` holds. False if the run
+    ended first (the condition never held while it ran)."""
+    process = subprocess.Popen(
+        [CLI, "run", "--config", str(config)],
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        while process.poll() is None:
+            if condition(out):
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+                return True
+            time.sleep(0.01)  # polling a condition, not timing anything
+        return False
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+
+
+def _data_files(out: Path) -> dict:
+    return {
+        p.relative_to(out): p.read_bytes()
+        for p in out.rglob("*")
+        if p.is_file() and p.suffix in (".parquet", ".faiss", ".arrow")
+    }
+
+
+# Kill points inside a commit, too short to hit by polling: the run kills itself there.
+# "moving files": half of the stage's files have been moved into place; "manifest unwritten":
+# all of them have, and the manifest's temporary file is written but not yet renamed.
+COMMIT_KILLER = """
+import os, signal, sys
+from apache_beam.io.filesystems import FileSystems
+from pipeline.cli import main
+
+final, point = sys.argv[1].rstrip("/") + "/", sys.argv[2]
+rename = FileSystems.rename
+
+def rename_then_die(sources, targets, *args, **kwargs):
+    if point == "moving files" and len(targets) > 1 and targets[0].startswith(final):
+        rename(sources[:len(sources) // 2], targets[:len(targets) // 2], *args, **kwargs)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if point == "manifest unwritten" and targets == [final + "manifest.json"]:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return rename(sources, targets, *args, **kwargs)
+
+FileSystems.rename = rename_then_die
+sys.exit(main(sys.argv[3:]))
+"""
+COMMIT_POINTS = [(stage, point) for stage in ("index", "shards") for point in ("moving files", "manifest unwritten")]
+
+
+def _hostile_run_config(tmp_path: Path) -> tuple[Path, Path]:
+    docs = sample_documents(16)  # the corpus of `built_output`
+    write_jsonl(tmp_path / "corpus" / "a.jsonl", docs[:8])
+    write_jsonl(tmp_path / "corpus" / "b.jsonl", docs[8:] + BAD_RECORDS)
+    out = tmp_path / "out"
+    return write_config(tmp_path / "c.yaml", small_config(out, str(tmp_path / "corpus" / "*.jsonl"))), out
+
+
+def _nothing_half_committed_and_rerun_matches(config: Path, out: Path, uninterrupted: Path) -> None:
+    if (out / "index" / "manifest.json").exists():  # whatever claims to be committed is whole
+        validate_index(str(out / "index"))
+    if (out / "shards" / "manifest.json").exists():
+        validate_shards(str(out / "shards"))
+    subprocess.run(
+        [CLI, "run", "--config", str(config)], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    assert _data_files(out) == _data_files(uninterrupted)
+    assert not (out / ".staging").exists()
+    assert not list(out.rglob("*.tmp-*"))
+
+
+@pytest.mark.parametrize("point", list(KILL_POINTS))
+def test_killed_run_leaves_nothing_half_committed_and_a_rerun_finishes_it(point, built_output, tmp_path):
+    root, _, _ = built_output
+    config, out = _hostile_run_config(tmp_path)
+    assert _run_until(config, out, KILL_POINTS[point]), f"the run finished before '{point}'"
+    _nothing_half_committed_and_rerun_matches(config, out, root / "out")
+
+
+# the index commit points take 30-60 s each (slow); the shards ones ~20 s
+@pytest.mark.parametrize(
+    "stage,point",
+    [
+        pytest.param(stage, point, marks=pytest.mark.slow) if stage == "index" else (stage, point)
+        for stage, point in COMMIT_POINTS
+    ],
+)
+def test_run_killed_inside_a_commit_is_finished_by_the_next_run(stage, point, built_output, tmp_path):
+    root, _, _ = built_output
+    config, out = _hostile_run_config(tmp_path)
+    killed = subprocess.run(
+        [sys.executable, "-c", COMMIT_KILLER, str(out / stage), point, "run", "--config", str(config)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    assert killed.returncode == -signal.SIGKILL, f"the run was not killed {point} of {stage}"
+    assert not (out / stage / "manifest.json").exists()
+    _nothing_half_committed_and_rerun_matches(config, out, root / "out")

@@ -1,0 +1,131 @@
+import apache_beam as beam
+import numpy as np
+import pytest
+from apache_beam.testing.util import assert_that
+
+from pipeline.chunks.chunking import chunk_document, load_tokenizer, tokenize_batch
+from pipeline.common.models import resolve_tokenizer
+from pipeline.embed.beam import EmbedChunks
+from pipeline.embed.encoder import chunk_texts, encode_texts, load_encoder, resolve_precision, torch_threads
+from pipeline.embed.precision import PrecisionTooLow, agreement_upper_bound, check_precision, top2_agreement
+from schemas.config import EmbeddingConfig
+from tests.helpers import local_pipeline, sample_documents, suite_precision
+
+CFG = EmbeddingConfig(batch_size=8, precision=suite_precision())  # the suite's precision
+
+
+def _chunks(count_docs=3, m=32):
+    tokenizer = load_tokenizer(resolve_tokenizer(None))
+    docs = sample_documents(count_docs)
+    chunks, next_id = [], 0
+    for doc_id, tokens in enumerate(tokenize_batch(tokenizer, [d["text"] for d in docs])):
+        chunks += list(chunk_document(doc_id, tokens[: m * 5], next_id, m, 0))
+        next_id = len(chunks)
+    return tokenizer, chunks
+
+
+@pytest.mark.beam
+def test_embed_chunks_equals_the_raw_encoder_on_the_same_batches():
+    """In the suite's precision: the same batches on the same thread count give the same bits;
+    the stage's precision check on its 15 chunks passes (its confidence bound)."""
+    tokenizer, chunks = _chunks()
+    model = load_encoder(CFG)
+    texts = chunk_texts(tokenizer, chunks)
+    # the stage batches by chunk-id range (ids 0-7, 8-15, ...): the same batches, raw, on the
+    # stage's one thread
+    precision = resolve_precision(CFG.precision, CFG.device)
+    with torch_threads(1):
+        expected = np.concatenate(
+            [encode_texts(model, texts[i : i + 8], 8, precision) for i in range(0, len(texts), 8)]
+        )
+
+    def check(rows):
+        rows = sorted(rows, key=lambda r: r[0])
+        assert [r[0] for r in rows] == [c.chunk_id for c in chunks]
+        got = np.stack([r[1] for r in rows])
+        assert got.dtype == np.float32 and got.shape == (len(chunks), 384)
+        np.testing.assert_array_equal(got, expected)
+        np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+
+    def checked(reports):
+        (report,) = reports
+        assert report["precision"] == precision and report["sample_size"] == len(chunks)  # all, < 256
+        assert report["agreement_upper_bound"] >= CFG.min_agreement and report["min_cosine"] > 0.99
+        assert report["top2_agreement"] >= 0.9  # 30 slots: at most 3 near-ties swapped
+
+    with local_pipeline() as p:
+        embeddings, report = p | beam.Create(chunks) | EmbedChunks(CFG, resolve_tokenizer(None), 1)
+        assert_that(embeddings, check)
+        assert_that(report, checked, label="CheckReport")
+
+
+@pytest.mark.unit
+def test_chunk_texts_drop_padding():
+    tokenizer, chunks = _chunks(1)
+    last = chunks[-1]
+    padded = last.__class__(
+        last.chunk_id,
+        last.doc_id,
+        last.position,
+        np.concatenate([last.tokens[:3], np.zeros(29, np.int32)]),
+        last.continuation,
+    )
+    (text,) = chunk_texts(tokenizer, [padded])
+    assert "[PAD]" not in text and text == tokenizer.decode(last.tokens[:3].tolist())
+
+
+@pytest.mark.unit
+def test_torch_threads_applies_a_count_and_restores_the_processes():
+    import torch
+
+    before = torch.get_num_threads()
+    with torch_threads(before + 1):
+        assert torch.get_num_threads() == before + 1
+    assert torch.get_num_threads() == before
+    with torch_threads(None):
+        assert torch.get_num_threads() == before
+
+
+@pytest.mark.unit
+def test_top2_agreement_counts_equal_and_tied_neighbours():
+    rng = np.random.default_rng(0)
+
+    def unit(x):
+        return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+
+    base = rng.normal(size=(12, 8))
+    base[3] = base[2]  # chunks 2 and 3 are duplicates
+    base = unit(base)
+    assert top2_agreement(base, base) == (24, 24)  # 12 chunks, 2 slots each
+    rounded = unit(base + rng.normal(scale=1e-5, size=base.shape))  # reorders the tie, nothing else
+    assert top2_agreement(base, rounded) == (24, 24)
+    agreeing, slots = top2_agreement(base, base[rng.permutation(len(base))])  # neighbours moved
+    assert slots == 24 and agreeing < 12
+
+
+@pytest.mark.unit
+def test_agreement_bound_fails_a_sample_only_when_it_is_sure():
+    # one near-tie swapped in the 30 slots of 15 chunks: not evidence against 0.98
+    assert agreement_upper_bound(29, 30) >= 0.98 and agreement_upper_bound(28, 30) >= 0.98
+    assert agreement_upper_bound(26, 30) < 0.98  # 4 of 30 is
+    # the 512 slots of the default 256-chunk sample: fails from 0.96 measured
+    assert agreement_upper_bound(497, 512) >= 0.98 > agreement_upper_bound(490, 512)
+    assert agreement_upper_bound(512, 512) == 1.0 and agreement_upper_bound(0, 0) == 1.0
+    # more slots at the same share: a tighter bound, towards the share itself
+    bounds = [agreement_upper_bound(95 * n, 100 * n) for n in (1, 10, 100, 1000)]
+    assert bounds == sorted(bounds, reverse=True) and 0.95 < bounds[-1] < 0.952
+
+
+@pytest.mark.e2e  # the real encoder: loading it takes seconds
+def test_a_precision_that_moves_the_neighbours_fails_the_build():
+    _, chunks = _chunks()
+    model = load_encoder(CFG)
+    texts = chunk_texts(load_tokenizer(resolve_tokenizer(None)), chunks)
+    exact = encode_texts(model, texts, 8)
+    scrambled = exact[np.random.default_rng(1).permutation(len(exact))]  # every neighbour moved
+    sample = [(i, c) for i, c in enumerate(chunks)]
+    cfg = CFG.model_copy(update={"precision": "bfloat16"})
+    report = check_precision(sample, [(c.chunk_id, v) for c, v in zip(chunks, exact)], cfg, resolve_tokenizer(None), 1)
+    assert report["precision"] == "bfloat16" and report["top2_agreement"] == 1.0 and report["min_cosine"] > 0.999
+    with pytest.raises(PrecisionTooLow, match="set embedding.precision: float32"):
+        check_precision(sample, [(c.chunk_id, v) for c, v in zip(chunks, scrambled)], cfg, resolve_tokenizer(None), 1)

@@ -1,0 +1,136 @@
+"""Issue 3's acceptance: 300,000 clustered 384-d vectors under a 64 MB budget, through the
+stand-alone `index` command (the same BuildIndex stage `build-index` uses)."""
+
+import json
+
+import faiss
+import numpy as np
+import pytest
+
+from benchmarks.synthetic import LowRankClusters
+from pipeline.cli import main
+from pipeline.index.files import load_index
+from pipeline.index.recall import RECALL_MEASURE
+from tests.index.test_index import write_embedding_files
+
+# the `index` command as a whole job; the module fixtures build a 300k-vector index and slice it: minutes
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+N, D, BUDGET = 300_000, 384, 64 * 10**6
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("scale")
+    vectors = LowRankClusters(D).sample(N, np.random.default_rng(1))
+    ids = np.arange(N, dtype=np.int64) * 2 + 1_000_000  # not positions: ids must survive as-is
+    write_embedding_files(root / "emb", ids, vectors, files=5)
+    main(
+        [
+            "index",
+            "--embeddings",
+            str(root / "emb" / "*.parquet"),
+            "--output",
+            str(root / "idx"),
+            "--memory-budget",
+            "64MB",
+        ]
+    )
+    return root, ids, vectors, json.loads((root / "idx" / "manifest.json").read_text())
+
+
+def test_index_fits_the_budget_and_reaches_the_recall(built):
+    root, _, _, manifest = built
+    assert manifest["index_factory"].startswith("IVF") and "PQ" in manifest["index_factory"]
+    assert (root / "idx" / "faiss" / "index.faiss").stat().st_size <= BUDGET
+    assert manifest["recall_at_k"]["measure"] == RECALL_MEASURE and not manifest["recall_at_k"]["plateau"]
+    assert manifest["recall_at_k"]["value"] >= 0.95 and manifest["recall_at_k"]["sample_size"] >= 400
+    assert manifest["num_vectors"] == N and manifest["training_vectors"] < N
+
+
+def test_manifest_recall_agrees_with_an_outside_measurement(built):
+    root, ids, vectors, manifest = built
+    index = load_index(str(root / "idx" / "faiss" / "index.faiss"), manifest["nprobe"])
+    rng = np.random.default_rng(7)
+    rows = rng.choice(N, 1000, replace=False)  # queries the build never sampled as such
+    exact = faiss.IndexFlatIP(D)
+    exact.add(vectors)
+    _, truth = exact.search(vectors[rows], 2)  # [self, nearest other]
+    _, found = index.search(vectors[rows], 11)
+    hits = [ids[t[1]] in [f for f in row if f != ids[r]][:10] for r, t, row in zip(rows, truth, found)]
+    outside = float(np.mean(hits))
+    assert outside >= 0.95 and abs(outside - manifest["recall_at_k"]["value"]) < 0.03
+
+
+def test_chunk_ids_survive_as_faiss_ids(built):
+    root, ids, vectors, manifest = built
+    index = load_index(str(root / "idx" / "faiss" / "index.faiss"), manifest["nprobe"])
+    _, found = index.search(vectors[:200:10], 1)
+    assert set(found[:, 0].tolist()) <= set(ids.tolist())
+    assert np.mean(found[:, 0] == ids[:200:10]) >= 0.9
+
+
+def test_validate_accepts_the_stand_alone_index(built):
+    from pipeline.check.validate import validate_path
+
+    root, _, _, _ = built
+    (line,) = validate_path(str(root / "idx"))
+    assert line.startswith("OK vector index") and "300000 vectors" in line
+
+
+SLICE_BYTES = 12 * 10**6
+
+
+@pytest.fixture(scope="module")
+def sliced(built):
+    root, ids, vectors, _ = built
+    main(
+        [
+            "index",
+            "--embeddings",
+            str(root / "emb" / "*.parquet"),
+            "--output",
+            str(root / "sliced"),
+            "--memory-budget",
+            "64MB",
+            "--slice-bytes",
+            "12MB",
+        ]
+    )
+    return root / "sliced", json.loads((root / "sliced" / "manifest.json").read_text())
+
+
+def outside_recall(search, ids, vectors, rows):
+    """1-recall@10 of held-out queries against exact search (self excluded)."""
+    exact = faiss.IndexFlatIP(D)
+    exact.add(vectors)
+    _, truth = exact.search(vectors[rows], 2)  # [self, nearest other]
+    found = search(vectors[rows], 11)
+    return float(np.mean([ids[t[1]] in [f for f in row if f != ids[r]][:10] for r, t, row in zip(rows, truth, found)]))
+
+
+def test_a_sliced_index_is_slices_within_the_size_that_search_as_the_single_index(built, sliced):
+    from pipeline.index.slices import search_slices
+
+    root, ids, vectors, single = built
+    directory, manifest = sliced
+    files = [f for f in manifest["files"] if f["path"].startswith("faiss/")]
+    assert len(files) >= 4 and all(f["path"].startswith("faiss/slice-") for f in files)
+    assert all((directory / f["path"]).stat().st_size <= SLICE_BYTES for f in files)
+    assert sum(f["rows"] for f in files) == N and manifest["slice_bytes"] == SLICE_BYTES
+    assert manifest["index_factory"] == single["index_factory"] and manifest["nprobe"] == single["nprobe"]
+    slices = [load_index(str(directory / f["path"]), manifest["nprobe"]) for f in files]
+    index = load_index(str(root / "idx" / "faiss" / "index.faiss"), single["nprobe"])
+    rows = np.random.default_rng(7).choice(N, 1000, replace=False)
+    ours = outside_recall(lambda q, k: search_slices(slices, q, k)[1], ids, vectors, rows)
+    one = outside_recall(lambda q, k: index.search(q, k)[1], ids, vectors, rows)
+    assert ours >= 0.95 and abs(ours - one) <= 0.01
+    assert abs(manifest["recall_at_k"]["value"] - single["recall_at_k"]["value"]) <= 0.01
+
+
+def test_validate_checks_every_slice(sliced):
+    from pipeline.check.validate import validate_path
+
+    directory, _ = sliced
+    (line,) = validate_path(str(directory))
+    assert line.startswith("OK vector index") and "300000 vectors" in line

@@ -1,0 +1,94 @@
+"""The commit step runs on a worker, and runners retry a failed step: a commit run again after
+dying at any point ends in the state of one uninterrupted commit."""
+
+import json
+
+import pytest
+from apache_beam.io.filesystems import FileSystems
+
+from pipeline.jobs.commit import commit_directory, new_staging_dir, publish_rejected
+
+pytestmark = pytest.mark.unit
+
+FILES = ["chunks/chunks-00000.parquet", "chunks/chunks-00001.parquet", "faiss/index.faiss"]
+
+
+def _stage(output, files=FILES):
+    staging = new_staging_dir(str(output), "index")
+    for path in files:
+        target = output / ".staging" / staging.rsplit("/", 1)[1] / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(f"new {path}")
+    return staging
+
+
+def _tree(directory):
+    return {p.relative_to(directory).as_posix(): p.read_text() for p in directory.rglob("*") if p.is_file()}
+
+
+def _old_version(final):
+    (final / "chunks").mkdir(parents=True)
+    (final / "chunks" / "chunks-00000.parquet").write_text("old")
+    (final / "chunks" / "chunks-00007.parquet").write_text("old, no longer listed")
+    (final / "manifest.json").write_text(json.dumps({"version": "old"}))
+
+
+def test_a_commit_replaces_the_old_version_and_writes_the_manifest_last(tmp_path):
+    final = tmp_path / "index"
+    _old_version(final)
+    staging = _stage(tmp_path)
+    commit_directory(staging, str(final), {"version": "new"}, FILES)
+    assert _tree(final) == {
+        **{p: f"new {p}" for p in FILES},
+        "manifest.json": json.dumps({"version": "new"}, indent=2, sort_keys=True) + "\n",
+    }
+    assert not (tmp_path / ".staging").exists()
+
+
+@pytest.mark.parametrize("moved_before_dying", [0, 1, 2, 3])
+def test_a_commit_run_again_after_dying_half_way_ends_as_an_uninterrupted_one(tmp_path, moved_before_dying):
+    reference, final = tmp_path / "reference", tmp_path / "retried"
+    for root in (reference, final):
+        _old_version(root / "index")
+    commit_directory(_stage(reference), str(reference / "index"), {"version": "new"}, FILES)
+
+    staging = _stage(final)
+    rename = FileSystems.rename
+
+    def die_after_some(sources, targets):
+        rename(sources[:moved_before_dying], targets[:moved_before_dying])
+        raise RuntimeError("worker lost")
+
+    FileSystems.rename = die_after_some
+    try:
+        with pytest.raises(RuntimeError, match="worker lost"):
+            commit_directory(staging, str(final / "index"), {"version": "new"}, FILES)
+    finally:
+        FileSystems.rename = rename
+    assert not (final / "index" / "manifest.json").exists()  # never a manifest over mixed content
+    commit_directory(staging, str(final / "index"), {"version": "new"}, FILES)  # the retry
+    assert _tree(final / "index") == _tree(reference / "index")
+    commit_directory(staging, str(final / "index"), {"version": "new"}, FILES)  # a retry after success
+    assert _tree(final / "index") == _tree(reference / "index")
+
+
+def test_a_listed_file_neither_staged_nor_in_place_fails_the_commit(tmp_path):
+    staging = _stage(tmp_path, FILES[:2])
+    with pytest.raises(FileNotFoundError, match="faiss/index.faiss is neither staged nor in place"):
+        commit_directory(staging, str(tmp_path / "index"), {"version": "new"}, FILES)
+    assert not (tmp_path / "index" / "manifest.json").exists()
+
+
+def test_rejected_records_are_published_once_whatever_the_retries(tmp_path):
+    staging = _stage(tmp_path, ["_rejected/build-index.jsonl"])
+    publish_rejected(staging, str(tmp_path))
+    publish_rejected(staging, str(tmp_path))
+    assert (tmp_path / "rejected" / "build-index.jsonl").read_text() == "new _rejected/build-index.jsonl"
+
+
+def test_a_commit_retried_after_success_keeps_the_first_timings(tmp_path):
+    staging = new_staging_dir(str(tmp_path), "index")
+    first = {"version": "new", "timings": {"wall_seconds": 1.0}}
+    commit_directory(staging, str(tmp_path / "index"), first, [])
+    commit_directory(staging, str(tmp_path / "index"), {**first, "timings": {"wall_seconds": 2.0}}, [])
+    assert json.loads((tmp_path / "index" / "manifest.json").read_text()) == first

@@ -1,0 +1,98 @@
+"""The memory model: what it marks as growing with the corpus is all that grows, and `--dry-run`
+prints it for the corpus size given or read from the input's size."""
+
+import json
+
+import pytest
+
+from pipeline.index.factory import choose_index_factory, estimated_bytes
+from pipeline.jobs.memory_model import Corpus, stage_memory
+from schemas.config import config_from_dict, parse_size
+from tests.helpers import sample_documents, small_config, write_config, write_jsonl
+
+
+def model_config(index_type="auto", index=None, **overrides):
+    return config_from_dict(
+        small_config(
+            "/tmp/unused",
+            "/tmp/unused/*.jsonl",
+            index={"memory_budget": "2TB", "type": index_type, **(index or {})},
+            **overrides,
+        )
+    )
+
+
+@pytest.mark.parametrize("index_type", ["auto", "IVF65536_HNSW32,PQ32x8np"])
+@pytest.mark.unit
+def test_only_the_terms_marked_as_growing_change_with_the_corpus(index_type):
+    cfg = model_config(index_type)
+    small, large = (stage_memory(cfg, Corpus.of(c, c / 30)) for c in (1e8, 3e10))
+    for a, b in zip(small, large):
+        assert len(a["grows_with_corpus"]) == len(b["grows_with_corpus"])
+        fixed, fixed_large = ({k: v for k, v in s["terms"].items() if k not in s["grows_with_corpus"]} for s in (a, b))
+        assert fixed == fixed_large, a["stage"]
+        assert (a["bytes"] == b["bytes"]) == (not a["grows_with_corpus"]), a["stage"]
+
+
+@pytest.mark.unit
+def test_the_index_terms_are_the_index_builders_own_estimate():
+    stages = {s["stage"]: s for s in stage_memory(model_config(), Corpus.of(1e8))}
+    factory = choose_index_factory(10**8, 384, parse_size("2TB"))
+    assert f"index: assemble trained {factory}" in stages  # two-level clustering at 2^18 lists
+    assert stages["index: merge"]["terms"] == {
+        "the whole index (100,000,000 vectors)": estimated_bytes(factory, 10**8, 384)
+    }
+
+
+@pytest.mark.unit
+def test_two_level_training_holds_no_step_with_the_whole_sample():
+    corpus = Corpus.of(3e10)
+    flat, two_level = (
+        [
+            s
+            for s in stage_memory(model_config(index={"clustering": c}), corpus)
+            if s["stage"].startswith("index: ") and "fill" not in s["stage"] and "merge" not in s["stage"]
+        ]
+        for c in ("flat", "auto")
+    )
+    (whole,) = flat
+    assert [s["stage"] for s in two_level] == [
+        "index: train first level",
+        "index: train one first-level cluster",
+        "index: Lloyd step over one sample file",
+        f"index: assemble trained {whole['stage'].split()[-1]}",
+    ]
+    assert max(s["bytes"] for s in two_level) < whole["bytes"] / 10
+
+
+@pytest.mark.unit
+def test_chunk_files_rows_bound_the_steps_that_hold_one_file():
+    small, large = (stage_memory(model_config(chunk_file_rows=rows), Corpus.of(1e8)) for rows in (4096, 65536))
+    grows = {a["stage"] for a, b in zip(small, large) if b["bytes"] > a["bytes"]}
+    assert grows == {"write chunks", "embed", "index: fill one embeddings file", "build-shards: join one chunk file"}
+
+
+@pytest.mark.e2e  # a dry run: the whole job's graph built through the CLI
+def test_dry_run_prints_the_estimate_for_a_given_size_and_for_the_input_files(tmp_path, capsys):
+    from pipeline.cli import main
+
+    write_jsonl(tmp_path / "corpus" / "a.jsonl", sample_documents(20))
+    settings = small_config(tmp_path / "out", str(tmp_path / "corpus" / "*.jsonl"), index={"memory_budget": "8GiB"})
+    path = write_config(tmp_path / "c.yaml", settings)
+    main(["run", "--config", str(path), "--dry-run", "--corpus-chunks", "1e8"])
+    given = json.loads(capsys.readouterr().out)["memory_estimate"]
+    assert given["corpus"] == {"chunks": 10**8, "documents": 10**7, "source": "given"}
+    assert given["largest"] in {s["stage"] for s in given["per_worker_process"]}
+    main(["build-index", "--config", str(path), "--dry-run"])
+    listed = json.loads(capsys.readouterr().out)["memory_estimate"]["corpus"]
+    text_bytes = (tmp_path / "corpus" / "a.jsonl").stat().st_size
+    assert listed["chunks"] == pytest.approx(text_bytes / 4 / config_from_dict(settings).chunk_tokens, rel=0.01)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.unit
+def test_with_index_slices_a_worker_holds_one_slice_whatever_the_corpus():
+    small, large = (stage_memory(model_config(index={"slice_bytes": "4GiB"}), Corpus.of(c)) for c in (1e8, 3e10))
+    for a, b in zip(small, large):
+        if a["stage"] in ("index: merge", "build-shards: search"):
+            assert not b["grows_with_corpus"] and a["bytes"] == b["bytes"] < 5 * 2**30, a["stage"]

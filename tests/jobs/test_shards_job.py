@@ -1,0 +1,43 @@
+"""build-shards' warnings: shards that are worse than their row count suggests (empty neighbour
+slots, repeated tokens dropped, neighbour recall below target) say so, with the cause."""
+
+import pytest
+
+from pipeline.jobs.shards_job import neighbour_warnings
+from schemas.config import config_from_dict
+from schemas.manifest import NeighbourRecall, ShardEntry, ShardsManifest
+from tests.helpers import small_config
+
+pytestmark = pytest.mark.unit
+
+
+def manifest(filled, recall, counters=None):  # 10 sequences of L = 4 chunks, k = 2: 80 slots
+    return ShardsManifest(
+        config_hash="",
+        index_manifest_sha256="",
+        training_corpus="same",
+        sequence_tokens=128,
+        chunk_tokens=32,
+        neighbours=2,
+        neighbour_tokens=64,
+        pad_id=0,
+        num_sequences=10,
+        shards=[ShardEntry(path="shard-00000.arrow", rows=10, bytes=0, sha256="", neighbour_slots_filled=filled)],
+        neighbour_fill=filled / 80,
+        counters=counters or {},
+        created_by="",
+        overlap={},
+        neighbour_recall=NeighbourRecall(measure="", value=recall, sample_size=40, slots=80, tolerance=1e-3),
+    )
+
+
+def test_shards_worse_than_they_look_get_a_warning_with_the_cause(tmp_path):
+    cfg = config_from_dict(small_config(tmp_path, "x"))
+    assert neighbour_warnings(manifest(80, 1.0), cfg) == []
+    (few,) = neighbour_warnings(manifest(60, 1.0), cfg)
+    assert "75.0% of neighbour slots are filled (20 empty)" in few and "fewer than k chunks outside" in few
+    deduped = config_from_dict(small_config(tmp_path, "x", dedupe_neighbours=True))
+    (repeats,) = neighbour_warnings(manifest(60, 1.0, {"candidates_dropped_duplicate_tokens": 30}), deduped)
+    assert "raise neighbour_candidates" in repeats
+    (missed,) = neighbour_warnings(manifest(80, 0.9), cfg)
+    assert "neighbour recall 0.900" in missed

@@ -1,0 +1,118 @@
+import apache_beam as beam
+import numpy as np
+import pytest
+from apache_beam.testing.util import assert_that
+
+from pipeline.common.writers import embeddings_table, parquet_bytes
+from pipeline.index.exact import exact_scores_of, exact_top, merge_top
+from pipeline.index.recall import TIE_TOLERANCE, recall_of, recall_with_ties
+from pipeline.retrieve.recall import ExactTruth, MeasureNeighbourRecall, Probe, SmallestProbes, scan_batch
+from pipeline.shards.rows import ShardRow
+from tests.helpers import local_pipeline
+
+L, K, D = 2, 3, 16
+
+
+def _vectors(n=300, seed=0):
+    v = np.random.default_rng(seed).normal(size=(n, D)).astype(np.float32)
+    return v / np.linalg.norm(v, axis=1, keepdims=True)
+
+
+def _exact(vectors, query, excluded, k=K):
+    scores = vectors @ query
+    for start, end in excluded:
+        scores[start:end] = -np.inf
+    return np.argsort(-scores, kind="stable")[:k], scores
+
+
+@pytest.mark.unit
+def test_recall_counts_ties_and_empty_slots():
+    exact = np.array([[0.9, 0.8], [0.7, -np.inf]], np.float32)  # the second query has one chunk to offer
+    ours = np.array(
+        [
+            [0.9, 0.8 - TIE_TOLERANCE / 2],  # a near-tie of the 2nd best: right
+            [np.nan, np.nan],
+        ]
+    )  # empty where one existed: a miss
+    assert recall_with_ties(exact, ours) == (2, 3)
+    ours[0, 1] = 0.8 - 2 * TIE_TOLERANCE
+    assert recall_with_ties(exact, ours) == (1, 3)
+
+
+@pytest.mark.unit
+def test_scans_of_parts_merge_to_the_exact_answer():
+    vectors = _vectors()
+    ids = np.arange(len(vectors))
+    probes = [Probe(0, 0, j, vectors[j], ((0, 10), (50, 60))) for j in range(4)]
+    whole = scan_batch(ids, vectors, probes, K)
+    shuffled = np.random.default_rng(1).permutation(len(ids))  # parts in any row order
+    a, b = shuffled[:120], shuffled[120:]
+    top = merge_top(*(scan_batch(ids[p], vectors[p], probes, K) for p in (a, b)), K)
+    assert np.array_equal(top[1], whole[1]) and np.allclose(top[0], whole[0])
+    for j in range(4):
+        expected, _ = _exact(vectors, vectors[j], probes[j].excluded)
+        assert whole[1][j].tolist() == expected.tolist()
+    assert exact_top(np.zeros((2, 0), np.float32), np.zeros(0, np.int64), K)[1].tolist() == [[-1] * K] * 2
+
+
+@pytest.mark.unit
+def test_our_neighbours_are_scored_from_the_truth_lists():
+    truth = (np.array([[0.9, 0.8, 0.7, 0.6]], np.float32), np.array([[5, 3, 8, 1]]))
+    ours = exact_scores_of(truth, np.array([[3, 9, -1]]))  # in the list, beyond it, empty
+    assert ours[0, 0] == np.float32(0.8) and ours[0, 1] == -np.inf and np.isnan(ours[0, 2])
+    assert recall_of(truth, np.array([[5, 8]])) == 0.5  # 8 is 3rd, below the 2nd best
+    assert recall_of(truth, np.array([[3, 5]])) == 1.0  # the best two, in any order
+
+
+@pytest.mark.unit
+def test_the_sample_does_not_depend_on_how_probes_are_batched():
+    probes = [Probe(key, key, 0, None, ()) for key in (9, 3, 7, 1, 5, 8)]
+    fn = SmallestProbes(3)
+    one = fn.extract_output(fn.add_input(fn.create_accumulator(), probes))
+    split = fn.extract_output(
+        fn.merge_accumulators(
+            [fn.add_input(fn.create_accumulator(), probes[:2]), fn.add_input(fn.create_accumulator(), probes[2:])]
+        )
+    )
+    assert [p[0] for p in one] == [p[0] for p in split] == [1, 3, 5]
+
+
+@pytest.mark.beam
+def test_measure_neighbour_recall_against_exact_search(tmp_path):
+    """Sequences s = chunks 2s, 2s+1 exclude their own pair; even sequences carry the exact
+    neighbours, odd ones the exact ones shifted by one (one of three right)."""
+    vectors = _vectors()
+    (tmp_path / "embeddings").mkdir()
+    for number, start in enumerate(range(0, len(vectors), 128)):
+        rows = [(i, vectors[i]) for i in range(start, min(start + 128, len(vectors)))]
+        (tmp_path / "embeddings" / f"embeddings-{number:05d}.parquet").write_bytes(
+            parquet_bytes(embeddings_table(rows))
+        )
+    sequences = 20
+    probes, shard_rows = [], []
+    for s in range(sequences):
+        own = ((2 * s, 2 * s + 2),)
+        ids = np.zeros((L, K), np.int64)
+        for j in range(L):
+            query = vectors[2 * s + j]
+            probes.append(Probe(s * L + j, s, j, query, own))
+            best, _ = _exact(vectors, query, own, K + 1)
+            ids[j] = best[:K] if s % 2 == 0 else best[1:]
+        shard_rows.append(
+            ShardRow(s, np.zeros(5, np.int32), np.zeros((L, K, 4), np.int32), ids, np.zeros((L, K), np.float32), (s,))
+        )
+    sampled = sorted(probes, key=lambda p: p[:3])[:30]  # keys are the chunk ids here
+
+    def check(results):
+        (result,) = results
+        assert result["sample_size"] == 30 and result["slots"] == 30 * K
+        assert result["tolerance"] == TIE_TOLERANCE
+        expected = sum(K if p.seq_id % 2 == 0 else K - 1 for p in sampled)
+        assert abs(result["value"] - expected / (30 * K)) < 1e-9
+
+    with local_pipeline() as p:
+        sample = p | "Probes" >> beam.Create([probes[:15], probes[15:]]) | beam.CombineGlobally(SmallestProbes(30))
+        truth = sample | ExactTruth(str(tmp_path / "embeddings" / "*.parquet"), 100)
+        rows = p | "Rows" >> beam.Create(shard_rows)
+        result = (sample, truth, rows) | MeasureNeighbourRecall(K)
+        assert_that(result, check)

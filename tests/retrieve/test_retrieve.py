@@ -1,0 +1,208 @@
+"""The retrieve stage: packing sequences, their documents' chunk-id spans, distinct neighbours,
+and `RetrieveNeighbours` as build-shards wires it (own documents excluded, dedupe, batches,
+a shuffle that loses data)."""
+
+import apache_beam as beam
+import faiss
+import numpy as np
+import pytest
+from apache_beam.testing.util import assert_that, equal_to
+
+import pipeline.retrieve.beam as retrieve_beam
+from pipeline.chunks.chunking import chunk_document
+from pipeline.index.train import build_index
+from pipeline.retrieve.beam import LOST_DATA, DocumentSpans, PackSequences, RetrieveNeighbours
+from pipeline.retrieve.search import CANDIDATE, Retrieval, select_distinct, token_key
+from pipeline.retrieve.sequences import document_spans, merge_ranges, pack_sequence, widest_span
+from tests.helpers import local_pipeline, write_chunk_files
+
+M, L, K, PAD = 4, 2, 2, 0
+
+
+@pytest.mark.unit
+def test_pack_sequence_adds_the_next_token_and_its_document():
+    chunks = list(chunk_document(7, np.arange(1, 9, dtype=np.int32), 0, M, PAD))
+    seq = pack_sequence(0, chunks, next_token=42, next_doc=8, pad_id=PAD)
+    assert seq.tokens.tolist() == list(range(1, 9)) + [42]
+    assert seq.doc_ids == (7, 8)
+    assert pack_sequence(0, chunks, None, None, PAD).tokens[-1] == PAD
+
+
+def candidates(*rows):
+    """CANDIDATE rows from (j, rank, score, chunk_id[, token_key]) tuples."""
+    return np.array(
+        [
+            (0, j, rank, chunk, score, key)
+            for j, rank, score, chunk, key in (row + (0,) * (5 - len(row)) for row in rows)
+        ],
+        CANDIDATE,
+    )
+
+
+@pytest.mark.unit
+def test_select_distinct_skips_candidates_repeating_a_kept_neighbour():
+    same, other = token_key(np.array([5, 6, 7, 8])), token_key(np.array([5, 6, 7, 9]))
+    assert same == token_key(np.array([5, 6, 7, 8], dtype=np.int64)) and same != other
+    found = candidates(
+        (0, 2, 0.25, 12, other),
+        (0, 1, 0.5, 11, same),
+        (0, 0, 1.0, 10, same),  # any order
+        (1, 0, 0.75, 13, same),
+    )
+    picks, dropped = select_distinct(found, K)
+    assert picks == [(0, 0, 10, 1.0), (0, 1, 12, 0.25), (1, 0, 13, 0.75)] and dropped == 1
+
+
+@pytest.mark.unit
+def test_document_spans_and_ranges():
+    ids = np.array([7, 3, 4, 5, 6, 8])  # any order; doc 20 continues past this batch
+    docs = np.array([20, 10, 10, 20, 20, 20])
+    assert document_spans(ids, docs) == [(10, (3, 5)), (20, (5, 9))]
+    assert widest_span([(5, 9), (9, 12), (7, 8)]) == (5, 12)
+    assert merge_ranges([(9, 12), (0, 3), (3, 5), (10, 11), (20, 21)]) == [(0, 5), (9, 12), (20, 21)]
+    assert merge_ranges([]) == []
+
+
+def _database():
+    """3 documents of 4 chunks each; chunk c's vector is close to c's doc-mates and to the
+    chunk at the same position in the other documents."""
+    chunks, rng = [], np.random.default_rng(0)
+    for doc in range(3):
+        tokens = rng.integers(1, 1000, 4 * M).astype(np.int32)
+        chunks += list(chunk_document(100 + doc, tokens, doc * 4, M, PAD))
+    base = rng.normal(size=(4, 16))
+    vectors = np.stack([base[c.position] + 0.05 * (c.doc_id - 100) * rng.normal(size=16) for c in chunks]).astype(
+        np.float32
+    )
+    faiss.normalize_L2(vectors)
+    return chunks, vectors
+
+
+def retrieve(p, chunks, vectors, index_path, chunk_files, dedupe=False, candidates=8):
+    """RetrieveNeighbours as build-shards wires it: document spans read from the chunk files."""
+    sequences = p | "Chunks" >> beam.Create(chunks) | PackSequences(L, PAD)
+    queries = p | "Queries" >> beam.Create([(i, vectors[i]) for i in range(len(chunks))])
+    spans = p | DocumentSpans(f"{chunk_files.directory}/chunks/*.parquet")
+    spec = Retrieval((index_path,), None, chunk_files, L, M, K, candidates, PAD, dedupe)
+    rows = ((sequences, queries, spans) | RetrieveNeighbours(spec)).rows
+    return rows
+
+
+@pytest.mark.beam
+def test_retrieve_neighbours_excludes_the_sequence_documents(tmp_path):
+    chunks, vectors = _database()
+    index_path = str(tmp_path / "index.faiss")
+    faiss.write_index(build_index(np.arange(len(chunks), dtype=np.int64), vectors, "Flat"), index_path)
+    chunk_files = write_chunk_files(tmp_path / "index", chunks)
+    by_id = {c.chunk_id: c for c in chunks}
+
+    def check(rows):
+        assert sorted(r.seq_id for r in rows) == list(range(6))
+        for row in rows:
+            own = set(row.doc_ids)
+            assert row.neighbour_ids.shape == (L, K) and (row.neighbour_ids >= 0).all()
+            for j in range(L):
+                query = row.seq_id * L + j
+                for q, nid in enumerate(row.neighbour_ids[j]):
+                    neighbour = by_id[int(nid)]
+                    assert neighbour.doc_id not in own
+                    if q == 0:  # the best is the same position in a document it does not hold
+                        assert neighbour.position == by_id[query].position
+                    assert row.neighbours[j, q].tolist() == (
+                        neighbour.tokens.tolist() + neighbour.continuation.tolist()
+                    )
+            assert (
+                row.tokens[:-1].tolist()
+                == np.concatenate([by_id[row.seq_id * L + j].tokens for j in range(L)]).tolist()
+            )
+
+    with local_pipeline() as p:
+        assert_that(retrieve(p, chunks, vectors, index_path, chunk_files), check)
+
+
+@pytest.mark.beam
+def test_retrieve_neighbours_dedupe_skips_repeated_tokens(tmp_path):
+    """Documents 101 and 102 are copies; both are the nearest to document 100 (sequence 3, the
+    last). With dedupe the second neighbour of each of its chunks comes from document 103."""
+    rng = np.random.default_rng(1)
+    copy = rng.integers(1, 1000, 2 * M).astype(np.int32)
+    texts = {101: copy, 102: copy, 103: rng.integers(1, 1000, 2 * M), 100: rng.integers(1, 1000, 2 * M)}
+    chunks = []
+    for doc, tokens in texts.items():
+        chunks += list(chunk_document(doc, np.asarray(tokens, np.int32), len(chunks), M, PAD))
+    base = rng.normal(size=(2, 16))
+    spread = {100: 0.0, 101: 0.1, 102: 0.12, 103: 0.5}
+    vectors = np.stack([base[c.position] + spread[c.doc_id] * rng.normal(size=16) for c in chunks])
+    vectors = vectors.astype(np.float32) / np.linalg.norm(vectors, axis=1, keepdims=True)
+    index_path = str(tmp_path / "index.faiss")
+    faiss.write_index(build_index(np.arange(len(chunks), dtype=np.int64), vectors, "Flat"), index_path)
+    chunk_files = write_chunk_files(tmp_path / "index", chunks, rows_per_file=3)
+    docs = {c.chunk_id: c.doc_id for c in chunks}
+
+    def second_neighbour_docs(dedupe):
+        def check(rows):
+            (row,) = [r for r in rows if r.seq_id == 3]
+            assert [docs[i] for i in row.neighbour_ids[:, 1]] == ([103, 103] if dedupe else [102, 102])
+            assert [docs[i] for i in row.neighbour_ids[:, 0]] == [101, 101]
+
+        return check
+
+    for dedupe in (False, True):
+        with local_pipeline() as p:
+            assert_that(retrieve(p, chunks, vectors, index_path, chunk_files, dedupe), second_neighbour_docs(dedupe))
+
+
+@pytest.mark.beam
+def test_a_search_batch_with_only_leftover_chunks_is_skipped(tmp_path):
+    """64 whole sequences fill search batch 0 exactly; the one chunk after them (too few for a
+    sequence) still has an embedding, keyed to batch 1, which therefore holds no sequence."""
+    from pipeline.retrieve.search import SEQUENCES_PER_SEARCH
+
+    rng = np.random.default_rng(2)
+    whole = SEQUENCES_PER_SEARCH * L
+    chunks = []
+    for doc in range(whole // 4 + 1):  # documents of 4 chunks, then one of a single chunk
+        length = 4 * M if len(chunks) < whole else M
+        chunks += list(chunk_document(doc, rng.integers(1, 1000, length).astype(np.int32), len(chunks), M, PAD))
+    assert len(chunks) == whole + 1
+    vectors = rng.normal(size=(len(chunks), 16)).astype(np.float32)
+    faiss.normalize_L2(vectors)
+    index_path = str(tmp_path / "index.faiss")
+    faiss.write_index(build_index(np.arange(len(chunks), dtype=np.int64), vectors, "Flat"), index_path)
+    chunk_files = write_chunk_files(tmp_path / "index", chunks, rows_per_file=50)
+    with local_pipeline() as p:
+        rows = retrieve(p, chunks, vectors, index_path, chunk_files)
+        assert_that(rows | beam.Map(lambda r: r.seq_id), equal_to(list(range(SEQUENCES_PER_SEARCH))))
+
+
+@pytest.mark.beam
+@pytest.mark.parametrize(
+    "what, lost, message",
+    [
+        ("search hits", "an element", r"sequence 3: \d+ search hits arrived, \[\d+\] were sent"),
+        ("neighbours", "the count", r"sequence 3: \d+ neighbours arrived, no count were sent"),
+    ],
+    ids=["a search hit lost", "a neighbours count lost"],
+)
+def test_a_shuffle_that_loses_data_fails_the_stage_naming_the_sequence(tmp_path, monkeypatch, what, lost, message):
+    """Each sequence counts what it sends through the search-hits shuffle (with dedupe) and the
+    neighbours shuffle; when fewer elements arrive, or the count itself goes missing,
+    RetrieveNeighbours fails rather than write a row with silently padded neighbours."""
+    chunks, vectors = _database()
+    index_path = str(tmp_path / "index.faiss")
+    faiss.write_index(build_index(np.arange(len(chunks), dtype=np.int64), vectors, "Flat"), index_path)
+    chunk_files = write_chunk_files(tmp_path / "index", chunks)
+    # A local runner never drops a shuffled element, and no public hook makes it: the loss is
+    # injected at the private check in pipeline/retrieve/beam.py that compares what arrived
+    # with what was sent, by handing it one element (or the count) fewer for sequence 3.
+    arrived = retrieve_beam._arrived
+
+    def lose(seq_id, stage, received, sent):
+        if seq_id == 3 and stage == what:
+            received, sent = (received - 1, sent) if lost == "an element" else (received, [])
+        arrived(seq_id, stage, received, sent)
+
+    monkeypatch.setattr(retrieve_beam, "_arrived", lose)
+    with pytest.raises(Exception, match=f"{message}: {LOST_DATA}"):
+        with local_pipeline() as p:
+            retrieve(p, chunks, vectors, index_path, chunk_files, dedupe=True)

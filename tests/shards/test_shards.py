@@ -1,0 +1,118 @@
+"""The shards stage: neighbour arrays, the r(C) overlap audit, and `WriteShards` (sorted, split,
+schema version 2); the row types import no Beam, faiss or torch."""
+
+import subprocess
+import sys
+
+import apache_beam as beam
+import numpy as np
+import pyarrow as pa
+import pytest
+from apache_beam.testing.util import assert_that, equal_to
+
+from pipeline.shards.rows import ShardRow, chunk_overlap, overlap_bucket, overlap_histogram
+from pipeline.shards.write import WriteShards, neighbour_arrays
+from schemas.arrow import SCHEMA_VERSION, read_shard_table, shard_column
+from tests.helpers import REPO, local_pipeline
+
+M, L, K, PAD = 4, 2, 2, 0
+
+
+@pytest.mark.unit
+def test_neighbour_arrays_pad_the_slots_without_a_neighbour():
+    picks = [(0, 0, 11, 0.5), (0, 1, 12, 0.25)]
+    values = [p + (np.full(2 * M, p[2], np.int32),) for p in picks]
+    tokens, ids, scores = neighbour_arrays(values, L, K, M, PAD)
+    assert ids.tolist() == [[11, 12], [-1, -1]]
+    assert scores.tolist() == [[0.5, 0.25], [0, 0]]
+    assert (tokens[0, 0] == 11).all() and (tokens[1] == PAD).all()
+
+
+def _longest_common_run(a, b, pad):
+    """The obvious quadratic definition, to check the vectorised one against."""
+    best = 0
+    for i in range(len(a)):
+        for j in range(len(b)):
+            run = 0
+            while i + run < len(a) and j + run < len(b) and a[i + run] == b[j + run] != pad:
+                run += 1
+            best = max(best, run)
+    return best
+
+
+@pytest.mark.unit
+def test_chunk_overlap_is_the_longest_common_token_run_over_m():
+    m = 8
+    chunks = np.array(
+        [
+            [1, 2, 3, 4, 5, 6, 7, 8],  # shares 1..4 (4) with n0, 6..8 (3) with n1
+            [9, 9, 9, 9, 9, 9, 9, 9],  # all of it with n0's continuation
+            [1, 2, 3, 4, 0, 0, 0, 0],
+        ]
+    )  # 1..4, padding never counts
+    neighbours = np.zeros((3, 2, 2 * m), np.int32)
+    neighbours[0, 0, 3:7] = [1, 2, 3, 4]
+    neighbours[0, 1, :5] = [6, 7, 8, 1, 1]
+    neighbours[1, 0, m:] = 9
+    neighbours[2, 1, 2:12] = [1, 2, 3, 4, 0, 0, 0, 0, 0, 0]
+    assert chunk_overlap(chunks, neighbours, pad_id=0).tolist() == [4 / m, 1.0, 4 / m]
+    rng = np.random.default_rng(5)
+    chunks, neighbours = rng.integers(0, 4, (6, m)), rng.integers(0, 4, (6, 3, 2 * m))
+    expected = [max(_longest_common_run(c, n, 0) for n in ns) / m for c, ns in zip(chunks, neighbours)]
+    assert chunk_overlap(chunks, neighbours, pad_id=0).tolist() == expected
+
+
+@pytest.mark.unit
+def test_overlap_buckets_and_histogram():
+    assert [overlap_bucket(r) for r in (0, 0.01, 0.125, 0.2, 0.5, 0.9, 1.0)] == [
+        "0.0",
+        "0.125",
+        "0.125",
+        "0.25",
+        "0.5",
+        "1.0",
+        "1.0",
+    ]
+    counters = {"overlap_r_le_0.0": 3, "overlap_r_le_1.0": 1, "sequences": 2}
+    assert overlap_histogram(counters) == {"0.0": 3, "0.125": 0, "0.25": 0, "0.5": 0, "0.75": 0, "1.0": 1}
+    assert counters == {"sequences": 2}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "imports",
+    [
+        "import pipeline.shards.rows",
+        "from pipeline.shards.rows import chunk_overlap",  # what inspect (and so report) takes from it
+        "import tests.trainer_fixtures",  # the trainer tests' shards and overlap audit
+    ],
+)
+def test_row_types_and_the_overlap_audit_import_neither_beam_nor_faiss_nor_torch(imports):
+    code = f"import sys; {imports}; print([m for m in ('apache_beam', 'faiss', 'torch') if m in sys.modules])"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert result.stdout.strip() == "[]"
+
+
+@pytest.mark.beam
+def test_write_shards_is_sorted_and_split_by_seq_id(tmp_path):
+    rows = [
+        ShardRow(
+            s,
+            np.full(L * M + 1, s, np.int32),
+            np.full((L, K, 2 * M), s, np.int32),
+            np.full((L, K), s, np.int64),
+            np.full((L, K), 0.5, np.float32),
+            (s,),
+        )
+        for s in (4, 0, 3, 1, 2)
+    ]
+    with local_pipeline() as p:
+        entries = p | beam.Create(rows) | WriteShards(str(tmp_path), shard_rows=2, pad_id=PAD)
+        assert_that(
+            entries | beam.Map(lambda e: (e["path"], e["rows"])),
+            equal_to([("shard-00000.arrow", 2), ("shard-00001.arrow", 2), ("shard-00002.arrow", 1)]),
+        )
+    table = read_shard_table(pa.memory_map(str(tmp_path / "shard-00001.arrow")))
+    assert table["seq_id"].to_pylist() == [2, 3]
+    assert shard_column(table, "neighbours").shape == (2, L, K, 2 * M)
+    assert table.schema.metadata[b"schema_version"] == str(SCHEMA_VERSION).encode() == b"2"
