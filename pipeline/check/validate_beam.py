@@ -27,7 +27,7 @@ from pipeline.check.rules import (
     check_shard,
 )
 from pipeline.check.validate import Problems, Verdict
-from pipeline.jobs.options import new_pipeline
+from pipeline.jobs.job import Job
 
 PROBLEMS = "problems"
 
@@ -185,10 +185,10 @@ def validate_with_beam(path: str, beam_args: list[str], sample: float = 1.0) -> 
     """Run the validation of `path` as a Beam job with these pipeline options; its lines, or
     ValidationFailed with the job's report."""
     plan = plan_validation(path, sample)
-    pipeline = new_pipeline(beam_args)
-    _ = pipeline | "Validate" >> ValidateOutput(plan) | "FailOnProblems" >> beam.Map(_fail_on_problems)
+    job = Job.reading("validate", path, beam_args)
+    _ = job.pipeline | "Validate" >> ValidateOutput(plan) | "FailOnProblems" >> beam.Map(_fail_on_problems)
     try:
-        pipeline.run().wait_until_finish()
+        job.run()
     except ValidationFailed as failed:  # in-process runners re-raise it with the step appended
         raise ValidationFailed(re.sub(r" \[while running '[^']*'\]$", "", str(failed))) from None
     return plan.lines

@@ -17,6 +17,7 @@ from pipeline.chunks.chunking import Chunk
 from pipeline.common import fileio
 from pipeline.corpus.records import Rejected
 from schemas.arrow import chunk_schema, embedding_schema, fixed_size_list
+from schemas.manifest import FileEntry
 
 
 def chunks_table(chunks: list[Chunk], m: int) -> pa.Table:
@@ -46,18 +47,19 @@ def parquet_bytes(table: pa.Table) -> bytes:
     return sink.getvalue()
 
 
-def write_file(directory: str, name: str, data: bytes, rows: int, relative_to: str) -> dict:
+def write_file(directory: str, name: str, data: bytes, rows: int, relative_to: str) -> FileEntry:
     """Write one file; return its manifest entry (path relative to the stage directory)."""
     path = fileio.join(directory, name)
     fileio.write_bytes(path, data)
     relative = path[len(relative_to.rstrip("/")) + 1 :]
-    return {"path": relative, "rows": rows, "bytes": len(data), "sha256": fileio.sha256_bytes(data)}
+    return FileEntry(path=relative, rows=rows, bytes=len(data), sha256=fileio.sha256_bytes(data))
 
 
 class WriteGroupedFiles(beam.PTransform):
     """Rows -> files `<directory>/<prefix>-NNNNN.<ext>`, file NNNNN holding the rows with
-    `key(row) // rows_per_file == NNNNN`, sorted by key. Yields manifest entries, with what
-    `facts(rows)` says of the rows written added to each (facts from the data, not metrics)."""
+    `key(row) // rows_per_file == NNNNN`, sorted by key. Yields manifest entries (`entry`, a
+    FileEntry model), with what `facts(rows)` says of the rows written added to each (facts
+    from the data, not metrics)."""
 
     def __init__(
         self,
@@ -69,12 +71,13 @@ class WriteGroupedFiles(beam.PTransform):
         rows_per_file: int,
         to_bytes: Callable[[list], bytes],
         facts: Callable[[list], dict] | None = None,
+        entry: type[FileEntry] = FileEntry,
     ):
         super().__init__()
         self.directory, self.relative_to = directory, relative_to
         self.prefix, self.extension = prefix, extension
         self.key, self.rows_per_file, self.to_bytes = key, rows_per_file, to_bytes
-        self.facts = facts
+        self.facts, self.entry = facts, entry
 
     def expand(self, rows):
         key, per_file = self.key, self.rows_per_file
@@ -89,7 +92,7 @@ class WriteGroupedFiles(beam.PTransform):
                 len(members),
                 self.relative_to,
             )
-            return {**entry, **(self.facts(members) if self.facts else {})}
+            return self.entry(**entry.model_dump(), **(self.facts(members) if self.facts else {}))
 
         return (
             rows

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 import types
+from dataclasses import dataclass
 
 import apache_beam as beam
 import numpy as np
@@ -168,7 +169,18 @@ def _plan_slices(footers: list[EmbeddingFile], plan: IndexPlan, slice_bytes: int
     return assign_slices({f.path: f.rows for f in footers}, plan.factory, plan.dim, slice_bytes)
 
 
-def _assemble(keyed, trained_path, queries: QuerySample, cfg: IndexConfig, out_dir, neighbours: int):
+@dataclass(frozen=True)
+class AssembledSlice:
+    """One slice written, with the query sample's search of it at every depth measured."""
+
+    number: int
+    file: dict  # its file entry (path relative to faiss/, rows, bytes, sha256)
+    parts: int  # filled parts merged into it
+    results: dict[int, tuple[np.ndarray, np.ndarray, float]]  # depth -> (scores, ids, seconds), plain search
+    own: dict[int, tuple[np.ndarray, np.ndarray]]  # depth -> (scores, ids), own document excluded
+
+
+def _assemble(keyed, trained_path, queries: QuerySample, cfg: IndexConfig, out_dir, neighbours: int) -> AssembledSlice:
     """One worker per slice: its parts (in chunk-id order) merged into a copy of the trained
     index, written as slice-NNNNN.faiss; then the query sample searched at every depth the
     tuning may pick (plainly, and with each query's own document excluded as build-shards
@@ -181,7 +193,8 @@ def _assemble(keyed, trained_path, queries: QuerySample, cfg: IndexConfig, out_d
     depths = [cfg.nprobe] if cfg.nprobe is not None else search_depth_range(index_slice)
     if depths is None:
         raise IndexBuildError(f"{name}: an index slice must be an IVF index, with lists to probe")
-    results, own = {}, {}
+    results: dict[int, tuple[np.ndarray, np.ndarray, float]] = {}
+    own: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     for depth in depths:
         set_search_depth(index_slice, depth)
         start = time.perf_counter()
@@ -190,13 +203,8 @@ def _assemble(keyed, trained_path, queries: QuerySample, cfg: IndexConfig, out_d
         if queries.documents is not None:
             own[depth] = search_each_excluding(index_slice, queries.vectors, neighbours, queries.documents)
     beam.io.filesystems.FileSystems.delete(part_paths)
-    return {
-        "file": {"path": name, "rows": int(index_slice.ntotal), "bytes": slice_bytes, "sha256": sha256},
-        "number": number,
-        "parts": len(part_paths),
-        "results": results,
-        "own": own,
-    }
+    entry = {"path": name, "rows": int(index_slice.ntotal), "bytes": slice_bytes, "sha256": sha256}
+    return AssembledSlice(number, entry, len(part_paths), results, own)
 
 
 def _tune_slices(
@@ -204,25 +212,25 @@ def _tune_slices(
 ):
     """One worker: the slices' results merged by score per depth, the one nprobe of all slices
     tuned on them as on one index (the same lists are probed, so the same recall)."""
-    slices = sorted(slices, key=lambda s: s["number"])
+    slices = sorted(slices, key=lambda s: s.number)
 
     def plain_at(depth):
-        merged = merge_slice_results([s["results"][depth][:2] for s in slices], RECALL_K + 1)
+        merged = merge_slice_results([s.results[depth][:2] for s in slices], RECALL_K + 1)
         searcher = types.SimpleNamespace(search=lambda q, width: merged)
         return one_recall_at_k(searcher, queries.ids, queries.vectors, truth.nearest_other)
 
     def own_at(depth):
-        return recall_of(truth.outside_document, merge_slice_results([s["own"][depth] for s in slices], k)[1])
+        return recall_of(truth.outside_document, merge_slice_results([s.own[depth] for s in slices], k)[1])
 
     measured = own_at if truth.outside_document is not None else None
-    tuned, curve, own = tune_index_depth(sorted(slices[0]["results"]), plain_at, measured, cfg, k)
-    seconds = sum(s["results"][tuned[0]][2] for s in slices)
+    tuned, curve, own = tune_index_depth(sorted(slices[0].results), plain_at, measured, cfg, k)
+    seconds = sum(s.results[tuned[0]][2] for s in slices)
     info = write_build_info(
         plan,
         cfg,
         out_dir,
-        sum(s["parts"] for s in slices),
-        [s["file"] for s in slices],
+        sum(s.parts for s in slices),
+        [s.file for s in slices],
         (*tuned, len(queries.ids)),
         len(queries.ids) / seconds if seconds else 0.0,
         curve,

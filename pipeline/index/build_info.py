@@ -3,12 +3,28 @@ faiss files."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from pipeline.common import fileio
 from pipeline.index.factory import IndexPlan
 from pipeline.index.recall import RECALL_MEASURE
 from schemas.config import IndexConfig
+from schemas.manifest import FileEntry, VectorIndex
 
 BUILD_INFO_FILE = "build_info.json"
+
+
+class BuildInfo(VectorIndex):
+    """The index's facts as a manifest records them (`VectorIndex`), with its faiss files and
+    how many vectors and filled parts went in."""
+
+    num_vectors: int
+    parts: int
+    files: list[FileEntry]  # paths relative to faiss/
+
+    def vector_index(self) -> dict[str, Any]:
+        """The `VectorIndex` fields, for the manifest that records them."""
+        return {name: getattr(self, name) for name in VectorIndex.model_fields}
 
 
 def write_build_info(
@@ -21,7 +37,7 @@ def write_build_info(
     rate: float,
     curve: list[dict] | None,
     own: dict | None,
-) -> dict:
+) -> BuildInfo:
     """build_info.json: what the manifest records of the index, and its faiss files; `tuned`:
     (depth, recall, plateau, query sample size); `curve`: the recall at each depth measured
     (None for an exact index); `own`: the recall with the query's own document excluded
@@ -53,4 +69,4 @@ def write_build_info(
         "slice_bytes": cfg.slice_bytes if len(files) > 1 else None,
     }
     fileio.write_json_atomic(fileio.join(out_dir, BUILD_INFO_FILE), info)
-    return info
+    return BuildInfo.model_validate(info)

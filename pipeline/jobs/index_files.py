@@ -14,7 +14,7 @@ from pipeline.common.models import (
     embedding_dim,
 )
 from pipeline.common.tally import counted
-from pipeline.index.build_info import BUILD_INFO_FILE
+from pipeline.index.build_info import BUILD_INFO_FILE, BuildInfo
 from pipeline.index.factory import new_index, resolve_clustering
 from pipeline.index.recall import PLATEAU_GAIN
 from pipeline.jobs.commit import StageError
@@ -25,6 +25,7 @@ from pipeline.jobs.reuse import committed, index_action
 from schemas.config import PipelineConfig
 from schemas.manifest import (
     MANIFEST_FILE,
+    FileEntry,
     IndexManifest,
     VectorIndexManifest,
     read_manifest,
@@ -42,10 +43,10 @@ def check_index_type(cfg: PipelineConfig) -> None:
         resolve_clustering(cfg.index.clustering, cfg.index.type)
 
 
-def _index_entries(info: dict) -> list[dict]:
+def _index_entries(info: BuildInfo) -> list[FileEntry]:
     """The manifest entries of the faiss files, index.faiss or its shards (hashed by their
     writer: they are never read back)."""
-    return [{**entry, "path": f"faiss/{entry['path']}"} for entry in info["files"]]
+    return [entry.model_copy(update={"path": f"faiss/{entry.path}"}) for entry in info.files]
 
 
 def faiss_files(paths: list[str]) -> list[str]:
@@ -59,8 +60,8 @@ def _index_staged(manifest: IndexManifest | VectorIndexManifest) -> list[str]:
     return faiss_files([e.path for e in manifest.files]) + [f"faiss/{BUILD_INFO_FILE}"]
 
 
-def _index_counters(info: dict) -> dict[str, int]:
-    return {"index_vectors_added": info["num_vectors"], "index_training_vectors": info["training_vectors"]}
+def _index_counters(info: BuildInfo) -> dict[str, int]:
+    return {"index_vectors_added": info.num_vectors, "index_training_vectors": info.training_vectors}
 
 
 def _rejected_tally(rejected, label: str):

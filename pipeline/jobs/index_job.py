@@ -19,6 +19,7 @@ from pipeline.common.tally import Tally, counted
 from pipeline.common.writers import WriteGroupedFiles, WriteRejected, chunks_table, embeddings_table, parquet_bytes
 from pipeline.corpus.read import ReadCorpus
 from pipeline.index.build import BuildIndex
+from pipeline.index.build_info import BuildInfo
 from pipeline.jobs.commit import REJECTED_STAGING
 from pipeline.jobs.index_files import (
     _documents_read_tally,
@@ -38,7 +39,7 @@ from pipeline.jobs.job import (
 )
 from pipeline.jobs.options import encoder_threads
 from pipeline.jobs.reuse import committed, index_action
-from pipeline.jobs.vector_index_job import _rebuild_faiss, _vector_index_fields
+from pipeline.jobs.vector_index_job import _rebuild_faiss
 from schemas.config import PipelineConfig
 from schemas.manifest import (
     CREATED_BY,
@@ -57,7 +58,7 @@ def tokens_in_chunk(chunk: Chunk, pad_id: int) -> int:
 
 
 def _index_manifest(
-    entries, info, tallies, precision, cfg: PipelineConfig, tok: Tokenization, threads
+    entries, info: BuildInfo, tallies, precision, cfg: PipelineConfig, tok: Tokenization, threads
 ) -> IndexManifest:
     files = _sorted_entries(list(entries) + _index_entries(info))
     return IndexManifest(
@@ -70,13 +71,13 @@ def _index_manifest(
         encoder_threads=threads,
         embedding_precision=precision,
         num_documents=tallies.get("documents_chunked", 0),
-        num_chunks=sum(e["rows"] for e in files if e["path"].startswith("chunks/")),
+        num_chunks=sum(e.rows for e in files if e.path.startswith("chunks/")),
         chunk_tokens=cfg.chunk_tokens,
         pad_id=tok.pad_id,
         files=files,
         counters=dict(sorted({**tallies, **_index_counters(info)}.items())),
         created_by=CREATED_BY,
-        **_vector_index_fields(info),
+        **info.vector_index(),
     )
 
 
@@ -139,7 +140,7 @@ def build_index(
     )
     info = (
         embedding_files
-        | "EmbeddingPaths" >> beam.Map(lambda entry: fileio.join(staging, entry["path"]))
+        | "EmbeddingPaths" >> beam.Map(lambda entry: fileio.join(staging, entry.path))
         | "BuildIndex"
         >> BuildIndex(
             cfg.index,

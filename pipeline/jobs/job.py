@@ -14,10 +14,10 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, TypeVar
 
 import apache_beam as beam
 from pydantic import BaseModel
@@ -34,10 +34,12 @@ from pipeline.jobs.options import new_pipeline
 from schemas.config import PipelineConfig
 from schemas.manifest import (
     MANIFEST_FILE,
+    FileEntry,
     StageTimings,
 )
 
 log = logging.getLogger("ratrain")
+Entry = TypeVar("Entry", bound=FileEntry)
 
 
 @dataclass(frozen=True)
@@ -98,10 +100,10 @@ class StageClock:
 
 
 class Job:
-    """One Beam job that commits itself. A job function makes one, resolves its inputs (or,
-    for a dry run, stands them in), builds its graph on `pipeline` writing into `staging`,
-    builds its manifest (a `model` instance) from the data written, hands it to `commit`, and
-    returns `run()`."""
+    """One Beam job. A job function makes one, resolves its inputs (or, for a dry run, stands
+    them in), builds its graph on `pipeline` writing into `staging`, builds its manifest (a
+    `model` instance) from the data written, hands it to `commit`, and returns `run()`. A job
+    that writes nothing (`validate`: `Job.reading`) has no staging, manifest or commit."""
 
     def __init__(
         self,
@@ -109,10 +111,10 @@ class Job:
         records: str,
         output: str,
         directory: str,
-        model: type[BaseModel],
+        model: type[BaseModel] | None,
         beam_args: list[str],
         *,
-        staging: str,
+        staging: str | None,
         dry_run: bool = False,
         detach: bool = False,
         max_rejected_fraction: float = 1.0,
@@ -121,9 +123,14 @@ class Job:
         self.output, self.directory, self.model = output, directory, model
         self.dry_run, self.detach = dry_run, detach
         self.max_rejected_fraction, self.replace = max_rejected_fraction, replace
-        self.staging = new_staging_dir(output, staging, dry_run)
+        self.staging = "" if staging is None else new_staging_dir(output, staging, dry_run)
         self.pipeline = new_pipeline(beam_args, dry_run)
         self.clock = StageClock(name, records)
+
+    @classmethod
+    def reading(cls, name: str, directory: str, beam_args: list[str]) -> Job:
+        """A job that reads `directory` and writes nothing: `run()` waits for it."""
+        return cls(name, "", directory, directory, None, beam_args, staging=None)
 
     def commit(
         self,
@@ -135,11 +142,13 @@ class Job:
         """The job's last step (`commit_stage`), once `manifest` (one model) exists and every
         PCollection in `after` is written: the staged files are the paths in `staged` (file
         entries) and those `staged_of(manifest)` names."""
+        if self.model is None:
+            raise TypeError(f"{self.clock.stage}: a job that writes nothing has nothing to commit")
         staging, output, directory, clock = self.staging, self.output, self.directory, self.clock
         fraction, replace = self.max_rejected_fraction, self.replace
         paths = beam.pvalue.AsList(
             (staged if staged is not None else self.pipeline | "NothingStaged" >> beam.Create([]))
-            | "StagedPaths" >> beam.Map(lambda entry: entry["path"])
+            | "StagedPaths" >> beam.Map(lambda entry: entry.path)
         )
 
         def commit(manifest, paths, *_after):
@@ -153,6 +162,9 @@ class Job:
         Attached: the committed manifest."""
         if self.dry_run:
             return describe(self.pipeline)
+        if self.model is None:
+            self.pipeline.run().wait_until_finish()
+            return None
         return run_stage(self.pipeline, self.clock, self.directory, self.model, self.detach)
 
 
@@ -164,8 +176,8 @@ def shards_dir(cfg: PipelineConfig) -> str:
     return fileio.join(cfg.output, "shards")
 
 
-def _sorted_entries(entries) -> list[dict]:
-    return sorted(entries, key=lambda e: e["path"])
+def _sorted_entries(entries: Iterable[Entry]) -> list[Entry]:
+    return sorted(entries, key=lambda e: e.path)
 
 
 def describe(pipeline: beam.Pipeline) -> dict:

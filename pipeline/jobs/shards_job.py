@@ -36,7 +36,7 @@ from pipeline.retrieve.beam import LOST_DATA, DocumentSpans, PackSequences, Retr
 from pipeline.retrieve.recall import MeasureNeighbourRecall
 from pipeline.retrieve.search import Retrieval, TunedDepth
 from pipeline.shards.rows import overlap_histogram, overlap_tally
-from pipeline.shards.write import FILLED, WriteShards
+from pipeline.shards.write import WriteShards
 from schemas.arrow import tensor_column_to_numpy
 from schemas.config import PipelineConfig
 from schemas.manifest import (
@@ -81,7 +81,7 @@ def _shards_manifest(
 ) -> ShardsManifest:
     shards = _sorted_entries(entries)
     L, k = cfg.chunks_per_sequence, cfg.neighbours
-    num_sequences = sum(s["rows"] for s in shards)
+    num_sequences = sum(s.rows for s in shards)
     slots = num_sequences * L * k
     counters = dict(tallies)
     counters["chunks_not_in_a_sequence"] = counters.pop("training_chunks", 0) - num_sequences * L
@@ -98,7 +98,7 @@ def _shards_manifest(
         pad_id=pad_id,
         num_sequences=num_sequences,
         shards=shards,
-        neighbour_fill=sum(s[FILLED] for s in shards) / slots if slots else 1.0,
+        neighbour_fill=sum(s.neighbour_slots_filled or 0 for s in shards) / slots if slots else 1.0,
         neighbour_recall=None if recall is None else NeighbourRecall(**recall),
         search_depth=SearchDepth(**search_depth) if search_depth["curve"] else None,
         overlap=overlap_histogram(counters),

@@ -12,6 +12,7 @@ from apache_beam.io.parquetio import ReadFromParquetBatched
 
 from pipeline.common import fileio
 from pipeline.index.build import BuildIndex
+from pipeline.index.build_info import BuildInfo
 from pipeline.index.recall import RECALL_K
 from pipeline.jobs.commit import StageError
 from pipeline.jobs.index_files import _index_counters, _index_entries, _index_staged, _log_index, _nonempty
@@ -20,15 +21,10 @@ from schemas.config import PipelineConfig, stable_hash
 from schemas.manifest import (
     CREATED_BY,
     IndexManifest,
-    VectorIndex,
     VectorIndexManifest,
 )
 
 log = logging.getLogger("ratrain")
-
-
-def _vector_index_fields(info: dict) -> dict:
-    return {key: info[key] for key in VectorIndex.model_fields}
 
 
 def _index_only_job(job: Job, paths: list[str], cfg_index, to_manifest, chunk_files: str | None, neighbours: int):
@@ -58,13 +54,13 @@ def _rebuild_faiss(
     """Only `index.*` changed: a new faiss index from the committed embeddings."""
     log.info("build-index: chunks and embeddings match the config; rebuilding the faiss index only")
     directory = index_dir(cfg)
-    kept = [f.model_dump(mode="json") for f in previous.files if not f.path.startswith("faiss/")]
-    paths = [fileio.join(directory, f["path"]) for f in kept if f["path"].startswith("embeddings/")]
+    kept = [f for f in previous.files if not f.path.startswith("faiss/")]
+    paths = [fileio.join(directory, f.path) for f in kept if f.path.startswith("embeddings/")]
     earlier = {k: v for k, v in previous.counters.items() if not k.startswith("index_")}
     base = previous.model_dump(mode="json")
     index_hash = cfg.index_hash()
 
-    def to_manifest(info: dict) -> IndexManifest:
+    def to_manifest(info: BuildInfo) -> IndexManifest:
         return IndexManifest.model_validate(
             {
                 **base,
@@ -72,7 +68,7 @@ def _rebuild_faiss(
                 "files": _sorted_entries(kept + _index_entries(info)),
                 "counters": dict(sorted({**earlier, **_index_counters(info)}.items())),
                 "created_by": CREATED_BY,
-                **_vector_index_fields(info),
+                **info.vector_index(),
             }
         )
 
@@ -108,15 +104,15 @@ def build_vector_index(embeddings: list[str], output: str, cfg_index, beam_args:
     inputs = [{"path": p, "bytes": sizes[p]} for p in paths]
     config_hash = stable_hash({"index": cfg_index.model_dump(), "inputs": inputs})
 
-    def to_manifest(info: dict) -> VectorIndexManifest:
+    def to_manifest(info: BuildInfo) -> VectorIndexManifest:
         return VectorIndexManifest(
             config_hash=config_hash,
-            num_vectors=info["num_vectors"],
+            num_vectors=info.num_vectors,
             inputs=inputs,
             files=_index_entries(info),
             counters=_index_counters(info),
             created_by=CREATED_BY,
-            **_vector_index_fields(info),
+            **info.vector_index(),
         )
 
     job = Job(

@@ -8,8 +8,7 @@ import numpy as np
 from pipeline.common.writers import WriteGroupedFiles
 from pipeline.shards.rows import ShardRow
 from schemas.arrow import shard_ipc_bytes, shard_table
-
-FILLED = "neighbour_slots_filled"  # per shard in the manifest: slots holding a neighbour
+from schemas.manifest import ShardEntry
 
 
 def neighbour_arrays(picks: list[tuple], chunks_per_seq: int, k: int, m: int, pad_id: int):
@@ -53,5 +52,6 @@ class WriteShards(beam.PTransform):
             key=lambda r: r.seq_id,
             rows_per_file=self.shard_rows,
             to_bytes=lambda rs: rows_to_ipc(rs, pad_id),
-            facts=lambda rs: {FILLED: sum(int((r.neighbour_ids >= 0).sum()) for r in rs)},
+            facts=lambda rs: {"neighbour_slots_filled": sum(int((r.neighbour_ids >= 0).sum()) for r in rs)},
+            entry=ShardEntry,
         )

@@ -271,7 +271,7 @@ def test_build_index_transform_flat(tmp_path):
     paths = write_embedding_files(tmp_path / "emb", np.arange(300), vectors, files=2)
     with local_pipeline() as p:
         info = p | beam.Create(paths) | BuildIndex(IndexConfig(), str(tmp_path / "faiss"))
-        assert_that(info | beam.Map(lambda i: (i["index_factory"], i["num_vectors"])), equal_to([("Flat", 300)]))
+        assert_that(info | beam.Map(lambda i: (i.index_factory, i.num_vectors)), equal_to([("Flat", 300)]))
     assert load_index(str(tmp_path / "faiss" / "index.faiss")).ntotal == 300
     assert json.loads((tmp_path / "faiss" / "build_info.json").read_text())["recall_at_k"]["value"] == 1.0
 

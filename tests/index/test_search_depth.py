@@ -76,12 +76,12 @@ def test_build_index_tunes_its_depth_with_each_query_document_excluded(corpus, t
 
     def check(infos):
         (info,) = infos
-        recall = info["recall_at_k"]
-        own = recall["own_document_excluded"]
-        assert len(info["files"]) == (1 if slice_bytes is None else 4)
-        assert own["k"] == K and own["value"] >= TARGET and info["nprobe"] == own["depth"] >= 16
-        assert recall["curve"][0]["depth"] == 1 and recall["curve"][0]["recall"] >= TARGET  # plain: nprobe 1 would do
-        assert own["curve"][0]["recall"] < TARGET
+        recall = info.recall_at_k
+        own = recall.own_document_excluded
+        assert len(info.files) == (1 if slice_bytes is None else 4)
+        assert own.k == K and own.value >= TARGET and info.nprobe == own.depth >= 16
+        assert recall.curve[0].depth == 1 and recall.curve[0].recall >= TARGET  # plain: nprobe 1 would do
+        assert own.curve[0].recall < TARGET
 
     with local_pipeline() as p:
         chunk_docs = p | "Documents" >> beam.Create(documents)

@@ -94,23 +94,26 @@ def test_row_types_and_the_overlap_audit_import_neither_beam_nor_faiss_nor_torch
 
 
 @pytest.mark.beam
-def test_write_shards_is_sorted_and_split_by_seq_id(tmp_path):
+def test_write_shards_is_sorted_split_by_seq_id_and_counts_filled_slots(tmp_path):
     rows = [
         ShardRow(
             s,
             np.full(L * M + 1, s, np.int32),
             np.full((L, K, 2 * M), s, np.int32),
-            np.full((L, K), s, np.int64),
+            np.full((L, K), -1 if s == 3 else s, np.int64),  # sequence 3: every slot empty
             np.full((L, K), 0.5, np.float32),
             (s,),
         )
         for s in (4, 0, 3, 1, 2)
     ]
+    slots = L * K
     with local_pipeline() as p:
         entries = p | beam.Create(rows) | WriteShards(str(tmp_path), shard_rows=2, pad_id=PAD)
         assert_that(
-            entries | beam.Map(lambda e: (e["path"], e["rows"])),
-            equal_to([("shard-00000.arrow", 2), ("shard-00001.arrow", 2), ("shard-00002.arrow", 1)]),
+            entries | beam.Map(lambda e: (e.path, e.rows, e.neighbour_slots_filled)),
+            equal_to(
+                [("shard-00000.arrow", 2, 2 * slots), ("shard-00001.arrow", 2, slots), ("shard-00002.arrow", 1, slots)]
+            ),
         )
     table = read_shard_table(pa.memory_map(str(tmp_path / "shard-00001.arrow")))
     assert table["seq_id"].to_pylist() == [2, 3]
