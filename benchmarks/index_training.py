@@ -50,8 +50,9 @@ def measure(factory: str, clustering: str, vectors, queries, best) -> dict:
     from pipeline.index.train import train_index
 
     rng = np.random.default_rng(5)
-    sample = vectors[np.sort(rng.choice(len(vectors), training_size(len(vectors), factory), replace=False))]
-    index, train_s = timed(lambda: train_index(factory, sample, clustering))
+    chosen = np.sort(rng.choice(len(vectors), training_size(len(vectors), factory), replace=False))
+    sample = vectors[chosen]  # two-level draws its subsets by these ids, as the index stage's workers do
+    index, train_s = timed(lambda: train_index(factory, sample, clustering, ids=chosen, population=len(vectors)))
     _, fill_s = timed(lambda: index.add_with_ids(vectors, np.arange(len(vectors))))
     recall = {}
     for nprobe in NPROBES:

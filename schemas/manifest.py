@@ -37,7 +37,9 @@ class Fingerprint(_Model):
 
 
 class DepthRecall(_Model):
-    depth: int
+    """One point of a recall curve: the recall measured at one search depth."""
+
+    depth: int | None = Field(description="nprobe or efSearch; None: an exact index, searched whole.")
     recall: float
 
 
@@ -245,7 +247,7 @@ class SearchDepth(_Model):
     depth: int | None = Field(description="The depth build-shards searched at.")
     target: float = Field(description="index.target_recall.")
     recall_below_target: str = Field(description="The policy: deepen, warn or fail.")
-    curve: list[dict] = Field(
+    curve: list[DepthRecall] = Field(
         description="{depth, recall} measured, index depth first (recall as neighbour_recall measures it)."
     )
     plateau: bool = Field(description="Deepening stopped because two doublings of the depth gained less than 0.005.")

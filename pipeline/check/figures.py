@@ -109,11 +109,11 @@ def recall_curves(manifest, search_depth: SearchDepth | None) -> list[tuple[str,
     own = recall.own_document_excluded
     if own is not None and own.curve:
         curves.append((f"index, own document excluded: recall@{own.k}", [(p.depth, p.recall) for p in own.curve]))
-    if search_depth is not None and search_depth.curve and search_depth.curve[0]["depth"] is not None:
+    if search_depth is not None and search_depth.curve and search_depth.curve[0].depth is not None:
         curves.append(
             (
                 "build-shards, own documents excluded: neighbour recall",
-                [(p["depth"], p["recall"]) for p in search_depth.curve],
+                [(p.depth, p.recall) for p in search_depth.curve],
             )
         )
     return [(label, sorted(points)) for label, points in curves if points]

@@ -95,7 +95,7 @@ def _recall_body(manifest, search_depth: SearchDepth | None = None) -> str:
         else " The queries' documents were not known, so no curve with them excluded was measured."
     )
     shards = ""
-    if search_depth is not None and search_depth.curve and search_depth.curve[0]["depth"] is not None:
+    if search_depth is not None and search_depth.curve and search_depth.curve[0].depth is not None:
         shards = (
             f" build-shards measured its own sampled training chunks, their sequence's documents excluded, from the "
             f"index's depth {search_depth.index_depth} and searched at {search_depth.depth} "

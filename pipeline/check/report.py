@@ -25,23 +25,11 @@ from schemas.arrow import read_shard, shard_column
 from schemas.manifest import MANIFEST_FILE, IndexManifest, ShardsManifest, VectorIndexManifest
 
 SAMPLE_CHUNKS = 3  # chunks shown per sample sequence
-
-
 REPORT_FILE = "report.html"
-
-
 SCORE_SAMPLE_SEQUENCES = 20_000  # shards are sampled (by name hash) down to about this many sequences
-
-
 SCORE_EDGES = np.linspace(-1.0, 1.0, 401)  # cosine of unit vectors, in bins 0.005 wide
-
-
 SAMPLE_SEQUENCES = 3
-
-
 EXAMPLES_PER_REASON = 3
-
-
 EXCERPT_CHARS = 160
 
 
@@ -173,7 +161,7 @@ def neighbour_quality(manifest: ShardsManifest) -> list[tuple[str, str]]:
     recall, depth = manifest.neighbour_recall, manifest.search_depth
     searched = []
     if depth is not None and depth.depth is not None:
-        measured = ", ".join(f"{p['recall']:.3f} at {p['depth']}" for p in depth.curve)
+        measured = ", ".join(f"{p.recall:.3f} at {p.depth}" for p in depth.curve)
         searched = [
             (
                 "search depth",

@@ -20,8 +20,6 @@ from pipeline.common import fileio
 from schemas.arrow import tensor_column_to_numpy
 
 CHUNK_COLUMNS = ("chunk_id", "doc_id", "position", "tokens", "continuation")  # schemas.arrow.chunk_schema
-
-
 TENSOR_COLUMNS = ("tokens", "continuation")
 
 

@@ -20,8 +20,6 @@ import numpy as np
 from tokenizers import Tokenizer
 
 TOKENIZE_BATCH = 256
-
-
 BUCKET_BITS = 16  # doc-id buckets of the chunk-id prefix sum: 65,536 offsets at most
 
 

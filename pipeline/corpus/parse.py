@@ -28,11 +28,7 @@ from pipeline.corpus.records import EXCERPT_CHARS, Document, FileRange, Record, 
 from schemas.config import CorpusConfig
 
 SPLIT_BYTES = 64 << 20  # an uncompressed JSONL or Parquet file larger than this is read in ranges
-
-
 PARQUET_BATCH_ROWS = 1024  # rows decoded at a time: bounds memory for long documents
-
-
 COUNT_BLOCK_BYTES = 1 << 20  # read size when counting the lines before a range
 
 

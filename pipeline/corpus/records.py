@@ -9,8 +9,6 @@ import posixpath
 from dataclasses import dataclass
 
 METRICS_NAMESPACE = "ratrain"
-
-
 EXCERPT_CHARS = 200
 
 

@@ -10,6 +10,7 @@ import numpy as np
 
 from pipeline.chunks.chunking import load_tokenizer
 from pipeline.embed.encoder import chunk_texts, encode_texts, load_encoder, resolve_precision, torch_threads
+from pipeline.index.recall import TIE_TOLERANCE  # a neighbour as similar as float32's within this agrees
 from schemas.config import EmbeddingConfig
 
 
@@ -17,12 +18,7 @@ class PrecisionTooLow(RuntimeError):
     """Embeddings in reduced precision whose neighbours disagree with float32's."""
 
 
-TIE_TOLERANCE = 1e-3  # a neighbour as similar as float32's within this agrees (near-duplicates)
-
-
 PRECISION_SALT = 4
-
-
 # One-sided 99% normal quantile: the build fails only when the agreement is below
 # min_agreement with 99% confidence, so a small sample is not failed by one near-tie.
 AGREEMENT_CONFIDENCE_Z = 2.326

@@ -48,8 +48,6 @@ from pipeline.retrieve.sequences import widest_span
 from schemas.config import IndexConfig
 
 INDEX_FILE = "index.faiss"
-
-
 SLICE_FILE = "slice-{:05d}.faiss"
 
 

@@ -9,7 +9,7 @@ from pipeline.common import fileio
 from pipeline.index.factory import IndexPlan
 from pipeline.index.recall import RECALL_MEASURE
 from schemas.config import IndexConfig
-from schemas.manifest import FileEntry, VectorIndex
+from schemas.manifest import DepthRecall, FileEntry, OwnDocumentRecall, VectorIndex
 
 BUILD_INFO_FILE = "build_info.json"
 
@@ -35,8 +35,8 @@ def write_build_info(
     files: list[dict],
     tuned: tuple[int | None, float, bool, int],
     rate: float,
-    curve: list[dict] | None,
-    own: dict | None,
+    curve: list[DepthRecall] | None,
+    own: OwnDocumentRecall | None,
 ) -> BuildInfo:
     """build_info.json: what the manifest records of the index, and its faiss files; `tuned`:
     (depth, recall, plateau, query sample size); `curve`: the recall at each depth measured
@@ -59,8 +59,8 @@ def write_build_info(
             "nprobe": depth,
             "target": cfg.target_recall,
             "plateau": plateau,
-            "curve": curve,
-            "own_document_excluded": own,
+            "curve": None if curve is None else [point.model_dump() for point in curve],
+            "own_document_excluded": None if own is None else own.model_dump(exclude_unset=True),
         },
         "queries_per_second": round(rate, 1),
         "index_bytes": sum(f["bytes"] for f in files),

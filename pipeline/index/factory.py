@@ -16,32 +16,14 @@ import faiss
 from schemas.config import IndexConfig
 
 ID_BYTES = 8  # faiss keeps an int64 id per vector
-
-
 FLAT_MAX_VECTORS = 100_000  # exact search stays fast below this
-
-
 IVF_FLAT_MAX_VECTORS = 1_000_000
-
-
 HNSW_QUANTIZER_MIN_LISTS = 16384  # above this many lists, assign with a graph, not a scan
-
-
 HNSW_M = 32
-
-
 PQ_CHOICES = (128, 96, 64, 48, 32, 24, 16, 8, 4)  # sub-quantizers (bytes per code), largest first
-
-
 MIN_POINTS_PER_CENTROID = 39  # faiss k-means warns below this
-
-
 MAX_POINTS_PER_CENTROID = 256  # and subsamples above it
-
-
 TRAIN_POINTS_PER_CENTROID = 64  # what we sample, between the two
-
-
 TWO_LEVEL_MIN_LISTS = 4096  # 'auto' clustering: two-level k-means from this many lists
 
 

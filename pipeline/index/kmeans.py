@@ -9,7 +9,8 @@ import math
 import faiss
 import numpy as np
 
-from pipeline.index.factory import IndexBuildError, encoder_size, new_index, required_ivf_lists
+from pipeline.index.factory import IndexBuildError, encoder_size, new_index, required_ivf_lists, training_size
+from pipeline.index.sampling import TRAIN_SALT, in_sample
 
 # Two-level k-means (faiss.contrib.clustering's scheme, split into steps that can run on
 # different workers): √nlist first-level clusters trained on a bounded subsample, every training
@@ -20,17 +21,9 @@ from pipeline.index.factory import IndexBuildError, encoder_size, new_index, req
 # recovered by 3 iterations). About √nlist / 2 times fewer distance computations than one
 # k-means over nlist lists, and no step holds more than one cluster.
 FIRST_LEVEL_POINTS = 256  # training vectors per first-level cluster (faiss subsamples above 256)
-
-
 KMEANS_SEED = 1234  # faiss's default: the same clusters on every run
-
-
 REFINE_ITERATIONS = 3
-
-
 REFINE_PROBE = 8
-
-
 SUM_SCALE = 2.0**36  # fixed point for unit vectors' sums: 2^26 of them fit an int64
 
 
@@ -122,21 +115,21 @@ def index_from_centroids(factory: str, centroids: np.ndarray, encoder_sample: np
     return index
 
 
-def _train_two_level(factory: str, sample: np.ndarray):
-    """Two-level training in one process: the steps BuildIndex spreads over workers."""
+def train_two_level(factory: str, ids: np.ndarray, sample: np.ndarray, population: int):
+    """Two-level training in one process: step for step what `TrainIndex` spreads over workers,
+    on the same subsets, so both give the same centroids. `sample` holds the vectors of `ids`,
+    the training sample drawn (`in_sample`) from `population` vectors; the first-level subset
+    and the encoder's are drawn from it by chunk id as the workers draw them."""
     nlist = required_ivf_lists(factory)
-    first = spherical_kmeans(
-        sample[_spread(len(sample), first_level_size(len(sample), nlist))], first_level_clusters(nlist)
-    )
+    order = np.argsort(ids, kind="stable")  # the workers read their sample in chunk-id order
+    ids, sample = ids[order], np.ascontiguousarray(sample[order], dtype=np.float32)
+    subset = first_level_size(training_size(population, factory), nlist)
+    first = spherical_kmeans(sample[in_sample(ids, subset, population, TRAIN_SALT)], first_level_clusters(nlist))
     cluster = assign_first_level(first, sample)
     lists = lists_per_cluster(np.bincount(cluster, minlength=len(first)), nlist)
     centroids = np.concatenate([second_level_centroids(sample[cluster == c], int(lists[c])) for c in range(len(first))])
     for _ in range(REFINE_ITERATIONS):
         touched, sums, _ = list_sums(list_assigner(first, centroids), sample)
         centroids = moved_centroids(centroids, touched, sums)
-    return index_from_centroids(factory, centroids, sample[_spread(len(sample), encoder_size(factory))])
-
-
-def _spread(n: int, size: int) -> np.ndarray:
-    """`size` row numbers spread evenly over n rows."""
-    return np.unique(np.linspace(0, n - 1, min(size, n)).astype(np.int64))
+    encoder_sample = sample[in_sample(ids, encoder_size(factory), population, TRAIN_SALT)]
+    return index_from_centroids(factory, centroids, encoder_sample)

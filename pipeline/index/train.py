@@ -9,20 +9,29 @@ import numpy as np
 
 from pipeline.index.factory import IndexBuildError, is_ivf, new_index, resolve_clustering, training_size
 from pipeline.index.files import write_index
-from pipeline.index.kmeans import _train_two_level
+from pipeline.index.kmeans import train_two_level
 from pipeline.index.sampling import TRAIN_SALT, in_sample
 
 
-def train_index(factory: str, sample: np.ndarray, clustering: str = "flat"):
+def train_index(
+    factory: str,
+    sample: np.ndarray,
+    clustering: str = "flat",
+    ids: np.ndarray | None = None,
+    population: int | None = None,
+):
     """A new index of `factory` trained on `sample`. An IVF's coarse k-means is one k-means over
     all lists ('flat', on every GPU this faiss build sees: none with faiss-cpu) or faiss's
-    two-level clustering ('two_level', on the CPU); see resolve_clustering."""
+    two-level clustering ('two_level', on the CPU; see resolve_clustering), which draws its
+    subsets by the sample's chunk `ids` (default: row numbers) out of `population` vectors
+    (default: the sample's size), as `TrainIndex` does."""
     index = new_index(factory, sample.shape[1])
     sample = np.ascontiguousarray(sample, dtype=np.float32)
     if index.is_trained:
         return index
     if resolve_clustering(clustering, factory) == "two_level":
-        return _train_two_level(factory, sample)
+        row_ids = np.arange(len(sample), dtype=np.int64) if ids is None else np.asarray(ids, np.int64)
+        return train_two_level(factory, row_ids, sample, len(sample) if population is None else population)
     if is_ivf(index) and faiss.get_num_gpus() > 0:  # not measured on a GPU yet
         ivf = faiss.extract_index_ivf(index)
         ivf.clustering_index = faiss.index_cpu_to_all_gpus(faiss.IndexFlatL2(ivf.d))
@@ -33,7 +42,8 @@ def train_index(factory: str, sample: np.ndarray, clustering: str = "flat"):
 def build_index(ids: np.ndarray, vectors: np.ndarray, factory: str):
     """In one process: a trained, filled index whose faiss ids are `ids`, trained on the same
     sample the Beam stage would draw (for small sets, the non-mergeable types and baselines)."""
-    index = train_index(factory, vectors[in_sample(ids, training_size(len(ids), factory), len(ids), TRAIN_SALT)])
+    keep = in_sample(ids, training_size(len(ids), factory), len(ids), TRAIN_SALT)
+    index = train_index(factory, vectors[keep], ids=ids[keep], population=len(ids))
     index.add_with_ids(np.ascontiguousarray(vectors, dtype=np.float32), ids.astype(np.int64))
     return index
 

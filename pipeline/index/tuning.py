@@ -5,6 +5,7 @@ recall curves (the deeper of the two depths is kept).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -12,6 +13,7 @@ from pipeline.index.exact import merge_nearest
 from pipeline.index.recall import NEIGHBOUR_MEASURE, PLATEAU_GAIN, one_recall_at_k
 from pipeline.index.search import search_depth_range, set_search_depth
 from schemas.config import IndexConfig
+from schemas.manifest import DepthRecall, OwnDocumentRecall
 
 
 @dataclass(frozen=True)
@@ -37,16 +39,26 @@ class Truth:
         return Truth(merge_nearest(self.nearest_other, other.nearest_other), outside)
 
 
-def _recorded(curve: list, recall_at, depth: int) -> float:
+class Tuned(NamedTuple):
+    """A tuned search depth (None: an exact index) and the recall measured at it."""
+
+    depth: int | None
+    recall: float
+    plateau: bool  # deeper gained less than PLATEAU_GAIN over two doublings: the codes limit recall
+
+
+def _recorded(curve: list[DepthRecall], recall_at, depth: int) -> float:
     """The recall at `depth` from the curve, measured (and appended) if it is not there."""
     for point in curve:
-        if point["depth"] == depth:
-            return point["recall"]
-    curve.append({"depth": depth, "recall": recall_at(depth)})
-    return curve[-1]["recall"]
+        if point.depth == depth:
+            return point.recall
+    curve.append(DepthRecall(depth=depth, recall=recall_at(depth)))
+    return curve[-1].recall
 
 
-def tune_index_depth(depths, plain_at, own_at, cfg: IndexConfig, neighbours: int) -> tuple:
+def tune_index_depth(
+    depths, plain_at, own_at, cfg: IndexConfig, neighbours: int
+) -> tuple[Tuned, list[DepthRecall] | None, OwnDocumentRecall | None]:
     """The depth an index is searched at, from two measures on the query sample: plain_at(depth),
     RECALL_MEASURE (the query itself excluded), and own_at(depth) (None: documents unknown),
     NEIGHBOUR_MEASURE at k = neighbours with the query's whole document excluded, as
@@ -57,15 +69,15 @@ def tune_index_depth(depths, plain_at, own_at, cfg: IndexConfig, neighbours: int
     own = None
     if depths is None:
         if own_at is not None:
-            own = {"measure": NEIGHBOUR_MEASURE, "k": neighbours, "value": own_at(None), "depth": None, "curve": None}
-        return (None, plain_at(None), False), None, own
-    curve: list = []
+            own = OwnDocumentRecall(measure=NEIGHBOUR_MEASURE, k=neighbours, value=own_at(None), depth=None, curve=None)
+        return Tuned(None, plain_at(None), False), None, own
+    curve: list[DepthRecall] = []
     if cfg.nprobe is not None:
         depth, recall, plateau = cfg.nprobe, _recorded(curve, plain_at, cfg.nprobe), False
     else:
         depth, recall, plateau = tune_depth(depths, plain_at, cfg.target_recall, curve)
     if own_at is not None:
-        own_curve: list = []
+        own_curve: list[DepthRecall] = []
         if cfg.nprobe is not None:
             own_depth, own_plateau = cfg.nprobe, False
         else:
@@ -74,29 +86,31 @@ def tune_index_depth(depths, plain_at, own_at, cfg: IndexConfig, neighbours: int
             depth = own_depth
             recall = _recorded(curve, plain_at, depth)
             plateau = plateau and recall < cfg.target_recall
-        own = {
-            "measure": NEIGHBOUR_MEASURE,
-            "k": neighbours,
-            "value": _recorded(own_curve, own_at, depth),
-            "depth": own_depth,
-            "plateau": own_plateau,
-            "curve": own_curve,
-        }
-    return (depth, recall, plateau), curve, own
+        own = OwnDocumentRecall(
+            measure=NEIGHBOUR_MEASURE,
+            k=neighbours,
+            value=_recorded(own_curve, own_at, depth),
+            depth=own_depth,
+            plateau=own_plateau,
+            curve=own_curve,
+        )
+    return Tuned(depth, recall, plateau), curve, own
 
 
-def tune_depth(depths: list[int], recall_at, target: float, curve: list | None = None):
+def tune_depth(
+    depths: list[int], recall_at, target: float, curve: list[DepthRecall] | None = None
+) -> tuple[int, float, bool]:
     """Over `depths` (smallest first), `recall_at(depth)` until one reaches `target`, or until
     two doublings of the depth in a row gain less than PLATEAU_GAIN together (then the depth
     before that plateau: deeper would cost time for nothing, the codes, not the depth, limit
     recall). One flat doubling is not a plateau: with a query's own document excluded, the
     first lists probed can all be its document's, and the gain comes after them.
-    -> (depth, recall, plateaued). Each measurement is appended to `curve` as {depth, recall}."""
+    -> (depth, recall, plateaued). Each measurement is appended to `curve`."""
     measured: list[tuple[int, float]] = []
     for depth in depths:
         recall = recall_at(depth)
         if curve is not None:
-            curve.append({"depth": depth, "recall": recall})
+            curve.append(DepthRecall(depth=depth, recall=recall))
         if recall >= target:
             return depth, recall, False
         if len(measured) >= 2 and recall - measured[-2][1] < PLATEAU_GAIN:
@@ -105,12 +119,12 @@ def tune_depth(depths: list[int], recall_at, target: float, curve: list | None =
     return depth, recall, False
 
 
-def tune_search_depth(index, query_ids, queries, truth, target: float, curve: list | None = None):
+def tune_search_depth(index, query_ids, queries, truth, target: float, curve: list[DepthRecall] | None = None) -> Tuned:
     """Smallest search depth of `index` reaching `target` (`tune_depth`, which fills `curve`),
     set on it: (depth, recall, plateaued); depth None for an index without a depth knob."""
     depths = search_depth_range(index)
     if depths is None:
-        return None, one_recall_at_k(index, query_ids, queries, truth), False
+        return Tuned(None, one_recall_at_k(index, query_ids, queries, truth), False)
 
     def recall_at(depth):
         set_search_depth(index, depth)
@@ -118,4 +132,4 @@ def tune_search_depth(index, query_ids, queries, truth, target: float, curve: li
 
     depth, recall, plateau = tune_depth(depths, recall_at, target, curve)
     set_search_depth(index, depth)
-    return depth, recall, plateau
+    return Tuned(depth, recall, plateau)

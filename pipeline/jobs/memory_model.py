@@ -26,26 +26,12 @@ from pipeline.index.slices import vectors_per_slice
 from schemas.config import PipelineConfig
 
 MB = 2**20
-
-
 SDK_PROCESS = 400 * MB  # a Beam SDK process with pyarrow, numpy and tokenizers (210-440 MB measured)
-
-
 ENCODER = 600 * MB  # torch and a MiniLM-sized encoder on top of it, batches included
-
-
 ROW_OVERHEAD = 250  # bytes of Python objects around one row held as a Python object
-
-
 PARQUET_ROW_GROUP = 128 * MB  # what pyarrow decodes at once from a Parquet input (writers' usual row group)
-
-
 BYTES_PER_TOKEN = 4  # of English text, for a corpus size given in bytes
-
-
 GZIP_RATIO = 3.5  # text compresses about this much
-
-
 SEARCH_BATCH = 4096  # queries searched at once, with their candidates
 
 

@@ -25,8 +25,6 @@ from apache_beam.options.pipeline_options import (
 )
 
 LOCAL_RUNNER = "FnApiRunner"
-
-
 # Runners whose SDK workers run on the machine that launches the job.
 IN_PROCESS_RUNNERS = {None, LOCAL_RUNNER, "DirectRunner", "BundleBasedDirectRunner", "SwitchingDirectRunner"}
 

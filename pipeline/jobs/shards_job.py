@@ -34,7 +34,7 @@ from pipeline.jobs.job import (
 from pipeline.jobs.options import encoder_threads
 from pipeline.retrieve.beam import LOST_DATA, DocumentSpans, PackSequences, RetrieveNeighbours
 from pipeline.retrieve.recall import MeasureNeighbourRecall
-from pipeline.retrieve.search import Retrieval, TunedDepth
+from pipeline.retrieve.search import Retrieval
 from pipeline.shards.rows import overlap_histogram, overlap_tally
 from pipeline.shards.write import WriteShards
 from schemas.arrow import tensor_column_to_numpy
@@ -72,7 +72,7 @@ def _shards_manifest(
     entries,
     tallies,
     recall,
-    search_depth: TunedDepth,
+    search_depth: SearchDepth,
     precision,
     cfg: PipelineConfig,
     index_sha: str,
@@ -100,7 +100,7 @@ def _shards_manifest(
         shards=shards,
         neighbour_fill=sum(s.neighbour_slots_filled or 0 for s in shards) / slots if slots else 1.0,
         neighbour_recall=None if recall is None else NeighbourRecall(**recall),
-        search_depth=SearchDepth(**search_depth) if search_depth["curve"] else None,
+        search_depth=search_depth if search_depth.curve else None,
         overlap=overlap_histogram(counters),
         counters=dict(sorted(counters.items())),
         created_by=CREATED_BY,
@@ -277,9 +277,9 @@ def neighbour_warnings(manifest: ShardsManifest, cfg: PipelineConfig) -> list[st
                 f"two doublings of the search depth beyond {depth.depth} gained less than {PLATEAU_GAIN} (the index's "
                 "codes limit recall, not the depth: a larger index.memory_budget or another index.type)"
             )
-        elif depth is not None and depth.curve and depth.curve[-1]["recall"] >= target:
+        elif depth is not None and depth.curve and depth.curve[-1].recall >= target:
             cause = (
-                f"the search depth {depth.depth} reached {depth.curve[-1]['recall']:.3f} on the tuning sample, "
+                f"the search depth {depth.depth} reached {depth.curve[-1].recall:.3f} on the tuning sample, "
                 "which this check's sample misses (a larger neighbour_recall_sample tunes on more chunks)"
             )
         else:

@@ -27,7 +27,6 @@ from pipeline.retrieve.search import (
     CANDIDATE,
     SEQUENCES_PER_SEARCH,
     Retrieval,
-    TunedDepth,
     _excluded_ranges,
     _loaded_index,
     batch_probes,
@@ -40,10 +39,9 @@ from pipeline.retrieve.search import (
 from pipeline.retrieve.sequences import document_spans, pack_sequence, widest_span
 from pipeline.shards.rows import ShardRow
 from pipeline.shards.write import neighbour_arrays
+from schemas.manifest import SearchDepth
 
 SENT = "sent"  # tagged output: (seq_id, elements it sent through the next shuffle)
-
-
 TALLY = "tally"  # tagged output: (name, count) pairs, counted as data (pipeline.tally)
 
 
@@ -141,9 +139,9 @@ class _Search(beam.DoFn):
     def __init__(self, spec: Retrieval):
         self.spec = spec
 
-    def process(self, keyed, tuned: TunedDepth):
+    def process(self, keyed, tuned: SearchDepth):
         _, grouped = keyed
-        index = _loaded_index(self._shared_index, self.spec.index_paths[0], tuned["depth"]).index
+        index = _loaded_index(self._shared_index, self.spec.index_paths[0], tuned.depth).index
         sequences, hits, deeper = search_batch(index, grouped, self.spec)
         if sequences:  # none: only the embeddings of chunks left over after the last sequence
             yield from emit_hits(self.spec, [s.seq_id for s in sequences], hits, deeper)
@@ -169,9 +167,9 @@ class _SearchSlice(beam.DoFn):
     def __init__(self, spec: Retrieval):
         self.spec = spec
 
-    def process(self, keyed, tuned: TunedDepth):
+    def process(self, keyed, tuned: SearchDepth):
         (index_slice, _), batches = keyed
-        index = _loaded_index(self._shared_index, self.spec.index_paths[index_slice], tuned["depth"]).index
+        index = _loaded_index(self._shared_index, self.spec.index_paths[index_slice], tuned.depth).index
         for batch, grouped in batches:
             sequences, hits, deeper = search_batch(index, grouped, self.spec)
             if sequences:
@@ -301,7 +299,7 @@ class Retrieved:
     rows: beam.PCollection  # ShardRows
     probes: beam.PCollection  # one sorted list of Probes: the training chunks sampled
     truth: beam.PCollection  # one (scores, ids) [probes, truth_depth]: their exact neighbours, or None
-    search_depth: beam.PCollection  # one TunedDepth: `tune_retrieval_depth`'s result
+    search_depth: beam.PCollection  # one SearchDepth: `tune_retrieval_depth`'s result
     tallies: beam.PCollection  # (name, count) pairs
 
 

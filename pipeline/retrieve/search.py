@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import TypedDict
 
 import numpy as np
 from apache_beam.utils import shared
@@ -21,16 +20,14 @@ from pipeline.index.slices import merge_slice_results, one_index_order
 from pipeline.index.tuning import tune_depth
 from pipeline.retrieve.recall import Probe
 from pipeline.retrieve.sequences import merge_ranges
+from schemas.manifest import DepthRecall, SearchDepth
 
 SEQUENCES_PER_SEARCH = 64  # fixed search batches: faiss scores depend on batch shape
-
-
 # With dedupe_neighbours, search hits travel in numpy blocks, one per (search batch, chunk
 # file), not one tuple each; token_key is filled from the hit's chunk file.
 CANDIDATE = np.dtype(
     [("seq_id", "<i8"), ("j", "<i4"), ("rank", "<i4"), ("chunk_id", "<i8"), ("score", "<f4"), ("token_key", "<i8")]
 )
-
 
 PROBE_SALT = 3
 
@@ -149,18 +146,6 @@ def search_batch(index, grouped, spec: Retrieval):
     return sequences, np.concatenate(blocks), deeper_seqs
 
 
-class TunedDepth(TypedDict):
-    """`tune_retrieval_depth`'s result: the manifest's `SearchDepth`, as the dict that travels
-    through Beam (a side input of the search) to the job that writes the manifest."""
-
-    index_depth: int | None  # the depth the index stage tuned (None: exact)
-    depth: int | None  # the depth build-shards searches at
-    target: float  # index.target_recall
-    recall_below_target: str  # deepen | warn | fail
-    curve: list[dict]  # {depth, recall} measured, the index's depth first
-    plateau: bool  # deepening stopped: two doublings gained less than PLATEAU_GAIN
-
-
 class NeighbourRecallTooLow(RuntimeError):
     """recall_below_target: fail, and the index's search depth misses the target."""
 
@@ -178,22 +163,24 @@ def search_probes(indexes, probes: list[Probe], k: int, depth: int | None) -> np
     return merge_slice_results(results, k)[1]
 
 
-def tune_retrieval_depth(spec: Retrieval, probes: list[Probe], truth) -> TunedDepth:
+def tune_retrieval_depth(spec: Retrieval, probes: list[Probe], truth) -> SearchDepth:
     """The depth build-shards searches at, from the recall of the probes' neighbours against
     their exact truth, own documents excluded (what the training shards will hold): the index's depth,
     then (recall_below_target: deepen or fail) twice that and so on until `target_recall` is
     met or two doublings gain less than PLATEAU_GAIN (`tune_depth`). fail raises when the index's
-    depth misses the target, naming the depth that meets it. -> the manifest's search_depth."""
-    result: TunedDepth = {
-        "index_depth": spec.depth,
-        "depth": spec.depth,
-        "target": spec.target_recall,
-        "recall_below_target": spec.recall_below_target,
-        "curve": [],
-        "plateau": False,
-    }
+    depth misses the target, naming the depth that meets it. -> the manifest's search_depth (it
+    travels to the search, and to the manifest, as a side input)."""
+    curve: list[DepthRecall] = []
+    untuned = SearchDepth(
+        index_depth=spec.depth,
+        depth=spec.depth,
+        target=spec.target_recall,
+        recall_below_target=spec.recall_below_target,
+        curve=curve,
+        plateau=False,
+    )
     if truth is None or not probes:
-        return result
+        return untuned
 
     first = load_index(spec.index_paths[0])
 
@@ -207,15 +194,12 @@ def tune_retrieval_depth(spec: Retrieval, probes: list[Probe], truth) -> TunedDe
 
     depths = search_depth_range(first)
     if depths is None or spec.recall_below_target == "warn":  # exhaustive, or kept as it is
-        result["curve"].append({"depth": spec.depth, "recall": recall_at(spec.depth)})
-        return result
+        return untuned.model_copy(update={"curve": [DepthRecall(depth=spec.depth, recall=recall_at(spec.depth))]})
     start = spec.depth if spec.depth is not None else depths[0]
-    curve = result["curve"]
     depth, recall, plateau = tune_depth(
         [start] + [d for d in depths if d > start], recall_at, spec.target_recall, curve
     )
-    result["depth"], result["plateau"] = depth, plateau
-    at_index = curve[0]["recall"]
+    at_index = curve[0].recall
     if spec.recall_below_target == "fail" and at_index < spec.target_recall:
         reached = f"depth {depth} reaches {recall:.3f}" if recall >= spec.target_recall else "no depth reaches it"
         raise NeighbourRecallTooLow(
@@ -223,7 +207,7 @@ def tune_retrieval_depth(spec: Retrieval, probes: list[Probe], truth) -> TunedDe
             f"{spec.target_recall} on {len(probes)} sampled training chunks with their own documents excluded; "
             f"{reached} (recall_below_target: fail; 'deepen' searches deeper)"
         )
-    return result
+    return untuned.model_copy(update={"depth": depth, "plateau": plateau, "curve": curve})
 
 
 def merge_slice_hits(blocks: list[np.ndarray], width: int) -> np.ndarray:

@@ -20,7 +20,7 @@ from pipeline.index.factory import (
 )
 from pipeline.index.files import load_index
 from pipeline.index.recall import one_recall_at_k
-from pipeline.index.sampling import in_sample
+from pipeline.index.sampling import TRAIN_SALT, in_sample
 from pipeline.index.search import search_excluding, set_search_depth
 from pipeline.index.slices import assign_slices
 from pipeline.index.train import build_index, merge_part, train_index
@@ -293,6 +293,23 @@ def test_build_index_transform_ivf_in_parts(tmp_path, clustering):
     index = load_index(str(tmp_path / "faiss" / "index.faiss"), info["nprobe"])
     _, found = index.search(vectors[:20], 1)
     assert found[:, 0].tolist() == ids[:20].tolist()  # chunk ids survive as faiss ids
+
+
+@pytest.mark.beam
+def test_two_level_k_means_in_one_process_finds_the_centroids_the_workers_find(tmp_path):
+    """TrainIndex's graph and `train_two_level` draw the same subsets by chunk id and run the
+    same steps: one set of coarse centroids, whichever runs it."""
+    factory, vectors = "IVF64,Flat", clustered(10_000, clusters=100)
+    ids = np.arange(10_000, dtype=np.int64) * 3 + 5
+    paths = write_embedding_files(tmp_path / "emb", ids, vectors, files=4)
+    _build(paths, IndexConfig(type=factory, nprobe=1, clustering="two_level"), tmp_path / "faiss")
+    sample = np.flatnonzero(in_sample(ids, training_size(len(ids), factory), len(ids), TRAIN_SALT))[::-1]  # any order
+    alone = train_index(factory, vectors[sample], "two_level", ids=ids[sample], population=len(ids))
+
+    def centroids(index):
+        return faiss.extract_index_ivf(index).quantizer.reconstruct_n(0, 64)
+
+    assert np.array_equal(centroids(load_index(str(tmp_path / "faiss" / "index.faiss"))), centroids(alone))
 
 
 @pytest.mark.parametrize("clustering", ["flat", "two_level"])

@@ -20,6 +20,7 @@ from pipeline.index.search import search_depth_range, search_each_excluding, set
 from pipeline.index.train import build_index
 from pipeline.index.tuning import tune_index_depth
 from schemas.config import IndexConfig
+from schemas.manifest import DepthRecall
 from tests.helpers import local_pipeline, write_embedding_files
 
 DOCUMENTS, CHUNKS_PER_DOCUMENT, FACTORY = 32, 100, "IVF64,Flat"
@@ -61,9 +62,9 @@ def test_tuning_without_own_documents_excluded_picks_a_depth_below_target(corpus
     assert own_at(plain_depth) < 0.8  # the depth tuned the old way: neighbours well below target
 
     (depth, recall, plateau), curve, own = tune_index_depth(depths, plain_at, own_at, cfg, K)
-    assert depth > plain_depth and own["depth"] == depth and own["value"] >= TARGET and not plateau
-    assert own["curve"][0]["recall"] < TARGET and [p["depth"] for p in own["curve"]] == depths[: len(own["curve"])]
-    assert recall >= TARGET and curve[-1] == {"depth": depth, "recall": recall}  # plain, at the depth kept
+    assert depth > plain_depth and own.depth == depth and own.value >= TARGET and not plateau
+    assert own.curve[0].recall < TARGET and [p.depth for p in own.curve] == depths[: len(own.curve)]
+    assert recall >= TARGET and curve[-1] == DepthRecall(depth=depth, recall=recall)  # plain, at the depth kept
 
 
 @pytest.mark.parametrize("slice_bytes", [None, 130_000], ids=["one file", "4 slices"])

@@ -100,10 +100,9 @@ def _retrieve(tmp_path, corpus, policy: str, shards: int, check_depth, check_rec
 def test_build_shards_deepens_until_its_neighbour_recall_meets_the_target(corpus, tmp_path, shards):
     def check_depth(results):
         (depth,) = results
-        assert depth["index_depth"] == 1 and depth["depth"] > 1 and not depth["plateau"]
-        assert depth["curve"][0]["depth"] == 1 and depth["curve"][0]["recall"] < TARGET
-        assert depth["curve"][-1] == {"depth": depth["depth"], "recall": depth["curve"][-1]["recall"]}
-        assert depth["curve"][-1]["recall"] >= TARGET
+        assert depth.index_depth == 1 and depth.depth > 1 and not depth.plateau
+        assert depth.curve[0].depth == 1 and depth.curve[0].recall < TARGET
+        assert depth.curve[-1].depth == depth.depth and depth.curve[-1].recall >= TARGET
 
     def check_recall(results):
         (recall,) = results
@@ -117,7 +116,7 @@ def test_build_shards_deepens_until_its_neighbour_recall_meets_the_target(corpus
 def test_recall_below_target_warn_keeps_the_index_depth_and_fail_names_the_depth_that_meets_it(corpus, tmp_path):
     def kept(results):
         (depth,) = results
-        assert depth["depth"] == 1 and len(depth["curve"]) == 1 and depth["curve"][0]["recall"] < TARGET
+        assert depth.depth == 1 and len(depth.curve) == 1 and depth.curve[0].recall < TARGET
 
     def below(results):
         (recall,) = results
