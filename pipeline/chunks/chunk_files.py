@@ -10,13 +10,13 @@ lookup by chunk id is then a shuffle of the requests by file plus one read of th
 from __future__ import annotations
 
 import bisect
-import re
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow.parquet as pq
 
 from pipeline.common import fileio
+from pipeline.common.names import file_number
 from schemas.arrow import tensor_column_to_numpy
 
 CHUNK_COLUMNS = ("chunk_id", "doc_id", "position", "tokens", "continuation")  # schemas.arrow.chunk_schema
@@ -46,12 +46,7 @@ class ChunkRows:
 
 def in_file_order(entries, prefix: str) -> list:
     """The manifest entries of `prefix/` files by their number (`name-NNNNN.ext`)."""
-
-    def number(entry):
-        found = re.search(r"-(\d+)\.\w+$", entry.path)
-        return int(found.group(1)) if found else -1
-
-    return sorted((e for e in entries if e.path.startswith(prefix + "/")), key=number)
+    return sorted((e for e in entries if e.path.startswith(prefix + "/")), key=lambda e: file_number(e.path))
 
 
 @dataclass(frozen=True)

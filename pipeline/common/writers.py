@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 
 from pipeline.chunks.chunking import Chunk
 from pipeline.common import fileio
+from pipeline.common.names import file_name
 from pipeline.corpus.records import Rejected
 from schemas.arrow import chunk_schema, embedding_schema, fixed_size_list
 from schemas.manifest import FileEntry
@@ -87,7 +88,7 @@ class WriteGroupedFiles(beam.PTransform):
             members = sorted(members, key=key)
             entry = write_file(
                 self.directory,
-                f"{self.prefix}-{number:05d}.{self.extension}",
+                file_name(self.prefix, number, self.extension),
                 self.to_bytes(members),
                 len(members),
                 self.relative_to,
@@ -130,7 +131,11 @@ class WriteRejected(beam.PTransform):
             number, records = group
             records = list(records)
             return write_file(
-                self.directory, f"{self.name}-{number:05d}.jsonl", rejected_jsonl(records), len(records), self.directory
+                self.directory,
+                file_name(self.name, number, "jsonl"),
+                rejected_jsonl(records),
+                len(records),
+                self.directory,
             )
 
         return (

@@ -32,6 +32,7 @@ import numpy as np
 from apache_beam.metrics import Metrics
 
 from pipeline.common import fileio
+from pipeline.common.names import file_name, file_number
 from pipeline.corpus.records import METRICS_NAMESPACE
 from pipeline.index.build_info import write_build_info
 from pipeline.index.exact import exact_nearest_other, exact_nearest_outside, truth_depth
@@ -48,7 +49,6 @@ from pipeline.retrieve.sequences import widest_span
 from schemas.config import IndexConfig
 
 INDEX_FILE = "index.faiss"
-SLICE_FILE = "slice-{:05d}.faiss"
 
 
 log = logging.getLogger("ratrain")
@@ -106,7 +106,7 @@ class _MergeTruth(beam.CombineFn):
 def _merge_and_tune(parts, trained_path, plan: IndexPlan, queries, truth, cfg: IndexConfig, out_dir, neighbours: int):
     """One worker: merge the parts into the trained index in input-file order, tune, write."""
     index = read_index(trained_path)
-    part_paths = [part for _, part in sorted(parts)]
+    part_paths = [part for _, part in sorted(parts, key=lambda p: file_number(p[0]))]  # chunk-id order
     for path in part_paths:
         merge_part(index, read_index(path))
     info = _finish(index, plan, queries, truth, cfg, out_dir, len(part_paths), neighbours)
@@ -116,7 +116,7 @@ def _merge_and_tune(parts, trained_path, plan: IndexPlan, queries, truth, cfg: I
 
 def _build_in_one(paths, plan: IndexPlan, queries: QuerySample, cfg: IndexConfig, out_dir, neighbours: int):
     """Flat and graph indexes: one worker adds everything (they cannot be merged)."""
-    batches = [batch for path in sorted(paths) for batch in read_embeddings(path)]
+    batches = [batch for path in sorted(paths, key=file_number) for batch in read_embeddings(path)]
     ids = np.concatenate([b[0] for b in batches])
     vectors = np.concatenate([b[1] for b in batches])
     order = np.argsort(ids, kind="stable")
@@ -184,9 +184,9 @@ def _assemble(keyed, trained_path, queries: QuerySample, cfg: IndexConfig, out_d
     tuning may pick (plainly, and with each query's own document excluded as build-shards
     searches a slice), for the merge step to combine with the other slices' results."""
     number, parts = keyed
-    part_paths = [part for _, part in sorted(parts)]
+    part_paths = [part for _, part in sorted(parts, key=lambda p: file_number(p[0]))]
     index_slice = assemble_slice(read_index(trained_path), (read_index(p) for p in part_paths))
-    name = SLICE_FILE.format(number)
+    name = file_name("slice", number, "faiss")
     slice_bytes, sha256 = write_index(index_slice, fileio.join(out_dir, name))
     depths = [cfg.nprobe] if cfg.nprobe is not None else search_depth_range(index_slice)
     if depths is None:

@@ -86,7 +86,12 @@ def list_sums(assigner, vectors: np.ndarray) -> tuple[np.ndarray, np.ndarray, np
     """One Lloyd step's partial result over `vectors`: (lists touched, their vector sums [.., d]
     in fixed point, counts). Integer sums add up to the same bits in any order, so the
     centroids do not depend on how the runner split the work."""
-    lists = assigner.search(np.ascontiguousarray(vectors, dtype=np.float32), 1)[1][:, 0]
+    vectors = np.ascontiguousarray(vectors, dtype=np.float32)
+    lists = assigner.search(vectors, 1)[1][:, 0]
+    unplaced = lists < 0  # none of its REFINE_PROBE nearest first-level clusters owns a list
+    if unplaced.any():  # rare: those vectors go to their nearest list of all
+        every_cluster = faiss.SearchParametersIVF(nprobe=assigner.nlist)  # type: ignore[call-arg]  # stubs lack the kwargs
+        lists[unplaced] = assigner.search(vectors[unplaced], 1, params=every_cluster)[1][:, 0]
     touched, inverse, counts = np.unique(lists, return_inverse=True, return_counts=True)
     sums = np.zeros((len(touched), vectors.shape[1]), np.int64)
     np.add.at(sums, inverse, np.round(vectors * SUM_SCALE).astype(np.int64))

@@ -15,9 +15,14 @@ from pipeline.index.recall import RECALL_K
 
 
 def set_search_depth(index, depth: int) -> None:
-    """nprobe for IVF, efSearch for HNSW."""
+    """nprobe for IVF (and an HNSW coarse quantizer's efSearch at least that: it returns at
+    most about efSearch lists), efSearch for HNSW."""
     if is_ivf(index):
-        faiss.extract_index_ivf(index).nprobe = depth
+        ivf = faiss.extract_index_ivf(index)
+        ivf.nprobe = depth
+        graph = _hnsw(faiss.downcast_index(ivf.quantizer))
+        if graph is not None:
+            graph.efSearch = max(graph.efSearch, depth)
     elif _hnsw(index) is not None:
         _hnsw(index).efSearch = depth
 
@@ -48,7 +53,15 @@ def _search_params(index, selector, depth: int | None):
     nprobe / efSearch, so the depth is always given)."""
     # faiss's stubs list neither the SWIG constructors' keyword arguments nor SearchParametersHNSW
     if is_ivf(index):
-        return faiss.SearchParametersIVF(sel=selector, nprobe=depth)  # type: ignore[call-arg]
+        params = faiss.SearchParametersIVF(sel=selector, nprobe=depth)  # type: ignore[call-arg]
+        graph = _hnsw(faiss.downcast_index(faiss.extract_index_ivf(index).quantizer))
+        if graph is not None and depth is not None and depth > graph.efSearch:
+            # an HNSW coarse quantizer returns at most about efSearch lists: it walks at least
+            # as deep as the lists asked for, or deepening would stop short of them
+            walk = faiss.SearchParametersHNSW(efSearch=depth)  # type: ignore[attr-defined]
+            params.quantizer_params = walk
+            params.referenced_objects = [walk]  # type: ignore[attr-defined]  # faiss holds a raw pointer
+        return params
     if _hnsw(index) is not None:
         return faiss.SearchParametersHNSW(sel=selector, efSearch=depth)  # type: ignore[attr-defined]
     return faiss.SearchParameters(sel=selector)  # type: ignore[call-arg]

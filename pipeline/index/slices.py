@@ -17,6 +17,7 @@ import types
 import faiss
 import numpy as np
 
+from pipeline.common.names import file_number
 from pipeline.index.factory import IndexBuildError, estimated_bytes
 from pipeline.index.recall import RECALL_K, one_recall_at_k
 from pipeline.index.search import (
@@ -69,11 +70,11 @@ def plan_slices(part_rows: list[int], factory: str, dim: int, slice_bytes: int) 
 
 
 def assign_slices(file_rows: dict[str, int], factory: str, dim: int, slice_bytes: int | None) -> dict[str, int]:
-    """{embeddings file path: slice number} (files in path order, which is chunk-id order);
+    """{embeddings file path: slice number} (files in number order, which is chunk-id order);
     empty when the index is one file: no slice size, or everything fits one slice."""
     if slice_bytes is None:
         return {}
-    paths = sorted(file_rows)
+    paths = sorted(file_rows, key=file_number)  # chunk-id order
     slices = plan_slices([file_rows[p] for p in paths], factory, dim, slice_bytes)
     if len(slices) <= 1:
         return {}

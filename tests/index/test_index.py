@@ -19,6 +19,7 @@ from pipeline.index.factory import (
     training_size,
 )
 from pipeline.index.files import load_index
+from pipeline.index.kmeans import list_assigner, list_sums, moved_centroids
 from pipeline.index.recall import one_recall_at_k
 from pipeline.index.sampling import TRAIN_SALT, in_sample
 from pipeline.index.search import search_excluding, set_search_depth
@@ -403,3 +404,36 @@ def test_embeddings_files_go_to_slices_of_consecutive_files_only_when_there_are_
     assert set(assign_slices(rows, "IVF4,Flat", 8, estimated_bytes("IVF4,Flat", 200, 8)).values()) == {0, 1}
     assert assign_slices(rows, "IVF4,Flat", 8, estimated_bytes("IVF4,Flat", 300, 8)) == {}  # all fit one file
     assert assign_slices(rows, "IVF4,Flat", 8, None) == {}
+
+
+@pytest.mark.unit
+def test_a_vector_whose_nearest_first_level_clusters_own_no_list_still_moves_its_nearest_list():
+    """Lloyd steps look among the lists of a vector's REFINE_PROBE nearest first-level clusters;
+    where none of those owns a list, the vector goes to its nearest list of all (it once got
+    list -1, and its sum overwrote the last list's centroid)."""
+    dim = 16
+    first = np.eye(dim, dtype=np.float32)[:10]  # ten first-level clusters
+    lists = _unit(np.eye(dim, dtype=np.float32)[[0, 0]] + np.array([[0, 0.1] + [0] * 14, [0, -0.1] + [0] * 14]))
+    away = _unit(np.eye(dim, dtype=np.float32)[[9]] - 0.5 * np.eye(dim, dtype=np.float32)[[0]])  # cluster 0 ranks last
+    touched, sums, counts = list_sums(list_assigner(first, lists), np.concatenate([lists, away]))
+    assert (touched >= 0).all() and counts.sum() == 3
+    moved = moved_centroids(lists, touched, sums)
+    assert np.isfinite(moved).all() and np.allclose(np.linalg.norm(moved, axis=1), 1, atol=1e-5)
+
+
+def _unit(vectors: np.ndarray) -> np.ndarray:
+    return (vectors / np.linalg.norm(vectors, axis=1, keepdims=True)).astype(np.float32)
+
+
+@pytest.mark.unit
+def test_an_hnsw_coarse_quantizer_walks_deep_enough_for_every_list_a_deepened_search_asks_for():
+    """Deepening raises nprobe towards nlist; an HNSW quantizer returns at most about efSearch
+    lists, so it walks as deep as the lists asked for: with 3 vectors left outside the excluded
+    ranges, every slot is filled (at efSearch 16 it found 1 or 2 of the 3)."""
+    vectors = _unit(np.random.default_rng(0).standard_normal((60_000, 16)))
+    index = faiss.index_factory(16, "IVF1024_HNSW32,Flat", faiss.METRIC_INNER_PRODUCT)
+    index.train(vectors[:50_000])
+    index.add_with_ids(vectors, np.arange(60_000))
+    set_search_depth(index, 16)
+    _, found, deeper = search_excluding(index, vectors[:4], 3, [(0, 5), (6, 30_000), (30_001, 59_999)])
+    assert deeper > 0 and [sorted(row) for row in found.tolist()] == [[5, 30_000, 59_999]] * 4
