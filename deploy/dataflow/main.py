@@ -1,7 +1,7 @@
 """Dataflow flex-template entry point: the launcher runs this file (FLEX_TEMPLATE_PYTHON_PY_FILE)
 with the template's parameters and the pipeline options as flags. It lives outside the
 `pipeline` package on purpose: a file run as a script puts its own directory first on
-sys.path, and inside the package `pipeline/inspect.py` would shadow the standard library."""
+sys.path, and inside the package `pipeline/check/inspect.py` would shadow the standard library."""
 
 from pipeline.jobs.flex_template import main
 

@@ -2,7 +2,7 @@
 
 Every check is a function of one unit that reads the committed files themselves (never the
 pipeline's memory): a listed file, a shard, a chunk file with the references into it, an
-embedding file. The in-process check here and the Beam job (`pipeline.validate_job`) run the
+embedding file. The in-process check here and the Beam job (`pipeline.check.validate_beam`) run the
 same functions, each holding one unit at a time:
 
 - every file a manifest lists: its size and sha256 (streamed, or while it is read below);

@@ -1,4 +1,4 @@
-"""`validate DIR -- --runner=...`: the checks of `pipeline.validate` as a Beam job, on the
+"""`validate DIR -- --runner=...`: the checks of `pipeline.check.validate` as a Beam job, on the
 runners the pipeline runs on, so no process holds the whole output.
 
 `ValidateOutput` runs the plan's units as ParDos: listed files hashed, one shard per element

@@ -7,7 +7,7 @@ ordered doc-id ranges; a prefix sum over the buckets' chunk counts (a side input
 2^16 entries) gives each bucket its first id, and each bucket, grouped on one worker, numbers
 its own documents in doc-id order. A chunk row carries its continuation — the next chunk of the
 same document, or pad where the document ends — so a neighbour never runs into another
-document (docs/design.md §5). (Training sequences are packed in `shards.py`.)
+document (docs/design.md §5). (Training sequences are packed in `pipeline.retrieve.sequences`.)
 """
 
 from __future__ import annotations

@@ -32,9 +32,9 @@ from pipeline.jobs.job import (
     shards_dir,
 )
 from pipeline.jobs.options import encoder_threads
-from pipeline.retrieve.beam import LOST_DATA, DocumentSpans, PackSequences, RetrieveNeighbours
+from pipeline.retrieve.beam import DocumentSpans, PackSequences, RetrieveNeighbours
 from pipeline.retrieve.recall import MeasureNeighbourRecall
-from pipeline.retrieve.search import Retrieval
+from pipeline.retrieve.search import LOST_DATA, Retrieval
 from pipeline.shards.rows import overlap_histogram, overlap_tally
 from pipeline.shards.write import WriteShards
 from schemas.arrow import tensor_column_to_numpy

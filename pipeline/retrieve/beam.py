@@ -25,12 +25,14 @@ from pipeline.index.exact import truth_depth
 from pipeline.retrieve.recall import ExactTruth, SmallestProbes
 from pipeline.retrieve.search import (
     CANDIDATE,
+    LOST_DATA,
     SEQUENCES_PER_SEARCH,
     Retrieval,
+    SliceHits,
     _excluded_ranges,
     _loaded_index,
     batch_probes,
-    merge_slice_hits,
+    merge_slice_searches,
     search_batch,
     select_distinct,
     token_key,
@@ -42,7 +44,7 @@ from pipeline.shards.write import neighbour_arrays
 from schemas.manifest import SearchDepth
 
 SENT = "sent"  # tagged output: (seq_id, elements it sent through the next shuffle)
-TALLY = "tally"  # tagged output: (name, count) pairs, counted as data (pipeline.tally)
+TALLY = "tally"  # tagged output: (name, count) pairs, counted as data (pipeline.common.tally)
 
 
 def _sequence_parts(chunk: Chunk, chunks_per_seq: int):
@@ -147,16 +149,6 @@ class _Search(beam.DoFn):
             yield from emit_hits(self.spec, [s.seq_id for s in sequences], hits, deeper)
 
 
-@dataclass(frozen=True)
-class SliceHits:
-    """One index slice's search of one search batch."""
-
-    index_slice: int
-    seq_ids: list[int]  # the batch's sequences, in the order `search_batch` returns them
-    hits: np.ndarray  # CANDIDATE records
-    deeper: set[int]  # seq ids of the queries searched deeper than the tuned depth
-
-
 class _SearchSlice(beam.DoFn):
     """((slice, group), search batches) -> (batch, SliceHits):
     each process loads the slice of the group it is given (at the tuned depth), and searches
@@ -178,12 +170,9 @@ class _SearchSlice(beam.DoFn):
 
 def _merge_slices(keyed, spec: Retrieval):
     """(batch, every slice's search of it) -> what one index's search would send on."""
-    _, results = keyed
-    results = sorted(results, key=lambda r: r.index_slice)
+    batch, results = keyed
     width = spec.candidates if spec.dedupe else spec.neighbours
-    hits = merge_slice_hits([r.hits for r in results], width)
-    deeper = set().union(*(r.deeper for r in results))
-    yield from emit_hits(spec, results[0].seq_ids, hits, deeper)
+    yield from emit_hits(spec, *merge_slice_searches(batch, list(results), len(spec.index_paths), width))
 
 
 SEARCH_GROUPS_PER_SLICE = 64  # search batches of a slice split over this many groups (parallelism)
@@ -222,9 +211,6 @@ class _NeighbourTokens(beam.DoFn):
         start = self.chunk_files.starts[number]
         for chunk_id, (seq_id, j, slot, score) in picks:
             yield seq_id, (j, slot, chunk_id, score, values[chunk_id - start].tobytes())
-
-
-LOST_DATA = "the runner lost data"  # build_shards retries a stage that failed with this, once
 
 
 def _arrived(seq_id: int, what: str, received: int, sent: list[int]) -> None:

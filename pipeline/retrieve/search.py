@@ -82,14 +82,17 @@ class Retrieval:
     recall_below_target: str = "deepen"  # deepen | warn | fail (PipelineConfig.recall_below_target)
 
 
+LOST_DATA = "the runner lost data"  # build_shards retries a stage that failed with this, once
+
+
 def _excluded_ranges(keyed):
-    """(doc_id, its span and the sequences holding it) -> (seq_id, span) per sequence; a
-    document not in the database (a separate training corpus) excludes nothing."""
+    """(doc_id, its span and the sequences holding it) -> (seq_id, span) per sequence, span
+    None for a document not in the database (a separate training corpus: it excludes
+    nothing), so every sequence can count that each of its documents answered."""
     _, grouped = keyed
     spans = list(grouped["span"])
-    if spans:
-        for seq_id in grouped["seq"]:
-            yield seq_id, spans[0]
+    for seq_id in grouped["seq"]:
+        yield seq_id, spans[0] if spans else None
 
 
 def _loaded_index(holder: shared.Shared, path: str, depth: int | None):
@@ -105,14 +108,22 @@ def _loaded_index(holder: shared.Shared, path: str, depth: int | None):
 
 def batch_queries(grouped, L: int):
     """A joined search batch -> per sequence (seq id order): (sequence, its queries [L, d], its
-    documents' chunk-id ranges, merged)."""
+    documents' chunk-id ranges, merged). A sequence whose documents did not all answer (a
+    lost range would let its own chunks through as neighbours) fails the job: nothing is
+    committed."""
     vectors = dict(grouped["embeddings"])
     excluded: dict[int, list] = {}
     for seq_id, span in grouped["excluded"]:
         excluded.setdefault(seq_id, []).append(span)
     for s in sorted(grouped["sequences"], key=lambda s: s.seq_id):
+        answered = excluded.get(s.seq_id, [])
+        if len(answered) != len(s.doc_ids):
+            raise RuntimeError(
+                f"sequence {s.seq_id}: {len(answered)} of its {len(s.doc_ids)} documents' chunk-id ranges "
+                f"arrived: {LOST_DATA}; nothing is committed"
+            )
         queries = np.stack([vectors[s.seq_id * L + j] for j in range(L)])  # [L, d]
-        yield s, queries, merge_ranges(excluded.get(s.seq_id, []))
+        yield s, queries, merge_ranges([span for span in answered if span is not None])
 
 
 def batch_probes(keyed, spec: Retrieval) -> list[Probe]:
@@ -208,6 +219,34 @@ def tune_retrieval_depth(spec: Retrieval, probes: list[Probe], truth) -> SearchD
             f"{reached} (recall_below_target: fail; 'deepen' searches deeper)"
         )
     return untuned.model_copy(update={"depth": depth, "plateau": plateau, "curve": curve})
+
+
+@dataclass(frozen=True)
+class SliceHits:
+    """One index slice's search of one search batch."""
+
+    index_slice: int
+    seq_ids: list[int]  # the batch's sequences, in the order `search_batch` returns them
+    hits: np.ndarray  # CANDIDATE records
+    deeper: set[int]  # seq ids of the queries searched deeper than the tuned depth
+
+
+def merge_slice_searches(batch: int, results: list[SliceHits], slices: int, width: int):
+    """Every slice's search of one batch -> (seq ids, hits merged as one index ranks them,
+    seq ids searched deeper). A slice's result that did not arrive fails the job (its hits
+    would be missing without a trace): nothing is committed."""
+    arrived = sorted(r.index_slice for r in results)
+    if arrived != list(range(slices)):
+        raise RuntimeError(
+            f"search batch {batch}: results of index slices {arrived} of {slices} arrived: {LOST_DATA}; "
+            "nothing is committed"
+        )
+    results = sorted(results, key=lambda r: r.index_slice)
+    return (
+        results[0].seq_ids,
+        merge_slice_hits([r.hits for r in results], width),
+        set().union(*(r.deeper for r in results)),
+    )
 
 
 def merge_slice_hits(blocks: list[np.ndarray], width: int) -> np.ndarray:

@@ -1,7 +1,7 @@
 """The rows of the build-shards stage and RETRO's chunk-overlap audit, without Beam.
 
 `Sequence` (a packed training sequence) and `ShardRow` (a sequence with its neighbours: one
-row of a shard) are what `shards.py`'s transforms pass on; the audit measures r(C) for each
+row of a shard) are what the retrieve and shards transforms pass on; the audit measures r(C) for each
 chunk of a row (docs/design.md §4, `overlap`). `inspect`, `report` and the tests' shard
 fixtures need these without a Beam job, so this module imports numpy only (no Beam, faiss
 or torch).

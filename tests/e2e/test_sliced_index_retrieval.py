@@ -3,13 +3,17 @@ process loads one slice per group of batches, and each batch's hits from all sli
 by score; the neighbours are those of the same index in one file."""
 
 import json
+import shutil
 
 import numpy as np
 import pyarrow as pa
 import pytest
 
+import pipeline.retrieve.beam as retrieve_beam
 from pipeline.check.validate import validate_path
 from pipeline.jobs.run import run_all
+from pipeline.jobs.shards_job import build_shards
+from pipeline.retrieve.search import LOST_DATA
 from schemas.arrow import read_shard_table
 from schemas.config import config_from_dict
 from tests.helpers import sample_documents, small_config, write_jsonl
@@ -24,21 +28,46 @@ def neighbour_ids(out):
     )
 
 
-def test_build_shards_over_a_sliced_index_finds_the_neighbours_of_one_index(tmp_path):
-    write_jsonl(tmp_path / "corpus" / "a.jsonl", sample_documents(24))
+@pytest.fixture(scope="module")
+def sliced(tmp_path_factory):
+    """An output built with its index in one file, then rebuilt with it in slices (only index.*
+    changes: the chunks and embeddings are kept): (root, config, the one-file neighbours, the
+    second run's report)."""
+    root = tmp_path_factory.mktemp("sliced")
+    write_jsonl(root / "corpus" / "a.jsonl", sample_documents(24))
     index = {"type": "IVF8,Flat", "nprobe": 2}
-    config = small_config(tmp_path / "out", str(tmp_path / "corpus" / "*.jsonl"), index=index)
+    config = small_config(root / "out", str(root / "corpus" / "*.jsonl"), index=index)
     run_all(config_from_dict(config), [])
-    one = neighbour_ids(tmp_path / "out")
-
-    # only index.* changes: the chunks and embeddings are kept, the index is rebuilt in slices
+    one = neighbour_ids(root / "out")
     config["index"] = {**index, "slice_bytes": "400KB"}
     report = run_all(config_from_dict(config), [])
+    return root, config, one, report
+
+
+def test_build_shards_over_a_sliced_index_finds_the_neighbours_of_one_index(sliced):
+    root, _, one, report = sliced
     assert [status for status, _ in report.values()] == ["built", "built"]
-    manifest = json.loads((tmp_path / "out" / "index" / "manifest.json").read_text())
+    manifest = json.loads((root / "out" / "index" / "manifest.json").read_text())
     slices = [f for f in manifest["files"] if f["path"].startswith("faiss/")]
     assert len(slices) >= 3 and all(f["path"].startswith("faiss/slice-") and f["bytes"] <= 400_000 for f in slices)
-    sliced = neighbour_ids(tmp_path / "out")
-    assert sliced.shape == one.shape and (sliced >= 0).all()
-    assert np.mean(sliced == one) >= 0.995
-    assert all(line.startswith("OK") for line in validate_path(str(tmp_path / "out")))
+    neighbours = neighbour_ids(root / "out")
+    assert neighbours.shape == one.shape and (neighbours >= 0).all()
+    assert np.mean(neighbours == one) >= 0.995
+    assert all(line.startswith("OK") for line in validate_path(str(root / "out")))
+
+
+def test_build_shards_fails_uncommitted_when_an_index_slices_results_are_lost(sliced, tmp_path, monkeypatch):
+    root, config, _, _ = sliced
+    shutil.copytree(root / "out" / "index", tmp_path / "out" / "index")
+    search = retrieve_beam._SearchSlice.process
+
+    def without_slice_1(self, keyed, tuned):  # as if the runner dropped what slice 1 sent
+        (index_slice, _), _ = keyed
+        if index_slice != 1:
+            yield from search(self, keyed, tuned)
+
+    # the search step's DoFn is the one place to drop a slice's results from inside the job
+    monkeypatch.setattr(retrieve_beam._SearchSlice, "process", without_slice_1)
+    with pytest.raises(Exception, match=rf"results of index slices \[0, 2.*{LOST_DATA}"):
+        build_shards(config_from_dict({**config, "output": str(tmp_path / "out")}), [])
+    assert not (tmp_path / "out" / "shards" / "manifest.json").exists()

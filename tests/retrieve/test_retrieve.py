@@ -12,8 +12,17 @@ import pipeline.retrieve.beam as retrieve_beam
 from pipeline.chunks.chunking import chunk_document
 from pipeline.index.train import build_index
 from pipeline.retrieve.beam import LOST_DATA, DocumentSpans, PackSequences, RetrieveNeighbours
-from pipeline.retrieve.search import CANDIDATE, Retrieval, select_distinct, token_key
+from pipeline.retrieve.search import (
+    CANDIDATE,
+    Retrieval,
+    SliceHits,
+    batch_queries,
+    merge_slice_searches,
+    select_distinct,
+    token_key,
+)
 from pipeline.retrieve.sequences import document_spans, merge_ranges, pack_sequence, widest_span
+from pipeline.shards.rows import Sequence
 from tests.helpers import local_pipeline, write_chunk_files
 
 M, L, K, PAD = 4, 2, 2, 0
@@ -206,3 +215,35 @@ def test_a_shuffle_that_loses_data_fails_the_stage_naming_the_sequence(tmp_path,
     with pytest.raises(Exception, match=f"{message}: {LOST_DATA}"):
         with local_pipeline() as p:
             retrieve(p, chunks, vectors, index_path, chunk_files, dedupe=True)
+
+
+@pytest.mark.unit
+def test_a_sequence_whose_documents_did_not_all_answer_fails_rather_than_search_without_their_ranges():
+    L, d = 2, 4
+    sequence = Sequence(3, np.zeros(9, np.int32), (10, 11, 12))  # documents 10, 11, 12
+    grouped = {
+        "sequences": [sequence],
+        "embeddings": [(3 * L + j, np.ones(d, np.float32)) for j in range(L)],
+        "excluded": [(3, (100, 120)), (3, None)],  # 11 is not in the database; 12's range is lost
+    }
+    with pytest.raises(RuntimeError, match=f"sequence 3: 2 of its 3 documents' chunk-id ranges arrived: {LOST_DATA}"):
+        list(batch_queries(grouped, L))
+    grouped["excluded"].append((3, (120, 130)))
+    ((_, queries, ranges),) = batch_queries(grouped, L)
+    assert queries.shape == (L, d) and ranges == [(100, 130)]  # None excludes nothing
+
+
+@pytest.mark.unit
+def test_a_search_batch_missing_an_index_slices_result_fails_rather_than_merge_what_arrived():
+    def hits(index_slice, chunk_id, score):
+        block = np.zeros(1, CANDIDATE)
+        block["seq_id"], block["chunk_id"], block["score"] = 3, chunk_id, score
+        return SliceHits(index_slice, [3], block, {3} if index_slice == 2 else set())
+
+    results = [hits(0, 5, 0.5), hits(2, 70, 0.9)]
+    with pytest.raises(
+        RuntimeError, match=rf"search batch 7: results of index slices \[0, 2\] of 3 arrived: {LOST_DATA}"
+    ):
+        merge_slice_searches(7, results, 3, 2)
+    seq_ids, merged, deeper = merge_slice_searches(7, [*results, hits(1, 40, 0.7)], 3, 2)
+    assert seq_ids == [3] and merged["chunk_id"].tolist() == [70, 40] and deeper == {3}
