@@ -2,6 +2,7 @@
 written and commits through `commit`.
 
 `job` (what every job shares), `index_job` (build-index), `vector_index_job` (index),
-`shards_job` (build-shards), `run` (both, skipping what matches), `index_files` (an index
-directory's entries), `commit`, `options` (Beam options), `memory_model`, `flex_template`.
+`shards_job` (build-shards), `run` (both, skipping what matches), `reuse` (the one reuse
+policy), `index_files` (an index directory's entries), `commit`, `options` (Beam options),
+`memory_model`, `flex_template`.
 """

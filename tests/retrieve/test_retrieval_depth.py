@@ -44,21 +44,21 @@ def _chunks(spans):
     return chunks
 
 
-def _index_files(directory, vectors, ids, shards: int) -> list[str]:
-    """The index at nprobe 1 (the depth a plain tuning picks here), in `shards` files by
+def _index_files(directory, vectors, ids, slices: int) -> list[str]:
+    """The index at nprobe 1 (the depth a plain tuning picks here), in `slices` files by
     chunk-id range, each from the same trained index."""
     trained = train_index(FACTORY, vectors[in_sample(ids, training_size(len(ids), FACTORY), len(ids), TRAIN_SALT)])
     paths = []
-    for number, part in enumerate(np.array_split(ids, shards)):
-        shard = faiss.clone_index(trained)
-        shard.add_with_ids(vectors[part], part)
-        set_search_depth(shard, 1)
-        paths.append(str(directory / f"shard-{number:05d}.faiss"))
-        faiss.write_index(shard, paths[-1])
+    for number, part in enumerate(np.array_split(ids, slices)):
+        index_slice = faiss.clone_index(trained)
+        index_slice.add_with_ids(vectors[part], part)
+        set_search_depth(index_slice, 1)
+        paths.append(str(directory / f"slice-{number:05d}.faiss"))
+        faiss.write_index(index_slice, paths[-1])
     return paths
 
 
-def _retrieve(tmp_path, corpus, policy: str, shards: int, check_depth, check_recall):
+def _retrieve(tmp_path, corpus, policy: str, slices: int, check_depth, check_recall):
     vectors, spans, ids = corpus
     chunks = _chunks(spans)
     (tmp_path / "index" / "chunks").mkdir(parents=True, exist_ok=True)
@@ -69,7 +69,7 @@ def _retrieve(tmp_path, corpus, policy: str, shards: int, check_depth, check_rec
         entries.append(FileEntry(path=path, rows=len(chunks[begin : begin + 800]), bytes=0, sha256=""))
     chunk_files = ChunkFileRanges.from_entries(str(tmp_path / "index"), entries)
     write_embedding_files(tmp_path / "index" / "embeddings", ids, vectors, files=len(ids) // 800)
-    index_paths = _index_files(tmp_path / "index", vectors, ids, shards)
+    index_paths = _index_files(tmp_path / "index", vectors, ids, slices)
     spec = Retrieval(
         tuple(index_paths),
         1,
@@ -95,9 +95,9 @@ def _retrieve(tmp_path, corpus, policy: str, shards: int, check_depth, check_rec
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shards", [1, 4])
+@pytest.mark.parametrize("slices", [1, 4])
 @pytest.mark.beam
-def test_build_shards_deepens_until_its_neighbour_recall_meets_the_target(corpus, tmp_path, shards):
+def test_build_shards_deepens_until_its_neighbour_recall_meets_the_target(corpus, tmp_path, slices):
     def check_depth(results):
         (depth,) = results
         assert depth.index_depth == 1 and depth.depth > 1 and not depth.plateau
@@ -108,7 +108,7 @@ def test_build_shards_deepens_until_its_neighbour_recall_meets_the_target(corpus
         (recall,) = results
         assert recall["sample_size"] == 200 and recall["value"] >= TARGET
 
-    _retrieve(tmp_path, corpus, "deepen", shards, check_depth, check_recall)
+    _retrieve(tmp_path, corpus, "deepen", slices, check_depth, check_recall)
 
 
 @pytest.mark.slow
