@@ -228,3 +228,30 @@ def local_pipeline():
     from apache_beam.testing.test_pipeline import TestPipeline
 
     return TestPipeline(options=PipelineOptions(["--runner=FnApiRunner"]))
+
+
+def shards_manifest(filled: int = 80, **fields):
+    """A shards manifest of one shard of 10 sequences of L = 4 chunks with k = 2 (80 neighbour
+    slots), `filled` of them holding a neighbour; `fields` replace any of its fields."""
+    from schemas.manifest import CREATED_BY, ShardEntry, ShardsManifest
+
+    return ShardsManifest(
+        **{
+            "config_hash": "c",
+            "index_manifest_sha256": "i",
+            "training_corpus": "same",
+            "sequence_tokens": 128,
+            "chunk_tokens": 32,
+            "neighbours": 2,
+            "neighbour_tokens": 64,
+            "pad_id": 0,
+            "num_sequences": 10,
+            "shards": [
+                ShardEntry(path="shard-00000.arrow", rows=10, bytes=1, sha256="s", neighbour_slots_filled=filled)
+            ],
+            "counters": {"sequences": 10},
+            "created_by": CREATED_BY,
+            "overlap": {},
+            **fields,
+        }
+    )

@@ -5,28 +5,17 @@ import pytest
 
 from pipeline.jobs.shards_job import neighbour_warnings
 from schemas.config import config_from_dict
-from schemas.manifest import NeighbourRecall, ShardEntry, ShardsManifest
-from tests.helpers import small_config
+from schemas.manifest import NeighbourRecall
+from tests.helpers import shards_manifest, small_config
 
 pytestmark = pytest.mark.unit
 
 
-def manifest(filled, recall, counters=None):  # 10 sequences of L = 4 chunks, k = 2: 80 slots
-    return ShardsManifest(
-        config_hash="",
-        index_manifest_sha256="",
-        training_corpus="same",
-        sequence_tokens=128,
-        chunk_tokens=32,
-        neighbours=2,
-        neighbour_tokens=64,
-        pad_id=0,
-        num_sequences=10,
-        shards=[ShardEntry(path="shard-00000.arrow", rows=10, bytes=0, sha256="", neighbour_slots_filled=filled)],
+def manifest(filled, recall, counters=None):
+    return shards_manifest(
+        filled,
         neighbour_fill=filled / 80,
         counters=counters or {},
-        created_by="",
-        overlap={},
         neighbour_recall=NeighbourRecall(measure="", value=recall, sample_size=40, slots=80, tolerance=1e-3),
     )
 

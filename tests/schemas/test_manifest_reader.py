@@ -7,15 +7,14 @@ import pytest
 
 from schemas.arrow import SchemaVersionError
 from schemas.manifest import (
-    CREATED_BY,
     MANIFEST_FILE,
     IndexManifest,
     ManifestError,
-    ShardEntry,
     ShardsManifest,
     VectorIndexManifest,
     read_manifest,
 )
+from tests import helpers
 
 pytestmark = pytest.mark.unit
 
@@ -23,23 +22,8 @@ WHERE = "out/shards/manifest.json"
 
 
 def shards_manifest(**changes) -> dict:
-    manifest = ShardsManifest(
-        config_hash="c",
-        index_manifest_sha256="i",
-        training_corpus="same",
-        sequence_tokens=128,
-        chunk_tokens=32,
-        neighbours=2,
-        neighbour_tokens=64,
-        pad_id=0,
-        num_sequences=10,
-        shards=[ShardEntry(path="shard-00000.arrow", rows=10, bytes=1, sha256="s", neighbour_slots_filled=80)],
-        counters={"sequences": 10},
-        created_by=CREATED_BY,
-        overlap={},
-    ).model_dump(mode="json")
-    manifest.update(changes)
-    return manifest
+    """The helpers' manifest as JSON data, with `changes` made to the data (valid or not)."""
+    return {**helpers.shards_manifest().model_dump(mode="json"), **changes}
 
 
 def text(manifest: dict) -> str:
