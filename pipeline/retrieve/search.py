@@ -181,13 +181,12 @@ def tune_retrieval_depth(spec: Retrieval, probes: list[Probe], truth) -> SearchD
     met or two doublings gain less than PLATEAU_GAIN (`tune_depth`). fail raises when the index's
     depth misses the target, naming the depth that meets it. -> the manifest's search_depth (it
     travels to the search, and to the manifest, as a side input)."""
-    curve: list[DepthRecall] = []
     untuned = SearchDepth(
         index_depth=spec.depth,
         depth=spec.depth,
         target=spec.target_recall,
         recall_below_target=spec.recall_below_target,
-        curve=curve,
+        curve=[],
         plateau=False,
     )
     if truth is None or not probes:
@@ -207,6 +206,7 @@ def tune_retrieval_depth(spec: Retrieval, probes: list[Probe], truth) -> SearchD
     if depths is None or spec.recall_below_target == "warn":  # exhaustive, or kept as it is
         return untuned.model_copy(update={"curve": [DepthRecall(depth=spec.depth, recall=recall_at(spec.depth))]})
     start = spec.depth if spec.depth is not None else depths[0]
+    curve: list[DepthRecall] = []
     depth, recall, plateau = tune_depth(
         [start] + [d for d in depths if d > start], recall_at, spec.target_recall, curve
     )
