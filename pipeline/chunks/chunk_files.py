@@ -10,6 +10,7 @@ lookup by chunk id is then a shuffle of the requests by file plus one read of th
 from __future__ import annotations
 
 import bisect
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -95,3 +96,44 @@ class ChunkFileRanges:
                 "implies: run `ratrain-pipeline validate` on the index"
             )
         return chunk_arrays(table, columns)
+
+
+@dataclass(frozen=True)
+class CommittedChunkFiles:
+    """The chunk files of a committed index, named by its directory alone, so a job graph that
+    carries them stays the same size however many chunk files there are (a `ChunkFileRanges`
+    holds a path and a start per file: ~15 MB pickled at 457k files, copied into every transform
+    that looks chunks up). Each process reads the ranges from the index manifest the first time
+    it looks a chunk up, and refuses a manifest that changed since the job was built."""
+
+    directory: str
+    num_chunks: int
+    manifest_sha256: str  # of the index manifest the job was built against
+
+    @property
+    def ranges(self) -> ChunkFileRanges:
+        return _committed_ranges(self.directory, self.manifest_sha256)
+
+    @property
+    def starts(self) -> tuple[int, ...]:
+        return self.ranges.starts
+
+    def file_of(self, chunk_id: int) -> int:
+        return self.ranges.file_of(chunk_id)
+
+    def files_of(self, chunk_ids: np.ndarray) -> np.ndarray:
+        return self.ranges.files_of(chunk_ids)
+
+    def read(self, number: int, columns: list[str]) -> dict[str, np.ndarray]:
+        return self.ranges.read(number, columns)
+
+
+@functools.lru_cache(maxsize=2)
+def _committed_ranges(directory: str, manifest_sha256: str) -> ChunkFileRanges:
+    from schemas.manifest import MANIFEST_FILE, IndexManifest, read_manifest
+
+    path = fileio.join(directory, MANIFEST_FILE)
+    data = fileio.read_bytes(path)
+    if fileio.sha256_bytes(data) != manifest_sha256:
+        raise ValueError(f"{path} changed while a job was reading the index it describes: run the job again")
+    return ChunkFileRanges.from_entries(directory, read_manifest(data, path, IndexManifest).files)

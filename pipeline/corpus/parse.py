@@ -263,13 +263,35 @@ def number_ranges(keyed: tuple[str, Iterable[tuple[FileRange, int]]]) -> Iterato
         before += lines
 
 
-def match_corpus(cfg: CorpusConfig) -> list[tuple[str, str, int]]:
-    """(path, glob base, size in bytes) of every file the globs match, sorted; error if a glob
-    matches nothing."""
-    files: dict[str, tuple[str, int]] = {}
-    for pattern, result in zip(cfg.paths, FileSystems.match(cfg.paths)):
+def match_pattern(numbered: tuple[int, str]) -> Iterator[tuple[str, tuple[int, str, int]]]:
+    """(glob number, glob) -> (path, (glob number, glob base, size in bytes)) of every file it
+    matches; an error if it matches none. A file two globs match keeps the first glob's base
+    (`first_glob`)."""
+    number, pattern = numbered
+    (result,) = FileSystems.match([pattern])
+    if not result.metadata_list:
+        raise FileNotFoundError(f"input glob matches no file: {pattern}")
+    for meta in result.metadata_list:
+        yield meta.path, (number, glob_base(pattern), meta.size_in_bytes)
+
+
+def first_glob(matches: Iterable[tuple[int, str, int]]) -> tuple[int, str, int]:
+    return min(matches)
+
+
+def check_globs_match(cfg: CorpusConfig) -> None:
+    """An error naming the first glob that matches no file (one listing call per glob, at most
+    one file listed each)."""
+    for pattern, result in zip(cfg.paths, FileSystems.match(cfg.paths, limits=[1] * len(cfg.paths))):
         if not result.metadata_list:
             raise FileNotFoundError(f"input glob matches no file: {pattern}")
-        for meta in result.metadata_list:
-            files.setdefault(meta.path, (glob_base(pattern), meta.size_in_bytes))
-    return sorted((path, base, size) for path, (base, size) in files.items())
+
+
+def match_corpus(cfg: CorpusConfig) -> list[tuple[str, str, int]]:
+    """(path, glob base, size in bytes) of every file the globs match, sorted; error if a glob
+    matches nothing. In one process: a job lists its files inside the job (`ReadCorpus`)."""
+    files: dict[str, list[tuple[int, str, int]]] = {}
+    for numbered in enumerate(cfg.paths):
+        for path, match in match_pattern(numbered):
+            files.setdefault(path, []).append(match)
+    return sorted((path, *first_glob(matches)[1:]) for path, matches in files.items())

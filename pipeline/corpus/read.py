@@ -12,9 +12,10 @@ from apache_beam.metrics import Metrics
 
 from pipeline.corpus.parse import (
     SPLIT_BYTES,
+    check_globs_match,
     count_lines,
-    glob_base,
-    match_corpus,
+    first_glob,
+    match_pattern,
     number_ranges,
     parse_range,
     split_file,
@@ -91,13 +92,17 @@ class ReadCorpus(beam.PTransform):
         super().__init__()
         self.cfg = cfg
         self.split_bytes = split_bytes
-        # at construction: a glob that matches nothing fails early (a dry run lists no files)
-        self.files = match_corpus(cfg) if match else [(p, glob_base(p), 0) for p in cfg.paths]
+        if match:  # at construction: a glob that matches nothing fails early (a dry run lists no files)
+            check_globs_match(cfg)
 
     def expand(self, pbegin):
+        # the files are listed inside the job, so the job graph holds the globs, not the files
         parsed = (
             pbegin
-            | "ListFiles" >> beam.Create(self.files)
+            | "Globs" >> beam.Create(list(enumerate(self.cfg.paths)))
+            | "ListFiles" >> beam.FlatMap(match_pattern)
+            | "FirstGlobPerFile" >> beam.CombinePerKey(first_glob)
+            | "FileSizes" >> beam.MapTuple(lambda path, match: (path, match[1], match[2]))
             | "SpreadFiles" >> beam.Reshuffle()
             | "SplitFiles" >> SplitFiles(self.cfg, self.split_bytes)
             | "SpreadRanges" >> beam.Reshuffle()

@@ -198,7 +198,20 @@ def describe(pipeline: beam.Pipeline) -> dict:
         stages.append({"stage": applied.full_label, **({"resource_hints": hints(applied)} if hints(applied) else {})})
         stages += hinted_steps(applied)
     options = pipeline.options.get_all_options(drop_default=True, retain_unknown_options=True)
-    return {"options": options, "stages": stages}
+    return {"options": options, "stages": stages, "graph_bytes": graph_bytes(pipeline)}
+
+
+#: Dataflow refuses a job request larger than this (the graph with every transform's pickled arguments).
+DATAFLOW_REQUEST_BYTES = 20 * 1024 * 1024
+
+
+def graph_bytes(pipeline: beam.Pipeline) -> int:
+    """The size of the job graph a runner is sent (the runner API proto, with every
+    transform's pickled arguments): what a runner's request limit is checked against."""
+    size = pipeline.to_runner_api().ByteSize()
+    if size > DATAFLOW_REQUEST_BYTES // 2:
+        log.warning("the job graph is %.1f MB (Dataflow refuses requests over 20 MB)", size / 2**20)
+    return size
 
 
 def run_stage(pipeline: beam.Pipeline, clock: StageClock, directory: str, model, detach: bool):

@@ -12,7 +12,7 @@ import numpy as np
 from apache_beam.io.parquetio import ReadFromParquetBatched
 
 from pipeline.chunks.beam import ChunkDocuments
-from pipeline.chunks.chunk_files import ChunkFileRanges, chunk_arrays
+from pipeline.chunks.chunk_files import CommittedChunkFiles, chunk_arrays
 from pipeline.chunks.chunking import Chunk
 from pipeline.common import fileio
 from pipeline.common.progress import ReportProgress
@@ -21,7 +21,7 @@ from pipeline.common.writers import WriteRejected
 from pipeline.corpus.read import ReadCorpus
 from pipeline.index.build import INDEX_FILE
 from pipeline.index.recall import PLATEAU_GAIN
-from pipeline.jobs.commit import REJECTED_STAGING
+from pipeline.jobs.commit import REJECTED_STAGING, StageError
 from pipeline.jobs.index_files import _documents_read_tally, _rejected_tally, faiss_files, load_index_manifest
 from pipeline.jobs.job import (
     Job,
@@ -133,10 +133,13 @@ def build_shards(
 def _build_shards(
     cfg: PipelineConfig, beam_args: list[str], dry_run: bool, detach: bool
 ) -> ShardsManifest | Submitted | dict:
-    index_manifest: IndexManifest | None = None  # none for a dry run
+    index_manifest: IndexManifest | None = None
     index_sha: str | None = None
-    if not dry_run:
+    try:
         index_manifest, index_sha = load_index_manifest(cfg)
+    except StageError:
+        if not dry_run:
+            raise  # a dry run needs no index (with a usable one, it builds the job's real graph)
     tok = Tokenization.of(cfg)
     job = Job(
         "build-shards",
@@ -154,7 +157,7 @@ def _build_shards(
     L, m, k = cfg.chunks_per_sequence, cfg.chunk_tokens, cfg.neighbours
     idx = index_dir(cfg)
     threads = None
-    chunk_files = ChunkFileRanges.from_entries(idx, [] if index_manifest is None else index_manifest.files)
+    chunk_files = CommittedChunkFiles(idx, 0 if index_manifest is None else index_manifest.num_chunks, index_sha or "")
     if cfg.training_corpus == "same":
         training_chunks = (
             pipeline

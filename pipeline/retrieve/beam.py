@@ -19,7 +19,7 @@ import numpy as np
 from apache_beam.io.parquetio import ReadFromParquetBatched
 from apache_beam.utils import shared
 
-from pipeline.chunks.chunk_files import ChunkFileRanges
+from pipeline.chunks.chunk_files import ChunkFileRanges, CommittedChunkFiles
 from pipeline.chunks.chunking import Chunk
 from pipeline.index.exact import truth_depth
 from pipeline.retrieve.recall import ExactTruth, SmallestProbes
@@ -182,7 +182,7 @@ class _CandidateTokens(beam.DoFn):
     """(chunk file, candidate blocks in it) -> one CANDIDATE block per sequence, each hit with
     its chunk's token hash, from one read of that file's tokens."""
 
-    def __init__(self, chunk_files: ChunkFileRanges):
+    def __init__(self, chunk_files: ChunkFileRanges | CommittedChunkFiles):
         self.chunk_files = chunk_files
 
     def process(self, keyed):
@@ -201,7 +201,7 @@ class _NeighbourTokens(beam.DoFn):
     """(chunk file, kept neighbours in it) -> neighbours keyed by sequence, each with its
     chunk + continuation [2m] as raw int32 bytes (compact through the next shuffle)."""
 
-    def __init__(self, chunk_files: ChunkFileRanges):
+    def __init__(self, chunk_files: ChunkFileRanges | CommittedChunkFiles):
         self.chunk_files = chunk_files
 
     def process(self, keyed):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 from apache_beam.utils import shared
 
-from pipeline.chunks.chunk_files import ChunkFileRanges
+from pipeline.chunks.chunk_files import ChunkFileRanges, CommittedChunkFiles
 from pipeline.index.files import load_index
 from pipeline.index.recall import recall_of
 from pipeline.index.sampling import sample_keys
@@ -69,7 +69,7 @@ class Retrieval:
 
     index_paths: tuple  # index.faiss, or its slices in chunk-id order
     depth: int | None  # search depth the index was tuned to (nprobe, efSearch)
-    chunk_files: ChunkFileRanges  # the chunk database
+    chunk_files: ChunkFileRanges | CommittedChunkFiles  # the chunk database
     chunks_per_seq: int  # L
     chunk_tokens: int  # m
     neighbours: int  # k

@@ -1,0 +1,215 @@
+"""Scale simulation: the job graphs, manifests and per-process memory of 10^8 and 3·10^10 chunks,
+from synthetic manifests (file entries generated as a build of that size lists them, no data).
+
+    .venv/bin/python benchmarks/scale_sim.py [--chunks 1e8 3e10] [--json FILE]
+
+Sizes follow docs/scale.md's defaults: m = 64, n = 2,048 (L = 32), k = 2, `chunk_file_rows`
+65,536, `shard_rows` 1,024, 384-d embeddings, `index.slice_bytes` 16 GiB, the auto index of that
+size. For each size:
+
+- a committed index directory (its manifest: chunk files, embedding files and index slices) and
+  a shards directory (its manifest: one entry per training shard, `training_corpus: same`);
+- the job graph of build-index, build-shards and validate, built as the CLI builds them (a dry
+  run; build-shards and validate read the synthetic manifests) and serialised as a runner is
+  sent it: Dataflow refuses a request over 20 MB;
+- each manifest's bytes and the time to read and check it as the pipeline does;
+- the memory model's largest step (`pipeline/jobs/memory_model.py`): what one worker process
+  holds at once, the largest element and group included.
+
+Nothing here is a measurement of a run at that size: graph and manifest sizes are exact for the
+code as it is; memory figures are the memory model's estimates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pipeline.common.names import file_name  # noqa: E402
+from pipeline.index.factory import choose_index_factory  # noqa: E402
+from pipeline.index.slices import vectors_per_slice  # noqa: E402
+from pipeline.jobs import index_job, shards_job  # noqa: E402
+from pipeline.jobs.memory_model import Corpus, largest, stage_memory  # noqa: E402
+from schemas.config import PipelineConfig  # noqa: E402
+from schemas.manifest import (  # noqa: E402
+    CREATED_BY,
+    FileEntry,
+    Fingerprint,
+    IndexManifest,
+    Recall,
+    ShardEntry,
+    ShardsManifest,
+    read_manifest,
+)
+
+DIM, M, N, K = 384, 64, 2048, 2
+CHUNK_FILE_ROWS, SHARD_ROWS = 65_536, 1_024
+SLICE_BYTES = 16 * 2**30
+MB = 2**20
+
+
+def config(output: Path) -> PipelineConfig:
+    """docs/scale.md's settings, writing under `output`."""
+    return PipelineConfig.model_validate(
+        {
+            "output": str(output),
+            "retrieval_corpus": {"paths": [str(output / "corpus" / "*.jsonl.gz")], "format": "jsonl"},
+            "training_corpus": "same",
+            "chunk_tokens": M,
+            "sequence_tokens": N,
+            "neighbours": K,
+            "shard_rows": SHARD_ROWS,
+            "chunk_file_rows": CHUNK_FILE_ROWS,
+            "index": {"type": "auto", "memory_budget": "2TiB", "slice_bytes": SLICE_BYTES},
+        }
+    )
+
+
+def _entry(path: str, rows: int, size: int) -> FileEntry:
+    return FileEntry(path=path, rows=rows, bytes=size, sha256="0" * 64)
+
+
+def index_manifest(chunks: int, cfg: PipelineConfig) -> IndexManifest:
+    """The manifest a build of `chunks` chunks commits: every chunk and embedding file, and the
+    index slices."""
+    factory = choose_index_factory(chunks, DIM, cfg.index.memory_budget)
+    files = []
+    for number, first in enumerate(range(0, chunks, CHUNK_FILE_ROWS)):
+        rows = min(CHUNK_FILE_ROWS, chunks - first)
+        files.append(_entry(f"chunks/{file_name('chunks', number, 'parquet')}", rows, rows * (2 * M * 4 + 24)))
+        files.append(_entry(f"embeddings/{file_name('embeddings', number, 'parquet')}", rows, rows * (DIM * 2 + 8)))
+    per_slice = vectors_per_slice(factory, DIM, SLICE_BYTES)
+    for number in range(math.ceil(chunks / per_slice)):
+        rows = min(per_slice, chunks - number * per_slice)
+        files.append(_entry(f"faiss/{file_name('slice', number, 'faiss')}", rows, SLICE_BYTES))
+    fingerprint = Fingerprint(name="synthetic", fingerprint="0" * 64)
+    return IndexManifest(
+        config_hash="synthetic",
+        embed_config_hash="synthetic",
+        tokenizer=fingerprint,
+        embedding_model=fingerprint,
+        num_documents=chunks // 30,
+        num_chunks=chunks,
+        chunk_tokens=M,
+        pad_id=0,
+        files=files,
+        index_factory=factory,
+        nprobe=64,
+        dim=DIM,
+        metric="inner_product",
+        recall_at_k=Recall(measure="synthetic", value=0.95, sample_size=0),
+        index_bytes=sum(e.bytes for e in files if e.path.startswith("faiss/")),
+        memory_budget=cfg.index.memory_budget,
+        training_vectors=0,
+        queries_per_second=None,
+        slice_bytes=SLICE_BYTES,
+        counters={"chunks": chunks},
+        created_by=CREATED_BY,
+    )
+
+
+def shards_manifest(chunks: int) -> ShardsManifest:
+    """The manifest of the training shards of `chunks` chunks (`training_corpus: same`)."""
+    sequences = chunks // (N // M)
+    shards = [
+        ShardEntry(
+            path=file_name("shard", number, "arrow"),
+            rows=min(SHARD_ROWS, sequences - first),
+            bytes=SHARD_ROWS * 600_000,
+            sha256="0" * 64,
+            neighbour_slots_filled=SHARD_ROWS * (N // M) * K,
+        )
+        for number, first in enumerate(range(0, sequences, SHARD_ROWS))
+    ]
+    return ShardsManifest(
+        config_hash="synthetic",
+        index_manifest_sha256="0" * 64,
+        training_corpus="same",
+        sequence_tokens=N,
+        chunk_tokens=M,
+        neighbours=K,
+        neighbour_tokens=2 * M,
+        pad_id=0,
+        num_sequences=sequences,
+        shards=shards,
+        counters={"sequences": sequences},
+        created_by=CREATED_BY,
+        overlap={},
+    )
+
+
+def write_manifest(directory: Path, manifest) -> int:
+    """Commit `manifest` into `directory` as the stages do; its bytes."""
+    directory.mkdir(parents=True, exist_ok=True)
+    data = manifest.model_dump_json().encode()
+    (directory / "manifest.json").write_bytes(data)
+    return len(data)
+
+
+def read_seconds(directory: Path, model) -> float:
+    started = time.perf_counter()
+    read_manifest((directory / "manifest.json").read_bytes(), str(directory), model)
+    return time.perf_counter() - started
+
+
+def graph_bytes(cfg: PipelineConfig) -> dict[str, int]:
+    """Serialised size of each job's graph, built as `--dry-run` builds it."""
+    return {
+        "build-index": index_job.build_index(cfg, [], dry_run=True)["graph_bytes"],
+        "build-shards": shards_job.build_shards(cfg, [], dry_run=True)["graph_bytes"],
+    }
+
+
+def simulate(chunks: int, root: Path) -> dict:
+    cfg = config(root)
+    index, shards = index_manifest(chunks, cfg), shards_manifest(chunks)
+    index_bytes = write_manifest(root / "index", index)
+    shards_bytes = write_manifest(root / "shards", shards)
+    heaviest = largest(stage_memory(cfg, Corpus.of(chunks)))
+    return {
+        "chunks": chunks,
+        "index_factory": index.index_factory,
+        "chunk_files": math.ceil(chunks / CHUNK_FILE_ROWS),
+        "index_slices": sum(e.path.startswith("faiss/") for e in index.files),
+        "training_shards": len(shards.shards),
+        "graph_bytes": graph_bytes(cfg),
+        "manifest_bytes": {"index": index_bytes, "shards": shards_bytes},
+        "manifest_read_seconds": {
+            "index": read_seconds(root / "index", IndexManifest),
+            "shards": read_seconds(root / "shards", ShardsManifest),
+        },
+        "largest_step": {"stage": heaviest["stage"], "bytes": heaviest["bytes"]},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--chunks", type=float, nargs="+", default=[1e8, 3e10])
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    results = []
+    for chunks in args.chunks:
+        with tempfile.TemporaryDirectory() as root:
+            results.append(simulate(int(chunks), Path(root)))
+        r = results[-1]
+        graphs = ", ".join(f"{job} {size / MB:.2f} MB" for job, size in r["graph_bytes"].items())
+        print(
+            f"{r['chunks']:.0e} chunks ({r['chunk_files']:,} chunk files, {r['index_slices']} index slices, "
+            f"{r['training_shards']:,} shards): graphs {graphs}; manifests index "
+            f"{r['manifest_bytes']['index'] / MB:.1f} MB ({r['manifest_read_seconds']['index']:.2f} s), shards "
+            f"{r['manifest_bytes']['shards'] / MB:.1f} MB ({r['manifest_read_seconds']['shards']:.2f} s); largest "
+            f"step {r['largest_step']['stage']} {r['largest_step']['bytes'] / 2**30:.1f} GiB"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

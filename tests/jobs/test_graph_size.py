@@ -1,0 +1,44 @@
+"""A job graph holds no file list: its serialised size (what a runner is sent, and Dataflow
+refuses over 20 MB) stays the same however many files the inputs and the index hold."""
+
+import pytest
+
+from benchmarks.scale_sim import CHUNK_FILE_ROWS, config, index_manifest, write_manifest
+from pipeline.corpus.read import ReadCorpus
+from pipeline.jobs import shards_job
+from pipeline.jobs.job import graph_bytes
+from schemas.config import CorpusConfig
+from tests.helpers import local_pipeline
+
+pytestmark = pytest.mark.unit
+
+
+def _build_shards_graph(tmp_path, chunk_files: int) -> int:
+    """build-shards' graph (as `--dry-run` builds it) against a committed index of this many
+    chunk files (and as many embedding files: twice as many manifest entries); 0 files: none."""
+    cfg = config(tmp_path / f"{chunk_files:06d}")  # paths of one length: graphs differ only by the index
+    if chunk_files:
+        write_manifest(tmp_path / f"{chunk_files:06d}" / "index", index_manifest(chunk_files * CHUNK_FILE_ROWS, cfg))
+    return shards_job.build_shards(cfg, [], dry_run=True)["graph_bytes"]
+
+
+def test_build_shards_graph_does_not_grow_with_chunk_files(tmp_path):
+    small, large = _build_shards_graph(tmp_path, 500), _build_shards_graph(tmp_path, 50_000)
+    assert abs(large - small) <= 0.1 * small, (small, large)
+    # the dry run built the graph a run would: against the committed index, whose slices add the
+    # sliced search's steps (~7 KB; graphs of one config differ by tens of bytes between builds)
+    assert large > _build_shards_graph(tmp_path, 0) + 2_000
+
+
+def test_reading_a_corpus_lists_its_files_inside_the_job(tmp_path):
+    def graph(files: int) -> int:
+        directory = tmp_path / str(files)
+        directory.mkdir()
+        for number in range(files):
+            (directory / f"part-{number:05d}.jsonl").write_text('{"id": "a", "text": "b"}\n')
+        pipeline = local_pipeline()
+        _ = pipeline | ReadCorpus(CorpusConfig(paths=[str(directory / "*.jsonl")], format="jsonl"))
+        return graph_bytes(pipeline)
+
+    small, large = graph(2), graph(4_000)
+    assert abs(large - small) <= 0.1 * small, (small, large)
