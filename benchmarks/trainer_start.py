@@ -1,6 +1,7 @@
 """Trainer start: the time from `ShardDataset(...)` to its first sample as the shard count grows.
 
     .venv/bin/python benchmarks/trainer_start.py [--shards 1000 10000] [--rows-per-shard 2] [--gcs]
+    .venv/bin/python benchmarks/trainer_start.py --entries 1000000 [--starts 3]
 
 Data: tiny shards (n = 16, m = 4, k = 2, `--rows-per-shard` sequences each, ~8 KB) written with
 the project's `shard_table` under a real manifest (`tests/trainer_fixtures.py`), each `--shards`
@@ -20,21 +21,36 @@ Each measurement is the median of `--repeats` after one untimed pass (imports, p
 
 Reported per shard count, and as the ratio of the largest count to the smallest: start should
 grow no faster than the manifest it reads (start − manifest flat), check all with the count.
+
+`--entries N` (a trainer rank's start at 30B-chunk scale): a synthetic manifest of N shard
+entries (distinct paths, sizes and sha256s), written twice by the project's writer: with its
+entries in the file table (what the commit writes above INLINE_FILE_ENTRIES) and inline in
+manifest.json (the format before the table: the baseline).
+Only the shard the first sample reads exists as a file. Each start runs in a fresh process
+(`--starts` times per format, after one untimed run for the page cache): seconds from
+`ShardDataset(dir, shuffle=True)` to its first sample, and the peak resident memory (VmHWM)
+above the process's resident memory once torch, pyarrow, pandas (which pyarrow's to_numpy
+imports at the first shard read) and the trainer are imported.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
-from benchmarks.report import write_results  # noqa: E402
+from benchmarks.report import peak_rss_kb, write_results  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "trainer_start.json"
@@ -90,6 +106,86 @@ def measure(source: str, repeats: int, check_all_repeats: int) -> dict:
     }
 
 
+def _resident_kb() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def start_in_this_process(source: str) -> None:
+    """One start (`--start`, in a fresh process): prints seconds and peak MB above the imports."""
+    import pandas  # noqa: F401  pyarrow's to_numpy imports it at the first shard read, whatever the manifest
+
+    from trainer import ShardDataset
+
+    before = _resident_kb()
+    began = time.perf_counter()
+    next(iter(ShardDataset(source, shuffle=True, seed=0)))
+    seconds = time.perf_counter() - began
+    print(json.dumps({"start_s": seconds, "peak_above_imports_mb": (peak_rss_kb() - before) / 1024}))
+
+
+def write_synthetic(directories: dict[str, Path], entries: int, work: Path) -> None:
+    """Shards directories whose manifests list `entries` tiny shards, with distinct paths, sizes
+    and sha256s as real ones have; only the one the first sample reads exists (a real shard,
+    its entry true). `directories`: format name -> directory, "file table" or "inline"."""
+    from tests.trainer_fixtures import write_manifest, write_shard_dir
+    from trainer import ShardDataset
+
+    real = write_shard_dir(work / "real", shard_rows=[2], batch_rows=2)
+    one = real.shards[0]
+    rng = np.random.default_rng(0)
+    digests = rng.bytes(32 * entries).hex()
+    sizes = rng.integers(one.bytes // 2, one.bytes * 2, entries).tolist()
+    shards = [
+        one.model_construct(
+            path=f"shard-{i:07d}.arrow", rows=one.rows, bytes=sizes[i], sha256=digests[64 * i : 64 * i + 64]
+        )
+        for i in range(entries)
+    ]
+    manifest = real.model_copy(update={"shards": shards, "num_sequences": entries * one.rows})
+    limits = {"file table": 0, "inline": entries}
+    write_manifest(directories["file table"], manifest, 0)
+    first = int(ShardDataset(directories["file table"], shuffle=True, seed=0)._shard_order()[0][0])
+    shards[first] = one.model_copy(update={"path": f"shard-{first:07d}.arrow"})
+    for name, directory in directories.items():
+        write_manifest(directory, manifest, limits[name])
+        shutil.copyfile(work / "real" / one.path, directory / shards[first].path)
+
+
+def measure_entries(entries: int, starts: int) -> dict:
+    """Start time and memory over a synthetic manifest of `entries` shards, table and inline."""
+    from schemas.manifest import FILE_TABLE, MANIFEST_FILE
+
+    results: dict = {"entries": entries, "formats": []}
+    with tempfile.TemporaryDirectory(prefix="trainer-start-entries-") as temp:
+        directories = {name: Path(temp) / name.replace(" ", "-") for name in ("file table", "inline")}
+        for directory in directories.values():
+            directory.mkdir()
+        write_synthetic(directories, entries, Path(temp))
+        for name, directory in directories.items():
+            sizes = {f: (directory / f).stat().st_size for f in (MANIFEST_FILE, FILE_TABLE) if (directory / f).exists()}
+            runs = []
+            for run in range(starts + 1):
+                child = subprocess.run(
+                    [sys.executable, __file__, "--start", str(directory)], check=True, capture_output=True, text=True
+                )
+                if run:  # the first warms the page cache
+                    runs.append(json.loads(child.stdout.splitlines()[-1]))
+            row = {
+                "format": name,
+                "bytes": sizes,
+                "start_s": statistics.median(r["start_s"] for r in runs),
+                "peak_above_imports_mb": max(r["peak_above_imports_mb"] for r in runs),
+            }
+            results["formats"].append(row)
+            print(
+                f"{entries:,} shards, {name}: start {row['start_s']:.2f} s (median of {starts}), peak "
+                f"{row['peak_above_imports_mb']:.0f} MB above the imports; files {sizes}",
+                flush=True,
+            )
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--shards", type=int, nargs="+", help="shard counts (default 1000 10000; 100 1000 with --gcs)")
@@ -98,7 +194,16 @@ def main() -> None:
     parser.add_argument("--check-all-repeats", type=int, default=3, help="timed passes of check all")
     parser.add_argument("--gcs", action="store_true", help="read the shards from a local GCS emulator")
     parser.add_argument("--output", default=str(RESULTS))
+    parser.add_argument("--entries", type=int, help="a synthetic manifest of this many shards, table and inline")
+    parser.add_argument("--starts", type=int, default=3, help="timed starts per format with --entries")
+    parser.add_argument("--start", help=argparse.SUPPRESS)  # one start in this process (a child of --entries)
     args = parser.parse_args()
+    if args.start:
+        start_in_this_process(args.start)
+        return
+    if args.entries:
+        write_results(measure_entries(args.entries, args.starts), args.output)
+        return
     args.shards = args.shards or ([100, 1000] if args.gcs else [1000, 10000])
     from tests.trainer_fixtures import write_shard_dir
 
