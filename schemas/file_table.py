@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from pydantic import TypeAdapter, ValidationError
 
 from schemas.manifest import (
     FILE_TABLE,
@@ -124,9 +125,12 @@ def whole_manifest(
     except pa.ArrowInvalid as err:
         raise error(f"{path}: not a Parquet file table ({err})") from None
     _checked(parquet, reference, path, names, error)
-    table = parquet.read(columns=names)
-    columns = [table.column(name).to_pylist() for name in names]
-    entries = [model.model_construct(**dict(zip(names, row))) for row in zip(*columns)]
+    try:  # validated in pydantic's core: faster than constructing each entry in Python
+        entries = TypeAdapter(list[model]).validate_python(parquet.read(columns=names).to_pylist())  # type: ignore[valid-type]
+    except ValidationError as err:
+        raise error(
+            f"{path}: entries not as a manifest's ({err.errors()[0]['loc']} {err.errors()[0]['msg']})"
+        ) from None
     return manifest.model_copy(update={entries_field(manifest): entries, "file_table": None})  # type: ignore[attr-defined]
 
 
