@@ -409,6 +409,13 @@ def test_gcs_stream_equals_the_local_one(gcs_shards, shard_dir):
 
 
 @pytest.mark.e2e
+def test_gcs_manifest_with_a_file_table_streams_as_the_local_one(gcs, shard_dir, tmp_path):
+    write_shard_dir(tmp_path, shard_rows=SHARD_ROWS, inline_entries=2)
+    remote = ShardDataset(gcs.upload(tmp_path, gcs.bucket("trainer-table") + "/shards"), seed=2, verify=True)
+    assert [int(s["seq_id"]) for s in remote] == [int(s["seq_id"]) for s in ShardDataset(shard_dir, seed=2)]
+
+
+@pytest.mark.e2e
 def test_gcs_two_ranks_two_workers_cover_each_sequence_once(gcs_shards):
     seen = []
     for rank in (0, 1):
