@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 
@@ -51,10 +50,8 @@ class FileTable(_Model):
     bytes: int
 
 
-#: The inline list of a manifest whose entries are in its table.
-ENTRIES_IN_TABLE: Any = Field(
-    default_factory=list, description="Empty when `file_table` is set: the entries are in that file."
-)
+#: The inline list of entries (always written: empty when they are in the file table).
+ENTRIES_IN_TABLE = Field(description="Empty when `file_table` is set: the entries are in that file.")
 FILE_TABLE_FIELD = Field(None, description="The file table holding the entries (None: they are inline).")
 
 
