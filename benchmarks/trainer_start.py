@@ -30,7 +30,9 @@ Only the shard the first sample reads exists as a file. Each start runs in a fre
 (`--starts` times per format, after one untimed run for the page cache): seconds from
 `ShardDataset(dir, shuffle=True)` to its first sample, and the peak resident memory (VmHWM)
 above the process's resident memory once torch, pyarrow, pandas (which pyarrow's to_numpy
-imports at the first shard read) and the trainer are imported.
+imports at the first shard read), the pipeline's file access and the trainer are imported;
+then the same for reading the manifest with every entry (`fileio.committed_manifest`, as
+validate, report and inspect do).
 """
 
 from __future__ import annotations
@@ -111,17 +113,25 @@ def _resident_kb() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
 
 
-def start_in_this_process(source: str) -> None:
-    """One start (`--start`, in a fresh process): prints seconds and peak MB above the imports."""
+def read_in_this_process(kind: str, source: str) -> None:
+    """One read (a fresh process: `--start` or `--whole`): prints seconds and peak MB above the
+    imports. start: a trainer's construction to first sample; whole: the manifest with every
+    entry, as validate, report and inspect read it."""
     import pandas  # noqa: F401  pyarrow's to_numpy imports it at the first shard read, whatever the manifest
 
+    from pipeline.common import fileio
+    from schemas.manifest import ShardsManifest
     from trainer import ShardDataset
 
+    reads = {
+        "start": lambda: next(iter(ShardDataset(source, shuffle=True, seed=0))),
+        "whole": lambda: fileio.committed_manifest(source, ShardsManifest),
+    }
     before = _resident_kb()
     began = time.perf_counter()
-    next(iter(ShardDataset(source, shuffle=True, seed=0)))
+    reads[kind]()
     seconds = time.perf_counter() - began
-    print(json.dumps({"start_s": seconds, "peak_above_imports_mb": (peak_rss_kb() - before) / 1024}))
+    print(json.dumps({"seconds": seconds, "peak_above_imports_mb": (peak_rss_kb() - before) / 1024}))
 
 
 def write_synthetic(directories: dict[str, Path], entries: int, work: Path) -> None:
@@ -164,23 +174,25 @@ def measure_entries(entries: int, starts: int) -> dict:
         write_synthetic(directories, entries, Path(temp))
         for name, directory in directories.items():
             sizes = {f: (directory / f).stat().st_size for f in (MANIFEST_FILE, FILE_TABLE) if (directory / f).exists()}
-            runs = []
-            for run in range(starts + 1):
-                child = subprocess.run(
-                    [sys.executable, __file__, "--start", str(directory)], check=True, capture_output=True, text=True
-                )
-                if run:  # the first warms the page cache
-                    runs.append(json.loads(child.stdout.splitlines()[-1]))
-            row = {
-                "format": name,
-                "bytes": sizes,
-                "start_s": statistics.median(r["start_s"] for r in runs),
-                "peak_above_imports_mb": max(r["peak_above_imports_mb"] for r in runs),
-            }
+            row: dict = {"format": name, "bytes": sizes}
+            for kind in ("start", "whole"):
+                runs = []
+                for run in range(starts + 1):
+                    child = subprocess.run(
+                        [sys.executable, __file__, f"--{kind}", str(directory)],
+                        check=True,
+                        capture_output=True,
+                        text=True,
+                    )
+                    if run:  # the first warms the page cache
+                        runs.append(json.loads(child.stdout.splitlines()[-1]))
+                row[f"{kind}_s"] = statistics.median(r["seconds"] for r in runs)
+                row[f"{kind}_peak_above_imports_mb"] = max(r["peak_above_imports_mb"] for r in runs)
             results["formats"].append(row)
             print(
-                f"{entries:,} shards, {name}: start {row['start_s']:.2f} s (median of {starts}), peak "
-                f"{row['peak_above_imports_mb']:.0f} MB above the imports; files {sizes}",
+                f"{entries:,} shards, {name} (files {sizes}), median of {starts}: trainer start "
+                f"{row['start_s']:.2f} s, peak {row['start_peak_above_imports_mb']:.0f} MB above the imports; "
+                f"every entry {row['whole_s']:.2f} s, peak {row['whole_peak_above_imports_mb']:.0f} MB",
                 flush=True,
             )
     return results
@@ -196,10 +208,11 @@ def main() -> None:
     parser.add_argument("--output", default=str(RESULTS))
     parser.add_argument("--entries", type=int, help="a synthetic manifest of this many shards, table and inline")
     parser.add_argument("--starts", type=int, default=3, help="timed starts per format with --entries")
-    parser.add_argument("--start", help=argparse.SUPPRESS)  # one start in this process (a child of --entries)
+    parser.add_argument("--start", help=argparse.SUPPRESS)  # one read in this process (a child of --entries)
+    parser.add_argument("--whole", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.start:
-        start_in_this_process(args.start)
+    if args.start or args.whole:
+        read_in_this_process("start" if args.start else "whole", args.start or args.whole)
         return
     if args.entries:
         write_results(measure_entries(args.entries, args.starts), args.output)
