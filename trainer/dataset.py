@@ -66,9 +66,7 @@ class _LocalFiles:
     def open(self, path: str) -> pa.NativeFile:
         return pa.memory_map(path, "r")
 
-    def open_random(self, path: str) -> pa.NativeFile:
-        """A file read in parts (the manifest's file table)."""
-        return pa.memory_map(path, "r")
+    open_random = open  # a file read in parts (the manifest's file table): a mapping already is
 
     def prefetch(self, path: str) -> None:
         """Nothing to do: the page cache reads ahead."""
