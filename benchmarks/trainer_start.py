@@ -1,6 +1,7 @@
 """Trainer start: the time from `ShardDataset(...)` to its first sample as the shard count grows.
 
     .venv/bin/python benchmarks/trainer_start.py [--shards 1000 10000] [--rows-per-shard 2] [--gcs]
+    .venv/bin/python benchmarks/trainer_start.py --entries 1000000 [--starts 3]
 
 Data: tiny shards (n = 16, m = 4, k = 2, `--rows-per-shard` sequences each, ~8 KB) written with
 the project's `shard_table` under a real manifest (`tests/trainer_fixtures.py`), each `--shards`
@@ -20,21 +21,38 @@ Each measurement is the median of `--repeats` after one untimed pass (imports, p
 
 Reported per shard count, and as the ratio of the largest count to the smallest: start should
 grow no faster than the manifest it reads (start − manifest flat), check all with the count.
+
+`--entries N` (a trainer rank's start at 30B-chunk scale): a synthetic manifest of N shard
+entries (distinct paths, sizes and sha256s), written twice by the project's writer: with its
+entries in the file table (what the commit writes above INLINE_FILE_ENTRIES) and inline in
+manifest.json (the format before the table: the baseline).
+Only the shard the first sample reads exists as a file. Each start runs in a fresh process
+(`--starts` times per format, after one untimed run for the page cache): seconds from
+`ShardDataset(dir, shuffle=True)` to its first sample, and the peak resident memory (VmHWM)
+above the process's resident memory once torch, pyarrow, pandas (which pyarrow's to_numpy
+imports at the first shard read), the pipeline's file access and the trainer are imported;
+then the same for reading the manifest with every entry (`fileio.committed_manifest`, as
+validate, report and inspect do).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
-from benchmarks.report import write_results  # noqa: E402
+from benchmarks.report import peak_rss_kb, write_results  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "trainer_start.json"
@@ -79,8 +97,8 @@ def measure(source: str, repeats: int, check_all_repeats: int) -> dict:
 
     def check_all():
         dataset = ShardDataset(source, shuffle=True, seed=0)
-        for entry in dataset.manifest.shards:
-            file, _ = dataset._open_checked(entry)
+        for shard in range(len(dataset._shard_rows)):
+            file, _ = dataset._open_checked(dataset._entry(shard))
             file.close()
 
     return {
@@ -88,6 +106,96 @@ def measure(source: str, repeats: int, check_all_repeats: int) -> dict:
         "start_s": timed(start, repeats),
         "check_all_s": timed(check_all, check_all_repeats),
     }
+
+
+def _resident_kb() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def read_in_this_process(kind: str, source: str) -> None:
+    """One read (a fresh process: `--start` or `--whole`): prints seconds and peak MB above the
+    imports. start: a trainer's construction to first sample; whole: the manifest with every
+    entry, as validate, report and inspect read it."""
+    import pandas  # noqa: F401  pyarrow's to_numpy imports it at the first shard read, whatever the manifest
+
+    from pipeline.common import fileio
+    from schemas.manifest import ShardsManifest
+    from trainer import ShardDataset
+
+    reads = {
+        "start": lambda: next(iter(ShardDataset(source, shuffle=True, seed=0))),
+        "whole": lambda: fileio.committed_manifest(source, ShardsManifest),
+    }
+    before = _resident_kb()
+    began = time.perf_counter()
+    reads[kind]()
+    seconds = time.perf_counter() - began
+    print(json.dumps({"seconds": seconds, "peak_above_imports_mb": (peak_rss_kb() - before) / 1024}))
+
+
+def write_synthetic(directories: dict[str, Path], entries: int, work: Path) -> None:
+    """Shards directories whose manifests list `entries` tiny shards, with distinct paths, sizes
+    and sha256s as real ones have; only the one the first sample reads exists (a real shard,
+    its entry true). `directories`: format name -> directory, "file table" or "inline"."""
+    from tests.trainer_fixtures import write_manifest, write_shard_dir
+    from trainer import ShardDataset
+
+    real = write_shard_dir(work / "real", shard_rows=[2], batch_rows=2)
+    one = real.shards[0]
+    rng = np.random.default_rng(0)
+    digests = rng.bytes(32 * entries).hex()
+    sizes = rng.integers(one.bytes // 2, one.bytes * 2, entries).tolist()
+    shards = [
+        one.model_construct(
+            path=f"shard-{i:07d}.arrow", rows=one.rows, bytes=sizes[i], sha256=digests[64 * i : 64 * i + 64]
+        )
+        for i in range(entries)
+    ]
+    manifest = real.model_copy(update={"shards": shards, "num_sequences": entries * one.rows})
+    limits = {"file table": 0, "inline": entries}
+    write_manifest(directories["file table"], manifest, 0)
+    first = int(ShardDataset(directories["file table"], shuffle=True, seed=0)._shard_order()[0][0])
+    shards[first] = one.model_copy(update={"path": f"shard-{first:07d}.arrow"})
+    for name, directory in directories.items():
+        write_manifest(directory, manifest, limits[name])
+        shutil.copyfile(work / "real" / one.path, directory / shards[first].path)
+
+
+def measure_entries(entries: int, starts: int) -> dict:
+    """Start time and memory over a synthetic manifest of `entries` shards, table and inline."""
+    from schemas.manifest import FILE_TABLE, MANIFEST_FILE
+
+    results: dict = {"entries": entries, "formats": []}
+    with tempfile.TemporaryDirectory(prefix="trainer-start-entries-") as temp:
+        directories = {name: Path(temp) / name.replace(" ", "-") for name in ("file table", "inline")}
+        for directory in directories.values():
+            directory.mkdir()
+        write_synthetic(directories, entries, Path(temp))
+        for name, directory in directories.items():
+            sizes = {f: (directory / f).stat().st_size for f in (MANIFEST_FILE, FILE_TABLE) if (directory / f).exists()}
+            row: dict = {"format": name, "bytes": sizes}
+            for kind in ("start", "whole"):
+                runs = []
+                for run in range(starts + 1):
+                    child = subprocess.run(
+                        [sys.executable, __file__, f"--{kind}", str(directory)],
+                        check=True,
+                        capture_output=True,
+                        text=True,
+                    )
+                    if run:  # the first warms the page cache
+                        runs.append(json.loads(child.stdout.splitlines()[-1]))
+                row[f"{kind}_s"] = statistics.median(r["seconds"] for r in runs)
+                row[f"{kind}_peak_above_imports_mb"] = max(r["peak_above_imports_mb"] for r in runs)
+            results["formats"].append(row)
+            print(
+                f"{entries:,} shards, {name} (files {sizes}), median of {starts}: trainer start "
+                f"{row['start_s']:.2f} s, peak {row['start_peak_above_imports_mb']:.0f} MB above the imports; "
+                f"every entry {row['whole_s']:.2f} s, peak {row['whole_peak_above_imports_mb']:.0f} MB",
+                flush=True,
+            )
+    return results
 
 
 def main() -> None:
@@ -98,7 +206,17 @@ def main() -> None:
     parser.add_argument("--check-all-repeats", type=int, default=3, help="timed passes of check all")
     parser.add_argument("--gcs", action="store_true", help="read the shards from a local GCS emulator")
     parser.add_argument("--output", default=str(RESULTS))
+    parser.add_argument("--entries", type=int, help="a synthetic manifest of this many shards, table and inline")
+    parser.add_argument("--starts", type=int, default=3, help="timed starts per format with --entries")
+    parser.add_argument("--start", help=argparse.SUPPRESS)  # one read in this process (a child of --entries)
+    parser.add_argument("--whole", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.start or args.whole:
+        read_in_this_process("start" if args.start else "whole", args.start or args.whole)
+        return
+    if args.entries:
+        write_results(measure_entries(args.entries, args.starts), args.output)
+        return
     args.shards = args.shards or ([100, 1000] if args.gcs else [1000, 10000])
     from tests.trainer_fixtures import write_shard_dir
 

@@ -41,7 +41,16 @@ from pipeline.check.validate import validate_path  # noqa: E402
 from pipeline.common.fileio import sha256_bytes  # noqa: E402
 from pipeline.common.writers import parquet_bytes  # noqa: E402
 from schemas.arrow import chunk_schema, embedding_schema, fixed_size_list, shard_ipc_bytes, shard_table  # noqa: E402
-from schemas.manifest import FileEntry, Fingerprint, IndexManifest, Recall, ShardEntry, ShardsManifest  # noqa: E402
+from schemas.manifest import (  # noqa: E402
+    INLINE_FILE_ENTRIES,
+    FileEntry,
+    Fingerprint,
+    IndexManifest,
+    Recall,
+    ShardEntry,
+    ShardsManifest,
+)
+from tests.trainer_fixtures import write_manifest  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "validate_sample.json"
@@ -123,8 +132,16 @@ def write_index(directory: Path, sequences: int, rng: np.random.Generator) -> di
     return {"docs": docs, "tokens": tokens, "continuations": continuations}
 
 
-def write_shards(directory: Path, index_directory: Path, db: dict, shards: int, rng: np.random.Generator) -> None:
-    """`shards` one-row shards: sequence s is document s (chunks s·L ... s·L + L - 1)."""
+def write_shards(
+    directory: Path,
+    index_directory: Path,
+    db: dict,
+    shards: int,
+    rng: np.random.Generator,
+    inline_entries: int = INLINE_FILE_ENTRIES,
+) -> None:
+    """`shards` one-row shards: sequence s is document s (chunks s·L ... s·L + L - 1); with more
+    than `inline_entries`, the manifest's entries in its file table."""
     chunks = len(db["tokens"])
     entries = []
     for s in range(shards):
@@ -160,7 +177,7 @@ def write_shards(directory: Path, index_directory: Path, db: dict, shards: int, 
         counters={"sequences": shards},
         created_by="benchmarks/validate_sample.py",
     )
-    (directory / "manifest.json").write_text(manifest.model_dump_json(indent=2))
+    write_manifest(directory, manifest, inline_entries)
 
 
 def _best_seconds(run) -> float:

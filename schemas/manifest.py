@@ -18,6 +18,10 @@ from schemas.arrow import SCHEMA_VERSION, check_schema_version
 MANIFEST_FILE = "manifest.json"
 #: Every manifest's `created_by`.
 CREATED_BY = f"ratrain-pipeline {__version__}"
+#: A manifest lists at most this many file entries inline; above it they go to its file table.
+INLINE_FILE_ENTRIES = 10_000
+#: The file table's name, beside manifest.json (schemas/file_table.py writes and reads it).
+FILE_TABLE = "files.parquet"
 
 
 class _Model(BaseModel):
@@ -29,6 +33,26 @@ class FileEntry(_Model):
     rows: int
     bytes: int
     sha256: str
+
+
+class ShardEntry(FileEntry):
+    neighbour_slots_filled: int | None = Field(
+        None, description="Neighbour slots of this shard holding a neighbour (None: an older manifest)."
+    )
+
+
+class FileTable(_Model):
+    """Where a manifest's file entries are when there are more than INLINE_FILE_ENTRIES."""
+
+    path: str = Field(description="A Parquet file beside the manifest, one row per entry, in the manifest's order.")
+    sha256: str
+    entries: int
+    bytes: int
+
+
+#: The inline list of entries (always written: empty when they are in the file table).
+ENTRIES_IN_TABLE = Field(description="Empty when `file_table` is set: the entries are in that file.")
+FILE_TABLE_FIELD = Field(None, description="The file table holding the entries (None: they are inline).")
 
 
 class Fingerprint(_Model):
@@ -159,7 +183,8 @@ class VectorIndexManifest(VectorIndex, _Committed):
 
     num_vectors: int
     inputs: list[dict] = Field(description="Embedding files read: path, bytes.")
-    files: list[FileEntry]
+    files: list[FileEntry] = ENTRIES_IN_TABLE
+    file_table: FileTable | None = FILE_TABLE_FIELD
 
 
 class PrecisionCheck(_Model):
@@ -217,13 +242,8 @@ class IndexManifest(VectorIndex, _Committed):
     num_chunks: int
     chunk_tokens: int
     pad_id: int
-    files: list[FileEntry]
-
-
-class ShardEntry(FileEntry):
-    neighbour_slots_filled: int | None = Field(
-        None, description="Neighbour slots of this shard holding a neighbour (None: an older manifest)."
-    )
+    files: list[FileEntry] = ENTRIES_IN_TABLE
+    file_table: FileTable | None = FILE_TABLE_FIELD
 
 
 class NeighbourRecall(_Model):
@@ -267,7 +287,8 @@ class ShardsManifest(_Committed):
     neighbour_tokens: int
     pad_id: int
     num_sequences: int
-    shards: list[ShardEntry]
+    shards: list[ShardEntry] = ENTRIES_IN_TABLE
+    file_table: FileTable | None = FILE_TABLE_FIELD
     neighbour_fill: float | None = Field(
         None, description="Neighbour slots filled / all slots, counted in the shards written."
     )

@@ -13,7 +13,8 @@ import pyarrow as pa
 
 from pipeline.shards.rows import OVERLAP_BUCKETS, chunk_overlap, overlap_bucket
 from schemas.arrow import SCHEMA_VERSION, read_shard_table, shard_ipc_bytes, shard_table
-from schemas.manifest import ShardEntry, ShardsManifest
+from schemas.file_table import split_entries
+from schemas.manifest import FILE_TABLE, INLINE_FILE_ENTRIES, MANIFEST_FILE, ShardEntry, ShardsManifest
 
 
 def synthetic_rows(
@@ -72,8 +73,10 @@ def write_shard_dir(
     first_seq_id: int = 1000,
     pad_tails: bool = False,
     schema_version: int = SCHEMA_VERSION,
+    inline_entries: int = INLINE_FILE_ENTRIES,
 ) -> ShardsManifest:
-    """Write shards of `shard_rows` rows each (record batches of `batch_rows`) and the manifest.
+    """Write shards of `shard_rows` rows each (record batches of `batch_rows`) and the manifest
+    (with more than `inline_entries` shards, its entries in a file table, as the commit writes).
 
     Sequence ids count up from first_seq_id in manifest order; doc_ids are [seq_id].
     schema_version 1 writes the old layout (IPC file, tensor extension columns).
@@ -140,8 +143,16 @@ def write_shard_dir(
         created_by="tests/trainer_fixtures.py",
         schema_version=schema_version,
     )
-    (directory / "manifest.json").write_text(manifest.model_dump_json(indent=2))
+    write_manifest(directory, manifest, inline_entries)
     return manifest
+
+
+def write_manifest(directory: Path, manifest, inline_entries: int = INLINE_FILE_ENTRIES) -> None:
+    """A manifest model into `directory` as the commit writes it: its file table first, if any."""
+    data, table = split_entries(manifest, inline_entries)
+    if table is not None:
+        (directory / FILE_TABLE).write_bytes(table)
+    (directory / MANIFEST_FILE).write_text(json.dumps(data, indent=2))
 
 
 def _row(table: pa.Table, name: str, i: int) -> np.ndarray:

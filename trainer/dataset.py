@@ -14,7 +14,8 @@ trainer the rank stream in order, whatever num_workers is, and every sequence ex
 per epoch across world_size × num_workers.
 
 Checks. Building the dataset reads the manifest and nothing else: shard sizes and row counts
-come from it, so a trainer starts in the same time whatever the number of shards. Each shard is
+come from it (from its file table's path, rows and bytes columns when it has one, held as Arrow
+arrays), so a trainer starts in the same time whatever the number of shards. Each shard is
 checked against its manifest entry when an epoch reaches it.
 
 Sources. A local directory (shards memory-mapped) or a gs:// URL (pyarrow's GCS client, which
@@ -44,6 +45,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from schemas.arrow import SHARD_METADATA_KEYS, check_schema_version, read_shard, shard_column, shard_schema
+from schemas.file_table import entry_columns
 from schemas.manifest import MANIFEST_FILE, FileEntry, ShardsManifest, read_manifest
 
 _TENSOR_COLUMNS = ("tokens", "neighbours", "neighbour_ids", "neighbour_scores")
@@ -63,6 +65,8 @@ class _LocalFiles:
 
     def open(self, path: str) -> pa.NativeFile:
         return pa.memory_map(path, "r")
+
+    open_random = open  # a file read in parts (the manifest's file table): a mapping already is
 
     def prefetch(self, path: str) -> None:
         """Nothing to do: the page cache reads ahead."""
@@ -103,6 +107,10 @@ class _RemoteFiles:
             self._pool = ThreadPoolExecutor(1)
         if path not in self._pending:
             self._pending = {path: self._pool.submit(self._fetch, path)}  # one shard ahead at most
+
+    def open_random(self, path: str) -> pa.NativeFile:
+        """A file read in parts, by ranged requests (the manifest's file table)."""
+        return self._own().open_input_file(self._key(path))
 
     def open(self, path: str) -> pa.NativeFile:
         self._own()
@@ -233,8 +241,6 @@ class ShardDataset(IterableDataset):
         )
         self._expected_metadata = {k.decode(): v.decode() for k, v in self._expected_schema.metadata.items()}
         self.skipped: list[str] = []  # the errors of shards left out (skip_bad_shards)
-        # Rows as the manifest says: no request per shard here (each is checked when opened).
-        self._shard_rows = np.array([entry.rows for entry in self.manifest.shards], dtype=np.int64)
 
     # -- manifest and shard checks ------------------------------------------------------
 
@@ -249,10 +255,20 @@ class ShardDataset(IterableDataset):
             raise ShardDataError(f"{path}: sequence_tokens {n} is not a multiple of chunk_tokens {m}")
         if manifest.neighbour_tokens != 2 * m:
             raise ShardDataError(f"{path}: neighbour_tokens {manifest.neighbour_tokens} != 2 × chunk_tokens {m}")
-        total = sum(entry.rows for entry in manifest.shards)
+        # What opening a shard checks it against, as columns (no object per shard, no request
+        # per shard: each is checked when opened); sha256 only when verified.
+        columns = ["path", "rows", "bytes"] + (["sha256"] if self.verify else [])
+        self._entries = entry_columns(manifest, self.source, columns, self._files.open_random, ShardDataError)
+        self._shard_rows = self._entries.column("rows").to_numpy()
+        total = int(self._shard_rows.sum())
         if total != manifest.num_sequences:
             raise ShardDataError(f"{path}: num_sequences {manifest.num_sequences} != {total} rows over its shards")
         return manifest
+
+    def _entry(self, shard: int) -> FileEntry:
+        """Shard `shard`'s manifest entry (sha256 empty unless verified)."""
+        row = {name: column[shard].as_py() for name, column in zip(self._entries.column_names, self._entries.columns)}
+        return FileEntry(**{"sha256": "", **row})
 
     def _open_checked(self, entry: FileEntry) -> tuple[pa.NativeFile, list[pa.RecordBatch]]:
         """Open a shard, refusing it unless size, rows, schema version and shapes match the manifest."""
@@ -297,7 +313,7 @@ class ShardDataset(IterableDataset):
     def _open_shard(self, shard: int) -> _OpenShard | None:
         """Shard `shard`, checked; None (with a warning) for a bad one when bad shards are skipped."""
         try:
-            file, batches = self._open_checked(self.manifest.shards[shard])
+            file, batches = self._open_checked(self._entry(shard))
         except ShardDataError as err:
             if not self.skip_bad_shards:
                 raise
@@ -314,7 +330,7 @@ class ShardDataset(IterableDataset):
 
     def _shard_order(self) -> tuple[np.ndarray, np.ndarray]:
         """This epoch's shard visiting order, and the global position where each one starts."""
-        count = len(self.manifest.shards)
+        count = len(self._shard_rows)
         order = self._rng().permutation(count) if self.shuffle else np.arange(count)
         starts = np.concatenate([[0], np.cumsum(self._shard_rows[order])])
         return order, starts
@@ -356,7 +372,7 @@ class ShardDataset(IterableDataset):
                         slot = int(np.searchsorted(shard_starts, index, side="right")) - 1
                         shard = self._open_shard(int(shard_order[slot]))
                         if slot + 1 < len(shard_order) and shard_starts[slot + 1] < rank_stop:
-                            self._files.prefetch(self._path(self.manifest.shards[int(shard_order[slot + 1])].path))
+                            self._files.prefetch(self._path(self._entry(int(shard_order[slot + 1])).path))
                     end = min(stop, int(shard_starts[slot + 1]))
                     if shard is not None:
                         pieces.append(shard.rows(np.arange(index, end) - int(shard_starts[slot])))

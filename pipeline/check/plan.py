@@ -148,7 +148,11 @@ def _plan_shards(plan: ValidationPlan, directory: str, index_directory: str) -> 
     manifest = fileio.committed_manifest(directory, ShardsManifest, error=_manifest_problem)
     index_path = fileio.join(index_directory, MANIFEST_FILE)
     index_bytes = fileio.read_bytes(index_path) if fileio.exists(index_path) else None
-    index_manifest = read_manifest(index_bytes, index_path, IndexManifest, error=_manifest_problem)
+    index_manifest = fileio.whole(
+        read_manifest(index_bytes, index_path, IndexManifest, error=_manifest_problem),
+        index_directory,
+        error=_manifest_problem,
+    )
     assert index_bytes is not None  # read_manifest raises for a missing manifest
     _require(
         fileio.sha256_bytes(index_bytes) == manifest.index_manifest_sha256,

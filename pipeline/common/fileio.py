@@ -16,6 +16,7 @@ import uuid
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 
+from schemas.file_table import whole_manifest
 from schemas.manifest import MANIFEST_FILE, ManifestError, read_manifest
 
 
@@ -91,9 +92,17 @@ def sha256_file(path: str, digest=None) -> tuple[str, int]:
 
 def committed_manifest(directory: str, model=None, *, error=ManifestError):
     """The manifest of a committed directory (local or gs://): `directory/manifest.json` read
-    here, parsed and checked by `schemas.manifest.read_manifest` (`model`, `error`: as there)."""
+    here, parsed and checked by `schemas.manifest.read_manifest` (`model`, `error`: as there),
+    with its file entries (`whole`)."""
     path = join(directory, MANIFEST_FILE)
-    return read_manifest(read_bytes(path) if exists(path) else None, path, model, error=error)
+    manifest = read_manifest(read_bytes(path) if exists(path) else None, path, model, error=error)
+    return manifest if model is None else whole(manifest, directory, error=error)
+
+
+def whole(manifest, directory: str, *, error=ManifestError):
+    """A manifest read from `directory` with every file entry inline, read from its file table
+    where it has one (`schemas.file_table.whole_manifest`, through Beam's file systems)."""
+    return whole_manifest(manifest, directory, open_read, error)
 
 
 def list_files(directory: str) -> list[str]:

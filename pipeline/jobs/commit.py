@@ -18,7 +18,8 @@ from pydantic import BaseModel
 
 from pipeline.common import fileio
 from pipeline.corpus.records import rejected_share
-from schemas.manifest import MANIFEST_FILE
+from schemas.file_table import split_entries
+from schemas.manifest import FILE_TABLE, INLINE_FILE_ENTRIES, MANIFEST_FILE
 
 REJECTED_STAGING = "_rejected"
 
@@ -67,14 +68,16 @@ def commit_stage(
     staged: list[str],
     max_rejected_fraction: float = 1.0,
     replace: tuple[str, ...] | None = None,
+    inline_entries: int = INLINE_FILE_ENTRIES,
 ) -> None:
     """A job's last step: publish its rejected records, refuse a job that rejected too much
     (staging discarded, nothing committed), else move the staged files into `final` and write
     the manifest, with the job's timings, last. `clock` names the stage (`stage`) and reads the
     commit's own clock (`timings(counters)`: `pipeline.jobs.job.StageClock`). The manifest
-    stays a model until here, where it is written."""
+    stays a model until here, where it is written: with more than `inline_entries` file
+    entries, they go to its file table (schemas/file_table.py)."""
     publish_rejected(staging, output)
-    data = manifest.model_dump(mode="json")
+    data, table = split_entries(manifest, inline_entries)
     rejected, records = rejected_share(data["counters"])
     if records and rejected / records > max_rejected_fraction:
         discard_staging(staging)
@@ -86,14 +89,20 @@ def commit_stage(
             f"({rejected / records:.0%}: {reasons}), more than max_rejected_fraction "
             f"{max_rejected_fraction:.0%}; see {fileio.join(output, 'rejected')}"
         )
-    commit_directory(staging, final, {**data, "timings": clock.timings(data["counters"])}, staged, replace)
+    commit_directory(staging, final, {**data, "timings": clock.timings(data["counters"])}, staged, replace, table)
 
 
 def commit_directory(
-    staging: str, final: str, manifest: dict, staged: list[str], replace: tuple[str, ...] | None = None
+    staging: str,
+    final: str,
+    manifest: dict,
+    staged: list[str],
+    replace: tuple[str, ...] | None = None,
+    table: bytes | None = None,
 ) -> None:
     """Move the files `staged` (paths relative to both directories) from `staging` into
-    `final`, then write `final/manifest.json` last.
+    `final`, then write the manifest's file table `table` (None: its entries are inline, and
+    no table stays) and `final/manifest.json` last.
 
     replace=None: `final` is the stage's own directory and keeps nothing else. Otherwise only
     these subdirectories of `final` are cleared of what the new manifest does not list (the
@@ -109,7 +118,8 @@ def commit_directory(
         FileSystems.delete([manifest_path])
     wanted = set(staged)
     scopes = [final] if replace is None else [fileio.join(final, sub) for sub in replace]
-    stale = [path for scope in scopes for path in fileio.list_files(scope) if _relative(path, final) not in wanted]
+    kept = wanted | {FILE_TABLE}  # rewritten or deleted below
+    stale = [path for scope in scopes for path in fileio.list_files(scope) if _relative(path, final) not in kept]
     if stale:
         FileSystems.delete(stale)
     waiting = {_relative(path, staging) for path in fileio.list_files(staging)} & wanted
@@ -123,6 +133,11 @@ def commit_directory(
     if sources:
         FileSystems.rename(sources, targets)
     discard_staging(staging)
+    table_path = fileio.join(final, FILE_TABLE)
+    if table is not None:
+        fileio.write_bytes(table_path, table)
+    elif fileio.exists(table_path):
+        FileSystems.delete([table_path])
     fileio.write_json_atomic(manifest_path, manifest)
 
 

@@ -119,7 +119,7 @@ def load_index_manifest(cfg: PipelineConfig) -> tuple[IndexManifest, str]:
     if not fileio.exists(path):
         raise StageError(f"no committed index at {index_dir(cfg)}: run build-index first")
     data = fileio.read_bytes(path)
-    manifest = read_manifest(data, path, IndexManifest)
+    manifest = fileio.whole(read_manifest(data, path, IndexManifest), index_dir(cfg))
     if manifest.chunk_tokens != cfg.chunk_tokens:
         raise StageError(
             f"index at {index_dir(cfg)} has chunk_tokens={manifest.chunk_tokens}, "

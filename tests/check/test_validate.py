@@ -7,13 +7,14 @@ import numpy as np
 import pytest
 from apache_beam.testing.util import assert_that, equal_to
 
+from benchmarks.validate_sample import write_index, write_shards
 from pipeline.check.plan import plan_validation, sampled
 from pipeline.check.problems import ValidationFailed
 from pipeline.check.validate import Problems, validate_path
 from pipeline.check.validate_beam import ValidateOutput
 from pipeline.cli import main
 from schemas.arrow import tensor_column_to_numpy
-from schemas.manifest import FileEntry
+from schemas.manifest import FILE_TABLE, FileEntry
 from tests.helpers import local_pipeline, rewrite_shard, rewrite_shards_as_schema_version_1
 
 SAMPLE = 0.2  # 2 of the built output's 6 shards
@@ -48,6 +49,20 @@ def test_problems_keep_the_first_of_each_kind_and_count_all():
     assert verdict.lines[2:12] == tuple(f"  reference: seq {i:02d}: neighbour tokens differ" for i in range(10))
     assert verdict.lines[12:] == ("  reference: ... and 5 more",)
     assert Problems().verdict("out", ["OK"]).lines == ("OK",)
+
+
+@pytest.mark.unit
+def test_an_output_whose_shard_entries_are_in_a_file_table_validates_and_its_table_is_checked(tmp_path):
+    rng = np.random.default_rng(0)
+    db = write_index(tmp_path / "index", 12, rng)
+    write_shards(tmp_path / "shards", tmp_path / "index", db, 12, rng, inline_entries=4)
+    table = tmp_path / "shards" / FILE_TABLE
+    assert table.exists()
+    lines = validate_path(str(tmp_path))
+    assert lines[-1].startswith(f"OK shards {tmp_path / 'shards'}: 12 sequences in 12 shards"), lines
+    table.write_bytes(table.read_bytes()[:-1] + b"!")
+    with pytest.raises(ValidationFailed, match=f"{table}: sha256 .* differs from the manifest's"):
+        validate_path(str(tmp_path))
 
 
 @pytest.fixture

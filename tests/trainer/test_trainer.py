@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from schemas.arrow import SchemaVersionError, read_shard_table, shard_ipc_bytes
+from schemas.manifest import FILE_TABLE
 from tests.helpers import REPO
 from tests.trainer_fixtures import source_rows, write_shard_dir
 from trainer import ShardDataset
@@ -106,6 +107,18 @@ def test_refuses_a_shard_whose_layout_differs_from_the_manifest(tmp_path):
     size = (tmp_path / "shard-00001.arrow").stat().st_size
     rewrite_manifest(tmp_path, lambda m: m["shards"][1].update(bytes=size))
     with pytest.raises(ShardDataError, match=r"shard-00001\.arrow: metadata schema_version='1', the manifest says 2"):
+        list(ShardDataset(tmp_path, shuffle=False))
+
+
+@pytest.mark.unit
+def test_a_manifest_whose_entries_are_in_its_file_table_yields_the_same_samples(shard_dir, tmp_path):
+    write_shard_dir(tmp_path, shard_rows=SHARD_ROWS, inline_entries=2)
+    assert (tmp_path / FILE_TABLE).exists() and json.loads((tmp_path / "manifest.json").read_text())["shards"] == []
+    for options in [{"shuffle": True, "seed": 3, "verify": True}, {"shuffle": False, "rank": 1, "world_size": 2}]:
+        inline, table = ShardDataset(shard_dir, **options), ShardDataset(tmp_path, **options)
+        assert [int(s["seq_id"]) for s in table] == [int(s["seq_id"]) for s in inline]
+    (tmp_path / "shard-00002.arrow").write_bytes(b"")
+    with pytest.raises(ShardDataError, match="shard-00002.arrow: 0 bytes on disk"):
         list(ShardDataset(tmp_path, shuffle=False))
 
 
@@ -393,6 +406,13 @@ def test_gcs_stream_equals_the_local_one(gcs_shards, shard_dir):
     assert [int(s["seq_id"]) for s in remote] == [int(s["seq_id"]) for s in local]
     a, b = _samples_by_id(remote), _samples_by_id(local)
     assert a.keys() == SEQ_IDS and all(np.array_equal(a[i][k], b[i][k]) for i in a for k in a[i])
+
+
+@pytest.mark.e2e
+def test_gcs_manifest_with_a_file_table_streams_as_the_local_one(gcs, shard_dir, tmp_path):
+    write_shard_dir(tmp_path, shard_rows=SHARD_ROWS, inline_entries=2)
+    remote = ShardDataset(gcs.upload(tmp_path, gcs.bucket("trainer-table") + "/shards"), seed=2, verify=True)
+    assert [int(s["seq_id"]) for s in remote] == [int(s["seq_id"]) for s in ShardDataset(shard_dir, seed=2)]
 
 
 @pytest.mark.e2e

@@ -1,0 +1,159 @@
+"""A manifest's file entries (docs/design.md §4): inline in manifest.json while there are at most
+INLINE_FILE_ENTRIES of them, else in a Parquet file table beside it (FILE_TABLE: one row per
+entry, in the manifest's order, row groups of TABLE_ROW_GROUP entries) that the manifest names
+with its sha256, entry count and size.
+
+The one writer (`split_entries`, at the commit) and the one reader: `whole_manifest` (every
+entry as a model: validate, report, inspect, the jobs) and `entry_columns` (some columns as
+Arrow arrays, no object per entry: the trainer). In memory a manifest model always holds its
+entries inline; only the file written splits them off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from pydantic import TypeAdapter, ValidationError
+
+from schemas.manifest import (
+    FILE_TABLE,
+    INLINE_FILE_ENTRIES,
+    FileEntry,
+    FileTable,
+    ManifestError,
+    ShardEntry,
+    ShardsManifest,
+)
+
+#: Entries per row group: a reader of one entry decodes at most this many.
+TABLE_ROW_GROUP = 65_536
+
+#: A function opening a file (its full path or URL) as a seekable binary file; FileNotFoundError if missing.
+Opener = Callable[[str], Any]
+Manifest = TypeVar("Manifest")
+
+
+def entries_field(manifest) -> str:
+    """The manifest's field listing its entries: `shards` of a shards manifest, else `files`."""
+    return "shards" if isinstance(manifest, ShardsManifest) else "files"
+
+
+def _entry_model(manifest) -> type[FileEntry]:
+    return ShardEntry if isinstance(manifest, ShardsManifest) else FileEntry
+
+
+def table_schema(model: type[FileEntry]) -> pa.Schema:
+    """The file table's columns: an entry's fields."""
+    types = {"path": pa.string(), "rows": pa.int64(), "bytes": pa.int64(), "sha256": pa.string()}
+    return pa.schema([pa.field(name, types.get(name, pa.int64())) for name in model.model_fields])
+
+
+def _entries_table(manifest) -> pa.Table:
+    """The manifest's inline entries as a file table."""
+    entries = getattr(manifest, entries_field(manifest))
+    schema = table_schema(_entry_model(manifest))
+    return pa.table({name: [getattr(e, name) for e in entries] for name in schema.names}, schema=schema)
+
+
+def split_entries(manifest, inline_limit: int = INLINE_FILE_ENTRIES) -> tuple[dict, bytes | None]:
+    """The manifest as written (a JSON object) and its file table's bytes; None when its
+    entries, at most `inline_limit`, stay inline."""
+    field = entries_field(manifest)
+    if len(getattr(manifest, field)) <= inline_limit:
+        return manifest.model_copy(update={"file_table": None}).model_dump(mode="json"), None
+    sink = io.BytesIO()
+    table = _entries_table(manifest)
+    pq.write_table(table, sink, compression="zstd", row_group_size=TABLE_ROW_GROUP)
+    data = sink.getvalue()
+    reference = FileTable(
+        path=FILE_TABLE, sha256=hashlib.sha256(data).hexdigest(), entries=table.num_rows, bytes=len(data)
+    )
+    return manifest.model_copy(update={field: [], "file_table": reference}).model_dump(mode="json"), data
+
+
+def _open_local(path: str):
+    return open(path, "rb")
+
+
+def _table_path(directory: str, reference: FileTable) -> str:
+    return f"{str(directory).rstrip('/')}/{reference.path}"
+
+
+def _open_table(path: str, open_file: Opener, error: Callable[[str], Exception]):
+    try:
+        return open_file(path)
+    except FileNotFoundError:
+        raise error(f"{path}: the file table the manifest names is missing") from None
+
+
+def _checked(table: pq.ParquetFile, reference: FileTable, path: str, columns, error) -> None:
+    if table.metadata.num_rows != reference.entries:
+        raise error(f"{path}: {table.metadata.num_rows} entries, the manifest says {reference.entries}")
+    missing = [name for name in columns if name not in table.schema_arrow.names]
+    if missing:
+        raise error(f"{path}: no column {', '.join(missing)} in the file table")
+
+
+def whole_manifest(
+    manifest: Manifest,
+    directory: str,
+    open_file: Opener = _open_local,
+    error: Callable[[str], Exception] = ManifestError,
+) -> Manifest:
+    """The manifest with every entry inline: read from its file table (size, sha256 and entry
+    count checked; `error` makes the error, naming the table) when it has one, else as it is."""
+    reference = manifest.file_table  # type: ignore[attr-defined]
+    if reference is None:
+        return manifest
+    path = _table_path(directory, reference)
+    with _open_table(path, open_file, error) as f:
+        data = f.read()
+    if len(data) != reference.bytes:
+        raise error(f"{path}: {len(data)} bytes, the manifest says {reference.bytes}")
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != reference.sha256:
+        raise error(f"{path}: sha256 {digest} differs from the manifest's {reference.sha256}")
+    model = _entry_model(manifest)
+    names = list(model.model_fields)
+    try:
+        parquet = pq.ParquetFile(pa.BufferReader(data))
+    except pa.ArrowInvalid as err:
+        raise error(f"{path}: not a Parquet file table ({err})") from None
+    _checked(parquet, reference, path, names, error)
+    try:  # validated in pydantic's core: faster than constructing each entry in Python
+        entries = TypeAdapter(list[model]).validate_python(parquet.read(columns=names).to_pylist())  # type: ignore[valid-type]
+    except ValidationError as err:
+        raise error(
+            f"{path}: entries not as a manifest's ({err.errors()[0]['loc']} {err.errors()[0]['msg']})"
+        ) from None
+    return manifest.model_copy(update={entries_field(manifest): entries, "file_table": None})  # type: ignore[attr-defined]
+
+
+def entry_columns(
+    manifest,
+    directory: str,
+    columns: list[str],
+    open_file: Opener = _open_local,
+    error: Callable[[str], Exception] = ManifestError,
+) -> pa.Table:
+    """Only these columns of the manifest's entries (in its order), read from its file table
+    (entry count checked; the hash is validate's, which reads it whole) or made from its inline
+    entries: no Python object per entry."""
+    reference = manifest.file_table
+    if reference is None:
+        return _entries_table(manifest).select(columns)
+    path = _table_path(directory, reference)
+    f = _open_table(path, open_file, error)
+    try:
+        parquet = pq.ParquetFile(f)
+        _checked(parquet, reference, path, columns, error)
+        return parquet.read(columns=columns).combine_chunks()
+    except pa.ArrowInvalid as err:
+        raise error(f"{path}: not a Parquet file table ({err})") from None
+    finally:
+        f.close()

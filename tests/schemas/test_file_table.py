@@ -1,0 +1,115 @@
+"""A manifest's file table (`schemas.file_table`): entries over the inline limit go to a Parquet
+file beside manifest.json and read back equal; inline manifests, old ones included, still read;
+a table that disagrees with its manifest is an error naming it."""
+
+import json
+
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.common import fileio
+from pipeline.jobs.commit import commit_stage, new_staging_dir
+from pipeline.jobs.job import StageClock
+from schemas.file_table import entry_columns, split_entries, whole_manifest
+from schemas.manifest import FILE_TABLE, MANIFEST_FILE, ManifestError, ShardEntry, ShardsManifest, read_manifest
+from tests import helpers
+
+pytestmark = pytest.mark.unit
+
+
+def manifest(shards: int) -> ShardsManifest:
+    entries = [
+        ShardEntry(path=f"shard-{i:05d}.arrow", rows=i + 1, bytes=100 + i, sha256=f"{i:064x}", neighbour_slots_filled=i)
+        for i in range(shards)
+    ]
+    entries[1].neighbour_slots_filled = None  # an older shard without its count
+    return helpers.shards_manifest(shards=entries, num_sequences=sum(e.rows for e in entries))
+
+
+def write(directory, model, inline_entries) -> None:
+    data, table = split_entries(model, inline_entries)
+    if table is not None:
+        (directory / FILE_TABLE).write_bytes(table)
+    (directory / MANIFEST_FILE).write_text(json.dumps(data))
+
+
+def read(directory) -> ShardsManifest:
+    return read_manifest((directory / MANIFEST_FILE).read_text(), str(directory), ShardsManifest)
+
+
+def test_entries_over_the_limit_go_to_the_table_and_read_back_equal(tmp_path):
+    model = manifest(7)
+    write(tmp_path, model, inline_entries=5)
+    written = json.loads((tmp_path / MANIFEST_FILE).read_text())
+    assert written["shards"] == [] and written["file_table"]["entries"] == 7
+    assert written["file_table"]["bytes"] == (tmp_path / FILE_TABLE).stat().st_size
+    assert pq.ParquetFile(tmp_path / FILE_TABLE).schema_arrow.names == [
+        "path",
+        "rows",
+        "bytes",
+        "sha256",
+        "neighbour_slots_filled",
+    ]
+    whole = whole_manifest(read(tmp_path), str(tmp_path))
+    assert whole.shards == model.shards and whole.file_table is None
+    columns = entry_columns(read(tmp_path), str(tmp_path), ["rows", "path"])
+    assert columns.column("rows").to_pylist() == [e.rows for e in model.shards]
+    assert columns.column("path").to_pylist() == [e.path for e in model.shards]
+
+
+def test_an_inline_manifest_and_an_old_one_without_a_table_field_read_as_before(tmp_path):
+    model = manifest(5)
+    write(tmp_path, model, inline_entries=5)
+    assert not (tmp_path / FILE_TABLE).exists()
+    old = json.loads((tmp_path / MANIFEST_FILE).read_text())
+    del old["file_table"]  # as manifests before the table wrote it
+    (tmp_path / MANIFEST_FILE).write_text(json.dumps(old))
+    assert whole_manifest(read(tmp_path), str(tmp_path)).shards == model.shards
+    assert entry_columns(read(tmp_path), str(tmp_path), ["bytes"]).column("bytes").to_pylist() == [
+        e.bytes for e in model.shards
+    ]
+
+
+@pytest.mark.parametrize("change", ["one entry fewer", "sha256", "missing"])
+def test_a_table_that_disagrees_with_its_manifest_is_an_error_naming_it(tmp_path, change):
+    write(tmp_path, manifest(7), inline_entries=5)
+    table = tmp_path / FILE_TABLE
+    if change == "missing":
+        table.unlink()
+        expected = "the file table the manifest names is missing"
+    elif change == "sha256":  # the manifest's record of it changed: same size, another hash
+        data = json.loads((tmp_path / MANIFEST_FILE).read_text())
+        data["file_table"]["sha256"] = "0" * 64
+        (tmp_path / MANIFEST_FILE).write_text(json.dumps(data))
+        expected = "sha256 .* differs from the manifest's 0{64}"
+    else:
+        _, data = split_entries(manifest(6), 5)
+        assert data is not None
+        table.write_bytes(data)
+        expected = r"\d+ bytes, the manifest says"
+    with pytest.raises(ManifestError, match=f"{table}: {expected}"):
+        whole_manifest(read(tmp_path), str(tmp_path))
+    if change != "sha256":  # the column reader checks the count, and leaves the hash to validate
+        expected = (
+            "the file table the manifest names is missing" if change == "missing" else "6 entries, the manifest says 7"
+        )
+        with pytest.raises(ManifestError, match=f"{table}: {expected}"):
+            entry_columns(read(tmp_path), str(tmp_path), ["rows"])
+
+
+def test_the_commit_writes_the_table_over_the_limit_and_drops_it_under(tmp_path):
+    final = tmp_path / "shards"
+    for shards, has_table in [(7, True), (3, False)]:
+        staging = new_staging_dir(str(tmp_path), "shards")
+        commit_stage(
+            manifest(shards),
+            staging,
+            str(tmp_path),
+            str(final),
+            StageClock("s", "sequences"),
+            [],
+            1.0,
+            inline_entries=5,
+        )
+        assert (final / FILE_TABLE).exists() == has_table
+        assert fileio.committed_manifest(str(final), ShardsManifest).shards == manifest(shards).shards
