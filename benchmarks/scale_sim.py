@@ -37,9 +37,13 @@ from pipeline.index.factory import choose_index_factory  # noqa: E402
 from pipeline.index.slices import vectors_per_slice  # noqa: E402
 from pipeline.jobs import index_job, shards_job  # noqa: E402
 from pipeline.jobs.memory_model import Corpus, largest, stage_memory  # noqa: E402
+from pipeline.common import fileio  # noqa: E402
 from schemas.config import PipelineConfig  # noqa: E402
+from schemas.file_table import split_entries  # noqa: E402
 from schemas.manifest import (  # noqa: E402
     CREATED_BY,
+    FILE_TABLE,
+    MANIFEST_FILE,
     FileEntry,
     Fingerprint,
     IndexManifest,
@@ -146,17 +150,25 @@ def shards_manifest(chunks: int) -> ShardsManifest:
 
 
 def write_manifest(directory: Path, manifest) -> int:
-    """Commit `manifest` into `directory` as the stages do; its bytes."""
+    """Write `manifest` into `directory` as the commit step does (its file table beside it when
+    it lists more than INLINE_FILE_ENTRIES files); the bytes of manifest.json and the table."""
     directory.mkdir(parents=True, exist_ok=True)
-    data = manifest.model_dump_json().encode()
-    (directory / "manifest.json").write_bytes(data)
-    return len(data)
+    data, table = split_entries(manifest)
+    written = json.dumps(data).encode()
+    (directory / MANIFEST_FILE).write_bytes(written)
+    if table is not None:
+        (directory / FILE_TABLE).write_bytes(table)
+    return len(written) + len(table or b"")
 
 
-def read_seconds(directory: Path, model) -> float:
+def read_seconds(directory: Path, model) -> dict[str, float]:
+    """Seconds to read the manifest alone (what a trainer rank reads first) and with every entry
+    (what validate, report and inspect read)."""
     started = time.perf_counter()
-    read_manifest((directory / "manifest.json").read_bytes(), str(directory), model)
-    return time.perf_counter() - started
+    summary = read_manifest((directory / MANIFEST_FILE).read_bytes(), str(directory), model)
+    read = time.perf_counter()
+    fileio.whole(summary, str(directory))
+    return {"manifest": read - started, "every_entry": time.perf_counter() - read}
 
 
 def graph_bytes(cfg: PipelineConfig) -> dict[str, int]:
@@ -200,12 +212,15 @@ def main() -> None:
             results.append(simulate(int(chunks), Path(root)))
         r = results[-1]
         graphs = ", ".join(f"{job} {size / MB:.2f} MB" for job, size in r["graph_bytes"].items())
+        manifests = ", ".join(
+            f"{name} {r['manifest_bytes'][name] / MB:.1f} MB (read {seconds['manifest']:.3f} s, "
+            f"every entry {seconds['every_entry']:.2f} s)"
+            for name, seconds in r["manifest_read_seconds"].items()
+        )
         print(
             f"{r['chunks']:.0e} chunks ({r['chunk_files']:,} chunk files, {r['index_slices']} index slices, "
-            f"{r['training_shards']:,} shards): graphs {graphs}; manifests index "
-            f"{r['manifest_bytes']['index'] / MB:.1f} MB ({r['manifest_read_seconds']['index']:.2f} s), shards "
-            f"{r['manifest_bytes']['shards'] / MB:.1f} MB ({r['manifest_read_seconds']['shards']:.2f} s); largest "
-            f"step {r['largest_step']['stage']} {r['largest_step']['bytes'] / 2**30:.1f} GiB"
+            f"{r['training_shards']:,} shards): graphs {graphs}; manifests with their file tables: {manifests}; "
+            f"largest step {r['largest_step']['stage']} {r['largest_step']['bytes'] / 2**30:.1f} GiB"
         )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
