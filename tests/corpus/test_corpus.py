@@ -64,6 +64,21 @@ def test_jsonl_every_bad_record_is_rejected_with_its_reason():
 
 
 @pytest.mark.unit
+def test_an_empty_or_blank_id_is_rejected_as_empty_id(tmp_path):
+    """Every record with an empty id would share one doc id, so one group: each is refused."""
+    lines = [json.dumps({"id": i, "text": "some text"}).encode() for i in ("", "  \t", " x ", 0)]
+    jsonl = list(parse_jsonl(io.BytesIO(b"\n".join(lines)), CorpusConfig(paths=["x"], id_field="id"), "f", "f"))
+    assert [r.reason if isinstance(r, Rejected) else r.identity for r in jsonl] == ["empty_id", "empty_id", " x ", "0"]
+    pq.write_table(pa.table({"id": ["", "p", " "], "text": ["a", "b", "c"]}), tmp_path / "t.parquet")
+    rows = parse_file(str(tmp_path / "t.parquet"), str(tmp_path) + "/", cfg(tmp_path, format="parquet", id_field="id"))
+    assert [(r.position, r.reason if isinstance(r, Rejected) else r.identity) for r in rows] == [
+        (0, "empty_id"),
+        (1, "p"),
+        (2, "empty_id"),
+    ]
+
+
+@pytest.mark.unit
 def test_identity_without_id_field_is_relative_path_and_line(tmp_path):
     (tmp_path / "sub").mkdir()
     path = tmp_path / "sub" / "c.jsonl"
