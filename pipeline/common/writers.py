@@ -108,14 +108,18 @@ def rejected_jsonl(records: list[Rejected]) -> bytes:
     return "".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in ordered).encode()
 
 
-REJECTED_FILES = 256  # rejected records spread over this many files by a hash of their source
+REJECTED_FILES = 256  # rejected records spread over this many files
+REJECTED_BLOCK = 65_536  # positions of one source that go to the same file
 
 
 def rejected_file_of(record: Rejected) -> int:
-    """The file a rejected record goes to: a stable hash of its source file, so one input
-    file's records stay together and no worker gathers them all."""
+    """The file a rejected record goes to: a stable hash of its source file, plus one for each
+    block of `REJECTED_BLOCK` positions, modulo `REJECTED_FILES`. A source's rejects stay in
+    few files, and one bad input file of millions of records spreads over up to all of them
+    (consecutive blocks, consecutive files) instead of gathering on one worker."""
     digest = hashlib.blake2b(record.source.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") % REJECTED_FILES
+    block = max(record.position, 0) // REJECTED_BLOCK  # a whole-file reject (-1) is in block 0
+    return (int.from_bytes(digest, "little") + block) % REJECTED_FILES
 
 
 class WriteRejected(beam.PTransform):

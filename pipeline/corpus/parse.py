@@ -67,6 +67,17 @@ def _identity(record: dict, id_field: str | None, relative: str, position: int) 
     return str(value)
 
 
+def _fields(record: dict, cfg: CorpusConfig, source: str, relative: str, position: int, raw) -> Record:
+    """One parsed JSON object or Parquet row -> its Document, or why it is refused. An empty or
+    blank id is refused: every such record would share one doc id (one group, one worker)."""
+    identity = _identity(record, cfg.id_field, relative, position)
+    if identity is None:
+        return Rejected(source, position, "missing_id", _excerpt(raw))
+    if not identity.strip():
+        return Rejected(source, position, "empty_id", _excerpt(raw))
+    return _document(record.get(cfg.text_field), identity, source, position, raw)
+
+
 def parse_jsonl(
     lines: Iterable[bytes], cfg: CorpusConfig, source: str, relative: str, first_line: int = 1
 ) -> Iterator[Record]:
@@ -88,11 +99,7 @@ def parse_jsonl(
         if not isinstance(record, dict):
             yield Rejected(source, number, "not_an_object", _excerpt(text))
             continue
-        identity = _identity(record, cfg.id_field, relative, number)
-        if identity is None:
-            yield Rejected(source, number, "missing_id", _excerpt(text))
-            continue
-        yield _document(record.get(cfg.text_field), identity, source, number, text)
+        yield _fields(record, cfg, source, relative, number, text)
 
 
 def _schema_problem(schema: pa.Schema, cfg: CorpusConfig) -> str | None:
@@ -129,11 +136,7 @@ def parse_parquet(
     row = first_row
     for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns, row_groups=row_groups):
         for record in batch.to_pylist():
-            identity = _identity(record, cfg.id_field, relative, row)
-            if identity is None:
-                yield Rejected(source, row, "missing_id", _excerpt(record))
-            else:
-                yield _document(record[cfg.text_field], identity, source, row, record)
+            yield _fields(record, cfg, source, relative, row, record)
             row += 1
 
 

@@ -1,5 +1,6 @@
 """`ReadCorpus`: the corpus as `Document`s and `Rejected` records, in Beam: files listed and split
-into ranges (`SplitFiles`), parsed, duplicate document ids kept once (the first by position).
+into ranges (`SplitFiles`), parsed, duplicate document ids kept once (the first by source and
+position, decided on where the copies were read, without their texts).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pipeline.corpus.parse import (
     parse_range,
     split_file,
 )
-from pipeline.corpus.records import METRICS_NAMESPACE, Document, FileRange, Rejected
+from pipeline.corpus.records import METRICS_NAMESPACE, DocRef, Document, FileRange, Rejected
 from schemas.config import CorpusConfig
 
 
@@ -41,23 +42,37 @@ class _ParseRange(beam.DoFn):
                 yield record
 
 
+def _later_copies(keyed) -> Iterator[tuple[tuple[str, int], DocRef]]:
+    """Where the copies of one doc id were read -> (copy's key, first copy) for every copy but the
+    first by (source, position). Two passes over the group and no list of it: the group holds
+    no text, and a runner that pages a large group holds one ref of it at a time."""
+    _, refs = keyed
+    first = min(refs)
+    for ref in refs:
+        if ref != first:
+            yield ref.key, first
+
+
 def _keep_first(keyed) -> Iterator[Document | beam.pvalue.TaggedOutput[Literal["rejected"], Rejected]]:
-    """Of documents sharing a doc id, keep the first by (source, position); reject the rest.
+    """A document joined with the first copy of its doc id, when it is not that copy -> the
+    document, or its rejection naming the first copy.
     (Beam reads a tagged output's type only with its tag as a Literal: _ParseRange.REJECTED.)"""
-    _, docs = keyed
-    first, *rest = sorted(docs, key=lambda d: (d.source, d.position))
-    yield first
-    for dup in rest:
-        Metrics.counter(METRICS_NAMESPACE, "rejected_duplicate_id").inc()
-        yield beam.pvalue.TaggedOutput(
-            _ParseRange.REJECTED,
-            Rejected(
-                dup.source,
-                dup.position,
-                "duplicate_id",
-                f"id {dup.identity!r} first seen at {first.source}:{first.position}",
-            ),
-        )
+    _, joined = keyed
+    (doc,) = joined["document"]
+    first = list(joined["first_copy"])
+    if not first:
+        yield doc
+        return
+    Metrics.counter(METRICS_NAMESPACE, "rejected_duplicate_id").inc()
+    yield beam.pvalue.TaggedOutput(
+        _ParseRange.REJECTED,
+        Rejected(
+            doc.source,
+            doc.position,
+            "duplicate_id",
+            f"id {doc.identity!r} first seen at {first[0].source}:{first[0].position}",
+        ),
+    )
 
 
 class SplitFiles(beam.PTransform):
@@ -108,10 +123,19 @@ class ReadCorpus(beam.PTransform):
             | "SpreadRanges" >> beam.Reshuffle()
             | "ParseRanges" >> beam.ParDo(_ParseRange(self.cfg)).with_outputs(_ParseRange.REJECTED, main="documents")
         )
-        unique = (
+        # only (source, position) is grouped by doc id; the texts are joined back one by one
+        first_copies = (
             parsed.documents
-            | "KeyByDocId" >> beam.Map(lambda d: (d.doc_id, d))
+            | "RefByDocId" >> beam.Map(lambda d: (d.doc_id, DocRef.of(d)))
             | "GroupByDocId" >> beam.GroupByKey()
+            | "LaterCopies" >> beam.FlatMap(_later_copies)
+        )
+        unique = (
+            {
+                "document": parsed.documents | "DocumentByRef" >> beam.Map(lambda d: (DocRef.of(d).key, d)),
+                "first_copy": first_copies,
+            }
+            | "JoinFirstCopies" >> beam.CoGroupByKey()
             | "DropDuplicateIds" >> beam.FlatMap(_keep_first).with_outputs(_ParseRange.REJECTED, main="documents")
         )
         rejected = (parsed.rejected, unique.rejected) | "MergeRejected" >> beam.Flatten()

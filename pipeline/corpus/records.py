@@ -1,5 +1,6 @@
-"""The records reading produces: `Document`, `Rejected` (with its reason and an excerpt),
-`FileRange` (the part of one input file a worker parses), and the rejected-share rule.
+"""The records reading produces: `Document`, `DocRef` (where one was read), `Rejected` (with its
+reason and an excerpt), `FileRange` (the part of one input file a worker parses), and the
+rejected-share rule.
 """
 
 from __future__ import annotations
@@ -19,6 +20,24 @@ class Document:
     text: str
     source: str
     position: int  # line (jsonl), row (parquet) or 0 (text)
+
+
+@dataclass(frozen=True, order=True)
+class DocRef:
+    """Where a document was read: all that deciding which copy of a doc id is kept needs (the
+    first by source, then position), and the key its text is joined back by."""
+
+    source: str
+    position: int
+
+    @classmethod
+    def of(cls, doc: Document) -> DocRef:
+        return cls(doc.source, doc.position)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """A shuffle key for the document: primitives, which Beam encodes as they are."""
+        return self.source, self.position
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from pipeline.index.factory import (
 from pipeline.index.files import READ_BATCH
 from pipeline.index.kmeans import first_level_clusters, first_level_size
 from pipeline.index.slices import vectors_per_slice
+from pipeline.retrieve.search import CANDIDATE, SEQUENCES_PER_SEARCH
 from schemas.config import PipelineConfig
 
 MB = 2**20
@@ -112,6 +113,7 @@ def stage_memory(cfg: PipelineConfig, corpus: Corpus, dim: int = 384) -> list[di
             },
             held_grows,
         ),
+        *_candidate_step(cfg),
         ("build-shards: join one chunk file", {f"tokens and continuations of {rows:,} chunks": rows * chunk_row}, []),
         (
             "build-shards: write one shard",
@@ -158,6 +160,25 @@ def _training_steps(factory: str, C: int, dim: int, clustering: str, accelerator
             ),
         ]
     return [(name, terms, list(range(len(terms))) if auto else []) for name, terms in steps]
+
+
+def _candidate_step(cfg: PipelineConfig) -> list[tuple]:
+    """With dedupe_neighbours: the token keys of one chunk file's candidates, which arrive as
+    one block per search batch and are handled a block at a time (`_CandidateTokens`)."""
+    if not cfg.dedupe_neighbours:
+        return []
+    rows, L = cfg.chunk_file_rows, cfg.sequence_tokens // cfg.chunk_tokens
+    block = SEQUENCES_PER_SEARCH * L * cfg.neighbour_candidates  # hits of a search batch, all in one file at most
+    return [
+        (
+            "build-shards: candidate tokens of one chunk file",
+            {
+                f"tokens and a token key of {rows:,} chunks": rows * (cfg.chunk_tokens * 4 + 8),
+                f"one block of at most {block:,} candidates, and its sorted copy": block * CANDIDATE.itemsize * 2,
+            },
+            [],
+        )
+    ]
 
 
 def largest(stages: list[dict]) -> dict:

@@ -180,7 +180,10 @@ SEARCH_GROUPS_PER_SLICE = 64  # search batches of a slice split over this many g
 
 class _CandidateTokens(beam.DoFn):
     """(chunk file, candidate blocks in it) -> one CANDIDATE block per sequence, each hit with
-    its chunk's token hash, from one read of that file's tokens."""
+    its chunk's token hash, from one read of that file's tokens. A block is one search batch's
+    hits in the file, handled and sent on before the next is read, so this holds the file's
+    tokens, a key per row and one block: not every candidate of the file (a runner that streams
+    a large group, as Beam's state-backed iterables do, never holds them all either)."""
 
     def __init__(self, chunk_files: ChunkFileRanges | CommittedChunkFiles):
         self.chunk_files = chunk_files
@@ -188,13 +191,16 @@ class _CandidateTokens(beam.DoFn):
     def process(self, keyed):
         number, blocks = keyed
         tokens = self.chunk_files.read(number, ["tokens"])["tokens"]
-        hits = np.concatenate(list(blocks))
-        local = hits["chunk_id"] - self.chunk_files.starts[number]
-        unique, inverse = np.unique(local, return_inverse=True)  # a chunk is hit by many queries
-        hits["token_key"] = np.array([token_key(tokens[r]) for r in unique], np.int64)[inverse]
-        hits = hits[np.argsort(hits["seq_id"], kind="stable")]
-        seq_ids, starts = np.unique(hits["seq_id"], return_index=True)
-        yield from zip(seq_ids.tolist(), np.split(hits, starts[1:]))
+        keys = np.full(len(tokens), -1, np.int64)  # each row's token_key (never negative), hashed once
+        start = self.chunk_files.starts[number]
+        for block in blocks:
+            hits = block[np.argsort(block["seq_id"], kind="stable")]  # a copy: the input stays as it came
+            local = hits["chunk_id"] - start
+            new = np.unique(local[keys[local] < 0])  # a chunk is hit by many queries
+            keys[new] = [token_key(tokens[r]) for r in new]
+            hits["token_key"] = keys[local]
+            seq_ids, starts = np.unique(hits["seq_id"], return_index=True)
+            yield from zip(seq_ids.tolist(), np.split(hits, starts[1:]))
 
 
 class _NeighbourTokens(beam.DoFn):

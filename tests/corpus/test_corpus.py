@@ -8,6 +8,7 @@ import apache_beam as beam
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from apache_beam.pipeline import PipelineVisitor
 from apache_beam.testing.util import assert_that, equal_to
 
 from pipeline.corpus.parse import (
@@ -61,6 +62,21 @@ def test_jsonl_every_bad_record_is_rejected_with_its_reason():
         "missing_id",
     ]
     assert [r.position for r in records] == list(range(1, 9))
+
+
+@pytest.mark.unit
+def test_an_empty_or_blank_id_is_rejected_as_empty_id(tmp_path):
+    """Every record with an empty id would share one doc id, so one group: each is refused."""
+    lines = [json.dumps({"id": i, "text": "some text"}).encode() for i in ("", "  \t", " x ", 0)]
+    jsonl = list(parse_jsonl(io.BytesIO(b"\n".join(lines)), CorpusConfig(paths=["x"], id_field="id"), "f", "f"))
+    assert [r.reason if isinstance(r, Rejected) else r.identity for r in jsonl] == ["empty_id", "empty_id", " x ", "0"]
+    pq.write_table(pa.table({"id": ["", "p", " "], "text": ["a", "b", "c"]}), tmp_path / "t.parquet")
+    rows = parse_file(str(tmp_path / "t.parquet"), str(tmp_path) + "/", cfg(tmp_path, format="parquet", id_field="id"))
+    assert [(r.position, r.reason if isinstance(r, Rejected) else r.identity) for r in rows] == [
+        (0, "empty_id"),
+        (1, "p"),
+        (2, "empty_id"),
+    ]
 
 
 @pytest.mark.unit
@@ -196,9 +212,31 @@ def test_glob_matching_nothing_is_an_error(tmp_path):
         match_corpus(cfg(tmp_path / "*.jsonl"))
 
 
+def grouped_by(p, label: str):
+    """The PCollection that the transform labelled `label` (the last part of its full label) reads."""
+
+    class Find(PipelineVisitor):
+        found: list = []
+
+        def enter_composite_transform(self, node):
+            self.visit_transform(node)
+
+        def visit_transform(self, node):
+            if node.full_label.rsplit("/", 1)[-1] == label:
+                self.found.append(node.inputs[0])
+
+    p.visit(finder := Find())
+    (pcoll,) = finder.found
+    return pcoll
+
+
 @pytest.mark.beam
 def test_read_corpus_keeps_one_of_duplicate_ids(tmp_path):
-    (tmp_path / "a.jsonl").write_text('{"id": "x", "text": "first"}\n{"id": "y", "text": "other"}\n')
+    """The first copy by (source, position) is kept; the doc-id group holds where each copy was
+    read, none of their texts."""
+    (tmp_path / "a.jsonl").write_text(
+        '{"id": "y", "text": "other"}\n{"id": "x", "text": "first"}\n{"id": "x", "text": "third"}\n'
+    )
     (tmp_path / "b.jsonl").write_text('{"id": "x", "text": "second"}\n{"id": "z"}\n')
     with local_pipeline() as p:
         documents, rejected = p | ReadCorpus(cfg(tmp_path / "*.jsonl", id_field="id"))
@@ -208,9 +246,24 @@ def test_read_corpus_keeps_one_of_duplicate_ids(tmp_path):
             label="KeptDocuments",
         )
         assert_that(
-            rejected | "Reasons" >> beam.Map(lambda r: (r.source.rsplit("/", 1)[1], r.position, r.reason)),
-            equal_to([("b.jsonl", 1, "duplicate_id"), ("b.jsonl", 2, "missing_text")]),
+            rejected
+            | "Reasons"
+            >> beam.Map(
+                lambda r: (r.source.rsplit("/", 1)[1], r.position, r.reason, r.excerpt.replace(str(tmp_path), ""))
+            ),
+            equal_to(
+                [
+                    ("a.jsonl", 3, "duplicate_id", "id 'x' first seen at /a.jsonl:2"),
+                    ("b.jsonl", 1, "duplicate_id", "id 'x' first seen at /a.jsonl:2"),
+                    ("b.jsonl", 2, "missing_text", '{"id": "z"}'),
+                ]
+            ),
             label="RejectedRecords",
+        )
+        assert_that(
+            grouped_by(p, "GroupByDocId") | "GroupedValues" >> beam.Map(lambda kv: type(kv[1]).__name__),
+            equal_to(["DocRef"] * 4),
+            label="NoTextsGrouped",
         )
 
 

@@ -96,3 +96,22 @@ def test_with_index_slices_a_worker_holds_one_slice_whatever_the_corpus():
     for a, b in zip(small, large):
         if a["stage"] in ("index: merge", "build-shards: search"):
             assert not b["grows_with_corpus"] and a["bytes"] == b["bytes"] < 5 * 2**30, a["stage"]
+
+
+@pytest.mark.unit
+def test_with_dedupe_the_candidate_step_holds_one_file_and_one_search_batch_whatever_the_corpus():
+    """The candidates of one chunk file arrive a search batch at a time: a fixed bound, set by
+    chunk_file_rows and neighbour_candidates, not by the corpus or how often a chunk is hit."""
+    step = "build-shards: candidate tokens of one chunk file"
+
+    def held(chunks, **overrides):
+        stages = stage_memory(model_config(dedupe_neighbours=True, **overrides), Corpus.of(chunks))
+        return {s["stage"]: s for s in stages}[step]
+
+    assert step not in {s["stage"] for s in stage_memory(model_config(), Corpus.of(1e8))}
+    assert held(1e8) == held(3e10) and not held(3e10)["grows_with_corpus"]
+    assert (
+        held(1e8)["bytes"]
+        < held(1e8, chunk_file_rows=4096)["bytes"]
+        < held(1e8, chunk_file_rows=4096, neighbour_candidates=40)["bytes"]
+    )

@@ -63,6 +63,36 @@ def test_select_distinct_skips_candidates_repeating_a_kept_neighbour():
 
 
 @pytest.mark.unit
+def test_candidate_tokens_sends_each_block_on_before_reading_the_next(tmp_path):
+    """A chunk file's candidates come as blocks (one per search batch); each is given its token
+    keys and sent on per sequence before the next is read: no step holds all of a file's."""
+    chunks = _database()[0]
+    files = write_chunk_files(tmp_path, chunks)  # file 1 holds chunk ids 5 ... 9
+
+    def block(seq_ids, chunk_ids):
+        hits = np.zeros(len(seq_ids), CANDIDATE)
+        hits["seq_id"], hits["chunk_id"], hits["rank"] = seq_ids, chunk_ids, np.arange(len(seq_ids))
+        return hits
+
+    blocks, taken = [block([3, 2, 3], [5, 9, 5]), block([40, 40], [9, 6])], []
+
+    def arriving():
+        for b in blocks:
+            taken.append(b)
+            yield b
+
+    sent = retrieve_beam._CandidateTokens(files).process((1, arriving()))
+    first = next(sent)
+    assert len(taken) == 1
+    got = [first, *sent]
+    assert [(seq, hits["chunk_id"].tolist()) for seq, hits in got] == [(2, [9]), (3, [5, 5]), (40, [9, 6])]
+    for seq, hits in got:
+        assert (hits["seq_id"] == seq).all()
+        assert hits["token_key"].tolist() == [token_key(chunks[c].tokens) for c in hits["chunk_id"]]
+    assert all((b["token_key"] == 0).all() for b in blocks)  # the blocks received are left as they came
+
+
+@pytest.mark.unit
 def test_document_spans_and_ranges():
     ids = np.array([7, 3, 4, 5, 6, 8])  # any order; doc 20 continues past this batch
     docs = np.array([20, 10, 10, 20, 20, 20])
