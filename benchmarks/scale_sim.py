@@ -32,12 +32,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from pipeline.common import fileio  # noqa: E402
 from pipeline.common.names import file_name  # noqa: E402
 from pipeline.index.factory import choose_index_factory  # noqa: E402
 from pipeline.index.slices import vectors_per_slice  # noqa: E402
 from pipeline.jobs import index_job, shards_job  # noqa: E402
 from pipeline.jobs.memory_model import Corpus, largest, stage_memory  # noqa: E402
-from pipeline.common import fileio  # noqa: E402
 from schemas.config import PipelineConfig  # noqa: E402
 from schemas.file_table import split_entries  # noqa: E402
 from schemas.manifest import (  # noqa: E402

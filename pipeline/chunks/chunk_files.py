@@ -136,4 +136,6 @@ def _committed_ranges(directory: str, manifest_sha256: str) -> ChunkFileRanges:
     data = fileio.read_bytes(path)
     if fileio.sha256_bytes(data) != manifest_sha256:
         raise ValueError(f"{path} changed while a job was reading the index it describes: run the job again")
-    return ChunkFileRanges.from_entries(directory, fileio.whole(read_manifest(data, path, IndexManifest), directory).files)
+    return ChunkFileRanges.from_entries(
+        directory, fileio.whole(read_manifest(data, path, IndexManifest), directory).files
+    )
