@@ -62,10 +62,15 @@ class ChunkFileRanges:
     @classmethod
     def from_entries(cls, directory: str, entries) -> ChunkFileRanges:
         """From an index manifest's file entries (anything with .path and .rows)."""
-        ordered = in_file_order(entries, "chunks")
-        return cls(
-            directory, tuple(e.path for e in ordered), tuple(int(s) for s in np.cumsum([0] + [e.rows for e in ordered]))
-        )
+        chunks = [e for e in entries if e.path.startswith("chunks/")]
+        return cls.from_paths(directory, [e.path for e in chunks], [e.rows for e in chunks])
+
+    @classmethod
+    def from_paths(cls, directory: str, paths: list[str], rows: list[int]) -> ChunkFileRanges:
+        """From the paths of the chunk files and their row counts, in any order."""
+        order = sorted(range(len(paths)), key=lambda i: file_number(paths[i]))
+        starts = np.cumsum([0] + [rows[i] for i in order]).tolist()
+        return cls(directory, tuple(paths[i] for i in order), tuple(starts))
 
     @property
     def num_chunks(self) -> int:
@@ -136,6 +141,5 @@ def _committed_ranges(directory: str, manifest_sha256: str) -> ChunkFileRanges:
     data = fileio.read_bytes(path)
     if fileio.sha256_bytes(data) != manifest_sha256:
         raise ValueError(f"{path} changed while a job was reading the index it describes: run the job again")
-    return ChunkFileRanges.from_entries(
-        directory, fileio.whole(read_manifest(data, path, IndexManifest), directory).files
-    )
+    paths, rows = fileio.entry_paths_and_rows(read_manifest(data, path, IndexManifest), directory, "chunks")
+    return ChunkFileRanges.from_paths(directory, paths, rows)

@@ -16,7 +16,7 @@ import uuid
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 
-from schemas.file_table import whole_manifest
+from schemas.file_table import entry_columns, whole_manifest
 from schemas.manifest import MANIFEST_FILE, ManifestError, read_manifest
 
 
@@ -97,6 +97,16 @@ def committed_manifest(directory: str, model=None, *, error=ManifestError):
     path = join(directory, MANIFEST_FILE)
     manifest = read_manifest(read_bytes(path) if exists(path) else None, path, model, error=error)
     return manifest if model is None else whole(manifest, directory, error=error)
+
+
+def entry_paths_and_rows(manifest, directory: str, prefix: str) -> tuple[list[str], list[int]]:
+    """(paths, rows) of the manifest's entries under `prefix/`, in manifest order, from the two
+    columns alone (`schemas.file_table.entry_columns`): no object per entry, whatever their number."""
+    table = entry_columns(manifest, directory, ["path", "rows"], open_read)
+    paths, rows = table["path"].to_pylist(), table["rows"].to_pylist()
+    return [p for p in paths if p.startswith(prefix + "/")], [
+        r for p, r in zip(paths, rows) if p.startswith(prefix + "/")
+    ]
 
 
 def whole(manifest, directory: str, *, error=ManifestError):

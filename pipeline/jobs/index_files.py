@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import apache_beam as beam
 
@@ -13,6 +14,7 @@ from pipeline.common import fileio
 from pipeline.common.models import (
     embedding_dim,
 )
+from pipeline.common.names import file_number
 from pipeline.common.tally import counted
 from pipeline.index.build_info import BUILD_INFO_FILE, BuildInfo
 from pipeline.index.factory import new_index, resolve_clustering
@@ -113,19 +115,39 @@ def _nonempty(pattern, result):
     return result.metadata_list
 
 
-def load_index_manifest(cfg: PipelineConfig) -> tuple[IndexManifest, str]:
-    """The committed index manifest and its sha256, or a clear error."""
-    path = fileio.join(index_dir(cfg), MANIFEST_FILE)
+@dataclass(frozen=True)
+class CommittedIndex:
+    """What build-shards needs of a committed index, read without its file entries (only the
+    faiss files' paths, from the path column of a file table of however many entries)."""
+
+    directory: str
+    manifest_sha256: str
+    num_chunks: int
+    nprobe: int | None  # the depth the index stage tuned
+    faiss_paths: list[str]  # index.faiss, or its slices in chunk-id order, relative to the directory
+
+
+def load_committed_index(cfg: PipelineConfig) -> CommittedIndex:
+    """The committed index this config reads, or a clear error."""
+    directory = index_dir(cfg)
+    path = fileio.join(directory, MANIFEST_FILE)
     if not fileio.exists(path):
-        raise StageError(f"no committed index at {index_dir(cfg)}: run build-index first")
+        raise StageError(f"no committed index at {directory}: run build-index first")
     data = fileio.read_bytes(path)
-    manifest = fileio.whole(read_manifest(data, path, IndexManifest), index_dir(cfg))
+    manifest = read_manifest(data, path, IndexManifest)
     if manifest.chunk_tokens != cfg.chunk_tokens:
         raise StageError(
-            f"index at {index_dir(cfg)} has chunk_tokens={manifest.chunk_tokens}, "
+            f"index at {directory} has chunk_tokens={manifest.chunk_tokens}, "
             f"config asks for {cfg.chunk_tokens}: rebuild the index"
         )
-    return manifest, fileio.sha256_bytes(data)
+    paths, _ = fileio.entry_paths_and_rows(manifest, directory, "faiss")
+    return CommittedIndex(
+        directory,
+        fileio.sha256_bytes(data),
+        manifest.num_chunks,
+        manifest.nprobe,
+        sorted(faiss_files(paths), key=file_number),
+    )
 
 
 def wait_for_index(cfg: PipelineConfig, timeout_s: float, poll_s: float = 30.0) -> None:

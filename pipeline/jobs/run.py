@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from pipeline.jobs.commit import StageError
-from pipeline.jobs.index_files import load_index_manifest
+from pipeline.jobs.index_files import load_committed_index
 from pipeline.jobs.index_job import build_index
 from pipeline.jobs.job import Submitted, index_dir, shards_dir
 from pipeline.jobs.reuse import committed, index_action, shards_reusable
@@ -32,7 +32,7 @@ def run_all(cfg: PipelineConfig, beam_args: list[str], force: bool = False, deta
         if not isinstance(built_index, IndexManifest):  # a dict only from a dry run, which run never asks for
             raise StageError(f"build-index returned no committed manifest: {type(built_index).__name__}")
         report["build-index"] = ("built", built_index.counters)
-    _, index_sha = load_index_manifest(cfg)
+    index_sha = load_committed_index(cfg).manifest_sha256
     shards = None if force else committed(shards_dir(cfg), ShardsManifest)
     if shards is not None and shards_reusable(cfg, shards, index_sha):
         log.info("build-shards: skipped, %s matches the config and index", shards_dir(cfg))

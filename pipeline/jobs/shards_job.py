@@ -22,7 +22,7 @@ from pipeline.corpus.read import ReadCorpus
 from pipeline.index.build import INDEX_FILE
 from pipeline.index.recall import PLATEAU_GAIN
 from pipeline.jobs.commit import REJECTED_STAGING, StageError
-from pipeline.jobs.index_files import _documents_read_tally, _rejected_tally, faiss_files, load_index_manifest
+from pipeline.jobs.index_files import CommittedIndex, _documents_read_tally, _rejected_tally, load_committed_index
 from pipeline.jobs.job import (
     Job,
     Submitted,
@@ -41,7 +41,6 @@ from schemas.arrow import tensor_column_to_numpy
 from schemas.config import PipelineConfig
 from schemas.manifest import (
     CREATED_BY,
-    IndexManifest,
     NeighbourRecall,
     SearchDepth,
     ShardsManifest,
@@ -133,10 +132,9 @@ def build_shards(
 def _build_shards(
     cfg: PipelineConfig, beam_args: list[str], dry_run: bool, detach: bool
 ) -> ShardsManifest | Submitted | dict:
-    index_manifest: IndexManifest | None = None
-    index_sha: str | None = None
+    index: CommittedIndex | None = None
     try:
-        index_manifest, index_sha = load_index_manifest(cfg)
+        index = load_committed_index(cfg)
     except StageError:
         if not dry_run:
             raise  # a dry run needs no index (with a usable one, it builds the job's real graph)
@@ -157,7 +155,9 @@ def _build_shards(
     L, m, k = cfg.chunks_per_sequence, cfg.chunk_tokens, cfg.neighbours
     idx = index_dir(cfg)
     threads = None
-    chunk_files = CommittedChunkFiles(idx, 0 if index_manifest is None else index_manifest.num_chunks, index_sha or "")
+    chunk_files = CommittedChunkFiles(
+        idx, 0 if index is None else index.num_chunks, "" if index is None else index.manifest_sha256
+    )
     if cfg.training_corpus == "same":
         training_chunks = (
             pipeline
@@ -185,12 +185,10 @@ def _build_shards(
         read_tallies = _documents_read_tally(documents, rejected, "Training")
     sequences = training_chunks | "PackSequences" >> PackSequences(L, tok.pad_id)
     spans = pipeline | "DocumentSpans" >> DocumentSpans(fileio.join(idx, "chunks", "*.parquet"), validate=not dry_run)
-    index_paths = (
-        [f"faiss/{INDEX_FILE}"] if index_manifest is None else faiss_files([f.path for f in index_manifest.files])
-    )
+    index_paths = [f"faiss/{INDEX_FILE}"] if index is None else index.faiss_paths
     spec = Retrieval(
         tuple(fileio.join(idx, path) for path in index_paths),
-        None if index_manifest is None else index_manifest.nprobe,
+        None if index is None else index.nprobe,
         chunk_files,
         L,
         m,
@@ -230,7 +228,7 @@ def _build_shards(
             beam.pvalue.AsSingleton(retrieved.search_depth),
             beam.pvalue.AsSingleton(precision),
             cfg,
-            index_sha,
+            None if index is None else index.manifest_sha256,
             threads,
             tok.pad_id,
         )

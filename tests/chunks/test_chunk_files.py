@@ -29,3 +29,22 @@ def test_chunk_file_ranges_locate_ids_and_check_what_they_read(tmp_path):
     lying = ChunkFileRanges(files.directory, files.paths, (0, 4, 10, 12))  # manifest rows disagree
     with pytest.raises(ValueError, match="does not hold the chunk ids 4..9"):
         lying.read(1, ["doc_id"])
+
+
+def test_committed_chunk_files_read_the_ranges_from_the_file_table(tmp_path):
+    """A job carries the chunk database as its index directory alone; the ranges come from the
+    manifest's file table (6,000 chunk files: more entries than stay inline)."""
+    from benchmarks.scale_sim import CHUNK_FILE_ROWS, config, index_manifest, write_manifest
+    from pipeline.chunks.chunk_files import CommittedChunkFiles
+    from pipeline.common import fileio
+
+    chunks = 6_000 * CHUNK_FILE_ROWS - 7
+    write_manifest(tmp_path, index_manifest(chunks, config(tmp_path)))
+    assert (tmp_path / "files.parquet").exists()
+    sha = fileio.sha256_bytes((tmp_path / "manifest.json").read_bytes())
+    files = CommittedChunkFiles(str(tmp_path), chunks, sha)
+    ids = np.array([0, CHUNK_FILE_ROWS - 1, CHUNK_FILE_ROWS, chunks - 1])
+    assert files.files_of(ids).tolist() == [0, 0, 1, 5_999]
+    assert files.file_of(chunks - 1) == 5_999 and files.starts[-1] == chunks
+    with pytest.raises(ValueError, match="changed while a job was reading"):
+        CommittedChunkFiles(str(tmp_path), chunks, "0" * 64).file_of(0)
