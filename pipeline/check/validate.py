@@ -16,8 +16,8 @@ same functions, each holding one unit at a time:
 
 With `sample` < 1, ceil(sample x count) shards, chunk files and embedding files are checked,
 chosen by a hash of their file names (the same ones every time, at least one of each), plus
-every chunk file the sampled shards reference; sizes and sha256 are still checked for every
-listed file.
+the references of the sampled shards against the Parquet row groups they fall in; sizes and
+sha256 are still checked for every listed file.
 """
 
 from __future__ import annotations

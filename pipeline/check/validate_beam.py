@@ -1,11 +1,12 @@
 """`validate DIR -- --runner=...`: the checks of `pipeline.check.validate` as a Beam job, on the
 runners the pipeline runs on, so no process holds the whole output.
 
-`ValidateOutput` runs the plan's units as ParDos: listed files hashed, one shard per element
-(its references keyed by chunk file number), a GroupByKey that brings each chunk file its
-references so each group reads only that file, embedding files, then the few cross-file
-checks over small summaries (chunk-file boundaries, document runs, seq_id ranges, faiss
-probes). Problems become (kind, message) elements, counted by kind with the first few of
+`ValidateOutput` plans from the manifests on a worker and runs the plan's units as ParDos:
+listed files hashed, one per element, one shard per element (its references keyed by chunk
+file number), a GroupByKey that brings each chunk file its unit and references so each group
+reads only that file (or the row groups the references fall in), embedding files, then the
+cross-file checks over small summaries (each chunk-file boundary, document runs counted per doc
+id, seq_id ranges, faiss probes). Problems become (kind, message) elements, counted by kind with the first few of
 each kept (`Problems`); the job's last step fails it when there are any, with that report.
 """
 
