@@ -293,8 +293,8 @@ def run_cmd(config_path, force, beam_args, dry_run, corpus_chunks, corpus_docume
     default=1.0,
     show_default=True,
     type=click.FloatRange(0, 1, min_open=True),
-    help="Check this share of the shards (the same ones every run, chosen by file name) and "
-    "the chunk files they reference, and the same share of chunk and embedding files; "
+    help="Check this share of the shards (the same ones every run, chosen by file name) against "
+    "the chunk rows they reference, and the same share of chunk and embedding files; "
     "sizes and sha256 of every listed file are checked whatever the share.",
 )
 @click.argument("beam_args", nargs=-1, type=click.UNPROCESSED)

@@ -9,38 +9,53 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.check.problems import _parquet, _require
-from pipeline.chunks.chunk_files import ChunkFileRanges, ChunkRows, in_file_order
-from pipeline.common import fileio
-from schemas.manifest import (
-    IndexManifest,
-)
+from pipeline.check.problems import _require
+from schemas.manifest import FileEntry
 
 
+@dataclass(frozen=True)
 class ChunkFiles:
-    """The chunk files of an index directory, in chunk-id order, located as every reader
-    locates them (`ChunkFileRanges`: file f holds the dense ids starts[f] ... starts[f + 1] - 1,
-    checked against the rules by `check_chunk_file`), read after checking their sha256."""
+    """Where each chunk id of an index directory lives, located as every reader locates them
+    (`ChunkFileRanges`: file f holds the dense ids starts[f] ... starts[f + 1] - 1, checked
+    against the rules by `check_chunk_file`). 8 bytes a chunk file: a side input of the job;
+    the files' entries travel as the units (`ChunkFileUnit`)."""
 
-    def __init__(self, directory: str, manifest: IndexManifest):
-        self.directory = directory
-        self.entries = in_file_order(manifest.files, "chunks")
-        _require(self.entries, f"{directory}: manifest lists no chunk files", "manifest")
-        self.ranges = ChunkFileRanges.from_entries(directory, manifest.files)
-        self.starts = self.ranges.starts
+    directory: str
+    starts: np.ndarray  # int64 [files + 1]
+
+    @classmethod
+    def of(cls, directory: str, entries: list[FileEntry]) -> ChunkFiles:
+        """From the chunk files' entries, in file order."""
+        _require(entries, f"{directory}: manifest lists no chunk files", "manifest")
+        return cls(directory, np.cumsum([0] + [e.rows for e in entries], dtype=np.int64))
+
+    @property
+    def count(self) -> int:
+        return len(self.starts) - 1
 
     @property
     def num_chunks(self) -> int:
-        return self.ranges.num_chunks
+        return int(self.starts[-1])
 
     def file_of(self, chunk_ids: np.ndarray) -> np.ndarray:
-        return self.ranges.files_of(chunk_ids)
+        return np.searchsorted(self.starts, chunk_ids, side="right") - 1
 
-    def path(self, number: int) -> str:
-        return fileio.join(self.directory, self.entries[number].path)
 
-    def read(self, number: int) -> ChunkRows:
-        return ChunkRows.of(_parquet(self.directory, self.entries[number]))
+@dataclass(frozen=True)
+class ChunkFileUnit:
+    """One chunk file to check: read whole against the rules when `sampled`, otherwise only
+    the row groups that references point into (its sha256 is then checked as a listed file)."""
+
+    number: int
+    entry: FileEntry
+    sampled: bool
+
+
+@dataclass(frozen=True)
+class EmbeddingFileUnit:
+    position: int  # in chunk-id order
+    entry: FileEntry
+    start: int  # its first chunk id
 
 
 @dataclass(frozen=True)
@@ -50,8 +65,6 @@ class IndexFacts:
     pad_id: int
     num_documents: int
     chunks: ChunkFiles
-    embeddings: tuple  # the embedding files' entries, in chunk-id order
-    embedding_starts: tuple  # embedding file e holds chunk ids from embedding_starts[e]
     dim: int  # the embeddings' width
 
 
@@ -81,8 +94,8 @@ class FaissFacts:
     slice_bytes: int | None
 
     @classmethod
-    def of(cls, directory: str, manifest, num_vectors: int) -> FaissFacts:
-        files = tuple((f.path, f.rows, f.bytes) for f in manifest.files if f.path.startswith("faiss/"))
+    def of(cls, directory: str, manifest, entries: list[FileEntry], num_vectors: int) -> FaissFacts:
+        files = tuple((f.path, f.rows, f.bytes) for f in entries if f.path.startswith("faiss/"))
         return cls(directory, manifest.nprobe, num_vectors, manifest.dim, files, manifest.slice_bytes)
 
 
@@ -103,6 +116,16 @@ class ChunkFileEnds:
 class ChunkFileSummary:
     ends: ChunkFileEnds
     doc_starts: np.ndarray  # doc ids of the documents whose first chunk it holds
+
+
+@dataclass(frozen=True)
+class ChunkFileChecked:
+    """What reading a chunk file gave: its summary when the rules were checked, and the
+    bytes read from it (the whole file, or the row groups references point into)."""
+
+    number: int
+    bytes_read: int
+    summary: ChunkFileSummary | None
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import posixpath
@@ -11,7 +12,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipeline.check.facts import ChunkFiles, FaissFacts, IndexFacts, ShardsFacts
+from pipeline.check.facts import (
+    ChunkFiles,
+    ChunkFileUnit,
+    EmbeddingFileUnit,
+    FaissFacts,
+    IndexFacts,
+    ShardsFacts,
+)
 from pipeline.check.problems import _manifest_problem, _require
 from pipeline.chunks.chunk_files import in_file_order
 from pipeline.common import fileio
@@ -27,6 +35,12 @@ from schemas.manifest import (
 )
 
 INDEX_PROBES = 64  # embeddings searched for themselves in the faiss index
+
+
+def _entries(manifest) -> list:
+    """The files a manifest lists (`FileEntry`; a shards manifest: its shards, `ShardEntry`); the
+    one place they are read."""
+    return manifest.shards if isinstance(manifest, ShardsManifest) else manifest.files
 
 
 def _name_hash(path: str) -> bytes:
@@ -45,7 +59,8 @@ def sampled(entries: list, fraction: float) -> list:
 
 @dataclass
 class ValidationPlan:
-    """What a validation reads, decided from the manifests (whose own checks it runs)."""
+    """What a validation reads, decided from the manifests (whose own checks it runs): the
+    facts every check needs (small), and the units, one a file (`facts()` leaves them out)."""
 
     path: str
     sample: float
@@ -54,17 +69,20 @@ class ValidationPlan:
     shards: ShardsFacts | None = None
     faiss_index: FaissFacts | None = None
     chunks: ChunkFiles | None = None  # the chunk database read (the index's, or the shards')
-    shard_entries: list = field(default_factory=list)  # shards checked
-    sampled_chunk_files: list = field(default_factory=list)
-    unsampled_chunk_files: list = field(default_factory=list)  # hashed unless a shard references one
-    embedding_files: list = field(default_factory=list)  # positions in index.embeddings
     probes_per_file: int = INDEX_PROBES
-    listed_files: list = field(default_factory=list)  # (directory, entry) checked by hash only
     lines: list = field(default_factory=list)  # what a passing validation prints
+    shard_entries: list = field(default_factory=list)  # shards checked
+    chunk_files: list[ChunkFileUnit] = field(default_factory=list)  # every chunk file, in chunk-id order
+    embedding_files: list[EmbeddingFileUnit] = field(default_factory=list)  # checked
+    listed_files: list = field(default_factory=list)  # (directory, entry) checked by size and sha256 only
 
     @property
     def complete(self) -> bool:
         return self.sample >= 1
+
+    def facts(self) -> ValidationPlan:
+        """The plan without its units: what a check of one unit needs besides the unit."""
+        return dataclasses.replace(self, shard_entries=[], chunk_files=[], embedding_files=[], listed_files=[])
 
 
 def _sample_note(sample: float, parts: list[str], listed: int) -> str:
@@ -75,13 +93,15 @@ def _sample_note(sample: float, parts: list[str], listed: int) -> str:
 
 def _plan_index(plan: ValidationPlan, directory: str) -> None:
     manifest = fileio.committed_manifest(directory, IndexManifest, error=_manifest_problem)
-    chunks = ChunkFiles(directory, manifest)
+    entries = _entries(manifest)
+    chunk_entries = in_file_order(entries, "chunks")
+    chunks = ChunkFiles.of(directory, chunk_entries)
     _require(
         chunks.num_chunks == manifest.num_chunks,
         f"{directory}: {chunks.num_chunks} chunk rows, manifest says {manifest.num_chunks}",
         "manifest",
     )
-    embeddings = in_file_order(manifest.files, "embeddings")
+    embeddings = in_file_order(entries, "embeddings")
     embedded = int(sum(entry.rows for entry in embeddings))
     _require(
         embedded == manifest.num_chunks,
@@ -89,34 +109,29 @@ def _plan_index(plan: ValidationPlan, directory: str) -> None:
         "manifest",
     )
     plan.chunks = chunks
-    starts = tuple(int(s) for s in np.cumsum([0] + [e.rows for e in embeddings]))
     plan.index = IndexFacts(
-        directory,
-        manifest.chunk_tokens,
-        manifest.pad_id,
-        manifest.num_documents,
-        chunks,
-        tuple(embeddings),
-        starts,
-        manifest.dim,
+        directory, manifest.chunk_tokens, manifest.pad_id, manifest.num_documents, chunks, manifest.dim
     )
-    plan.faiss_index = FaissFacts.of(directory, manifest, manifest.num_chunks)
-    chosen = {entry.path for entry in sampled(chunks.entries, plan.sample)}
-    plan.sampled_chunk_files = [i for i, entry in enumerate(chunks.entries) if entry.path in chosen]
-    plan.unsampled_chunk_files = [i for i, entry in enumerate(chunks.entries) if entry.path not in chosen]
+    plan.faiss_index = FaissFacts.of(directory, manifest, entries, manifest.num_chunks)
+    chosen = {entry.path for entry in sampled(chunk_entries, plan.sample)}
+    plan.chunk_files = [ChunkFileUnit(i, entry, entry.path in chosen) for i, entry in enumerate(chunk_entries)]
+    read = set(chosen)  # read whole, their sha256 checked on the bytes read
     chosen = {entry.path for entry in sampled(embeddings, plan.sample)}
-    plan.embedding_files = [i for i, entry in enumerate(embeddings) if entry.path in chosen]
+    starts = np.cumsum([0] + [e.rows for e in embeddings])
+    plan.embedding_files = [
+        EmbeddingFileUnit(i, entry, int(starts[i])) for i, entry in enumerate(embeddings) if entry.path in chosen
+    ]
     plan.probes_per_file = max(1, INDEX_PROBES // max(1, len(plan.embedding_files)))
-    read = {entry.path for entry in chunks.entries} | chosen  # chunk files: see check_chunk_file
-    plan.listed_files += [(directory, entry) for entry in manifest.files if entry.path not in read]
+    read |= chosen
+    plan.listed_files += [(directory, entry) for entry in entries if entry.path not in read]
     note = _sample_note(
         plan.sample,
         [
-            f"{len(plan.sampled_chunk_files)} of {len(chunks.entries)} chunk files "
-            "(and any a sampled shard references)",
+            f"{sum(unit.sampled for unit in plan.chunk_files)} of {len(chunk_entries)} chunk files "
+            "(and the row groups of others that sampled shards reference)",
             f"{len(plan.embedding_files)} of {len(embeddings)} embedding files",
         ],
-        len(manifest.files),
+        len(entries),
     )
     plan.lines.append(
         f"OK index {directory}{note}: {manifest.num_chunks} chunks from {manifest.num_documents} "
@@ -124,17 +139,17 @@ def _plan_index(plan: ValidationPlan, directory: str) -> None:
     )
 
 
-def _check_shard_totals(directory: str, manifest: ShardsManifest, chunks_per_sequence: int) -> None:
+def _check_shard_totals(directory: str, manifest: ShardsManifest, entries: list, chunks_per_sequence: int) -> None:
     """The manifest's totals against the sums of its shard entries (which `check_shard` holds
     each shard to)."""
-    rows = sum(entry.rows for entry in manifest.shards)
+    rows = sum(entry.rows for entry in entries)
     _require(
         rows == manifest.num_sequences,
         f"{directory}: {rows} rows in the shards, manifest says {manifest.num_sequences}",
         "manifest",
     )
-    counts = [n for entry in manifest.shards if (n := entry.neighbour_slots_filled) is not None]
-    if manifest.neighbour_fill is None or len(counts) < len(manifest.shards):
+    counts = [n for entry in entries if (n := entry.neighbour_slots_filled) is not None]
+    if manifest.neighbour_fill is None or len(counts) < len(entries):
         return
     filled, slots = sum(counts), rows * chunks_per_sequence * manifest.neighbours
     _require(
@@ -148,12 +163,13 @@ def _plan_shards(plan: ValidationPlan, directory: str, index_directory: str) -> 
     manifest = fileio.committed_manifest(directory, ShardsManifest, error=_manifest_problem)
     index_path = fileio.join(index_directory, MANIFEST_FILE)
     index_bytes = fileio.read_bytes(index_path) if fileio.exists(index_path) else None
-    index_manifest = fileio.whole(
-        read_manifest(index_bytes, index_path, IndexManifest, error=_manifest_problem),
-        index_directory,
-        error=_manifest_problem,
-    )
-    assert index_bytes is not None  # read_manifest raises for a missing manifest
+    if plan.chunks is None or index_bytes is None:  # else the index was planned (and its manifest read) here
+        index_manifest = fileio.whole(
+            read_manifest(index_bytes, index_path, IndexManifest, error=_manifest_problem),
+            index_directory,
+            error=_manifest_problem,
+        )
+        assert index_bytes is not None  # read_manifest raises for a missing manifest
     _require(
         fileio.sha256_bytes(index_bytes) == manifest.index_manifest_sha256,
         f"{directory}: built against a different index than {index_directory}",
@@ -161,7 +177,10 @@ def _plan_shards(plan: ValidationPlan, directory: str, index_directory: str) -> 
     )
     m = manifest.chunk_tokens
     _require(manifest.neighbour_tokens == 2 * m, f"{directory}: neighbour_tokens != 2 x chunk_tokens", "manifest")
-    plan.chunks = plan.chunks or ChunkFiles(index_directory, index_manifest)
+    if plan.chunks is None:  # the index is not validated here: its chunk files only read for the references
+        chunk_entries = in_file_order(_entries(index_manifest), "chunks")
+        plan.chunks = ChunkFiles.of(index_directory, chunk_entries)
+        plan.chunk_files = [ChunkFileUnit(i, entry, plan.complete) for i, entry in enumerate(chunk_entries)]
     plan.shards = ShardsFacts(
         directory,
         manifest.sequence_tokens,
@@ -172,21 +191,22 @@ def _plan_shards(plan: ValidationPlan, directory: str, index_directory: str) -> 
         tuple((key, str(getattr(manifest, key))) for key in SHARD_METADATA_KEYS),
         plan.chunks,
     )
-    _check_shard_totals(directory, manifest, plan.shards.chunks_per_sequence)
-    plan.shard_entries = sampled(manifest.shards, plan.sample)
+    entries = _entries(manifest)
+    _check_shard_totals(directory, manifest, entries, plan.shards.chunks_per_sequence)
+    plan.shard_entries = sampled(entries, plan.sample)
     checked = {entry.path for entry in plan.shard_entries}
-    plan.listed_files += [(directory, entry) for entry in manifest.shards if entry.path not in checked]
+    plan.listed_files += [(directory, entry) for entry in entries if entry.path not in checked]
     L, k = plan.shards.chunks_per_sequence, manifest.neighbours
     rows = sum(entry.rows for entry in plan.shard_entries)
     counts = [entry.neighbour_slots_filled for entry in plan.shard_entries]
     filled = "" if None in counts else f"{sum(counts)}/{rows * L * k} neighbour slots filled, "
-    total = len(manifest.shards)
+    total = len(entries)
     if plan.complete:
         head = f"OK shards {directory}: {rows} sequences in {total} shards"
     else:
         head = (
             f"OK shards {directory} (a sample: {len(plan.shard_entries)} of {total} shards and the chunk "
-            f"files they reference; sizes and sha256 of all {total} shards): {rows} sequences in the sample"
+            f"rows they reference; sizes and sha256 of all {total} shards): {rows} sequences in the sample"
         )
     plan.lines.append(
         f"{head}, {filled}no same-document neighbour, neighbour tokens equal the chunk "
@@ -196,8 +216,9 @@ def _plan_shards(plan: ValidationPlan, directory: str, index_directory: str) -> 
 
 def _plan_vector_index(plan: ValidationPlan, directory: str) -> None:
     manifest = fileio.committed_manifest(directory, VectorIndexManifest, error=_manifest_problem)
-    plan.listed_files += [(directory, entry) for entry in manifest.files]
-    plan.faiss_index = FaissFacts.of(directory, manifest, manifest.num_vectors)
+    entries = _entries(manifest)
+    plan.listed_files += [(directory, entry) for entry in entries]
+    plan.faiss_index = FaissFacts.of(directory, manifest, entries, manifest.num_vectors)
     plan.lines.append(
         f"OK vector index {directory}: {manifest.num_vectors} vectors, {manifest.index_factory}, "
         f"{manifest.recall_at_k.measure} = {manifest.recall_at_k.value:.3f} at depth {manifest.nprobe}"

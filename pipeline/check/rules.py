@@ -10,16 +10,20 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
+from pipeline.check.chunk_reads import ChunkRowsRead, read_row_groups, read_whole
 from pipeline.check.facts import (
+    ChunkFileChecked,
     ChunkFileEnds,
     ChunkFiles,
     ChunkFileSummary,
+    ChunkFileUnit,
+    EmbeddingFileUnit,
     FaissFacts,
     IndexFacts,
     Probes,
     ShardsFacts,
 )
-from pipeline.check.problems import ValidationFailed, _kind, _parquet, _read_checked, _require, check_listed_file
+from pipeline.check.problems import ValidationFailed, _kind, _parquet, _read_checked, _require
 from pipeline.chunks.chunk_files import ChunkRows
 from pipeline.common import fileio
 from pipeline.index.files import load_index
@@ -106,7 +110,7 @@ def check_chunk_boundaries(index: IndexFacts, ends: list[ChunkFileEnds]) -> None
             f"{path}: chunk {int(index.chunks.starts[number]) - 1} continuation is not the next "
             "chunk of its document (or padding at its end)",
         )
-    last = by_number.get(len(index.chunks.entries) - 1)
+    last = by_number.get(index.chunks.count - 1)
     _require(
         last is None or (last.last_continuation == pad).all(),
         f"{index.directory}: the last chunk's continuation is not padding",
@@ -123,16 +127,16 @@ def check_document_runs(index: IndexFacts, runs: int, distinct: int, files: int)
         f"{index.directory}: {runs} document runs of {distinct} documents (a document split into several runs)",
     )
     _require(
-        files < len(index.chunks.entries) or runs == index.num_documents,
+        files < index.chunks.count or runs == index.num_documents,
         f"{index.directory}: {runs} document runs for {index.num_documents} documents",
     )
 
 
 @_kind("embeddings")
-def check_embedding_file(index: IndexFacts, position: int, probes_per_file: int) -> Probes:
-    """Embedding file `position` (in chunk-id order): one unit vector per chunk, in order;
-    returns some of them to search the faiss index with."""
-    entry, start = index.embeddings[position], index.embedding_starts[position]
+def check_embedding_file(index: IndexFacts, unit: EmbeddingFileUnit, probes_per_file: int) -> Probes:
+    """An embedding file: one unit vector per chunk, in order; returns some of them to search
+    the faiss index with."""
+    entry, start = unit.entry, unit.start
     where = f"{index.directory}/{entry.path}"
     table = _parquet(index.directory, entry)
     ids = table["chunk_id"].to_numpy()
@@ -314,22 +318,26 @@ def check_shard(shards: ShardsFacts, entry: ShardEntry) -> ShardResult:
 
 
 @_kind("reference")
-def check_references(chunks: ChunkFiles, number: int, rows: ChunkRows, block: ReferenceBlock) -> None:
-    """References into chunk file `number` (its `rows`): a neighbour's tokens are the chunk and
-    its continuation and it is from none of the sequence's documents; a sequence's own chunks
-    hold its tokens and their documents are among its doc_ids."""
-    refs, values, docs = block.refs, block.values, block.docs
+def check_references(chunks: ChunkFiles, unit: ChunkFileUnit, read: ChunkRowsRead, block: ReferenceBlock) -> None:
+    """References into a chunk file (`read`: its rows they point at): a neighbour's tokens are
+    the chunk and its continuation and it is from none of the sequence's documents; a
+    sequence's own chunks hold its tokens and their documents are among its doc_ids."""
+    refs, values, docs, rows = block.refs, block.values, block.docs, read.rows
     m = rows.tokens.shape[1]
-    local = refs["chunk_id"] - int(chunks.starts[number])
+    local = read.at[np.searchsorted(read.asked, refs["chunk_id"] - int(chunks.starts[unit.number]))]
+    path = fileio.join(chunks.directory, unit.entry.path)
+    _require(
+        np.array_equal(rows.chunk_id[local], refs["chunk_id"]),
+        f"{path} does not hold the chunk ids its manifest implies",
+        "chunk file",
+    )
     expected = np.concatenate([rows.tokens[local], rows.continuation[local]], axis=1)
     own = refs["own"]
     wrong = np.where(own, (values[:, :m] != expected[:, :m]).any(axis=1), (values != expected).any(axis=1))
     if wrong.any():
         first = np.flatnonzero(wrong)[0]
         what = "tokens differ from its chunks" if own[first] else "neighbour tokens differ from the chunk database"
-        raise ValidationFailed(
-            f"seq {refs['seq_id'][first]}: {what} (chunk {refs['chunk_id'][first]}, {chunks.path(number)})"
-        )
+        raise ValidationFailed(f"seq {refs['seq_id'][first]}: {what} (chunk {refs['chunk_id'][first]}, {path})")
     chunk_docs = rows.doc_id[local]
     inside = _contains(docs, refs["docs_start"], refs["docs_count"], chunk_docs)
     leak = ~own & inside
@@ -347,20 +355,30 @@ def check_references(chunks: ChunkFiles, number: int, rows: ChunkRows, block: Re
         )
 
 
-def check_chunk_file(chunks: ChunkFiles, number: int, blocks, index: IndexFacts | None, sampled: bool):
-    """Chunk file `number`, read once when it is sampled or referenced (`blocks` not None: the
-    references into it): against the rules when `index` is the index being validated, and
-    against the references; otherwise only its size and sha256 are checked. Yields its
-    summary (rules checked) before the references are, so a caller that gathers problems
-    keeps it for the checks across files."""
-    if blocks is None and not sampled:
-        check_listed_file(chunks.directory, chunks.entries[number])
+def check_chunk_file(chunks: ChunkFiles, unit: ChunkFileUnit, blocks, index: IndexFacts | None):
+    """A chunk file, read once: whole and against the rules when it is sampled (and `index` is
+    the index being validated), else only the row groups the references (`blocks`, iterable
+    twice, or None) point into; then against the references. Yields what it read (with the
+    summary) before the references are checked, so a caller that gathers problems keeps it for
+    the checks across files."""
+    if unit.sampled:
+        read = read_whole(chunks.directory, unit.entry)
+    elif blocks:
+        start = int(chunks.starts[unit.number])
+        local = np.unique(np.concatenate([block.refs["chunk_id"] for block in blocks]) - start)
+        _require(
+            local[0] >= 0 and local[-1] < unit.entry.rows,
+            f"{fileio.join(chunks.directory, unit.entry.path)}: references outside the file",
+            "reference",
+        )
+        read = read_row_groups(chunks.directory, unit.entry, local)
+    else:
         return
-    rows = chunks.read(number)
-    if index is not None:
-        yield _check_chunk_rules(index, number, rows)
+    rules = index is not None and unit.sampled
+    summary = _check_chunk_rules(index, unit.number, read.rows) if rules else None
+    yield ChunkFileChecked(unit.number, read.bytes_read, summary)
     for block in blocks or ():
-        check_references(chunks, number, rows, block)
+        check_references(chunks, unit, read, block)
 
 
 @_kind("shard")

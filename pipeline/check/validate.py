@@ -16,8 +16,8 @@ same functions, each holding one unit at a time:
 
 With `sample` < 1, ceil(sample x count) shards, chunk files and embedding files are checked,
 chosen by a hash of their file names (the same ones every time, at least one of each), plus
-every chunk file the sampled shards reference; sizes and sha256 are still checked for every
-listed file.
+the references of the sampled shards against the Parquet row groups they fall in; sizes and
+sha256 are still checked for every listed file.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from pipeline.check.rules import (
 PROBLEMS_KEPT = 10  # problems of each kind a failed Beam job reports in full
 
 REFERENCE_BLOCK = 65536  # references checked at a time against a chunk file
+DOCUMENTS_PER_BUCKET = 1 << 22  # document starts made unique at a time (32 MB of doc ids)
 
 
 class _References:
@@ -66,11 +67,8 @@ class _References:
                 f.write(np.ascontiguousarray(array).tobytes())
         self.docs_written[number] = self.docs_written.get(number, 0) + len(block.docs)
 
-    def __contains__(self, number: int) -> bool:
-        return number in self.docs_written
-
-    def files(self) -> list[int]:
-        return sorted(self.docs_written)
+    def of(self, number: int) -> _FileReferences | None:
+        return _FileReferences(self, number) if number in self.docs_written else None
 
     def blocks(self, number: int):
         refs = np.memmap(self._path(number, "refs"), REFERENCE, "r")
@@ -82,34 +80,100 @@ class _References:
             )
 
 
-def check_in_process(plan: ValidationPlan) -> list[str]:
-    """Run the plan in this process, one unit at a time (references on local disk); raises
-    ValidationFailed at the first problem, else returns the plan's lines."""
+@dataclass(frozen=True)
+class _FileReferences:
+    """The references into one chunk file, read from disk each time they are iterated."""
+
+    references: _References
+    number: int
+
+    def __iter__(self):
+        return self.references.blocks(self.number)
+
+
+class _DocumentStarts:
+    """The doc ids that start a run of chunks, spilled to local disk in buckets by doc id, so
+    counting the distinct ones holds one bucket (DOCUMENTS_PER_BUCKET ids) at a time."""
+
+    def __init__(self, root: str, documents: int):
+        self.buckets = max(1, -(-documents // DOCUMENTS_PER_BUCKET))
+        self.files = [open(os.path.join(root, f"starts.{b}"), "w+b") for b in range(self.buckets)]
+        self.runs = 0
+
+    def add(self, doc_ids: np.ndarray) -> None:
+        self.runs += len(doc_ids)
+        bucket = doc_ids.view(np.uint64) % np.uint64(self.buckets)
+        for b in np.unique(bucket):
+            self.files[b].write(np.ascontiguousarray(doc_ids[bucket == b]).tobytes())
+
+    def distinct(self) -> int:
+        count = 0
+        for f in self.files:
+            f.flush()
+            f.seek(0)
+            count += len(np.unique(np.frombuffer(f.read(), np.int64)))
+        return count
+
+    def close(self) -> None:
+        for f in self.files:
+            f.close()
+
+
+@dataclass(frozen=True)
+class InProcessRun:
+    lines: list[str]  # the plan's lines
+    chunk_bytes_read: int  # chunk-file bytes read to check rows (whole files, row groups), hashing apart
+
+
+def run_in_process(plan: ValidationPlan) -> InProcessRun:
+    """Run the plan in this process, one unit at a time: references and document starts on
+    local disk, of the chunk files only the last one's boundary rows held. Raises
+    ValidationFailed at the first problem."""
     for directory, entry in plan.listed_files:
         check_listed_file(directory, entry)
     with tempfile.TemporaryDirectory(prefix="ratrain-validate-") as scratch:
         references = _References(scratch, 2 * plan.shards.chunk_tokens if plan.shards else 0)
-        ranges = []
-        for entry in plan.shard_entries:
-            result = check_shard(plan.shards, entry)
-            for number, block in result.references.items():
-                references.add(number, block)
-            ranges.append((result.first_seq, result.last_seq, result.path))
-        check_seq_ranges(ranges)
-        summaries, chosen = [], set(plan.sampled_chunk_files)
-        for number in sorted(chosen | set(plan.unsampled_chunk_files) | set(references.files())):
-            if plan.chunks is None:  # only a vector index's plan has none, and it has no chunk files
-                raise ValueError(f"{plan.path}: chunk file {number} to check but no chunk database planned")
-            blocks = references.blocks(number) if number in references else None
-            summaries += check_chunk_file(plan.chunks, number, blocks, plan.index, number in chosen)
-    if plan.index is not None:
-        check_chunk_boundaries(plan.index, [s.ends for s in summaries])
-        starts = np.concatenate([s.doc_starts for s in summaries]) if summaries else np.zeros(0, np.int64)
-        check_document_runs(plan.index, len(starts), len(np.unique(starts)), len(summaries))
-    probes = [check_embedding_file(plan.index, position, plan.probes_per_file) for position in plan.embedding_files]
+        starts = _DocumentStarts(scratch, plan.index.num_documents if plan.index else 0)
+        try:
+            bytes_read, files = _check_chunk_files(plan, references, starts)
+        finally:
+            starts.close()
+    probes = [check_embedding_file(plan.index, unit, plan.probes_per_file) for unit in plan.embedding_files]
     if plan.faiss_index is not None:
         check_faiss_index(plan.faiss_index, probes)
-    return list(plan.lines)
+    return InProcessRun(list(plan.lines), bytes_read)
+
+
+def _check_chunk_files(plan: ValidationPlan, references: _References, starts: _DocumentStarts) -> tuple[int, int]:
+    """The shards, then the chunk files in order with the references into them; returns the
+    chunk-file bytes read and the number of files checked against the rules."""
+    bytes_read, files, before = 0, 0, None
+    ranges = []
+    for entry in plan.shard_entries:
+        result = check_shard(plan.shards, entry)
+        for number, block in result.references.items():
+            references.add(number, block)
+        ranges.append((result.first_seq, result.last_seq, result.path))
+    check_seq_ranges(ranges)
+    for unit in plan.chunk_files:
+        assert plan.chunks is not None  # a plan with chunk files has their database
+        for checked in check_chunk_file(plan.chunks, unit, references.of(unit.number), plan.index):
+            bytes_read += checked.bytes_read
+            if checked.summary is not None:
+                files += 1
+                starts.add(checked.summary.doc_starts)
+                assert plan.index is not None  # a summary comes from the rules of the index validated
+                ends = checked.summary.ends
+                check_chunk_boundaries(plan.index, [ends] if before is None else [before, ends])
+                before = ends
+    if plan.index is not None:
+        check_document_runs(plan.index, starts.runs, starts.distinct(), files)
+    return bytes_read, files
+
+
+def check_in_process(plan: ValidationPlan) -> list[str]:
+    """`run_in_process`: the plan's lines, or ValidationFailed at the first problem."""
+    return run_in_process(plan).lines
 
 
 def validate_index(directory: str) -> str:

@@ -1,20 +1,23 @@
 """`validate DIR -- --runner=...`: the checks of `pipeline.check.validate` as a Beam job, on the
 runners the pipeline runs on, so no process holds the whole output.
 
-`ValidateOutput` runs the plan's units as ParDos: listed files hashed, one shard per element
-(its references keyed by chunk file number), a GroupByKey that brings each chunk file its
-references so each group reads only that file, embedding files, then the few cross-file
-checks over small summaries (chunk-file boundaries, document runs, seq_id ranges, faiss
-probes). Problems become (kind, message) elements, counted by kind with the first few of
+`ValidateOutput` plans from the manifests on a worker and runs the plan's units as ParDos:
+listed files hashed, one per element, one shard per element (its references keyed by chunk
+file number), a GroupByKey that brings each chunk file its unit and references so each group
+reads only that file (or the row groups the references fall in), embedding files, then the
+cross-file checks over small summaries (each chunk-file boundary, document runs counted per doc
+id, seq_id ranges, faiss probes). Problems become (kind, message) elements, counted by kind with the first few of
 each kept (`Problems`); the job's last step fails it when there are any, with that report.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import apache_beam as beam
 
+from pipeline.check.facts import ChunkFileUnit
 from pipeline.check.plan import ValidationPlan, plan_validation
 from pipeline.check.problems import ValidationFailed, check_listed_file
 from pipeline.check.rules import (
@@ -28,11 +31,9 @@ from pipeline.check.rules import (
 )
 from pipeline.check.validate import Problems, Verdict
 from pipeline.jobs.job import Job
+from pipeline.jobs.options import new_pipeline
 
 PROBLEMS = "problems"
-
-
-SAMPLED, UNSAMPLED = "sampled", "unsampled"  # what a chunk file is when no checked shard references it
 
 
 def _problem(problem: ValidationFailed):
@@ -55,15 +56,26 @@ def _checking(check):
     return run
 
 
-def _check_chunk_file_group(group, chunks, index):
-    """One chunk file with what points at it (its mark from the plan, the reference blocks):
-    its summary, then its first problem."""
+def _check_chunk_file_group(group, facts: ValidationPlan):
+    """One chunk file with what points at it (its unit from the plan, the reference blocks):
+    what was read, then its first problem."""
     number, values = group
-    blocks = [value for value in values if value not in (SAMPLED, UNSAMPLED)]
+    values = list(values)
+    units = [value for value in values if isinstance(value, ChunkFileUnit)]
+    if len(units) != 1:  # every chunk file is planned once, and shards only point at planned ones
+        raise ValueError(f"chunk file {number}: {len(units)} units planned")
+    blocks = [value for value in values if not isinstance(value, ChunkFileUnit)]
+    assert facts.chunks is not None  # a plan with chunk files has their database
     try:
-        yield from check_chunk_file(chunks, number, blocks or None, index, SAMPLED in values)
+        yield from check_chunk_file(facts.chunks, units[0], blocks or None, facts.index)
     except ValidationFailed as problem:
         yield _problem(problem)
+
+
+def _ends_with_neighbours(ends):
+    """Each file's boundary rows to its own key and the next file's: each key then holds a
+    boundary's two sides (the first and last file's key, one)."""
+    return [(ends.number, ends), (ends.number + 1, ends)]
 
 
 class _GatherProblems(beam.CombineFn):
@@ -83,61 +95,78 @@ class _GatherProblems(beam.CombineFn):
         return problems
 
 
-class ValidateOutput(beam.PTransform):
-    """The plan's checks; outputs one `Verdict`: passed with the plan's lines, or failed with
-    the problems' report."""
+@dataclass(frozen=True)
+class OutputParts:
+    """Which checks an output needs: all the job's graph is built from besides the path."""
 
-    def __init__(self, plan: ValidationPlan):
+    shards: bool
+    index: bool
+    faiss_index: bool
+
+    @classmethod
+    def of(cls, plan: ValidationPlan) -> OutputParts:
+        return cls(plan.shards is not None, plan.index is not None, plan.faiss_index is not None)
+
+
+class ValidateOutput(beam.PTransform):
+    """The checks of the output at `path`; outputs one `Verdict`: passed with the plan's lines,
+    or failed with the problems' report. The graph holds the path, the sample and the parts
+    (`OutputParts`) only, whatever the number of files: the job plans from the manifests on a
+    worker, the units become elements and the plan's facts (`ValidationPlan.facts`: sizes
+    per chunk file, 8 bytes each) a side input."""
+
+    def __init__(self, path: str, sample: float, index_directory: str | None, parts: OutputParts):
         super().__init__()
-        self.plan = plan
+        self.path, self.sample, self.index_directory, self.parts = path, sample, index_directory, parts
+
+    @classmethod
+    def of(cls, plan: ValidationPlan) -> ValidateOutput:
+        return cls(plan.path, plan.sample, plan.index_directory, OutputParts.of(plan))
 
     def expand(self, pipeline):
-        plan, problems = self.plan, []
+        problems, parts = [], self.parts
 
         def checked(label, elements, check, *args):
             outputs = elements | label >> beam.FlatMap(_checking(check), *args).with_outputs(PROBLEMS, main="passed")
             problems.append(outputs[PROBLEMS])
             return outputs.passed
 
-        # The units come from the manifests, planned again on a worker: a Create of every shard
-        # entry would put them all into the job's graph, whose size runners cap.
-        units = (
+        plans = (
             pipeline
-            | "Manifests" >> beam.Create([(plan.path, plan.sample, plan.index_directory)])
+            | "Manifests" >> beam.Create([(self.path, self.sample, self.index_directory)])
             | "Plan" >> beam.MapTuple(plan_validation)
         )
+        facts = beam.pvalue.AsSingleton(plans | "Facts" >> beam.Map(lambda plan: plan.facts()))
 
         def spread(label, units_of):  # one unit an element, spread over the workers
-            return units | label >> beam.FlatMap(units_of) | f"Spread{label}" >> beam.Reshuffle()
+            return plans | label >> beam.FlatMap(units_of) | f"Spread{label}" >> beam.Reshuffle()
 
         listed = spread("ListedFiles", lambda p: p.listed_files)
         checked("CheckListedFiles", listed, lambda file: check_listed_file(*file))
         shards = checked(
-            "CheckShards",
-            spread("Shards", lambda p: p.shard_entries),
-            lambda entry, facts: check_shard(facts, entry),
-            plan.shards,
+            "CheckShards", spread("Shards", lambda p: p.shard_entries), lambda e, f: check_shard(f.shards, e), facts
         )
         references = shards | "ReferencesByChunkFile" >> beam.FlatMap(lambda shard: shard.references.items())
-        marks = units | "ChunkFiles" >> beam.FlatMap(
-            lambda p: [(n, SAMPLED) for n in p.sampled_chunk_files] + [(n, UNSAMPLED) for n in p.unsampled_chunk_files]
-        )
-        summaries = (
-            (references, marks)
-            | "WithMarks" >> beam.Flatten()
+        units = plans | "ChunkFiles" >> beam.FlatMap(lambda p: [(unit.number, unit) for unit in p.chunk_files])
+        read = (
+            (references, units)
+            | "WithUnits" >> beam.Flatten()
             | "PerChunkFile" >> beam.GroupByKey()
-            | "CheckChunkFiles"
-            >> beam.FlatMap(_check_chunk_file_group, plan.chunks, plan.index).with_outputs(PROBLEMS, main="passed")
+            | "CheckChunkFiles" >> beam.FlatMap(_check_chunk_file_group, facts).with_outputs(PROBLEMS, main="passed")
         )
-        problems.append(summaries[PROBLEMS])
-        summaries = summaries.passed
-        if plan.shards is not None:
+        problems.append(read[PROBLEMS])
+        summaries = read.passed | "Summaries" >> beam.FlatMap(lambda c: [] if c.summary is None else [c.summary])
+        if parts.shards:
             ranges = shards | "SeqRange" >> beam.Map(lambda s: (s.first_seq, s.last_seq, s.path))
             checked("CheckSeqRanges", ranges | "AllSeqRanges" >> beam.combiners.ToList(), check_seq_ranges)
         probes = pipeline | "NoProbes" >> beam.Create([])
-        if plan.index is not None:
-            ends = summaries | "Ends" >> beam.Map(lambda s: s.ends) | "AllEnds" >> beam.combiners.ToList()
-            checked("CheckBoundaries", ends, lambda e, index: check_chunk_boundaries(index, e), plan.index)
+        if parts.index:
+            boundaries = (
+                summaries
+                | "EndsByBoundary" >> beam.FlatMap(lambda s: _ends_with_neighbours(s.ends))
+                | "PerBoundary" >> beam.GroupByKey()
+            )
+            checked("CheckBoundaries", boundaries, lambda b, f: check_chunk_boundaries(f.index, list(b[1])), facts)
             runs = (
                 summaries
                 | "DocumentStarts" >> beam.FlatMap(lambda s: s.doc_starts.tolist())
@@ -149,30 +178,28 @@ class ValidateOutput(beam.PTransform):
             checked(
                 "CheckDocumentRuns",
                 runs,
-                lambda r, index, files: check_document_runs(index, *r, files),
-                plan.index,
+                lambda r, f, files: check_document_runs(f.index, *r, files),
+                facts,
                 beam.pvalue.AsSingleton(files),
             )
             probes = checked(
                 "CheckEmbeddingFiles",
                 spread("EmbeddingFiles", lambda p: p.embedding_files),
-                lambda position, index, per_file: check_embedding_file(index, position, per_file),
-                plan.index,
-                plan.probes_per_file,
+                lambda unit, f: check_embedding_file(f.index, unit, f.probes_per_file),
+                facts,
             )
-        if plan.faiss_index is not None:
+        if parts.faiss_index:
             checked(
                 "CheckFaissIndex",
                 probes | "AllProbes" >> beam.combiners.ToList(),
-                lambda p, facts: check_faiss_index(facts, p),
-                plan.faiss_index,
+                lambda p, f: check_faiss_index(f.faiss_index, p),
+                facts,
             )
-        path, lines = plan.path, list(plan.lines)
         return (
             problems
             | "AllProblems" >> beam.Flatten()
             | "GatherProblems" >> beam.CombineGlobally(_GatherProblems())
-            | "Verdict" >> beam.Map(lambda found: found.verdict(path, lines))
+            | "Verdict" >> beam.Map(lambda found, f: found.verdict(f.path, f.lines), facts)
         )
 
 
@@ -181,12 +208,25 @@ def _fail_on_problems(verdict: Verdict) -> None:
         raise ValidationFailed("\n".join(verdict.lines))
 
 
+def _build(pipeline: beam.Pipeline, plan: ValidationPlan) -> None:
+    _ = pipeline | "Validate" >> ValidateOutput.of(plan) | "FailOnProblems" >> beam.Map(_fail_on_problems)
+
+
+def validate_job_graph_bytes(path: str, beam_args: list[str] | None = None, sample: float = 1.0) -> int:
+    """The size of the validation job's graph as `validate_with_beam` builds it (serialised
+    runner API proto, what a runner is sent), built here without running it."""
+    pipeline = new_pipeline(list(beam_args or []), dry_run=True)
+    _build(pipeline, plan_validation(path, sample))
+    return len(pipeline.to_runner_api().SerializeToString())
+
+
 def validate_with_beam(path: str, beam_args: list[str], sample: float = 1.0) -> list[str]:
     """Run the validation of `path` as a Beam job with these pipeline options; its lines, or
-    ValidationFailed with the job's report."""
+    ValidationFailed with the job's report. The plan made here (the manifests' own checks run
+    before anything is submitted) only decides which parts the job has."""
     plan = plan_validation(path, sample)
     job = Job.reading("validate", path, beam_args)
-    _ = job.pipeline | "Validate" >> ValidateOutput(plan) | "FailOnProblems" >> beam.Map(_fail_on_problems)
+    _build(job.pipeline, plan)
     try:
         job.run()
     except ValidationFailed as failed:  # in-process runners re-raise it with the step appended

@@ -42,9 +42,10 @@ def embeddings_table(rows: list[tuple[int, np.ndarray]]) -> pa.Table:
     )
 
 
-def parquet_bytes(table: pa.Table) -> bytes:
+def parquet_bytes(table: pa.Table, row_group_rows: int | None = None) -> bytes:
+    """`row_group_rows`: rows a Parquet row group holds (pyarrow's default: up to 1Mi)."""
     sink = io.BytesIO()
-    pq.write_table(table, sink, compression="zstd")
+    pq.write_table(table, sink, compression="zstd", row_group_size=row_group_rows)
     return sink.getvalue()
 
 

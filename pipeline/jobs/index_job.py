@@ -8,6 +8,7 @@ import apache_beam as beam
 import numpy as np
 
 from pipeline.chunks.beam import ChunkDocuments
+from pipeline.chunks.chunk_files import CHUNK_ROW_GROUP_ROWS
 from pipeline.chunks.chunking import Chunk
 from pipeline.common import fileio
 from pipeline.common.models import (
@@ -123,7 +124,7 @@ def build_index(
         "parquet",
         key=lambda c: c.chunk_id,
         rows_per_file=cfg.chunk_file_rows,
-        to_bytes=lambda rows: parquet_bytes(chunks_table(rows, m)),
+        to_bytes=lambda rows: parquet_bytes(chunks_table(rows, m), CHUNK_ROW_GROUP_ROWS),
     )
     from pipeline.embed.beam import EmbedChunks
 

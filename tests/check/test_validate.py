@@ -85,10 +85,11 @@ def test_a_sample_says_what_it_checked(output, capsys):
     main(["validate", str(output), "--sample", str(SAMPLE)])
     index_line, shards_line = capsys.readouterr().out.splitlines()
     assert (
-        "a sample: 1 of 2 chunk files (and any a sampled shard references), 1 of 2 embedding files; "
+        "a sample: 1 of 2 chunk files (and the row groups of others that sampled shards reference), "
+        "1 of 2 embedding files; "
         "sizes and sha256 of all 5 files" in index_line
     )
-    assert "a sample: 2 of 6 shards and the chunk files they reference; sizes and sha256 of all 6 shards" in shards_line
+    assert "a sample: 2 of 6 shards and the chunk rows they reference; sizes and sha256 of all 6 shards" in shards_line
     assert len(_shard_names(output, SAMPLE)) == 2 and _shard_names(output, SAMPLE) == _shard_names(output, SAMPLE)
 
 
@@ -135,7 +136,7 @@ def test_a_sample_still_checks_every_files_hash(output, damaged, capsys):
         name = next(name for name in _shard_names(output, 1.0) if name not in _shard_names(output, SAMPLE))
         path = output / "shards" / name
     elif damaged == "embedding file":
-        sampled_embeddings = {plan.index.embeddings[i].path for i in plan.embedding_files}
+        sampled_embeddings = {unit.entry.path for unit in plan.embedding_files}
         path = next(
             p
             for p in sorted((output / "index" / "embeddings").iterdir())
@@ -161,7 +162,7 @@ def test_the_beam_job_passes_a_sound_output_in_full_and_sampled(output):
     for sample in (1.0, SAMPLE):
         plan = plan_validation(str(output), sample)
         with local_pipeline() as pipeline:
-            verdict = pipeline | ValidateOutput(plan) | beam.Map(_passed_and_lines)
+            verdict = pipeline | ValidateOutput.of(plan) | beam.Map(_passed_and_lines)
             assert_that(verdict, equal_to([(True, tuple(plan.lines))]))
 
 
@@ -201,7 +202,7 @@ def test_the_beam_job_reports_what_the_in_process_check_finds(output, corrupt):
         validate_path(str(output))
     plan = plan_validation(str(output))
     with local_pipeline() as pipeline:
-        verdict = pipeline | ValidateOutput(plan) | beam.Map(_passed_and_lines)
+        verdict = pipeline | ValidateOutput.of(plan) | beam.Map(_passed_and_lines)
         assert_that(
             verdict,
             equal_to(
