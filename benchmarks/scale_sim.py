@@ -4,8 +4,8 @@ from synthetic manifests (file entries generated as a build of that size lists t
     .venv/bin/python benchmarks/scale_sim.py [--chunks 1e8 3e10] [--json FILE]
 
 Sizes follow docs/scale.md's defaults: m = 64, n = 2,048 (L = 32), k = 2, `chunk_file_rows`
-65,536, `shard_rows` 1,024, 384-d embeddings, `index.slice_bytes` 16 GiB, the auto index of that
-size. For each size:
+65,536, `shard_rows` 1,024, 384-d embeddings, `index.slice_bytes` 16 GiB, and its PQ32 index
+(`IVF262144_HNSW32,PQ32x8np` at 10^8 chunks, `IVF1048576_HNSW32,PQ32x8np` above). For each size:
 
 - a committed index directory (its manifest: chunk files, embedding files and index slices) and
   a shards directory (its manifest: one entry per training shard, `training_corpus: same`);
@@ -32,9 +32,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from pipeline.check.validate_beam import validate_job_graph_bytes  # noqa: E402
 from pipeline.common import fileio  # noqa: E402
 from pipeline.common.names import file_name  # noqa: E402
-from pipeline.index.factory import choose_index_factory  # noqa: E402
 from pipeline.index.slices import vectors_per_slice  # noqa: E402
 from pipeline.jobs import index_job, shards_job  # noqa: E402
 from pipeline.jobs.memory_model import Corpus, largest, stage_memory  # noqa: E402
@@ -59,8 +59,13 @@ SLICE_BYTES = 16 * 2**30
 MB = 2**20
 
 
-def config(output: Path) -> PipelineConfig:
-    """docs/scale.md's settings, writing under `output`."""
+def index_type(chunks: int) -> str:
+    """docs/scale.md's PQ32 index of that size."""
+    return f"IVF{262_144 if chunks <= 10**8 else 1_048_576}_HNSW32,PQ32x8np"
+
+
+def config(output: Path, chunks: int = 10**8) -> PipelineConfig:
+    """docs/scale.md's settings for `chunks` chunks, writing under `output`."""
     return PipelineConfig.model_validate(
         {
             "output": str(output),
@@ -71,7 +76,7 @@ def config(output: Path) -> PipelineConfig:
             "neighbours": K,
             "shard_rows": SHARD_ROWS,
             "chunk_file_rows": CHUNK_FILE_ROWS,
-            "index": {"type": "auto", "memory_budget": "2TiB", "slice_bytes": SLICE_BYTES},
+            "index": {"type": index_type(chunks), "memory_budget": "2TiB", "slice_bytes": SLICE_BYTES},
         }
     )
 
@@ -83,7 +88,7 @@ def _entry(path: str, rows: int, size: int) -> FileEntry:
 def index_manifest(chunks: int, cfg: PipelineConfig) -> IndexManifest:
     """The manifest a build of `chunks` chunks commits: every chunk and embedding file, and the
     index slices."""
-    factory = choose_index_factory(chunks, DIM, cfg.index.memory_budget)
+    factory = cfg.index.type
     files = []
     for number, first in enumerate(range(0, chunks, CHUNK_FILE_ROWS)):
         rows = min(CHUNK_FILE_ROWS, chunks - first)
@@ -119,8 +124,9 @@ def index_manifest(chunks: int, cfg: PipelineConfig) -> IndexManifest:
     )
 
 
-def shards_manifest(chunks: int) -> ShardsManifest:
-    """The manifest of the training shards of `chunks` chunks (`training_corpus: same`)."""
+def shards_manifest(chunks: int, index_manifest_sha256: str) -> ShardsManifest:
+    """The manifest of the training shards of `chunks` chunks (`training_corpus: same`), built
+    against the index whose manifest has this sha256."""
     sequences = chunks // (N // M)
     shards = [
         ShardEntry(
@@ -134,7 +140,7 @@ def shards_manifest(chunks: int) -> ShardsManifest:
     ]
     return ShardsManifest(
         config_hash="synthetic",
-        index_manifest_sha256="0" * 64,
+        index_manifest_sha256=index_manifest_sha256,
         training_corpus="same",
         sequence_tokens=N,
         chunk_tokens=M,
@@ -172,17 +178,20 @@ def read_seconds(directory: Path, model) -> dict[str, float]:
 
 
 def graph_bytes(cfg: PipelineConfig) -> dict[str, int]:
-    """Serialised size of each job's graph, built as `--dry-run` builds it."""
+    """Serialised size of each job's graph, built as `--dry-run` builds it (validate: as
+    `validate DIR -- --runner=...` builds it, without running it)."""
     return {
         "build-index": index_job.build_index(cfg, [], dry_run=True)["graph_bytes"],
         "build-shards": shards_job.build_shards(cfg, [], dry_run=True)["graph_bytes"],
+        "validate": validate_job_graph_bytes(cfg.output),
     }
 
 
 def simulate(chunks: int, root: Path) -> dict:
-    cfg = config(root)
-    index, shards = index_manifest(chunks, cfg), shards_manifest(chunks)
+    cfg = config(root, chunks)
+    index = index_manifest(chunks, cfg)
     index_bytes = write_manifest(root / "index", index)
+    shards = shards_manifest(chunks, fileio.sha256_bytes((root / "index" / MANIFEST_FILE).read_bytes()))
     shards_bytes = write_manifest(root / "shards", shards)
     heaviest = largest(stage_memory(cfg, Corpus.of(chunks)))
     return {
@@ -213,12 +222,13 @@ def main() -> None:
         r = results[-1]
         graphs = ", ".join(f"{job} {size / MB:.2f} MB" for job, size in r["graph_bytes"].items())
         manifests = ", ".join(
-            f"{name} {r['manifest_bytes'][name] / MB:.1f} MB (read {seconds['manifest']:.3f} s, "
+            f"{name} {r['manifest_bytes'][name] / MB:.1f} MB (read {seconds['manifest'] * 1000:.1f} ms, "
             f"every entry {seconds['every_entry']:.2f} s)"
             for name, seconds in r["manifest_read_seconds"].items()
         )
         print(
-            f"{r['chunks']:.0e} chunks ({r['chunk_files']:,} chunk files, {r['index_slices']} index slices, "
+            f"{r['chunks']:.0e} chunks ({r['index_factory']}, {r['chunk_files']:,} chunk files, "
+            f"{r['index_slices']} index slices, "
             f"{r['training_shards']:,} shards): graphs {graphs}; manifests with their file tables: {manifests}; "
             f"largest step {r['largest_step']['stage']} {r['largest_step']['bytes'] / 2**30:.1f} GiB"
         )

@@ -30,7 +30,7 @@ from pipeline.check.rules import (
     check_shard,
 )
 from pipeline.check.validate import Problems, Verdict
-from pipeline.jobs.job import Job
+from pipeline.jobs.job import Job, graph_bytes
 from pipeline.jobs.options import new_pipeline
 
 PROBLEMS = "problems"
@@ -217,7 +217,7 @@ def validate_job_graph_bytes(path: str, beam_args: list[str] | None = None, samp
     runner API proto, what a runner is sent), built here without running it."""
     pipeline = new_pipeline(list(beam_args or []), dry_run=True)
     _build(pipeline, plan_validation(path, sample))
-    return len(pipeline.to_runner_api().SerializeToString())
+    return graph_bytes(pipeline)
 
 
 def validate_with_beam(path: str, beam_args: list[str], sample: float = 1.0) -> list[str]:
