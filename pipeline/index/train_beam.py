@@ -155,7 +155,7 @@ def _blocks_written(
     written = CentroidBlocks.of_step(out_dir, step, required_ivf_lists(plan.factory), uuid.uuid4().hex)
     unchosen = sorted(set(range(written.block_count)) - set(blocks)) if previous is not None else []
     Metrics.counter(METRICS_NAMESPACE, "centroid_blocks_unchosen").inc(len(unchosen))
-    written.check_written([*blocks, *(move_block(previous, written, b, None) for b in unchosen)])
+    written.check_written([*blocks, *(move_block(previous, written, b, None) for b in unchosen if previous)])
     return [written]
 
 
@@ -270,7 +270,9 @@ class TrainIndex(beam.PTransform):
                 | f"GatherBlocks{step}" >> beam.combiners.ToList()
                 | f"Centroids{step}"
                 >> beam.FlatMap(
-                    lambda bs, p, c, n=step: _blocks_written(bs, out_dir, n, p, c) if c else [], plan, current
+                    lambda bs, p, c, n=step: _blocks_written(bs, out_dir, n, p, c) if c is not None else [],
+                    plan,
+                    current,
                 )
             )
         two_level = centroids | "AssembleQuantizer" >> beam.FlatMap(

@@ -6,7 +6,6 @@ embeddings file), the lists' centroids between steps as `centroids/step-N/block-
 
 from __future__ import annotations
 
-import io
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -33,19 +32,21 @@ LIST_BLOCK = 4096
 CENTROIDS_DIR = "centroids"
 
 
-def _npy_bytes(array: np.ndarray) -> bytes:
-    buffer = io.BytesIO()
-    np.save(buffer, array)
-    return buffer.getvalue()
+def _write_npy(path: str, array: np.ndarray) -> None:
+    """Streamed to the file, with no second copy of the array in memory."""
+    with fileio.open_write(path) as f:
+        np.save(f, array)
 
 
 def _read_npy(path: str) -> np.ndarray:
-    return np.load(io.BytesIO(fileio.read_bytes(path)))
+    """Read in chunks into the array, with no copy of the file's bytes in memory."""
+    with fileio.open_read(path) as f:
+        return np.load(f)
 
 
 def write_sample_part(prefix: str, ids: np.ndarray, vectors: np.ndarray) -> None:
-    fileio.write_bytes(f"{prefix}.ids.npy", _npy_bytes(np.asarray(ids, np.int64)))
-    fileio.write_bytes(f"{prefix}.vectors.npy", _npy_bytes(np.asarray(vectors, np.float32)))
+    _write_npy(f"{prefix}.ids.npy", np.asarray(ids, np.int64))
+    _write_npy(f"{prefix}.vectors.npy", np.asarray(vectors, np.float32))
 
 
 def read_ids(prefix: str) -> np.ndarray:
@@ -111,8 +112,13 @@ def second_level_pieces(
 ) -> list[tuple[int, CentroidPiece]]:
     """One first-level cluster (all its training vectors) -> its lists' centroids, keyed by
     the block they fall in (its lists follow those of the clusters before it)."""
-    centroids = second_level_centroids(stacked(parts, dim), int(lists[cluster]))
-    start = int(np.sum(lists[:cluster]))
+    return cut_into_blocks(
+        int(np.sum(lists[:cluster])), second_level_centroids(stacked(parts, dim), int(lists[cluster]))
+    )
+
+
+def cut_into_blocks(start: int, centroids: np.ndarray) -> list[tuple[int, CentroidPiece]]:
+    """Centroids of consecutive lists from list `start`, cut at block boundaries."""
     cuts = [start, *range((start // LIST_BLOCK + 1) * LIST_BLOCK, start + len(centroids), LIST_BLOCK)]
     ends = [*cuts[1:], start + len(centroids)]
     return [
@@ -170,7 +176,7 @@ def write_block(target: CentroidBlocks, block: int, pieces: Iterable[CentroidPie
     covered = [lst for p in pieces for lst in range(p.first_list, p.first_list + len(p.centroids))]
     if covered != list(lists):
         raise IndexBuildError(f"centroid block {block}: pieces cover lists {covered[:3]}… not {lists}")
-    fileio.write_bytes(target.path(block), _npy_bytes(np.concatenate([p.centroids for p in pieces])))
+    _write_npy(target.path(block), np.concatenate([p.centroids for p in pieces]))
     return block
 
 
@@ -203,17 +209,24 @@ def file_block_sums(assigner, vectors: np.ndarray) -> list[tuple[int, BlockSums]
 
 
 def add_block_sums(parts: Iterable[BlockSums | None]) -> BlockSums | None:
-    """The parts' sums per list (None: a block no vector chose, or the combined nothing).
-    Integer sums: the same bits in any order and any grouping."""
-    parts = [p for p in parts if p is not None]
-    if not parts:
+    """The parts' sums per list, all in one block (None: nothing). Folded into one dense block
+    as they stream in, so combining holds one block's sums however many parts arrive; integer
+    sums: the same bits in any order and any grouping."""
+    total: np.ndarray | None = None
+    counts, block = np.zeros(LIST_BLOCK, np.int64), 0
+    for part in parts:
+        if part is None or not len(part.lists):
+            continue
+        if total is None:
+            block = int(part.lists[0]) // LIST_BLOCK
+            total = np.zeros((LIST_BLOCK, part.sums.shape[1]), np.int64)
+        local = part.lists - block * LIST_BLOCK
+        np.add.at(total, local, part.sums)
+        np.add.at(counts, local, part.counts)
+    if total is None:
         return None
-    lists, inverse = np.unique(np.concatenate([p.lists for p in parts]), return_inverse=True)
-    sums = np.zeros((len(lists), parts[0].sums.shape[1]), np.int64)
-    counts = np.zeros(len(lists), np.int64)
-    np.add.at(sums, inverse, np.concatenate([p.sums for p in parts]))
-    np.add.at(counts, inverse, np.concatenate([p.counts for p in parts]))
-    return BlockSums(lists, sums, counts)
+    chosen = np.flatnonzero(counts)
+    return BlockSums(chosen + block * LIST_BLOCK, total[chosen], counts[chosen])
 
 
 def move_block(current: CentroidBlocks, target: CentroidBlocks, block: int, sums: BlockSums | None) -> int:
@@ -221,7 +234,7 @@ def move_block(current: CentroidBlocks, target: CentroidBlocks, block: int, sums
     centroids = current.read_block(block)
     if sums is not None:
         centroids = moved_centroids(centroids, sums.lists - block * LIST_BLOCK, sums.sums)
-    fileio.write_bytes(target.path(block), _npy_bytes(centroids))
+    _write_npy(target.path(block), centroids)
     return block
 
 
