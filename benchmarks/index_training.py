@@ -4,6 +4,8 @@ index they give.
 
     .venv/bin/python benchmarks/index_training.py [--n 1000000]
         [--factories IVF1024,PQ32x8np IVF4096,PQ32x8np] [--two-level-only IVF16384_HNSW32,PQ32x8np]
+    .venv/bin/python benchmarks/index_training.py --sample-files 256 [--spread-factory IVF4096,PQ32x8np]
+        (1M vectors: 7 to 15 minutes on 2 shared cores, most of it the two trainings and the two fills)
 
 In one process (faiss on every core), on `--n` 384-d `LowRankClusters` vectors: for each factory
 and each clustering ('flat', 'two_level'), `train_index` on the build's own sample size (64
