@@ -4,8 +4,9 @@ two-level k-means each first-level cluster is clustered on its own worker.
 
 from __future__ import annotations
 
-import io
 import posixpath
+import threading
+import uuid
 
 import apache_beam as beam
 import numpy as np
@@ -17,20 +18,31 @@ from pipeline.index.factory import EmbeddingStats, IndexPlan, encoder_size, requ
 from pipeline.index.files import EmbeddingFile, read_embeddings, write_index
 from pipeline.index.kmeans import (
     REFINE_ITERATIONS,
-    assign_first_level,
     first_level_clusters,
     first_level_size,
-    index_from_centroids,
-    list_assigner,
-    list_sums,
     lists_per_cluster,
-    moved_centroids,
-    second_level_centroids,
-    spherical_kmeans,
 )
 from pipeline.index.sampling import TRAIN_SALT, in_sample
 from pipeline.index.train import train_index
 from pipeline.index.tuning import QuerySample
+from pipeline.index.two_level import (
+    CENTROIDS_DIR,
+    CentroidBlocks,
+    add_block_sums,
+    assemble,
+    build_assigner,
+    clusters_of_file,
+    file_block_sums,
+    move_block,
+    read_ids,
+    read_vectors,
+    sample_paths,
+    second_level_pieces,
+    subset_of_file,
+    train_first_level,
+    write_block,
+    write_sample_part,
+)
 
 TRAINED_FILE = "trained.faiss"
 
@@ -72,16 +84,6 @@ def _file_stem(path: str) -> str:
     return posixpath.basename(path).rsplit(".", 1)[0]
 
 
-def _npy_bytes(array: np.ndarray) -> bytes:
-    buffer = io.BytesIO()
-    np.save(buffer, array)
-    return buffer.getvalue()
-
-
-def _read_npy(path: str) -> np.ndarray:
-    return np.load(io.BytesIO(fileio.read_bytes(path)))
-
-
 def _write_sample(path: str, plan: IndexPlan, out_dir: str) -> str:
     """One embeddings file's share of the training sample, written as sample/<file>.ids.npy and
     .vectors.npy: the sample travels as files, not as Beam rows, so it is held once, by the
@@ -92,19 +94,18 @@ def _write_sample(path: str, plan: IndexPlan, out_dir: str) -> str:
         ids.append(batch_ids[keep])
         vectors.append(batch_vectors[keep])
     prefix = fileio.join(out_dir, "sample", _file_stem(path))
-    fileio.write_bytes(f"{prefix}.ids.npy", _npy_bytes(np.concatenate(ids)))
-    fileio.write_bytes(f"{prefix}.vectors.npy", _npy_bytes(np.concatenate(vectors)))
+    write_sample_part(prefix, np.concatenate(ids), np.concatenate(vectors))
     return prefix
 
 
 def _gather_sample(prefixes, dim: int) -> np.ndarray:
     """The sample files' vectors in chunk-id order, copied once into one [n, d] array (the ids
     are read first, alone, to place them)."""
-    file_ids = [_read_npy(f"{p}.ids.npy") for p in prefixes]
+    file_ids = [read_ids(p) for p in prefixes]
     ids = np.sort(np.concatenate(file_ids or [np.zeros(0, np.int64)]))
     sample = np.empty((len(ids), dim), np.float32)
     for prefix, these in zip(prefixes, file_ids):
-        sample[np.searchsorted(ids, these)] = _read_npy(f"{prefix}.vectors.npy")
+        sample[np.searchsorted(ids, these)] = read_vectors(prefix)
     return sample
 
 
@@ -114,36 +115,48 @@ def _train(sample_prefixes, plan: IndexPlan, out_dir):
     path = fileio.join(out_dir, TRAINED_FILE)
     write_index(train_index(plan.factory, sample), path)
     Metrics.counter(METRICS_NAMESPACE, "index_training_vectors").inc(len(sample))
-    _delete_sample(sample_prefixes)
     return path
 
 
-def _read_sample(prefixes, keep) -> tuple[np.ndarray, np.ndarray]:
-    """Of the sample files, the rows whose ids `keep` selects, in chunk-id order."""
-    ids, vectors = [np.zeros(0, np.int64)], []
-    for prefix in sorted(prefixes):
-        file_ids = _read_npy(f"{prefix}.ids.npy")
-        chosen = keep(file_ids)
-        ids.append(file_ids[chosen])
-        vectors.append(_read_npy(f"{prefix}.vectors.npy")[chosen])
-    order = np.argsort(np.concatenate(ids), kind="stable")
-    return np.concatenate(ids)[order], np.concatenate(vectors)[order]
+class _PerProcess:
+    """One object per worker process, rebuilt when its key changes. The previous one is dropped
+    before the next is built (Beam's `Shared` keeps it until the new one exists: two Lloyd
+    steps' assigners at once)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._key, self._value = None, None
+
+    def get(self, key, build):
+        with self._lock:
+            if self._key != key:
+                self._key = self._value = None
+                self._value, self._key = build(), key
+            return self._value
 
 
-def _first_level(prefixes, plan: IndexPlan) -> np.ndarray:
-    """One worker: the first-level centroids, trained on a bounded subset of the sample."""
-    nlist = required_ivf_lists(plan.factory)
-    size = first_level_size(plan.train_size, nlist)
-    _, vectors = _read_sample(prefixes, lambda ids: in_sample(ids, size, plan.count, TRAIN_SALT))
-    return spherical_kmeans(vectors, first_level_clusters(nlist))
+_ASSIGNER = _PerProcess()  # a Lloyd step's list assigner: every sample file of the step uses it
 
 
-def _assign_sample(prefix: str, first: np.ndarray):
-    """One sample file's vectors keyed by their first-level cluster: (cluster, (ids, vectors))."""
-    ids, vectors = _read_npy(f"{prefix}.ids.npy"), _read_npy(f"{prefix}.vectors.npy")
-    cluster = assign_first_level(first, vectors)
-    for c in np.unique(cluster):
-        yield int(c), (ids[cluster == c], vectors[cluster == c])
+def _file_sums(prefix: str, first: np.ndarray, current: CentroidBlocks):
+    def build():
+        Metrics.counter(METRICS_NAMESPACE, "list_assigner_builds").inc()
+        return build_assigner(first, current)
+
+    return file_block_sums(_ASSIGNER.get(current, build), read_vectors(prefix))
+
+
+def _blocks_written(
+    blocks, out_dir: str, step: int, plan: IndexPlan, previous: CentroidBlocks | None = None
+) -> list[CentroidBlocks]:
+    """The step's centroids, once every block is written; after a Lloyd step, a block no vector
+    chose keeps the previous step's centroids. A fresh token: a rerun into the same directory
+    is not mistaken for this one by a process's cached assigner."""
+    written = CentroidBlocks.of_step(out_dir, step, required_ivf_lists(plan.factory), uuid.uuid4().hex)
+    unchosen = sorted(set(range(written.block_count)) - set(blocks)) if previous is not None else []
+    Metrics.counter(METRICS_NAMESPACE, "centroid_blocks_unchosen").inc(len(unchosen))
+    written.check_written([*blocks, *(move_block(previous, written, b, None) for b in unchosen if previous)])
+    return [written]
 
 
 def _lists_per_cluster(sizes, plan: IndexPlan) -> np.ndarray:
@@ -154,65 +167,29 @@ def _lists_per_cluster(sizes, plan: IndexPlan) -> np.ndarray:
     return lists_per_cluster(counts, nlist)
 
 
-def _second_level(keyed, lists):
-    """One first-level cluster (all its training vectors, in chunk-id order) -> its lists'
-    centroids."""
-    cluster, blocks = keyed
-    ids = np.concatenate([b[0] for b in blocks])
-    vectors = np.concatenate([b[1] for b in blocks])[np.argsort(ids, kind="stable")]
-    return cluster, second_level_centroids(vectors, int(lists[cluster]))
-
-
-def _concatenated(clusters) -> np.ndarray:
-    """The lists' centroids, in first-level cluster order."""
-    return np.concatenate([c for _, c in sorted(clusters, key=lambda kv: kv[0])])
-
-
-def _file_list_sums(prefix: str, first: np.ndarray, centroids: np.ndarray):
-    """One sample file's share of a Lloyd step: (list, (vector sum, count)) per list touched."""
-    touched, sums, counts = list_sums(list_assigner(first, centroids), _read_npy(f"{prefix}.vectors.npy"))
-    yield from zip(touched.tolist(), zip(sums, counts.tolist()))
-
-
-def _moved(sums, centroids: np.ndarray) -> np.ndarray:
-    sums = sorted(sums, key=lambda kv: kv[0])
-    touched = np.array([lst for lst, _ in sums], np.int64)
-    return moved_centroids(centroids, touched, np.stack([total for _, (total, _) in sums]))
-
-
-def _add_sums(pairs):
-    pairs = list(pairs)
-    return sum(p[0] for p in pairs), sum(p[1] for p in pairs)
-
-
-def _assemble_trained(centroids, prefixes, plan: IndexPlan, out_dir) -> str:
-    """One worker: the lists' centroids into the coarse quantizer, the encoder trained on its
-    share of the sample; written for the fill workers."""
-    size = encoder_size(plan.factory)
-    _, encoder_sample = _read_sample(prefixes, lambda ids: in_sample(ids, size, plan.count, TRAIN_SALT))
-    path = fileio.join(out_dir, TRAINED_FILE)
-    write_index(index_from_centroids(plan.factory, centroids, encoder_sample), path)
+def _assemble(final: CentroidBlocks, encoder_parts, plan: IndexPlan, out_dir: str) -> str:
+    """One worker: the quantizer and the encoder; the centroid blocks deleted after."""
+    path = assemble(final, encoder_parts, plan.factory, plan.dim, fileio.join(out_dir, TRAINED_FILE))
     Metrics.counter(METRICS_NAMESPACE, "index_training_vectors").inc(plan.train_size)
-    _delete_sample(prefixes)
+    fileio.delete_tree(fileio.join(out_dir, CENTROIDS_DIR))
     return path
-
-
-def _delete_sample(prefixes) -> None:
-    beam.io.filesystems.FileSystems.delete([f"{p}.{kind}.npy" for p in prefixes for kind in ("ids", "vectors")])
 
 
 class TrainIndex(beam.PTransform):
     """Sample file prefixes -> the path of the trained empty index (IVF types only).
 
-    'flat' clustering: one worker gathers the sample and trains. 'two_level': one worker
-    trains √nlist first-level centroids on a bounded subset; every sample file's vectors are
-    assigned to them where the file is; each first-level cluster is split into its share of
-    the lists by its own worker (the sample goes through one shuffle, grouped by cluster);
-    REFINE_ITERATIONS Lloyd steps move the lists' centroids (each sample file sums its vectors
-    per list; the sums are combined per list); one worker puts the centroids into the
-    quantizer and trains the encoder (PQ) on 65,536 of the vectors. No worker holds the whole
-    sample; the centroids (nlist × d) travel as side inputs. Both branches are in the graph;
-    the plan picks one."""
+    'flat' clustering: one worker gathers the sample and trains. 'two_level' (the steps in
+    `two_level`): each sample file gives its rows of the first-level subset (√nlist × 256
+    vectors) and of the encoder's (65,536), gathered by one worker each; every sample file's
+    vectors are assigned to the first-level clusters where the file is; each first-level
+    cluster is split by its own worker into its share of the lists (the sample goes through one
+    shuffle, grouped by cluster), the centroids written in blocks of LIST_BLOCK lists;
+    REFINE_ITERATIONS Lloyd steps move them (each sample file sums its vectors per list with
+    an assigner built once per process and step; the sums are combined and the centroids moved
+    per block, on many workers); one worker puts the centroids into the quantizer and trains
+    the encoder. No worker holds the whole sample nor every list's sums; between steps the
+    centroids travel as files, named by a small side input. Both branches are in the graph;
+    the plan picks one. The sample files are deleted, in parallel, once the index is written."""
 
     def __init__(self, plan, out_dir: str, accelerator: str | None):
         super().__init__()
@@ -224,6 +201,17 @@ class TrainIndex(beam.PTransform):
         def picked(p, clustering):
             return p.mergeable and p.clustering == clustering
 
+        def subset(label, size_of):
+            return (
+                prefixes
+                | f"{label}Subset"
+                >> beam.FlatMap(
+                    lambda prefix, p: subset_of_file(prefix, size_of(p), p.count) if picked(p, "two_level") else [],
+                    plan,
+                )
+                | f"Gather{label}Subset" >> beam.combiners.ToList()
+            )
+
         one_level = (
             prefixes
             | "GatherSample" >> beam.combiners.ToList()
@@ -232,43 +220,69 @@ class TrainIndex(beam.PTransform):
                 lambda ps, p: [_train(ps, p, out_dir)] if picked(p, "flat") else [], plan
             ).with_resource_hints(**({"accelerator": self.accelerator} if self.accelerator else {}))
         )
-        all_prefixes = prefixes | "GatherPrefixes" >> beam.combiners.ToList()
         first = beam.pvalue.AsSingleton(
-            all_prefixes
+            subset("FirstLevel", lambda p: first_level_size(p.train_size, required_ivf_lists(p.factory)))
             | "TrainFirstLevel"
-            >> beam.FlatMap(lambda ps, p: [_first_level(ps, p)] if picked(p, "two_level") else [], plan),
+            >> beam.FlatMap(
+                lambda parts, p: (
+                    [train_first_level(parts, p.dim, required_ivf_lists(p.factory))] if picked(p, "two_level") else []
+                ),
+                plan,
+            ),
             default_value=None,
         )
-        blocks = prefixes | "AssignFirstLevel" >> beam.FlatMap(
-            lambda prefix, c: _assign_sample(prefix, c) if c is not None else [], first
+        by_cluster = prefixes | "AssignFirstLevel" >> beam.FlatMap(
+            lambda prefix, c: clusters_of_file(prefix, c) if c is not None else [], first
         )
         lists = beam.pvalue.AsSingleton(
-            blocks
-            | "ClusterSizes" >> beam.Map(lambda kv: (kv[0], len(kv[1][0])))
+            by_cluster
+            | "ClusterSizes" >> beam.Map(lambda kv: (kv[0], len(kv[1].ids)))
             | "SumClusterSizes" >> beam.CombinePerKey(sum)
             | "GatherClusterSizes" >> beam.combiners.ToList()
             | "ListsPerCluster" >> beam.Map(lambda sizes, p: _lists_per_cluster(sizes, p) if sizes else None, plan)
         )
         centroids = (
-            blocks
+            by_cluster
             | "GroupByFirstLevel" >> beam.GroupByKey()
-            | "TrainSecondLevel" >> beam.Map(_second_level, lists)
-            | "GatherCentroids" >> beam.combiners.ToList()
-            | "ConcatenateCentroids" >> beam.FlatMap(lambda clusters: [_concatenated(clusters)] if clusters else [])
+            | "TrainSecondLevel" >> beam.FlatMap(lambda kv, n, p: second_level_pieces(*kv, n, p.dim), lists, plan)
+            | "GroupByListBlock" >> beam.GroupByKey()
+            | "WriteBlocks0"
+            >> beam.Map(
+                lambda kv, p: write_block(CentroidBlocks.of_step(out_dir, 0, required_ivf_lists(p.factory)), *kv),
+                plan,
+            )
+            | "GatherBlocks0" >> beam.combiners.ToList()
+            | "Centroids0" >> beam.FlatMap(lambda bs, p: _blocks_written(bs, out_dir, 0, p) if bs else [], plan)
         )
-        for step in range(REFINE_ITERATIONS):  # Lloyd steps: sums per list where the sample files are
-            current = beam.pvalue.AsSingleton(centroids)
+        for step in range(1, REFINE_ITERATIONS + 1):  # Lloyd steps: sums per list where the sample files are
+            current = beam.pvalue.AsSingleton(centroids, default_value=None)
+            sums = prefixes | f"SumLists{step}" >> beam.FlatMap(
+                lambda prefix, f, c: _file_sums(prefix, f, c) if c is not None else [], first, current
+            )
             centroids = (
-                prefixes
-                | f"AssignLists{step}"
-                >> beam.FlatMap(
-                    lambda prefix, f, c: _file_list_sums(prefix, f, c) if f is not None else [], first, current
+                sums
+                | f"SumBlocks{step}" >> beam.CombinePerKey(add_block_sums)
+                | f"MoveBlocks{step}"
+                >> beam.MapTuple(
+                    lambda block, s, c, n=step: move_block(c, CentroidBlocks.of_step(out_dir, n, c.nlist), block, s),
+                    current,
                 )
-                | f"SumLists{step}" >> beam.CombinePerKey(_add_sums)
-                | f"GatherSums{step}" >> beam.combiners.ToList()
-                | f"MoveCentroids{step}" >> beam.FlatMap(lambda sums, c: [_moved(sums, c)] if sums else [], current)
+                | f"GatherBlocks{step}" >> beam.combiners.ToList()
+                | f"Centroids{step}"
+                >> beam.FlatMap(
+                    lambda bs, p, c, n=step: _blocks_written(bs, out_dir, n, p, c) if c is not None else [],
+                    plan,
+                    current,
+                )
             )
         two_level = centroids | "AssembleQuantizer" >> beam.FlatMap(
-            lambda c, ps, p: [_assemble_trained(c, ps, p, out_dir)], beam.pvalue.AsSingleton(all_prefixes), plan
+            lambda c, parts, p: [_assemble(c, parts, p, out_dir)],
+            beam.pvalue.AsSingleton(subset("Encoder", lambda p: encoder_size(p.factory))),
+            plan,
         )
-        return (one_level, two_level) | "Trained" >> beam.Flatten()
+        trained = (one_level, two_level) | "Trained" >> beam.Flatten()
+        _ = prefixes | "DeleteSample" >> beam.Map(
+            lambda prefix, _path: beam.io.filesystems.FileSystems.delete(sample_paths(prefix)),
+            beam.pvalue.AsSingleton(trained),
+        )
+        return trained

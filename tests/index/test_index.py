@@ -4,6 +4,7 @@ import apache_beam as beam
 import faiss
 import numpy as np
 import pytest
+from apache_beam.metrics.metric import MetricsFilter
 from apache_beam.testing.util import assert_that, equal_to
 
 from pipeline.index.build import BuildIndex
@@ -19,7 +20,7 @@ from pipeline.index.factory import (
     training_size,
 )
 from pipeline.index.files import load_index
-from pipeline.index.kmeans import list_assigner, list_sums, moved_centroids
+from pipeline.index.kmeans import REFINE_ITERATIONS, list_assigner, list_sums, moved_centroids
 from pipeline.index.recall import one_recall_at_k
 from pipeline.index.sampling import TRAIN_SALT, in_sample
 from pipeline.index.search import search_excluding, set_search_depth
@@ -299,11 +300,21 @@ def test_build_index_transform_ivf_in_parts(tmp_path, clustering):
 @pytest.mark.beam
 def test_two_level_k_means_in_one_process_finds_the_centroids_the_workers_find(tmp_path):
     """TrainIndex's graph and `train_two_level` draw the same subsets by chunk id and run the
-    same steps: one set of coarse centroids, whichever runs it."""
+    same steps: one set of coarse centroids, whichever runs it; the one worker process builds
+    each Lloyd step's list assigner once for all 8 sample files."""
     factory, vectors = "IVF64,Flat", clustered(10_000, clusters=100)
     ids = np.arange(10_000, dtype=np.int64) * 3 + 5
-    paths = write_embedding_files(tmp_path / "emb", ids, vectors, files=4)
-    _build(paths, IndexConfig(type=factory, nprobe=1, clustering="two_level"), tmp_path / "faiss")
+    paths = write_embedding_files(tmp_path / "emb", ids, vectors, files=8)
+    p = new_pipeline([])
+    _ = (
+        p
+        | beam.Create(paths)
+        | BuildIndex(IndexConfig(type=factory, nprobe=1, clustering="two_level"), str(tmp_path / "faiss"))
+    )
+    result = p.run()
+    result.wait_until_finish()
+    builds = result.metrics().query(MetricsFilter().with_name("list_assigner_builds"))["counters"]
+    assert sum(c.committed for c in builds) == REFINE_ITERATIONS
     sample = np.flatnonzero(in_sample(ids, training_size(len(ids), factory), len(ids), TRAIN_SALT))[::-1]  # any order
     alone = train_index(factory, vectors[sample], "two_level", ids=ids[sample], population=len(ids))
 

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from pipeline.index.factory import choose_index_factory, estimated_bytes
-from pipeline.jobs.memory_model import Corpus, stage_memory
+from pipeline.jobs.memory_model import Corpus, stage_memory, two_level_steps
 from schemas.config import config_from_dict, parse_size
 from tests.helpers import sample_documents, small_config, write_config, write_jsonl
 
@@ -57,19 +57,48 @@ def test_two_level_training_holds_no_step_with_the_whole_sample():
     )
     (whole,) = flat
     assert [s["stage"] for s in two_level] == [
+        "index: first-level and encoder subsets of one sample file",
         "index: train first level",
+        "index: assign one sample file to the first level",
         "index: train one first-level cluster",
+        "index: write one block of centroids",
         "index: Lloyd step over one sample file",
+        "index: Lloyd step: combine one block's sums",
+        "index: Lloyd step: move one block",
         f"index: assemble trained {whole['stage'].split()[-1]}",
     ]
     assert max(s["bytes"] for s in two_level) < whole["bytes"] / 10
 
 
 @pytest.mark.unit
+def test_two_level_rows_scale_as_their_shapes():
+    """4x the lists: the centroids 4x, the first level and a first-level cluster 2x (√lists
+    clusters of 256; 64 x lists vectors over √lists clusters), a sample file's share 4x, a
+    block of lists's rows the same, the encoder's sample the same."""
+    small, large = (
+        [step.terms for step in two_level_steps(f"IVF{lists}_HNSW32,PQ32x8np", 10**9, 384, 65536)]
+        for lists in (2**16, 2**18)
+    )
+    ratios = [[round(b / a, 1) for a, b in zip(s.values(), t.values())] for s, t in zip(small, large)]
+    quantizer = estimated_bytes("IVF262144_HNSW32,PQ32x8np", 0, 384) / estimated_bytes(
+        "IVF65536_HNSW32,PQ32x8np", 0, 384
+    )
+    assert ratios == [[4], [2], [4], [2], [1], [4, 4, 4], [1], [1], [4, round(quantizer, 1), 1]]
+
+
+@pytest.mark.unit
 def test_chunk_files_rows_bound_the_steps_that_hold_one_file():
     small, large = (stage_memory(model_config(chunk_file_rows=rows), Corpus.of(1e8)) for rows in (4096, 65536))
     grows = {a["stage"] for a, b in zip(small, large) if b["bytes"] > a["bytes"]}
-    assert grows == {"write chunks", "embed", "index: fill one embeddings file", "build-shards: join one chunk file"}
+    assert grows == {
+        "write chunks",
+        "embed",
+        "index: first-level and encoder subsets of one sample file",  # a sample file: its share of one
+        "index: assign one sample file to the first level",
+        "index: Lloyd step over one sample file",
+        "index: fill one embeddings file",
+        "build-shards: join one chunk file",
+    }
 
 
 @pytest.mark.e2e  # a dry run: the whole job's graph built through the CLI
