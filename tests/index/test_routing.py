@@ -1,0 +1,72 @@
+"""Index slices by groups of nearby lists, searched with one coarse assignment per query and
+each query sent only to the slices owning its probed lists: the same neighbours as one index."""
+
+import faiss
+import numpy as np
+import pytest
+
+from pipeline.index.routing import list_owners, search_routed, slice_by_lists
+from pipeline.index.search import search_excluding, set_search_depth
+
+pytestmark = pytest.mark.unit
+
+DIM, K = 32, 10
+
+
+def _index(factory: str, vectors: int = 20_000, nprobe: int = 8):
+    rng = np.random.default_rng(0)
+    centres = rng.normal(size=(64, DIM)).astype(np.float32)
+    data = centres[rng.integers(0, 64, vectors)] + 0.6 * rng.normal(size=(vectors, DIM)).astype(np.float32)
+    faiss.normalize_L2(data)
+    index = faiss.index_factory(DIM, factory, faiss.METRIC_INNER_PRODUCT)
+    index.train(data)
+    index.add(data)
+    set_search_depth(index, nprobe)
+    queries = data[rng.integers(0, vectors, 300)] + 0.05 * rng.normal(size=(300, DIM)).astype(np.float32)
+    return index, data, np.ascontiguousarray(queries / np.linalg.norm(queries, axis=1, keepdims=True))
+
+
+def _slices(index, count: int):
+    ivf = faiss.extract_index_ivf(index)
+    sizes = np.array([ivf.invlists.list_size(i) for i in range(ivf.nlist)])
+    owner = list_owners(ivf.quantizer.reconstruct_n(0, ivf.nlist), sizes, count)
+    return slice_by_lists(index, owner), owner, sizes
+
+
+def _same_slots(ids, scores, want_ids, want_scores) -> float:
+    """Share of slots holding the same id, or a score tied within 1e-6 with the one index's."""
+    return float(((ids == want_ids) | (np.abs(scores - want_scores) <= 1e-6)).mean())
+
+
+@pytest.mark.parametrize("count", [1, 4, 16])
+def test_routed_slices_return_one_indexs_neighbours(count):
+    index, _, queries = _index("IVF256,Flat")
+    want_scores, want_ids = index.search(queries, K)
+    slices, owner, _ = _slices(index, count)
+    scores, ids, deeper, sent = search_routed(slices, owner, queries, K)
+    assert _same_slots(ids, scores, want_ids, want_scores) >= 0.999
+    assert deeper == 0
+    if count > 1:  # a query's 8 probed lists are neighbours, so it reaches few of the slices
+        assert sent < 0.6 * len(queries) * min(count, 8)
+
+
+def test_lists_are_shared_out_by_vectors():
+    index, _, _ = _index("IVF256,Flat")
+    _, owner, sizes = _slices(index, 16)
+    per_slice = np.bincount(owner, weights=sizes, minlength=16)
+    assert sorted(set(owner.tolist())) == list(range(16))
+    assert per_slice.max() <= 1.5 * per_slice.mean()
+
+
+@pytest.mark.parametrize("factory", ["IVF256,Flat", "IVF256_HNSW32,Flat"])
+def test_deepening_is_decided_on_the_merged_result(factory):
+    """Every id but three excluded: one index deepens until it finds them; so do the slices
+    (each alone would see most of its lists empty and never know the query is short)."""
+    index, data, queries = _index(factory, vectors=6_000)
+    excluded = [(0, 1_000), (1_001, 3_000), (3_001, 5_999)]
+    want_scores, want_ids, _ = search_excluding(index, queries[:20], 3, excluded)
+    slices, owner, _ = _slices(index, 8)
+    scores, ids, deeper, _ = search_routed(slices, owner, queries[:20], 3, excluded)
+    assert deeper > 0
+    assert (np.sort(ids, axis=1) == [1_000, 3_000, 5_999]).all()
+    assert _same_slots(ids, scores, want_ids, want_scores) == 1.0
