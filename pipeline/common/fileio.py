@@ -94,19 +94,24 @@ def committed_manifest(directory: str, model=None, *, error=ManifestError):
     """The manifest of a committed directory (local or gs://): `directory/manifest.json` read
     here, parsed and checked by `schemas.manifest.read_manifest` (`model`, `error`: as there),
     with its file entries (`whole`)."""
-    path = join(directory, MANIFEST_FILE)
-    manifest = read_manifest(read_bytes(path) if exists(path) else None, path, model, error=error)
+    manifest = committed_summary(directory, model, error=error)
     return manifest if model is None else whole(manifest, directory, error=error)
 
 
-def entry_paths_and_rows(manifest, directory: str, prefix: str) -> tuple[list[str], list[int]]:
-    """(paths, rows) of the manifest's entries under `prefix/`, in manifest order, from the two
-    columns alone (`schemas.file_table.entry_columns`): no object per entry, whatever their number."""
+def committed_summary(directory: str, model=None, *, error=ManifestError):
+    """`committed_manifest` without reading a file table: a manifest whose entries are in one
+    lists none inline, so read them with `entry_paths_and_rows`, never from the model."""
+    path = join(directory, MANIFEST_FILE)
+    return read_manifest(read_bytes(path) if exists(path) else None, path, model, error=error)
+
+
+def entry_paths_and_rows(manifest, directory: str, prefix: str | None = None) -> tuple[list[str], list[int]]:
+    """(paths, rows) of the manifest's entries (those under `prefix/`), in manifest order, from
+    the two columns alone (`schemas.file_table.entry_columns`): no object per entry."""
     table = entry_columns(manifest, directory, ["path", "rows"], open_read)
-    paths, rows = table["path"].to_pylist(), table["rows"].to_pylist()
-    return [p for p in paths if p.startswith(prefix + "/")], [
-        r for p, r in zip(paths, rows) if p.startswith(prefix + "/")
-    ]
+    pairs = zip(table["path"].to_pylist(), table["rows"].to_pylist())
+    kept = [(p, r) for p, r in pairs if prefix is None or p.startswith(prefix + "/")]
+    return [p for p, _ in kept], [r for _, r in kept]
 
 
 def whole(manifest, directory: str, *, error=ManifestError):

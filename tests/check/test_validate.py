@@ -1,5 +1,6 @@
 """`validate --sample` and the validation as a Beam job, on copies of the session's built output."""
 
+import json
 import shutil
 
 import apache_beam as beam
@@ -231,3 +232,28 @@ def test_the_beam_job_reports_every_problem_and_fails_the_command(output, capsys
     assert err[0] == f"error: FAILED {output}: 2 problems (1 file, 1 reference)"
     assert err[1].startswith(f"  file: {output}/shards/shard-00002.arrow: ") and "bytes, manifest says" in err[1]
     assert err[2].startswith("  reference: seq ") and "neighbour tokens differ from the chunk database" in err[2]
+
+
+@pytest.mark.unit
+def test_inspect_reads_the_shard_paths_from_the_file_table(tmp_path, monkeypatch):
+    """inspect lists sequences of an output whose shard entries are in a file table, reading
+    the manifests' summaries and the table's path column, never every entry as an object."""
+    from pipeline.check.inspect import inspect_shards
+    from pipeline.common import fileio
+    from pipeline.common.models import DEFAULT_MODEL_NAMES
+
+    rng = np.random.default_rng(0)
+    db = write_index(tmp_path / "index", 12, rng)
+    index_manifest = tmp_path / "index" / "manifest.json"
+    raw = json.loads(index_manifest.read_text())
+    raw["tokenizer"]["name"] = DEFAULT_MODEL_NAMES[0]  # a tokenizer inspect can load
+    index_manifest.write_text(json.dumps(raw))
+    write_shards(tmp_path / "shards", tmp_path / "index", db, 12, rng, inline_entries=4)
+    assert json.loads((tmp_path / "shards" / "manifest.json").read_text())["shards"] == []
+    monkeypatch.setattr(fileio, "whole", lambda *_, **__: pytest.fail("every entry read"))
+    lines = inspect_shards(str(tmp_path / "shards"), 3)
+    assert [line.split(" (")[0] for line in lines if line.startswith("== sequence")] == [
+        "== sequence 0",
+        "== sequence 1",
+        "== sequence 2",
+    ]
