@@ -135,8 +135,8 @@ def render(report: Report) -> str:
     summary, counters = "", ""
     if report.index is not None:
         summary += f"<div><h3>Index</h3>{_table(index_summary(report.index))}</div>"
-    if report.shards is not None:
-        summary += f"<div><h3>Shards</h3>{_table(shards_summary(report.shards))}</div>"
+    if report.shards is not None and report.shard_files is not None:
+        summary += f"<div><h3>Shards</h3>{_table(shards_summary(report.shards, report.shard_files))}</div>"
     manifests = [(kind, m) for kind, m in (("index", report.index), ("shards", report.shards)) if m is not None]
     for kind, manifest in manifests:
         rows = [(name, f"{value:,}") for name, value in sorted(manifest.counters.items())]
@@ -152,8 +152,8 @@ def render(report: Report) -> str:
         )
     )
     if report.shards is not None:
-        scores = report.scores
-        assert scores is not None  # gather reads the scores whenever there are shards
+        scores, files = report.scores, report.shard_files
+        assert scores is not None and files is not None  # gather reads both whenever there are shards
         read = (
             "all shards"
             if scores.shards_read == scores.shards_total
@@ -163,7 +163,7 @@ def render(report: Report) -> str:
             (
                 "neighbours",
                 "Neighbours",
-                _table(neighbour_quality(report.shards))
+                _table(neighbour_quality(report.shards, files))
                 + f"<h3>Scores by rank</h3><p class=muted>Filled slots of {scores.sequences:,} sequences "
                 f"({read}); quantiles to within 0.005.</p>"
                 + _table(
@@ -180,7 +180,11 @@ def render(report: Report) -> str:
                 "Chunk overlap r(C)",
                 "<p class=muted>RETRO's leakage audit: for each training chunk, the longest token run it "
                 "shares with its neighbours, as a share of the chunk length m.</p>"
-                + overlap_figure(overlap_bars(report.shards.overlap)),
+                + (
+                    overlap_figure(overlap_bars(report.shards.overlap))
+                    if report.shards.overlap
+                    else "<p>Not recorded in the manifest.</p>"
+                ),
             )
         )
     if report.index is not None:

@@ -47,13 +47,13 @@ def _name_hash(path: str) -> bytes:
     return hashlib.sha256(posixpath.basename(path).encode()).digest()
 
 
-def sampled(entries: list, fraction: float) -> list:
-    """The ceil(fraction x len) entries (at least one) whose file names hash lowest, in their
-    own order: the same sample on every run, whatever else the directory holds."""
+def sampled(entries: list, fraction: float, path_of=lambda entry: entry.path) -> list:
+    """The ceil(fraction x len) entries (at least one) whose file names (`path_of(entry)`) hash
+    lowest, in their own order: the same sample on every run, whatever else the directory holds."""
     if fraction >= 1 or not entries:
         return list(entries)
     count = max(1, math.ceil(fraction * len(entries) - 1e-9))  # 0.07 x 100 is 7.000000000000001
-    chosen = set(sorted(range(len(entries)), key=lambda i: _name_hash(entries[i].path))[:count])
+    chosen = set(sorted(range(len(entries)), key=lambda i: _name_hash(path_of(entries[i])))[:count])
     return [entry for i, entry in enumerate(entries) if i in chosen]
 
 

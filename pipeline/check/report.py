@@ -17,11 +17,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute  # noqa: F401  # pa.compute
 
 from pipeline.check.inspect import inspect_shards
 from pipeline.check.plan import sampled
 from pipeline.common import fileio
 from schemas.arrow import read_shard, shard_column
+from schemas.file_table import entry_columns
 from schemas.manifest import MANIFEST_FILE, IndexManifest, ShardsManifest, VectorIndexManifest
 
 SAMPLE_CHUNKS = 3  # chunks shown per sample sequence
@@ -76,11 +79,12 @@ def find_sources(path: str) -> Sources:
 
 def read_index_manifest(directory: str) -> IndexManifest | VectorIndexManifest:
     """The manifest of a pipeline's index, or of one built by `ratrain-pipeline index`."""
-    return fileio.committed_manifest(directory, lambda raw: VectorIndexManifest if "inputs" in raw else IndexManifest)
+    return fileio.committed_summary(directory, lambda raw: VectorIndexManifest if "inputs" in raw else IndexManifest)
 
 
 def read_shards_manifest(directory: str) -> ShardsManifest:
-    return fileio.committed_manifest(directory, ShardsManifest)
+    """The summary: the report reads its entries' columns (`ShardFiles`, `gather_scores`)."""
+    return fileio.committed_summary(directory, ShardsManifest)
 
 
 def human_bytes(count: int) -> str:
@@ -133,13 +137,33 @@ def index_summary(manifest: IndexManifest | VectorIndexManifest) -> list[tuple[s
     return rows
 
 
-def shards_summary(manifest: ShardsManifest) -> list[tuple[str, str]]:
+@dataclass(frozen=True)
+class ShardFiles:
+    """What the report shows of a shards manifest's entries, from their columns (no object per
+    entry: 10^6 of them at 3e10 chunks)."""
+
+    count: int
+    bytes: int
+    filled: int | None  # neighbour slots filled over every shard (None: a shard without its count)
+
+    @classmethod
+    def read(cls, directory: str, manifest: ShardsManifest) -> ShardFiles:
+        table = entry_columns(manifest, directory, ["bytes", "neighbour_slots_filled"], fileio.open_read)
+        filled = table["neighbour_slots_filled"]
+        return cls(
+            table.num_rows,
+            int(pa.compute.sum(table["bytes"]).as_py() or 0),
+            None if filled.null_count else int(pa.compute.sum(filled).as_py() or 0),
+        )
+
+
+def shards_summary(manifest: ShardsManifest, files: ShardFiles) -> list[tuple[str, str]]:
     return [
         ("created by", manifest.created_by),
         ("config hash", manifest.config_hash[:16]),
         ("schema version", str(manifest.schema_version)),
         ("sequences", f"{manifest.num_sequences:,}"),
-        ("shards", f"{len(manifest.shards)} ({human_bytes(sum(s.bytes for s in manifest.shards))})"),
+        ("shards", f"{files.count} ({human_bytes(files.bytes)})"),
         ("sequence tokens (n)", str(manifest.sequence_tokens)),
         ("chunk tokens (m)", str(manifest.chunk_tokens)),
         ("neighbours (k)", str(manifest.neighbours)),
@@ -148,16 +172,16 @@ def shards_summary(manifest: ShardsManifest) -> list[tuple[str, str]]:
     ]
 
 
-def neighbour_quality(manifest: ShardsManifest) -> list[tuple[str, str]]:
+def neighbour_quality(manifest: ShardsManifest, files: ShardFiles) -> list[tuple[str, str]]:
     """Fill (share of neighbour slots holding a neighbour) and recall against exact search."""
     slots = manifest.num_sequences * (manifest.sequence_tokens // manifest.chunk_tokens) * manifest.neighbours
-    filled = [n for entry in manifest.shards if (n := entry.neighbour_slots_filled) is not None]
+    filled = files.filled
     if manifest.neighbour_fill is None:
         fill = "not recorded"
-    elif len(filled) < len(manifest.shards):  # a shard without its count
+    elif filled is None:  # a shard without its count
         fill = f"{manifest.neighbour_fill:.4f} of {slots:,} slots"
     else:
-        fill = f"{manifest.neighbour_fill:.4f} ({sum(filled):,} of {slots:,} slots; {slots - sum(filled):,} empty)"
+        fill = f"{manifest.neighbour_fill:.4f} ({filled:,} of {slots:,} slots; {slots - filled:,} empty)"
     recall, depth = manifest.neighbour_recall, manifest.search_depth
     searched = []
     if depth is not None and depth.depth is not None:
@@ -238,11 +262,12 @@ def gather_scores(directory: str, manifest: ShardsManifest, max_sequences: int =
     """Read the neighbour_ids and neighbour_scores columns (only those) of a sample of the
     shards, record batch by record batch: memory holds the histograms and one batch."""
     fraction = min(1.0, max_sequences / manifest.num_sequences) if manifest.num_sequences else 1.0
-    entries = sampled(manifest.shards, fraction)
+    paths = fileio.entry_paths_and_rows(manifest, directory)[0]
+    chosen = sampled(paths, fraction, path_of=str)
     k = manifest.neighbours
     counts, sums, sequences = np.zeros((k, len(SCORE_EDGES) - 1), np.int64), np.zeros(k), 0
-    for entry in entries:
-        with fileio.open_read(fileio.join(directory, entry.path)) as f:
+    for path in chosen:
+        with fileio.open_read(fileio.join(directory, path)) as f:
             _, batches = read_shard(f, columns=["neighbour_ids", "neighbour_scores"])
             for batch in batches:
                 ids = shard_column(batch, "neighbour_ids").reshape(-1, k)
@@ -252,7 +277,7 @@ def gather_scores(directory: str, manifest: ShardsManifest, max_sequences: int =
                     present = np.clip(scores[ids[:, rank] >= 0, rank], SCORE_EDGES[0], SCORE_EDGES[-1])
                     counts[rank] += np.histogram(present, SCORE_EDGES)[0]
                     sums[rank] += float(present.sum(dtype=np.float64))
-    return ScoreSample(SCORE_EDGES, counts, sums, len(entries), len(manifest.shards), sequences)
+    return ScoreSample(SCORE_EDGES, counts, sums, len(chosen), len(paths), sequences)
 
 
 def score_table(sample: ScoreSample) -> list[tuple[str, ...]]:
@@ -318,7 +343,8 @@ def gather_rejected(
 class Report:
     path: str
     index: IndexManifest | VectorIndexManifest | None
-    shards: ShardsManifest | None
+    shards: ShardsManifest | None  # its summary: the entries are in `shard_files`
+    shard_files: ShardFiles | None
     scores: ScoreSample | None
     rejected: list[RejectedReason]
     samples: list[str]  # `inspect`'s lines
@@ -333,8 +359,9 @@ def gather(path: str) -> Report:
     for manifest in (index, shards):
         for name, value in ({} if manifest is None else manifest.counters).items():
             counters[name] = counters.get(name, 0) + value
-    samples, note, scores = [], "", None
+    samples, note, scores, shard_files = [], "", None, None
     if sources.shards is not None and shards is not None:  # shards is read iff sources.shards is set
+        shard_files = ShardFiles.read(sources.shards, shards)
         beside = posixpath.join(posixpath.dirname(sources.shards.rstrip("/")), "index")
         if fileio.exists(fileio.join(beside, MANIFEST_FILE)):
             samples = inspect_shards(sources.shards, SAMPLE_SEQUENCES, SAMPLE_CHUNKS)
@@ -345,6 +372,7 @@ def gather(path: str) -> Report:
         sources.path,
         index,
         shards,
+        shard_files,
         scores,
         gather_rejected(sources, counters),
         samples,

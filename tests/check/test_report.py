@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet  # noqa: F401  # pa.parquet
 import pytest
 
 from pipeline.check.figures import recall_curves
@@ -247,3 +248,26 @@ def test_the_recall_section_draws_the_curves_without_and_with_own_documents_excl
     section = _section(_report(output), "recall")
     assert "recall@2 0.960 at the chosen depth" in section and "searched at 16" in section
     assert len(INLINE_PNG.findall(section)) == 1
+
+
+@pytest.mark.unit
+def test_a_report_on_shards_in_a_file_table_reads_columns_not_entries(tmp_path, monkeypatch):
+    """The shards' count, bytes and filled slots come from the file table's columns; the page
+    is written without reading every entry as an object."""
+    from benchmarks.validate_sample import write_index, write_shards
+    from pipeline.common import fileio
+    from pipeline.common.models import DEFAULT_MODEL_NAMES
+
+    rng = np.random.default_rng(0)
+    db = write_index(tmp_path / "index", 12, rng)
+    index_manifest = tmp_path / "index" / "manifest.json"
+    raw = json.loads(index_manifest.read_text())
+    raw["tokenizer"]["name"] = DEFAULT_MODEL_NAMES[0]  # a tokenizer the report's samples can load
+    index_manifest.write_text(json.dumps(raw))
+    write_shards(tmp_path / "shards", tmp_path / "index", db, 12, rng, inline_entries=4)
+    table = pa.parquet.read_table(tmp_path / "shards" / "files.parquet")
+    monkeypatch.setattr(fileio, "whole", lambda *_, **__: pytest.fail("every entry read"))
+    page = open(write_report(str(tmp_path))).read()
+    size = sum(table["bytes"].to_pylist())
+    filled = sum(table["neighbour_slots_filled"].to_pylist())
+    assert f"<td>12 (" in page and f"{filled:,} of " in page, (size, filled)
