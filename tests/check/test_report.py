@@ -270,4 +270,4 @@ def test_a_report_on_shards_in_a_file_table_reads_columns_not_entries(tmp_path, 
     page = open(write_report(str(tmp_path))).read()
     size = sum(table["bytes"].to_pylist())
     filled = sum(table["neighbour_slots_filled"].to_pylist())
-    assert f"<td>12 (" in page and f"{filled:,} of " in page, (size, filled)
+    assert "<td>12 (" in page and f"{filled:,} of " in page, (size, filled)
