@@ -39,7 +39,6 @@ from pipeline.index.slices import vectors_per_slice  # noqa: E402
 from pipeline.jobs import index_job, shards_job  # noqa: E402
 from pipeline.jobs.memory_model import Corpus, largest, stage_memory  # noqa: E402
 from schemas.config import PipelineConfig  # noqa: E402
-from schemas.file_table import split_entries  # noqa: E402
 from schemas.manifest import (  # noqa: E402
     CREATED_BY,
     FILE_TABLE,
@@ -52,6 +51,7 @@ from schemas.manifest import (  # noqa: E402
     ShardsManifest,
     read_manifest,
 )
+from tests.trainer_fixtures import write_manifest as write_committed  # noqa: E402
 
 DIM, M, N, K = 384, 64, 2048, 2
 CHUNK_FILE_ROWS, SHARD_ROWS = 65_536, 1_024
@@ -156,15 +156,12 @@ def shards_manifest(chunks: int, index_manifest_sha256: str) -> ShardsManifest:
 
 
 def write_manifest(directory: Path, manifest) -> int:
-    """Write `manifest` into `directory` as the commit step does (its file table beside it when
-    it lists more than INLINE_FILE_ENTRIES files); the bytes of manifest.json and the table."""
+    """Write `manifest` into `directory` as the commit step does (`tests.trainer_fixtures`: its
+    file table beside it when it lists more than INLINE_FILE_ENTRIES files); the bytes of
+    manifest.json and the table."""
     directory.mkdir(parents=True, exist_ok=True)
-    data, table = split_entries(manifest)
-    written = json.dumps(data).encode()
-    (directory / MANIFEST_FILE).write_bytes(written)
-    if table is not None:
-        (directory / FILE_TABLE).write_bytes(table)
-    return len(written) + len(table or b"")
+    write_committed(directory, manifest)
+    return sum(path.stat().st_size for path in (directory / MANIFEST_FILE, directory / FILE_TABLE) if path.exists())
 
 
 def read_seconds(directory: Path, model) -> dict[str, float]:
