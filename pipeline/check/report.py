@@ -17,8 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute  # noqa: F401  # pa.compute
+import pyarrow.compute as pc
 
 from pipeline.check.inspect import inspect_shards
 from pipeline.check.plan import sampled
@@ -152,8 +151,8 @@ class ShardFiles:
         filled = table["neighbour_slots_filled"]
         return cls(
             table.num_rows,
-            int(pa.compute.sum(table["bytes"]).as_py() or 0),
-            None if filled.null_count else int(pa.compute.sum(filled).as_py() or 0),
+            int(pc.sum(table["bytes"]).as_py() or 0),
+            None if filled.null_count else int(pc.sum(filled).as_py() or 0),
         )
 
 
