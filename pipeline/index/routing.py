@@ -18,7 +18,7 @@ from __future__ import annotations
 import faiss
 import numpy as np
 
-from pipeline.index.search import exclusion_selector, search_deepening
+from pipeline.index.search import exclusion_selector, quantizer_graph, search_deepening
 from pipeline.index.slices import merge_slice_results
 
 
@@ -57,11 +57,13 @@ def slice_by_lists(index, owner: np.ndarray) -> list:
 
 def assign_lists(index, queries: np.ndarray, depth: int) -> tuple[np.ndarray, np.ndarray]:
     """The coarse assignment, once per query: (centroid scores, list ids) [q, depth] of the
-    `depth` lists each query probes (an HNSW quantizer walks at least that deep)."""
-    quantizer = faiss.downcast_index(faiss.extract_index_ivf(index).quantizer)
+    `depth` lists each query probes (an HNSW quantizer walking at least that deep, as
+    `search._search_params` sets it for a whole search)."""
+    quantizer = faiss.extract_index_ivf(index).quantizer
+    graph = quantizer_graph(index)
     params = None
-    if hasattr(quantizer, "hnsw"):
-        params = faiss.SearchParametersHNSW(efSearch=max(quantizer.hnsw.efSearch, depth))  # type: ignore[attr-defined]
+    if graph is not None:
+        params = faiss.SearchParametersHNSW(efSearch=max(graph.efSearch, depth))  # type: ignore[attr-defined]
     return quantizer.search(np.ascontiguousarray(queries, dtype=np.float32), depth, params=params)
 
 
@@ -96,10 +98,10 @@ def search_routed(slices, owner: np.ndarray, queries: np.ndarray, k: int, exclud
 
     def search_at(at: int):
         list_scores, lists = assign_lists(slices[0], queries, at)
+        owners = np.where(lists >= 0, owner[np.maximum(lists, 0)], -1)  # -1: a slot the quantizer left empty
         results = []
         for number, index_slice in enumerate(slices):
-            mine = owner[np.maximum(lists, 0)] == number
-            mine &= lists >= 0
+            mine = owners == number
             rows = np.flatnonzero(mine.any(axis=1))
             scores, ids = (
                 np.full((len(queries), k), np.finfo(np.float32).min, np.float32),

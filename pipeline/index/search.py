@@ -19,14 +19,14 @@ def set_search_depth(index, depth: int) -> None:
     most about efSearch lists), efSearch for HNSW."""
     if is_ivf(index):
         faiss.extract_index_ivf(index).nprobe = depth
-        graph = _quantizer_graph(index)
+        graph = quantizer_graph(index)
         if graph is not None:
             graph.efSearch = max(graph.efSearch, depth)
     elif _hnsw(index) is not None:
         _hnsw(index).efSearch = depth
 
 
-def _quantizer_graph(ivf_index):
+def quantizer_graph(ivf_index):
     """The HNSW graph of an IVF index's coarse quantizer, or None for a flat quantizer."""
     return _hnsw(faiss.downcast_index(faiss.extract_index_ivf(ivf_index).quantizer))
 
@@ -58,7 +58,7 @@ def _search_params(index, selector, depth: int | None):
     # faiss's stubs list neither the SWIG constructors' keyword arguments nor SearchParametersHNSW
     if is_ivf(index):
         params = faiss.SearchParametersIVF(sel=selector, nprobe=depth)  # type: ignore[call-arg]
-        graph = _quantizer_graph(index)
+        graph = quantizer_graph(index)
         if graph is not None and depth is not None and depth > graph.efSearch:
             # an HNSW coarse quantizer returns at most about efSearch lists: it walks at least
             # as deep as the lists asked for, or deepening would stop short of them

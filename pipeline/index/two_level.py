@@ -220,9 +220,9 @@ def add_block_sums(parts: Iterable[BlockSums | None]) -> BlockSums | None:
         if total is None:
             block = int(part.lists[0]) // LIST_BLOCK
             total = np.zeros((LIST_BLOCK, part.sums.shape[1]), np.int64)
-        local = part.lists - block * LIST_BLOCK
-        np.add.at(total, local, part.sums)
-        np.add.at(counts, local, part.counts)
+        local = part.lists - block * LIST_BLOCK  # unique within a part: a plain indexed add
+        total[local] += part.sums
+        counts[local] += part.counts
     if total is None:
         return None
     chosen = np.flatnonzero(counts)
