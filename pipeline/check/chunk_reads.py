@@ -70,8 +70,9 @@ def _footer(f, path: str, size: int) -> pq.FileMetaData:
 
 def read_row_groups(directory: str, entry: FileEntry, local_rows: np.ndarray) -> ChunkRowsRead:
     """The row groups of a chunk file that hold rows `local_rows` (sorted, unique), located
-    by the row counts in the file's footer. Not hash-checked here: the caller checks the file's
-    sha256 as a listed file."""
+    by the row counts in the file's footer. Not hash-checked here: validating the index hashes
+    the file as a listed file; a shards directory validated alone hashes none of the index's
+    files (docs/pipeline.md, "Checking an output")."""
     path = fileio.join(directory, entry.path)
     _require(fileio.exists(path), f"{path}: listed in the manifest but missing", "file")
     try:

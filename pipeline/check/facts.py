@@ -123,7 +123,6 @@ class ChunkFileChecked:
     """What reading a chunk file gave: its summary when the rules were checked, and the
     bytes read from it (the whole file, or the row groups references point into)."""
 
-    number: int
     bytes_read: int
     summary: ChunkFileSummary | None
 

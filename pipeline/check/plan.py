@@ -26,6 +26,7 @@ from pipeline.common import fileio
 from schemas.arrow import (
     SHARD_METADATA_KEYS,
 )
+from schemas.file_table import entries_field
 from schemas.manifest import (
     MANIFEST_FILE,
     IndexManifest,
@@ -40,7 +41,7 @@ INDEX_PROBES = 64  # embeddings searched for themselves in the faiss index
 def _entries(manifest) -> list:
     """The files a manifest lists (`FileEntry`; a shards manifest: its shards, `ShardEntry`); the
     one place they are read."""
-    return manifest.shards if isinstance(manifest, ShardsManifest) else manifest.files
+    return getattr(manifest, entries_field(manifest))
 
 
 def _name_hash(path: str) -> bytes:

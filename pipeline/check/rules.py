@@ -376,7 +376,7 @@ def check_chunk_file(chunks: ChunkFiles, unit: ChunkFileUnit, blocks, index: Ind
         return
     rules = index is not None and unit.sampled
     summary = _check_chunk_rules(index, unit.number, read.rows) if rules else None
-    yield ChunkFileChecked(unit.number, read.bytes_read, summary)
+    yield ChunkFileChecked(read.bytes_read, summary)
     for block in blocks or ():
         check_references(chunks, unit, read, block)
 

@@ -135,7 +135,7 @@ def run_in_process(plan: ValidationPlan) -> InProcessRun:
         references = _References(scratch, 2 * plan.shards.chunk_tokens if plan.shards else 0)
         starts = _DocumentStarts(scratch, plan.index.num_documents if plan.index else 0)
         try:
-            bytes_read, files = _check_chunk_files(plan, references, starts)
+            bytes_read = _check_chunk_files(plan, references, starts)
         finally:
             starts.close()
     probes = [check_embedding_file(plan.index, unit, plan.probes_per_file) for unit in plan.embedding_files]
@@ -144,9 +144,9 @@ def run_in_process(plan: ValidationPlan) -> InProcessRun:
     return InProcessRun(list(plan.lines), bytes_read)
 
 
-def _check_chunk_files(plan: ValidationPlan, references: _References, starts: _DocumentStarts) -> tuple[int, int]:
+def _check_chunk_files(plan: ValidationPlan, references: _References, starts: _DocumentStarts) -> int:
     """The shards, then the chunk files in order with the references into them; returns the
-    chunk-file bytes read and the number of files checked against the rules."""
+    chunk-file bytes read."""
     bytes_read, files, before = 0, 0, None
     ranges = []
     for entry in plan.shard_entries:
@@ -168,7 +168,7 @@ def _check_chunk_files(plan: ValidationPlan, references: _References, starts: _D
                 before = ends
     if plan.index is not None:
         check_document_runs(plan.index, starts.runs, starts.distinct(), files)
-    return bytes_read, files
+    return bytes_read
 
 
 def check_in_process(plan: ValidationPlan) -> list[str]:
