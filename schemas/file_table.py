@@ -99,6 +99,18 @@ def _checked(table: pq.ParquetFile, reference: FileTable, path: str, columns, er
         raise error(f"{path}: no column {', '.join(missing)} in the file table")
 
 
+def _hashed_table(path: str, reference: FileTable, open_file: Opener, error) -> bytes:
+    """The file table's bytes, their size and sha256 checked against the manifest's reference."""
+    with _open_table(path, open_file, error) as f:
+        data = f.read()
+    if len(data) != reference.bytes:
+        raise error(f"{path}: {len(data)} bytes, the manifest says {reference.bytes}")
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != reference.sha256:
+        raise error(f"{path}: sha256 {digest} differs from the manifest's {reference.sha256}")
+    return data
+
+
 def whole_manifest(
     manifest: Manifest,
     directory: str,
@@ -111,13 +123,7 @@ def whole_manifest(
     if reference is None:
         return manifest
     path = _table_path(directory, reference)
-    with _open_table(path, open_file, error) as f:
-        data = f.read()
-    if len(data) != reference.bytes:
-        raise error(f"{path}: {len(data)} bytes, the manifest says {reference.bytes}")
-    digest = hashlib.sha256(data).hexdigest()
-    if digest != reference.sha256:
-        raise error(f"{path}: sha256 {digest} differs from the manifest's {reference.sha256}")
+    data = _hashed_table(path, reference, open_file, error)
     model = _entry_model(manifest)
     names = list(model.model_fields)
     try:
@@ -140,15 +146,21 @@ def entry_columns(
     columns: list[str],
     open_file: Opener = _open_local,
     error: Callable[[str], Exception] = ManifestError,
+    hashed: bool = False,
 ) -> pa.Table:
     """Only these columns of the manifest's entries (in its order), read from its file table
-    (entry count checked; the hash is validate's, which reads it whole) or made from its inline
+    (entry count checked; with `hashed`, the whole table read and its size and sha256 checked
+    too, as a reader that verifies files against the table must) or made from its inline
     entries: no Python object per entry."""
     reference = manifest.file_table
     if reference is None:
         return _entries_table(manifest).select(columns)
     path = _table_path(directory, reference)
-    f = _open_table(path, open_file, error)
+    f = (
+        pa.BufferReader(_hashed_table(path, reference, open_file, error))
+        if hashed
+        else _open_table(path, open_file, error)
+    )
     try:
         parquet = pq.ParquetFile(f)
         _checked(parquet, reference, path, columns, error)

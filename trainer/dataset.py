@@ -258,7 +258,9 @@ class ShardDataset(IterableDataset):
         # What opening a shard checks it against, as columns (no object per shard, no request
         # per shard: each is checked when opened); sha256 only when verified.
         columns = ["path", "rows", "bytes"] + (["sha256"] if self.verify else [])
-        self._entries = entry_columns(manifest, self.source, columns, self._files.open_random, ShardDataError)
+        self._entries = entry_columns(
+            manifest, self.source, columns, self._files.open_random, ShardDataError, hashed=self.verify
+        )
         self._shard_rows = self._entries.column("rows").to_numpy()
         total = int(self._shard_rows.sum())
         if total != manifest.num_sequences:

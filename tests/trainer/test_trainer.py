@@ -120,6 +120,11 @@ def test_a_manifest_whose_entries_are_in_its_file_table_yields_the_same_samples(
     (tmp_path / "shard-00002.arrow").write_bytes(b"")
     with pytest.raises(ShardDataError, match="shard-00002.arrow: 0 bytes on disk"):
         list(ShardDataset(tmp_path, shuffle=False))
+    # verifying shards against the table's sha256 column first checks the table itself
+    table = tmp_path / FILE_TABLE
+    table.write_bytes(table.read_bytes()[:-1] + b"!")
+    with pytest.raises(ShardDataError, match=f"{FILE_TABLE}: sha256 .* differs from the manifest's"):
+        ShardDataset(tmp_path, verify=True)
 
 
 @pytest.mark.unit
