@@ -34,7 +34,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.report import write_results  # noqa: E402
 from benchmarks.synthetic import LowRankClusters  # noqa: E402
-from pipeline.index.routing import list_owners, search_routed, slice_by_lists  # noqa: E402
+from pipeline.index.routing import list_owners, list_sizes, search_routed, slice_by_lists  # noqa: E402
 from pipeline.index.slices import merge_slice_results  # noqa: E402
 
 DIM, K, QUERIES, TRAIN = 384, 10, 4096, 262_144
@@ -71,10 +71,9 @@ def measure(index, queries: np.ndarray, count: int, nprobe: int, reference) -> d
         lambda: merge_slice_results([index_slice.search(queries, K) for index_slice in by_id], K)
     )
     ivf = faiss.extract_index_ivf(index)
-    sizes = np.array([ivf.invlists.list_size(i) for i in range(ivf.nlist)])
-    owner = list_owners(ivf.quantizer.reconstruct_n(0, ivf.nlist), sizes, count)
+    owner = list_owners(ivf.quantizer.reconstruct_n(0, ivf.nlist), list_sizes(index), count)
     by_lists = slice_by_lists(index, owner)
-    routed_cpu, (r_scores, r_ids, _, sent) = cpu_seconds(lambda: search_routed(by_lists, owner, queries, K))
+    routed_cpu, (r_scores, r_ids, _, sent) = cpu_seconds(lambda: search_routed(index, by_lists, owner, queries, K))
     row = {
         "slices": count,
         "one_index_cpu_s": one_cpu,

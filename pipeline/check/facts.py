@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeline.check.problems import _require
+from pipeline.index.files import LIST_OWNERS_FILE, QUANTIZER_FILE, searched_files
 from schemas.manifest import FileEntry
 
 
@@ -90,13 +91,18 @@ class FaissFacts:
     nprobe: int | None
     num_vectors: int
     dim: int
-    files: tuple  # (path, vectors, bytes) of index.faiss or of each slice, in chunk-id order
+    files: tuple  # (path, vectors, bytes) of index.faiss or of each slice, in number order
     slice_bytes: int | None
+    routing: tuple[str, str] | None  # slices by lists: quantizer.faiss and list_owners.npy
 
     @classmethod
     def of(cls, directory: str, manifest, entries: list[FileEntry], num_vectors: int) -> FaissFacts:
-        files = tuple((f.path, f.rows, f.bytes) for f in entries if f.path.startswith("faiss/"))
-        return cls(directory, manifest.nprobe, num_vectors, manifest.dim, files, manifest.slice_bytes)
+        faiss_entries = {f.path: f for f in entries if f.path.startswith("faiss/")}
+        searched = searched_files(list(faiss_entries))
+        files = tuple((path, faiss_entries[path].rows, faiss_entries[path].bytes) for path in searched)
+        quantizer, owners = (f"faiss/{QUANTIZER_FILE}", f"faiss/{LIST_OWNERS_FILE}")
+        routing = (quantizer, owners) if {quantizer, owners} <= set(faiss_entries) else None
+        return cls(directory, manifest.nprobe, num_vectors, manifest.dim, files, manifest.slice_bytes, routing)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import faiss
 import numpy as np
 import pyarrow as pa
 
@@ -26,7 +27,8 @@ from pipeline.check.facts import (
 from pipeline.check.problems import ValidationFailed, _kind, _parquet, _read_checked, _require
 from pipeline.chunks.chunk_files import ChunkRows
 from pipeline.common import fileio
-from pipeline.index.files import load_index
+from pipeline.index.files import load_index, read_owners
+from pipeline.index.routing import list_sizes
 from pipeline.index.slices import merge_slice_results
 from schemas.arrow import (
     check_schema_version,
@@ -184,12 +186,33 @@ def check_faiss_index(faiss_index: FaissFacts, probes: list[Probes]) -> None:
         if vectors is not None:
             results.append(index.search(vectors, 10))
         del index
+    if faiss_index.routing is not None:
+        _check_list_owners(faiss_index)
     if not results:
         return
     _, found = merge_slice_results(results, 10)
     _require(((found >= 0) & (found < n) | (found == -1)).all(), f"{directory}: index returns unknown ids")
     self_hits = np.mean([chunk_id in row for chunk_id, row in zip(ids, found)])
     _require(self_hits >= 0.5, f"{directory}: only {self_hits:.0%} of indexed vectors find themselves")
+
+
+def _check_list_owners(faiss_index: FaissFacts) -> None:
+    """Slices by inverted lists: the quantizer holds no vectors, the owners name a slice for
+    each of its lists, and every slice holds vectors only in the lists it owns (a query is
+    sent only to the owner of each list it probes)."""
+    quantizer_path, owners_path = (fileio.join(faiss_index.directory, p) for p in faiss_index.routing or ())
+    quantizer, owner = load_index(quantizer_path), read_owners(owners_path)
+    nlist = faiss.extract_index_ivf(quantizer).nlist
+    _require(quantizer.ntotal == 0, f"{quantizer_path}: holds {quantizer.ntotal} vectors, should hold none")
+    _require(
+        len(owner) == nlist and owner.max(initial=-1) < len(faiss_index.files),
+        f"{owners_path}: {len(owner)} owners of {nlist} lists, naming slices up to {owner.max(initial=-1)} "
+        f"of {len(faiss_index.files)}",
+    )
+    for number, (relative, _, _) in enumerate(faiss_index.files):
+        held = np.flatnonzero(list_sizes(load_index(fileio.join(faiss_index.directory, relative))))
+        strays = held[owner[held] != number]
+        _require(not len(strays), f"{relative}: holds vectors in lists {strays[:5].tolist()} it does not own")
 
 
 REFERENCE = np.dtype(

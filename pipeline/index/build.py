@@ -12,10 +12,14 @@ ever holds all embeddings:
                               └─► exact top 100 of the query sample ─► ground truth
     parts ─► merge (IVF lists, in part order) ─► index.faiss ─► tune nprobe to target recall
 
-With `index.slice_bytes`, consecutive parts are grouped into slices instead (`slices`): each
-slice is assembled by its own worker into slice-NNNNN.faiss and searches the query sample at
-every depth; one worker merges those results by score and tunes the one nprobe of all slices.
-No worker holds more than one slice and the trained index.
+With `index.slice_bytes`, the lists are shared out among slices instead (`routing`): each
+slice owns whole lists, nearby ones (a k-means of the centroids), cut to equal vectors once
+the filled parts say how many each list holds; each part sends each slice the codes of its
+lists through a shuffle, and each slice is assembled by its own worker into
+slice-NNNNN.faiss (lists sorted by chunk id) and searches the query sample at every depth;
+one worker merges those results by score, tunes the one nprobe of all slices, and writes
+quantizer.faiss (the trained index: the coarse assignment build-shards routes queries by)
+and list_owners.npy. No worker holds more than one slice and the trained index.
 
 Chunk ids are the faiss ids, so a search answers chunk ids.
 """
@@ -28,6 +32,7 @@ import types
 from dataclasses import dataclass
 
 import apache_beam as beam
+import faiss
 import numpy as np
 from apache_beam.metrics import Metrics
 
@@ -37,11 +42,26 @@ from pipeline.corpus.records import METRICS_NAMESPACE
 from pipeline.index.build_info import write_build_info
 from pipeline.index.exact import exact_nearest_other, exact_nearest_outside, truth_depth
 from pipeline.index.factory import IndexBuildError, IndexPlan, plan_index
-from pipeline.index.files import EmbeddingFile, embedding_file_info, read_embeddings, read_index, write_index
+from pipeline.index.files import (
+    LIST_OWNERS_FILE,
+    QUANTIZER_FILE,
+    embedding_file_info,
+    read_embeddings,
+    read_index,
+    write_index,
+    write_owners,
+)
 from pipeline.index.recall import RECALL_K, one_recall_at_k, recall_of
+from pipeline.index.routing import assemble_list_slice, list_blocks, list_owners, list_sizes, slice_count
 from pipeline.index.sampling import QUERY_SALT, in_sample
-from pipeline.index.search import query_rate, search_depth_range, search_each_excluding, set_search_depth
-from pipeline.index.slices import assemble_slice, assign_slices, merge_slice_results
+from pipeline.index.search import (
+    query_rate,
+    search_depth_range,
+    search_each_at,
+    search_each_excluding,
+    set_search_depth,
+)
+from pipeline.index.slices import merge_slice_results, vectors_per_slice
 from pipeline.index.train import build_index, merge_part, write_part
 from pipeline.index.train_beam import TrainIndex, _file_stem, _sample_rows, _stack, _Stats, _write_sample
 from pipeline.index.tuning import QuerySample, Truth, tune_index_depth
@@ -59,6 +79,15 @@ def _truth_of(queries: QuerySample, ids, vectors, k: int) -> Truth:
     if queries.documents is not None:
         outside = exact_nearest_outside(queries.vectors, queries.documents, ids, vectors, truth_depth(k))
     return Truth(exact_nearest_other(queries.ids, queries.vectors, ids, vectors), outside)
+
+
+@dataclass(frozen=True)
+class FilledPart:
+    """One embeddings file's vectors added to a copy of the trained index, written as a part."""
+
+    embeddings: str  # the embeddings file it was filled from
+    path: str  # its part-<file>.faiss
+    list_sizes: np.ndarray  # [nlist] vectors it holds in each inverted list
 
 
 class _FillPart(beam.DoFn):
@@ -82,7 +111,7 @@ class _FillPart(beam.DoFn):
         write_part(index, part_path)
         if truth is not None:
             yield beam.pvalue.TaggedOutput("truth", truth)
-        yield path, part_path
+        yield FilledPart(path, part_path, list_sizes(index))
 
 
 class _MergeTruth(beam.CombineFn):
@@ -106,7 +135,7 @@ class _MergeTruth(beam.CombineFn):
 def _merge_and_tune(parts, trained_path, plan: IndexPlan, queries, truth, cfg: IndexConfig, out_dir, neighbours: int):
     """One worker: merge the parts into the trained index in input-file order, tune, write."""
     index = read_index(trained_path)
-    part_paths = [part for _, part in sorted(parts, key=lambda p: file_number(p[0]))]  # chunk-id order
+    part_paths = [part.path for part in sorted(parts, key=lambda p: file_number(p.embeddings))]  # chunk-id order
     for path in part_paths:
         merge_part(index, read_index(path))
     info = _finish(index, plan, queries, truth, cfg, out_dir, len(part_paths), neighbours)
@@ -159,12 +188,41 @@ def _finish(
     )
 
 
-def _plan_slices(footers: list[EmbeddingFile], plan: IndexPlan, slice_bytes: int | None) -> dict[str, int]:
-    """{embeddings file: slice number} for an IVF index in slices; {} for one index file."""
-    if slice_bytes is not None and not plan.mergeable:
+@dataclass(frozen=True)
+class ListSlicing:
+    """How the lists of a filled IVF index are shared out among its slices."""
+
+    owner: np.ndarray  # [nlist] the slice of each list; -1 for an empty list
+    parts: list[str]  # the filled part files, deleted once every slice is written
+
+
+def _plan_slices(parts: list[FilledPart], trained_path, plan: IndexPlan, slice_bytes: int | None) -> ListSlicing | None:
+    """The lists shared out among slices of at most `slice_bytes` (`routing.list_owners` over
+    the lists' sizes in the filled parts); None when the index is one file: no slice size, not
+    an IVF index, or everything fits one slice."""
+    if slice_bytes is None or not parts:
+        return None
+    if not plan.mergeable:
         log.warning("index.slice_bytes applies to IVF indexes; %s is built as one file", plan.factory)
-        return {}
-    return assign_slices({f.path: f.rows for f in footers}, plan.factory, plan.dim, slice_bytes)
+        return None
+    sizes = np.sum([part.list_sizes for part in parts], axis=0)
+    count = slice_count(sizes, vectors_per_slice(plan.factory, plan.dim, slice_bytes))
+    if count == 1:
+        return None
+    trained = read_index(trained_path)
+    ivf = faiss.extract_index_ivf(trained)  # a view: `trained` keeps it alive
+    owner = list_owners(ivf.quantizer.reconstruct_n(0, ivf.nlist), sizes, count)
+    owner[sizes == 0] = -1  # nothing to search: no slice holds it
+    _, owner[sizes > 0] = np.unique(owner[sizes > 0], return_inverse=True)  # slices numbered 0 … S-1
+    return ListSlicing(owner, [part.path for part in parts])
+
+
+def _split_part(part: FilledPart, slicing: ListSlicing | None):
+    """A filled part -> (slice, ListBlock) for each slice owning some of its lists."""
+    if slicing is None:
+        return
+    for block in list_blocks(read_index(part.path), slicing.owner):
+        yield block.index_slice, block
 
 
 @dataclass(frozen=True)
@@ -173,19 +231,18 @@ class AssembledSlice:
 
     number: int
     file: dict  # its file entry (path relative to faiss/, rows, bytes, sha256)
-    parts: int  # filled parts merged into it
     results: dict[int, tuple[np.ndarray, np.ndarray, float]]  # depth -> (scores, ids, seconds), plain search
     own: dict[int, tuple[np.ndarray, np.ndarray]]  # depth -> (scores, ids), own document excluded
 
 
 def _assemble(keyed, trained_path, queries: QuerySample, cfg: IndexConfig, out_dir, neighbours: int) -> AssembledSlice:
-    """One worker per slice: its parts (in chunk-id order) merged into a copy of the trained
-    index, written as slice-NNNNN.faiss; then the query sample searched at every depth the
-    tuning may pick (plainly, and with each query's own document excluded as build-shards
-    searches a slice), for the merge step to combine with the other slices' results."""
-    number, parts = keyed
-    part_paths = [part for _, part in sorted(parts, key=lambda p: file_number(p[0]))]
-    index_slice = assemble_slice(read_index(trained_path), (read_index(p) for p in part_paths))
+    """One worker per slice: the ListBlocks of its lists added to a copy of the trained index,
+    written as slice-NNNNN.faiss; then the query sample searched at every depth the tuning may
+    pick (plainly, and with each query's own document excluded, not deepened: the merged result
+    decides that), for the merge step to combine with the other slices' results. A slice
+    searched at depth d probes the d lists one index probes, its own holding vectors."""
+    number, blocks = keyed
+    index_slice = assemble_list_slice(read_index(trained_path), blocks)
     name = file_name("slice", number, "faiss")
     slice_bytes, sha256 = write_index(index_slice, fileio.join(out_dir, name))
     depths = [cfg.nprobe] if cfg.nprobe is not None else search_depth_range(index_slice)
@@ -199,14 +256,31 @@ def _assemble(keyed, trained_path, queries: QuerySample, cfg: IndexConfig, out_d
         scores, ids = index_slice.search(np.ascontiguousarray(queries.vectors, np.float32), RECALL_K + 1)
         results[depth] = (scores, ids, time.perf_counter() - start)
         if queries.documents is not None:
-            own[depth] = search_each_excluding(index_slice, queries.vectors, neighbours, queries.documents)
-    beam.io.filesystems.FileSystems.delete(part_paths)
+            own[depth] = search_each_at(index_slice, queries.vectors, neighbours, queries.documents, depth)
     entry = {"path": name, "rows": int(index_slice.ntotal), "bytes": slice_bytes, "sha256": sha256}
-    return AssembledSlice(number, entry, len(part_paths), results, own)
+    return AssembledSlice(number, entry, results, own)
+
+
+def _routing_files(trained_path, slicing: ListSlicing, out_dir) -> list[dict]:
+    """quantizer.faiss (the trained index) and list_owners.npy written beside the slices."""
+    quantizer_bytes, quantizer_sha = write_index(read_index(trained_path), fileio.join(out_dir, QUANTIZER_FILE))
+    owners_bytes, owners_sha = write_owners(slicing.owner, fileio.join(out_dir, LIST_OWNERS_FILE))
+    return [
+        {"path": QUANTIZER_FILE, "rows": 0, "bytes": quantizer_bytes, "sha256": quantizer_sha},
+        {"path": LIST_OWNERS_FILE, "rows": 0, "bytes": owners_bytes, "sha256": owners_sha},
+    ]
 
 
 def _tune_slices(
-    slices, trained_path, plan: IndexPlan, queries: QuerySample, truth: Truth, cfg: IndexConfig, out_dir, k: int
+    slices,
+    trained_path,
+    slicing: ListSlicing,
+    plan: IndexPlan,
+    queries: QuerySample,
+    truth: Truth,
+    cfg: IndexConfig,
+    out_dir,
+    k: int,
 ):
     """One worker: the slices' results merged by score per depth, the one nprobe of all slices
     tuned on them as on one index (the same lists are probed, so the same recall)."""
@@ -227,14 +301,14 @@ def _tune_slices(
         plan,
         cfg,
         out_dir,
-        sum(s.parts for s in slices),
-        [s.file for s in slices],
+        len(slicing.parts),
+        [s.file for s in slices] + _routing_files(trained_path, slicing, out_dir),
         (*tuned, len(queries.ids)),
         len(queries.ids) / seconds if seconds else 0.0,
         curve,
         own,
     )
-    beam.io.filesystems.FileSystems.delete([trained_path])
+    beam.io.filesystems.FileSystems.delete(slicing.parts + [trained_path])  # only once every slice is written
     return info
 
 
@@ -289,11 +363,6 @@ class BuildIndex(beam.PTransform):
         plan = beam.pvalue.AsSingleton(
             footers | "Stats" >> beam.CombineGlobally(_Stats()) | "Plan" >> beam.Map(plan_index, cfg)
         )
-        slice_of = beam.pvalue.AsSingleton(  # {embeddings file: slice number}, empty for one index file
-            footers
-            | "GatherFileRows" >> beam.combiners.ToList()
-            | "PlanSlices" >> beam.Map(_plan_slices, plan, cfg.slice_bytes)
-        )
         query_documents = self._query_documents(plan)
         queries = beam.pvalue.AsSingleton(
             paths
@@ -324,33 +393,41 @@ class BuildIndex(beam.PTransform):
         truth = beam.pvalue.AsSingleton(
             filled.truth | "MergeTruth" >> beam.CombineGlobally(_MergeTruth()).without_defaults(), default_value=None
         )
+        slicing = beam.pvalue.AsSingleton(  # a ListSlicing, or None for one index file
+            filled.parts
+            | "GatherPartSizes" >> beam.combiners.ToList()
+            | "PlanSlices" >> beam.Map(_plan_slices, trained_path, plan, cfg.slice_bytes)
+        )
         merged = (
             filled.parts
             | "GatherParts" >> beam.combiners.ToList()
             | "MergeAndTune"
             >> beam.FlatMap(
                 lambda parts, trained, p, q, t, slices: (
-                    [_merge_and_tune(parts, trained, p, q, t, cfg, out_dir, k)] if p.mergeable and not slices else []
+                    [_merge_and_tune(parts, trained, p, q, t, cfg, out_dir, k)]
+                    if p.mergeable and slices is None
+                    else []
                 ),
                 trained_path,
                 plan,
                 queries,
                 truth,
-                slice_of,
+                slicing,
             )
         )
         sliced = (
             filled.parts
-            | "KeyBySlice" >> beam.FlatMap(lambda part, slices: [(slices[part[0]], part)] if slices else [], slice_of)
+            | "ListsBySlice" >> beam.FlatMap(_split_part, slicing)
             | "GroupSlices" >> beam.GroupByKey()
             | "AssembleSlices" >> beam.Map(_assemble, trained_path, queries, cfg, out_dir, k)
             | "GatherSlices" >> beam.combiners.ToList()
             | "TuneSlices"
             >> beam.FlatMap(
-                lambda slices, trained, p, q, t: (
-                    [_tune_slices(slices, trained, p, q, t, cfg, out_dir, k)] if slices else []
+                lambda slices, trained, s, p, q, t: (
+                    [_tune_slices(slices, trained, s, p, q, t, cfg, out_dir, k)] if slices else []
                 ),
                 trained_path,
+                slicing,
                 plan,
                 queries,
                 truth,

@@ -5,6 +5,7 @@ embedding files the index is built from.
 from __future__ import annotations
 
 import hashlib
+import io
 from dataclasses import dataclass
 
 import faiss
@@ -12,11 +13,39 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.common.names import file_number
 from pipeline.index.factory import IndexBuildError
 from pipeline.index.search import set_search_depth
 from schemas.arrow import tensor_column_to_numpy
 
 IO_BLOCK = 1 << 22  # bytes per read / write call when streaming an index
+# An index in slices by inverted lists also writes, beside slice-NNNNN.faiss:
+QUANTIZER_FILE = "quantizer.faiss"  # the trained index without vectors: the coarse assignment
+LIST_OWNERS_FILE = "list_owners.npy"  # int32 [nlist]: the slice of each list (-1: an empty list)
+
+
+def searched_files(paths: list[str]) -> list[str]:
+    """Of an index's faiss file paths, those searched (index.faiss, or its slices in number
+    order): not the quantizer and list owners of slices."""
+    routing = (QUANTIZER_FILE, LIST_OWNERS_FILE)
+    return sorted((p for p in paths if not p.endswith(routing)), key=file_number)
+
+
+def write_owners(owner: np.ndarray, path: str) -> tuple[int, str]:
+    """LIST_OWNERS_FILE: (bytes written, sha256)."""
+    from pipeline.common import fileio
+
+    buffer = io.BytesIO()
+    np.save(buffer, owner.astype(np.int32))
+    data = buffer.getvalue()
+    fileio.write_bytes(path, data)
+    return len(data), hashlib.sha256(data).hexdigest()
+
+
+def read_owners(path: str) -> np.ndarray:
+    from pipeline.common import fileio
+
+    return np.load(io.BytesIO(fileio.read_bytes(path)))
 
 
 def write_index(index, path: str) -> tuple[int, str]:

@@ -1,25 +1,47 @@
 """Index slices by groups of nearby inverted lists, and a search routed to them, without Beam.
 
-Slices by chunk-id range (`slices.py`) each hold a share of every list, so every query goes to
-every slice, and each repeats the coarse assignment and the per-list tables of every probed
-list: the search's cost multiplies with the slices. Here a slice owns whole lists instead, and
-the lists a slice owns are neighbours in the embedding space (a k-means of the centroids), so a
-query's probed lists fall in few slices. The coarse assignment runs once per query; each query
-goes only to the slices owning at least one of its probed lists, with those lists; each slice
-scans only them (faiss `search_preassigned`, the other lists masked as -1); the slices' hits
-merge as one index lists them (`slices.merge_slice_results`). A query whose merged top k is
-short after the exclusion is searched again at twice the depth, on the merged result, as one
-index decides it. Exact score ties between vectors of different lists, which live in different
-slices, keep the lowest ids, where one index keeps the one in the list it probes first.
+Slices by chunk-id range would each hold a share of every list, so every query would go to
+every slice, and each would repeat the coarse assignment and the per-query tables: the
+search's cost would multiply with the slices. Here a slice owns whole lists, and the lists a
+slice owns are neighbours in the embedding space (a k-means of the centroids), so a query's
+probed lists fall in few slices. The coarse assignment runs once per query (`assign_lists`,
+on the trained index without lists: the quantizer file); each query goes only to the slices
+owning at least one of its probed lists, with those lists; each slice scans only them (faiss
+`search_preassigned`, the other lists masked as -1); the slices' hits merge as one index lists
+them (`slices.one_index_order`). A query whose merged top k is short after the exclusion is
+searched again at twice the depth, on the merged result, as one index decides it. Exact score
+ties between vectors of different lists, which live in different slices, keep the lowest ids,
+where one index keeps the one in the list it probes first.
+
+A slice's lists are sorted by chunk id, so a slice is the same whatever order its parts
+arrive in; appending documents adds vectors to lists, which a later generation of slices
+holds (the owner of a list never changes: it is fixed with the trained quantizer).
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import faiss
 import numpy as np
 
-from pipeline.index.search import exclusion_selector, quantizer_graph, search_deepening
-from pipeline.index.slices import merge_slice_results
+from pipeline.index.factory import IndexBuildError
+from pipeline.index.search import exclusion_selector, quantizer_graph
+from pipeline.index.slices import EMPTY_SCORE, one_index_order
+
+
+def slice_count(list_sizes: np.ndarray, fits: int) -> int:
+    """Slices needed so that none holds more than `fits` vectors: `list_owners` cuts the lists
+    into runs each starting within an equal share of the vectors, so a run holds at most one
+    share plus its last list."""
+    largest, total = int(list_sizes.max(initial=0)), int(list_sizes.sum())
+    if largest >= fits:
+        raise IndexBuildError(
+            f"an inverted list holds {largest:,} vectors, and a slice at most {fits:,}: a slice owns whole "
+            "lists, so use a larger index.slice_bytes (or more lists)"
+        )
+    return max(1, min(math.ceil(total / (fits - largest)), len(list_sizes)))
 
 
 def list_owners(centroids: np.ndarray, list_sizes: np.ndarray, slices: int, seed: int = 0) -> np.ndarray:
@@ -41,26 +63,102 @@ def list_owners(centroids: np.ndarray, list_sizes: np.ndarray, slices: int, seed
     return owner
 
 
+def list_sizes(index) -> np.ndarray:
+    """Vectors in each inverted list of an IVF index [nlist]."""
+    ivf = faiss.extract_index_ivf(index)
+    invlists = _lists_of(ivf)
+    return np.array([invlists.list_size(number) for number in range(ivf.nlist)], np.int64)
+
+
+@dataclass(frozen=True)
+class ListBlock:
+    """What one filled part holds in the lists one slice owns: it travels to the worker
+    assembling that slice (only codes and ids: the trained tables are in every slice already)."""
+
+    index_slice: int
+    lists: np.ndarray  # [b] list numbers
+    sizes: np.ndarray  # [b] vectors in each
+    ids: np.ndarray  # [sum(sizes)] chunk ids, list by list
+    codes: np.ndarray  # [sum(sizes), code_size] uint8
+
+
+def list_blocks(part, owner: np.ndarray) -> list[ListBlock]:
+    """A filled IVF part cut by `owner` into one ListBlock per slice it has vectors for."""
+    invlists = _lists_of(faiss.extract_index_ivf(part))
+    sizes = list_sizes(part)
+    blocks = []
+    for number in np.unique(owner[sizes > 0]):
+        lists = np.flatnonzero((owner == number) & (sizes > 0))
+        contents = [_list_contents(invlists, int(listed)) for listed in lists]
+        blocks.append(
+            ListBlock(
+                int(number),
+                lists,
+                sizes[lists],
+                np.concatenate([ids for ids, _ in contents]),
+                np.concatenate([codes for _, codes in contents]),
+            )
+        )
+    return blocks
+
+
+def _lists_of(ivf):
+    if ivf.invlists is None:
+        raise IndexBuildError("an IVF index without inverted lists cannot be sliced")
+    return ivf.invlists
+
+
+def _list_contents(invlists, number: int) -> tuple[np.ndarray, np.ndarray]:
+    size = invlists.list_size(number)
+    ids, codes = np.empty(size, np.int64), np.empty((size, invlists.code_size), np.uint8)
+    if size:
+        faiss.memcpy(faiss.swig_ptr(ids), invlists.get_ids(number), ids.nbytes)
+        faiss.memcpy(faiss.swig_ptr(codes), invlists.get_codes(number), codes.nbytes)
+    return ids, codes
+
+
+def assemble_list_slice(trained, blocks):
+    """A copy of the trained index holding the vectors of `blocks` (an iterable, read one at a
+    time), each list then sorted by chunk id (the order one index merged from parts in
+    chunk-id order scans them in, whatever order the blocks came in)."""
+    index_slice = faiss.clone_index(trained)
+    ivf = faiss.extract_index_ivf(index_slice)
+    invlists = _lists_of(ivf)
+    if ivf.ntotal:
+        raise IndexBuildError("an index slice is assembled from the trained index without vectors")
+    ptr = faiss.swig_ptr
+    for block in blocks:
+        ends = np.cumsum(block.sizes)
+        for listed, end, size in zip(block.lists.tolist(), ends.tolist(), block.sizes.tolist()):
+            ids = np.ascontiguousarray(block.ids[end - size : end])
+            codes = np.ascontiguousarray(block.codes[end - size : end])
+            invlists.add_entries(listed, size, ptr(ids), ptr(codes))
+        ivf.ntotal += int(ends[-1]) if len(ends) else 0
+    for listed in np.flatnonzero(list_sizes(index_slice)).tolist():
+        ids, codes = _list_contents(invlists, listed)
+        order = np.argsort(ids, kind="stable")
+        if (order != np.arange(len(order))).any():
+            ids, codes = np.ascontiguousarray(ids[order]), np.ascontiguousarray(codes[order])
+            invlists.update_entries(listed, 0, len(ids), ptr(ids), ptr(codes))
+    index_slice.ntotal = ivf.ntotal  # a pre-transform wrapper counts too
+    return index_slice
+
+
 def slice_by_lists(index, owner: np.ndarray) -> list:
-    """An IVF index split into slices that each hold only the lists `owner` gives them (the
-    trained quantizer and codebooks in every slice)."""
-    slices = []
-    for number in range(int(owner.max()) + 1):
-        index_slice = faiss.clone_index(index)
-        invlists = faiss.extract_index_ivf(index_slice).invlists
-        assert invlists is not None  # a trained IVF index has its lists
-        for listed in np.flatnonzero(owner != number):
-            invlists.resize(int(listed), 0)
-        slices.append(index_slice)
-    return slices
+    """A filled IVF index split into slices that each hold only the lists `owner` gives them
+    (the trained quantizer and codebooks in every slice), as the index stage assembles them."""
+    trained = faiss.clone_index(index)
+    trained.reset()
+    blocks = {block.index_slice: block for block in list_blocks(index, owner)}
+    return [assemble_list_slice(trained, [blocks[n]] if n in blocks else []) for n in range(int(owner.max()) + 1)]
 
 
-def assign_lists(index, queries: np.ndarray, depth: int) -> tuple[np.ndarray, np.ndarray]:
-    """The coarse assignment, once per query: (centroid scores, list ids) [q, depth] of the
-    `depth` lists each query probes (an HNSW quantizer walking at least that deep, as
-    `search._search_params` sets it for a whole search)."""
-    quantizer = faiss.extract_index_ivf(index).quantizer
-    graph = quantizer_graph(index)
+def assign_lists(quantized, queries: np.ndarray, depth: int) -> tuple[np.ndarray, np.ndarray]:
+    """The coarse assignment, once per query: (centroid scores, list numbers) [q, depth] of the
+    `depth` lists each query probes in the IVF index `quantized` (an HNSW quantizer walking at
+    least that deep, as `search._search_params` sets it for a whole search)."""
+    quantizer = faiss.extract_index_ivf(quantized).quantizer
+    graph = quantizer_graph(quantized)
     params = None
     if graph is not None:
         params = faiss.SearchParametersHNSW(efSearch=max(graph.efSearch, depth))  # type: ignore[attr-defined]
@@ -85,36 +183,89 @@ def search_assigned(index_slice, queries: np.ndarray, k: int, lists: np.ndarray,
     return scores, ids
 
 
-def search_routed(slices, owner: np.ndarray, queries: np.ndarray, k: int, excluded=None, depth: int | None = None):
+def merge_hits(rows: list[np.ndarray], found: list[tuple[np.ndarray, np.ndarray]], queries: int, k: int):
+    """Slices' (scores, ids) [r, k] of the query rows `rows` (each a subset of `queries` rows)
+    -> the best k per query [queries, k] as one index lists them, empty slots id -1 and score
+    EMPTY_SCORE as faiss leaves them. Only the rows a slice searched are merged."""
+    query = np.concatenate([np.repeat(r, k) for r in rows] + [np.zeros(0, np.int64)])
+    scores = np.concatenate([f[0].ravel() for f in found] + [np.zeros(0, np.float32)])
+    ids = np.concatenate([f[1].ravel() for f in found] + [np.zeros(0, np.int64)])
+    hit = np.flatnonzero(ids >= 0)
+    listed, rank = one_index_order((query[hit],), ids[hit], scores[hit], k)
+    kept = hit[listed]
+    merged_scores = np.full((queries, k), EMPTY_SCORE, np.float32)
+    merged_ids = np.full((queries, k), -1, np.int64)
+    merged_scores[query[kept], rank], merged_ids[query[kept], rank] = scores[kept], ids[kept]
+    return merged_scores, merged_ids
+
+
+def route(lists: np.ndarray, owner: np.ndarray) -> dict[int, np.ndarray]:
+    """Probed lists [q, w] -> {slice: its lists [q, w], -1 where another slice owns the list},
+    for each slice owning at least one; a query row none of whose lists a slice owns is -1
+    throughout there (`slice_rows` drops it)."""
+    owners = np.where(lists >= 0, owner[np.maximum(lists, 0)], -1)  # -1: a slot the quantizer left empty
+    return {int(number): np.where(owners == number, lists, -1) for number in np.unique(owners[owners >= 0])}
+
+
+def slice_rows(mine: np.ndarray) -> np.ndarray:
+    """The query rows a slice's masked lists [q, w] send it."""
+    return np.flatnonzero((mine >= 0).any(axis=1))
+
+
+def selector_groups(rows: np.ndarray, excluded_each):
+    """The query `rows` grouped by their excluded chunk-id ranges (`excluded_each[row]`: one
+    [(start, end)] per query; None: nothing excluded) -> (rows, faiss selector, what keeps it
+    alive) per group, so queries sharing ranges (a sequence's chunks) are searched together."""
+    if excluded_each is None:
+        yield rows, None, []
+        return
+    groups: dict[tuple, list[int]] = {}
+    for row in rows.tolist():
+        groups.setdefault(tuple(excluded_each[row]), []).append(row)
+    for ranges, members in groups.items():
+        selector, keep = exclusion_selector(list(ranges))
+        yield np.array(members, np.int64), selector, keep
+
+
+def search_routed(
+    quantized, slices, owner: np.ndarray, queries: np.ndarray, k: int, excluded_each=None, depth: int | None = None
+):
     """The slices searched as one index: one coarse assignment per query at `depth` (default:
-    the first slice's nprobe), each query sent to the slices owning its probed lists, the hits
-    merged; with `excluded` ([start, end) chunk-id ranges) those ids skipped inside faiss, and a
-    query whose merged top k is short searched again at twice the depth, up to every list.
-    -> (scores [q, k], ids [q, k] (-1 = none), deeper searches made, (query, slice) pairs sent)."""
-    selector, _keep = exclusion_selector(excluded or [])
+    `quantized`'s nprobe) on `quantized` (the trained index, or any slice), each query sent to
+    the slices owning its probed lists, the hits merged. With `excluded_each` (per query, its
+    [start, end) chunk-id ranges) those ids are skipped inside faiss, and the queries whose
+    merged top k is short are searched again at twice the depth, up to every list, as one index
+    deepens. `slices[n]` is slice n (a sequence that may load it on access; each round takes
+    the slices in number order). -> (scores [q, k], ids [q, k] (-1 = none), deeper searches
+    made, (query, slice) pairs sent)."""
     queries = np.ascontiguousarray(queries, dtype=np.float32)
-    ivf = faiss.extract_index_ivf(slices[0])
-    sent = [0]
+    ivf = faiss.extract_index_ivf(quantized)
+    sent = 0
 
-    def search_at(at: int):
-        list_scores, lists = assign_lists(slices[0], queries, at)
-        owners = np.where(lists >= 0, owner[np.maximum(lists, 0)], -1)  # -1: a slot the quantizer left empty
-        results = []
-        for number, index_slice in enumerate(slices):
-            mine = owners == number
-            rows = np.flatnonzero(mine.any(axis=1))
-            scores, ids = (
-                np.full((len(queries), k), np.finfo(np.float32).min, np.float32),
-                np.full((len(queries), k), -1),
-            )
-            if len(rows):
-                found = search_assigned(
-                    index_slice, queries[rows], k, np.where(mine[rows], lists[rows], -1), list_scores[rows], selector
+    def search_at(rows: np.ndarray, at: int):
+        nonlocal sent
+        list_scores, lists = assign_lists(quantized, queries[rows], at)
+        reached_rows, found = [], []
+        for number, mine in sorted(route(lists, owner).items()):
+            reached = slice_rows(mine)
+            sent += len(reached)
+            for group, selector, _keep in selector_groups(reached, _subset(excluded_each, rows)):
+                found.append(
+                    search_assigned(slices[number], queries[rows[group]], k, mine[group], list_scores[group], selector)
                 )
-                scores[rows], ids[rows] = found
-            sent[0] += len(rows)
-            results.append((scores, ids))
-        return merge_slice_results(results, k)
+                reached_rows.append(group)
+        return merge_hits(reached_rows, found, len(rows), k)
 
-    scores, ids, deeper = search_deepening(search_at, depth or ivf.nprobe, ivf.nlist if excluded is not None else None)
-    return scores, ids, deeper, sent[0]
+    depth = depth or ivf.nprobe
+    everything = np.arange(len(queries))
+    scores, ids = search_at(everything, depth)
+    deeper = 0
+    while excluded_each is not None and depth < ivf.nlist and (ids < 0).any():
+        depth, deeper = min(2 * depth, ivf.nlist), deeper + 1
+        short = np.flatnonzero((ids < 0).any(axis=1))
+        scores[short], ids[short] = search_at(short, depth)
+    return scores, ids, deeper, sent
+
+
+def _subset(excluded_each, rows: np.ndarray):
+    return None if excluded_each is None else [excluded_each[row] for row in rows.tolist()]

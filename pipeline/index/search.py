@@ -137,6 +137,19 @@ def search_each_excluding(index, queries: np.ndarray, k: int, excluded) -> tuple
     return np.concatenate([f[0] for f in found]), np.concatenate([f[1] for f in found])
 
 
+def search_each_at(index, queries: np.ndarray, k: int, excluded, depth: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each query alone with its own id ranges skipped, at `depth` and no deeper (a slice of an
+    index: whether to deepen is decided on the slices' merged result): (scores, ids) [q, k]."""
+    scores, ids = np.empty((len(queries), k), np.float32), np.empty((len(queries), k), np.int64)
+    for row, (query, ranges) in enumerate(zip(queries, excluded)):
+        selector, _keep = exclusion_selector(list(ranges))
+        found = index.search(
+            np.ascontiguousarray(query[None], np.float32), k, params=_search_params(index, selector, depth)
+        )
+        scores[row], ids[row] = found[0][0], found[1][0]
+    return scores, ids
+
+
 def query_rate(index, queries: np.ndarray, k: int = RECALL_K) -> float:
     start = time.perf_counter()
     index.search(np.ascontiguousarray(queries, dtype=np.float32), k)

@@ -14,10 +14,10 @@ from pipeline.common import fileio
 from pipeline.common.models import (
     embedding_dim,
 )
-from pipeline.common.names import file_number
 from pipeline.common.tally import counted
 from pipeline.index.build_info import BUILD_INFO_FILE, BuildInfo
-from pipeline.index.factory import new_index, resolve_clustering
+from pipeline.index.factory import ivf_lists, new_index, resolve_clustering
+from pipeline.index.files import LIST_OWNERS_FILE, QUANTIZER_FILE, searched_files
 from pipeline.index.recall import PLATEAU_GAIN
 from pipeline.jobs.commit import StageError
 from pipeline.jobs.job import (
@@ -124,7 +124,9 @@ class CommittedIndex:
     manifest_sha256: str
     num_chunks: int
     nprobe: int | None  # the depth the index stage tuned
-    faiss_paths: list[str]  # index.faiss, or its slices in chunk-id order, relative to the directory
+    faiss_paths: list[str]  # index.faiss, or its slices in number order, relative to the directory
+    routing_paths: tuple[str, str] | None  # slices: quantizer.faiss and list_owners.npy, relative
+    nlist: int | None  # inverted lists (IVF)
 
 
 def load_committed_index(cfg: PipelineConfig) -> CommittedIndex:
@@ -141,12 +143,15 @@ def load_committed_index(cfg: PipelineConfig) -> CommittedIndex:
             f"config asks for {cfg.chunk_tokens}: rebuild the index"
         )
     paths, _ = fileio.entry_paths_and_rows(manifest, directory, "faiss")
+    routing = (f"faiss/{QUANTIZER_FILE}", f"faiss/{LIST_OWNERS_FILE}")
     return CommittedIndex(
         directory,
         fileio.sha256_bytes(data),
         manifest.num_chunks,
         manifest.nprobe,
-        sorted(faiss_files(paths), key=file_number),
+        searched_files(faiss_files(paths)),
+        routing if set(routing) <= set(paths) else None,
+        ivf_lists(manifest.index_factory),
     )
 
 

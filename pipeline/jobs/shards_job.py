@@ -34,7 +34,7 @@ from pipeline.jobs.job import (
 from pipeline.jobs.options import encoder_threads
 from pipeline.retrieve.beam import DocumentSpans, PackSequences, RetrieveNeighbours
 from pipeline.retrieve.recall import MeasureNeighbourRecall
-from pipeline.retrieve.search import LOST_DATA, Retrieval
+from pipeline.retrieve.search import LOST_DATA, Retrieval, Routing
 from pipeline.shards.rows import overlap_histogram, overlap_tally
 from pipeline.shards.write import WriteShards
 from schemas.arrow import tensor_column_to_numpy
@@ -186,6 +186,10 @@ def _build_shards(
     sequences = training_chunks | "PackSequences" >> PackSequences(L, tok.pad_id)
     spans = pipeline | "DocumentSpans" >> DocumentSpans(fileio.join(idx, "chunks", "*.parquet"), validate=not dry_run)
     index_paths = [f"faiss/{INDEX_FILE}"] if index is None else index.faiss_paths
+    routing = None
+    if index is not None and index.routing_paths is not None and index.nlist is not None:
+        quantizer, owners = index.routing_paths
+        routing = Routing(fileio.join(idx, quantizer), fileio.join(idx, owners), index.nlist)
     spec = Retrieval(
         tuple(fileio.join(idx, path) for path in index_paths),
         None if index is None else index.nprobe,
@@ -200,6 +204,7 @@ def _build_shards(
         fileio.join(idx, "embeddings", "*.parquet"),
         cfg.index.target_recall,
         cfg.recall_below_target,
+        routing,
     )
     retrieved = (sequences, queries, spans) | "RetrieveNeighbours" >> RetrieveNeighbours(
         spec, cfg.index.min_ram, validate=not dry_run

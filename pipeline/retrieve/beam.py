@@ -12,9 +12,12 @@ training sequences (plus one (doc id, range) per database document), not with th
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 
 import apache_beam as beam
+import faiss
 import numpy as np
 from apache_beam.io.parquetio import ReadFromParquetBatched
 from apache_beam.utils import shared
@@ -22,17 +25,26 @@ from apache_beam.utils import shared
 from pipeline.chunks.chunk_files import ChunkFileRanges, CommittedChunkFiles
 from pipeline.chunks.chunking import Chunk
 from pipeline.index.exact import truth_depth
+from pipeline.index.files import read_owners
 from pipeline.retrieve.recall import ExactTruth, SmallestProbes
+from pipeline.retrieve.routed import (
+    SliceQueries,
+    batch_of,
+    first_round,
+    hits_of,
+    merge_round,
+    route_rows,
+    search_slice,
+)
 from pipeline.retrieve.search import (
     CANDIDATE,
     LOST_DATA,
     SEQUENCES_PER_SEARCH,
     Retrieval,
-    SliceHits,
+    Routing,
     _excluded_ranges,
     _loaded_index,
     batch_probes,
-    merge_slice_searches,
     search_batch,
     select_distinct,
     token_key,
@@ -149,33 +161,94 @@ class _Search(beam.DoFn):
             yield from emit_hits(self.spec, [s.seq_id for s in sequences], hits, deeper)
 
 
-class _SearchSlice(beam.DoFn):
-    """((slice, group), search batches) -> (batch, SliceHits):
-    each process loads the slice of the group it is given (at the tuned depth), and searches
-    every batch of the group with it."""
+BATCHES_PER_SEARCH_GROUP = 256  # search batches a (slice, group) key holds: the slice is loaded once per group
+STATE = "state"  # tagged output: (batch, RoutedBatch) between rounds of a routed search
+NEXT = "next"  # tagged output: ((slice, group), SliceQueries) for the next, deeper round
+
+
+def _search_key(sent: SliceQueries):
+    """Queries go to (slice, group of consecutive batches): groups grow in number with the
+    training sequences, so a large job spreads over as many workers as the runner gives it."""
+    return (sent.index_slice, sent.batch // BATCHES_PER_SEARCH_GROUP), sent
+
+
+@functools.lru_cache(maxsize=1)
+def _owners(path: str) -> np.ndarray:
+    return read_owners(path)
+
+
+class _RouteQueries(beam.DoFn):
+    """A joined search batch -> its queries (tokens left behind) assigned to their lists at the
+    tuned depth: the batch's RoutedBatch (tagged STATE) and one SliceQueries per slice owning
+    a probed list, keyed for the search (the quantizer loaded once per process)."""
+
+    _shared_quantizer = shared.Shared()
+
+    def __init__(self, spec: Retrieval, routing: Routing):
+        self.spec, self.routing = spec, routing
+
+    def process(self, keyed, tuned: SearchDepth):
+        batch = batch_of(keyed, self.spec.chunks_per_seq)
+        if not len(batch.seq_ids):  # only the embeddings of chunks left over after the last sequence
+            return
+        quantized = _loaded_index(self._shared_quantizer, self.routing.quantizer, None).index
+        state, sent = first_round(
+            batch,
+            tuned.depth or faiss.extract_index_ivf(quantized).nprobe,
+            _width(self.spec),
+            quantized,
+            _owners(self.routing.owners),
+            self.spec.chunks_per_seq,
+        )
+        yield beam.pvalue.TaggedOutput(STATE, (batch.batch, state))
+        yield from map(_search_key, sent)
+
+
+class _SearchRouted(beam.DoFn):
+    """((slice, group), SliceQueries) -> (batch, SliceFound): each process loads the slice of
+    the group it is given and searches every batch's rows sent to it, only their lists."""
 
     _shared_index = shared.Shared()
 
     def __init__(self, spec: Retrieval):
         self.spec = spec
 
-    def process(self, keyed, tuned: SearchDepth):
-        (index_slice, _), batches = keyed
-        index = _loaded_index(self._shared_index, self.spec.index_paths[index_slice], tuned.depth).index
-        for batch, grouped in batches:
-            sequences, hits, deeper = search_batch(index, grouped, self.spec)
-            if sequences:
-                yield batch, SliceHits(index_slice, [s.seq_id for s in sequences], hits, deeper)
+    def process(self, keyed):
+        (index_slice, _), sent = keyed
+        index = _loaded_index(self._shared_index, self.spec.index_paths[index_slice], None).index
+        for rows in sent:
+            yield rows.batch, search_slice(index, rows, _width(self.spec))
 
 
-def _merge_slices(keyed, spec: Retrieval):
-    """(batch, every slice's search of it) -> what one index's search would send on."""
-    batch, results = keyed
-    width = spec.candidates if spec.dedupe else spec.neighbours
-    yield from emit_hits(spec, *merge_slice_searches(batch, list(results), len(spec.index_paths), width))
+class _MergeRound(beam.DoFn):
+    """(batch, its RoutedBatch and the round's SliceFound) -> the hits merged as one index
+    ranks them; a batch with rows still short routes them again at twice the depth (tagged
+    STATE and NEXT), a finished one sends its hits on as one index's search would."""
+
+    _shared_quantizer = shared.Shared()
+
+    def __init__(self, spec: Retrieval, routing: Routing):
+        self.spec, self.routing = spec, routing
+
+    def process(self, keyed):
+        batch, grouped = keyed
+        states = list(grouped["state"])
+        if len(states) != 1:
+            raise RuntimeError(f"search batch {batch}: {len(states)} states of its routed search arrived: {LOST_DATA}")
+        L = self.spec.chunks_per_seq
+        state, deeper = merge_round(states[0], list(grouped["found"]), _width(self.spec), self.routing.nlist, L)
+        if not deeper:
+            yield from emit_hits(self.spec, state.queries.seq_ids.tolist(), hits_of(state, L), state.deeper)
+            return
+        quantized = _loaded_index(self._shared_quantizer, self.routing.quantizer, None).index
+        state, sent = route_rows(state, quantized, _owners(self.routing.owners), L)
+        yield beam.pvalue.TaggedOutput(STATE, (batch, state))
+        for keyed_rows in map(_search_key, sent):
+            yield beam.pvalue.TaggedOutput(NEXT, keyed_rows)
 
 
-SEARCH_GROUPS_PER_SLICE = 64  # search batches of a slice split over this many groups (parallelism)
+def _width(spec: Retrieval) -> int:
+    return spec.candidates if spec.dedupe else spec.neighbours
 
 
 class _CandidateTokens(beam.DoFn):
@@ -253,13 +326,22 @@ def _to_row(keyed, chunks_per_seq: int, k: int, m: int, pad_id: int):
     yield ShardRow(sequence.seq_id, sequence.tokens, neighbours, ids, scores, sequence.doc_ids)
 
 
+@dataclass
+class Searched:
+    """What the search sends on: hits ("found"), each sequence's count (SENT), tallies."""
+
+    found: beam.PCollection
+    sent: beam.PCollection
+    tallies: beam.PCollection
+
+
 class _SearchIndex(beam.PTransform):
-    """Joined search batches -> the search's outputs (found, SENT, TALLY), at the depth in
-    `tuned` (a singleton side input: `tune_retrieval_depth`'s result). One index
-    file: each batch searched where it is. Slices: each batch goes to every slice, the batches
-    of a slice grouped so a process loads one slice per group, and each batch's hits from all
-    slices merged by score (a query's candidates are those one index would find, up to ties
-    and the depth each slice deepens to alone)."""
+    """Joined search batches -> `Searched`, at the depth in `tuned` (a singleton side input:
+    `tune_retrieval_depth`'s result). One index file: each batch searched where it is. Slices
+    by inverted lists (`spec.routing`): each query assigned to its lists once, sent only to
+    the slices owning them (vectors, lists, excluded ranges: no tokens), the slices' hits
+    merged per batch; queries still short go round again at twice the depth, in as many
+    rounds as doubling takes from one list to all of them (a round nothing needs is empty)."""
 
     def __init__(self, spec: Retrieval, tuned):
         super().__init__()
@@ -267,21 +349,40 @@ class _SearchIndex(beam.PTransform):
 
     def expand(self, batches):
         spec, tuned = self.spec, beam.pvalue.AsSingleton(self.tuned)
-        outputs = (SENT, TALLY)
-        if len(spec.index_paths) == 1:
-            return batches | "SearchBatches" >> beam.ParDo(_Search(spec), tuned).with_outputs(*outputs, main="found")
-        slices = len(spec.index_paths)
-        return (
-            batches
-            | "ToEverySlice"
-            >> beam.FlatMap(
-                lambda b: [((index_slice, b[0] % SEARCH_GROUPS_PER_SLICE), b) for index_slice in range(slices)]
-            )
-            | "GroupBySlice" >> beam.GroupByKey()
-            | "SearchSlices" >> beam.ParDo(_SearchSlice(spec), tuned)
-            | "GroupSliceHits" >> beam.GroupByKey()
-            | "MergeSlices" >> beam.FlatMap(_merge_slices, spec).with_outputs(*outputs, main="found")
+        if spec.routing is None:
+            out = batches | "SearchBatches" >> beam.ParDo(_Search(spec), tuned).with_outputs(SENT, TALLY, main="found")
+            return Searched(out.found, out[SENT], out[TALLY])
+        routing = spec.routing
+        first = batches | "RouteQueries" >> beam.ParDo(_RouteQueries(spec, routing), tuned).with_outputs(
+            STATE, main="sent"
         )
+        sent, states, rounds = first.sent, first[STATE], []
+        for number in range(math.ceil(math.log2(routing.nlist)) + 1):  # depth 1, 2, 4, … nlist at most
+            merged = (
+                {
+                    "state": states,
+                    "found": (
+                        sent
+                        | f"GroupBySlice{number}" >> beam.GroupByKey()
+                        | f"SearchSlices{number}" >> beam.ParDo(_SearchRouted(spec))
+                    ),
+                }
+                | f"JoinSliceHits{number}" >> beam.CoGroupByKey()
+                | f"MergeSliceHits{number}"
+                >> beam.ParDo(_MergeRound(spec, routing)).with_outputs(SENT, TALLY, STATE, NEXT, main="found")
+            )
+            rounds.append(merged)
+            sent, states = merged[NEXT], merged[STATE]
+        _ = (sent, states) | "DeepestRoundEnds" >> beam.Flatten() | beam.Map(_nothing_left)
+        return Searched(
+            [r.found for r in rounds] | "RoundHits" >> beam.Flatten(),
+            [r[SENT] for r in rounds] | "RoundCounts" >> beam.Flatten(),
+            [r[TALLY] for r in rounds] | "RoundTallies" >> beam.Flatten(),
+        )
+
+
+def _nothing_left(element):
+    raise RuntimeError(f"a routed search went deeper than every list: {element!r:.200}")
 
 
 @dataclass
@@ -350,7 +451,7 @@ class RetrieveNeighbours(beam.PTransform):
             lambda sample, truth: tune_retrieval_depth(spec, sample, truth), beam.pvalue.AsSingleton(truth)
         )
         searched = joined | "Search" >> _SearchIndex(spec, depth)
-        tallies = [searched[TALLY]]
+        tallies = [searched.tallies]
         if spec.dedupe:
             picked = (
                 {
@@ -359,7 +460,7 @@ class RetrieveNeighbours(beam.PTransform):
                         | "GroupHitsByChunkFile" >> beam.GroupByKey()
                         | "CandidateTokens" >> beam.ParDo(_CandidateTokens(files))
                     ),
-                    "sent": searched[SENT],
+                    "sent": searched.sent,
                 }
                 | "JoinCandidates" >> beam.CoGroupByKey()
                 | "DropDuplicateTokens"
@@ -368,7 +469,7 @@ class RetrieveNeighbours(beam.PTransform):
             picks, sent = picked.picks, picked[SENT]
             tallies.append(picked[TALLY])
         else:
-            picks, sent = searched.found, searched[SENT]
+            picks, sent = searched.found, searched.sent
         neighbours = (
             picks
             | "PicksByChunkFile" >> beam.Map(lambda pick: (files.file_of(pick[0]), pick))

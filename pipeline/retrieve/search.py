@@ -12,11 +12,11 @@ import numpy as np
 from apache_beam.utils import shared
 
 from pipeline.chunks.chunk_files import ChunkFileRanges, CommittedChunkFiles
-from pipeline.index.files import load_index
+from pipeline.index.files import load_index, read_owners
 from pipeline.index.recall import recall_of
+from pipeline.index.routing import search_routed
 from pipeline.index.sampling import sample_keys
 from pipeline.index.search import search_depth_range, search_each_excluding, search_excluding, set_search_depth
-from pipeline.index.slices import merge_slice_results, one_index_order
 from pipeline.index.tuning import tune_depth
 from pipeline.retrieve.recall import Probe
 from pipeline.retrieve.sequences import merge_ranges
@@ -64,6 +64,16 @@ def token_key(tokens: np.ndarray) -> int:
 
 
 @dataclass(frozen=True)
+class Routing:
+    """An index in slices by inverted lists: the files that route each query to the slices
+    owning its probed lists."""
+
+    quantizer: str  # quantizer.faiss: the trained index without vectors
+    owners: str  # list_owners.npy: the slice of each list
+    nlist: int  # inverted lists: the deepest a query is searched
+
+
+@dataclass(frozen=True)
 class Retrieval:
     """What `RetrieveNeighbours` needs (small and picklable: it travels with the transforms)."""
 
@@ -80,6 +90,7 @@ class Retrieval:
     embeddings: str = ""  # the embedding files (a glob): the probes' exact search
     target_recall: float = 0.95  # index.target_recall: what the depth is tuned to
     recall_below_target: str = "deepen"  # deepen | warn | fail (PipelineConfig.recall_below_target)
+    routing: Routing | None = None  # index_paths are slices by inverted lists: how queries reach them
 
 
 LOST_DATA = "the runner lost data"  # build_shards retries a stage that failed with this, once
@@ -161,17 +172,43 @@ class NeighbourRecallTooLow(RuntimeError):
     """recall_below_target: fail, and the index's search depth misses the target."""
 
 
-def search_probes(indexes, probes: list[Probe], k: int, depth: int | None) -> np.ndarray:
+def search_probes(index, probes: list[Probe], k: int, depth: int | None) -> np.ndarray:
     """The probes' k neighbour ids [n, k] as the search finds them at `depth`: each probe with
-    its own ranges excluded, in every index of `indexes` (an iterable that loads them in turn,
-    so one is held at a time), deepening per index as the search does, merged by score."""
-    queries, excluded = np.stack([p.query for p in probes]), [p.excluded for p in probes]
-    results = []
-    for index in indexes:
-        if depth is not None:
-            set_search_depth(index, depth)
-        results.append(search_each_excluding(index, queries, k, excluded))
-    return merge_slice_results(results, k)[1]
+    its own ranges excluded, deepening as the search does."""
+    if depth is not None:
+        set_search_depth(index, depth)
+    return search_each_excluding(index, np.stack([p.query for p in probes]), k, [p.excluded for p in probes])[1]
+
+
+class _SlicesInTurn:
+    """Index slices by number, loaded on access, the last one kept: a routed search takes them
+    in number order, so one is held at a time."""
+
+    def __init__(self, paths):
+        self.paths, self.number, self.index = paths, None, None
+
+    def __getitem__(self, number: int):
+        if number != self.number:
+            self.index, self.number = None, None  # the one held goes before the next loads
+            self.index, self.number = load_index(self.paths[number]), number
+        return self.index
+
+
+def search_probes_routed(spec: Retrieval, probes: list[Probe], depth: int | None) -> np.ndarray:
+    """`search_probes` over slices by inverted lists, routed as build-shards searches them."""
+    assert spec.routing is not None
+    quantized = load_index(spec.routing.quantizer)
+    queries = np.stack([p.query for p in probes])
+    found = search_routed(
+        quantized,
+        _SlicesInTurn(spec.index_paths),
+        read_owners(spec.routing.owners),
+        queries,
+        spec.neighbours,
+        [p.excluded for p in probes],
+        depth,
+    )
+    return found[1]
 
 
 def tune_retrieval_depth(spec: Retrieval, probes: list[Probe], truth) -> SearchDepth:
@@ -192,15 +229,12 @@ def tune_retrieval_depth(spec: Retrieval, probes: list[Probe], truth) -> SearchD
     if truth is None or not probes:
         return untuned
 
-    first = load_index(spec.index_paths[0])
-
-    def indexes():  # one file is loaded once; slices one at a time, at each depth measured
-        yield first
-        for path in spec.index_paths[1:]:
-            yield load_index(path)
+    first = load_index(spec.index_paths[0] if spec.routing is None else spec.routing.quantizer)
 
     def recall_at(depth):
-        return recall_of(truth, search_probes(indexes(), probes, spec.neighbours, depth))
+        if spec.routing is not None:  # slices: loaded one at a time, at each depth measured
+            return recall_of(truth, search_probes_routed(spec, probes, depth))
+        return recall_of(truth, search_probes(first, probes, spec.neighbours, depth))
 
     depths = search_depth_range(first)
     if depths is None or spec.recall_below_target == "warn":  # exhaustive, or kept as it is
@@ -219,41 +253,3 @@ def tune_retrieval_depth(spec: Retrieval, probes: list[Probe], truth) -> SearchD
             f"{reached} (recall_below_target: fail; 'deepen' searches deeper)"
         )
     return untuned.model_copy(update={"depth": depth, "plateau": plateau, "curve": curve})
-
-
-@dataclass(frozen=True)
-class SliceHits:
-    """One index slice's search of one search batch."""
-
-    index_slice: int
-    seq_ids: list[int]  # the batch's sequences, in the order `search_batch` returns them
-    hits: np.ndarray  # CANDIDATE records
-    deeper: set[int]  # seq ids of the queries searched deeper than the tuned depth
-
-
-def merge_slice_searches(batch: int, results: list[SliceHits], slices: int, width: int):
-    """Every slice's search of one batch -> (seq ids, hits merged as one index ranks them,
-    seq ids searched deeper). A slice's result that did not arrive fails the job (its hits
-    would be missing without a trace): nothing is committed."""
-    arrived = sorted(r.index_slice for r in results)
-    if arrived != list(range(slices)):
-        raise RuntimeError(
-            f"search batch {batch}: results of index slices {arrived} of {slices} arrived: {LOST_DATA}; "
-            "nothing is committed"
-        )
-    results = sorted(results, key=lambda r: r.index_slice)
-    return (
-        results[0].seq_ids,
-        merge_slice_hits([r.hits for r in results], width),
-        set().union(*(r.deeper for r in results)),
-    )
-
-
-def merge_slice_hits(blocks: list[np.ndarray], width: int) -> np.ndarray:
-    """The slices' hits of the same queries -> the best `width` per query (seq_id, j), ranked
-    as one index ranks them (`one_index_order`)."""
-    hits = np.concatenate(blocks)
-    listed, rank = one_index_order((hits["seq_id"], hits["j"]), hits["chunk_id"], hits["score"], width)
-    hits = hits[listed]
-    hits["rank"] = rank
-    return hits

@@ -48,8 +48,10 @@ def test_build_shards_over_a_sliced_index_finds_the_neighbours_of_one_index(slic
     root, _, one, report = sliced
     assert [status for status, _ in report.values()] == ["built", "built"]
     manifest = json.loads((root / "out" / "index" / "manifest.json").read_text())
-    slices = [f for f in manifest["files"] if f["path"].startswith("faiss/")]
-    assert len(slices) >= 3 and all(f["path"].startswith("faiss/slice-") and f["bytes"] <= 400_000 for f in slices)
+    slices = [f for f in manifest["files"] if f["path"].startswith("faiss/slice-")]
+    assert len(slices) >= 3 and all(f["bytes"] <= 400_000 for f in slices)
+    routing = {f["path"] for f in manifest["files"] if f["path"].startswith("faiss/")} - {f["path"] for f in slices}
+    assert routing == {"faiss/quantizer.faiss", "faiss/list_owners.npy"}
     neighbours = neighbour_ids(root / "out")
     assert neighbours.shape == one.shape and (neighbours >= 0).all()
     assert np.mean(neighbours == one) >= 0.995
@@ -59,15 +61,15 @@ def test_build_shards_over_a_sliced_index_finds_the_neighbours_of_one_index(slic
 def test_build_shards_fails_uncommitted_when_an_index_slices_results_are_lost(sliced, tmp_path, monkeypatch):
     root, config, _, _ = sliced
     shutil.copytree(root / "out" / "index", tmp_path / "out" / "index")
-    search = retrieve_beam._SearchSlice.process
+    search = retrieve_beam._SearchRouted.process
 
-    def without_slice_1(self, keyed, tuned):  # as if the runner dropped what slice 1 sent
+    def without_slice_1(self, keyed):  # as if the runner dropped what slice 1 sent
         (index_slice, _), _ = keyed
         if index_slice != 1:
-            yield from search(self, keyed, tuned)
+            yield from search(self, keyed)
 
     # the search step's DoFn is the one place to drop a slice's results from inside the job
-    monkeypatch.setattr(retrieve_beam._SearchSlice, "process", without_slice_1)
-    with pytest.raises(Exception, match=rf"results of index slices \[0, 2.*{LOST_DATA}"):
+    monkeypatch.setattr(retrieve_beam._SearchRouted, "process", without_slice_1)
+    with pytest.raises(Exception, match=rf"index slices \[0, 2.*answered.*{LOST_DATA}"):
         build_shards(config_from_dict({**config, "output": str(tmp_path / "out")}), [])
     assert not (tmp_path / "out" / "shards" / "manifest.json").exists()

@@ -2,10 +2,20 @@
 each query sent only to the slices owning its probed lists: the same neighbours as one index."""
 
 import faiss
+import faiss.contrib.inspect_tools
 import numpy as np
 import pytest
 
-from pipeline.index.routing import list_owners, search_routed, slice_by_lists
+from pipeline.index.factory import IndexBuildError
+from pipeline.index.routing import (
+    assemble_list_slice,
+    list_blocks,
+    list_owners,
+    list_sizes,
+    search_routed,
+    slice_by_lists,
+    slice_count,
+)
 from pipeline.index.search import search_excluding, set_search_depth
 
 pytestmark = pytest.mark.unit
@@ -28,7 +38,7 @@ def _index(factory: str, vectors: int = 20_000, nprobe: int = 8):
 
 def _slices(index, count: int):
     ivf = faiss.extract_index_ivf(index)
-    sizes = np.array([ivf.invlists.list_size(i) for i in range(ivf.nlist)])
+    sizes = list_sizes(index)
     owner = list_owners(ivf.quantizer.reconstruct_n(0, ivf.nlist), sizes, count)
     return slice_by_lists(index, owner), owner, sizes
 
@@ -43,7 +53,7 @@ def test_routed_slices_return_one_indexs_neighbours(count):
     index, _, queries = _index("IVF256,Flat")
     want_scores, want_ids = index.search(queries, K)
     slices, owner, _ = _slices(index, count)
-    scores, ids, deeper, sent = search_routed(slices, owner, queries, K)
+    scores, ids, deeper, sent = search_routed(index, slices, owner, queries, K)
     assert _same_slots(ids, scores, want_ids, want_scores) >= 0.999
     assert deeper == 0
     if count > 1:  # a query's 8 probed lists are neighbours, so it reaches few of the slices
@@ -66,7 +76,40 @@ def test_deepening_is_decided_on_the_merged_result(factory):
     excluded = [(0, 1_000), (1_001, 3_000), (3_001, 5_999)]
     want_scores, want_ids, _ = search_excluding(index, queries[:20], 3, excluded)
     slices, owner, _ = _slices(index, 8)
-    scores, ids, deeper, _ = search_routed(slices, owner, queries[:20], 3, excluded)
+    scores, ids, deeper, _ = search_routed(index, slices, owner, queries[:20], 3, [excluded] * 20)
     assert deeper > 0
     assert (np.sort(ids, axis=1) == [1_000, 3_000, 5_999]).all()
     assert _same_slots(ids, scores, want_ids, want_scores) == 1.0
+
+
+def test_a_slice_is_the_same_whatever_order_its_parts_arrive_in():
+    """Parts filled from different files, their blocks assembled in either order: the same
+    lists, sorted by chunk id, as one index filled in chunk-id order holds them."""
+    index, data, _ = _index("IVF64,PQ8x8np", vectors=4_000)
+    trained = faiss.clone_index(index)
+    trained.reset()
+    parts = []
+    for start in (0, 2_000):
+        part = faiss.clone_index(trained)
+        part.add_with_ids(data[start : start + 2_000], np.arange(start, start + 2_000))
+        parts.append(part)
+    owner = list_owners(faiss.extract_index_ivf(index).quantizer.reconstruct_n(0, 64), list_sizes(index), 3)
+    blocks = [b for part in parts for b in list_blocks(part, owner) if b.index_slice == 1]
+    forward, backward = assemble_list_slice(trained, blocks), assemble_list_slice(trained, blocks[::-1])
+    want = slice_by_lists(index, owner)[1]
+    for one in (forward, backward):
+        assert one.ntotal == want.ntotal == int(list_sizes(index)[owner == 1].sum())
+        for listed in np.flatnonzero(owner == 1).tolist():
+            got = faiss.contrib.inspect_tools.get_invlist(faiss.extract_index_ivf(one).invlists, listed)
+            expected = faiss.contrib.inspect_tools.get_invlist(faiss.extract_index_ivf(want).invlists, listed)
+            assert (got[0] == expected[0]).all() and (np.diff(got[0]) > 0).all()
+            assert (got[1] == expected[1]).all()
+
+
+def test_slice_count_bounds_every_slice():
+    sizes = np.random.default_rng(0).integers(0, 500, 1_000)
+    count = slice_count(sizes, 20_000)
+    owner = list_owners(np.random.default_rng(1).normal(size=(1_000, 8)).astype(np.float32), sizes, count)
+    assert np.bincount(owner, weights=sizes).max() <= 20_000
+    with pytest.raises(IndexBuildError, match="larger index.slice_bytes"):
+        slice_count(sizes, 499)
