@@ -222,6 +222,29 @@ def write_embedding_files(directory: Path, ids, vectors, files: int) -> list[str
     return paths
 
 
+def write_list_slices(directory: Path, index, slices: int):
+    """A filled IVF index written as build-index writes an index in slices by lists:
+    slice-NNNNN.faiss, quantizer.faiss and list_owners.npy under `directory`: (slice paths,
+    the Routing that reaches them)."""
+    import faiss
+
+    from pipeline.index.files import LIST_OWNERS_FILE, QUANTIZER_FILE, write_owners
+    from pipeline.index.routing import list_owners, list_sizes, slice_by_lists
+    from pipeline.retrieve.search import Routing
+
+    ivf = faiss.extract_index_ivf(index)
+    owner = list_owners(ivf.quantizer.reconstruct_n(0, ivf.nlist), list_sizes(index), slices)
+    paths = []
+    for number, index_slice in enumerate(slice_by_lists(index, owner)):
+        paths.append(str(directory / f"slice-{number:05d}.faiss"))
+        faiss.write_index(index_slice, paths[-1])
+    quantizer = faiss.clone_index(index)
+    quantizer.reset()
+    faiss.write_index(quantizer, str(directory / QUANTIZER_FILE))
+    write_owners(owner, str(directory / LIST_OWNERS_FILE))
+    return tuple(paths), Routing(str(directory / QUANTIZER_FILE), str(directory / LIST_OWNERS_FILE), ivf.nlist)
+
+
 def local_pipeline():
     """A TestPipeline on the in-process runner (the default DirectRunner would try a download)."""
     from apache_beam.options.pipeline_options import PipelineOptions

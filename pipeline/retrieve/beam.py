@@ -415,6 +415,8 @@ class RetrieveNeighbours(beam.PTransform):
             self.with_resource_hints(min_ram=min_ram)
         if spec.probes and not spec.embeddings:
             raise ValueError("Retrieval.probes needs Retrieval.embeddings: the files their exact search reads")
+        if len(spec.index_paths) > 1 and spec.routing is None:
+            raise ValueError("index slices need Retrieval.routing: the quantizer and list owners that reach them")
         self.spec, self.validate = spec, validate
 
     def expand(self, inputs):

@@ -22,7 +22,7 @@ from pipeline.retrieve.beam import DocumentSpans, PackSequences, RetrieveNeighbo
 from pipeline.retrieve.recall import MeasureNeighbourRecall
 from pipeline.retrieve.search import NeighbourRecallTooLow, Retrieval
 from schemas.manifest import FileEntry
-from tests.helpers import local_pipeline, write_embedding_files
+from tests.helpers import local_pipeline, write_embedding_files, write_list_slices
 
 DOCUMENTS, CHUNKS_PER_DOCUMENT, FACTORY = 32, 100, "IVF64,Flat"
 L, M, K, PAD = 2, 4, 2, 0
@@ -44,18 +44,16 @@ def _chunks(spans):
     return chunks
 
 
-def _index_files(directory, vectors, ids, slices: int) -> list[str]:
-    """The index at nprobe 1 (the depth a plain tuning picks here), in `slices` files by
-    chunk-id range, each from the same trained index."""
-    trained = train_index(FACTORY, vectors[in_sample(ids, training_size(len(ids), FACTORY), len(ids), TRAIN_SALT)])
-    paths = []
-    for number, part in enumerate(np.array_split(ids, slices)):
-        index_slice = faiss.clone_index(trained)
-        index_slice.add_with_ids(vectors[part], part)
-        set_search_depth(index_slice, 1)
-        paths.append(str(directory / f"slice-{number:05d}.faiss"))
-        faiss.write_index(index_slice, paths[-1])
-    return paths
+def _index_files(directory, vectors, ids, slices: int):
+    """The index at nprobe 1 (the depth a plain tuning picks here), in one file or in `slices`
+    slices by lists: (paths, Routing or None)."""
+    index = train_index(FACTORY, vectors[in_sample(ids, training_size(len(ids), FACTORY), len(ids), TRAIN_SALT)])
+    index.add_with_ids(vectors, ids)
+    set_search_depth(index, 1)
+    if slices > 1:
+        return write_list_slices(directory, index, slices)
+    faiss.write_index(index, str(directory / "index.faiss"))
+    return (str(directory / "index.faiss"),), None
 
 
 def _retrieve(tmp_path, corpus, policy: str, slices: int, check_depth, check_recall):
@@ -69,9 +67,9 @@ def _retrieve(tmp_path, corpus, policy: str, slices: int, check_depth, check_rec
         entries.append(FileEntry(path=path, rows=len(chunks[begin : begin + 800]), bytes=0, sha256=""))
     chunk_files = ChunkFileRanges.from_entries(str(tmp_path / "index"), entries)
     write_embedding_files(tmp_path / "index" / "embeddings", ids, vectors, files=len(ids) // 800)
-    index_paths = _index_files(tmp_path / "index", vectors, ids, slices)
+    index_paths, routing = _index_files(tmp_path / "index", vectors, ids, slices)
     spec = Retrieval(
-        tuple(index_paths),
+        index_paths,
         1,
         chunk_files,
         L,
@@ -83,6 +81,7 @@ def _retrieve(tmp_path, corpus, policy: str, slices: int, check_depth, check_rec
         embeddings=str(tmp_path / "index" / "embeddings" / "*.parquet"),
         target_recall=TARGET,
         recall_below_target=policy,
+        routing=routing,
     )
     with local_pipeline() as p:
         sequences = p | "Chunks" >> beam.Create(chunks) | PackSequences(L, PAD)

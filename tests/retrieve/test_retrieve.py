@@ -2,6 +2,8 @@
 and `RetrieveNeighbours` as build-shards wires it (own documents excluded, dedupe, batches,
 a shuffle that loses data)."""
 
+import pickle
+
 import apache_beam as beam
 import faiss
 import numpy as np
@@ -12,18 +14,17 @@ import pipeline.retrieve.beam as retrieve_beam
 from pipeline.chunks.chunking import chunk_document
 from pipeline.index.train import build_index
 from pipeline.retrieve.beam import LOST_DATA, DocumentSpans, PackSequences, RetrieveNeighbours
+from pipeline.retrieve.routed import BatchQueries, RoutedBatch, SliceFound, SliceQueries, merge_round
 from pipeline.retrieve.search import (
     CANDIDATE,
     Retrieval,
-    SliceHits,
     batch_queries,
-    merge_slice_searches,
     select_distinct,
     token_key,
 )
 from pipeline.retrieve.sequences import document_spans, merge_ranges, pack_sequence, widest_span
 from pipeline.shards.rows import Sequence
-from tests.helpers import local_pipeline, write_chunk_files
+from tests.helpers import local_pipeline, write_chunk_files, write_list_slices
 
 M, L, K, PAD = 4, 2, 2, 0
 
@@ -263,17 +264,80 @@ def test_a_sequence_whose_documents_did_not_all_answer_fails_rather_than_search_
     assert queries.shape == (L, d) and ranges == [(100, 130)]  # None excludes nothing
 
 
-@pytest.mark.unit
-def test_a_search_batch_missing_an_index_slices_result_fails_rather_than_merge_what_arrived():
-    def hits(index_slice, chunk_id, score):
-        block = np.zeros(1, CANDIDATE)
-        block["seq_id"], block["chunk_id"], block["score"] = 3, chunk_id, score
-        return SliceHits(index_slice, [3], block, {3} if index_slice == 2 else set())
+def _routed_batch(rows: int, width: int, sent: tuple[int, ...]) -> RoutedBatch:
+    queries = BatchQueries(7, np.array([3]), np.zeros((rows, 4), np.float32), [()])
+    empty = np.full((rows, width), np.finfo(np.float32).min, np.float32)
+    return RoutedBatch(queries, 1, np.arange(rows), sent, empty, np.full((rows, width), -1))
 
-    results = [hits(0, 5, 0.5), hits(2, 70, 0.9)]
-    with pytest.raises(
-        RuntimeError, match=rf"search batch 7: results of index slices \[0, 2\] of 3 arrived: {LOST_DATA}"
-    ):
-        merge_slice_searches(7, results, 3, 2)
-    seq_ids, merged, deeper = merge_slice_searches(7, [*results, hits(1, 40, 0.7)], 3, 2)
-    assert seq_ids == [3] and merged["chunk_id"].tolist() == [70, 40] and deeper == {3}
+
+@pytest.mark.unit
+def test_a_routed_round_missing_a_slices_answer_fails_rather_than_merge_what_arrived():
+    def found(index_slice, ids, scores):
+        return SliceFound(7, index_slice, np.array([0]), np.array([scores], np.float32), np.array([ids]))
+
+    state, answers = _routed_batch(1, 2, (0, 1, 2)), [found(0, [5, -1], [0.5, 0]), found(2, [70, 71], [0.9, 0.5])]
+    with pytest.raises(RuntimeError, match=rf"search batch 7: index slices \[0, 2\] of \[0, 1, 2\].*{LOST_DATA}"):
+        merge_round(state, answers, 2, 64, L)
+    merged, deeper = merge_round(state, [*answers, found(1, [40, -1], [0.7, 0])], 2, 64, L)
+    assert merged.ids.tolist() == [[70, 40]] and not deeper  # as one index ranks them
+    assert state.ids.tolist() == [[-1, -1]]  # what came in stays as it came
+
+
+@pytest.mark.unit
+def test_a_routed_round_sends_short_queries_deeper_until_every_list():
+    state = _routed_batch(2, 2, (0,))
+    hits = SliceFound(
+        7, 0, np.array([0, 1]), np.array([[0.9, 0.8], [0.7, 0.0]], np.float32), np.array([[1, 2], [3, -1]])
+    )
+    merged, deeper = merge_round(state, [hits], 2, 64, L)
+    assert deeper and merged.depth == 2 and merged.rows.tolist() == [1] and merged.deeper == {3}
+    merged, deeper = merge_round(_routed_batch(2, 2, (0,)).__class__(**{**merged.__dict__, "depth": 64}), [], 2, 64, L)
+    assert not deeper  # at every list, a short query stays short: the index holds no more
+
+
+_ROWS: list = []  # rows the in-process runner made, collected in place (`_collect` travels by name)
+
+
+def _collect(row) -> None:
+    _ROWS.append(row)
+
+
+@pytest.mark.beam
+def test_routed_search_over_list_slices_finds_one_indexs_neighbours_and_sends_no_tokens(tmp_path, monkeypatch):
+    """The same sequences searched in one index file and in 3 slices by lists (nprobe 1, so
+    excluding a sequence's own documents sends queries deeper in routed rounds): the same
+    neighbours. What reaches the slices is only SliceQueries: vectors, lists, ranges."""
+    chunks, vectors = _database()
+    chunk_files = write_chunk_files(tmp_path / "index", chunks)
+    index = faiss.index_factory(vectors.shape[1], "IVF4,Flat", faiss.METRIC_INNER_PRODUCT)
+    index.train(vectors)  # few points for 4 lists: enough to route by
+    index.add_with_ids(vectors, np.arange(len(vectors), dtype=np.int64))
+    one = str(tmp_path / "index.faiss")
+    faiss.write_index(index, one)
+    slices, routing = write_list_slices(tmp_path, index, 3)
+    received = []
+    search = retrieve_beam._SearchRouted.process
+
+    def recording(self, keyed):
+        received.extend(keyed[1])
+        yield from search(self, keyed)
+
+    monkeypatch.setattr(retrieve_beam._SearchRouted, "process", recording)
+
+    def neighbours_of(spec):
+        _ROWS.clear()
+        with local_pipeline() as p:
+            sequences = p | "Chunks" >> beam.Create(chunks) | PackSequences(L, PAD)
+            queries = p | "Queries" >> beam.Create([(i, vectors[i]) for i in range(len(chunks))])
+            spans = p | DocumentSpans(f"{chunk_files.directory}/chunks/*.parquet")
+            _ = ((sequences, queries, spans) | RetrieveNeighbours(spec)).rows | beam.Map(_collect)
+        return {row.seq_id: row.neighbour_ids.tolist() for row in _ROWS}
+
+    want = neighbours_of(Retrieval((one,), 1, chunk_files, L, M, K, 8, PAD))
+    got = neighbours_of(Retrieval(slices, 1, chunk_files, L, M, K, 8, PAD, routing=routing))
+    assert got == want and len(got) == 6 and all(i >= 0 for row in got.values() for j in row for i in j)
+    rounds = {(sent.batch, tuple(sent.rows.tolist()), sent.index_slice) for sent in received}
+    assert len(received) > 1 and len(rounds) == len(received)  # each row goes to a slice once a round
+    for sent in received:
+        assert isinstance(sent, SliceQueries) and sent.queries.dtype == np.float32
+        assert b"tokens" not in pickle.dumps(sent) and b"Sequence" not in pickle.dumps(sent)
