@@ -91,6 +91,12 @@ def _retrieve(tmp_path, corpus, policy: str, slices: int, check_depth, check_rec
         recall = (retrieved.probes, retrieved.truth, retrieved.rows) | MeasureNeighbourRecall(K)
         assert_that(retrieved.search_depth, check_depth, label="CheckDepth")
         assert_that(recall, check_recall, label="CheckRecall")
+        assert_that(retrieved.rows | beam.Map(lambda row: bool((row.neighbour_ids >= 0).all())), _all_filled)
+
+
+def _all_filled(filled: list[bool]) -> None:
+    """Every slot of every row filled (neighbour_fill 1.0), one index or slices by lists."""
+    assert filled and all(filled)
 
 
 @pytest.mark.slow
