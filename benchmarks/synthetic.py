@@ -16,13 +16,26 @@ BLOCK = 8192  # vectors generated at a time: bounds the [block, rank, d] tempora
 
 class LowRankClusters:
     """Unit vectors around `clusters` random centres; cluster c spreads as
-    `spread · z · bases[c]` (z ~ N(0, I_rank)) plus `noise` · N(0, I_d)."""
+    `spread · z · bases[c]` (z ~ N(0, I_rank)) plus `noise` · N(0, I_d). With `topics`, the
+    centres themselves gather around that many topic centres (`topic_spread` apart from
+    theirs), as texts on one subject do; without, no two clusters are nearer than any other."""
 
     def __init__(
-        self, dim: int, clusters: int = 1000, rank: int = 8, spread: float = 0.5, noise: float = 0.1, seed: int = 0
+        self,
+        dim: int,
+        clusters: int = 1000,
+        rank: int = 8,
+        spread: float = 0.5,
+        noise: float = 0.1,
+        seed: int = 0,
+        topics: int | None = None,
+        topic_spread: float = 0.5,
     ):
         model = np.random.default_rng([seed, 0])
         self.centres = model.normal(size=(clusters, dim)).astype(np.float32)
+        if topics:
+            topic = model.normal(size=(topics, dim)).astype(np.float32)
+            self.centres = topic[model.integers(0, topics, clusters)] + topic_spread * self.centres
         self.bases = model.normal(size=(clusters, rank, dim)).astype(np.float32)
         self.spread, self.noise = spread, noise
 
