@@ -113,3 +113,19 @@ def test_slice_count_bounds_every_slice():
     assert np.bincount(owner, weights=sizes).max() <= 20_000
     with pytest.raises(IndexBuildError, match="larger index.slice_bytes"):
         slice_count(sizes, 499)
+
+
+def test_an_exact_tie_across_slices_keeps_the_lowest_id_where_one_index_keeps_the_first_list_probed():
+    """The one place routed slices differ from one index (README "Index slices"): two vectors
+    of exactly the same score in different lists owned by different slices."""
+    quantizer = faiss.IndexFlatIP(2)
+    quantizer.add(np.array([[0.65, 0.76], [0.6, -0.8]], np.float32))  # the query's nearer list first
+    index = faiss.IndexIVFFlat(quantizer, 2, 2, faiss.METRIC_INNER_PRODUCT)
+    index.is_trained = True
+    index.add_with_ids(np.array([[0.6, 0.8], [0.6, -0.8]], np.float32), np.array([5, 3]))
+    index.nprobe = 2
+    query = np.array([[1.0, 0.0]], np.float32)
+    _, one = index.search(query, 1)
+    owner = np.array([0, 1], np.int32)
+    _, routed, _, _ = search_routed(index, slice_by_lists(index, owner), owner, query, 1)
+    assert one.tolist() == [[5]] and routed.tolist() == [[3]]
