@@ -193,19 +193,42 @@ class ListSlicing:
     """How the lists of a filled IVF index are shared out among its slices."""
 
     owner: np.ndarray  # [nlist] the slice of each list; -1 for an empty list
-    parts: list[str]  # the filled part files, deleted once every slice is written
+    parts: int  # filled parts: each is cut into blocks, one per slice it has vectors for
 
 
-def _plan_slices(parts: list[FilledPart], trained_path, plan: IndexPlan, slice_bytes: int | None) -> ListSlicing | None:
+class _SumListSizes(beam.CombineFn):
+    """Filled parts -> (vectors per list [nlist] over all of them, parts): one array, not a
+    list of every part, so what the planning step holds does not grow with the files."""
+
+    def create_accumulator(self):
+        return None, 0
+
+    def add_input(self, acc, part: FilledPart):
+        sizes, parts = acc
+        return (part.list_sizes.copy() if sizes is None else sizes + part.list_sizes), parts + 1
+
+    def merge_accumulators(self, accs):
+        total, parts = None, 0
+        for sizes, count in accs:
+            if sizes is not None:
+                total = sizes.copy() if total is None else total + sizes
+            parts += count
+        return total, parts
+
+    def extract_output(self, acc):
+        return acc
+
+
+def _plan_slices(summed, trained_path, plan: IndexPlan, slice_bytes: int | None) -> ListSlicing | None:
     """The lists shared out among slices of at most `slice_bytes` (`routing.list_owners` over
-    the lists' sizes in the filled parts); None when the index is one file: no slice size, not
-    an IVF index, or everything fits one slice."""
-    if slice_bytes is None or not parts:
+    the lists' sizes summed over the filled parts); None when the index is one file: no slice
+    size, not an IVF index, or everything fits one slice."""
+    sizes, parts = summed
+    if slice_bytes is None or sizes is None:
         return None
     if not plan.mergeable:
         log.warning("index.slice_bytes applies to IVF indexes; %s is built as one file", plan.factory)
         return None
-    sizes = np.sum([part.list_sizes for part in parts], axis=0)
     count = slice_count(sizes, vectors_per_slice(plan.factory, plan.dim, slice_bytes))
     if count == 1:
         return None
@@ -214,7 +237,7 @@ def _plan_slices(parts: list[FilledPart], trained_path, plan: IndexPlan, slice_b
     owner = list_owners(ivf.quantizer.reconstruct_n(0, ivf.nlist), sizes, count)
     owner[sizes == 0] = -1  # nothing to search: no slice holds it
     _, owner[sizes > 0] = np.unique(owner[sizes > 0], return_inverse=True)  # slices numbered 0 … S-1
-    return ListSlicing(owner, [part.path for part in parts])
+    return ListSlicing(owner, parts)
 
 
 def _split_part(part: FilledPart, slicing: ListSlicing | None):
@@ -301,14 +324,19 @@ def _tune_slices(
         plan,
         cfg,
         out_dir,
-        len(slicing.parts),
+        slicing.parts,
         [s.file for s in slices] + _routing_files(trained_path, slicing, out_dir),
         (*tuned, len(queries.ids)),
         len(queries.ids) / seconds if seconds else 0.0,
         curve,
         own,
     )
-    beam.io.filesystems.FileSystems.delete(slicing.parts + [trained_path])  # only once every slice is written
+    # only once every slice is written: the parts are found by name, no list of them travels
+    parts = [
+        m.path
+        for m in beam.io.filesystems.FileSystems.match([fileio.join(out_dir, "parts", "part-*")])[0].metadata_list
+    ]
+    beam.io.filesystems.FileSystems.delete(parts + [trained_path])
     return info
 
 
@@ -395,7 +423,7 @@ class BuildIndex(beam.PTransform):
         )
         slicing = beam.pvalue.AsSingleton(  # a ListSlicing, or None for one index file
             filled.parts
-            | "GatherPartSizes" >> beam.combiners.ToList()
+            | "SumListSizes" >> beam.CombineGlobally(_SumListSizes())
             | "PlanSlices" >> beam.Map(_plan_slices, trained_path, plan, cfg.slice_bytes)
         )
         merged = (
