@@ -224,10 +224,12 @@ def _plan_slices(summed, trained_path, plan: IndexPlan, slice_bytes: int | None)
     the lists' sizes summed over the filled parts); None when the index is one file: no slice
     size, not an IVF index, or everything fits one slice."""
     sizes, parts = summed
-    if slice_bytes is None or sizes is None:
+    if slice_bytes is None:
         return None
     if not plan.mergeable:
         log.warning("index.slice_bytes applies to IVF indexes; %s is built as one file", plan.factory)
+        return None
+    if sizes is None:  # no vectors
         return None
     count = slice_count(sizes, vectors_per_slice(plan.factory, plan.dim, slice_bytes))
     if count == 1:

@@ -41,6 +41,8 @@ def slice_count(list_sizes: np.ndarray, fits: int) -> int:
             f"an inverted list holds {largest:,} vectors, and a slice at most {fits:,}: a slice owns whole "
             "lists, so use a larger index.slice_bytes (or more lists)"
         )
+    if total <= fits:
+        return 1
     return max(1, min(math.ceil(total / (fits - largest)), len(list_sizes)))
 
 
