@@ -9,15 +9,17 @@ worker, for 1, 4 and 16 index slices (`--shards` gives the slice counts).
 1. Data: `--n` 384-d `LowRankClusters` vectors in 16 embeddings files (`index_build.py`'s
    generator, reused from --workdir).
 2. Per slice count S: `ratrain-pipeline index --memory-budget 64MB --slice-bytes B` with
-   `--direct_num_workers=2 --direct_running_mode=multi_processing`, B the smallest size that
-   holds 16/S embeddings files (by the builder's own estimate); S = 1 builds one index file.
-   Measured: wall time, the peak RSS of the largest process (the job's main process or a
-   worker).
+   `--direct_num_workers=2 --direct_running_mode=multi_processing`, B the size that holds 1/S
+   of the vectors (by the builder's own estimate; a slice owns whole inverted lists, so the
+   build may cut one or two slices more); S = 1 builds one index file. Measured: wall time,
+   the peak RSS of the largest process (the job's main process or a worker).
 3. The search step: a fresh process reads one slice (whole, as from gs://) and searches 4,096
    queries at the manifest's nprobe, as a search worker holding one slice does. Measured: its
    resident memory, and what the slice and the search added to it (RSS after - before).
-4. Recall: the merged search of all slices against the single index on 1,000 held-out
-   queries (1-recall@10 with exact ground truth); the two must agree within 0.01.
+4. Recall: the slices searched routed (`routing.search_routed`: one coarse assignment per
+   query on quantizer.faiss, each query sent to the slices list_owners.npy names for its
+   probed lists), 1-recall@10 with exact ground truth on 1,000 queries; it must agree with the
+   single index's within 0.01.
 
 Results: a table on stdout, JSON in benchmarks/results/index_slices.json.
 """
@@ -37,6 +39,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 from benchmarks.index_build import ensure_data, measured, tail  # noqa: E402
 from benchmarks.report import write_results  # noqa: E402
+from pipeline.index.files import searched_files  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "index_slices.json"
@@ -63,7 +66,7 @@ print(json.dumps({"process_kb": rss_kb(), "held_kb": rss_kb() - before}))
 
 
 def slice_bytes_for(data: Path, shards: int) -> int | None:
-    """The smallest slice size that holds FILES / shards embeddings files, by the estimate."""
+    """The slice size that holds 1 / shards of the vectors, by the estimate."""
     if shards == 1:
         return None
     import pyarrow.parquet as pq
@@ -72,8 +75,7 @@ def slice_bytes_for(data: Path, shards: int) -> int | None:
 
     rows = [pq.ParquetFile(p).metadata.num_rows for p in sorted(data.glob("*.parquet"))]
     factory = choose_index_factory(sum(rows), DIM, BUDGET)
-    per_shard = FILES // shards
-    return max(estimated_bytes(factory, sum(rows[i : i + per_shard]), DIM) for i in range(0, FILES, per_shard))
+    return estimated_bytes(factory, -(-sum(rows) // shards), DIM)
 
 
 def build(data: Path, out: Path, shards: int) -> dict:
@@ -89,7 +91,7 @@ def build(data: Path, out: Path, shards: int) -> dict:
         str(out),
         "--memory-budget",
         "64MB",
-        *(["--shard-bytes", str(size)] if size else []),
+        *(["--slice-bytes", str(size)] if size else []),
         "--",
         *WORKERS,
     ]
@@ -97,7 +99,7 @@ def build(data: Path, out: Path, shards: int) -> dict:
     if result["rc"] != 0:
         raise SystemExit(f"index failed:\n{tail(result['log'], 30)}")
     manifest = json.loads((out / "manifest.json").read_text())
-    files = [f for f in manifest["files"] if f["path"].startswith("faiss/")]
+    files = [f for f in manifest["files"] if f["path"] in searched_files([g["path"] for g in manifest["files"]])]
     return {
         "shards": len(files),
         "slice_bytes": size,
@@ -107,6 +109,7 @@ def build(data: Path, out: Path, shards: int) -> dict:
         "factory": manifest["index_factory"],
         "largest_shard_mb": max(f["bytes"] for f in files) / MB,
         "files": [str(out / f["path"]) for f in files],
+        "directory": str(out / "faiss"),
     }
 
 
@@ -121,12 +124,19 @@ def search_one_shard(path: str, depth: int, queries: Path) -> dict:
     return json.loads(out)
 
 
-def merged_recall(files: list[str], depth: int, vectors: np.ndarray, rows: np.ndarray, truth: np.ndarray) -> float:
-    from pipeline.index.files import load_index
-    from pipeline.index.slices import search_slices
+def merged_recall(run: dict, vectors: np.ndarray, rows: np.ndarray, truth: np.ndarray) -> float:
+    """1-recall@10 of the index: its one file searched, or its slices searched routed."""
+    from pipeline.index.files import LIST_OWNERS_FILE, QUANTIZER_FILE, load_index, read_owners
+    from pipeline.index.routing import search_routed
 
-    shards = [load_index(f, depth) for f in files]
-    _, found, _ = search_slices(shards, vectors[rows], 11)
+    depth = run["nprobe"]
+    shards = [load_index(f, depth) for f in run["files"]]
+    if len(shards) == 1:
+        _, found = shards[0].search(vectors[rows], 11)
+    else:
+        quantizer = load_index(str(Path(run["directory"]) / QUANTIZER_FILE), depth)
+        owner = read_owners(str(Path(run["directory"]) / LIST_OWNERS_FILE))
+        _, found, _, _ = search_routed(quantizer, shards, owner, vectors[rows], 11)
     return float(np.mean([t in [f for f in row if f != r][:10] for r, t, row in zip(rows, truth, found)]))
 
 
@@ -161,7 +171,7 @@ def main() -> None:
         one = search_one_shard(run["files"][0], run["nprobe"], queries)
         run["search_worker_mb"] = one["process_kb"] / 1024
         run["search_worker_index_mb"] = one["held_kb"] / 1024
-        run["recall"] = merged_recall(run["files"], run["nprobe"], vectors, rows, truth)
+        run["recall"] = merged_recall(run, vectors, rows, truth)
         runs.append(run)
         print(
             f"{run['shards']:>3} shards ({run['factory']}, largest {run['largest_shard_mb']:.1f} MB): "
@@ -172,6 +182,7 @@ def main() -> None:
         )
     for run in runs:
         run.pop("files")
+        run.pop("directory")
     recalls = [r["recall"] for r in runs]
     print(f"\nrecall spread over shard counts: {max(recalls) - min(recalls):.3f}")
     write_results({"n": args.n, "runs": runs}, RESULTS)

@@ -177,7 +177,8 @@ def build_index_cmd(config_path, beam_args, force, dry_run, corpus_chunks, corpu
 @click.option(
     "--slice-bytes",
     default=None,
-    help="Split an IVF index into slices of at most this size (e.g. 12MB), by chunk-id range.",
+    help="Split an IVF index into slices of at most this size (e.g. 12MB), each owning a group of nearby "
+    "inverted lists (faiss/slice-NNNNN.faiss, plus quantizer.faiss and list_owners.npy).",
 )
 @click.argument("beam_args", nargs=-1, type=click.UNPROCESSED)
 def index_cmd(embeddings, output, index_type, memory_budget, target_recall, nprobe, slice_bytes, beam_args):

@@ -185,9 +185,12 @@ class IndexConfig(_Strict):
         # `shard_bytes` was its name before "shard" came to mean a training shard only
         validation_alias=AliasChoices("slice_bytes", "shard_bytes"),
         description="Split an IVF index into slices of at "
-        "most this size ('12MB', '4GiB'), by chunk-id range: files "
-        "faiss/slice-NNNNN.faiss sharing one trained quantizer, each "
-        "loadable alone, searched by different workers. Default: one "
+        "most this size ('12MB', '4GiB'), each owning a group of nearby "
+        "inverted lists: files faiss/slice-NNNNN.faiss sharing one trained "
+        "quantizer, each loadable alone, searched by different workers, "
+        "plus faiss/quantizer.faiss (the coarse assignment that routes each "
+        "query to the slices owning its probed lists) and "
+        "faiss/list_owners.npy (the slice of each list). Default: one "
         "index file.",
     )
 

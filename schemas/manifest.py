@@ -143,8 +143,9 @@ class VectorIndex(_Model):
         None,
         validation_alias=AliasChoices("slice_bytes", "shard_bytes"),  # as manifests before the rename wrote it
         description="The index's faiss files are slices of at "
-        "most this size (faiss/slice-NNNNN.faiss, chunk-id ranges in "
-        "order); None: one file, faiss/index.faiss.",
+        "most this size (faiss/slice-NNNNN.faiss, each owning a group of "
+        "nearby inverted lists, plus faiss/quantizer.faiss and "
+        "faiss/list_owners.npy); None: one file, faiss/index.faiss.",
     )
 
 

@@ -4,7 +4,7 @@ import pytest
 
 from pipeline.chunks.chunk_files import ChunkFileRanges
 from pipeline.common.names import file_name, file_number
-from pipeline.index.slices import assign_slices
+from pipeline.index.files import LIST_OWNERS_FILE, QUANTIZER_FILE, searched_files
 from schemas.manifest import FileEntry
 
 pytestmark = pytest.mark.unit
@@ -28,11 +28,8 @@ def test_100010_chunk_files_keep_chunk_id_order():
     assert ranges.file_of(200_001) == 100_000 and ranges.file_of(199_999) == 99_999
 
 
-def test_100010_embeddings_files_make_index_slices_of_consecutive_chunk_ids():
-    factory, dim = "IVF4,Flat", 8
-    rows = {f"out/embeddings/{file_name('embeddings', n, 'parquet')}": 10 for n in range(FILES)}
-    slice_bytes = 4 * 4 * dim + 120 * 12 * 10_000  # about 10,000 files' vectors per slice, quantizer included
-    slice_of = assign_slices(rows, factory, dim, slice_bytes)
-    numbers = sorted(slice_of, key=file_number)
-    assert [slice_of[path] for path in numbers] == sorted(slice_of[path] for path in numbers)  # ranges, in order
-    assert slice_of[numbers[99_999]] <= slice_of[numbers[100_000]]
+def test_100010_index_slices_are_searched_in_number_order_without_their_routing_files():
+    names = [f"faiss/{file_name('slice', n, 'faiss')}" for n in range(FILES)]
+    listed = [*names[::-1], f"faiss/{QUANTIZER_FILE}", f"faiss/{LIST_OWNERS_FILE}"]  # manifest order does not matter
+    assert searched_files(listed) == names
+    assert searched_files(["faiss/index.faiss"]) == ["faiss/index.faiss"]

@@ -110,19 +110,29 @@ def outside_recall(search, ids, vectors, rows):
 
 
 def test_a_sliced_index_is_slices_within_the_size_that_search_as_the_single_index(built, sliced):
-    from pipeline.index.slices import search_slices
+    """Slices by groups of inverted lists, beside them the trained quantizer and each list's
+    owner: searched routed (one coarse assignment per query, each query sent to the slices
+    owning its probed lists), as the single index answers."""
+    from pipeline.index.files import LIST_OWNERS_FILE, QUANTIZER_FILE, read_owners, searched_files
+    from pipeline.index.routing import search_routed
 
     root, ids, vectors, single = built
     directory, manifest = sliced
-    files = [f for f in manifest["files"] if f["path"].startswith("faiss/")]
-    assert len(files) >= 4 and all(f["path"].startswith("faiss/slice-") for f in files)
-    assert all((directory / f["path"]).stat().st_size <= SLICE_BYTES for f in files)
-    assert sum(f["rows"] for f in files) == N and manifest["slice_bytes"] == SLICE_BYTES
+    paths = [f["path"] for f in manifest["files"] if f["path"].startswith("faiss/")]
+    slice_paths = searched_files(paths)
+    assert sorted(set(paths) - set(slice_paths)) == [f"faiss/{LIST_OWNERS_FILE}", f"faiss/{QUANTIZER_FILE}"]
+    assert len(slice_paths) >= 4 and all(p.startswith("faiss/slice-") for p in slice_paths)
+    files = {f["path"]: f for f in manifest["files"]}
+    assert all((directory / p).stat().st_size <= SLICE_BYTES for p in slice_paths)
+    assert sum(files[p]["rows"] for p in slice_paths) == N and manifest["slice_bytes"] == SLICE_BYTES
     assert manifest["index_factory"] == single["index_factory"] and manifest["nprobe"] == single["nprobe"]
-    slices = [load_index(str(directory / f["path"]), manifest["nprobe"]) for f in files]
+    quantizer = load_index(str(directory / "faiss" / QUANTIZER_FILE), manifest["nprobe"])
+    owner = read_owners(str(directory / "faiss" / LIST_OWNERS_FILE))
+    assert set(owner[owner >= 0].tolist()) == set(range(len(slice_paths)))
+    slices = [load_index(str(directory / p), manifest["nprobe"]) for p in slice_paths]
     index = load_index(str(root / "idx" / "faiss" / "index.faiss"), single["nprobe"])
     rows = np.random.default_rng(7).choice(N, 1000, replace=False)
-    ours = outside_recall(lambda q, k: search_slices(slices, q, k)[1], ids, vectors, rows)
+    ours = outside_recall(lambda q, k: search_routed(quantizer, slices, owner, q, k)[1], ids, vectors, rows)
     one = outside_recall(lambda q, k: index.search(q, k)[1], ids, vectors, rows)
     assert ours >= 0.95 and abs(ours - one) <= 0.01
     assert abs(manifest["recall_at_k"]["value"] - single["recall_at_k"]["value"]) <= 0.01
