@@ -16,9 +16,13 @@ Per slice count S, in this one process (faiss on every core), CPU seconds of the
   coarse assignment and the per-list tables), merged;
 - routed: S slices by groups of nearby lists (`list_owners`), one coarse assignment per query,
   each query searched only on the slices owning its probed lists (`search_routed`).
-And per query the bytes a shuffle would carry to the slices (a float16 query vector and its id,
-plus for routed its probed lists and their scores), and the share of the k slots equal to one
-index's (ties within 1e-6 counted equal).
+The index is built on every core; every search runs on one thread (faiss's OpenMP set to 1),
+as one worker core does. And per query the bytes a shuffle carries: id-range, the float32
+query vector and its row to every slice (a lower bound: build-shards sent whole search
+batches, tokens included); routed, to each slice reached the vector, its row and its probed
+lists with their coarse scores (`SliceQueries`), plus the batch's own state to the merge (the
+vector again and the k hits); and the share of the k slots equal to one index's (ties within
+1e-6 counted equal).
 
 Results: a table on stdout, JSON in benchmarks/results/index_routing.json.
 """
@@ -67,7 +71,7 @@ def measure(index, queries: np.ndarray, count: int, nprobe: int, reference) -> d
     """Both ways of slicing `index` into `count` slices, against one index (`reference`: its
     CPU seconds, scores and ids)."""
     one_cpu, want_scores, want_ids = reference
-    vector_bytes = DIM * 2 + 8  # a float16 query and its id
+    vector_bytes = DIM * 4 + 8  # a float32 query and its row
     by_id = id_range_slices(index, index.ntotal, count)
     id_cpu, (scores, ids) = cpu_seconds(
         lambda: merge_slice_results([index_slice.search(queries, K) for index_slice in by_id], K)
@@ -84,7 +88,7 @@ def measure(index, queries: np.ndarray, count: int, nprobe: int, reference) -> d
         "id_range_ratio": id_cpu / one_cpu,
         "routed_ratio": routed_cpu / one_cpu,
         "id_range_bytes_per_query": count * vector_bytes,
-        "routed_bytes_per_query": sent / len(queries) * (vector_bytes + nprobe * 12),
+        "routed_bytes_per_query": sent / len(queries) * (vector_bytes + nprobe * 12) + vector_bytes + K * 12,
         "routed_slices_per_query": sent / len(queries),
         "id_range_equal": same_slots(ids, scores, want_ids, want_scores),
         "routed_equal": same_slots(r_ids, r_scores, want_ids, want_scores),
@@ -117,6 +121,7 @@ def main() -> None:
     ivf = faiss.extract_index_ivf(index)
     ivf.nprobe = args.nprobe
     print(f"[index] {args.factory} over {args.n:,}: {time.perf_counter() - started:.0f} s", flush=True)
+    faiss.omp_set_num_threads(1)  # every search on one core
     queries = data[rng.integers(0, args.n, QUERIES)] + 0.02 * rng.normal(size=(QUERIES, DIM)).astype(np.float32)
     queries = np.ascontiguousarray(queries / np.linalg.norm(queries, axis=1, keepdims=True), dtype=np.float32)
     one_cpu, (want_scores, want_ids) = cpu_seconds(lambda: index.search(queries, K))
