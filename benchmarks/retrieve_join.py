@@ -160,7 +160,7 @@ def ours_main(root: str, out: str, query_chunks: int, beam_args: list[str]) -> N
         )
         sequences = training | "PackSequences" >> PackSequences(L, PAD)
         spans = p | "DocumentSpans" >> DocumentSpans(f"{root}/chunks/*.parquet")
-        spec = Retrieval((f"{root}/index.faiss",), NPROBE, chunk_files, L, M, K, CANDIDATES, PAD)
+        spec = Retrieval(f"{root}/index.faiss", NPROBE, chunk_files, L, M, K, CANDIDATES, PAD)
         rows = ((sequences, queries, spans) | "RetrieveNeighbours" >> RetrieveNeighbours(spec)).rows
         _ = rows | "WriteShards" >> WriteShards(out, SHARD_ROWS, PAD)
     record_rss(out, workers.stop())

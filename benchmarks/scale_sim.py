@@ -35,6 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pipeline.check.validate_beam import validate_job_graph_bytes  # noqa: E402
 from pipeline.common import fileio  # noqa: E402
 from pipeline.common.names import file_name  # noqa: E402
+from pipeline.index.factory import estimated_bytes, ivf_lists  # noqa: E402
+from pipeline.index.files import LIST_OWNERS_FILE, QUANTIZER_FILE  # noqa: E402
 from pipeline.index.slices import vectors_per_slice  # noqa: E402
 from pipeline.jobs import index_job, shards_job  # noqa: E402
 from pipeline.jobs.memory_model import Corpus, largest, stage_memory  # noqa: E402
@@ -95,9 +97,14 @@ def index_manifest(chunks: int, cfg: PipelineConfig) -> IndexManifest:
         files.append(_entry(f"chunks/{file_name('chunks', number, 'parquet')}", rows, rows * (2 * M * 4 + 24)))
         files.append(_entry(f"embeddings/{file_name('embeddings', number, 'parquet')}", rows, rows * (DIM * 2 + 8)))
     per_slice = vectors_per_slice(factory, DIM, SLICE_BYTES)
-    for number in range(math.ceil(chunks / per_slice)):
+    slices = math.ceil(chunks / per_slice)
+    for number in range(slices):
         rows = min(per_slice, chunks - number * per_slice)
         files.append(_entry(f"faiss/{file_name('slice', number, 'faiss')}", rows, SLICE_BYTES))
+    if slices > 1:  # slices by lists: the quantizer (the trained index alone) and each list's owner
+        quantizer = estimated_bytes(factory, 0, DIM)
+        files.append(_entry(f"faiss/{QUANTIZER_FILE}", 0, quantizer))
+        files.append(_entry(f"faiss/{LIST_OWNERS_FILE}", 0, 4 * (ivf_lists(factory) or 0) + 128))
     fingerprint = Fingerprint(name="synthetic", fingerprint="0" * 64)
     return IndexManifest(
         config_hash="synthetic",

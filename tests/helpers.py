@@ -224,8 +224,8 @@ def write_embedding_files(directory: Path, ids, vectors, files: int) -> list[str
 
 def write_list_slices(directory: Path, index, slices: int):
     """A filled IVF index written as build-index writes an index in slices by lists:
-    slice-NNNNN.faiss, quantizer.faiss and list_owners.npy under `directory`: (slice paths,
-    the Routing that reaches them)."""
+    slice-NNNNN.faiss, quantizer.faiss and list_owners.npy under `directory`: the Routing that
+    reaches them."""
     import faiss
 
     from pipeline.index.files import LIST_OWNERS_FILE, QUANTIZER_FILE, write_owners
@@ -234,15 +234,14 @@ def write_list_slices(directory: Path, index, slices: int):
 
     ivf = faiss.extract_index_ivf(index)
     owner = list_owners(ivf.quantizer.reconstruct_n(0, ivf.nlist), list_sizes(index), slices)
-    paths = []
-    for number, index_slice in enumerate(slice_by_lists(index, owner)):
-        paths.append(str(directory / f"slice-{number:05d}.faiss"))
-        faiss.write_index(index_slice, paths[-1])
+    slices = slice_by_lists(index, owner)
+    for number, index_slice in enumerate(slices):
+        faiss.write_index(index_slice, str(directory / f"slice-{number:05d}.faiss"))
     quantizer = faiss.clone_index(index)
     quantizer.reset()
     faiss.write_index(quantizer, str(directory / QUANTIZER_FILE))
     write_owners(owner, str(directory / LIST_OWNERS_FILE))
-    return tuple(paths), Routing(str(directory / QUANTIZER_FILE), str(directory / LIST_OWNERS_FILE), ivf.nlist)
+    return Routing(str(directory), len(slices), ivf.nlist)
 
 
 def local_pipeline():

@@ -27,6 +27,7 @@ from pipeline.check.facts import (
 from pipeline.check.problems import ValidationFailed, _kind, _parquet, _read_checked, _require
 from pipeline.chunks.chunk_files import ChunkRows
 from pipeline.common import fileio
+from pipeline.common.names import file_number
 from pipeline.index.files import load_index, read_owners
 from pipeline.index.routing import list_sizes
 from pipeline.index.slices import merge_slice_results
@@ -208,6 +209,10 @@ def _check_list_owners(faiss_index: FaissFacts) -> None:
         len(owner) == nlist and owner.max(initial=-1) < len(faiss_index.files),
         f"{owners_path}: {len(owner)} owners of {nlist} lists, naming slices up to {owner.max(initial=-1)} "
         f"of {len(faiss_index.files)}",
+    )
+    numbers = [file_number(relative) for relative, _, _ in faiss_index.files]
+    _require(
+        numbers == list(range(len(numbers))), f"{faiss_index.directory}: slices numbered {numbers[:5]}…, not 0 … S-1"
     )
     for number, (relative, _, _) in enumerate(faiss_index.files):
         held = np.flatnonzero(list_sizes(load_index(fileio.join(faiss_index.directory, relative))))

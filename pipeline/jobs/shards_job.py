@@ -185,13 +185,12 @@ def _build_shards(
         read_tallies = _documents_read_tally(documents, rejected, "Training")
     sequences = training_chunks | "PackSequences" >> PackSequences(L, tok.pad_id)
     spans = pipeline | "DocumentSpans" >> DocumentSpans(fileio.join(idx, "chunks", "*.parquet"), validate=not dry_run)
-    index_paths = [f"faiss/{INDEX_FILE}"] if index is None else index.faiss_paths
+    index_path: str | None = fileio.join(idx, "faiss", INDEX_FILE)
     routing = None
     if index is not None and index.routing_paths is not None and index.nlist is not None:
-        quantizer, owners = index.routing_paths
-        routing = Routing(fileio.join(idx, quantizer), fileio.join(idx, owners), index.nlist)
+        index_path, routing = None, Routing(fileio.join(idx, "faiss"), len(index.faiss_paths), index.nlist)
     spec = Retrieval(
-        tuple(fileio.join(idx, path) for path in index_paths),
+        index_path,
         None if index is None else index.nprobe,
         chunk_files,
         L,

@@ -155,7 +155,8 @@ class _Search(beam.DoFn):
 
     def process(self, keyed, tuned: SearchDepth):
         _, grouped = keyed
-        index = _loaded_index(self._shared_index, self.spec.index_paths[0], tuned.depth).index
+        assert self.spec.index_path is not None  # one index file (__post_init__ allows nothing else here)
+        index = _loaded_index(self._shared_index, self.spec.index_path, tuned.depth).index
         sequences, hits, deeper = search_batch(index, grouped, self.spec)
         if sequences:  # none: only the embeddings of chunks left over after the last sequence
             yield from emit_hits(self.spec, [s.seq_id for s in sequences], hits, deeper)
@@ -210,14 +211,14 @@ class _SearchRouted(beam.DoFn):
 
     _shared_index = shared.Shared()
 
-    def __init__(self, spec: Retrieval):
-        self.spec = spec
+    def __init__(self, routing: Routing, width: int):
+        self.routing, self.width = routing, width
 
     def process(self, keyed):
         (index_slice, _), sent = keyed
-        index = _loaded_index(self._shared_index, self.spec.index_paths[index_slice], None).index
+        index = _loaded_index(self._shared_index, self.routing.slice_path(index_slice), None).index
         for rows in sent:
-            yield rows.batch, search_slice(index, rows, _width(self.spec))
+            yield rows.batch, search_slice(index, rows, self.width)
 
 
 class _MergeRound(beam.DoFn):
@@ -364,7 +365,7 @@ class _SearchIndex(beam.PTransform):
                     "found": (
                         sent
                         | f"GroupBySlice{number}" >> beam.GroupByKey()
-                        | f"SearchSlices{number}" >> beam.ParDo(_SearchRouted(spec))
+                        | f"SearchSlices{number}" >> beam.ParDo(_SearchRouted(routing, _width(spec)))
                     ),
                 }
                 | f"JoinSliceHits{number}" >> beam.CoGroupByKey()
@@ -415,8 +416,6 @@ class RetrieveNeighbours(beam.PTransform):
             self.with_resource_hints(min_ram=min_ram)
         if spec.probes and not spec.embeddings:
             raise ValueError("Retrieval.probes needs Retrieval.embeddings: the files their exact search reads")
-        if len(spec.index_paths) > 1 and spec.routing is None:
-            raise ValueError("index slices need Retrieval.routing: the quantizer and list owners that reach them")
         self.spec, self.validate = spec, validate
 
     def expand(self, inputs):

@@ -12,7 +12,9 @@ import numpy as np
 from apache_beam.utils import shared
 
 from pipeline.chunks.chunk_files import ChunkFileRanges, CommittedChunkFiles
-from pipeline.index.files import load_index, read_owners
+from pipeline.common import fileio
+from pipeline.common.names import file_name
+from pipeline.index.files import LIST_OWNERS_FILE, QUANTIZER_FILE, load_index, read_owners
 from pipeline.index.recall import recall_of
 from pipeline.index.routing import search_routed
 from pipeline.index.sampling import sample_keys
@@ -65,19 +67,31 @@ def token_key(tokens: np.ndarray) -> int:
 
 @dataclass(frozen=True)
 class Routing:
-    """An index in slices by inverted lists: the files that route each query to the slices
-    owning its probed lists."""
+    """An index in slices by inverted lists (slice-NNNNN.faiss, 0 … slices-1, beside the files
+    that route each query to the slices owning its probed lists); named by its directory, so
+    what travels with the steps does not grow with the slices."""
 
-    quantizer: str  # quantizer.faiss: the trained index without vectors
-    owners: str  # list_owners.npy: the slice of each list
+    directory: str  # the faiss directory
+    slices: int
     nlist: int  # inverted lists: the deepest a query is searched
+
+    @property
+    def quantizer(self) -> str:
+        return fileio.join(self.directory, QUANTIZER_FILE)
+
+    @property
+    def owners(self) -> str:
+        return fileio.join(self.directory, LIST_OWNERS_FILE)
+
+    def slice_path(self, number: int) -> str:
+        return fileio.join(self.directory, file_name("slice", number, "faiss"))
 
 
 @dataclass(frozen=True)
 class Retrieval:
     """What `RetrieveNeighbours` needs (small and picklable: it travels with the transforms)."""
 
-    index_paths: tuple  # index.faiss, or its slices in chunk-id order
+    index_path: str | None  # index.faiss; None for an index in slices (`routing`)
     depth: int | None  # search depth the index was tuned to (nprobe, efSearch)
     chunk_files: ChunkFileRanges | CommittedChunkFiles  # the chunk database
     chunks_per_seq: int  # L
@@ -90,7 +104,11 @@ class Retrieval:
     embeddings: str = ""  # the embedding files (a glob): the probes' exact search
     target_recall: float = 0.95  # index.target_recall: what the depth is tuned to
     recall_below_target: str = "deepen"  # deepen | warn | fail (PipelineConfig.recall_below_target)
-    routing: Routing | None = None  # index_paths are slices by inverted lists: how queries reach them
+    routing: Routing | None = None  # an index in slices by inverted lists: how queries reach them
+
+    def __post_init__(self):
+        if (self.index_path is None) == (self.routing is None):
+            raise ValueError("Retrieval searches one index file (index_path) or slices by lists (routing), one of them")
 
 
 LOST_DATA = "the runner lost data"  # build_shards retries a stage that failed with this, once
@@ -201,7 +219,7 @@ def search_probes_routed(spec: Retrieval, probes: list[Probe], depth: int | None
     queries = np.stack([p.query for p in probes])
     found = search_routed(
         quantized,
-        _SlicesInTurn(spec.index_paths),
+        _SlicesInTurn([spec.routing.slice_path(n) for n in range(spec.routing.slices)]),
         read_owners(spec.routing.owners),
         queries,
         spec.neighbours,
@@ -229,7 +247,7 @@ def tune_retrieval_depth(spec: Retrieval, probes: list[Probe], truth) -> SearchD
     if truth is None or not probes:
         return untuned
 
-    first = load_index(spec.index_paths[0] if spec.routing is None else spec.routing.quantizer)
+    first = load_index(spec.routing.quantizer if spec.routing is not None else str(spec.index_path))
 
     def recall_at(depth):
         if spec.routing is not None:  # slices: loaded one at a time, at each depth measured

@@ -46,14 +46,14 @@ def _chunks(spans):
 
 def _index_files(directory, vectors, ids, slices: int):
     """The index at nprobe 1 (the depth a plain tuning picks here), in one file or in `slices`
-    slices by lists: (paths, Routing or None)."""
+    slices by lists: (the index file, or None; the slices' Routing, or None)."""
     index = train_index(FACTORY, vectors[in_sample(ids, training_size(len(ids), FACTORY), len(ids), TRAIN_SALT)])
     index.add_with_ids(vectors, ids)
     set_search_depth(index, 1)
     if slices > 1:
-        return write_list_slices(directory, index, slices)
+        return None, write_list_slices(directory, index, slices)
     faiss.write_index(index, str(directory / "index.faiss"))
-    return (str(directory / "index.faiss"),), None
+    return str(directory / "index.faiss"), None
 
 
 def _retrieve(tmp_path, corpus, policy: str, slices: int, check_depth, check_recall):
@@ -67,9 +67,9 @@ def _retrieve(tmp_path, corpus, policy: str, slices: int, check_depth, check_rec
         entries.append(FileEntry(path=path, rows=len(chunks[begin : begin + 800]), bytes=0, sha256=""))
     chunk_files = ChunkFileRanges.from_entries(str(tmp_path / "index"), entries)
     write_embedding_files(tmp_path / "index" / "embeddings", ids, vectors, files=len(ids) // 800)
-    index_paths, routing = _index_files(tmp_path / "index", vectors, ids, slices)
+    index_path, routing = _index_files(tmp_path / "index", vectors, ids, slices)
     spec = Retrieval(
-        index_paths,
+        index_path,
         1,
         chunk_files,
         L,
@@ -136,4 +136,4 @@ def test_recall_below_target_warn_keeps_the_index_depth_and_fail_names_the_depth
 @pytest.mark.unit
 def test_a_probe_sample_without_embedding_files_is_refused():
     with pytest.raises(ValueError, match="probes needs Retrieval.embeddings"):
-        RetrieveNeighbours(Retrieval(("index.faiss",), 1, None, L, M, K, K, PAD, probes=10))
+        RetrieveNeighbours(Retrieval("index.faiss", 1, None, L, M, K, K, PAD, probes=10))

@@ -123,7 +123,7 @@ def retrieve(p, chunks, vectors, index_path, chunk_files, dedupe=False, candidat
     sequences = p | "Chunks" >> beam.Create(chunks) | PackSequences(L, PAD)
     queries = p | "Queries" >> beam.Create([(i, vectors[i]) for i in range(len(chunks))])
     spans = p | DocumentSpans(f"{chunk_files.directory}/chunks/*.parquet")
-    spec = Retrieval((index_path,), None, chunk_files, L, M, K, candidates, PAD, dedupe)
+    spec = Retrieval(index_path, None, chunk_files, L, M, K, candidates, PAD, dedupe)
     rows = ((sequences, queries, spans) | RetrieveNeighbours(spec)).rows
     return rows
 
@@ -314,7 +314,7 @@ def test_routed_search_over_list_slices_finds_one_indexs_neighbours_and_sends_no
     index.add_with_ids(vectors, np.arange(len(vectors), dtype=np.int64))
     one = str(tmp_path / "index.faiss")
     faiss.write_index(index, one)
-    slices, routing = write_list_slices(tmp_path, index, 3)
+    routing = write_list_slices(tmp_path, index, 3)
     received = []
     search = retrieve_beam._SearchRouted.process
 
@@ -333,8 +333,8 @@ def test_routed_search_over_list_slices_finds_one_indexs_neighbours_and_sends_no
             _ = ((sequences, queries, spans) | RetrieveNeighbours(spec)).rows | beam.Map(_collect)
         return {row.seq_id: row.neighbour_ids.tolist() for row in _ROWS}
 
-    want = neighbours_of(Retrieval((one,), 1, chunk_files, L, M, K, 8, PAD))
-    got = neighbours_of(Retrieval(slices, 1, chunk_files, L, M, K, 8, PAD, routing=routing))
+    want = neighbours_of(Retrieval(one, 1, chunk_files, L, M, K, 8, PAD))
+    got = neighbours_of(Retrieval(None, 1, chunk_files, L, M, K, 8, PAD, routing=routing))
     assert got == want and len(got) == 6 and all(i >= 0 for row in got.values() for j in row for i in j)
     rounds = {(sent.batch, tuple(sent.rows.tolist()), sent.index_slice) for sent in received}
     assert len(received) > 1 and len(rounds) == len(received)  # each row goes to a slice once a round
