@@ -144,6 +144,11 @@ def load_committed_index(cfg: PipelineConfig) -> CommittedIndex:
         )
     paths, _ = fileio.entry_paths_and_rows(manifest, directory, "faiss")
     routing = (f"faiss/{QUANTIZER_FILE}", f"faiss/{LIST_OWNERS_FILE}")
+    if len(searched_files(faiss_files(paths))) > 1 and not set(routing) <= set(paths):
+        raise StageError(
+            f"index at {directory} is in slices by chunk-id range, which build-shards no longer searches: "
+            "rebuild it (delete its manifest.json and run build-index)"
+        )
     return CommittedIndex(
         directory,
         fileio.sha256_bytes(data),

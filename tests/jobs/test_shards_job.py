@@ -30,3 +30,22 @@ def test_shards_worse_than_they_look_get_a_warning_with_the_cause(tmp_path):
     assert "raise neighbour_candidates" in repeats
     (missed,) = neighbour_warnings(manifest(80, 0.9), cfg)
     assert "neighbour recall 0.900" in missed
+
+
+def test_an_index_in_slices_by_chunk_id_range_is_refused_with_what_to_do(tmp_path):
+    """Slices without the quantizer and list owners (an index built before slices owned lists)
+    cannot be routed to: build-shards says to rebuild it rather than search a missing file."""
+    from benchmarks.scale_sim import CHUNK_FILE_ROWS, config, index_manifest, write_manifest
+    from pipeline.jobs.commit import StageError
+    from pipeline.jobs.index_files import load_committed_index
+
+    cfg = config(tmp_path)
+    manifest = index_manifest(10_000 * CHUNK_FILE_ROWS, cfg)
+    old = manifest.model_copy(
+        update={"files": [f for f in manifest.files if not f.path.endswith((".npy", "quantizer.faiss"))]}
+    )
+    write_manifest(tmp_path / "index", old)
+    with pytest.raises(StageError, match="slices by chunk-id range.*rebuild it"):
+        load_committed_index(cfg)
+    write_manifest(tmp_path / "index", manifest)
+    assert load_committed_index(cfg).routing_paths is not None
