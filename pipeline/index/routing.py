@@ -28,7 +28,7 @@ import numpy as np
 
 from pipeline.index.factory import IndexBuildError
 from pipeline.index.search import exclusion_selector, quantizer_graph
-from pipeline.index.slices import EMPTY_SCORE, one_index_order
+from pipeline.index.slices import merge_hits
 
 
 def slice_count(list_sizes: np.ndarray, fits: int) -> int:
@@ -183,22 +183,6 @@ def search_assigned(index_slice, queries: np.ndarray, k: int, lists: np.ndarray,
         n, ptr(queries), k, ptr(lists), ptr(list_scores), ptr(scores), ptr(ids), False, params
     )
     return scores, ids
-
-
-def merge_hits(rows: list[np.ndarray], found: list[tuple[np.ndarray, np.ndarray]], queries: int, k: int):
-    """Slices' (scores, ids) [r, k] of the query rows `rows` (each a subset of `queries` rows)
-    -> the best k per query [queries, k] as one index lists them, empty slots id -1 and score
-    EMPTY_SCORE as faiss leaves them. Only the rows a slice searched are merged."""
-    query = np.concatenate([np.repeat(r, k) for r in rows] + [np.zeros(0, np.int64)])
-    scores = np.concatenate([f[0].ravel() for f in found] + [np.zeros(0, np.float32)])
-    ids = np.concatenate([f[1].ravel() for f in found] + [np.zeros(0, np.int64)])
-    hit = np.flatnonzero(ids >= 0)
-    listed, rank = one_index_order((query[hit],), ids[hit], scores[hit], k)
-    kept = hit[listed]
-    merged_scores = np.full((queries, k), EMPTY_SCORE, np.float32)
-    merged_ids = np.full((queries, k), -1, np.int64)
-    merged_scores[query[kept], rank], merged_ids[query[kept], rank] = scores[kept], ids[kept]
-    return merged_scores, merged_ids
 
 
 def route(lists: np.ndarray, owner: np.ndarray) -> dict[int, np.ndarray]:

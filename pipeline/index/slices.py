@@ -31,15 +31,21 @@ def vectors_per_slice(factory: str, dim: int, slice_bytes: int) -> int:
 
 def merge_slice_results(results, k: int):
     """The per-slice (scores [q, k], ids [q, k]) of the same queries -> the best k per query as
-    one index returns them (`one_index_order`), empty slots id -1 and score EMPTY_SCORE as faiss
-    leaves them. faiss's own IndexShards breaks ties by shard instead."""
+    one index returns them (`merge_hits`). faiss's own IndexShards breaks ties by shard instead."""
     queries = results[0][1].shape[0]
-    scores = np.concatenate([r[0] for r in results], axis=1).ravel()
-    ids = np.concatenate([r[1] for r in results], axis=1).ravel()
-    query = np.repeat(np.arange(queries), len(ids) // max(queries, 1))
-    found = np.flatnonzero(ids >= 0)
-    listed, rank = one_index_order((query[found],), ids[found], scores[found], k)
-    kept = found[listed]
+    return merge_hits([np.arange(queries)] * len(results), results, queries, k)
+
+
+def merge_hits(rows: list[np.ndarray], found: list[tuple[np.ndarray, np.ndarray]], queries: int, k: int):
+    """Slices' (scores, ids) [r, k] of the query rows `rows` (each a subset of `queries` rows)
+    -> the best k per query [queries, k] as one index lists them, empty slots id -1 and score
+    EMPTY_SCORE as faiss leaves them. Only the rows a slice searched are merged."""
+    query = np.concatenate([np.repeat(r, k) for r in rows] + [np.zeros(0, np.int64)])
+    scores = np.concatenate([f[0].ravel() for f in found] + [np.zeros(0, np.float32)])
+    ids = np.concatenate([f[1].ravel() for f in found] + [np.zeros(0, np.int64)])
+    hit = np.flatnonzero(ids >= 0)
+    listed, rank = one_index_order((query[hit],), ids[hit], scores[hit], k)
+    kept = hit[listed]
     merged_scores = np.full((queries, k), EMPTY_SCORE, np.float32)
     merged_ids = np.full((queries, k), -1, np.int64)
     merged_scores[query[kept], rank], merged_ids[query[kept], rank] = scores[kept], ids[kept]
