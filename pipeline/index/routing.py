@@ -185,17 +185,24 @@ def search_assigned(index_slice, queries: np.ndarray, k: int, lists: np.ndarray,
     return scores, ids
 
 
-def route(lists: np.ndarray, owner: np.ndarray) -> dict[int, np.ndarray]:
-    """Probed lists [q, w] -> {slice: its lists [q, w], -1 where another slice owns the list},
-    for each slice owning at least one; a query row none of whose lists a slice owns is -1
-    throughout there (`slice_rows` drops it)."""
-    owners = np.where(lists >= 0, owner[np.maximum(lists, 0)], -1)  # -1: a slot the quantizer left empty
-    return {int(number): np.where(owners == number, lists, -1) for number in np.unique(owners[owners >= 0])}
-
-
-def slice_rows(mine: np.ndarray) -> np.ndarray:
-    """The query rows a slice's masked lists [q, w] send it."""
-    return np.flatnonzero((mine >= 0).any(axis=1))
+def route(lists: np.ndarray, owner: np.ndarray) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Probed lists [q, w] -> {slice: (the query rows it is sent, their lists [r, w] with -1
+    where another slice owns the list)}, for each slice owning at least one probed list. One
+    sort of the (row, slot) pairs by owner, so the work does not multiply with the slices."""
+    width = lists.shape[1]
+    owners = np.where(lists >= 0, owner[np.maximum(lists, 0)], -1).ravel()  # -1: a slot left empty
+    order = np.argsort(owners, kind="stable")  # by slice, then row, then slot
+    numbers, starts = np.unique(owners[order], return_index=True)
+    routed = {}
+    for number, start, end in zip(numbers.tolist(), starts.tolist(), [*starts[1:].tolist(), len(order)]):
+        if number < 0:
+            continue
+        slots = order[start:end]
+        rows, position = np.unique(slots // width, return_inverse=True)
+        mine = np.full((len(rows), width), -1, np.int64)
+        mine[position, slots % width] = lists.ravel()[slots]
+        routed[number] = (rows, mine)
+    return routed
 
 
 def selector_groups(rows: np.ndarray, excluded_each):
@@ -232,14 +239,16 @@ def search_routed(
         nonlocal sent
         list_scores, lists = assign_lists(quantized, queries[rows], at)
         reached_rows, found = [], []
-        for number, mine in sorted(route(lists, owner).items()):
-            reached = slice_rows(mine)
+        for number, (reached, mine) in sorted(route(lists, owner).items()):
             sent += len(reached)
-            for group, selector, _keep in selector_groups(reached, _subset(excluded_each, rows)):
+            for positions, selector, _keep in selector_groups(
+                np.arange(len(reached)), _subset(excluded_each, rows[reached])
+            ):
+                at = reached[positions]
                 found.append(
-                    search_assigned(slices[number], queries[rows[group]], k, mine[group], list_scores[group], selector)
+                    search_assigned(slices[number], queries[rows[at]], k, mine[positions], list_scores[at], selector)
                 )
-                reached_rows.append(group)
+                reached_rows.append(at)
         return merge_hits(reached_rows, found, len(rows), k)
 
     depth = depth or ivf.nprobe

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from pipeline.index.routing import assign_lists, merge_hits, route, search_assigned, selector_groups, slice_rows
+from pipeline.index.routing import assign_lists, merge_hits, route, search_assigned, selector_groups
 from pipeline.retrieve.search import CANDIDATE, LOST_DATA, batch_queries
 
 
@@ -89,13 +89,10 @@ def route_rows(
     queries = batch.queries[state.rows]
     list_scores, lists = assign_lists(quantized, queries, state.depth)
     sent = []
-    for number, mine in sorted(route(lists, owner).items()):
-        reached = slice_rows(mine)
+    for number, (reached, mine) in sorted(route(lists, owner).items()):
         rows = state.rows[reached]
         excluded = [batch.excluded[row // chunks_per_seq] for row in rows.tolist()]
-        sent.append(
-            SliceQueries(batch.batch, number, rows, queries[reached], mine[reached], list_scores[reached], excluded)
-        )
+        sent.append(SliceQueries(batch.batch, number, rows, queries[reached], mine, list_scores[reached], excluded))
     return replace(state, sent=tuple(s.index_slice for s in sent)), sent
 
 
