@@ -57,6 +57,16 @@ class Corpus:
         return cls.of(max(1, text / BYTES_PER_TOKEN / chunk_tokens))
 
 
+def _slice_planning(factory: str, dim: int, sliced: bool, auto_grows: list[int]):
+    """Sharing the lists out among slices: one process holds every centroid and list size."""
+    nlist = ivf_lists(factory) or 0
+    if not sliced:
+        return []
+    return [
+        ("index: plan slices", {f"{nlist:,} centroids, list sizes and owners": nlist * (dim * 4 + 20)}, auto_grows[:1])
+    ]
+
+
 def stage_memory(cfg: PipelineConfig, corpus: Corpus, dim: int = 384) -> list[dict]:
     """[{stage, bytes, terms: {what: bytes}, grows: [terms that grow with the corpus]}], one entry
     per step, for one worker process."""
@@ -107,7 +117,12 @@ def stage_memory(cfg: PipelineConfig, corpus: Corpus, dim: int = 384) -> list[di
             },
             auto_grows,
         ),
-        ("index: merge", {held: held_bytes}, held_grows),
+        (
+            "index: merge" if held_grows else "index: assemble one slice from its lists' blocks",
+            {held: held_bytes},
+            held_grows,
+        ),
+        *_slice_planning(factory, dim, not held_grows, auto_grows),
         (
             "build-shards: search",
             {
