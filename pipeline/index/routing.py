@@ -238,17 +238,20 @@ def search_routed(
     def search_at(rows: np.ndarray, at: int):
         nonlocal sent
         list_scores, lists = assign_lists(quantized, queries[rows], at)
-        reached_rows, found = [], []
+        reached_rows: list[np.ndarray] = []
+        found = []
         for number, (reached, mine) in sorted(route(lists, owner).items()):
             sent += len(reached)
             for positions, selector, _keep in selector_groups(
                 np.arange(len(reached)), _subset(excluded_each, rows[reached])
             ):
-                at = reached[positions]
+                sent_rows = reached[positions]
                 found.append(
-                    search_assigned(slices[number], queries[rows[at]], k, mine[positions], list_scores[at], selector)
+                    search_assigned(
+                        slices[number], queries[rows[sent_rows]], k, mine[positions], list_scores[sent_rows], selector
+                    )
                 )
-                reached_rows.append(at)
+                reached_rows.append(sent_rows)
         return merge_hits(reached_rows, found, len(rows), k)
 
     depth = depth or ivf.nprobe
