@@ -134,10 +134,13 @@ def _build_shards(
 ) -> ShardsManifest | Submitted | dict:
     index: CommittedIndex | None = None
     try:
-        index = load_committed_index(cfg)
+        # a dry run needs no index (with a usable one, it builds the job's real graph); over a
+        # cloud output it builds the graph without looking: no credentials, no network
+        if not (dry_run and "://" in cfg.output):
+            index = load_committed_index(cfg)
     except StageError:
         if not dry_run:
-            raise  # a dry run needs no index (with a usable one, it builds the job's real graph)
+            raise
     tok = Tokenization.of(cfg)
     job = Job(
         "build-shards",
