@@ -2,6 +2,7 @@
 incomplete content, and the next run finishes the work with the bytes of an uninterrupted run."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.check.validate import validate_index, validate_shards
+from pipeline.jobs.run import run_all
+from schemas.config import config_from_dict
 from tests.helpers import BAD_RECORDS, sample_documents, small_config, write_config, write_jsonl
 
 pytestmark = pytest.mark.e2e
@@ -27,6 +30,7 @@ KILL_POINTS = {  # when to kill: a condition on the output directory, polled
     "index committed": lambda out: (out / "index" / "manifest.json").exists(),
     "shards staged": lambda out: _staged(out, "shards", ".arrow"),
 }
+KILL_POINT_STAGE = {"chunks staged": "index", "index committed": "index", "shards staged": "shards"}
 
 
 def _run_until(config: Path, out: Path, condition) -> bool:
@@ -84,15 +88,34 @@ sys.exit(main(sys.argv[3:]))
 COMMIT_POINTS = [(stage, point) for stage in ("index", "shards") for point in ("moving files", "manifest unwritten")]
 
 
-def _hostile_run_config(tmp_path: Path) -> tuple[Path, Path]:
-    docs = sample_documents(16)  # the corpus of `built_output`
-    write_jsonl(tmp_path / "corpus" / "a.jsonl", docs[:8])
-    write_jsonl(tmp_path / "corpus" / "b.jsonl", docs[8:] + BAD_RECORDS)
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> tuple[Path, dict]:
+    """An uninterrupted run's output (index and shards, committed) and config: seven short real
+    documents (~120 chunks, two shards, so a commit moves more than one file; the first one's id
+    is the one a bad record takes again) plus one bad record of each kind (under the
+    max_rejected_fraction); the bytes every interrupted run's rerun must end with."""
+    root = tmp_path_factory.mktemp("uninterrupted")
+    docs = sample_documents(1) + sample_documents(6, start=7)
+    write_jsonl(root / "corpus" / "a.jsonl", docs[:4])
+    write_jsonl(root / "corpus" / "b.jsonl", docs[4:] + BAD_RECORDS)
+    config = small_config(root / "out", str(root / "corpus" / "*.jsonl"))
+    run_all(config_from_dict(config), [])
+    return root / "out", config
+
+
+def _hostile_run_config(tmp_path: Path, stage: str, uninterrupted: tuple[Path, dict]) -> tuple[Path, Path]:
+    """The config of a run over the uninterrupted run's corpus (its config but the output) and
+    the run's output directory. A run to be killed in build-shards starts where a run that had
+    committed the index stands (the uninterrupted output but its shards), so it builds only the
+    shards; a run to be killed in build-index starts from nothing."""
+    done, config = uninterrupted
     out = tmp_path / "out"
-    return write_config(tmp_path / "c.yaml", small_config(out, str(tmp_path / "corpus" / "*.jsonl"))), out
+    if stage == "shards":
+        shutil.copytree(done, out, ignore=lambda directory, names: ["shards"] if Path(directory) == done else [])
+    return write_config(tmp_path / "c.yaml", {**config, "output": str(out)}), out
 
 
-def _nothing_half_committed_and_rerun_matches(config: Path, out: Path, uninterrupted: Path) -> None:
+def _nothing_half_committed_and_rerun_matches(config: Path, out: Path, uninterrupted: Path, stage: str) -> None:
     if (out / "index" / "manifest.json").exists():  # whatever claims to be committed is whole
         validate_index(str(out / "index"))
     if (out / "shards" / "manifest.json").exists():
@@ -103,17 +126,20 @@ def _nothing_half_committed_and_rerun_matches(config: Path, out: Path, uninterru
     assert _data_files(out) == _data_files(uninterrupted)
     assert not (out / ".staging").exists()
     assert not list(out.rglob("*.tmp-*"))
+    if stage == "shards":  # a run killed in build-shards left the committed index as it was
+        assert (out / "index" / "manifest.json").read_bytes() == (
+            uninterrupted / "index" / "manifest.json"
+        ).read_bytes()
 
 
 @pytest.mark.parametrize("point", list(KILL_POINTS))
-def test_killed_run_leaves_nothing_half_committed_and_a_rerun_finishes_it(point, built_output, tmp_path):
-    root, _, _ = built_output
-    config, out = _hostile_run_config(tmp_path)
+def test_killed_run_leaves_nothing_half_committed_and_a_rerun_finishes_it(point, uninterrupted, tmp_path):
+    config, out = _hostile_run_config(tmp_path, KILL_POINT_STAGE[point], uninterrupted)
     assert _run_until(config, out, KILL_POINTS[point]), f"the run finished before '{point}'"
-    _nothing_half_committed_and_rerun_matches(config, out, root / "out")
+    _nothing_half_committed_and_rerun_matches(config, out, uninterrupted[0], KILL_POINT_STAGE[point])
 
 
-# the index commit points take 30-60 s each (slow); the shards ones ~20 s
+# the index commit points take 30-45 s each (slow); the shards ones ~10 s
 @pytest.mark.parametrize(
     "stage,point",
     [
@@ -121,9 +147,8 @@ def test_killed_run_leaves_nothing_half_committed_and_a_rerun_finishes_it(point,
         for stage, point in COMMIT_POINTS
     ],
 )
-def test_run_killed_inside_a_commit_is_finished_by_the_next_run(stage, point, built_output, tmp_path):
-    root, _, _ = built_output
-    config, out = _hostile_run_config(tmp_path)
+def test_run_killed_inside_a_commit_is_finished_by_the_next_run(stage, point, uninterrupted, tmp_path):
+    config, out = _hostile_run_config(tmp_path, stage, uninterrupted)
     killed = subprocess.run(
         [sys.executable, "-c", COMMIT_KILLER, str(out / stage), point, "run", "--config", str(config)],
         stdout=subprocess.DEVNULL,
@@ -131,4 +156,4 @@ def test_run_killed_inside_a_commit_is_finished_by_the_next_run(stage, point, bu
     )
     assert killed.returncode == -signal.SIGKILL, f"the run was not killed {point} of {stage}"
     assert not (out / stage / "manifest.json").exists()
-    _nothing_half_committed_and_rerun_matches(config, out, root / "out")
+    _nothing_half_committed_and_rerun_matches(config, out, uninterrupted[0], stage)

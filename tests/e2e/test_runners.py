@@ -51,13 +51,24 @@ def job_service():
     process.wait(10)
 
 
-def _assert_in_process_bytes(out, corpus: str) -> None:
-    """`out` holds the data files an in-process run of the same config writes, byte for byte."""
-    local = out.parent / f"{out.name}-in-process"
-    run_all(config_from_dict(small_config(local, corpus)), [])
+@pytest.fixture(scope="module")
+def corpus_and_in_process_output(tmp_path_factory):
+    """Six sample documents (their glob) and what an in-process run writes from them: the bytes
+    every runner must write for that corpus (the output directory is no part of the config hash)."""
+    root = tmp_path_factory.mktemp("runners")
+    write_jsonl(root / "corpus" / "a.jsonl", sample_documents(6))
+    corpus = str(root / "corpus" / "*.jsonl")
+    run_all(config_from_dict(small_config(root / "in-process", corpus)), [])
+    return corpus, root / "in-process"
+
+
+def _assert_in_process_bytes(out, in_process) -> None:
+    """`out` holds the data files the in-process run of the same config wrote, byte for byte."""
     for stage in ("index/chunks", "index/embeddings", "index/faiss", "shards"):
-        files = sorted(p for p in (local / stage).iterdir() if p.suffix != ".json")
-        assert files and [p.read_bytes() for p in files] == [(out / p.relative_to(local)).read_bytes() for p in files]
+        files = sorted(p for p in (in_process / stage).iterdir() if p.suffix != ".json")
+        assert files and [p.read_bytes() for p in files] == [
+            (out / p.relative_to(in_process)).read_bytes() for p in files
+        ]
 
 
 @pytest.fixture(scope="module")
@@ -84,12 +95,13 @@ def worker_pool():
 
 
 @pytest.mark.slow  # 30-50 s
-def test_detached_stages_commit_themselves_on_an_external_worker_pool(job_service, worker_pool, tmp_path):
+def test_detached_stages_commit_themselves_on_an_external_worker_pool(
+    job_service, worker_pool, corpus_and_in_process_output, tmp_path
+):
     """build-index --detach exits once the job service has the job; build-shards
     --wait-for-index --detach waits for that index to commit, submits and exits; the shards then
     commit on the worker pool with no submitting process left, with the in-process runner's bytes."""
-    write_jsonl(tmp_path / "corpus" / "a.jsonl", sample_documents(6))
-    corpus = str(tmp_path / "corpus" / "*.jsonl")
+    corpus, in_process = corpus_and_in_process_output
     config = write_config(tmp_path / "c.yaml", small_config(tmp_path / "pool", corpus))
     beam_args = [
         "--runner=PortableRunner",
@@ -130,12 +142,11 @@ def test_detached_stages_commit_themselves_on_an_external_worker_pool(job_servic
         time.sleep(0.2)
     assert all(line.startswith("OK") for line in validate_path(str(tmp_path / "pool")))
 
-    _assert_in_process_bytes(tmp_path / "pool", corpus)
+    _assert_in_process_bytes(tmp_path / "pool", in_process)
 
 
-def test_portable_runner_writes_the_fnapi_runners_bytes(job_service, tmp_path):
-    write_jsonl(tmp_path / "corpus" / "a.jsonl", sample_documents(6))
-    corpus = str(tmp_path / "corpus" / "*.jsonl")
+def test_portable_runner_writes_the_fnapi_runners_bytes(job_service, corpus_and_in_process_output, tmp_path):
+    corpus, in_process = corpus_and_in_process_output
     portable = config_from_dict(small_config(tmp_path / "portable", corpus))
     beam_args = ["--runner=PortableRunner", f"--job_endpoint={job_service}", "--environment_type=LOOPBACK"]
     report = run_all(portable, beam_args)
@@ -145,7 +156,7 @@ def test_portable_runner_writes_the_fnapi_runners_bytes(job_service, tmp_path):
     assert all(line.startswith("OK") for line in lines)
     assert validate_with_beam(str(tmp_path / "portable"), beam_args) == lines  # validate as a job on that runner
 
-    _assert_in_process_bytes(tmp_path / "portable", corpus)
+    _assert_in_process_bytes(tmp_path / "portable", in_process)
 
 
 DATAFLOW = [
