@@ -36,7 +36,7 @@ from pipeline.check.validate_beam import validate_job_graph_bytes  # noqa: E402
 from pipeline.common import fileio  # noqa: E402
 from pipeline.common.names import file_name  # noqa: E402
 from pipeline.index.factory import estimated_bytes, ivf_lists  # noqa: E402
-from pipeline.index.files import LIST_OWNERS_FILE, QUANTIZER_FILE  # noqa: E402
+from pipeline.index.files import LIST_OWNERS_FILE, QUANTIZER_FILE, searched_files  # noqa: E402
 from pipeline.index.slices import vectors_per_slice  # noqa: E402
 from pipeline.jobs import index_job, shards_job  # noqa: E402
 from pipeline.jobs.memory_model import Corpus, largest, stage_memory  # noqa: E402
@@ -202,7 +202,7 @@ def simulate(chunks: int, root: Path) -> dict:
         "chunks": chunks,
         "index_factory": index.index_factory,
         "chunk_files": math.ceil(chunks / CHUNK_FILE_ROWS),
-        "index_slices": sum(e.path.startswith("faiss/") for e in index.files),
+        "index_slices": len(searched_files([e.path for e in index.files if e.path.startswith("faiss/")])),
         "training_shards": len(shards.shards),
         "graph_bytes": graph_bytes(cfg),
         "manifest_bytes": {"index": index_bytes, "shards": shards_bytes},
