@@ -178,6 +178,11 @@ def _owners(path: str) -> np.ndarray:
     return read_owners(path)
 
 
+def _router(holder: shared.Shared, routing: Routing):
+    """(quantizer index, list owners) of a sliced index, loaded once per process."""
+    return _loaded_index(holder, routing.quantizer, None).index, _owners(routing.owners)
+
+
 class _RouteQueries(beam.DoFn):
     """A joined search batch -> its queries (tokens left behind) assigned to their lists at the
     tuned depth: the batch's RoutedBatch (tagged STATE) and one SliceQueries per slice owning
@@ -186,21 +191,15 @@ class _RouteQueries(beam.DoFn):
     _shared_quantizer = shared.Shared()
 
     def __init__(self, spec: Retrieval, routing: Routing):
-        self.spec, self.routing = spec, routing
+        self.spec, self.routing = spec, routing  # routing: spec.routing, known to be set
 
     def process(self, keyed, tuned: SearchDepth):
         batch = batch_of(keyed, self.spec.chunks_per_seq)
         if not len(batch.seq_ids):  # only the embeddings of chunks left over after the last sequence
             return
-        quantized = _loaded_index(self._shared_quantizer, self.routing.quantizer, None).index
-        state, sent = first_round(
-            batch,
-            tuned.depth or faiss.extract_index_ivf(quantized).nprobe,
-            _width(self.spec),
-            quantized,
-            _owners(self.routing.owners),
-            self.spec.chunks_per_seq,
-        )
+        quantized, owner = _router(self._shared_quantizer, self.routing)
+        depth = tuned.depth or faiss.extract_index_ivf(quantized).nprobe
+        state, sent = first_round(batch, depth, _width(self.spec), quantized, owner, self.spec.chunks_per_seq)
         yield beam.pvalue.TaggedOutput(STATE, (batch.batch, state))
         yield from map(_search_key, sent)
 
@@ -229,7 +228,7 @@ class _MergeRound(beam.DoFn):
     _shared_quantizer = shared.Shared()
 
     def __init__(self, spec: Retrieval, routing: Routing):
-        self.spec, self.routing = spec, routing
+        self.spec, self.routing = spec, routing  # routing: spec.routing, known to be set
 
     def process(self, keyed):
         batch, grouped = keyed
@@ -241,8 +240,7 @@ class _MergeRound(beam.DoFn):
         if not deeper:
             yield from emit_hits(self.spec, state.queries.seq_ids.tolist(), hits_of(state, L), state.deeper)
             return
-        quantized = _loaded_index(self._shared_quantizer, self.routing.quantizer, None).index
-        state, sent = route_rows(state, quantized, _owners(self.routing.owners), L)
+        state, sent = route_rows(state, *_router(self._shared_quantizer, self.routing), L)
         yield beam.pvalue.TaggedOutput(STATE, (batch, state))
         for keyed_rows in map(_search_key, sent):
             yield beam.pvalue.TaggedOutput(NEXT, keyed_rows)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from pipeline.index.routing import assign_lists, merge_hits, route, search_assigned, selector_groups
-from pipeline.retrieve.search import CANDIDATE, LOST_DATA, batch_queries
+from pipeline.retrieve.search import LOST_DATA, batch_queries, candidate_rows
 
 
 @dataclass(frozen=True)
@@ -132,8 +132,7 @@ def merge_round(state: RoutedBatch, found: list[SliceFound], width: int, nlist: 
             f"search batch {state.queries.batch}: index slices {arrived} of {sorted(state.sent)} answered at depth "
             f"{state.depth}: {LOST_DATA}; nothing is committed"
         )
-    position = {row: i for i, row in enumerate(state.rows.tolist())}
-    rows = [np.array([position[r] for r in f.rows.tolist()], np.int64) for f in found]
+    rows = [np.searchsorted(state.rows, f.rows) for f in found]  # state.rows ascend: positions in them
     scores, ids = merge_hits(rows, [(f.scores, f.ids) for f in found], len(state.rows), width)
     best_scores, best_ids = state.scores.copy(), state.ids.copy()  # a runner's input stays as it came
     best_scores[state.rows], best_ids[state.rows] = scores, ids
@@ -147,11 +146,4 @@ def merge_round(state: RoutedBatch, found: list[SliceFound], width: int, nlist: 
 
 def hits_of(state: RoutedBatch, chunks_per_seq: int) -> np.ndarray:
     """A finished batch's hits as CANDIDATE records (the best `width` per query, rank = slot)."""
-    n, width = state.ids.shape
-    hits = np.zeros(n * width, CANDIDATE)
-    rows = np.repeat(np.arange(n), width)
-    hits["seq_id"] = state.queries.seq_ids[rows // chunks_per_seq]
-    hits["j"] = rows % chunks_per_seq
-    hits["rank"] = np.tile(np.arange(width), n)
-    hits["chunk_id"], hits["score"] = state.ids.ravel(), state.scores.ravel()
-    return hits[hits["chunk_id"] >= 0]  # -1: fewer than `width` reachable
+    return candidate_rows(state.queries.seq_ids, state.scores, state.ids, chunks_per_seq)

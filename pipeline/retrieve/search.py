@@ -178,12 +178,20 @@ def search_batch(index, grouped, spec: Retrieval):
         scores, found, deeper = search_excluding(index, queries, width, ranges)  # [L, width]
         if deeper:
             deeper_seqs.add(s.seq_id)
-        block = np.zeros(found.size, CANDIDATE)
-        block["seq_id"], block["j"] = s.seq_id, np.repeat(np.arange(L), width)
-        block["rank"] = np.tile(np.arange(width), L)
-        block["chunk_id"], block["score"] = found.ravel(), scores.ravel()
-        blocks.append(block[block["chunk_id"] >= 0])  # -1: fewer than `width` reachable
+        blocks.append(candidate_rows(np.full(L, s.seq_id), scores, found, L))
     return sequences, np.concatenate(blocks), deeper_seqs
+
+
+def candidate_rows(seq_ids: np.ndarray, scores: np.ndarray, ids: np.ndarray, chunks_per_seq: int) -> np.ndarray:
+    """Search results [r, width] of query rows r (row r is chunk r % L of the sequence
+    `seq_ids[r // L]`) -> CANDIDATE records, rank = slot, the empty slots (-1) left out."""
+    rows, width = ids.shape
+    block = np.zeros(ids.size, CANDIDATE)
+    row = np.repeat(np.arange(rows), width)
+    block["seq_id"], block["j"] = seq_ids[row // chunks_per_seq], row % chunks_per_seq
+    block["rank"] = np.tile(np.arange(width), rows)
+    block["chunk_id"], block["score"] = ids.ravel(), scores.ravel()
+    return block[block["chunk_id"] >= 0]  # -1: fewer than `width` reachable
 
 
 class NeighbourRecallTooLow(RuntimeError):
