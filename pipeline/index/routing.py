@@ -8,7 +8,7 @@ probed lists fall in few slices. The coarse assignment runs once per query (`ass
 on the trained index without lists: the quantizer file); each query goes only to the slices
 owning at least one of its probed lists, with those lists; each slice scans only them (faiss
 `search_preassigned`, the other lists masked as -1); the slices' hits merge as one index lists
-them (`slices.one_index_order`). A query whose merged top k is short after the exclusion is
+them (`slices.merge_hits`). A query whose merged top k is short after the exclusion is
 searched again at twice the depth, on the merged result, as one index decides it. Exact score
 ties between vectors of different lists, which live in different slices, keep the lowest ids,
 where one index keeps the one in the list it probes first.

@@ -5,7 +5,7 @@ Every slice is the same trained IVF index (coarse quantizer and PQ) holding some
 vectors (`routing`: the lists it owns), so each file loads and searches alone, and a vector
 has the same code and the same score in its slice as in one index holding everything; the
 best k of the slices' best k are the one index's best k (faiss's IndexShards model, with the
-single index's tie order kept, see `one_index_order`). Importing this module imports no Beam.
+single index's tie order kept, see `merge_hits`). Importing this module imports no Beam.
 """
 
 from __future__ import annotations
@@ -37,33 +37,37 @@ def merge_slice_results(results, k: int):
 
 
 def merge_hits(rows: list[np.ndarray], found: list[tuple[np.ndarray, np.ndarray]], queries: int, k: int):
-    """Slices' (scores, ids) [r, k] of the query rows `rows` (each a subset of `queries` rows)
+    """Slices' (scores, ids) [r, w] of the query rows `rows` (each a subset of `queries` rows)
     -> the best k per query [queries, k] as one index lists them, empty slots id -1 and score
-    EMPTY_SCORE as faiss leaves them. Only the rows a slice searched are merged."""
-    query = np.concatenate([np.repeat(r, k) for r in rows] + [np.zeros(0, np.int64)])
+    EMPTY_SCORE as faiss leaves them. Only the rows a slice searched are merged.
+
+    The one rule for merging slices: of exact ties the lowest ids are kept (the first an index
+    scans: its lists fill in chunk-id order), and listed highest id first (faiss's top-k heap
+    pops them so). Each query's hits are laid out in one row of a table and sorted along it,
+    so the sorts stay as short as a query's hits."""
+    query = np.concatenate([np.repeat(r, f[1].shape[1]) for r, f in zip(rows, found)] + [np.zeros(0, np.int64)])
     scores = np.concatenate([f[0].ravel() for f in found] + [np.zeros(0, np.float32)])
     ids = np.concatenate([f[1].ravel() for f in found] + [np.zeros(0, np.int64)])
     hit = np.flatnonzero(ids >= 0)
-    listed, rank = one_index_order((query[hit],), ids[hit], scores[hit], k)
-    kept = hit[listed]
+    query, scores, ids = query[hit], scores[hit], ids[hit]
     merged_scores = np.full((queries, k), EMPTY_SCORE, np.float32)
     merged_ids = np.full((queries, k), -1, np.int64)
-    merged_scores[query[kept], rank], merged_ids[query[kept], rank] = scores[kept], ids[kept]
+    if not len(hit):
+        return merged_scores, merged_ids
+    counts = np.bincount(query, minlength=queries)
+    by_query = np.argsort(query, kind="stable")
+    slot = np.arange(len(by_query)) - (np.cumsum(counts) - counts)[query[by_query]]
+    # A row per query: negated scores (lowest first), +inf and the largest id where it has no hit.
+    negated = np.full((queries, int(counts.max())), np.inf, np.float32)
+    table_ids = np.full(negated.shape, np.iinfo(np.int64).max, np.int64)
+    negated[query[by_query], slot] = -scores[by_query]
+    table_ids[query[by_query], slot] = ids[by_query]
+    best = np.lexsort((table_ids, negated), axis=1)[:, :k]  # the k kept: best score, then lowest id
+    negated, table_ids = np.take_along_axis(negated, best, 1), np.take_along_axis(table_ids, best, 1)
+    listed = np.lexsort((-table_ids, negated), axis=1)  # listed: best score, then highest id
+    negated, table_ids = np.take_along_axis(negated, listed, 1), np.take_along_axis(table_ids, listed, 1)
+    filled = np.isfinite(negated)
+    width = negated.shape[1]
+    merged_scores[:, :width] = np.where(filled, -negated, EMPTY_SCORE)
+    merged_ids[:, :width] = np.where(filled, table_ids, -1)
     return merged_scores, merged_ids
-
-
-def one_index_order(query: tuple[np.ndarray, ...], ids: np.ndarray, scores: np.ndarray, width: int):
-    """Hits of the same queries from several slices (`query`: the key columns naming each hit's
-    query; chunk `ids`; `scores`) -> (positions of the best `width` hits per query, in the order
-    one index lists them; each one's rank in its query). The one rule for merging slices: of
-    exact ties the lowest ids are kept (the first an index scans: its lists fill in chunk-id
-    order), and listed highest id first (faiss's top-k heap pops them so)."""
-    order = np.lexsort((ids, -scores, *reversed(query)))
-    keys = np.stack([column[order] for column in query], axis=1)
-    first = np.ones(len(order), bool)
-    first[1:] = (keys[1:] != keys[:-1]).any(axis=1)
-    starts = np.flatnonzero(first)
-    place = np.arange(len(order)) - np.repeat(starts, np.diff(np.append(starts, len(order))))
-    kept = order[place < width]
-    listed = kept[np.lexsort((-ids[kept], -scores[kept], *(column[kept] for column in reversed(query))))]
-    return listed, place[place < width]
