@@ -123,7 +123,7 @@ def token_scores(model: Retro, batch: dict[str, torch.Tensor], blank: bool) -> T
     if blank and not config.uses_retrieval:
         raise ValueError("the model has no retrieval: it reads no neighbours, so there is nothing to blank")
     device = next(model.parameters()).device
-    tokens, neighbours = batch["tokens"], batch["neighbours"]
+    tokens, neighbours = batch["tokens"].cpu(), batch["neighbours"].cpu()  # the masks are made on the CPU
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     seen = None
     if config.uses_retrieval:
@@ -295,17 +295,21 @@ def summary_lines(evaluation: Evaluation) -> list[str]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="ratrain-eval",
-        description=__doc__.split("\n\n")[0].split(": ", 1)[1],
-        epilog="Report a model by its loss on low-overlap chunks (the 'r(C) <= 0.125' line, `low_overlap` in the "
-        "JSON): there the neighbours do not hold the chunk's own text, so retrieval cannot win by copying leaked "
-        "text. 'copyable': the target occurs among the neighbour tokens the position attends to; 'gain': loss "
-        "blanked minus loss with neighbours.",
+        description="Score a checkpoint on a shard directory per next-token target (pad left out): mean loss and "
+        "accuracy with the shards' neighbours and with every neighbour blanked, for all targets, the copyable ones "
+        "(the target occurs among the neighbour tokens its position attends to) and the rest, and by r(C) of the "
+        "chunk that holds the target token.",
+        epilog="Report a model by its loss on low-overlap chunks (the 'low overlap: r ≤ 0.125' line, `low_overlap` "
+        "in the JSON): there the neighbours do not hold the chunk's own text, so retrieval cannot win by copying "
+        "leaked text. 'gain': loss blanked minus loss with neighbours.",
     )
-    parser.add_argument("--checkpoint", required=True, help="a ratrain-train checkpoint")
-    parser.add_argument("--shards", required=True, help="shard directory (manifest.json + *.arrow), local or gs://")
-    parser.add_argument("--json", help="write the scores here as JSON (schemas/evaluation.py)")
-    parser.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (default: 8)")
-    parser.add_argument("--max-sequences", type=int, help="score only the first N sequences (default: all)")
+    parser.add_argument("--checkpoint", required=True, metavar="FILE", help="a ratrain-train checkpoint")
+    parser.add_argument(
+        "--shards", required=True, metavar="DIR", help="shard directory (manifest.json + *.arrow), local or gs://"
+    )
+    parser.add_argument("--json", metavar="OUT", help="also write the scores here as JSON (schemas/evaluation.py)")
+    parser.add_argument("--batch-size", type=int, default=8, metavar="B", help="sequences per forward pass (default 8)")
+    parser.add_argument("--max-sequences", type=int, metavar="N", help="score the first N sequences (default: all)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     args = parser.parse_args(argv)
     for flag, value in (("--batch-size", args.batch_size), ("--max-sequences", args.max_sequences)):
