@@ -334,13 +334,22 @@ def inspect_cmd(directory, count, max_chunks):
 
 @cli.command("report")
 @click.argument("directory")
-def report_cmd(directory):
+@click.option(
+    "--eval",
+    "evaluations",
+    multiple=True,
+    metavar="FILE",
+    help="Also show the scores `ratrain-eval --json FILE` wrote for a checkpoint (repeat for several); "
+    "report a model by its loss on low-overlap chunks.",
+)
+def report_cmd(directory, evaluations):
     """Write DIRECTORY/report.html: one self-contained page on an output, index or shards
     directory (manifests, neighbour scores and fill, overlap, recall against search depth,
-    stage timings, rejected records, sample sequences); prints its path."""
+    stage timings, rejected records, sample sequences, checkpoint scores given with --eval);
+    prints its path."""
     from pipeline.check.html import write_report
 
-    click.echo(write_report(directory))
+    click.echo(write_report(directory, evaluations))
 
 
 def main(argv=None) -> None:

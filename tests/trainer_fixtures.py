@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -27,12 +28,16 @@ def synthetic_rows(
     pad_id: int,
     seed: int,
     pad_tails: bool = False,
+    random_tokens: bool = False,
 ) -> dict[str, np.ndarray]:
     """Rows whose tokens count up by one (mod vocab, skipping pad_id) from a random start: a
     pattern a tiny model learns in a few steps. Neighbour 0 of each chunk is the chunk that
     follows it plus its continuation; the last neighbour of every other chunk is absent (pad).
     pad_tails: each sequence ends in 0 to n/2 pad tokens, so batches differ in their count of
-    non-pad targets."""
+    non-pad targets.
+    random_tokens: tokens drawn at random instead (nothing before a token predicts it), neighbour
+    0 still the next chunk and its continuation: only a model that reads its neighbours can
+    predict the tokens after the first chunk."""
     rng = np.random.default_rng(seed)
     n, m, k = sequence_tokens, chunk_tokens, neighbours
     chunks = n // m
@@ -46,7 +51,6 @@ def synthetic_rows(
     tokens = ids(starts[:, None] + np.arange(n + 1)).astype(np.int32)
     if pad_tails:
         pads = rng.integers(0, n // 2 + 1, size=(num_sequences, 1))  # trailing pad tokens per sequence
-        tokens[np.arange(n + 1) > n - pads] = pad_id
     neighbours_ = ids(rng.integers(0, usable, size=(num_sequences, chunks, k, 2 * m))).astype(np.int32)
     chunk_starts = starts[:, None] + (np.arange(chunks)[None, :] + 1) * m
     neighbours_[:, :, 0, :] = ids(chunk_starts[:, :, None] + np.arange(2 * m))
@@ -56,6 +60,12 @@ def synthetic_rows(
     neighbours_[:, absent] = pad_id
     neighbour_ids[:, absent] = -1
     scores = rng.random((num_sequences, chunks, k), dtype=np.float32)
+    if random_tokens:  # drawn last: every other draw stays what it was
+        stream = ids(rng.integers(0, usable, size=(num_sequences, n + 2 * m))).astype(np.int32)
+        tokens = stream[:, : n + 1].copy()
+        neighbours_[:, :, 0, :] = stream[:, (np.arange(chunks)[:, None] + 1) * m + np.arange(2 * m)]
+    if pad_tails:
+        tokens[np.arange(n + 1) > n - pads] = pad_id
     return {"tokens": tokens, "neighbours": neighbours_, "neighbour_ids": neighbour_ids, "neighbour_scores": scores}
 
 
@@ -72,6 +82,7 @@ def write_shard_dir(
     seed: int = 0,
     first_seq_id: int = 1000,
     pad_tails: bool = False,
+    random_tokens: bool = False,
     schema_version: int = SCHEMA_VERSION,
     inline_entries: int = INLINE_FILE_ENTRIES,
 ) -> ShardsManifest:
@@ -93,6 +104,7 @@ def write_shard_dir(
         pad_id=pad_id,
         seed=seed,
         pad_tails=pad_tails,
+        random_tokens=random_tokens,
     )
     seq_ids = np.arange(first_seq_id, first_seq_id + total, dtype=np.int64)
     entries, start = [], 0
@@ -179,3 +191,17 @@ def source_rows(directory: Path) -> dict[int, dict[str, np.ndarray]]:
                 "neighbour_scores": _row(table, "neighbour_scores", i).astype(np.float32),
             }
     return out
+
+
+def write_checkpoint(path: Path, step: int = 0, seed: int = 0, **config) -> Path:
+    """An untrained model (RetroConfig(**config)) as `ratrain-train` checkpoints it: model,
+    model_config, step."""
+    import torch  # here: the benchmarks that import this module need no torch
+
+    from trainer.model import Retro, RetroConfig
+
+    torch.manual_seed(seed)
+    model_config = RetroConfig(**config)
+    model = Retro(model_config)
+    torch.save({"model": model.state_dict(), "model_config": asdict(model_config), "step": step}, path)
+    return path

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -13,8 +14,15 @@ class CheckpointError(ValueError):
     """A checkpoint that is missing or holds no model."""
 
 
-def load_model(path: str, device: str | torch.device = "cpu") -> Retro:
-    """The model a checkpoint holds (its shape from the checkpoint's `model_config`), in eval mode."""
+@dataclass(frozen=True)
+class TrainedModel:
+    model: Retro  # in eval mode
+    step: int | None  # the optimizer step it was written at (None: a checkpoint that does not say)
+
+
+def read_checkpoint(path: str, device: str | torch.device = "cpu") -> TrainedModel:
+    """The model a checkpoint holds (its shape from the checkpoint's `model_config`), in eval
+    mode, and the step it was written at."""
     if not os.path.isfile(path):
         raise CheckpointError(f"{path}: no such checkpoint")
     checkpoint = torch.load(path, map_location="cpu", weights_only=True)
@@ -23,4 +31,10 @@ def load_model(path: str, device: str | torch.device = "cpu") -> Retro:
     config = RetroConfig(**checkpoint["model_config"])
     model = Retro(config)
     model.load_state_dict(checkpoint["model"])
-    return model.to(device).eval()
+    step = checkpoint.get("step")
+    return TrainedModel(model.to(device).eval(), None if step is None else int(step))
+
+
+def load_model(path: str, device: str | torch.device = "cpu") -> Retro:
+    """The model a checkpoint holds (its shape from the checkpoint's `model_config`), in eval mode."""
+    return read_checkpoint(path, device).model

@@ -1,5 +1,5 @@
 """The report's figures (matplotlib, inline PNG): the overlap audit, neighbour scores by rank,
-and the search depth's recall curves.
+the search depth's recall curves, and a checkpoint's loss by chunk overlap.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import io
 import numpy as np
 
 from pipeline.check.report import ReportError, ScoreSample
+from schemas.evaluation import NO_CHUNK, Evaluation
 from schemas.manifest import SearchDepth
 
 DRAWN_BINS = 40  # bins across the scores' range in the figure
@@ -151,3 +152,26 @@ def recall_figure(manifest, search_depth: SearchDepth | None = None) -> str:
     ax.set_ylabel("recall")
     ax.legend(fontsize=8, loc="lower right")
     return _img(figure, "index recall against search depth")
+
+
+def evaluation_figure(evaluation: Evaluation) -> str:
+    """Mean loss per r(C) bucket of the target's chunk, with neighbours and blanked (where there is a blanked pass)."""
+    buckets = [b for b in evaluation.with_neighbours.overlap_buckets if b.bucket != NO_CHUNK]
+    blanked = evaluation.blanked
+    passes = [("with neighbours", [b.score for b in buckets], "#4c72b0")]
+    if blanked is not None:
+        passes.append(
+            ("neighbours blanked", [b.score for b in blanked.overlap_buckets if b.bucket != NO_CHUNK], "#dd8452")
+        )
+    figure = _figure(7.5, 3.2)
+    ax = figure.subplots()
+    width = 0.8 / len(passes)
+    for i, (label, scores, colour) in enumerate(passes):
+        positions = [x + (i - (len(passes) - 1) / 2) * width for x in range(len(buckets))]
+        losses = [np.nan if s.mean_loss is None else s.mean_loss for s in scores]
+        ax.bar(positions, losses, width, color=colour, label=label)
+    ax.set_xticks(range(len(buckets)), [f"{b.r_range}\n{b.score.tokens:,} targets" for b in buckets], fontsize=8)
+    ax.set_xlabel("r(C) of the chunk holding the target token")
+    ax.set_ylabel("mean loss (nats per target)")
+    ax.legend(fontsize=8, ncols=len(passes), loc="lower center", bbox_to_anchor=(0.5, 1.0))  # above the bars
+    return _img(figure, "mean loss by chunk overlap r(C)")

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import html
+from collections.abc import Sequence
 
-from pipeline.check.figures import overlap_figure, recall_figure, scores_figure
+from pipeline.check.figures import evaluation_figure, overlap_figure, recall_figure, scores_figure
 from pipeline.check.report import (
     EXAMPLES_PER_REASON,
     EXCERPT_CHARS,
@@ -21,6 +22,7 @@ from pipeline.check.report import (
 )
 from pipeline.common import fileio
 from pipeline.index.recall import PLATEAU_GAIN
+from schemas.evaluation import Evaluation, score_rows
 from schemas.manifest import SearchDepth
 
 STYLE = """
@@ -129,6 +131,61 @@ def _rejected_body(rejected: list[RejectedReason]) -> str:
     )
 
 
+def _score(value: float | None, digits: int = 4) -> str:
+    return "—" if value is None else f"{value:.{digits}f}"
+
+
+def _evaluation_body(evaluations: tuple[Evaluation, ...]) -> str:
+    body = (
+        "<p class=muted>Scores of next-token targets (pad left out) from <code>ratrain-eval</code>: mean loss in "
+        "nats and accuracy (argmax = target), with the shards' neighbours and with every neighbour blanked; gain = "
+        "loss blanked − loss with neighbours. <i>Copyable</i>: the target occurs among the neighbour tokens its "
+        "position attends to. Targets are grouped by r(C) of the chunk that holds them. Report a model by its "
+        "loss on low-overlap chunks (in bold): there the neighbours do not hold the chunk's own text.</p>"
+    )
+    for evaluation in evaluations:
+        rows = []
+        for row in score_rows(evaluation):
+            label = html.escape(row.label)
+            rows.append(
+                (
+                    _Html(f"<b>{label}</b>" if row.reported else label),
+                    f"{row.with_neighbours.tokens:,}",
+                    _score(row.with_neighbours.mean_loss),
+                    _score(row.blanked_loss),
+                    _score(row.gain),
+                    _score(row.with_neighbours.accuracy, 3),
+                    _score(row.blanked_accuracy, 3),
+                )
+            )
+        step = "step not recorded" if evaluation.step is None else f"step {evaluation.step:,}"
+        blanked_note = (
+            f"Blanked: {evaluation.blanked_note}."
+            if evaluation.blanked is not None
+            else f"No blanked pass: {evaluation.blanked_note}."
+        )
+        body += (
+            f"<h3>{html.escape(evaluation.checkpoint)} ({step})</h3>"
+            f"<p>{evaluation.sequences:,} sequences of {html.escape(evaluation.shards)} (m = "
+            f"{evaluation.chunk_tokens}, k = {evaluation.neighbours}). {html.escape(blanked_note)}</p>"
+            + _table(
+                rows,
+                (
+                    "targets",
+                    "count",
+                    "loss with neighbours",
+                    "loss blanked",
+                    "gain",
+                    "accuracy with neighbours",
+                    "accuracy blanked",
+                ),
+                numeric=(1, 2, 3, 4, 5, 6),
+            )
+            + evaluation_figure(evaluation)
+        )
+    return body
+
+
 def render(report: Report) -> str:
     """The report as one HTML page with its figures inline."""
     sections = []  # (anchor, title, body)
@@ -187,6 +244,8 @@ def render(report: Report) -> str:
                 ),
             )
         )
+    if report.evaluations:
+        sections.append(("evaluation", "Checkpoint evaluation", _evaluation_body(report.evaluations)))
     if report.index is not None:
         search_depth = report.shards.search_depth if report.shards is not None else None
         sections.append(("recall", "Index recall against search depth", _recall_body(report.index, search_depth)))
@@ -226,9 +285,10 @@ def render(report: Report) -> str:
     )
 
 
-def write_report(path: str) -> str:
-    """Gather, render and write `<path>/report.html`; its path."""
-    report = gather(path)
+def write_report(path: str, evaluations: Sequence[str] = ()) -> str:
+    """Gather, render and write `<path>/report.html` (with the scores of `ratrain-eval --json`
+    files `evaluations`); its path."""
+    report = gather(path, evaluations)
     target = fileio.join(path.rstrip("/"), REPORT_FILE)
     fileio.write_bytes(target, render(report).encode("utf-8"))
     return target

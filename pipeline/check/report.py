@@ -3,7 +3,8 @@
 What the manifests record (settings, counters, neighbour fill and recall, the overlap audit,
 the index's recall at each search depth the tuning measured, each job's wall time), the
 distribution of neighbour scores by rank read from the shards, rejected records by reason with
-examples, and sample sequences with their decoded neighbours (`inspect`). Figures are inline
+examples, sample sequences with their decoded neighbours (`inspect`), and the scores of
+checkpoints that `ratrain-eval --json` wrote, when given (`--eval`). Figures are inline
 PNGs drawn with matplotlib (the `report` extra); the page fetches nothing when opened.
 
 The `gather_*` and summary functions read and compute; `render` turns a `Report` into HTML.
@@ -18,11 +19,14 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow.compute as pc
+from pydantic import ValidationError
 
 from pipeline.check.inspect import inspect_shards
 from pipeline.check.plan import sampled
 from pipeline.common import fileio
+from pipeline.shards.rows import overlap_ranges
 from schemas.arrow import read_shard, shard_column
+from schemas.evaluation import Evaluation, read_evaluation
 from schemas.file_table import entry_columns
 from schemas.manifest import MANIFEST_FILE, IndexManifest, ShardsManifest, VectorIndexManifest
 
@@ -208,12 +212,8 @@ def neighbour_quality(manifest: ShardsManifest, files: ShardFiles) -> list[tuple
 def overlap_bars(overlap: dict[str, int]) -> list[tuple[str, int]]:
     """The overlap audit as (r(C) range, training chunks): each threshold counts the chunks with
     r(C) at most it and above the threshold before."""
-    bars, previous = [], None
-    for threshold, count in sorted(overlap.items(), key=lambda item: float(item[0])):
-        label = f"r ≤ {threshold}" if previous is None else f"({previous}, {threshold}]"
-        bars.append((label, count))
-        previous = threshold
-    return bars
+    ordered = sorted(overlap.items(), key=lambda item: float(item[0]))
+    return list(zip(overlap_ranges([threshold for threshold, _ in ordered]), [count for _, count in ordered]))
 
 
 def timing_rows(
@@ -348,9 +348,26 @@ class Report:
     rejected: list[RejectedReason]
     samples: list[str]  # `inspect`'s lines
     samples_note: str  # why there are none, when there are none
+    evaluations: tuple[Evaluation, ...] = ()  # `ratrain-eval --json` files, in the order given
 
 
-def gather(path: str) -> Report:
+def read_evaluations(paths: Sequence[str]) -> tuple[Evaluation, ...]:
+    """The scores `ratrain-eval --json` wrote (local or gs://); a ReportError names a file that is
+    missing or not such scores."""
+    evaluations = []
+    for path in paths:
+        if not fileio.exists(path):
+            raise ReportError(f"{path}: no such evaluation file")
+        try:
+            evaluations.append(read_evaluation(fileio.read_bytes(path)))
+        except ValidationError as err:
+            first = err.errors()[0]
+            where = ".".join(str(part) for part in first["loc"])
+            raise ReportError(f"{path}: not the JSON of ratrain-eval ({where}: {first['msg']})") from None
+    return tuple(evaluations)
+
+
+def gather(path: str, evaluations: Sequence[str] = ()) -> Report:
     sources = find_sources(path)
     index = None if sources.index is None else read_index_manifest(sources.index)
     shards = None if sources.shards is None else read_shards_manifest(sources.shards)
@@ -376,4 +393,5 @@ def gather(path: str) -> Report:
         gather_rejected(sources, counters),
         samples,
         note,
+        read_evaluations(evaluations),
     )

@@ -58,6 +58,12 @@ def overlap_bucket(ratio: float) -> str:
     return str(next(t for t in OVERLAP_BUCKETS if ratio <= t))
 
 
+def overlap_ranges(thresholds: list[str]) -> list[str]:
+    """The r(C) range each bucket of ascending `thresholds` holds: `r ≤ t` for the first, then
+    `(previous, t]` (a bucket counts what is at most its threshold and above the one before)."""
+    return [f"r ≤ {t}" if i == 0 else f"({thresholds[i - 1]}, {t}]" for i, t in enumerate(thresholds)]
+
+
 OVERLAP_COUNTER = "overlap_r_le_"
 
 

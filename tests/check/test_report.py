@@ -20,8 +20,10 @@ from pipeline.cli import main
 from pipeline.jobs.vector_index_job import build_vector_index
 from schemas.arrow import read_shard_table, shard_column
 from schemas.config import IndexConfig
+from schemas.evaluation import evaluation_json, score_rows
 from schemas.manifest import IndexManifest, OwnDocumentRecall, Recall, SearchDepth, ShardsManifest
 from tests.helpers import BAD_REASONS, rewrite_shards_as_schema_version_1
+from tests.trainer_fixtures import write_checkpoint
 
 INLINE_PNG = re.compile(r'<img alt="[^"]+" src="data:image/png;base64,[A-Za-z0-9+/]+=*">')
 
@@ -134,6 +136,72 @@ def test_report_of_a_directory_that_is_no_output_fails_with_one_line(tmp_path, c
         f"here, nor in {tmp_path}/something/index or {tmp_path}/something/shards)"
     )
     assert not (tmp_path / "something" / "report.html").exists()
+
+
+@pytest.mark.e2e
+def test_the_report_shows_the_scores_of_each_evaluation_given(output, tmp_path, capsys):
+    """Two checkpoints (one reads neighbours, one was trained without) scored on the output's
+    shards by ratrain-eval: the page holds each one's table with the numbers of its JSON."""
+    from trainer.evaluate import evaluate
+
+    shards = read_shards_manifest(str(output / "shards"))
+    shape = {"vocab_size": 30522, "sequence_tokens": shards.sequence_tokens, "chunk_tokens": shards.chunk_tokens}
+    tiny = {"dim": 16, "depth": 2, "heads": 2, "encoder_depth": 1, "cca_layers": (1,)}
+    files, evaluations = [], []
+    for name, retrieval in (("retro", True), ("ablation", False)):
+        checkpoint = write_checkpoint(tmp_path / f"{name}.pt", step=7, retrieval=retrieval, **shape, **tiny)
+        evaluation = evaluate(str(checkpoint), str(output / "shards"), batch_size=4, max_sequences=4)
+        (tmp_path / f"{name}.json").write_text(evaluation_json(evaluation))
+        files.append(str(tmp_path / f"{name}.json"))
+        evaluations.append(evaluation)
+    main(["report", str(output), "--eval", files[0], "--eval", files[1]])
+    assert capsys.readouterr().out.strip() == str(output / "report.html")
+    page = (output / "report.html").read_text()
+    assert _sections(page) == [
+        "summary",
+        "neighbours",
+        "overlap",
+        "evaluation",
+        "recall",
+        "timings",
+        "rejected",
+        "samples",
+    ]
+    section = _section(page, "evaluation")
+    assert len(INLINE_PNG.findall(section)) == 2  # loss by r(C), one per evaluation
+    tables = re.findall(r"<h3>(.*?)</h3>.*?<table>(.*?)</table>", section, re.S)
+    assert [title for title, _ in tables] == [f"{tmp_path}/retro.pt (step 7)", f"{tmp_path}/ablation.pt (step 7)"]
+    for (_, table), evaluation in zip(tables, evaluations):
+        cells = [re.findall(r"<td[^>]*>(.*?)</td>", row) for row in re.findall(r"<tr>(.*?)</tr>", table)[1:]]
+        expected = score_rows(evaluation)
+        assert len(cells) == len(expected) == 4 + 7  # all, copyable, not, low overlap; 6 buckets and none
+        for row, score in zip(cells, expected):
+            with_ = score.with_neighbours
+            assert row[1] == f"{with_.tokens:,}"
+            assert row[2] == ("—" if with_.mean_loss is None else f"{with_.mean_loss:.4f}")
+            assert row[3] == ("—" if score.blanked_loss is None else f"{score.blanked_loss:.4f}")
+            assert row[5] == ("—" if with_.accuracy is None else f"{with_.accuracy:.3f}")
+        assert cells[3][0] == "<b>low overlap: r ≤ 0.125</b>"  # the loss to report
+    retro, ablation = evaluations
+    assert f"{retro.with_neighbours.all.mean_loss:.4f}" in tables[0][1]
+    assert f"{retro.blanked.all.mean_loss:.4f}" in tables[0][1]
+    assert "No blanked pass: the model has no retrieval" in section and ablation.blanked is None
+
+
+@pytest.mark.unit
+def test_an_evaluation_file_that_is_missing_or_not_scores_fails_with_one_line(tmp_path, capsys):
+    from benchmarks.validate_sample import write_index
+
+    write_index(tmp_path / "index", 4, np.random.default_rng(0))
+    (tmp_path / "other.json").write_text(json.dumps({"checkpoint": "c.pt"}))
+    for path, message in (
+        (tmp_path / "missing.json", "no such evaluation file"),
+        (tmp_path / "other.json", "not the JSON of ratrain-eval (step: Field required)"),
+    ):
+        with pytest.raises(SystemExit):
+            main(["report", str(tmp_path / "index"), "--eval", str(path)])
+        assert capsys.readouterr().err.strip() == f"error: {path}: {message}"
+    assert not (tmp_path / "index" / "report.html").exists()
 
 
 @pytest.mark.e2e

@@ -697,7 +697,7 @@ def test_tokens_outside_the_vocabulary_stop_the_run_with_one_line(train_dir, cap
 @pytest.mark.unit
 def test_trainer_imports_neither_beam_nor_faiss_nor_sentence_transformers():
     code = (
-        "import sys, trainer.train; "
+        "import sys, trainer.train, trainer.evaluate; "
         "print([m for m in ('apache_beam', 'faiss', 'sentence_transformers') if m in sys.modules])"
     )
     result = subprocess.run(
