@@ -40,7 +40,7 @@ from pipeline.retrieve.search import (
     select_distinct,
     token_key,
 )
-from pipeline.retrieve.sequences import document_spans, merge_ranges, widest_span
+from pipeline.retrieve.sequences import merge_ranges, widest_span
 from pipeline.shards.rows import neighbour_arrays
 from schemas.config import EmbeddingConfig, PipelineConfig
 from schemas.manifest import IndexManifest, ShardsManifest
@@ -84,7 +84,7 @@ class Retriever:
         self.neighbours, self.depth, self.dedupe, self.candidates = neighbours, depth, dedupe, candidates
         self.index, self.routing = index, routing
         self.precision = manifest.embedding_precision.precision if manifest.embedding_precision else "float32"
-        self._spans: dict[int, tuple[int, int]] | None = None
+        self._bounds: dict[int, tuple[int, int]] = {}  # chunk file -> its first and last doc id
 
     @classmethod
     def open(
@@ -160,19 +160,44 @@ class Retriever:
 
     def document_ranges(self, doc_ids: Iterable[int]) -> list[tuple[int, int]]:
         """The chunk-id ranges of these documents, merged (a document not in the database
-        excludes nothing), as build-shards excludes a sequence's own documents. The first call
-        reads the chunk files' doc_id column, one file at a time, and keeps one span per
-        document (16 bytes and a dict entry each), not the chunks."""
-        if self._spans is None:
-            spans: dict[int, tuple[int, int]] = {}
-            for number in range(len(self.chunk_files.starts) - 1):
-                rows = self.chunk_files.read(number, ["doc_id"])
-                start = self.chunk_files.starts[number]
-                ids = np.arange(start, start + len(rows["doc_id"]), dtype=np.int64)
-                for doc_id, span in document_spans(ids, rows["doc_id"]):
-                    spans[doc_id] = widest_span([span, spans.get(doc_id, span)])
-            self._spans = spans
-        return merge_ranges([self._spans[d] for d in doc_ids if d in self._spans])
+        excludes nothing), as build-shards excludes a sequence's own documents."""
+        spans = [self._document_span(int(doc_id)) for doc_id in doc_ids]
+        return merge_ranges([span for span in spans if span is not None])
+
+    def _document_span(self, doc_id: int) -> tuple[int, int] | None:
+        """A document's chunk ids [first, last + 1), or None. Chunk ids follow doc-id order
+        (docs/design.md §9), so a binary search over the chunk files finds the first file whose
+        last doc id is not below it, each step reading one file's doc_id column; each file's
+        first and last doc id is kept once read (a pair per file), never the chunks nor an
+        entry per document."""
+        files = len(self.chunk_files.starts) - 1
+        low, high = 0, files
+        while low < high:
+            middle = (low + high) // 2
+            if self._doc_bounds(middle)[1] < doc_id:
+                low = middle + 1
+            else:
+                high = middle
+        spans = []
+        for number in range(low, files):  # a document may run on into the next file
+            docs = self._doc_ids(number)
+            rows = np.flatnonzero(docs == doc_id)
+            if not len(rows):
+                break
+            start = self.chunk_files.starts[number]
+            spans.append((start + int(rows[0]), start + int(rows[-1]) + 1))
+            if rows[-1] != len(docs) - 1:
+                break
+        return widest_span(spans) if spans else None
+
+    def _doc_ids(self, number: int) -> np.ndarray:
+        return self.chunk_files.read(number, ["doc_id"])["doc_id"]
+
+    def _doc_bounds(self, number: int) -> tuple[int, int]:
+        if number not in self._bounds:
+            docs = self._doc_ids(number)
+            self._bounds[number] = (int(docs[0]), int(docs[-1]))
+        return self._bounds[number]
 
     def retrieve(
         self,

@@ -9,9 +9,11 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 
 from pipeline.retrieve.online import IndexNotUsable, Retriever
+from pipeline.retrieve.sequences import document_spans
 from tests.helpers import shard_rows
 
 pytestmark = pytest.mark.e2e
@@ -43,6 +45,17 @@ def test_retriever_finds_the_neighbours_build_shards_wrote(built_output):
     assert slots == shards["num_sequences"] * (n // config["chunk_tokens"]) * config["neighbours"] > 0
     assert equal / slots >= 0.999
     assert same_tokens == same_ids  # the same chunk brings the same chunk + continuation tokens
+
+
+def test_retriever_excludes_each_document_by_the_span_build_shards_excludes(built_output):
+    _, config, _ = built_output
+    index = Path(config["output"]) / "index"
+    chunks = pq.read_table(sorted((index / "chunks").glob("*.parquet")), columns=["chunk_id", "doc_id"])
+    spans = dict(document_spans(chunks["chunk_id"].to_numpy(), chunks["doc_id"].to_numpy()))
+    retriever = Retriever.open(str(index))
+    assert len(retriever.chunk_files.starts) > 2 and len(spans) > 10  # documents across several chunk files
+    assert {doc_id: retriever.document_ranges([doc_id]) for doc_id in spans} == {d: [s] for d, s in spans.items()}
+    assert retriever.document_ranges([min(spans) - 1, max(spans) + 1]) == []  # not in the database: nothing
 
 
 def test_retriever_refuses_an_index_whose_encoder_directory_is_gone(built_output, tmp_path):
