@@ -12,8 +12,13 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from pipeline.chunks.chunk_files import ChunkRows
+from pipeline.chunks.chunking import Chunk
+from pipeline.common.writers import chunks_table, parquet_bytes
+from pipeline.jobs.shards_job import build_shards
 from pipeline.retrieve.online import IndexNotUsable, Retriever
 from pipeline.retrieve.sequences import document_spans
+from schemas.config import config_from_dict
 from tests.helpers import shard_rows
 
 pytestmark = pytest.mark.e2e
@@ -45,6 +50,45 @@ def test_retriever_finds_the_neighbours_build_shards_wrote(built_output):
     assert slots == shards["num_sequences"] * (n // config["chunk_tokens"]) * config["neighbours"] > 0
     assert equal / slots >= 0.999
     assert same_tokens == same_ids  # the same chunk brings the same chunk + continuation tokens
+
+
+def repeat_tokens(index: Path, m: int) -> None:
+    """Give every run of 4 consecutive chunks the tokens of its first, in the chunk files alone
+    (the embeddings and the faiss index stay, and build-shards' queries with them): many
+    candidates then repeat a kept one's tokens."""
+    for path in sorted((index / "chunks").glob("*.parquet")):
+        rows = ChunkRows.of(pq.read_table(path))
+        first = np.arange(len(rows.tokens)) // 4 * 4
+        chunks = [
+            Chunk(int(i), int(d), int(p), rows.tokens[f], c)
+            for i, d, p, f, c in zip(rows.chunk_id, rows.doc_id, rows.position, first, rows.continuation)
+        ]
+        path.write_bytes(parquet_bytes(chunks_table(chunks, m)))
+
+
+def test_retriever_drops_repeated_tokens_as_build_shards_does(built_output, tmp_path):
+    _, config, _ = built_output
+    out = tmp_path / "out"
+    shutil.copytree(Path(config["output"]) / "index", out / "index")
+    repeat_tokens(out / "index", config["chunk_tokens"])
+    dedupe = {**config, "output": str(out), "dedupe_neighbours": True, "neighbour_candidates": 8}
+    manifest = build_shards(config_from_dict(dedupe), [])
+    retriever = Retriever.open(str(out / "index"), dedupe=True, candidates=8)
+    n, m = config["sequence_tokens"], config["chunk_tokens"]
+    equal = slots = 0
+    # the queries are the sequences' chunks as embedded: the tokens before they were repeated
+    built = shard_rows(Path(config["output"]) / "shards")
+    for (tokens, doc_ids, *_), (_, same_doc_ids, _, ids, scores) in zip(built, shard_rows(out / "shards")):
+        assert doc_ids == same_doc_ids
+        found = retriever.retrieve(tokens[:n], exclude_documents=doc_ids)
+        equal += int(((found.ids == ids) | (np.abs(found.scores - scores) <= TIE)).sum())
+        slots += ids.size
+        for chunk in range(len(found.ids)):  # the chunks a chunk is given differ in their tokens
+            filled = found.tokens[chunk, found.ids[chunk] >= 0, :m]
+            assert len({row.tobytes() for row in filled}) == len(filled)
+    assert slots == manifest.num_sequences * (n // m) * config["neighbours"] > 0
+    assert manifest.counters["candidates_dropped_duplicate_tokens"] > 0
+    assert equal / slots >= 0.999
 
 
 def test_retriever_excludes_each_document_by_the_span_build_shards_excludes(built_output):
