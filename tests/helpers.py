@@ -110,6 +110,21 @@ def rewrite_shards_as_schema_version_1(shards_dir: Path) -> None:
     (shards_dir / "manifest.json").write_text(json.dumps({**manifest, "schema_version": 1}))
 
 
+def shard_rows(shards_dir: Path):
+    """(tokens [n + 1], doc ids, neighbours [L, k, 2m], neighbour ids [L, k], scores [L, k]) of
+    each sequence of a shard directory, in seq id order."""
+    import pyarrow as pa
+
+    from schemas.arrow import read_shard_table, shard_column
+
+    for path in sorted(shards_dir.glob("shard-*.arrow")):
+        table = read_shard_table(pa.memory_map(str(path)))
+        columns = [shard_column(table, c) for c in ("tokens", "neighbours", "neighbour_ids", "neighbour_scores")]
+        for row, doc_ids in enumerate(table["doc_ids"].to_pylist()):
+            tokens, neighbours, ids, scores = (column[row] for column in columns)
+            yield tokens, doc_ids, neighbours, ids, scores
+
+
 def read_rejected(out: Path, stage: str) -> list[dict]:
     """Every rejected record a stage published (`rejected/<stage>-NNNNN.jsonl`)."""
     return [

@@ -15,6 +15,7 @@ from pipeline.common.models import (
     embedding_dim,
 )
 from pipeline.common.tally import counted
+from pipeline.index.build import INDEX_FILE
 from pipeline.index.build_info import BUILD_INFO_FILE, BuildInfo
 from pipeline.index.factory import ivf_lists, new_index, resolve_clustering
 from pipeline.index.files import LIST_OWNERS_FILE, QUANTIZER_FILE, searched_files
@@ -24,6 +25,7 @@ from pipeline.jobs.job import (
     index_dir,
 )
 from pipeline.jobs.reuse import committed, index_action
+from pipeline.retrieve.search import Routing
 from schemas.config import PipelineConfig
 from schemas.manifest import (
     MANIFEST_FILE,
@@ -128,20 +130,22 @@ class CommittedIndex:
     routing_paths: tuple[str, str] | None  # slices: quantizer.faiss and list_owners.npy, relative
     nlist: int | None  # inverted lists (IVF)
 
+    def searched(self) -> tuple[str | None, Routing | None]:
+        """What a search reads: (index.faiss, None), or (None, the Routing of its slices by lists)."""
+        faiss_dir = fileio.join(self.directory, "faiss")
+        if self.routing_paths is not None and self.nlist is not None:
+            return None, Routing(faiss_dir, len(self.faiss_paths), self.nlist)
+        return fileio.join(faiss_dir, INDEX_FILE), None
 
-def load_committed_index(cfg: PipelineConfig) -> CommittedIndex:
-    """The committed index this config reads, or a clear error."""
-    directory = index_dir(cfg)
+
+def read_committed_index(directory: str) -> tuple[CommittedIndex, IndexManifest]:
+    """The committed index in `directory` and its manifest, or a clear error (StageError): none
+    there, or in slices by chunk-id range (which nothing searches any more)."""
     path = fileio.join(directory, MANIFEST_FILE)
     if not fileio.exists(path):
         raise StageError(f"no committed index at {directory}: run build-index first")
     data = fileio.read_bytes(path)
     manifest = read_manifest(data, path, IndexManifest)
-    if manifest.chunk_tokens != cfg.chunk_tokens:
-        raise StageError(
-            f"index at {directory} has chunk_tokens={manifest.chunk_tokens}, "
-            f"config asks for {cfg.chunk_tokens}: rebuild the index"
-        )
     paths, _ = fileio.entry_paths_and_rows(manifest, directory, "faiss")
     routing = (f"faiss/{QUANTIZER_FILE}", f"faiss/{LIST_OWNERS_FILE}")
     if len(searched_files(faiss_files(paths))) > 1 and not set(routing) <= set(paths):
@@ -149,7 +153,7 @@ def load_committed_index(cfg: PipelineConfig) -> CommittedIndex:
             f"index at {directory} is in slices by chunk-id range, which build-shards no longer searches: "
             "rebuild it (delete its manifest.json and run build-index)"
         )
-    return CommittedIndex(
+    index = CommittedIndex(
         directory,
         fileio.sha256_bytes(data),
         manifest.num_chunks,
@@ -158,6 +162,19 @@ def load_committed_index(cfg: PipelineConfig) -> CommittedIndex:
         routing if set(routing) <= set(paths) else None,
         ivf_lists(manifest.index_factory),
     )
+    return index, manifest
+
+
+def load_committed_index(cfg: PipelineConfig) -> CommittedIndex:
+    """The committed index this config reads, or a clear error."""
+    directory = index_dir(cfg)
+    index, manifest = read_committed_index(directory)
+    if manifest.chunk_tokens != cfg.chunk_tokens:
+        raise StageError(
+            f"index at {directory} has chunk_tokens={manifest.chunk_tokens}, "
+            f"config asks for {cfg.chunk_tokens}: rebuild the index"
+        )
+    return index
 
 
 def wait_for_index(cfg: PipelineConfig, timeout_s: float, poll_s: float = 30.0) -> None:

@@ -34,7 +34,7 @@ from pipeline.jobs.job import (
 from pipeline.jobs.options import encoder_threads
 from pipeline.retrieve.beam import DocumentSpans, PackSequences, RetrieveNeighbours
 from pipeline.retrieve.recall import MeasureNeighbourRecall
-from pipeline.retrieve.search import LOST_DATA, Retrieval, Routing
+from pipeline.retrieve.search import LOST_DATA, Retrieval
 from pipeline.shards.rows import overlap_histogram, overlap_tally
 from pipeline.shards.write import WriteShards
 from schemas.arrow import tensor_column_to_numpy
@@ -188,10 +188,8 @@ def _build_shards(
         read_tallies = _documents_read_tally(documents, rejected, "Training")
     sequences = training_chunks | "PackSequences" >> PackSequences(L, tok.pad_id)
     spans = pipeline | "DocumentSpans" >> DocumentSpans(fileio.join(idx, "chunks", "*.parquet"), validate=not dry_run)
-    index_path: str | None = fileio.join(idx, "faiss", INDEX_FILE)
-    routing = None
-    if index is not None and index.routing_paths is not None and index.nlist is not None:
-        index_path, routing = None, Routing(fileio.join(idx, "faiss"), len(index.faiss_paths), index.nlist)
+    # a dry run without a committed index builds the graph of one index file
+    index_path, routing = index.searched() if index is not None else (fileio.join(idx, "faiss", INDEX_FILE), None)
     spec = Retrieval(
         index_path,
         None if index is None else index.nprobe,

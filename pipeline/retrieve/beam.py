@@ -25,7 +25,7 @@ from apache_beam.utils import shared
 from pipeline.chunks.chunk_files import ChunkFileRanges, CommittedChunkFiles
 from pipeline.chunks.chunking import Chunk
 from pipeline.index.exact import truth_depth
-from pipeline.index.files import read_owners
+from pipeline.index.files import load_index, read_owners
 from pipeline.retrieve.recall import ExactTruth, SmallestProbes
 from pipeline.retrieve.routed import (
     SliceQueries,
@@ -43,16 +43,16 @@ from pipeline.retrieve.search import (
     Retrieval,
     Routing,
     _excluded_ranges,
-    _loaded_index,
     batch_probes,
+    check_in_database,
+    neighbour_values,
     search_batch,
     select_distinct,
     token_key,
     tune_retrieval_depth,
 )
 from pipeline.retrieve.sequences import document_spans, pack_sequence, widest_span
-from pipeline.shards.rows import ShardRow
-from pipeline.shards.write import neighbour_arrays
+from pipeline.shards.rows import ShardRow, neighbour_arrays
 from schemas.manifest import SearchDepth
 
 SENT = "sent"  # tagged output: (seq_id, elements it sent through the next shuffle)
@@ -113,12 +113,7 @@ class DocumentSpans(beam.PTransform):
 def emit_hits(spec: Retrieval, seq_ids: list[int], hits: np.ndarray, deeper_seqs):
     """What a searched batch sends on: tallies, the count each sequence will receive,
     and the hits (the k neighbours keyed by chunk id, or candidate blocks by chunk file)."""
-    unknown = hits["chunk_id"][hits["chunk_id"] >= spec.chunk_files.num_chunks]
-    if len(unknown):
-        raise ValueError(
-            f"the index returned chunk id {unknown[0]}, which is not in the chunk "
-            f"database ({spec.chunk_files.num_chunks} chunks): index and chunks disagree"
-        )
+    check_in_database(hits, spec.chunk_files.num_chunks)
     L = spec.chunks_per_seq
     yield beam.pvalue.TaggedOutput(TALLY, ("queries", len(seq_ids) * L))
     yield beam.pvalue.TaggedOutput(TALLY, ("queries_searched_deeper", len(deeper_seqs) * L))
@@ -139,6 +134,17 @@ def emit_hits(spec: Retrieval, seq_ids: list[int], hits: np.ndarray, deeper_seqs
     files = spec.chunk_files.files_of(hits["chunk_id"])
     for number in np.unique(files):
         yield int(number), hits[files == number]
+
+
+def _loaded_index(holder: shared.Shared, path: str, depth: int | None):
+    """The faiss file at `path`, loaded once per process through Beam `Shared` (which keeps the
+    last one acquired alive: a process searching slices in turn holds one at a time)."""
+
+    class _Holder:  # Shared needs a weak-referenceable object
+        def __init__(self):
+            self.index = load_index(path, depth)
+
+    return holder.acquire(_Holder, tag=f"{path}:{depth}")
 
 
 class _Search(beam.DoFn):
@@ -284,11 +290,10 @@ class _NeighbourTokens(beam.DoFn):
 
     def process(self, keyed):
         number, picks = keyed
-        rows = self.chunk_files.read(number, ["tokens", "continuation"])
-        values = np.concatenate([rows["tokens"], rows["continuation"]], axis=1).astype(np.int32)
-        start = self.chunk_files.starts[number]
-        for chunk_id, (seq_id, j, slot, score) in picks:
-            yield seq_id, (j, slot, chunk_id, score, values[chunk_id - start].tobytes())
+        picks = list(picks)
+        values = neighbour_values(self.chunk_files, number, np.array([chunk_id for chunk_id, _ in picks], np.int64))
+        for (chunk_id, (seq_id, j, slot, score)), value in zip(picks, values):
+            yield seq_id, (j, slot, chunk_id, score, value.tobytes())
 
 
 def _arrived(seq_id: int, what: str, received: int, sent: list[int]) -> None:

@@ -9,7 +9,6 @@ import hashlib
 from dataclasses import dataclass
 
 import numpy as np
-from apache_beam.utils import shared
 
 from pipeline.chunks.chunk_files import ChunkFileRanges, CommittedChunkFiles
 from pipeline.common import fileio
@@ -63,6 +62,15 @@ def token_key(tokens: np.ndarray) -> int:
         )
         >> 1
     )
+
+
+def neighbour_values(chunk_files, number: int, chunk_ids: np.ndarray) -> np.ndarray:
+    """What a neighbour slot holds for each of `chunk_ids` (all in chunk file `number`): the
+    chunk's tokens + its continuation, int32 [len(chunk_ids), 2m], from one read of that file's
+    two token columns (only the rows asked for are kept)."""
+    rows = chunk_files.read(number, ["tokens", "continuation"])
+    local = np.asarray(chunk_ids, np.int64) - chunk_files.starts[number]
+    return np.concatenate([rows["tokens"][local], rows["continuation"][local]], axis=1).astype(np.int32)
 
 
 @dataclass(frozen=True)
@@ -124,17 +132,6 @@ def _excluded_ranges(keyed):
         yield seq_id, spans[0] if spans else None
 
 
-def _loaded_index(holder: shared.Shared, path: str, depth: int | None):
-    """The faiss file at `path`, loaded once per process through Beam `Shared` (which keeps the
-    last one acquired alive: a process searching slices in turn holds one at a time)."""
-
-    class _Holder:  # Shared needs a weak-referenceable object
-        def __init__(self):
-            self.index = load_index(path, depth)
-
-    return holder.acquire(_Holder, tag=f"{path}:{depth}")
-
-
 def batch_queries(grouped, L: int):
     """A joined search batch -> per sequence (seq id order): (sequence, its queries [L, d], its
     documents' chunk-id ranges, merged). A sequence whose documents did not all answer (a
@@ -194,6 +191,16 @@ def candidate_rows(seq_ids: np.ndarray, scores: np.ndarray, ids: np.ndarray, chu
     return block[block["chunk_id"] >= 0]  # -1: fewer than `width` reachable
 
 
+def check_in_database(hits: np.ndarray, num_chunks: int) -> None:
+    """CANDIDATE hits whose chunk ids the chunk database holds, or an error naming one that is not."""
+    unknown = hits["chunk_id"][hits["chunk_id"] >= num_chunks]
+    if len(unknown):
+        raise ValueError(
+            f"the index returned chunk id {unknown[0]}, which is not in the chunk "
+            f"database ({num_chunks} chunks): index and chunks disagree"
+        )
+
+
 class NeighbourRecallTooLow(RuntimeError):
     """recall_below_target: fail, and the index's search depth misses the target."""
 
@@ -220,21 +227,28 @@ class _SlicesInTurn:
         return self.index
 
 
+def search_slices(
+    routing: Routing, queries: np.ndarray, k: int, excluded_each, depth: int | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """`search_routed` over the slices `routing` names, loaded one at a time (`_SlicesInTurn`),
+    each query with its own excluded chunk-id ranges: (scores, ids) [q, k], -1 = none."""
+    found = search_routed(
+        load_index(routing.quantizer),
+        _SlicesInTurn([routing.slice_path(n) for n in range(routing.slices)]),
+        read_owners(routing.owners),
+        queries,
+        k,
+        excluded_each,
+        depth,
+    )
+    return found[0], found[1]
+
+
 def search_probes_routed(spec: Retrieval, probes: list[Probe], depth: int | None) -> np.ndarray:
     """`search_probes` over slices by inverted lists, routed as build-shards searches them."""
     assert spec.routing is not None
-    quantized = load_index(spec.routing.quantizer)
     queries = np.stack([p.query for p in probes])
-    found = search_routed(
-        quantized,
-        _SlicesInTurn([spec.routing.slice_path(n) for n in range(spec.routing.slices)]),
-        read_owners(spec.routing.owners),
-        queries,
-        spec.neighbours,
-        [p.excluded for p in probes],
-        depth,
-    )
-    return found[1]
+    return search_slices(spec.routing, queries, spec.neighbours, [p.excluded for p in probes], depth)[1]
 
 
 def tune_retrieval_depth(spec: Retrieval, probes: list[Probe], truth) -> SearchDepth:

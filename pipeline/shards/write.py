@@ -11,17 +11,6 @@ from schemas.arrow import shard_ipc_bytes, shard_table
 from schemas.manifest import ShardEntry
 
 
-def neighbour_arrays(picks: list[tuple], chunks_per_seq: int, k: int, m: int, pad_id: int):
-    """(j, slot, chunk_id, score, value [2m]) picks -> neighbours [L, k, 2m], ids [L, k]
-    (-1 = absent), scores [L, k]; absent slots hold pad_id and score 0."""
-    tokens = np.full((chunks_per_seq, k, 2 * m), pad_id, dtype=np.int32)
-    ids = np.full((chunks_per_seq, k), -1, dtype=np.int64)
-    scores = np.zeros((chunks_per_seq, k), dtype=np.float32)
-    for j, slot, chunk_id, score, value in picks:
-        tokens[j, slot], ids[j, slot], scores[j, slot] = value, chunk_id, score
-    return tokens, ids, scores
-
-
 def rows_to_ipc(rows: list[ShardRow], pad_id: int) -> bytes:
     table = shard_table(
         np.array([r.seq_id for r in rows], dtype=np.int64),

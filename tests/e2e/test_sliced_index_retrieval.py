@@ -5,19 +5,22 @@ the same index in one file (ties within 1e-6 counted equal)."""
 
 import json
 import shutil
+import weakref
 
 import numpy as np
 import pyarrow as pa
 import pytest
 
 import pipeline.retrieve.beam as retrieve_beam
+import pipeline.retrieve.search as search
 from pipeline.check.validate import validate_path
 from pipeline.jobs.run import run_all
 from pipeline.jobs.shards_job import build_shards
+from pipeline.retrieve.online import Retriever
 from pipeline.retrieve.search import LOST_DATA
 from schemas.arrow import read_shard_table
 from schemas.config import config_from_dict
-from tests.helpers import sample_documents, small_config, write_jsonl
+from tests.helpers import sample_documents, shard_rows, small_config, write_jsonl
 
 pytestmark = pytest.mark.e2e
 
@@ -76,3 +79,30 @@ def test_build_shards_fails_uncommitted_when_an_index_slices_results_are_lost(sl
     with pytest.raises(Exception, match=rf"index slices \[0, 2.*answered.*{LOST_DATA}"):
         build_shards(config_from_dict({**config, "output": str(tmp_path / "out")}), [])
     assert not (tmp_path / "out" / "shards" / "manifest.json").exists()
+
+
+def test_the_retriever_searches_the_slices_one_at_a_time_and_finds_the_one_index_neighbours(sliced, monkeypatch):
+    root, config, (one_ids, one_scores), _ = sliced
+    retriever = Retriever.open(str(root / "out" / "index"))
+    assert retriever.routing is not None and retriever.routing.slices >= 3
+    loaded, held, most_held = [], set(), []
+    load_index = search.load_index
+
+    def load_and_count(path, depth=None):  # the real load, counted, and each slice watched until freed
+        index = load_index(path, depth)
+        if "/slice-" in path:
+            loaded.append(path)
+            held.add(len(loaded))
+            weakref.finalize(index, held.discard, len(loaded))
+            most_held.append(len(held))
+        return index
+
+    monkeypatch.setattr(search, "load_index", load_and_count)
+    n = config["sequence_tokens"]
+    rows = list(shard_rows(root / "out" / "shards"))
+    found = [retriever.retrieve(tokens[:n], exclude_documents=doc_ids) for tokens, doc_ids, *_ in rows]
+    ids = np.stack([f.ids.ravel() for f in found])
+    scores = np.stack([f.scores.ravel() for f in found])
+    assert len(set(loaded)) >= 2 and max(most_held) == 1  # several slices searched, never two held at once
+    assert ids.shape == one_ids.shape and (ids >= 0).all()
+    assert np.mean((ids == one_ids) | (np.abs(scores - one_scores) <= 1e-6)) >= 0.999  # ties counted equal

@@ -10,8 +10,8 @@ import pyarrow as pa
 import pytest
 from apache_beam.testing.util import assert_that, equal_to
 
-from pipeline.shards.rows import ShardRow, chunk_overlap, overlap_bucket, overlap_histogram
-from pipeline.shards.write import WriteShards, neighbour_arrays
+from pipeline.shards.rows import ShardRow, chunk_overlap, neighbour_arrays, overlap_bucket, overlap_histogram
+from pipeline.shards.write import WriteShards
 from schemas.arrow import SCHEMA_VERSION, read_shard_table, shard_column
 from tests.helpers import REPO, local_pipeline
 

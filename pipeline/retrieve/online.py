@@ -1,0 +1,292 @@
+"""Retrieval at inference time, without Beam: text or token ids in, neighbours out in the
+layout of a training shard, found as build-shards finds them.
+
+`Retriever.open(index_dir)` takes a committed index directory (`<output>/index`) and reads
+everything from its manifest: the tokenizer, the encoder and the precision and threads it
+embedded in, chunk_tokens, pad_id, the faiss file or its slices by lists. The number of
+neighbours k and the search depth are those of the shards built from this index
+(`<output>/shards/manifest.json`, when its index_manifest_sha256 is this index's): k, and the
+depth build-shards tuned; without such shards, PipelineConfig's default k and the depth the
+index stage tuned (nprobe). `neighbours`, `depth`, `dedupe` and `candidates` override them
+(no manifest records dedupe_neighbours or neighbour_candidates).
+
+Every rule is build-shards' own: chunks cut by `chunk_tokens`, their texts by `chunk_texts`,
+embedded by `encode_texts`; one index searched by `search_excluding`, slices by
+`search_slices` (one slice held at a time); hits made `candidate_rows`, deduplicated by
+`select_distinct`, and turned into [L, k, 2m] by `neighbour_values` and `neighbour_arrays`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipeline.chunks.chunk_files import CommittedChunkFiles
+from pipeline.chunks.chunking import chunk_document, load_tokenizer, tokenize_batch
+from pipeline.common import fileio
+from pipeline.common.models import fingerprint_path, resolve_model, resolve_tokenizer
+from pipeline.index.files import load_index
+from pipeline.index.search import search_excluding
+from pipeline.jobs.index_files import read_committed_index
+from pipeline.jobs.reuse import committed
+from pipeline.retrieve.search import (
+    candidate_rows,
+    check_in_database,
+    neighbour_values,
+    search_slices,
+    select_distinct,
+    token_key,
+)
+from pipeline.retrieve.sequences import merge_ranges, widest_span
+from pipeline.shards.rows import neighbour_arrays
+from schemas.config import EmbeddingConfig, PipelineConfig
+from schemas.manifest import IndexManifest, ShardsManifest
+
+
+class IndexNotUsable(RuntimeError):
+    """An index directory the retriever cannot serve from: its encoder or tokenizer is missing or
+    not the one it was built with. The message names the path and what is missing."""
+
+
+@dataclass(frozen=True)
+class Neighbours:
+    """The neighbours of L chunks, as a shard row holds them."""
+
+    tokens: np.ndarray  # int32 [L, k, 2m]: retrieved chunk + its continuation; pad_id where absent
+    ids: np.ndarray  # int64 [L, k]: chunk ids, -1 = absent
+    scores: np.ndarray  # float32 [L, k]: inner products (cosine), 0 where absent
+
+
+class Retriever:
+    """Neighbours of token chunks from a committed index, one query sequence at a time."""
+
+    def __init__(
+        self,
+        manifest: IndexManifest,
+        chunk_files: CommittedChunkFiles,
+        tokenizer,
+        encoder,
+        *,
+        neighbours: int,
+        depth: int | None,
+        dedupe: bool,
+        candidates: int,
+        index=None,
+        routing=None,
+    ):
+        if (index is None) == (routing is None):
+            raise ValueError("a Retriever searches one index or slices by lists (routing), one of them")
+        self.manifest, self.chunk_files = manifest, chunk_files
+        self.tokenizer, self.encoder = tokenizer, encoder
+        self.neighbours, self.depth, self.dedupe, self.candidates = neighbours, depth, dedupe, candidates
+        self.index, self.routing = index, routing
+        self.precision = manifest.embedding_precision.precision if manifest.embedding_precision else "float32"
+        self._bounds: dict[int, tuple[int, int]] = {}  # chunk file -> its first and last doc id
+
+    @classmethod
+    def open(
+        cls,
+        index_dir: str,
+        *,
+        neighbours: int | None = None,
+        depth: int | None = None,
+        dedupe: bool = False,
+        candidates: int | None = None,
+        device: str = "cpu",
+    ) -> Retriever:
+        """The retriever of the committed index in `index_dir` (module docstring: where each
+        setting comes from). IndexNotUsable when its tokenizer or encoder cannot be loaded."""
+        index, manifest = read_committed_index(index_dir)
+        tokenizer = _tokenizer_of(index_dir, manifest)
+        encoder = _encoder_of(index_dir, manifest, device)
+        shards = committed(fileio.join(os.path.dirname(index_dir.rstrip("/")), "shards"), ShardsManifest)
+        built = shards if shards is not None and shards.index_manifest_sha256 == index.manifest_sha256 else None
+        if neighbours is None:
+            neighbours = built.neighbours if built is not None else PipelineConfig.model_fields["neighbours"].default
+        if depth is None:
+            tuned = built.search_depth if built is not None else None
+            depth = tuned.depth if tuned is not None else index.nprobe
+        if candidates is None:
+            candidates = max(neighbours, PipelineConfig.model_fields["neighbour_candidates"].default)
+        index_path, routing = index.searched()
+        return cls(
+            manifest,
+            CommittedChunkFiles(index_dir, index.num_chunks, index.manifest_sha256),
+            tokenizer,
+            encoder,
+            neighbours=neighbours,
+            depth=depth,
+            dedupe=dedupe,
+            candidates=candidates,
+            index=None if index_path is None else load_index(index_path, depth),
+            routing=routing,
+        )
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.manifest.chunk_tokens
+
+    @property
+    def pad_id(self) -> int:
+        return self.manifest.pad_id
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size()
+
+    def tokenize(self, text: str) -> np.ndarray:
+        """The token ids of `text` as the index's documents were tokenized."""
+        return tokenize_batch(self.tokenizer, [text])[0]
+
+    def decode(self, tokens) -> str:
+        """Text of token ids, padding and special tokens dropped."""
+        return self.tokenizer.decode([int(t) for t in tokens], skip_special_tokens=True)
+
+    def chunks(self, tokens: np.ndarray):
+        """Token ids cut into the index's chunks of m (the last padded), as documents are cut."""
+        return list(chunk_document(-1, np.asarray(tokens, np.int32), 0, self.chunk_tokens, self.pad_id))
+
+    def embed(self, tokens: np.ndarray) -> np.ndarray:
+        """The query embeddings [L, d] of the chunks of `tokens`, from their texts, in the
+        precision and with the encoder threads the index was embedded with."""
+        from pipeline.embed.encoder import chunk_texts, encode_texts, torch_threads
+
+        texts = chunk_texts(self.tokenizer, self.chunks(tokens))
+        with torch_threads(self.manifest.encoder_threads):
+            return encode_texts(self.encoder, texts, EmbeddingConfig().batch_size, self.precision)
+
+    def document_ranges(self, doc_ids: Iterable[int]) -> list[tuple[int, int]]:
+        """The chunk-id ranges of these documents, merged (a document not in the database
+        excludes nothing), as build-shards excludes a sequence's own documents."""
+        spans = [self._document_span(int(doc_id)) for doc_id in doc_ids]
+        return merge_ranges([span for span in spans if span is not None])
+
+    def _document_span(self, doc_id: int) -> tuple[int, int] | None:
+        """A document's chunk ids [first, last + 1), or None. Chunk ids follow doc-id order
+        (docs/design.md §9), so a binary search over the chunk files finds the first file whose
+        last doc id is not below it, each step reading one file's doc_id column; each file's
+        first and last doc id is kept once read (a pair per file), never the chunks nor an
+        entry per document."""
+        files = len(self.chunk_files.starts) - 1
+        low, high = 0, files
+        while low < high:
+            middle = (low + high) // 2
+            if self._doc_bounds(middle)[1] < doc_id:
+                low = middle + 1
+            else:
+                high = middle
+        spans = []
+        for number in range(low, files):  # a document may run on into the next file
+            docs = self._doc_ids(number)
+            rows = np.flatnonzero(docs == doc_id)
+            if not len(rows):
+                break
+            start = self.chunk_files.starts[number]
+            spans.append((start + int(rows[0]), start + int(rows[-1]) + 1))
+            if rows[-1] != len(docs) - 1:
+                break
+        return widest_span(spans) if spans else None
+
+    def _doc_ids(self, number: int) -> np.ndarray:
+        return self.chunk_files.read(number, ["doc_id"])["doc_id"]
+
+    def _doc_bounds(self, number: int) -> tuple[int, int]:
+        if number not in self._bounds:
+            docs = self._doc_ids(number)
+            self._bounds[number] = (int(docs[0]), int(docs[-1]))
+        return self._bounds[number]
+
+    def retrieve(
+        self,
+        tokens: np.ndarray | str,
+        exclude_documents: Sequence[int] = (),
+        exclude_ranges: Sequence[tuple[int, int]] = (),
+    ) -> Neighbours:
+        """The neighbours of each chunk of `tokens` (token ids, or text to tokenize), with the
+        chunks of `exclude_documents` (doc ids) and the chunk-id `exclude_ranges` skipped inside
+        the search."""
+        if isinstance(tokens, str):
+            tokens = self.tokenize(tokens)
+        return self.retrieve_embedded(
+            self.embed(tokens), merge_ranges([*self.document_ranges(exclude_documents), *exclude_ranges])
+        )
+
+    def retrieve_embedded(self, queries: np.ndarray, excluded: list[tuple[int, int]]) -> Neighbours:
+        """The neighbours of query embeddings [L, d], the chunk-id ranges `excluded` (merged) skipped."""
+        L, k = len(queries), self.neighbours
+        width = self.candidates if self.dedupe else k
+        if self.routing is not None:
+            scores, ids = search_slices(self.routing, queries, width, [excluded] * L, self.depth)
+        else:
+            scores, ids = search_excluding(self.index, queries, width, excluded)[:2]
+        hits = candidate_rows(np.zeros(L, np.int64), scores, ids, L)
+        check_in_database(hits, self.chunk_files.num_chunks)
+        if self.dedupe:
+            hits = self._with_token_keys(hits)
+            picks, _ = select_distinct(hits, k)
+        else:
+            columns = ("j", "rank", "chunk_id", "score")  # the k hits are the neighbours (rank = slot)
+            picks = list(zip(*(hits[column].tolist() for column in columns)))
+        values = self._values([chunk_id for _, _, chunk_id, _ in picks])
+        rows = [(j, slot, chunk_id, score, values[chunk_id]) for j, slot, chunk_id, score in picks]
+        return Neighbours(*neighbour_arrays(rows, L, k, self.chunk_tokens, self.pad_id))
+
+    def _by_file(self, chunk_ids: np.ndarray):
+        """(file number, the ids it holds) for each chunk file holding some of `chunk_ids`."""
+        files = self.chunk_files.files_of(chunk_ids)
+        for number in np.unique(files).tolist():
+            yield number, chunk_ids[files == number]
+
+    def _values(self, chunk_ids: list[int]) -> dict[int, np.ndarray]:
+        """{chunk id: its tokens + continuation [2m]}: each chunk file holding one read in
+        turn (its two token columns, m·8 bytes a row), only the rows asked for kept, so what is
+        held at once is one chunk file's tokens (chunk_file_rows rows) and the answers."""
+        values: dict[int, np.ndarray] = {}
+        for number, ids in self._by_file(np.unique(np.asarray(chunk_ids, np.int64))):
+            values.update(zip(ids.tolist(), neighbour_values(self.chunk_files, number, ids)))
+        return values
+
+    def _with_token_keys(self, hits: np.ndarray) -> np.ndarray:
+        """CANDIDATE hits with each chunk's token_key, read one chunk file at a time."""
+        hits = hits.copy()
+        for number, ids in self._by_file(np.unique(hits["chunk_id"])):
+            tokens = self.chunk_files.read(number, ["tokens"])["tokens"]
+            start = self.chunk_files.starts[number]
+            keys = {chunk_id: token_key(tokens[chunk_id - start]) for chunk_id in ids.tolist()}
+            inside = np.isin(hits["chunk_id"], ids)
+            hits["token_key"][inside] = [keys[chunk_id] for chunk_id in hits["chunk_id"][inside].tolist()]
+        return hits
+
+
+def _tokenizer_of(index_dir: str, manifest: IndexManifest):
+    """The tokenizer the index was built with, or IndexNotUsable."""
+    path = resolve_tokenizer(manifest.tokenizer.name)
+    if not os.path.isfile(path):
+        raise IndexNotUsable(f"{index_dir}: its tokenizer file {path} is missing")
+    if fingerprint_path(path) != manifest.tokenizer.fingerprint:
+        raise IndexNotUsable(f"{index_dir}: the tokenizer file {path} is not the one the index was built with")
+    try:
+        return load_tokenizer(path)
+    except Exception as err:  # the tokenizers library raises its own exception types
+        raise IndexNotUsable(f"{index_dir}: its tokenizer file {path} cannot be loaded: {err}") from err
+
+
+def _encoder_of(index_dir: str, manifest: IndexManifest, device: str):
+    """The encoder the index was embedded with (its directory, or a hub name loaded offline), or
+    IndexNotUsable."""
+    from pipeline.embed.encoder import load_encoder
+
+    name = manifest.embedding_model.name
+    path = resolve_model(name)
+    if os.path.isabs(path) and not os.path.isdir(path):
+        raise IndexNotUsable(f"{index_dir}: its encoder model directory {path} is missing")
+    if os.path.isdir(path) and fingerprint_path(path) != manifest.embedding_model.fingerprint:
+        raise IndexNotUsable(f"{index_dir}: the encoder model directory {path} is not the one the index was built with")
+    try:
+        return load_encoder(EmbeddingConfig(model=name, device=device))
+    except Exception as err:  # sentence-transformers raises OSError, ValueError, or the hub's own errors
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise IndexNotUsable(f"{index_dir}: its encoder model {path} cannot be loaded: {first}") from err
