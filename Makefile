@@ -21,8 +21,10 @@ quickstart: install
 	$(BIN)/ratrain-pipeline validate out/quickstart
 	$(BIN)/ratrain-pipeline inspect out/quickstart/shards --n 1
 	$(BIN)/ratrain-train --shards out/quickstart/shards --steps 20 --log-every 5 \
-		--dim 128 --depth 4 --heads 4 --batch-size 4
-	$(BIN)/ratrain-pipeline report out/quickstart
+		--dim 128 --depth 4 --heads 4 --batch-size 4 --checkpoint out/quickstart/model.pt
+	$(BIN)/ratrain-eval --checkpoint out/quickstart/model.pt --shards out/quickstart/shards \
+		--max-sequences 64 --json out/quickstart/eval.json
+	$(BIN)/ratrain-pipeline report out/quickstart --eval out/quickstart/eval.json
 
 # Tests live in tests/<package>/ as pipeline/ does (plus trainer/, schemas/, cli/, deploy/, and
 # e2e/ for whole-pipeline runs). Each carries one marker of its kind (pyproject.toml): unit (plain
@@ -52,7 +54,7 @@ benchmark: install
 	$(BIN)/python benchmarks/embed_vs_encoder.py
 
 experiment: install
-	$(BIN)/python examples/retrieval_experiment.py --steps 400 --out out/experiment
+	$(BIN)/python examples/retrieval_experiment.py --out out/experiment
 
 clean:
 	rm -rf out .pytest_cache

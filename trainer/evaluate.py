@@ -73,6 +73,7 @@ class TokenScores:
     """Scores of a batch per position p, whose target is tokens[:, p + 1]; all [b, n], on the CPU."""
 
     loss: torch.Tensor  # float32: cross-entropy of the target (0 where the target is pad)
+    predicted: torch.Tensor  # int64: the logits' argmax, the token a greedy reader would write
     correct: torch.Tensor  # bool: the logits' argmax is the target (False where the target is pad)
     scored: torch.Tensor  # bool: the target is not pad
     copyable: torch.Tensor  # bool: the target occurs in the shard's neighbours the position attends to
@@ -132,9 +133,11 @@ def token_scores(model: Retro, batch: dict[str, torch.Tensor], blank: bool) -> T
     logits = model(inputs.to(device), seen)  # [b, n, vocab]
     loss = next_token_loss(logits, targets.to(device), config.pad_id, reduction="none")
     scored = targets != config.pad_id
+    predicted = logits.argmax(dim=-1).cpu()
     return TokenScores(
         loss=loss.view(targets.shape).float().cpu(),
-        correct=(logits.argmax(dim=-1).cpu() == targets) & scored,
+        predicted=predicted,
+        correct=(predicted == targets) & scored,
         scored=scored,
         copyable=copyable_mask(targets, neighbours, config.chunk_tokens, config.pad_id),
         overlap_bucket=target_overlap_buckets(tokens, neighbours, config.chunk_tokens, config.pad_id),
