@@ -33,15 +33,6 @@ from trainer.train import next_token_loss
 TINY = {"dim": 16, "depth": 2, "heads": 2, "encoder_depth": 1, "cca_layers": (1,)}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run as fast on one thread, and two threads crawl when the cores are busy."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # -- per target: hand-made batches (m = 2, n = 6, k = 2, pad 0) --------------------------------
 
 # Position p predicts token p + 1. Windows: p = 0 sees no neighbour; p = 1, 2 see chunk 0's;

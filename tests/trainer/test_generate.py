@@ -21,15 +21,6 @@ pytestmark = pytest.mark.e2e
 PROMPT_TOKENS, MAX_TOKENS = 100, 40  # 140 tokens: past sequence_tokens (128), so the window slides
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run as fast on one thread, and two threads crawl when the cores are busy."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def retriever(built_output):
     _, config, _ = built_output

@@ -37,15 +37,6 @@ def shard_dir(tmp_path_factory) -> Path:
     return directory
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run as fast on one thread, and two threads crawl when the cores are busy."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def loader_ids(dataset: ShardDataset, *, batch_size: int, num_workers: int, batches: int | None = None):
     """seq_ids in the order a DataLoader hands them over (at most `batches` batches)."""
     ids = []
