@@ -292,7 +292,7 @@ def score_facts(
         readable += int(scores.copyable[is_fact].sum())
         follow_edit += int((scores.predicted[is_fact] == edited_value[is_fact]).sum())
         if model.config.uses_retrieval:
-            blanked.add(token_scores(model, batch, blank=True), is_fact)
+            blanked.add(token_scores(model, batch, blank=True, same_batch=scores), is_fact)
     count = with_neighbours.tokens
     return FactScores(
         tokens=count,

@@ -115,11 +115,14 @@ def target_overlap_buckets(tokens: torch.Tensor, neighbours: torch.Tensor, chunk
 
 
 @torch.no_grad()
-def token_scores(model: Retro, batch: dict[str, torch.Tensor], blank: bool) -> TokenScores:
+def token_scores(
+    model: Retro, batch: dict[str, torch.Tensor], blank: bool, same_batch: TokenScores | None = None
+) -> TokenScores:
     """Score a batch of shard rows (ShardDataset's batched dict: tokens [b, n + 1], neighbours
     [b, n/m, k, 2m]) on the model's device. blank: the model sees every neighbour as pad; the
     copyable mask and the overlap buckets still come from the shard's neighbours, so the two
-    passes score the same groups of targets."""
+    passes score the same groups of targets (`same_batch`: another pass's scores of this batch,
+    whose groups are taken instead of measured again)."""
     config = model.config
     if blank and not config.uses_retrieval:
         raise ValueError("the model has no retrieval: it reads no neighbours, so there is nothing to blank")
@@ -139,8 +142,12 @@ def token_scores(model: Retro, batch: dict[str, torch.Tensor], blank: bool) -> T
         predicted=predicted,
         correct=(predicted == targets) & scored,
         scored=scored,
-        copyable=copyable_mask(targets, neighbours, config.chunk_tokens, config.pad_id),
-        overlap_bucket=target_overlap_buckets(tokens, neighbours, config.chunk_tokens, config.pad_id),
+        copyable=copyable_mask(targets, neighbours, config.chunk_tokens, config.pad_id)
+        if same_batch is None
+        else same_batch.copyable,
+        overlap_bucket=target_overlap_buckets(tokens, neighbours, config.chunk_tokens, config.pad_id)
+        if same_batch is None
+        else same_batch.overlap_bucket,
     )
 
 
@@ -250,9 +257,10 @@ def evaluate(
         if max_sequences is not None:
             batch = {name: column[: max_sequences - sequences] for name, column in batch.items()}
         _check_vocabulary(batch, model, shards)
-        with_tally.add(token_scores(model, batch, blank=False))
+        scores = token_scores(model, batch, blank=False)
+        with_tally.add(scores)
         if blanked_tally is not None:
-            blanked_tally.add(token_scores(model, batch, blank=True))
+            blanked_tally.add(token_scores(model, batch, blank=True, same_batch=scores))
         sequences += len(batch["tokens"])
         if sequences == max_sequences:
             break
