@@ -124,11 +124,11 @@ def ours_main(root: str, out: str, query_chunks: int, beam_args: list[str]) -> N
     import pyarrow.parquet as pq
     from apache_beam.io.parquetio import ReadAllFromParquetBatched
 
-    from pipeline.chunks.chunk_files import ChunkFileRanges
+    from pipeline.chunks.chunk_files import ChunkFileRanges, ChunkRows
     from pipeline.jobs.options import new_pipeline
-    from pipeline.jobs.shards_job import _chunks_from_table, _embeddings_from_table
+    from pipeline.jobs.shards_job import _query_block_from_table
     from pipeline.retrieve.beam import DocumentSpans, PackSequences, RetrieveNeighbours
-    from pipeline.retrieve.search import Retrieval
+    from pipeline.retrieve.search import QueryBlock, Retrieval
     from pipeline.shards.write import WriteShards
 
     limit = query_chunks
@@ -139,6 +139,11 @@ def ours_main(root: str, out: str, query_chunks: int, beam_args: list[str]) -> N
             SimpleNamespace(path=f"chunks/{p.name}", rows=pq.ParquetFile(p).metadata.num_rows) for p in files
         ],
     )
+
+    def training_queries(block):
+        keep = block.chunk_ids < limit
+        return QueryBlock(block.chunk_ids[keep], block.vectors[keep])
+
     workers = WorkerPeak()
     with new_pipeline(beam_args) as p:
         # the training chunks are the first `limit` + 1 (the last gives the last sequence its
@@ -148,15 +153,15 @@ def ours_main(root: str, out: str, query_chunks: int, beam_args: list[str]) -> N
             p
             | "TrainingFiles" >> beam.Create([str(f) for f in files[:used]])
             | "ReadTrainingChunks" >> ReadAllFromParquetBatched()
-            | "ChunkRows" >> beam.FlatMap(_chunks_from_table)
-            | "TrainingChunks" >> beam.Filter(lambda c: c.chunk_id <= limit)
+            | "ChunkRows" >> beam.Map(ChunkRows.of)
+            | "TrainingChunks" >> beam.Map(lambda rows: rows.take(np.flatnonzero(rows.chunk_id <= limit)))
         )
         queries = (
             p
             | "EmbeddingFiles" >> beam.Create([f"{root}/embeddings/embeddings-{i:05d}.parquet" for i in range(used)])
             | "ReadEmbeddings" >> ReadAllFromParquetBatched()
-            | "EmbeddingRows" >> beam.FlatMap(_embeddings_from_table)
-            | "TrainingQueries" >> beam.Filter(lambda e: e[0] < limit)
+            | "QueryBlocks" >> beam.Map(_query_block_from_table)
+            | "TrainingQueries" >> beam.Map(training_queries)
         )
         sequences = training | "PackSequences" >> PackSequences(L, PAD)
         spans = p | "DocumentSpans" >> DocumentSpans(f"{root}/chunks/*.parquet")

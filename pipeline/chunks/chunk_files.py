@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow.parquet as pq
 
+from pipeline.chunks.chunking import Chunk
 from pipeline.common import fileio
 from pipeline.common.names import file_number
 from schemas.arrow import tensor_column_to_numpy
@@ -47,6 +48,26 @@ class ChunkRows:
     @classmethod
     def of(cls, table) -> ChunkRows:
         return cls(**chunk_arrays(table))
+
+    @classmethod
+    def of_chunks(cls, chunks: list[Chunk]) -> ChunkRows:
+        return cls(
+            np.array([c.chunk_id for c in chunks], np.int64),
+            np.array([c.doc_id for c in chunks], np.int64),
+            np.array([c.position for c in chunks], np.int64),
+            np.stack([c.tokens for c in chunks]).astype(np.int32),
+            np.stack([c.continuation for c in chunks]).astype(np.int32),
+        )
+
+    @classmethod
+    def concatenate(cls, blocks: list[ChunkRows]) -> ChunkRows:
+        return cls(*(np.concatenate([getattr(b, f) for b in blocks]) for f in CHUNK_COLUMNS))
+
+    def take(self, rows: np.ndarray) -> ChunkRows:
+        return ChunkRows(*(getattr(self, f)[rows] for f in CHUNK_COLUMNS))
+
+    def __len__(self) -> int:
+        return len(self.chunk_id)
 
 
 def in_file_order(entries, prefix: str) -> list:

@@ -165,7 +165,7 @@ def _finish(
     def own_at(depth):
         if depth is not None:
             set_search_depth(index, depth)
-        found = search_each_excluding(index, queries.vectors, neighbours, queries.documents)[1]
+        found = search_each_excluding(index, queries.vectors, neighbours, queries.documents).ids
         return recall_of(truth.outside_document, found)
 
     tuned, curve, own = tune_index_depth(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import faiss
 import numpy as np
@@ -128,13 +129,64 @@ def search_depth_range(index) -> list[int] | None:
     return [16, 32, 64, 128, 256, 512, 1024] if _hnsw(index) is not None else None
 
 
-def search_each_excluding(index, queries: np.ndarray, k: int, excluded) -> tuple[np.ndarray, np.ndarray]:
-    """Each query searched alone with its own id ranges skipped (`search_excluding`, deepening
-    included) at the index's depth: (scores, ids) [q, k]."""
-    found = [search_excluding(index, query[None], k, list(ranges))[:2] for query, ranges in zip(queries, excluded)]
-    if not found:
-        return np.zeros((0, k), np.float32), np.zeros((0, k), np.int64)
-    return np.concatenate([f[0] for f in found]), np.concatenate([f[1] for f in found])
+# Hits beyond k that `search_each_excluding`'s one batched search asks for: a query's own
+# documents' chunks are mostly its nearest, so it asks for k + as many as its ranges hold, up
+# to this; a query left short is searched again alone with its ranges skipped inside faiss.
+EXCLUSION_MARGIN_CAP = 64
+
+
+@dataclass(frozen=True)
+class ExcludedSearch:
+    """What `search_each_excluding` found: per query row, the k best ids outside its ranges."""
+
+    scores: np.ndarray  # [q, k]
+    ids: np.ndarray  # [q, k], -1 = none
+    searched_alone: np.ndarray  # bool [q]: left short by the batched search, searched again alone
+    deeper: np.ndarray  # bool [q]: searched deeper than the index's depth
+
+
+def search_each_excluding(index, queries: np.ndarray, k: int, excluded) -> ExcludedSearch:
+    """Each query's k best ids outside its own [start, end) id ranges (`excluded[row]`), the
+    answer `search_excluding` gives it alone, deepening included, in one batched search: every
+    query at width k + margin (the chunks its ranges hold, at most EXCLUSION_MARGIN_CAP), its
+    hits inside its ranges dropped exactly; a query left with fewer than k is searched again
+    alone by `search_excluding` (rows with equal ranges together). Among vectors of the probed
+    lists, the k best outside the ranges are the first k outside them of a longer list, so
+    the answers agree but for ties."""
+    queries = np.ascontiguousarray(queries, dtype=np.float32)
+    rows = len(queries)
+    excluded = [tuple(map(tuple, ranges)) for ranges in excluded]
+    starts, ends = _range_table(excluded, rows)
+    margin = int(min((ends - starts).sum(axis=1).max(initial=0), EXCLUSION_MARGIN_CAP))
+    scores, ids, alone, deeper = (
+        np.empty((rows, k), np.float32),
+        np.full((rows, k), -1, np.int64),
+        np.zeros(rows, bool),
+        np.zeros(rows, bool),
+    )
+    if rows == 0:
+        return ExcludedSearch(scores, ids, alone, deeper)
+    wide_scores, wide_ids = index.search(queries, k + margin)
+    inside = ((wide_ids[..., None] >= starts[:, None, :]) & (wide_ids[..., None] < ends[:, None, :])).any(-1)
+    first = np.argsort(inside | (wide_ids < 0), axis=1, kind="stable")[:, :k]  # the first k outside, by rank
+    scores[:], ids[:] = np.take_along_axis(wide_scores, first, 1), np.take_along_axis(wide_ids, first, 1)
+    alone[:] = (np.take_along_axis(inside, first, 1) | (ids < 0)).any(axis=1)
+    for ranges in dict.fromkeys(excluded[row] for row in np.flatnonzero(alone)):
+        same = np.flatnonzero(alone & np.array([r == ranges for r in excluded]))
+        scores[same], ids[same], deepened = search_excluding(index, queries[same], k, list(ranges))
+        deeper[same] = deepened > 0
+    return ExcludedSearch(scores, ids, alone, deeper)
+
+
+def _range_table(excluded: list[tuple], rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's [start, end) ranges as two int64 arrays [rows, most ranges], padded with
+    empty ranges."""
+    width = max((len(ranges) for ranges in excluded), default=0)
+    starts, ends = np.zeros((rows, width), np.int64), np.zeros((rows, width), np.int64)
+    for row, ranges in enumerate(excluded):
+        for column, (start, end) in enumerate(ranges):
+            starts[row, column], ends[row, column] = start, end
+    return starts, ends
 
 
 def search_each_at(index, queries: np.ndarray, k: int, excluded, depth: int) -> tuple[np.ndarray, np.ndarray]:

@@ -8,11 +8,10 @@ from __future__ import annotations
 import logging
 
 import apache_beam as beam
-import numpy as np
 from apache_beam.io.parquetio import ReadFromParquetBatched
 
 from pipeline.chunks.beam import ChunkDocuments
-from pipeline.chunks.chunk_files import CommittedChunkFiles, chunk_arrays
+from pipeline.chunks.chunk_files import ChunkRows, CommittedChunkFiles, chunk_arrays
 from pipeline.chunks.chunking import Chunk
 from pipeline.common import fileio
 from pipeline.common.progress import ReportProgress
@@ -34,7 +33,7 @@ from pipeline.jobs.job import (
 from pipeline.jobs.options import encoder_threads
 from pipeline.retrieve.beam import DocumentSpans, PackSequences, RetrieveNeighbours
 from pipeline.retrieve.recall import MeasureNeighbourRecall
-from pipeline.retrieve.search import LOST_DATA, Retrieval
+from pipeline.retrieve.search import LOST_DATA, QueryBlock, Retrieval
 from pipeline.shards.rows import overlap_histogram, overlap_tally
 from pipeline.shards.write import WriteShards
 from schemas.arrow import tensor_column_to_numpy
@@ -62,9 +61,8 @@ def _chunks_from_table(table) -> list[Chunk]:
     ]
 
 
-def _embeddings_from_table(table) -> list[tuple[int, np.ndarray]]:
-    vectors = tensor_column_to_numpy(table["embedding"])
-    return list(zip(table["chunk_id"].to_numpy().tolist(), vectors))
+def _query_block_from_table(table) -> QueryBlock:
+    return QueryBlock(table["chunk_id"].to_numpy(), tensor_column_to_numpy(table["embedding"]))
 
 
 def _shards_manifest(
@@ -166,24 +164,26 @@ def _build_shards(
             pipeline
             | "ReadChunkDatabase"
             >> ReadFromParquetBatched(fileio.join(idx, "chunks", "*.parquet"), validate=not dry_run)
-            | "ChunkRows" >> beam.FlatMap(_chunks_from_table)
+            | "ChunkRows" >> beam.Map(ChunkRows.of)
         )
         queries = (
             pipeline
             | "ReadEmbeddings"
             >> ReadFromParquetBatched(fileio.join(idx, "embeddings", "*.parquet"), validate=not dry_run)
-            | "EmbeddingRows" >> beam.FlatMap(_embeddings_from_table)
+            | "QueryBlocks" >> beam.Map(_query_block_from_table)
         )
         rejected = pipeline | "NoRejected" >> beam.Create([])
         precision = pipeline | "NothingEmbedded" >> beam.Create([None])
         read_tallies = ()
     else:
         documents, read_rejected = pipeline | "ReadTrainingCorpus" >> ReadCorpus(cfg.training_corpus, match=not dry_run)
-        training_chunks, unusable = documents | "ChunkTrainingDocuments" >> ChunkDocuments(tok.path, m, tok.pad_id)
+        chunks, unusable = documents | "ChunkTrainingDocuments" >> ChunkDocuments(tok.path, m, tok.pad_id)
         from pipeline.embed.beam import EmbedChunks
 
         threads = encoder_threads(cfg.embedding.cpu_threads, cfg.embedding.device, pipeline.options)
-        queries, precision = training_chunks | "EmbedTrainingChunks" >> EmbedChunks(cfg.embedding, tok.path, threads)
+        training_chunks = chunks | "ChunkBlocks" >> beam.Map(lambda chunk: ChunkRows.of_chunks([chunk]))
+        embedded, precision = chunks | "EmbedTrainingChunks" >> EmbedChunks(cfg.embedding, tok.path, threads)
+        queries = embedded | "QueryBlocks" >> beam.Map(QueryBlock.of_row)
         rejected = (read_rejected, unusable) | "MergeRejected" >> beam.Flatten()
         read_tallies = _documents_read_tally(documents, rejected, "Training")
     sequences = training_chunks | "PackSequences" >> PackSequences(L, tok.pad_id)
@@ -217,7 +217,7 @@ def _build_shards(
         *read_tallies,
         retrieved.tallies,
         _rejected_tally(rejected, "TallyRejected"),
-        counted("training_chunks", training_chunks),
+        counted("training_chunks", training_chunks, len),
         counted("sequences", rows),
         counted("neighbour_slots_padded", rows, lambda r: (r.neighbour_ids < 0).sum()),
         rows | "TallyOverlap" >> beam.FlatMap(overlap_tally, m, tok.pad_id),

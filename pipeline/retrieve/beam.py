@@ -1,11 +1,12 @@
 """Pack training sequences, retrieve their neighbours, join neighbour tokens, write shards.
 
-Everything moves through Beam shuffles keyed by ids: a sequence's documents meet their chunk-id
-ranges by document id; sequences meet their query embeddings and those ranges by search batch;
-the search skips the ranges inside faiss, so the k best hits are already the neighbours (with
-`dedupe_neighbours`, the candidates first fetch their tokens from the chunk file holding
-them); the kept neighbours are shuffled by the chunk file that holds them and read their
-tokens in one read of that file; and neighbours meet their sequence by sequence id. No
+Everything moves through Beam shuffles keyed by ids, in numpy blocks rather than an element per
+chunk or hit: chunk rows are packed into sequences by search batch (64 sequences); a sequence's
+documents meet their chunk-id ranges by document id; sequences meet their query embeddings and
+those ranges by search batch; the search leaves out hits in those ranges, so the k best hits
+are the neighbours (with `dedupe_neighbours`, the candidates first fetch their tokens from the
+chunk file holding them); the kept neighbours are shuffled by the chunk file that holds them
+and read their tokens in one read of that file; and they meet their sequences by search batch. No
 process holds the chunk database, and nothing shuffles it: what moves grows with the
 training sequences (plus one (doc id, range) per database document), not with the chunks.
 """
@@ -23,7 +24,6 @@ from apache_beam.io.parquetio import ReadFromParquetBatched
 from apache_beam.utils import shared
 
 from pipeline.chunks.chunk_files import ChunkFileRanges, CommittedChunkFiles
-from pipeline.chunks.chunking import Chunk
 from pipeline.index.exact import truth_depth
 from pipeline.index.files import load_index, read_owners
 from pipeline.retrieve.recall import ExactTruth, SmallestProbes
@@ -39,45 +39,39 @@ from pipeline.retrieve.routed import (
 from pipeline.retrieve.search import (
     CANDIDATE,
     LOST_DATA,
+    PICK,
     SEQUENCES_PER_SEARCH,
+    FileTokens,
+    NeighbourBlock,
     Retrieval,
     Routing,
+    SentCounts,
     _excluded_ranges,
     batch_probes,
     check_in_database,
-    neighbour_values,
+    picks_of,
+    received_by,
     search_batch,
+    search_batch_of,
     select_distinct,
-    token_key,
     tune_retrieval_depth,
 )
-from pipeline.retrieve.sequences import document_spans, pack_sequence, widest_span
+from pipeline.retrieve.sequences import batch_parts, document_spans, pack_batch, widest_span
 from pipeline.shards.rows import ShardRow, neighbour_arrays
 from schemas.manifest import SearchDepth
 
-SENT = "sent"  # tagged output: (seq_id, elements it sent through the next shuffle)
+SENT = "sent"  # tagged output: (search batch, SentCounts: what each sequence sent through the next shuffle)
 TALLY = "tally"  # tagged output: (name, count) pairs, counted as data (pipeline.common.tally)
 
 
-def _sequence_parts(chunk: Chunk, chunks_per_seq: int):
-    seq_id, offset = divmod(chunk.chunk_id, chunks_per_seq)
-    yield seq_id, ("chunk", chunk)
-    if offset == 0 and seq_id > 0:  # the first token of a sequence is the previous one's target
-        yield seq_id - 1, ("next", (int(chunk.tokens[0]), chunk.doc_id))
-
-
-def _assemble(keyed, chunks_per_seq: int, pad_id: int):
-    seq_id, parts = keyed
-    chunks = sorted((p for kind, p in parts if kind == "chunk"), key=lambda c: c.chunk_id)
-    following = [p for kind, p in parts if kind == "next"]
-    if len(chunks) < chunks_per_seq:  # the chunk database's tail: too short for a sequence
-        return
-    next_token, next_doc = following[0] if following else (None, None)
-    yield pack_sequence(seq_id, chunks, next_token, next_doc, pad_id)
+def _pack(keyed, chunks_per_seq: int, pad_id: int):
+    batch, parts = keyed
+    yield from pack_batch(batch, list(parts), chunks_per_seq, SEQUENCES_PER_SEARCH, pad_id)
 
 
 class PackSequences(beam.PTransform):
-    """Chunk rows -> Sequences of `chunks_per_seq` consecutive chunks (ids seq·L … seq·L+L-1)."""
+    """Chunk rows (`ChunkRows` blocks) -> Sequences of `chunks_per_seq` consecutive chunks
+    (ids seq·L … seq·L+L-1), packed a search batch at a time."""
 
     def __init__(self, chunks_per_seq: int, pad_id: int):
         super().__init__()
@@ -86,9 +80,9 @@ class PackSequences(beam.PTransform):
     def expand(self, chunks):
         return (
             chunks
-            | "KeyBySequence" >> beam.FlatMap(_sequence_parts, self.chunks_per_seq)
-            | "GroupBySequence" >> beam.GroupByKey()
-            | "Assemble" >> beam.FlatMap(_assemble, self.chunks_per_seq, self.pad_id)
+            | "KeyBySearchBatch" >> beam.FlatMap(batch_parts, self.chunks_per_seq, SEQUENCES_PER_SEARCH)
+            | "GroupBySearchBatch" >> beam.GroupByKey()
+            | "Pack" >> beam.FlatMap(_pack, self.chunks_per_seq, self.pad_id)
         )
 
 
@@ -110,30 +104,26 @@ class DocumentSpans(beam.PTransform):
         )
 
 
-def emit_hits(spec: Retrieval, seq_ids: list[int], hits: np.ndarray, deeper_seqs):
-    """What a searched batch sends on: tallies, the count each sequence will receive,
-    and the hits (the k neighbours keyed by chunk id, or candidate blocks by chunk file)."""
+def emit_hits(spec: Retrieval, batch: int, seq_ids: list[int], hits: np.ndarray, deeper_seqs, searched_alone: int):
+    """What a searched batch sends on: tallies, the count each of its sequences will receive
+    (one `SentCounts`, keyed by the batch), and the hits in blocks keyed by the chunk file
+    holding them: the k neighbours as PICK rows, or (deduplicating) the CANDIDATE rows.
+    `searched_alone`: queries the batched search left short (0 for a routed search, which
+    excludes inside each slice's search)."""
     check_in_database(hits, spec.chunk_files.num_chunks)
     L = spec.chunks_per_seq
     yield beam.pvalue.TaggedOutput(TALLY, ("queries", len(seq_ids) * L))
     yield beam.pvalue.TaggedOutput(TALLY, ("queries_searched_deeper", len(deeper_seqs) * L))
-    hit_seqs, counts = np.unique(hits["seq_id"], return_counts=True)
-    sent = dict(zip(hit_seqs.tolist(), counts.tolist()))
-    for seq_id in seq_ids:  # what each sequence must receive back, checked when it arrives
-        yield beam.pvalue.TaggedOutput(SENT, (seq_id, sent.get(seq_id, 0)))
-    if not spec.dedupe:  # the k hits are the neighbours (rank = slot)
-        for seq_id, j, slot, chunk_id, score in zip(
-            hits["seq_id"].tolist(),
-            hits["j"].tolist(),
-            hits["rank"].tolist(),
-            hits["chunk_id"].tolist(),
-            hits["score"].tolist(),
-        ):
-            yield chunk_id, (seq_id, j, slot, score)
-        return
-    files = spec.chunk_files.files_of(hits["chunk_id"])
-    for number in np.unique(files):
-        yield int(number), hits[files == number]
+    yield beam.pvalue.TaggedOutput(TALLY, ("queries_searched_alone", searched_alone))
+    yield beam.pvalue.TaggedOutput(SENT, (batch, SentCounts.of(seq_ids, hits)))
+    yield from by_chunk_file(spec, hits if spec.dedupe else picks_of(hits))
+
+
+def by_chunk_file(spec: Retrieval, rows: np.ndarray):
+    """CANDIDATE or PICK rows -> (chunk file number, the block of them it holds) per file."""
+    files = spec.chunk_files.files_of(rows["chunk_id"])
+    for number in np.unique(files).tolist():
+        yield number, rows[files == number]
 
 
 def _loaded_index(holder: shared.Shared, path: str, depth: int | None):
@@ -150,9 +140,7 @@ def _loaded_index(holder: shared.Shared, path: str, depth: int | None):
 class _Search(beam.DoFn):
     """A search batch of sequences -> per sequence, its queries searched with the chunk-id
     ranges of its own documents skipped inside faiss (the one index file, loaded once per
-    process, at the tuned depth: a side input). Emits the k neighbours as picks keyed by chunk
-    id, or (deduplicating) the candidates as CANDIDATE blocks keyed by the chunk file holding
-    them."""
+    process, at the tuned depth: a side input). Emits `emit_hits`."""
 
     _shared_index = shared.Shared()
 
@@ -163,9 +151,9 @@ class _Search(beam.DoFn):
         _, grouped = keyed
         assert self.spec.index_path is not None  # one index file (__post_init__ allows nothing else here)
         index = _loaded_index(self._shared_index, self.spec.index_path, tuned.depth).index
-        sequences, hits, deeper = search_batch(index, grouped, self.spec)
+        sequences, hits, deeper, alone = search_batch(index, grouped, self.spec)
         if sequences:  # none: only the embeddings of chunks left over after the last sequence
-            yield from emit_hits(self.spec, [s.seq_id for s in sequences], hits, deeper)
+            yield from emit_hits(self.spec, keyed[0], [s.seq_id for s in sequences], hits, deeper, alone)
 
 
 BATCHES_PER_SEARCH_GROUP = 256  # search batches a (slice, group) key holds: the slice is loaded once per group
@@ -244,7 +232,7 @@ class _MergeRound(beam.DoFn):
         L = self.spec.chunks_per_seq
         state, deeper = merge_round(states[0], list(grouped["found"]), _width(self.spec), self.routing.nlist, L)
         if not deeper:
-            yield from emit_hits(self.spec, state.queries.seq_ids.tolist(), hits_of(state, L), state.deeper)
+            yield from emit_hits(self.spec, batch, state.queries.seq_ids.tolist(), hits_of(state, L), state.deeper, 0)
             return
         state, sent = route_rows(state, *_router(self._shared_quantizer, self.routing), L)
         yield beam.pvalue.TaggedOutput(STATE, (batch, state))
@@ -257,43 +245,34 @@ def _width(spec: Retrieval) -> int:
 
 
 class _CandidateTokens(beam.DoFn):
-    """(chunk file, candidate blocks in it) -> one CANDIDATE block per sequence, each hit with
-    its chunk's token hash, from one read of that file's tokens. A block is one search batch's
-    hits in the file, handled and sent on before the next is read, so this holds the file's
-    tokens, a key per row and one block: not every candidate of the file (a runner that streams
-    a large group, as Beam's state-backed iterables do, never holds them all either)."""
+    """(chunk file, candidate blocks in it) -> (search batch, its block with each hit's token
+    hash), from one read of that file's tokens. A block is one search batch's hits in the
+    file, handled and sent on before the next is read, so this holds the file's tokens, a key
+    per row and one block: not every candidate of the file (a runner that streams a large
+    group, as Beam's state-backed iterables do, never holds them all either)."""
 
     def __init__(self, chunk_files: ChunkFileRanges | CommittedChunkFiles):
         self.chunk_files = chunk_files
 
     def process(self, keyed):
         number, blocks = keyed
-        tokens = self.chunk_files.read(number, ["tokens"])["tokens"]
-        keys = np.full(len(tokens), -1, np.int64)  # each row's token_key (never negative), hashed once
-        start = self.chunk_files.starts[number]
+        file = FileTokens(self.chunk_files, number, continuation=False)
         for block in blocks:
-            hits = block[np.argsort(block["seq_id"], kind="stable")]  # a copy: the input stays as it came
-            local = hits["chunk_id"] - start
-            new = np.unique(local[keys[local] < 0])  # a chunk is hit by many queries
-            keys[new] = [token_key(tokens[r]) for r in new]
-            hits["token_key"] = keys[local]
-            seq_ids, starts = np.unique(hits["seq_id"], return_index=True)
-            yield from zip(seq_ids.tolist(), np.split(hits, starts[1:]))
+            yield search_batch_of(int(block["seq_id"][0])), file.with_token_keys(block)
 
 
 class _NeighbourTokens(beam.DoFn):
-    """(chunk file, kept neighbours in it) -> neighbours keyed by sequence, each with its
-    chunk + continuation [2m] as raw int32 bytes (compact through the next shuffle)."""
+    """(chunk file, blocks of kept neighbours in it) -> (search batch, NeighbourBlock) per
+    block, each neighbour with its chunk + continuation [2m], from one read of that file."""
 
     def __init__(self, chunk_files: ChunkFileRanges | CommittedChunkFiles):
         self.chunk_files = chunk_files
 
     def process(self, keyed):
-        number, picks = keyed
-        picks = list(picks)
-        values = neighbour_values(self.chunk_files, number, np.array([chunk_id for chunk_id, _ in picks], np.int64))
-        for (chunk_id, (seq_id, j, slot, score)), value in zip(picks, values):
-            yield seq_id, (j, slot, chunk_id, score, value.tobytes())
+        number, blocks = keyed
+        file = FileTokens(self.chunk_files, number, continuation=True)
+        for picks in blocks:
+            yield search_batch_of(int(picks["seq_id"][0])), NeighbourBlock(picks, file.values(picks["chunk_id"]))
 
 
 def _arrived(seq_id: int, what: str, received: int, sent: list[int]) -> None:
@@ -306,28 +285,46 @@ def _arrived(seq_id: int, what: str, received: int, sent: list[int]) -> None:
         )
 
 
-def _select_distinct(keyed, k: int):
-    seq_id, grouped = keyed
-    blocks = list(grouped["candidates"])  # none when the index reached no chunk for it
+def _all_arrived(what: str, seq_ids: np.ndarray, rows: np.ndarray, sent: list[SentCounts]) -> None:
+    """`_arrived` for each of a batch's sequences (sorted seq ids): the rows it received
+    against the counts sent for it (one, unless a shuffle lost or repeated a count)."""
+    counts: dict[int, list[int]] = {}
+    for sent_counts in sent:
+        for seq_id, count in zip(sent_counts.seq_ids.tolist(), sent_counts.counts.tolist()):
+            counts.setdefault(seq_id, []).append(count)
+    for seq_id, received in zip(seq_ids.tolist(), received_by(seq_ids, rows).tolist()):
+        _arrived(seq_id, what, received, counts.get(seq_id, []))
+
+
+def _select_distinct(keyed, spec: Retrieval):
+    """(search batch, its candidate blocks with token hashes and its SentCounts) -> the k
+    distinct neighbours per query as PICK blocks keyed by chunk file, with their SentCounts."""
+    batch, grouped = keyed
+    blocks, sent = list(grouped["candidates"]), list(grouped["sent"])
     candidates = np.concatenate(blocks) if blocks else np.zeros(0, CANDIDATE)
-    _arrived(seq_id, "search hits", len(candidates), list(grouped["sent"]))
-    picks, dropped = select_distinct(candidates, k)
+    seq_ids = np.union1d(np.concatenate([s.seq_ids for s in sent] or [[]]), candidates["seq_id"]).astype(np.int64)
+    _all_arrived("search hits", seq_ids, candidates, sent)
+    picks, dropped = select_distinct(candidates, spec.neighbours)
     yield beam.pvalue.TaggedOutput(TALLY, ("candidates_dropped_duplicate_tokens", dropped))
-    yield beam.pvalue.TaggedOutput(SENT, (seq_id, len(picks)))
-    for j, slot, chunk_id, score in picks:
-        yield chunk_id, (seq_id, j, slot, score)
+    yield beam.pvalue.TaggedOutput(SENT, (batch, SentCounts.of(seq_ids.tolist(), picks)))
+    yield from by_chunk_file(spec, picks)
 
 
-def _to_row(keyed, chunks_per_seq: int, k: int, m: int, pad_id: int):
+def _to_rows(keyed, chunks_per_seq: int, k: int, m: int, pad_id: int):
+    """(search batch, its sequences, neighbour blocks and SentCounts) -> a ShardRow per sequence."""
     _, grouped = keyed
-    (sequence,) = grouped["sequence"]
-    picks = [
-        (j, slot, chunk_id, score, np.frombuffer(value, np.int32))
-        for j, slot, chunk_id, score, value in grouped["picks"]
-    ]
-    _arrived(sequence.seq_id, "neighbours", len(picks), list(grouped["sent"]))
-    neighbours, ids, scores = neighbour_arrays(picks, chunks_per_seq, k, m, pad_id)
-    yield ShardRow(sequence.seq_id, sequence.tokens, neighbours, ids, scores, sequence.doc_ids)
+    sequences = sorted(grouped["sequence"], key=lambda s: s.seq_id)
+    blocks = list(grouped["picks"])
+    picks = np.concatenate([b.picks for b in blocks]) if blocks else np.zeros(0, PICK)
+    values = np.concatenate([b.values for b in blocks]) if blocks else np.zeros((0, 2 * m), np.int32)
+    seq_ids = np.array([s.seq_id for s in sequences], np.int64)
+    _all_arrived("neighbours", seq_ids, picks, list(grouped["sent"]))
+    order = np.argsort(picks["seq_id"], kind="stable")
+    picks, values = picks[order], values[order]
+    bounds = np.searchsorted(picks["seq_id"], np.r_[seq_ids, seq_ids[-1:] + 1] if len(seq_ids) else [])
+    for s, start, end in zip(sequences, bounds[:-1], bounds[1:]):
+        neighbours, ids, scores = neighbour_arrays(picks[start:end], values[start:end], chunks_per_seq, k, m, pad_id)
+        yield ShardRow(s.seq_id, s.tokens, neighbours, ids, scores, s.doc_ids)
 
 
 @dataclass
@@ -401,7 +398,7 @@ class Retrieved:
 
 
 class RetrieveNeighbours(beam.PTransform):
-    """(sequences, query embeddings, database document spans) -> `Retrieved`: ShardRows with
+    """(sequences, query embeddings (`QueryBlock`s), database document spans) -> `Retrieved`: ShardRows with
     the k nearest chunks of the database outside each sequence's documents, and the probe
     sample with its exact truth and the search depth tuned on it.
 
@@ -423,9 +420,8 @@ class RetrieveNeighbours(beam.PTransform):
 
     def expand(self, inputs):
         sequences, embeddings, doc_spans = inputs
-        spec, batch = self.spec, SEQUENCES_PER_SEARCH
+        spec = self.spec
         L, files = spec.chunks_per_seq, spec.chunk_files
-        by_seq = sequences | "SeqById" >> beam.Map(lambda s: (s.seq_id, s))
         excluded = (
             {
                 "span": doc_spans,
@@ -434,10 +430,11 @@ class RetrieveNeighbours(beam.PTransform):
             | "JoinDocumentSpans" >> beam.CoGroupByKey()
             | "ExcludedRanges" >> beam.FlatMap(_excluded_ranges)
         )
+        by_batch = sequences | "SeqBySearchBatch" >> beam.Map(lambda s: (search_batch_of(s.seq_id), s))
         joined = {
-            "sequences": sequences | "SeqBySearchBatch" >> beam.Map(lambda s: (s.seq_id // batch, s)),
-            "embeddings": embeddings | "QueryBySearchBatch" >> beam.Map(lambda e: (e[0] // L // batch, e)),
-            "excluded": excluded | "ExcludedBySearchBatch" >> beam.Map(lambda e: (e[0] // batch, e)),
+            "sequences": by_batch,
+            "embeddings": embeddings | "QueriesBySearchBatch" >> beam.FlatMap(lambda b: b.by_search_batch(L)),
+            "excluded": excluded | "ExcludedBySearchBatch" >> beam.Map(lambda e: (search_batch_of(e[0]), e)),
         } | "JoinQueries" >> beam.CoGroupByKey()
         if spec.probes:
             probes = (
@@ -467,8 +464,7 @@ class RetrieveNeighbours(beam.PTransform):
                     "sent": searched.sent,
                 }
                 | "JoinCandidates" >> beam.CoGroupByKey()
-                | "DropDuplicateTokens"
-                >> beam.FlatMap(_select_distinct, spec.neighbours).with_outputs(SENT, TALLY, main="picks")
+                | "DropDuplicateTokens" >> beam.FlatMap(_select_distinct, spec).with_outputs(SENT, TALLY, main="picks")
             )
             picks, sent = picked.picks, picked[SENT]
             tallies.append(picked[TALLY])
@@ -476,13 +472,12 @@ class RetrieveNeighbours(beam.PTransform):
             picks, sent = searched.found, searched.sent
         neighbours = (
             picks
-            | "PicksByChunkFile" >> beam.Map(lambda pick: (files.file_of(pick[0]), pick))
             | "GroupPicksByChunkFile" >> beam.GroupByKey()
             | "NeighbourTokens" >> beam.ParDo(_NeighbourTokens(files))
         )
         rows = (
-            {"sequence": by_seq, "picks": neighbours, "sent": sent}
+            {"sequence": by_batch, "picks": neighbours, "sent": sent}
             | "JoinNeighbours" >> beam.CoGroupByKey()
-            | "AssembleRows" >> beam.FlatMap(_to_row, L, spec.neighbours, spec.chunk_tokens, spec.pad_id)
+            | "AssembleRows" >> beam.FlatMap(_to_rows, L, spec.neighbours, spec.chunk_tokens, spec.pad_id)
         )
         return Retrieved(rows, probes, truth, depth, tallies | "RetrievalTallies" >> beam.Flatten())

@@ -11,9 +11,9 @@ index stage tuned (nprobe). `neighbours`, `depth`, `dedupe` and `candidates` ove
 (no manifest records dedupe_neighbours or neighbour_candidates).
 
 Every rule is build-shards' own: chunks cut by `chunk_tokens`, their texts by `chunk_texts`,
-embedded by `encode_texts`; one index searched by `search_excluding`, slices by
+embedded by `encode_texts`; one index searched by `search_each_excluding`, slices by
 `search_slices` (one slice held at a time); hits made `candidate_rows`, deduplicated by
-`select_distinct`, and turned into [L, k, 2m] by `neighbour_values` and `neighbour_arrays`.
+`select_distinct`, and turned into [L, k, 2m] by `FileTokens` and `neighbour_arrays`.
 """
 
 from __future__ import annotations
@@ -29,16 +29,16 @@ from pipeline.chunks.chunking import chunk_document, load_tokenizer, tokenize_ba
 from pipeline.common import fileio
 from pipeline.common.models import fingerprint_path, resolve_model, resolve_tokenizer
 from pipeline.index.files import load_index
-from pipeline.index.search import search_excluding
+from pipeline.index.search import search_each_excluding
 from pipeline.jobs.index_files import read_committed_index
 from pipeline.jobs.reuse import committed
 from pipeline.retrieve.search import (
+    FileTokens,
     candidate_rows,
     check_in_database,
-    neighbour_values,
+    picks_of,
     search_slices,
     select_distinct,
-    token_key,
 )
 from pipeline.retrieve.sequences import merge_ranges, widest_span
 from pipeline.shards.rows import neighbour_arrays
@@ -221,43 +221,33 @@ class Retriever:
         if self.routing is not None:
             scores, ids = search_slices(self.routing, queries, width, [excluded] * L, self.depth)
         else:
-            scores, ids = search_excluding(self.index, queries, width, excluded)[:2]
+            found = search_each_excluding(self.index, queries, width, [excluded] * L)
+            scores, ids = found.scores, found.ids
         hits = candidate_rows(np.zeros(L, np.int64), scores, ids, L)
         check_in_database(hits, self.chunk_files.num_chunks)
-        if self.dedupe:
-            hits = self._with_token_keys(hits)
-            picks, _ = select_distinct(hits, k)
-        else:
-            columns = ("j", "rank", "chunk_id", "score")  # the k hits are the neighbours (rank = slot)
-            picks = list(zip(*(hits[column].tolist() for column in columns)))
-        values = self._values([chunk_id for _, _, chunk_id, _ in picks])
-        rows = [(j, slot, chunk_id, score, values[chunk_id]) for j, slot, chunk_id, score in picks]
-        return Neighbours(*neighbour_arrays(rows, L, k, self.chunk_tokens, self.pad_id))
+        picks = select_distinct(self._with_token_keys(hits), k)[0] if self.dedupe else picks_of(hits)
+        values = self._values(picks["chunk_id"])
+        return Neighbours(*neighbour_arrays(picks, values, L, k, self.chunk_tokens, self.pad_id))
 
-    def _by_file(self, chunk_ids: np.ndarray):
-        """(file number, the ids it holds) for each chunk file holding some of `chunk_ids`."""
+    def _each_file(self, chunk_ids: np.ndarray):
+        """(where in `chunk_ids`, the chunk file holding them) for each file holding some,
+        read in turn: what is held at once is one chunk file's tokens and the answers."""
         files = self.chunk_files.files_of(chunk_ids)
         for number in np.unique(files).tolist():
-            yield number, chunk_ids[files == number]
+            yield files == number, number
 
-    def _values(self, chunk_ids: list[int]) -> dict[int, np.ndarray]:
-        """{chunk id: its tokens + continuation [2m]}: each chunk file holding one read in
-        turn (its two token columns, m·8 bytes a row), only the rows asked for kept, so what is
-        held at once is one chunk file's tokens (chunk_file_rows rows) and the answers."""
-        values: dict[int, np.ndarray] = {}
-        for number, ids in self._by_file(np.unique(np.asarray(chunk_ids, np.int64))):
-            values.update(zip(ids.tolist(), neighbour_values(self.chunk_files, number, ids)))
+    def _values(self, chunk_ids: np.ndarray) -> np.ndarray:
+        """Each chunk's tokens + continuation, int32 [len(chunk_ids), 2m]."""
+        values = np.zeros((len(chunk_ids), 2 * self.chunk_tokens), np.int32)
+        for at, number in self._each_file(chunk_ids):
+            values[at] = FileTokens(self.chunk_files, number, continuation=True).values(chunk_ids[at])
         return values
 
     def _with_token_keys(self, hits: np.ndarray) -> np.ndarray:
-        """CANDIDATE hits with each chunk's token_key, read one chunk file at a time."""
+        """A copy of CANDIDATE hits with each chunk's token_key."""
         hits = hits.copy()
-        for number, ids in self._by_file(np.unique(hits["chunk_id"])):
-            tokens = self.chunk_files.read(number, ["tokens"])["tokens"]
-            start = self.chunk_files.starts[number]
-            keys = {chunk_id: token_key(tokens[chunk_id - start]) for chunk_id in ids.tolist()}
-            inside = np.isin(hits["chunk_id"], ids)
-            hits["token_key"][inside] = [keys[chunk_id] for chunk_id in hits["chunk_id"][inside].tolist()]
+        for at, number in self._each_file(hits["chunk_id"]):
+            hits[at] = FileTokens(self.chunk_files, number, continuation=False).with_token_keys(hits[at])
         return hits
 
 

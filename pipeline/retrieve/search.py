@@ -17,7 +17,7 @@ from pipeline.index.files import LIST_OWNERS_FILE, QUANTIZER_FILE, load_index, r
 from pipeline.index.recall import recall_of
 from pipeline.index.routing import search_routed
 from pipeline.index.sampling import sample_keys
-from pipeline.index.search import search_depth_range, search_each_excluding, search_excluding, set_search_depth
+from pipeline.index.search import search_depth_range, search_each_excluding, set_search_depth
 from pipeline.index.tuning import tune_depth
 from pipeline.retrieve.recall import Probe
 from pipeline.retrieve.sequences import merge_ranges
@@ -29,29 +29,80 @@ SEQUENCES_PER_SEARCH = 64  # fixed search batches: faiss scores depend on batch 
 CANDIDATE = np.dtype(
     [("seq_id", "<i8"), ("j", "<i4"), ("rank", "<i4"), ("chunk_id", "<i8"), ("score", "<f4"), ("token_key", "<i8")]
 )
+# The neighbours kept, in numpy blocks: slot of chunk j of sequence seq_id.
+PICK = np.dtype([("seq_id", "<i8"), ("j", "<i4"), ("slot", "<i4"), ("chunk_id", "<i8"), ("score", "<f4")])
 
 PROBE_SALT = 3
 
 
-def select_distinct(candidates: np.ndarray, k: int) -> tuple[list[tuple], int]:
-    """Per chunk j, the k best-ranked CANDIDATE rows whose tokens differ from those already
-    kept for j: ([(j, slot, chunk_id, score)], candidates dropped as duplicates)."""
-    c = candidates[np.lexsort((candidates["rank"], candidates["j"]))]
-    picks: list[tuple] = []
-    kept: dict[int, list[int]] = {}
+def search_batch_of(seq_id: int) -> int:
+    """The search batch a sequence belongs to: its queries are searched, and its row
+    assembled, with those of the batch."""
+    return seq_id // SEQUENCES_PER_SEARCH
+
+
+def picks_of(hits: np.ndarray) -> np.ndarray:
+    """CANDIDATE hits that are the neighbours themselves (no deduplication: rank = slot) -> PICK rows."""
+    picks = np.zeros(len(hits), PICK)
+    for field in ("seq_id", "j", "chunk_id", "score"):
+        picks[field] = hits[field]
+    picks["slot"] = hits["rank"]
+    return picks
+
+
+def select_distinct(candidates: np.ndarray, k: int) -> tuple[np.ndarray, int]:
+    """Per chunk (seq_id, j), the k best-ranked CANDIDATE rows whose tokens differ from those
+    already kept for it: (PICK rows, candidates dropped as duplicates)."""
+    c = candidates[np.lexsort((candidates["rank"], candidates["j"], candidates["seq_id"]))]
+    kept: dict[tuple[int, int], list[int]] = {}
+    rows: list[int] = []
+    slots: list[int] = []
     dropped = 0
-    for j, chunk_id, score, key in zip(
-        c["j"].tolist(), c["chunk_id"].tolist(), c["score"].tolist(), c["token_key"].tolist()
-    ):
-        keys = kept.setdefault(j, [])
+    for row, (seq_id, j, key) in enumerate(zip(c["seq_id"].tolist(), c["j"].tolist(), c["token_key"].tolist())):
+        keys = kept.setdefault((seq_id, j), [])
         if len(keys) >= k:
             continue
         if key in keys:
             dropped += 1
             continue
-        picks.append((j, len(keys), chunk_id, score))
+        rows.append(row)
+        slots.append(len(keys))
         keys.append(key)
+    picks = picks_of(c[rows])
+    picks["slot"] = slots
     return picks, dropped
+
+
+@dataclass(frozen=True)
+class SentCounts:
+    """What a search batch sent through a shuffle, per sequence (its seq ids, in order): the
+    elements each must receive, checked when they arrive."""
+
+    seq_ids: np.ndarray  # int64
+    counts: np.ndarray  # int64
+
+    @classmethod
+    def of(cls, seq_ids: list[int], rows: np.ndarray) -> SentCounts:
+        """For these sequences, how many of `rows` (CANDIDATE or PICK) each one owns."""
+        ids = np.asarray(seq_ids, np.int64)
+        return cls(ids, received_by(ids, rows))
+
+
+def received_by(seq_ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """How many of `rows` (CANDIDATE or PICK) belong to each of `seq_ids` (sorted)."""
+    if not len(seq_ids):
+        return np.zeros(0, np.int64)
+    at = np.searchsorted(seq_ids, rows["seq_id"])
+    owned = seq_ids[np.minimum(at, len(seq_ids) - 1)] == rows["seq_id"]
+    return np.bincount(at[owned], minlength=len(seq_ids)).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class NeighbourBlock:
+    """Kept neighbours with what their slots hold."""
+
+    picks: np.ndarray  # PICK [n]
+    values: np.ndarray  # int32 [n, 2m]: each chunk's tokens + its continuation
 
 
 def token_key(tokens: np.ndarray) -> int:
@@ -64,13 +115,31 @@ def token_key(tokens: np.ndarray) -> int:
     )
 
 
-def neighbour_values(chunk_files, number: int, chunk_ids: np.ndarray) -> np.ndarray:
-    """What a neighbour slot holds for each of `chunk_ids` (all in chunk file `number`): the
-    chunk's tokens + its continuation, int32 [len(chunk_ids), 2m], from one read of that file's
-    two token columns (only the rows asked for are kept)."""
-    rows = chunk_files.read(number, ["tokens", "continuation"])
-    local = np.asarray(chunk_ids, np.int64) - chunk_files.starts[number]
-    return np.concatenate([rows["tokens"][local], rows["continuation"][local]], axis=1).astype(np.int32)
+class FileTokens:
+    """One chunk file's token columns, read once, and what its rows give the search: the token
+    hash deduplication compares (each row hashed once) and a neighbour slot's value."""
+
+    def __init__(self, chunk_files, number: int, continuation: bool):
+        columns = chunk_files.read(number, ["tokens", "continuation"] if continuation else ["tokens"])
+        self.start = chunk_files.starts[number]
+        self.tokens, self.continuation = columns["tokens"], columns.get("continuation")
+        self._keys = np.full(len(self.tokens), -1, np.int64)  # token_key is never negative
+
+    def with_token_keys(self, hits: np.ndarray) -> np.ndarray:
+        """A copy of CANDIDATE `hits` (all in this file) with each chunk's token_key."""
+        hits = hits.copy()
+        local = hits["chunk_id"] - self.start
+        new = np.unique(local[self._keys[local] < 0])  # a chunk is hit by many queries
+        self._keys[new] = [token_key(self.tokens[r]) for r in new]
+        hits["token_key"] = self._keys[local]
+        return hits
+
+    def values(self, chunk_ids: np.ndarray) -> np.ndarray:
+        """What a neighbour slot holds for each of `chunk_ids` (all in this file): the chunk's
+        tokens + its continuation, int32 [len(chunk_ids), 2m]."""
+        assert self.continuation is not None, "read with continuation=True"
+        local = np.asarray(chunk_ids, np.int64) - self.start
+        return np.concatenate([self.tokens[local], self.continuation[local]], axis=1).astype(np.int32)
 
 
 @dataclass(frozen=True)
@@ -132,15 +201,41 @@ def _excluded_ranges(keyed):
         yield seq_id, spans[0] if spans else None
 
 
+@dataclass(frozen=True)
+class QueryBlock:
+    """Query embeddings of training chunks, any ids in any order: what the search reads, in
+    blocks (a file's rows, or one embedded chunk) rather than an element per chunk."""
+
+    chunk_ids: np.ndarray  # int64 [n]
+    vectors: np.ndarray  # [n, d]
+
+    @classmethod
+    def of_row(cls, row: tuple[int, np.ndarray]) -> QueryBlock:
+        """One (chunk_id, vector) pair."""
+        return cls(np.array([row[0]], np.int64), np.asarray(row[1])[None])
+
+    def by_search_batch(self, chunks_per_seq: int):
+        """-> (search batch, the block of its rows) for each batch these rows' sequences fall in."""
+        batches = self.chunk_ids // chunks_per_seq // SEQUENCES_PER_SEARCH
+        order = np.argsort(batches, kind="stable")
+        keys, starts = np.unique(batches[order], return_index=True)
+        for batch, rows in zip(keys.tolist(), np.split(order, starts[1:])):
+            yield batch, QueryBlock(self.chunk_ids[rows], self.vectors[rows])
+
+
 def batch_queries(grouped, L: int):
     """A joined search batch -> per sequence (seq id order): (sequence, its queries [L, d], its
     documents' chunk-id ranges, merged). A sequence whose documents did not all answer (a
-    lost range would let its own chunks through as neighbours) fails the job: nothing is
-    committed."""
-    vectors = dict(grouped["embeddings"])
+    lost range would let its own chunks through as neighbours), or whose chunks' embeddings
+    did not all arrive, fails the job: nothing is committed."""
+    blocks = list(grouped["embeddings"])
+    ids = np.concatenate([b.chunk_ids for b in blocks]) if blocks else np.zeros(0, np.int64)
+    order = np.argsort(ids, kind="stable")
+    ids = ids[order]
     excluded: dict[int, list] = {}
     for seq_id, span in grouped["excluded"]:
         excluded.setdefault(seq_id, []).append(span)
+    vectors = None
     for s in sorted(grouped["sequences"], key=lambda s: s.seq_id):
         answered = excluded.get(s.seq_id, [])
         if len(answered) != len(s.doc_ids):
@@ -148,8 +243,16 @@ def batch_queries(grouped, L: int):
                 f"sequence {s.seq_id}: {len(answered)} of its {len(s.doc_ids)} documents' chunk-id ranges "
                 f"arrived: {LOST_DATA}; nothing is committed"
             )
-        queries = np.stack([vectors[s.seq_id * L + j] for j in range(L)])  # [L, d]
-        yield s, queries, merge_ranges([span for span in answered if span is not None])
+        wanted = s.seq_id * L + np.arange(L)
+        at = np.minimum(np.searchsorted(ids, wanted), max(len(ids) - 1, 0))
+        if not len(ids) or (ids[at] != wanted).any():
+            raise RuntimeError(
+                f"sequence {s.seq_id}: the embeddings of its chunks {wanted[0]}..{wanted[-1]} did not all arrive: "
+                f"{LOST_DATA}; nothing is committed"
+            )
+        if vectors is None:  # the batch's vectors in id order, once it has a sequence to search
+            vectors = np.concatenate([b.vectors for b in blocks])[order]
+        yield s, vectors[at], merge_ranges([span for span in answered if span is not None])
 
 
 def batch_probes(keyed, spec: Retrieval) -> list[Probe]:
@@ -166,17 +269,20 @@ def batch_probes(keyed, spec: Retrieval) -> list[Probe]:
 def search_batch(index, grouped, spec: Retrieval):
     """One search batch (sequences, their query embeddings, their excluded chunk-id ranges) ->
     (sequences, CANDIDATE hits with the best `width` per query outside the ranges, seq ids
-    whose search went deeper)."""
+    whose search went deeper, queries searched again alone): one batched search for all its
+    queries (`search_each_excluding`)."""
     L = spec.chunks_per_seq
     width = spec.candidates if spec.dedupe else spec.neighbours
-    blocks, sequences, deeper_seqs = [np.zeros(0, CANDIDATE)], [], set()
-    for s, queries, ranges in batch_queries(grouped, L):
-        sequences.append(s)
-        scores, found, deeper = search_excluding(index, queries, width, ranges)  # [L, width]
-        if deeper:
-            deeper_seqs.add(s.seq_id)
-        blocks.append(candidate_rows(np.full(L, s.seq_id), scores, found, L))
-    return sequences, np.concatenate(blocks), deeper_seqs
+    batch = list(batch_queries(grouped, L))
+    if not batch:
+        return [], np.zeros(0, CANDIDATE), set(), 0
+    sequences = [s for s, _, _ in batch]
+    seq_ids = np.array([s.seq_id for s in sequences], np.int64)
+    found = search_each_excluding(
+        index, np.concatenate([queries for _, queries, _ in batch]), width, [r for _, _, r in batch for _ in range(L)]
+    )  # rows: sequence after sequence, L each
+    deeper_seqs = set(seq_ids[found.deeper.reshape(-1, L).any(axis=1)].tolist())
+    return sequences, candidate_rows(seq_ids, found.scores, found.ids, L), deeper_seqs, int(found.searched_alone.sum())
 
 
 def candidate_rows(seq_ids: np.ndarray, scores: np.ndarray, ids: np.ndarray, chunks_per_seq: int) -> np.ndarray:
@@ -210,7 +316,7 @@ def search_probes(index, probes: list[Probe], k: int, depth: int | None) -> np.n
     its own ranges excluded, deepening as the search does."""
     if depth is not None:
         set_search_depth(index, depth)
-    return search_each_excluding(index, np.stack([p.query for p in probes]), k, [p.excluded for p in probes])[1]
+    return search_each_excluding(index, np.stack([p.query for p in probes]), k, [p.excluded for p in probes]).ids
 
 
 class _SlicesInTurn:

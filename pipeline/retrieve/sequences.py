@@ -6,18 +6,49 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.chunks.chunking import Chunk
+from pipeline.chunks.chunk_files import ChunkRows
 from pipeline.shards.rows import Sequence
 
 
 def pack_sequence(
-    seq_id: int, chunks: list[Chunk], next_token: int | None, next_doc: int | None, pad_id: int
+    seq_id: int, tokens: np.ndarray, doc_ids: np.ndarray, next_token: int | None, next_doc: int | None, pad_id: int
 ) -> Sequence:
-    """L consecutive chunks (sorted by id) + the first token of the chunk after them."""
+    """The tokens [L, m] and documents [L] of L consecutive chunks + the first token of the
+    chunk after them (and its document)."""
     target = pad_id if next_token is None else next_token
-    tokens = np.concatenate([c.tokens for c in chunks] + [np.array([target], np.int32)])
-    docs = {c.doc_id for c in chunks} | ({next_doc} if next_doc is not None else set())
-    return Sequence(seq_id, tokens.astype(np.int32), tuple(sorted(docs)))
+    flat = np.concatenate([np.asarray(tokens).ravel(), np.array([target], np.int32)])
+    docs = set(np.asarray(doc_ids).tolist()) | ({next_doc} if next_doc is not None else set())
+    return Sequence(seq_id, flat.astype(np.int32), tuple(sorted(docs)))
+
+
+def batch_parts(rows: ChunkRows, chunks_per_seq: int, sequences_per_batch: int):
+    """Chunk rows -> (batch, its rows) for each batch of `sequences_per_batch` sequences they
+    fall in; a batch's first chunk also goes to the batch before, whose last sequence takes
+    its first token as its target."""
+    per_batch = chunks_per_seq * sequences_per_batch
+    batches = rows.chunk_id // per_batch
+    for batch in np.unique(batches).tolist():
+        yield batch, rows.take(np.flatnonzero(batches == batch))
+    opening = np.flatnonzero((rows.chunk_id % per_batch == 0) & (rows.chunk_id > 0))
+    for row in opening.tolist():
+        yield int(rows.chunk_id[row]) // per_batch - 1, rows.take(np.array([row]))
+
+
+def pack_batch(batch: int, parts: list[ChunkRows], chunks_per_seq: int, sequences_per_batch: int, pad_id: int):
+    """A batch's chunk rows (`batch_parts`) -> its Sequences, in seq id order: each of L
+    consecutive chunks, with the first token of the chunk after it as its target. A sequence
+    short of chunks is the chunk database's tail, too short for one: none is made."""
+    rows = ChunkRows.concatenate(parts)
+    rows = rows.take(np.argsort(rows.chunk_id, kind="stable"))
+    ids, L = rows.chunk_id, chunks_per_seq
+    for seq_id in range(batch * sequences_per_batch, (batch + 1) * sequences_per_batch):
+        wanted = seq_id * L + np.arange(L + 1)  # its chunks and the next one
+        at = np.minimum(np.searchsorted(ids, wanted), max(len(ids) - 1, 0))
+        present = (ids[at] == wanted) if len(ids) else np.zeros(L + 1, bool)
+        if not present[:L].all():
+            continue
+        next_token, next_doc = (int(rows.tokens[at[L], 0]), int(rows.doc_id[at[L]])) if present[L] else (None, None)
+        yield pack_sequence(seq_id, rows.tokens[at[:L]], rows.doc_id[at[:L]], next_token, next_doc, pad_id)
 
 
 def document_spans(chunk_ids: np.ndarray, doc_ids: np.ndarray) -> list[tuple[int, tuple[int, int]]]:

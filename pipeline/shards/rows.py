@@ -31,14 +31,15 @@ class ShardRow:
     doc_ids: tuple
 
 
-def neighbour_arrays(picks: list[tuple], chunks_per_seq: int, k: int, m: int, pad_id: int):
-    """(j, slot, chunk_id, score, value [2m]) picks -> neighbours [L, k, 2m], ids [L, k]
-    (-1 = absent), scores [L, k]; absent slots hold pad_id and score 0."""
+def neighbour_arrays(picks: np.ndarray, values: np.ndarray, chunks_per_seq: int, k: int, m: int, pad_id: int):
+    """One sequence's kept neighbours (records with j, slot, chunk_id, score) and their values
+    [n, 2m] -> neighbours [L, k, 2m], ids [L, k] (-1 = absent), scores [L, k]; absent slots
+    hold pad_id and score 0."""
     tokens = np.full((chunks_per_seq, k, 2 * m), pad_id, dtype=np.int32)
     ids = np.full((chunks_per_seq, k), -1, dtype=np.int64)
     scores = np.zeros((chunks_per_seq, k), dtype=np.float32)
-    for j, slot, chunk_id, score, value in picks:
-        tokens[j, slot], ids[j, slot], scores[j, slot] = value, chunk_id, score
+    at = (picks["j"], picks["slot"])
+    tokens[at], ids[at], scores[at] = values, picks["chunk_id"], picks["score"]
     return tokens, ids, scores
 
 

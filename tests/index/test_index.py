@@ -26,7 +26,7 @@ from pipeline.index.kmeans import REFINE_ITERATIONS, list_assigner, list_sums, m
 from pipeline.index.recall import one_recall_at_k
 from pipeline.index.routing import list_sizes
 from pipeline.index.sampling import TRAIN_SALT, in_sample
-from pipeline.index.search import search_excluding, set_search_depth
+from pipeline.index.search import EXCLUSION_MARGIN_CAP, search_each_excluding, search_excluding, set_search_depth
 from pipeline.index.slices import vectors_per_slice
 from pipeline.index.train import build_index, merge_part, train_index
 from pipeline.index.tuning import tune_search_depth
@@ -254,6 +254,40 @@ def test_search_excluding_skips_the_ranges_and_fills_every_slot(factory):
         assert deeper == 0 and np.allclose(scores, np.take_along_axis(exact, expected, 1), atol=1e-5)
     if "IVF" in factory:
         assert deeper > 0  # one list held only excluded vectors: the search went deeper
+
+
+@pytest.mark.parametrize("factory", ["Flat", "IVF64,Flat", "IVF64,PQ8x8np", "HNSW16"])
+@pytest.mark.unit
+def test_one_batched_search_answers_as_each_query_searched_alone(factory):
+    """Queries with their own ranges: short ones (inside the margin), long ones (beyond
+    EXCLUSION_MARGIN_CAP: most of their nearest are excluded), none, and ranges that empty
+    the probed lists (deepening): every row equal to its search alone with the exclusion
+    inside faiss (ties aside), and rows left short counted."""
+    rng = np.random.default_rng(5)
+    centres = rng.normal(size=(40, 32))  # documents of 200 consecutive ids about one centre each
+    vectors = _unit(np.repeat(centres, 200, axis=0) + 0.3 * rng.normal(size=(8000, 32)))
+    index = build_index(np.arange(len(vectors), dtype=np.int64), vectors, factory)
+    set_search_depth(index, 2 if "IVF" in factory else 16)
+    rows = rng.choice(len(vectors), 96, replace=False)
+    excluded = []
+    for number, row in enumerate(rows.tolist()):
+        reach = [0, 3, 40, 200, 2000][number % 5]  # the chunks either side of the query excluded
+        ranges = [(max(row - reach, 0), row + reach + 1)] if reach else []
+        if number % 7 == 0:
+            ranges.append((7000, 7500))
+        excluded.append(sorted(ranges))
+    found = search_each_excluding(index, vectors[rows], 4, excluded)
+    for row, ranges in enumerate(excluded):
+        scores, ids, deeper = search_excluding(index, vectors[rows[row : row + 1]], 4, ranges)
+        assert not any(start <= f < end for f in found.ids[row] for start, end in ranges)
+        np.testing.assert_allclose(found.scores[row], scores[0], rtol=1e-5, atol=1e-5)
+        same = found.ids[row] == ids[0]
+        assert same.all() or np.allclose(found.scores[row][~same], scores[0][~same], atol=1e-5)  # ties
+        assert found.deeper[row] == (deeper > 0)
+    long_rows = np.array([len(r) > 0 and r[0][1] - r[0][0] > 2 * EXCLUSION_MARGIN_CAP for r in excluded])
+    assert found.searched_alone[long_rows].mean() > 0.5 and not found.searched_alone[~long_rows].all()
+    assert (found.ids >= 0).all()
+    assert found.deeper.any() == (factory != "Flat")  # excluded documents filled the probed lists (or walk)
 
 
 @pytest.mark.unit

@@ -54,7 +54,7 @@ def test_tuning_without_own_documents_excluded_picks_a_depth_below_target(corpus
 
     def own_at(depth):
         set_search_depth(index, depth)
-        return recall_of(outside, search_each_excluding(index, vectors[queries], K, documents)[1])
+        return recall_of(outside, search_each_excluding(index, vectors[queries], K, documents).ids)
 
     cfg = IndexConfig(target_recall=TARGET)
     depths = search_depth_range(index)

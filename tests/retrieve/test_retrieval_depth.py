@@ -11,7 +11,7 @@ import pytest
 from apache_beam.testing.util import assert_that
 
 from benchmarks.synthetic import long_documents
-from pipeline.chunks.chunk_files import ChunkFileRanges
+from pipeline.chunks.chunk_files import ChunkFileRanges, ChunkRows
 from pipeline.chunks.chunking import Chunk
 from pipeline.common.writers import chunks_table, parquet_bytes
 from pipeline.index.factory import training_size
@@ -20,7 +20,7 @@ from pipeline.index.search import set_search_depth
 from pipeline.index.train import train_index
 from pipeline.retrieve.beam import DocumentSpans, PackSequences, RetrieveNeighbours
 from pipeline.retrieve.recall import MeasureNeighbourRecall
-from pipeline.retrieve.search import NeighbourRecallTooLow, Retrieval
+from pipeline.retrieve.search import NeighbourRecallTooLow, QueryBlock, Retrieval
 from schemas.manifest import FileEntry
 from tests.helpers import local_pipeline, write_embedding_files, write_list_slices
 
@@ -84,8 +84,8 @@ def _retrieve(tmp_path, corpus, policy: str, slices: int, check_depth, check_rec
         routing=routing,
     )
     with local_pipeline() as p:
-        sequences = p | "Chunks" >> beam.Create(chunks) | PackSequences(L, PAD)
-        queries = p | "Queries" >> beam.Create([(int(i), vectors[i]) for i in ids])
+        sequences = p | "Chunks" >> beam.Create([ChunkRows.of_chunks(chunks)]) | PackSequences(L, PAD)
+        queries = p | "Queries" >> beam.Create([QueryBlock(ids, vectors[ids])])
         spans_read = p | DocumentSpans(str(tmp_path / "index" / "chunks" / "*.parquet"))
         retrieved = (sequences, queries, spans_read) | RetrieveNeighbours(spec)
         recall = (retrieved.probes, retrieved.truth, retrieved.rows) | MeasureNeighbourRecall(K)

@@ -11,18 +11,28 @@ import pytest
 from apache_beam.testing.util import assert_that, equal_to
 
 import pipeline.retrieve.beam as retrieve_beam
+from pipeline.chunks.chunk_files import ChunkRows
 from pipeline.chunks.chunking import chunk_document
 from pipeline.index.train import build_index
 from pipeline.retrieve.beam import LOST_DATA, DocumentSpans, PackSequences, RetrieveNeighbours
 from pipeline.retrieve.routed import BatchQueries, RoutedBatch, SliceFound, SliceQueries, merge_round
 from pipeline.retrieve.search import (
     CANDIDATE,
+    SEQUENCES_PER_SEARCH,
+    QueryBlock,
     Retrieval,
     batch_queries,
     select_distinct,
     token_key,
 )
-from pipeline.retrieve.sequences import document_spans, merge_ranges, pack_sequence, widest_span
+from pipeline.retrieve.sequences import (
+    batch_parts,
+    document_spans,
+    merge_ranges,
+    pack_batch,
+    pack_sequence,
+    widest_span,
+)
 from pipeline.shards.rows import Sequence
 from tests.helpers import local_pipeline, write_chunk_files, write_list_slices
 
@@ -31,22 +41,43 @@ M, L, K, PAD = 4, 2, 2, 0
 
 @pytest.mark.unit
 def test_pack_sequence_adds_the_next_token_and_its_document():
-    chunks = list(chunk_document(7, np.arange(1, 9, dtype=np.int32), 0, M, PAD))
-    seq = pack_sequence(0, chunks, next_token=42, next_doc=8, pad_id=PAD)
+    rows = ChunkRows.of_chunks(list(chunk_document(7, np.arange(1, 9, dtype=np.int32), 0, M, PAD)))
+    seq = pack_sequence(0, rows.tokens, rows.doc_id, next_token=42, next_doc=8, pad_id=PAD)
     assert seq.tokens.tolist() == list(range(1, 9)) + [42]
     assert seq.doc_ids == (7, 8)
-    assert pack_sequence(0, chunks, None, None, PAD).tokens[-1] == PAD
+    assert pack_sequence(0, rows.tokens, rows.doc_id, None, None, PAD).tokens[-1] == PAD
+
+
+@pytest.mark.unit
+def test_packing_by_batches_of_any_blocks_gives_each_sequence_its_chunks_and_the_next_token():
+    """Chunk rows in blocks cut anywhere, keyed to batches of 3 sequences and packed per
+    batch: every whole sequence made once, its target the next chunk's first token (pad after
+    the last chunk), the database's tail too short for a sequence left out."""
+    rng = np.random.default_rng(3)
+    chunks = []
+    for doc in range(12):
+        tokens = rng.integers(1, 99, int(rng.integers(1, 4)) * M).astype(np.int32)
+        chunks += chunk_document(doc, tokens, len(chunks), M, PAD)
+    rows = ChunkRows.of_chunks(chunks)
+    cuts = np.sort(rng.choice(np.arange(1, len(chunks)), 4, replace=False))
+    parts: dict[int, list] = {}
+    for block in np.split(rng.permutation(len(chunks)), cuts):  # blocks in no order
+        for batch, part in batch_parts(rows.take(block), L, 3):
+            parts.setdefault(batch, []).append(part)
+    packed = [s for batch in sorted(parts) for s in pack_batch(batch, parts[batch], L, 3, PAD)]
+    whole = len(chunks) // L
+    assert [s.seq_id for s in packed] == list(range(whole))
+    for s in packed:
+        mine = chunks[s.seq_id * L : (s.seq_id + 1) * L]
+        after = chunks[(s.seq_id + 1) * L] if (s.seq_id + 1) * L < len(chunks) else None
+        assert s.tokens[:-1].tolist() == np.concatenate([c.tokens for c in mine]).tolist()
+        assert s.tokens[-1] == (after.tokens[0] if after else PAD)
+        assert s.doc_ids == tuple(sorted({c.doc_id for c in mine} | ({after.doc_id} if after else set())))
 
 
 def candidates(*rows):
-    """CANDIDATE rows from (j, rank, score, chunk_id[, token_key]) tuples."""
-    return np.array(
-        [
-            (0, j, rank, chunk, score, key)
-            for j, rank, score, chunk, key in (row + (0,) * (5 - len(row)) for row in rows)
-        ],
-        CANDIDATE,
-    )
+    """CANDIDATE rows from (seq_id, j, rank, score, chunk_id, token_key) tuples."""
+    return np.array([(seq, j, rank, chunk, score, key) for seq, j, rank, score, chunk, key in rows], CANDIDATE)
 
 
 @pytest.mark.unit
@@ -54,19 +85,21 @@ def test_select_distinct_skips_candidates_repeating_a_kept_neighbour():
     same, other = token_key(np.array([5, 6, 7, 8])), token_key(np.array([5, 6, 7, 9]))
     assert same == token_key(np.array([5, 6, 7, 8], dtype=np.int64)) and same != other
     found = candidates(
-        (0, 2, 0.25, 12, other),
-        (0, 1, 0.5, 11, same),
-        (0, 0, 1.0, 10, same),  # any order
-        (1, 0, 0.75, 13, same),
+        (5, 0, 2, 0.25, 12, other),
+        (5, 0, 1, 0.5, 11, same),
+        (4, 0, 0, 0.5, 14, same),  # another sequence keeps its own
+        (5, 0, 0, 1.0, 10, same),  # any order
+        (5, 1, 0, 0.75, 13, same),
     )
     picks, dropped = select_distinct(found, K)
-    assert picks == [(0, 0, 10, 1.0), (0, 1, 12, 0.25), (1, 0, 13, 0.75)] and dropped == 1
+    assert picks.tolist() == [(4, 0, 0, 14, 0.5), (5, 0, 0, 10, 1.0), (5, 0, 1, 12, 0.25), (5, 1, 0, 13, 0.75)]
+    assert dropped == 1
 
 
 @pytest.mark.unit
 def test_candidate_tokens_sends_each_block_on_before_reading_the_next(tmp_path):
     """A chunk file's candidates come as blocks (one per search batch); each is given its token
-    keys and sent on per sequence before the next is read: no step holds all of a file's."""
+    keys and sent on, keyed by its batch, before the next is read: no step holds all of a file's."""
     chunks = _database()[0]
     files = write_chunk_files(tmp_path, chunks)  # file 1 holds chunk ids 5 ... 9
 
@@ -75,7 +108,7 @@ def test_candidate_tokens_sends_each_block_on_before_reading_the_next(tmp_path):
         hits["seq_id"], hits["chunk_id"], hits["rank"] = seq_ids, chunk_ids, np.arange(len(seq_ids))
         return hits
 
-    blocks, taken = [block([3, 2, 3], [5, 9, 5]), block([40, 40], [9, 6])], []
+    blocks, taken = [block([3, 2, 3], [5, 9, 5]), block([140, 140], [9, 6])], []
 
     def arriving():
         for b in blocks:
@@ -86,9 +119,9 @@ def test_candidate_tokens_sends_each_block_on_before_reading_the_next(tmp_path):
     first = next(sent)
     assert len(taken) == 1
     got = [first, *sent]
-    assert [(seq, hits["chunk_id"].tolist()) for seq, hits in got] == [(2, [9]), (3, [5, 5]), (40, [9, 6])]
-    for seq, hits in got:
-        assert (hits["seq_id"] == seq).all()
+    assert [(batch, hits["chunk_id"].tolist()) for batch, hits in got] == [(0, [5, 9, 5]), (2, [9, 6])]
+    for batch, hits in got:
+        assert (hits["seq_id"] // SEQUENCES_PER_SEARCH == batch).all()
         assert hits["token_key"].tolist() == [token_key(chunks[c].tokens) for c in hits["chunk_id"]]
     assert all((b["token_key"] == 0).all() for b in blocks)  # the blocks received are left as they came
 
@@ -120,8 +153,8 @@ def _database():
 
 def retrieve(p, chunks, vectors, index_path, chunk_files, dedupe=False, candidates=8):
     """RetrieveNeighbours as build-shards wires it: document spans read from the chunk files."""
-    sequences = p | "Chunks" >> beam.Create(chunks) | PackSequences(L, PAD)
-    queries = p | "Queries" >> beam.Create([(i, vectors[i]) for i in range(len(chunks))])
+    sequences = p | "Chunks" >> beam.Create([ChunkRows.of_chunks(chunks)]) | PackSequences(L, PAD)
+    queries = p | "Queries" >> beam.Create([(i, vectors[i]) for i in range(len(chunks))]) | beam.Map(QueryBlock.of_row)
     spans = p | DocumentSpans(f"{chunk_files.directory}/chunks/*.parquet")
     spec = Retrieval(index_path, None, chunk_files, L, M, K, candidates, PAD, dedupe)
     rows = ((sequences, queries, spans) | RetrieveNeighbours(spec)).rows
@@ -196,7 +229,6 @@ def test_retrieve_neighbours_dedupe_skips_repeated_tokens(tmp_path):
 def test_a_search_batch_with_only_leftover_chunks_is_skipped(tmp_path):
     """64 whole sequences fill search batch 0 exactly; the one chunk after them (too few for a
     sequence) still has an embedding, keyed to batch 1, which therefore holds no sequence."""
-    from pipeline.retrieve.search import SEQUENCES_PER_SEARCH
 
     rng = np.random.default_rng(2)
     whole = SEQUENCES_PER_SEARCH * L
@@ -254,7 +286,7 @@ def test_a_sequence_whose_documents_did_not_all_answer_fails_rather_than_search_
     sequence = Sequence(3, np.zeros(9, np.int32), (10, 11, 12))  # documents 10, 11, 12
     grouped = {
         "sequences": [sequence],
-        "embeddings": [(3 * L + j, np.ones(d, np.float32)) for j in range(L)],
+        "embeddings": [QueryBlock(3 * L + np.arange(L), np.ones((L, d), np.float32))],
         "excluded": [(3, (100, 120)), (3, None)],  # 11 is not in the database; 12's range is lost
     }
     with pytest.raises(RuntimeError, match=f"sequence 3: 2 of its 3 documents' chunk-id ranges arrived: {LOST_DATA}"):
@@ -262,6 +294,10 @@ def test_a_sequence_whose_documents_did_not_all_answer_fails_rather_than_search_
     grouped["excluded"].append((3, (120, 130)))
     ((_, queries, ranges),) = batch_queries(grouped, L)
     assert queries.shape == (L, d) and ranges == [(100, 130)]  # None excludes nothing
+    grouped["embeddings"] = [QueryBlock(np.array([3 * L]), np.ones((1, d), np.float32))]  # chunk 7's is lost
+    lost = f"sequence 3: the embeddings of its chunks 6..7 did not all arrive: {LOST_DATA}"
+    with pytest.raises(RuntimeError, match=lost):
+        list(batch_queries(grouped, L))
 
 
 def _routed_batch(rows: int, width: int, sent: tuple[int, ...]) -> RoutedBatch:
@@ -327,8 +363,8 @@ def test_routed_search_over_list_slices_finds_one_indexs_neighbours_and_sends_no
     def neighbours_of(spec):
         _ROWS.clear()
         with local_pipeline() as p:
-            sequences = p | "Chunks" >> beam.Create(chunks) | PackSequences(L, PAD)
-            queries = p | "Queries" >> beam.Create([(i, vectors[i]) for i in range(len(chunks))])
+            sequences = p | "Chunks" >> beam.Create([ChunkRows.of_chunks(chunks)]) | PackSequences(L, PAD)
+            queries = p | "Queries" >> beam.Create([QueryBlock(np.arange(len(chunks)), vectors)])
             spans = p | DocumentSpans(f"{chunk_files.directory}/chunks/*.parquet")
             _ = ((sequences, queries, spans) | RetrieveNeighbours(spec)).rows | beam.Map(_collect)
         return {row.seq_id: row.neighbour_ids.tolist() for row in _ROWS}

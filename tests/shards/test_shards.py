@@ -10,6 +10,7 @@ import pyarrow as pa
 import pytest
 from apache_beam.testing.util import assert_that, equal_to
 
+from pipeline.retrieve.search import PICK
 from pipeline.shards.rows import ShardRow, chunk_overlap, neighbour_arrays, overlap_bucket, overlap_histogram
 from pipeline.shards.write import WriteShards
 from schemas.arrow import SCHEMA_VERSION, read_shard_table, shard_column
@@ -20,9 +21,9 @@ M, L, K, PAD = 4, 2, 2, 0
 
 @pytest.mark.unit
 def test_neighbour_arrays_pad_the_slots_without_a_neighbour():
-    picks = [(0, 0, 11, 0.5), (0, 1, 12, 0.25)]
-    values = [p + (np.full(2 * M, p[2], np.int32),) for p in picks]
-    tokens, ids, scores = neighbour_arrays(values, L, K, M, PAD)
+    picks = np.array([(0, 0, 1, 12, 0.25), (0, 0, 0, 11, 0.5)], PICK)  # any order
+    values = np.repeat(picks["chunk_id"][:, None], 2 * M, axis=1).astype(np.int32)
+    tokens, ids, scores = neighbour_arrays(picks, values, L, K, M, PAD)
     assert ids.tolist() == [[11, 12], [-1, -1]]
     assert scores.tolist() == [[0.5, 0.25], [0, 0]]
     assert (tokens[0, 0] == 11).all() and (tokens[1] == PAD).all()
