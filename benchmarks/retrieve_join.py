@@ -2,7 +2,7 @@
 peak memory as the chunk database grows.
 
     .venv/bin/python benchmarks/retrieve_join.py [--sizes 50000 200000 800000]
-        [--query-chunks 8192] [--workdir DIR]
+        [--query-chunks 49152] [--workdir DIR]
 
 Per chunk-database size N (same seed, so each database extends the smaller ones):
 
@@ -24,8 +24,8 @@ Per chunk-database size N (same seed, so each database extends the smaller ones)
      indexing, the same Arrow shards written. It holds the whole chunk database: that is
      what the Beam stage must never do, and why it is the speed floor, not a competitor.
 4. Both write their shards; the benchmark checks that ours and the floor chose the same
-   neighbour ids for at least 99% of the slots (faiss ties can differ between a batched and a
-   one-call search) before reporting anything.
+   neighbour ids for at least 99.9% of the slots (faiss ties can differ between searches of
+   different batch shapes) before reporting anything.
 
 Reported: sequences/s (training sequences written per second of wall time, interpreter
 start included), peak RSS (VmHWM) of the main process and, for the multi-process run, of the
@@ -295,12 +295,14 @@ def main() -> None:
         return floor_main(sys.argv[2], sys.argv[3], int(sys.argv[4]))
     parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--sizes", type=int, nargs="+", default=[50_000, 200_000, 800_000])
-    parser.add_argument("--query-chunks", type=int, default=8192)
+    parser.add_argument("--query-chunks", type=int, default=49152)
     parser.add_argument("--workdir", help="keep (and reuse) data here; default: a temp dir")
     parser.add_argument("--output", default=str(RESULTS))
     args = parser.parse_args()
     if args.query_chunks >= FILE_ROWS:
         parser.error(f"--query-chunks must be under {FILE_ROWS} (the training chunks come from the first file)")
+    if args.query_chunks >= min(args.sizes):
+        parser.error(f"--query-chunks must be under the smallest chunk database, {min(args.sizes):,} chunks")
     temp = None if args.workdir else tempfile.TemporaryDirectory(prefix="retrieve-bench-")
     workdir = Path(args.workdir or temp.name).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
@@ -331,7 +333,7 @@ def main() -> None:
             floor_ids = neighbour_ids(runs["floor"].pop("out"))
             for name in ("ours 1 process", "ours 2 workers"):
                 agree = float(np.mean(neighbour_ids(runs[name].pop("out")) == floor_ids))
-                if agree < 0.99:
+                if agree < 0.999:
                     raise SystemExit(f"{name} and the floor agree on only {agree:.1%} of neighbour ids")
                 runs[name]["same_ids_as_floor"] = agree
                 runs[name]["throughput_vs_floor"] = runs[name]["sequences_per_s"] / runs["floor"]["sequences_per_s"]

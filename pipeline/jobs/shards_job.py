@@ -220,7 +220,9 @@ def _build_shards(
         counted("training_chunks", training_chunks, len),
         counted("sequences", rows),
         counted("neighbour_slots_padded", rows, lambda r: (r.neighbour_ids < 0).sum()),
-        rows | "TallyOverlap" >> beam.FlatMap(overlap_tally, m, tok.pad_id),
+        rows
+        | "OverlapBatches" >> beam.BatchElements(min_batch_size=16, max_batch_size=32)
+        | "TallyOverlap" >> beam.FlatMap(overlap_tally, m, tok.pad_id),
     ) | "Tallies" >> Tally()
     manifest = (
         shard_files

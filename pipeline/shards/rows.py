@@ -49,18 +49,21 @@ OVERLAP_BUCKETS = (0.0, 0.125, 0.25, 0.5, 0.75, 1.0)  # RETRO's r(C) thresholds
 def chunk_overlap(chunks: np.ndarray, neighbours: np.ndarray, pad_id: int) -> np.ndarray:
     """RETRO's leakage measure r(C) per chunk: the longest run of tokens the chunk shares
     with any of its neighbours (chunk + continuation), divided by m. Padding never matches.
-    chunks [L, m], neighbours [L, k, 2m] -> float64 [L] in [0, 1]."""
+    chunks [C, m], neighbours [C, k, 2m] (C: the chunks of one row, or of many rows at once:
+    numpy's per-call cost is paid per position i, so many rows together cost little more than
+    one) -> float64 [C] in [0, 1]."""
     m = chunks.shape[1]
     equal = (chunks[:, None, :, None] == neighbours[:, :, None, :]) & (chunks != pad_id)[
         :, None, :, None
-    ]  # [L, k, m, 2m]
-    run = np.zeros(neighbours.shape, np.int32)  # [L, k, 2m]: run ending at (i, col)
-    longest = np.zeros(len(chunks), np.int32)
+    ]  # [C, k, m, 2m]
+    run = np.zeros(neighbours.shape, np.int16)  # [C, k, 2m]: run ending at (i, col); m < 2^15
+    extended = np.empty_like(run)
+    longest = np.zeros(len(chunks), np.int16)
     for i in range(m):
-        extended = np.zeros_like(run)
-        extended[..., 1:] = run[..., :-1] + 1  # diagonal step (i-1, col-1) -> (i, col)
-        extended[..., 0] = 1
-        run = np.where(equal[:, :, i, :], extended, 0)
+        extended[..., 1:] = run[..., :-1]  # diagonal step (i-1, col-1) -> (i, col)
+        extended[..., 0] = 0
+        extended += 1
+        run = np.where(equal[:, :, i, :], extended, np.int16(0))
         longest = np.maximum(longest, run.max(axis=(1, 2), initial=0))
     return longest / m
 
@@ -79,11 +82,14 @@ def overlap_ranges(thresholds: list[str]) -> list[str]:
 OVERLAP_COUNTER = "overlap_r_le_"
 
 
-def overlap_tally(row: ShardRow, m: int, pad_id: int):
-    """(overlap counter of its bucket, 1) per chunk of a shard row: the audit, counted as data."""
-    chunks = row.tokens[: len(row.neighbours) * m].reshape(-1, m)
-    for ratio in chunk_overlap(chunks, row.neighbours, pad_id):
-        yield OVERLAP_COUNTER + overlap_bucket(ratio), 1
+def overlap_tally(rows: list[ShardRow], m: int, pad_id: int):
+    """(overlap counter of a bucket, the chunks in it) for the chunks of a batch of shard rows:
+    the audit, counted as data."""
+    chunks = np.concatenate([row.tokens[: len(row.neighbours) * m].reshape(-1, m) for row in rows])
+    ratios = chunk_overlap(chunks, np.concatenate([row.neighbours for row in rows]), pad_id)
+    buckets, counts = np.unique(np.searchsorted(OVERLAP_BUCKETS, ratios, side="left"), return_counts=True)
+    for bucket, count in zip(buckets.tolist(), counts.tolist()):  # the smallest threshold at or above r
+        yield OVERLAP_COUNTER + str(OVERLAP_BUCKETS[bucket]), count
 
 
 def overlap_histogram(counters: dict[str, int]) -> dict[str, int]:

@@ -11,7 +11,14 @@ import pytest
 from apache_beam.testing.util import assert_that, equal_to
 
 from pipeline.retrieve.search import PICK
-from pipeline.shards.rows import ShardRow, chunk_overlap, neighbour_arrays, overlap_bucket, overlap_histogram
+from pipeline.shards.rows import (
+    ShardRow,
+    chunk_overlap,
+    neighbour_arrays,
+    overlap_bucket,
+    overlap_histogram,
+    overlap_tally,
+)
 from pipeline.shards.write import WriteShards
 from schemas.arrow import SCHEMA_VERSION, read_shard_table, shard_column
 from tests.helpers import REPO, local_pipeline
@@ -77,6 +84,24 @@ def test_overlap_buckets_and_histogram():
     counters = {"overlap_r_le_0.0": 3, "overlap_r_le_1.0": 1, "sequences": 2}
     assert overlap_histogram(counters) == {"0.0": 3, "0.125": 0, "0.25": 0, "0.5": 0, "0.75": 0, "1.0": 1}
     assert counters == {"sequences": 2}
+
+
+@pytest.mark.unit
+def test_overlap_tally_of_a_batch_counts_each_chunk_in_its_bucket():
+    """Rows audited together count what each chunk's own r(C) bucket says."""
+    m, rng = 8, np.random.default_rng(6)
+    rows = []
+    for seq_id in range(5):
+        tokens = rng.integers(1, 4, 3 * m + 1).astype(np.int32)
+        neighbours = rng.integers(0, 4, (3, 2, 2 * m)).astype(np.int32)
+        neighbours[seq_id % 3, 0, :m] = tokens[(seq_id % 3) * m : (seq_id % 3 + 1) * m]  # one whole copy
+        rows.append(ShardRow(seq_id, tokens, neighbours, np.zeros((3, 2), np.int64), np.zeros((3, 2)), (0,)))
+    expected: dict[str, int] = {}
+    for row in rows:
+        for ratio in chunk_overlap(row.tokens[: 3 * m].reshape(3, m), row.neighbours, 0):
+            key = "overlap_r_le_" + overlap_bucket(ratio)
+            expected[key] = expected.get(key, 0) + 1
+    assert dict(overlap_tally(rows, m, 0)) == expected and expected["overlap_r_le_1.0"] == 5
 
 
 @pytest.mark.unit
