@@ -11,7 +11,10 @@
    (torch autocast, as the stage does);
 3. the embed stage alone: a Beam job reading those chunks and running `EmbedChunks`
    (its precision check included);
-4. build-shards, so that `run` = build-index + build-shards can be set against both floors.
+4. build-shards, so that `run` = build-index + build-shards can be set against both floors;
+5. two fixed costs inside build-index, alone: the precision check's float32 encode of its
+   sample, and importing sentence-transformers (in a fresh process that has imported Beam and
+   torch, as this one had when build-index started).
 Prints the times, the ratios, and the padding of the raw floor's batches and the stage's
 (padded tokens over the texts' tokens); writes them as JSON to benchmarks/results/.
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -33,7 +37,9 @@ from benchmarks.report import timed, write_results  # noqa: E402
 from pipeline.chunks.chunking import load_tokenizer
 from pipeline.common.models import resolve_model, resolve_tokenizer
 from pipeline.embed.beam import BATCHES_PER_GROUP, EmbedChunks
-from pipeline.embed.encoder import arithmetic, chunk_texts, length_batches, token_counts, torch_threads
+from pipeline.embed.encoder import arithmetic, chunk_texts, encode_texts, length_batches, token_counts, torch_threads
+from pipeline.embed.precision import PRECISION_SALT
+from pipeline.index.sampling import sample_keys
 from pipeline.jobs.index_job import build_index
 from pipeline.jobs.options import new_pipeline
 from pipeline.jobs.shards_job import _chunks_from_table, build_shards
@@ -53,6 +59,13 @@ def time_embed_stage(cfg, chunks, threads) -> float:
             _ = embedded | beam.combiners.Count.Globally()
 
     return timed(embed_stage)[1]
+
+
+def import_seconds() -> float:
+    """Seconds to import sentence-transformers in a fresh process that has Beam and torch."""
+    code = "import time, apache_beam, torch; t = time.perf_counter(); import sentence_transformers; "
+    code += "print(time.perf_counter() - t)"
+    return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
 
 
 def raw_encode(model, texts, batch_size, precision="float32") -> np.ndarray:
@@ -104,6 +117,11 @@ def main() -> None:
         ]
 
         t_embed = time_embed_stage(cfg, chunks, manifest.encoder_threads)
+        ids = np.array([c.chunk_id for c in chunks])
+        sample = np.lexsort((ids, sample_keys(ids, PRECISION_SALT)))[: cfg.embedding.precision_sample]  # the check's
+        with torch_threads(manifest.encoder_threads):
+            _, t_check = timed(lambda: encode_texts(model, [texts[i] for i in np.sort(sample)], size))
+        t_import = import_seconds()
     result = {
         "chunks": len(chunks),
         "batch_size": cfg.embedding.batch_size,
@@ -118,6 +136,8 @@ def main() -> None:
         "raw_padding": round(padding(counts, raw_batches), 4),
         "stage_padding": round(padding(counts, stage_batches), 4),
         "embed_stage_s": round(t_embed, 2),
+        "check_float32_encode_s": round(t_check, 2),
+        "sentence_transformers_import_s": round(t_import, 2),
         "build_index_s": round(t_index, 2),
         "build_shards_s": round(t_shards, 2),
         "run_s": round(t_index + t_shards, 2),
