@@ -6,31 +6,40 @@
 1. build-index (stages 1-3) into a fresh directory, timed end to end, in the config's
    `embedding.precision` (or --precision);
 2. the raw floors: `SentenceTransformer.encode` of exactly the texts the pipeline embedded
-   (its chunks, decoded), same batch size and threads, model already loaded, in float32 and
-   in the precision the stage used (torch autocast, as the stage does);
+   (its chunks, decoded) in one call (it sorts them by characters and batches them), same batch
+   size and threads, model already loaded, in float32 and in the precision the stage used
+   (torch autocast, as the stage does);
 3. the embed stage alone: a Beam job reading those chunks and running `EmbedChunks`
    (its precision check included);
-4. build-shards, so that `run` = build-index + build-shards can be set against both floors.
-Prints the times and the ratios; writes them as JSON to benchmarks/results/.
+4. build-shards, so that `run` = build-index + build-shards can be set against both floors;
+5. two fixed costs inside build-index, alone: the precision check's float32 encode of its
+   sample, and importing sentence-transformers (in a fresh process that has imported Beam and
+   torch, as this one had when build-index started).
+Prints the times, the ratios, and the padding of the raw floor's batches and the stage's
+(padded tokens over the texts' tokens); writes them as JSON to benchmarks/results/.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import apache_beam as beam
+import numpy as np
 import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 from benchmarks.report import timed, write_results  # noqa: E402
 from pipeline.chunks.chunking import load_tokenizer
-from pipeline.common.models import resolve_tokenizer
-from pipeline.embed.beam import EmbedChunks
-from pipeline.embed.encoder import chunk_texts, encode_texts, load_encoder, torch_threads
+from pipeline.common.models import resolve_model, resolve_tokenizer
+from pipeline.embed.beam import BATCHES_PER_GROUP, EmbedChunks
+from pipeline.embed.encoder import arithmetic, chunk_texts, encode_texts, length_batches, token_counts, torch_threads
+from pipeline.embed.precision import PRECISION_SALT
+from pipeline.index.sampling import sample_keys
 from pipeline.jobs.index_job import build_index
 from pipeline.jobs.options import new_pipeline
 from pipeline.jobs.shards_job import _chunks_from_table, build_shards
@@ -52,6 +61,28 @@ def time_embed_stage(cfg, chunks, threads) -> float:
     return timed(embed_stage)[1]
 
 
+def import_seconds() -> float:
+    """Seconds to import sentence-transformers in a fresh process that has Beam and torch."""
+    code = "import time, apache_beam, torch; t = time.perf_counter(); import sentence_transformers; "
+    code += "print(time.perf_counter() - t)"
+    return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+
+
+def raw_encode(model, texts, batch_size, precision="float32") -> np.ndarray:
+    """The floor: one `SentenceTransformer.encode` call over all texts, in `precision`, its
+    embeddings brought to the CPU as the stage's are."""
+    with arithmetic(precision, str(model.device)):
+        encoded = model.encode(
+            texts, batch_size=batch_size, normalize_embeddings=True, convert_to_tensor=True, show_progress_bar=False
+        )
+    return encoded.float().cpu().numpy()
+
+
+def padding(counts, batches) -> float:
+    """Padded tokens of these batches (each as long as its longest text) over the texts' tokens."""
+    return sum(len(b) * int(counts[b].max()) for b in batches) / int(counts.sum())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="examples/quickstart.yaml")
@@ -62,17 +93,35 @@ def main() -> None:
         if args.precision:
             cfg = cfg.model_copy(update={"embedding": cfg.embedding.model_copy(update={"precision": args.precision})})
         manifest, t_index = timed(lambda: build_index(cfg, []))
+        from sentence_transformers import SentenceTransformer  # imported by build-index's embed stage
+
         _, t_shards = timed(lambda: build_shards(cfg, []))
         chunk_files = sorted(Path(out, "index", "chunks").glob("*.parquet"))
         chunks = [c for f in chunk_files for c in _chunks_from_table(pq.read_table(f))]
         texts = chunk_texts(load_tokenizer(resolve_tokenizer(cfg.tokenizer)), chunks)
-        model, t_load = timed(lambda: load_encoder(cfg.embedding))
-        precision = manifest.embedding_precision.precision
+        device = cfg.embedding.device
+        # its own model, as a user would load it (the stage's stays loaded in this process)
+        model, t_load = timed(lambda: SentenceTransformer(resolve_model(cfg.embedding.model), device=device))
+        precision, size = manifest.embedding_precision.precision, cfg.embedding.batch_size
         with torch_threads(manifest.encoder_threads):  # the threads the stage used
-            _, t_raw = timed(lambda: encode_texts(model, texts, cfg.embedding.batch_size))
-            _, t_reduced = timed(lambda: encode_texts(model, texts, cfg.embedding.batch_size, precision))
+            _, t_raw = timed(lambda: raw_encode(model, texts, size))
+            _, t_reduced = timed(lambda: raw_encode(model, texts, size, precision))
+        counts = token_counts(model, texts)  # chunks are in chunk-id order, as the stage groups them
+        by_characters = np.argsort([-len(t) for t in texts])  # SentenceTransformer.encode's order
+        raw_batches = [by_characters[i : i + size] for i in range(0, len(texts), size)]
+        group = size * BATCHES_PER_GROUP
+        stage_batches = [
+            start + batch
+            for start in range(0, len(texts), group)
+            for batch in length_batches(counts[start : start + group], size)
+        ]
 
         t_embed = time_embed_stage(cfg, chunks, manifest.encoder_threads)
+        ids = np.array([c.chunk_id for c in chunks])
+        sample = np.lexsort((ids, sample_keys(ids, PRECISION_SALT)))[: cfg.embedding.precision_sample]  # the check's
+        with torch_threads(manifest.encoder_threads):
+            _, t_check = timed(lambda: encode_texts(model, [texts[i] for i in np.sort(sample)], size))
+        t_import = import_seconds()
     result = {
         "chunks": len(chunks),
         "batch_size": cfg.embedding.batch_size,
@@ -84,13 +133,19 @@ def main() -> None:
         "raw_chunks_per_s": round(len(chunks) / t_raw, 1),
         f"raw_{precision}_encode_s": round(t_reduced, 2),
         f"raw_{precision}_vs_float32": round(t_reduced / t_raw, 3),
+        "raw_padding": round(padding(counts, raw_batches), 4),
+        "stage_padding": round(padding(counts, stage_batches), 4),
         "embed_stage_s": round(t_embed, 2),
+        "check_float32_encode_s": round(t_check, 2),
+        "sentence_transformers_import_s": round(t_import, 2),
         "build_index_s": round(t_index, 2),
         "build_shards_s": round(t_shards, 2),
         "run_s": round(t_index + t_shards, 2),
         "embed_stage_vs_raw": round(t_embed / t_raw, 3),
         "build_index_vs_raw": round(t_index / t_raw, 3),
         "run_vs_raw": round((t_index + t_shards) / t_raw, 3),
+        f"embed_stage_vs_raw_{precision}": round(t_embed / t_reduced, 3),
+        f"build_index_vs_raw_{precision}": round(t_index / t_reduced, 3),
         f"run_vs_raw_{precision}": round((t_index + t_shards) / t_reduced, 3),
         "encoder_threads": manifest.encoder_threads,
         "cpu_count": os.cpu_count(),

@@ -29,14 +29,14 @@ import numpy as np
 import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
-from benchmarks.embed_vs_encoder import time_embed_stage  # noqa: E402
+from benchmarks.embed_vs_encoder import raw_encode, time_embed_stage  # noqa: E402
 from benchmarks.report import (
     timed,  # noqa: E402
     write_results,  # noqa: E402
 )
 from pipeline.chunks.chunking import load_tokenizer  # noqa: E402
 from pipeline.common.models import resolve_tokenizer  # noqa: E402
-from pipeline.embed.encoder import chunk_texts, encode_texts, load_encoder, torch_threads  # noqa: E402
+from pipeline.embed.encoder import chunk_texts, load_encoder, torch_threads  # noqa: E402
 from pipeline.index.files import load_index  # noqa: E402
 from pipeline.index.search import query_rate  # noqa: E402
 from pipeline.jobs.index_job import build_index  # noqa: E402
@@ -99,8 +99,8 @@ def main() -> None:
         with torch_threads(manifest.encoder_threads):
             batch = cfg.embedding.batch_size
             for precision in ("float32", "float16", "bfloat16"):
-                encode_texts(model, texts[:256], batch, precision)  # warm-up
-                _, seconds = timed(lambda precision=precision: encode_texts(model, texts, batch, precision))
+                raw_encode(model, texts[:256], batch, precision)  # warm-up
+                _, seconds = timed(lambda precision=precision: raw_encode(model, texts, batch, precision))
                 raw[precision] = len(texts) / seconds
 
         t_stage = time_embed_stage(cfg, chunks, manifest.encoder_threads)

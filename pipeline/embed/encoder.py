@@ -21,10 +21,18 @@ from schemas.config import EmbeddingConfig
 
 
 def load_encoder(cfg: EmbeddingConfig):
+    """The encoder of `cfg.model` on `cfg.device`, loaded once per process: the embed stage's
+    RunInference model and the precision check's float32 reference are the same object (its
+    weights stay float32; reduced precision is autocast around each call)."""
+    return _loaded_encoder(resolve_model(cfg.model), cfg.device)
+
+
+@functools.lru_cache(maxsize=4)
+def _loaded_encoder(model: str, device: str):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from sentence_transformers import SentenceTransformer
 
-    return SentenceTransformer(resolve_model(cfg.model), device=cfg.device)
+    return SentenceTransformer(model, device=device)
 
 
 def _cpu_flags() -> set[str]:
@@ -73,18 +81,53 @@ def arithmetic(precision: str, device: str):
         yield
 
 
+def token_counts(model, texts: Sequence[str]) -> np.ndarray:
+    """The encoder's tokens per text, special tokens included, at most its max_seq_length: the
+    length a batch is padded to is its largest count."""
+    counts = model.tokenizer(
+        list(texts),
+        truncation=True,
+        max_length=model.max_seq_length,
+        return_attention_mask=False,
+        return_token_type_ids=False,
+        return_length=True,
+    )["length"]
+    return np.asarray(counts, dtype=np.int64)
+
+
+def length_batches(counts: np.ndarray, batch_size: int) -> list[np.ndarray]:
+    """Positions of texts in batches of `batch_size` with similar token counts, longest first
+    (equal counts in position order), each batch's positions ascending. A batch is padded to
+    its longest text; SentenceTransformer.encode's own sort by characters pads the
+    quickstart's chunks to 5.8% more tokens than they hold, this sort to 0.7%."""
+    order = np.argsort(-counts, kind="stable")
+    return [np.sort(order[start : start + batch_size]) for start in range(0, len(order), batch_size)]
+
+
 def encode_texts(model, texts: Sequence[str], batch_size: int, precision: str = "float32") -> np.ndarray:
     """L2-normalised float32 embeddings [len(texts), d] (inner product = cosine), computed in
-    `precision` (resolved: float32, bfloat16 or float16)."""
+    `precision` (resolved: float32, bfloat16 or float16), in the batches of `length_batches`.
+    A text's embedding depends on the batch it is in (at the 1e-7 level in float32, more in
+    bfloat16), so on all of `texts` and their order; up to `batch_size` texts are one batch."""
+    texts = list(texts)
+    batches = [np.arange(len(texts))]
+    if len(texts) > batch_size:
+        batches = length_batches(token_counts(model, texts), batch_size)
     with arithmetic(precision, str(model.device)):
-        encoded = model.encode(
-            list(texts),
-            batch_size=batch_size,
-            normalize_embeddings=True,
-            convert_to_tensor=True,
-            show_progress_bar=False,
-        )
-    return encoded.float().cpu().numpy()
+        encoded = [
+            model.encode(
+                [texts[i] for i in batch],
+                batch_size=batch_size,
+                normalize_embeddings=True,
+                convert_to_tensor=True,
+                show_progress_bar=False,
+            )
+            .float()
+            .cpu()
+            .numpy()
+            for batch in batches
+        ]
+    return np.concatenate(encoded)[np.argsort(np.concatenate(batches))]
 
 
 @contextmanager

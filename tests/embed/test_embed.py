@@ -5,8 +5,17 @@ from apache_beam.testing.util import assert_that
 
 from pipeline.chunks.chunking import chunk_document, load_tokenizer, tokenize_batch
 from pipeline.common.models import resolve_tokenizer
-from pipeline.embed.beam import EmbedChunks
-from pipeline.embed.encoder import chunk_texts, encode_texts, load_encoder, resolve_precision, torch_threads
+from pipeline.embed.beam import BATCHES_PER_GROUP, EmbedChunks
+from pipeline.embed.encoder import (
+    arithmetic,
+    chunk_texts,
+    encode_texts,
+    length_batches,
+    load_encoder,
+    resolve_precision,
+    token_counts,
+    torch_threads,
+)
 from pipeline.embed.precision import PrecisionTooLow, agreement_upper_bound, check_precision, top2_agreement
 from schemas.config import EmbeddingConfig
 from tests.helpers import local_pipeline, sample_documents, suite_precision
@@ -14,29 +23,33 @@ from tests.helpers import local_pipeline, sample_documents, suite_precision
 CFG = EmbeddingConfig(batch_size=8, precision=suite_precision())  # the suite's precision
 
 
-def _chunks(count_docs=3, m=32):
+def _chunks(count_docs=3, m=32, tokens_of=lambda doc_id, m: m * 5):
+    """Chunks of the first sample documents, each document cut to `tokens_of(doc_id, m)` tokens."""
     tokenizer = load_tokenizer(resolve_tokenizer(None))
     docs = sample_documents(count_docs)
     chunks, next_id = [], 0
     for doc_id, tokens in enumerate(tokenize_batch(tokenizer, [d["text"] for d in docs])):
-        chunks += list(chunk_document(doc_id, tokens[: m * 5], next_id, m, 0))
+        chunks += list(chunk_document(doc_id, tokens[: tokens_of(doc_id, m)], next_id, m, 0))
         next_id = len(chunks)
     return tokenizer, chunks
 
 
 @pytest.mark.beam
-def test_embed_chunks_equals_the_raw_encoder_on_the_same_batches():
-    """In the suite's precision: the same batches on the same thread count give the same bits;
-    the stage's precision check on its 15 chunks passes (its confidence bound)."""
-    tokenizer, chunks = _chunks()
-    model = load_encoder(CFG)
+def test_embed_chunks_equals_the_encoder_on_the_same_groups():
+    """In the suite's precision: the stage groups chunks by id range (batch_size *
+    BATCHES_PER_GROUP ids) and each group gives the bits `encode_texts` gives it on the same
+    thread count; the stage's precision check on its chunks passes (its confidence bound)."""
+    cfg = CFG.model_copy(update={"batch_size": 2})  # groups of 64 chunks: one and a part
+    # three chunks a document, the last of 1-31 tokens: batches by token count are not id pairs
+    tokenizer, chunks = _chunks(count_docs=25, tokens_of=lambda doc_id, m: 2 * m + 1 + 13 * doc_id % (m - 1))
+    group = cfg.batch_size * BATCHES_PER_GROUP
+    assert group < len(chunks) < 2 * group
+    model = load_encoder(cfg)
     texts = chunk_texts(tokenizer, chunks)
-    # the stage batches by chunk-id range (ids 0-7, 8-15, ...): the same batches, raw, on the
-    # stage's one thread
-    precision = resolve_precision(CFG.precision, CFG.device)
-    with torch_threads(1):
+    precision = resolve_precision(cfg.precision, cfg.device)
+    with torch_threads(1):  # the stage's one thread
         expected = np.concatenate(
-            [encode_texts(model, texts[i : i + 8], 8, precision) for i in range(0, len(texts), 8)]
+            [encode_texts(model, texts[i : i + group], cfg.batch_size, precision) for i in range(0, len(texts), group)]
         )
 
     def check(rows):
@@ -50,13 +63,45 @@ def test_embed_chunks_equals_the_raw_encoder_on_the_same_batches():
     def checked(reports):
         (report,) = reports
         assert report["precision"] == precision and report["sample_size"] == len(chunks)  # all, < 256
-        assert report["agreement_upper_bound"] >= CFG.min_agreement and report["min_cosine"] > 0.99
-        assert report["top2_agreement"] >= 0.9  # 30 slots: at most 3 near-ties swapped
+        assert report["agreement_upper_bound"] >= cfg.min_agreement and report["min_cosine"] > 0.99
+        assert report["top2_agreement"] >= 0.9
 
     with local_pipeline() as p:
-        embeddings, report = p | beam.Create(chunks) | EmbedChunks(CFG, resolve_tokenizer(None), 1)
+        embeddings, report = p | beam.Create(chunks) | EmbedChunks(cfg, resolve_tokenizer(None), 1)
         assert_that(embeddings, check)
         assert_that(report, checked, label="CheckReport")
+
+
+@pytest.mark.unit
+def test_length_batches_hold_similar_token_counts_longest_first():
+    counts = np.array([3, 5, 5, 1, 4, 5, 2])
+    batches = length_batches(counts, 2)
+    assert [b.tolist() for b in batches] == [[1, 2], [4, 5], [0, 6], [3]]  # 5 5 | 5 4 | 3 2 | 1
+    assert [b.tolist() for b in length_batches(counts, 7)] == [list(range(7))]
+
+
+@pytest.mark.e2e  # the real encoder
+def test_encode_texts_is_sentence_transformers_encode_on_each_of_its_batches():
+    """What the stage adds to SentenceTransformer.encode is the batching: every text's bits are
+    encode's on the batch `length_batches` puts it in, in the suite's precision."""
+    tokenizer, chunks = _chunks(count_docs=4)
+    texts = chunk_texts(tokenizer, chunks)
+    texts[3] = texts[3][:20]  # a short text among chunks of equal token counts
+    model = load_encoder(CFG)
+    precision = resolve_precision(CFG.precision, CFG.device)
+    counts = token_counts(model, texts)
+    assert counts[3] < counts.max() and counts.max() <= model.max_seq_length
+    with torch_threads(1):
+        got = encode_texts(model, texts, 8, precision)
+        batches = length_batches(counts, 8)
+        assert len(batches) > 1 and 3 in batches[-1]  # the short text waits for the last batch
+        with arithmetic(precision, CFG.device):
+            for batch in batches:
+                expected = model.encode(
+                    [texts[i] for i in batch], batch_size=8, normalize_embeddings=True, convert_to_tensor=True
+                )
+                np.testing.assert_array_equal(got[batch], expected.float().numpy())
+    assert load_encoder(CFG) is model  # loaded once per process: the stage and its check share it
 
 
 @pytest.mark.unit
