@@ -171,8 +171,10 @@ def search_each_excluding(index, queries: np.ndarray, k: int, excluded) -> Exclu
     first = np.argsort(inside | (wide_ids < 0), axis=1, kind="stable")[:, :k]  # the first k outside, by rank
     scores[:], ids[:] = np.take_along_axis(wide_scores, first, 1), np.take_along_axis(wide_ids, first, 1)
     alone[:] = (np.take_along_axis(inside, first, 1) | (ids < 0)).any(axis=1)
-    for ranges in dict.fromkeys(excluded[row] for row in np.flatnonzero(alone)):
-        same = np.flatnonzero(alone & np.array([r == ranges for r in excluded]))
+    rows_by_ranges: dict[tuple, list[int]] = {}
+    for row in np.flatnonzero(alone).tolist():
+        rows_by_ranges.setdefault(excluded[row], []).append(row)
+    for ranges, same in rows_by_ranges.items():
         scores[same], ids[same], deepened = search_excluding(index, queries[same], k, list(ranges))
         deeper[same] = deepened > 0
     return ExcludedSearch(scores, ids, alone, deeper)

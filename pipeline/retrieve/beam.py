@@ -24,6 +24,7 @@ from apache_beam.io.parquetio import ReadFromParquetBatched
 from apache_beam.utils import shared
 
 from pipeline.chunks.chunk_files import ChunkFileRanges, CommittedChunkFiles
+from pipeline.common.arrays import groups
 from pipeline.index.exact import truth_depth
 from pipeline.index.files import load_index, read_owners
 from pipeline.retrieve.recall import ExactTruth, SmallestProbes
@@ -121,9 +122,8 @@ def emit_hits(spec: Retrieval, batch: int, seq_ids: list[int], hits: np.ndarray,
 
 def by_chunk_file(spec: Retrieval, rows: np.ndarray):
     """CANDIDATE or PICK rows -> (chunk file number, the block of them it holds) per file."""
-    files = spec.chunk_files.files_of(rows["chunk_id"])
-    for number in np.unique(files).tolist():
-        yield number, rows[files == number]
+    for number, at in groups(spec.chunk_files.files_of(rows["chunk_id"])):
+        yield number, rows[at]
 
 
 def _loaded_index(holder: shared.Shared, path: str, depth: int | None):
@@ -319,11 +319,10 @@ def _to_rows(keyed, chunks_per_seq: int, k: int, m: int, pad_id: int):
     values = np.concatenate([b.values for b in blocks]) if blocks else np.zeros((0, 2 * m), np.int32)
     seq_ids = np.array([s.seq_id for s in sequences], np.int64)
     _all_arrived("neighbours", seq_ids, picks, list(grouped["sent"]))
-    order = np.argsort(picks["seq_id"], kind="stable")
-    picks, values = picks[order], values[order]
-    bounds = np.searchsorted(picks["seq_id"], np.r_[seq_ids, seq_ids[-1:] + 1] if len(seq_ids) else [])
-    for s, start, end in zip(sequences, bounds[:-1], bounds[1:]):
-        neighbours, ids, scores = neighbour_arrays(picks[start:end], values[start:end], chunks_per_seq, k, m, pad_id)
+    each = dict(groups(picks["seq_id"]))
+    for s in sequences:
+        at = each.get(s.seq_id, np.zeros(0, np.int64))
+        neighbours, ids, scores = neighbour_arrays(picks[at], values[at], chunks_per_seq, k, m, pad_id)
         yield ShardRow(s.seq_id, s.tokens, neighbours, ids, scores, s.doc_ids)
 
 

@@ -27,6 +27,7 @@ import numpy as np
 from pipeline.chunks.chunk_files import CommittedChunkFiles
 from pipeline.chunks.chunking import chunk_document, load_tokenizer, tokenize_batch
 from pipeline.common import fileio
+from pipeline.common.arrays import groups
 from pipeline.common.models import fingerprint_path, resolve_model, resolve_tokenizer
 from pipeline.index.files import load_index
 from pipeline.index.search import search_each_excluding
@@ -232,9 +233,8 @@ class Retriever:
     def _each_file(self, chunk_ids: np.ndarray):
         """(where in `chunk_ids`, the chunk file holding them) for each file holding some,
         read in turn: what is held at once is one chunk file's tokens and the answers."""
-        files = self.chunk_files.files_of(chunk_ids)
-        for number in np.unique(files).tolist():
-            yield files == number, number
+        for number, at in groups(self.chunk_files.files_of(chunk_ids)):
+            yield at, number
 
     def _values(self, chunk_ids: np.ndarray) -> np.ndarray:
         """Each chunk's tokens + continuation, int32 [len(chunk_ids), 2m]."""

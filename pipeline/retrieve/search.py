@@ -12,6 +12,7 @@ import numpy as np
 
 from pipeline.chunks.chunk_files import ChunkFileRanges, CommittedChunkFiles
 from pipeline.common import fileio
+from pipeline.common.arrays import groups, positions_of
 from pipeline.common.names import file_name
 from pipeline.index.files import LIST_OWNERS_FILE, QUANTIZER_FILE, load_index, read_owners
 from pipeline.index.recall import recall_of
@@ -35,9 +36,9 @@ PICK = np.dtype([("seq_id", "<i8"), ("j", "<i4"), ("slot", "<i4"), ("chunk_id", 
 PROBE_SALT = 3
 
 
-def search_batch_of(seq_id: int) -> int:
-    """The search batch a sequence belongs to: its queries are searched, and its row
-    assembled, with those of the batch."""
+def search_batch_of(seq_id):
+    """The search batch a sequence (or an array of them) belongs to: its queries are searched,
+    and its row assembled, with those of the batch."""
     return seq_id // SEQUENCES_PER_SEARCH
 
 
@@ -90,10 +91,7 @@ class SentCounts:
 
 def received_by(seq_ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """How many of `rows` (CANDIDATE or PICK) belong to each of `seq_ids` (sorted)."""
-    if not len(seq_ids):
-        return np.zeros(0, np.int64)
-    at = np.searchsorted(seq_ids, rows["seq_id"])
-    owned = seq_ids[np.minimum(at, len(seq_ids) - 1)] == rows["seq_id"]
+    at, owned = positions_of(seq_ids, rows["seq_id"])
     return np.bincount(at[owned], minlength=len(seq_ids)).astype(np.int64)
 
 
@@ -216,10 +214,7 @@ class QueryBlock:
 
     def by_search_batch(self, chunks_per_seq: int):
         """-> (search batch, the block of its rows) for each batch these rows' sequences fall in."""
-        batches = self.chunk_ids // chunks_per_seq // SEQUENCES_PER_SEARCH
-        order = np.argsort(batches, kind="stable")
-        keys, starts = np.unique(batches[order], return_index=True)
-        for batch, rows in zip(keys.tolist(), np.split(order, starts[1:])):
+        for batch, rows in groups(search_batch_of(self.chunk_ids // chunks_per_seq)):
             yield batch, QueryBlock(self.chunk_ids[rows], self.vectors[rows])
 
 
@@ -244,8 +239,8 @@ def batch_queries(grouped, L: int):
                 f"arrived: {LOST_DATA}; nothing is committed"
             )
         wanted = s.seq_id * L + np.arange(L)
-        at = np.minimum(np.searchsorted(ids, wanted), max(len(ids) - 1, 0))
-        if not len(ids) or (ids[at] != wanted).any():
+        at, present = positions_of(ids, wanted)
+        if not present.all():
             raise RuntimeError(
                 f"sequence {s.seq_id}: the embeddings of its chunks {wanted[0]}..{wanted[-1]} did not all arrive: "
                 f"{LOST_DATA}; nothing is committed"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from pipeline.chunks.chunk_files import ChunkRows
+from pipeline.common.arrays import groups, positions_of
 from pipeline.shards.rows import Sequence
 
 
@@ -26,9 +27,8 @@ def batch_parts(rows: ChunkRows, chunks_per_seq: int, sequences_per_batch: int):
     fall in; a batch's first chunk also goes to the batch before, whose last sequence takes
     its first token as its target."""
     per_batch = chunks_per_seq * sequences_per_batch
-    batches = rows.chunk_id // per_batch
-    for batch in np.unique(batches).tolist():
-        yield batch, rows.take(np.flatnonzero(batches == batch))
+    for batch, at in groups(rows.chunk_id // per_batch):
+        yield batch, rows.take(at)
     opening = np.flatnonzero((rows.chunk_id % per_batch == 0) & (rows.chunk_id > 0))
     for row in opening.tolist():
         yield int(rows.chunk_id[row]) // per_batch - 1, rows.take(np.array([row]))
@@ -42,9 +42,7 @@ def pack_batch(batch: int, parts: list[ChunkRows], chunks_per_seq: int, sequence
     rows = rows.take(np.argsort(rows.chunk_id, kind="stable"))
     ids, L = rows.chunk_id, chunks_per_seq
     for seq_id in range(batch * sequences_per_batch, (batch + 1) * sequences_per_batch):
-        wanted = seq_id * L + np.arange(L + 1)  # its chunks and the next one
-        at = np.minimum(np.searchsorted(ids, wanted), max(len(ids) - 1, 0))
-        present = (ids[at] == wanted) if len(ids) else np.zeros(L + 1, bool)
+        at, present = positions_of(ids, seq_id * L + np.arange(L + 1))  # its chunks and the next one
         if not present[:L].all():
             continue
         next_token, next_doc = (int(rows.tokens[at[L], 0]), int(rows.doc_id[at[L]])) if present[L] else (None, None)

@@ -1,0 +1,24 @@
+"""Two numpy idioms the block-wise steps share: rows grouped by a key, and ids looked up in a
+sorted id array."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def groups(keys: np.ndarray):
+    """(key, the positions holding it, ascending) for each distinct key, smallest key first."""
+    keys = np.asarray(keys)
+    order = np.argsort(keys, kind="stable")
+    distinct, starts = np.unique(keys[order], return_index=True)
+    yield from zip(distinct.tolist(), np.split(order, starts[1:]))
+
+
+def positions_of(sorted_ids: np.ndarray, wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where each of `wanted` sits in `sorted_ids`, and whether it is there at all (a missing
+    id's position is any valid one)."""
+    wanted = np.asarray(wanted)
+    if not len(sorted_ids):
+        return np.zeros(len(wanted), np.int64), np.zeros(len(wanted), bool)
+    at = np.minimum(np.searchsorted(sorted_ids, wanted), len(sorted_ids) - 1)
+    return at, sorted_ids[at] == wanted
