@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from typing import Any
 
 import apache_beam as beam
 
@@ -33,17 +35,18 @@ def observe(label: str, unit: str, count: int = 1) -> None:
 
 
 class ReportProgress(beam.PTransform):
-    """Elements pass through unchanged; every 10 s the stage logs how far it is."""
+    """Elements pass through unchanged; every 10 s the stage logs how far it is, counting
+    `size(element)` units per element (one by default)."""
 
-    def __init__(self, stage: str, unit: str):
+    def __init__(self, stage: str, unit: str, size: Callable[[Any], int] | None = None):
         super().__init__()
-        self.stage, self.unit = stage, unit  # not `label`: PTransform owns that attribute
+        self.stage, self.unit, self.size = stage, unit, size  # not `label`: PTransform owns that attribute
 
     def expand(self, pcoll):
-        stage, unit = self.stage, self.unit
+        stage, unit, size = self.stage, self.unit, self.size
 
         def count(element):
-            observe(stage, unit)
+            observe(stage, unit, 1 if size is None else size(element))
             return element
 
         return pcoll | "Count" >> beam.Map(count)

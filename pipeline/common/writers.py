@@ -7,6 +7,8 @@ import hashlib
 import io
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import apache_beam as beam
 import numpy as np
@@ -57,11 +59,18 @@ def write_file(directory: str, name: str, data: bytes, rows: int, relative_to: s
     return FileEntry(path=relative, rows=rows, bytes=len(data), sha256=fileio.sha256_bytes(data))
 
 
+@dataclass(frozen=True)
+class _FilePart:
+    """Rows of a batch that go to one file, as one element (a list is pickled item by item)."""
+
+    rows: list
+
+
 class WriteGroupedFiles(beam.PTransform):
-    """Rows -> files `<directory>/<prefix>-NNNNN.<ext>`, file NNNNN holding the rows with
-    `key(row) // rows_per_file == NNNNN`, sorted by key. Yields manifest entries (`entry`, a
-    FileEntry model), with what `facts(rows)` says of the rows written added to each (facts
-    from the data, not metrics)."""
+    """Rows (or batches of them, `rows_of(batch)` their rows) -> files `<directory>/<prefix>-NNNNN.<ext>`, file
+    NNNNN holding the rows with `key(row) // rows_per_file == NNNNN`, sorted by key. Yields
+    manifest entries (`entry`, a FileEntry model), with what `facts(rows)` says of the rows
+    written added to each (facts from the data, not metrics)."""
 
     def __init__(
         self,
@@ -74,8 +83,10 @@ class WriteGroupedFiles(beam.PTransform):
         to_bytes: Callable[[list], bytes],
         facts: Callable[[list], dict] | None = None,
         entry: type[FileEntry] = FileEntry,
+        rows_of: Callable[[Any], list] | None = None,
     ):
         super().__init__()
+        self.rows_of = rows_of
         self.directory, self.relative_to = directory, relative_to
         self.prefix, self.extension = prefix, extension
         self.key, self.rows_per_file, self.to_bytes = key, rows_per_file, to_bytes
@@ -86,6 +97,8 @@ class WriteGroupedFiles(beam.PTransform):
 
         def write(group):
             number, members = group
+            if self.rows_of is not None:
+                members = [row for part in members for row in part.rows]
             members = sorted(members, key=key)
             entry = write_file(
                 self.directory,
@@ -96,12 +109,21 @@ class WriteGroupedFiles(beam.PTransform):
             )
             return self.entry(**entry.model_dump(), **(self.facts(members) if self.facts else {}))
 
-        return (
-            rows
-            | "KeyByFile" >> beam.Map(lambda row: (key(row) // per_file, row))
-            | "GroupByFile" >> beam.GroupByKey()
-            | "WriteFile" >> beam.Map(write)
+        rows_of = self.rows_of
+
+        def parts_by_file(batch):
+            by_file: dict[int, list] = {}
+            for row in rows_of(batch):
+                by_file.setdefault(key(row) // per_file, []).append(row)
+            for number, rows in by_file.items():
+                yield number, _FilePart(rows)
+
+        keyed = (
+            rows | "KeyByFile" >> beam.FlatMap(parts_by_file)
+            if rows_of is not None
+            else rows | "KeyByFile" >> beam.Map(lambda row: (key(row) // per_file, row))
         )
+        return keyed | "GroupByFile" >> beam.GroupByKey() | "WriteFile" >> beam.Map(write)
 
 
 def rejected_jsonl(records: list[Rejected]) -> bytes:

@@ -209,7 +209,7 @@ def _build_shards(
     retrieved = (sequences, queries, spans) | "RetrieveNeighbours" >> RetrieveNeighbours(
         spec, cfg.index.min_ram, validate=not dry_run
     )
-    rows = retrieved.rows | "ShardProgress" >> ReportProgress("retrieve", "sequences")
+    rows = retrieved.rows | "ShardProgress" >> ReportProgress("retrieve", "sequences", lambda batch: len(batch.rows))
     shard_files = rows | "WriteShards" >> WriteShards(staging, cfg.rows_per_shard(), tok.pad_id)
     rejected_files = rejected | "WriteRejected" >> WriteRejected(fileio.join(staging, REJECTED_STAGING), "build-shards")
     recall = (retrieved.probes, retrieved.truth, rows) | "MeasureNeighbourRecall" >> MeasureNeighbourRecall(k)
@@ -218,11 +218,9 @@ def _build_shards(
         retrieved.tallies,
         _rejected_tally(rejected, "TallyRejected"),
         counted("training_chunks", training_chunks, len),
-        counted("sequences", rows),
-        counted("neighbour_slots_padded", rows, lambda r: (r.neighbour_ids < 0).sum()),
-        rows
-        | "OverlapBatches" >> beam.BatchElements(min_batch_size=16, max_batch_size=32)
-        | "TallyOverlap" >> beam.FlatMap(overlap_tally, m, tok.pad_id),
+        counted("sequences", rows, lambda batch: len(batch.rows)),
+        counted("neighbour_slots_padded", rows, lambda batch: sum((r.neighbour_ids < 0).sum() for r in batch.rows)),
+        rows | "TallyOverlap" >> beam.FlatMap(overlap_tally, m, tok.pad_id),
     ) | "Tallies" >> Tally()
     manifest = (
         shard_files

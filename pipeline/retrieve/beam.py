@@ -48,6 +48,7 @@ from pipeline.retrieve.search import (
     Routing,
     SentCounts,
     _excluded_ranges,
+    batch_documents,
     batch_probes,
     check_in_database,
     picks_of,
@@ -58,7 +59,7 @@ from pipeline.retrieve.search import (
     tune_retrieval_depth,
 )
 from pipeline.retrieve.sequences import batch_parts, document_spans, pack_batch, widest_span
-from pipeline.shards.rows import ShardRow, neighbour_arrays
+from pipeline.shards.rows import RowBatch, SequenceBatch, ShardRow, neighbour_arrays
 from schemas.manifest import SearchDepth
 
 SENT = "sent"  # tagged output: (search batch, SentCounts: what each sequence sent through the next shuffle)
@@ -67,12 +68,14 @@ TALLY = "tally"  # tagged output: (name, count) pairs, counted as data (pipeline
 
 def _pack(keyed, chunks_per_seq: int, pad_id: int):
     batch, parts = keyed
-    yield from pack_batch(batch, list(parts), chunks_per_seq, SEQUENCES_PER_SEARCH, pad_id)
+    sequences = list(pack_batch(batch, list(parts), chunks_per_seq, SEQUENCES_PER_SEARCH, pad_id))
+    if sequences:  # none: the database's tail, too short for a sequence
+        yield SequenceBatch(sequences)
 
 
 class PackSequences(beam.PTransform):
-    """Chunk rows (`ChunkRows` blocks) -> Sequences of `chunks_per_seq` consecutive chunks
-    (ids seq·L … seq·L+L-1), packed a search batch at a time."""
+    """Chunk rows (`ChunkRows` blocks) -> a SequenceBatch per search batch: its sequences, each
+    of `chunks_per_seq` consecutive chunks (ids seq·L … seq·L+L-1), travel as one element."""
 
     def __init__(self, chunks_per_seq: int, pad_id: int):
         super().__init__()
@@ -311,19 +314,22 @@ def _select_distinct(keyed, spec: Retrieval):
 
 
 def _to_rows(keyed, chunks_per_seq: int, k: int, m: int, pad_id: int):
-    """(search batch, its sequences, neighbour blocks and SentCounts) -> a ShardRow per sequence."""
+    """(search batch, its sequences, neighbour blocks and SentCounts) -> its RowBatch."""
     _, grouped = keyed
-    sequences = sorted(grouped["sequence"], key=lambda s: s.seq_id)
+    sequences = sorted((s for batch in grouped["sequences"] for s in batch.sequences), key=lambda s: s.seq_id)
     blocks = list(grouped["picks"])
     picks = np.concatenate([b.picks for b in blocks]) if blocks else np.zeros(0, PICK)
     values = np.concatenate([b.values for b in blocks]) if blocks else np.zeros((0, 2 * m), np.int32)
     seq_ids = np.array([s.seq_id for s in sequences], np.int64)
     _all_arrived("neighbours", seq_ids, picks, list(grouped["sent"]))
     each = dict(groups(picks["seq_id"]))
+    rows = []
     for s in sequences:
         at = each.get(s.seq_id, np.zeros(0, np.int64))
         neighbours, ids, scores = neighbour_arrays(picks[at], values[at], chunks_per_seq, k, m, pad_id)
-        yield ShardRow(s.seq_id, s.tokens, neighbours, ids, scores, s.doc_ids)
+        rows.append(ShardRow(s.seq_id, s.tokens, neighbours, ids, scores, s.doc_ids))
+    if rows:
+        yield RowBatch(rows)
 
 
 @dataclass
@@ -389,7 +395,7 @@ def _nothing_left(element):
 class Retrieved:
     """What `RetrieveNeighbours` gives: PCollections of the rows and of what checks them."""
 
-    rows: beam.PCollection  # ShardRows
+    rows: beam.PCollection  # a RowBatch per search batch
     probes: beam.PCollection  # one sorted list of Probes: the training chunks sampled
     truth: beam.PCollection  # one (scores, ids) [probes, truth_depth]: their exact neighbours, or None
     search_depth: beam.PCollection  # one SearchDepth: `tune_retrieval_depth`'s result
@@ -397,7 +403,8 @@ class Retrieved:
 
 
 class RetrieveNeighbours(beam.PTransform):
-    """(sequences, query embeddings (`QueryBlock`s), database document spans) -> `Retrieved`: ShardRows with
+    """(sequences (`PackSequences`' SequenceBatches), query embeddings (`QueryBlock`s), database
+    document spans) -> `Retrieved`: ShardRows, in a RowBatch per search batch, with
     the k nearest chunks of the database outside each sequence's documents, and the probe
     sample with its exact truth and the search depth tuned on it.
 
@@ -421,19 +428,16 @@ class RetrieveNeighbours(beam.PTransform):
         sequences, embeddings, doc_spans = inputs
         spec = self.spec
         L, files = spec.chunks_per_seq, spec.chunk_files
+        by_batch = sequences | "BySearchBatch" >> beam.Map(lambda b: (search_batch_of(b.sequences[0].seq_id), b))
         excluded = (
-            {
-                "span": doc_spans,
-                "seq": sequences | "SeqDocuments" >> beam.FlatMap(lambda s: [(d, s.seq_id) for d in s.doc_ids]),
-            }
+            {"span": doc_spans, "batch": by_batch | "BatchDocuments" >> beam.FlatMap(batch_documents)}
             | "JoinDocumentSpans" >> beam.CoGroupByKey()
             | "ExcludedRanges" >> beam.FlatMap(_excluded_ranges)
         )
-        by_batch = sequences | "SeqBySearchBatch" >> beam.Map(lambda s: (search_batch_of(s.seq_id), s))
         joined = {
             "sequences": by_batch,
             "embeddings": embeddings | "QueriesBySearchBatch" >> beam.FlatMap(lambda b: b.by_search_batch(L)),
-            "excluded": excluded | "ExcludedBySearchBatch" >> beam.Map(lambda e: (search_batch_of(e[0]), e)),
+            "excluded": excluded,
         } | "JoinQueries" >> beam.CoGroupByKey()
         if spec.probes:
             probes = (
@@ -475,7 +479,7 @@ class RetrieveNeighbours(beam.PTransform):
             | "NeighbourTokens" >> beam.ParDo(_NeighbourTokens(files))
         )
         rows = (
-            {"sequence": by_batch, "picks": neighbours, "sent": sent}
+            {"sequences": by_batch, "picks": neighbours, "sent": sent}
             | "JoinNeighbours" >> beam.CoGroupByKey()
             | "AssembleRows" >> beam.FlatMap(_to_rows, L, spec.neighbours, spec.chunk_tokens, spec.pad_id)
         )

@@ -108,10 +108,11 @@ class ExactTruth(beam.PTransform):
         )
 
 
-def _our_neighbours(row, wanted: set):
-    for j in range(len(row.neighbour_ids)):
-        if (row.seq_id, j) in wanted:
-            yield (row.seq_id, j), row.neighbour_ids[j]
+def _our_neighbours(batch, wanted: set):
+    for row in batch.rows:
+        for j in range(len(row.neighbour_ids)):
+            if (row.seq_id, j) in wanted:
+                yield (row.seq_id, j), row.neighbour_ids[j]
 
 
 def neighbour_recall(probes: list[Probe], truth, ours: list, k: int) -> dict | None:
@@ -132,7 +133,7 @@ def neighbour_recall(probes: list[Probe], truth, ours: list, k: int) -> dict | N
 
 
 class MeasureNeighbourRecall(beam.PTransform):
-    """(probe sample, its exact truth, shard rows) -> one dict: the recall of the neighbours
+    """(probe sample, its exact truth, RowBatches) -> one dict: the recall of the neighbours
     written for the sampled training chunks (`neighbour_recall`), or None."""
 
     def __init__(self, k: int):

@@ -189,14 +189,21 @@ class Retrieval:
 LOST_DATA = "the runner lost data"  # build_shards retries a stage that failed with this, once
 
 
+def batch_documents(keyed):
+    """(search batch, its sequences) -> (doc_id, batch) for each document they hold."""
+    batch, sequences = keyed
+    for doc_id in sorted({d for s in sequences.sequences for d in s.doc_ids}):
+        yield doc_id, batch
+
+
 def _excluded_ranges(keyed):
-    """(doc_id, its span and the sequences holding it) -> (seq_id, span) per sequence, span
-    None for a document not in the database (a separate training corpus: it excludes
-    nothing), so every sequence can count that each of its documents answered."""
-    _, grouped = keyed
+    """(doc_id, its span and the search batches holding it) -> (batch, (doc_id, span)) per
+    batch, span None for a document not in the database (a separate training corpus: it
+    excludes nothing), so every sequence can check that each of its documents answered."""
+    doc_id, grouped = keyed
     spans = list(grouped["span"])
-    for seq_id in grouped["seq"]:
-        yield seq_id, spans[0] if spans else None
+    for batch in grouped["batch"]:
+        yield batch, (doc_id, spans[0] if spans else None)
 
 
 @dataclass(frozen=True)
@@ -227,12 +234,12 @@ def batch_queries(grouped, L: int):
     ids = np.concatenate([b.chunk_ids for b in blocks]) if blocks else np.zeros(0, np.int64)
     order = np.argsort(ids, kind="stable")
     ids = ids[order]
-    excluded: dict[int, list] = {}
-    for seq_id, span in grouped["excluded"]:
-        excluded.setdefault(seq_id, []).append(span)
+    spans: dict[int, list] = {}
+    for doc_id, span in grouped["excluded"]:
+        spans.setdefault(doc_id, []).append(span)
     vectors = None
-    for s in sorted(grouped["sequences"], key=lambda s: s.seq_id):
-        answered = excluded.get(s.seq_id, [])
+    for s in sorted((s for batch in grouped["sequences"] for s in batch.sequences), key=lambda s: s.seq_id):
+        answered = [spans[d][0] for d in s.doc_ids if len(spans.get(d, ())) == 1]
         if len(answered) != len(s.doc_ids):
             raise RuntimeError(
                 f"sequence {s.seq_id}: {len(answered)} of its {len(s.doc_ids)} documents' chunk-id ranges "

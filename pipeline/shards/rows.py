@@ -31,6 +31,21 @@ class ShardRow:
     doc_ids: tuple
 
 
+@dataclass(frozen=True)
+class SequenceBatch:
+    """One search batch's sequences, in seq id order, as one element: Beam's default coder
+    pickles a list item by item, this in one call."""
+
+    sequences: list[Sequence]
+
+
+@dataclass(frozen=True)
+class RowBatch:
+    """One search batch's shard rows, in seq id order, as one element (see SequenceBatch)."""
+
+    rows: list[ShardRow]
+
+
 def neighbour_arrays(picks: np.ndarray, values: np.ndarray, chunks_per_seq: int, k: int, m: int, pad_id: int):
     """One sequence's kept neighbours (records with j, slot, chunk_id, score) and their values
     [n, 2m] -> neighbours [L, k, 2m], ids [L, k] (-1 = absent), scores [L, k]; absent slots
@@ -82,12 +97,20 @@ def overlap_ranges(thresholds: list[str]) -> list[str]:
 OVERLAP_COUNTER = "overlap_r_le_"
 
 
-def overlap_tally(rows: list[ShardRow], m: int, pad_id: int):
+OVERLAP_ROWS = 32  # rows audited at once: chunk_overlap holds [chunks, k, m, 2m] booleans
+
+
+def overlap_tally(batch: RowBatch, m: int, pad_id: int):
     """(overlap counter of a bucket, the chunks in it) for the chunks of a batch of shard rows:
     the audit, counted as data."""
-    chunks = np.concatenate([row.tokens[: len(row.neighbours) * m].reshape(-1, m) for row in rows])
-    ratios = chunk_overlap(chunks, np.concatenate([row.neighbours for row in rows]), pad_id)
-    buckets, counts = np.unique(np.searchsorted(OVERLAP_BUCKETS, ratios, side="left"), return_counts=True)
+    rows = batch.rows
+    ratios = []
+    for start in range(0, len(rows), OVERLAP_ROWS):
+        part = rows[start : start + OVERLAP_ROWS]
+        chunks = np.concatenate([row.tokens[: len(row.neighbours) * m].reshape(-1, m) for row in part])
+        ratios.append(chunk_overlap(chunks, np.concatenate([row.neighbours for row in part]), pad_id))
+    bucket_of = np.searchsorted(OVERLAP_BUCKETS, np.concatenate(ratios), side="left")
+    buckets, counts = np.unique(bucket_of, return_counts=True)
     for bucket, count in zip(buckets.tolist(), counts.tolist()):  # the smallest threshold at or above r
         yield OVERLAP_COUNTER + str(OVERLAP_BUCKETS[bucket]), count
 

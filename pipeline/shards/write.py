@@ -25,7 +25,8 @@ def rows_to_ipc(rows: list[ShardRow], pad_id: int) -> bytes:
 
 
 class WriteShards(beam.PTransform):
-    """ShardRows -> `shard-NNNNN.arrow`, shard NNNNN holding seq ids NNNNN·rows … (sorted)."""
+    """RowBatches -> `shard-NNNNN.arrow`, shard NNNNN holding seq ids NNNNN·rows …
+    (sorted)."""
 
     def __init__(self, directory: str, shard_rows: int, pad_id: int):
         super().__init__()
@@ -43,4 +44,5 @@ class WriteShards(beam.PTransform):
             to_bytes=lambda rs: rows_to_ipc(rs, pad_id),
             facts=lambda rs: {"neighbour_slots_filled": sum(int((r.neighbour_ids >= 0).sum()) for r in rs)},
             entry=ShardEntry,
+            rows_of=lambda batch: batch.rows,
         )

@@ -7,7 +7,7 @@ from pipeline.common.writers import embeddings_table, parquet_bytes
 from pipeline.index.exact import exact_scores_of, exact_top, merge_top
 from pipeline.index.recall import TIE_TOLERANCE, recall_of, recall_with_ties
 from pipeline.retrieve.recall import ExactTruth, MeasureNeighbourRecall, Probe, SmallestProbes, scan_batch
-from pipeline.shards.rows import ShardRow
+from pipeline.shards.rows import RowBatch, ShardRow
 from tests.helpers import local_pipeline
 
 L, K, D = 2, 3, 16
@@ -113,6 +113,6 @@ def test_measure_neighbour_recall_against_exact_search(tmp_path):
     with local_pipeline() as p:
         sample = p | "Probes" >> beam.Create([probes[:15], probes[15:]]) | beam.CombineGlobally(SmallestProbes(30))
         truth = sample | ExactTruth(str(tmp_path / "embeddings" / "*.parquet"), 100)
-        rows = p | "Rows" >> beam.Create(shard_rows)
+        rows = p | "Rows" >> beam.Create([RowBatch(shard_rows[:7]), RowBatch(shard_rows[7:])])
         result = (sample, truth, rows) | MeasureNeighbourRecall(K)
         assert_that(result, check)

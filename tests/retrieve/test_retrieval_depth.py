@@ -91,7 +91,10 @@ def _retrieve(tmp_path, corpus, policy: str, slices: int, check_depth, check_rec
         recall = (retrieved.probes, retrieved.truth, retrieved.rows) | MeasureNeighbourRecall(K)
         assert_that(retrieved.search_depth, check_depth, label="CheckDepth")
         assert_that(recall, check_recall, label="CheckRecall")
-        assert_that(retrieved.rows | beam.Map(lambda row: bool((row.neighbour_ids >= 0).all())), _all_filled)
+        filled = retrieved.rows | beam.FlatMap(
+            lambda batch: [bool((row.neighbour_ids >= 0).all()) for row in batch.rows]
+        )
+        assert_that(filled, _all_filled)
 
 
 def _all_filled(filled: list[bool]) -> None:

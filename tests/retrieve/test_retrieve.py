@@ -33,7 +33,7 @@ from pipeline.retrieve.sequences import (
     pack_sequence,
     widest_span,
 )
-from pipeline.shards.rows import Sequence
+from pipeline.shards.rows import Sequence, SequenceBatch
 from tests.helpers import local_pipeline, write_chunk_files, write_list_slices
 
 M, L, K, PAD = 4, 2, 2, 0
@@ -157,8 +157,8 @@ def retrieve(p, chunks, vectors, index_path, chunk_files, dedupe=False, candidat
     queries = p | "Queries" >> beam.Create([(i, vectors[i]) for i in range(len(chunks))]) | beam.Map(QueryBlock.of_row)
     spans = p | DocumentSpans(f"{chunk_files.directory}/chunks/*.parquet")
     spec = Retrieval(index_path, None, chunk_files, L, M, K, candidates, PAD, dedupe)
-    rows = ((sequences, queries, spans) | RetrieveNeighbours(spec)).rows
-    return rows
+    batches = ((sequences, queries, spans) | RetrieveNeighbours(spec)).rows
+    return batches | "EachRow" >> beam.FlatMap(lambda batch: batch.rows)
 
 
 @pytest.mark.beam
@@ -285,13 +285,13 @@ def test_a_sequence_whose_documents_did_not_all_answer_fails_rather_than_search_
     L, d = 2, 4
     sequence = Sequence(3, np.zeros(9, np.int32), (10, 11, 12))  # documents 10, 11, 12
     grouped = {
-        "sequences": [sequence],
+        "sequences": [SequenceBatch([sequence])],
         "embeddings": [QueryBlock(3 * L + np.arange(L), np.ones((L, d), np.float32))],
-        "excluded": [(3, (100, 120)), (3, None)],  # 11 is not in the database; 12's range is lost
+        "excluded": [(10, (100, 120)), (11, None)],  # 11 is not in the database; 12's range is lost
     }
     with pytest.raises(RuntimeError, match=f"sequence 3: 2 of its 3 documents' chunk-id ranges arrived: {LOST_DATA}"):
         list(batch_queries(grouped, L))
-    grouped["excluded"].append((3, (120, 130)))
+    grouped["excluded"].append((12, (120, 130)))
     ((_, queries, ranges),) = batch_queries(grouped, L)
     assert queries.shape == (L, d) and ranges == [(100, 130)]  # None excludes nothing
     grouped["embeddings"] = [QueryBlock(np.array([3 * L]), np.ones((1, d), np.float32))]  # chunk 7's is lost
@@ -334,8 +334,8 @@ def test_a_routed_round_sends_short_queries_deeper_until_every_list():
 _ROWS: list = []  # rows the in-process runner made, collected in place (`_collect` travels by name)
 
 
-def _collect(row) -> None:
-    _ROWS.append(row)
+def _collect(batch) -> None:
+    _ROWS.extend(batch.rows)
 
 
 @pytest.mark.beam
@@ -366,7 +366,7 @@ def test_routed_search_over_list_slices_finds_one_indexs_neighbours_and_sends_no
             sequences = p | "Chunks" >> beam.Create([ChunkRows.of_chunks(chunks)]) | PackSequences(L, PAD)
             queries = p | "Queries" >> beam.Create([QueryBlock(np.arange(len(chunks)), vectors)])
             spans = p | DocumentSpans(f"{chunk_files.directory}/chunks/*.parquet")
-            _ = ((sequences, queries, spans) | RetrieveNeighbours(spec)).rows | beam.Map(_collect)
+            _ = ((sequences, queries, spans) | RetrieveNeighbours(spec)).rows | beam.FlatMap(_collect)
         return {row.seq_id: row.neighbour_ids.tolist() for row in _ROWS}
 
     want = neighbours_of(Retrieval(one, 1, chunk_files, L, M, K, 8, PAD))

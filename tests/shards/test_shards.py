@@ -12,6 +12,7 @@ from apache_beam.testing.util import assert_that, equal_to
 
 from pipeline.retrieve.search import PICK
 from pipeline.shards.rows import (
+    RowBatch,
     ShardRow,
     chunk_overlap,
     neighbour_arrays,
@@ -101,7 +102,7 @@ def test_overlap_tally_of_a_batch_counts_each_chunk_in_its_bucket():
         for ratio in chunk_overlap(row.tokens[: 3 * m].reshape(3, m), row.neighbours, 0):
             key = "overlap_r_le_" + overlap_bucket(ratio)
             expected[key] = expected.get(key, 0) + 1
-    assert dict(overlap_tally(rows, m, 0)) == expected and expected["overlap_r_le_1.0"] == 5
+    assert dict(overlap_tally(RowBatch(rows), m, 0)) == expected and expected["overlap_r_le_1.0"] == 5
 
 
 @pytest.mark.unit
@@ -134,7 +135,11 @@ def test_write_shards_is_sorted_split_by_seq_id_and_counts_filled_slots(tmp_path
     ]
     slots = L * K
     with local_pipeline() as p:
-        entries = p | beam.Create(rows) | WriteShards(str(tmp_path), shard_rows=2, pad_id=PAD)
+        entries = (
+            p
+            | beam.Create([RowBatch(rows[:3]), RowBatch(rows[3:])])
+            | WriteShards(str(tmp_path), shard_rows=2, pad_id=PAD)
+        )
         assert_that(
             entries | beam.Map(lambda e: (e.path, e.rows, e.neighbour_slots_filled)),
             equal_to(
