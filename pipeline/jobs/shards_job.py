@@ -50,6 +50,8 @@ log = logging.getLogger("ratrain")
 
 MIN_FILL = 0.99  # below this share of filled neighbour slots, the stage warns
 
+CHUNKS_PER_BLOCK = 1024  # a separate training corpus's chunks and queries travel in blocks of up to this many
+
 
 def _chunks_from_table(table) -> list[Chunk]:
     rows = chunk_arrays(table)
@@ -181,9 +183,17 @@ def _build_shards(
         from pipeline.embed.beam import EmbedChunks
 
         threads = encoder_threads(cfg.embedding.cpu_threads, cfg.embedding.device, pipeline.options)
-        training_chunks = chunks | "ChunkBlocks" >> beam.Map(lambda chunk: ChunkRows.of_chunks([chunk]))
+        training_chunks = (
+            chunks
+            | "BatchChunks" >> beam.BatchElements(max_batch_size=CHUNKS_PER_BLOCK)
+            | "ChunkBlocks" >> beam.Map(ChunkRows.of_chunks)
+        )
         embedded, precision = chunks | "EmbedTrainingChunks" >> EmbedChunks(cfg.embedding, tok.path, threads)
-        queries = embedded | "QueryBlocks" >> beam.Map(QueryBlock.of_row)
+        queries = (
+            embedded
+            | "BatchQueries" >> beam.BatchElements(max_batch_size=CHUNKS_PER_BLOCK)
+            | "QueryBlocks" >> beam.Map(QueryBlock.of_rows)
+        )
         rejected = (read_rejected, unusable) | "MergeRejected" >> beam.Flatten()
         read_tallies = _documents_read_tally(documents, rejected, "Training")
     sequences = training_chunks | "PackSequences" >> PackSequences(L, tok.pad_id)

@@ -209,15 +209,15 @@ def _excluded_ranges(keyed):
 @dataclass(frozen=True)
 class QueryBlock:
     """Query embeddings of training chunks, any ids in any order: what the search reads, in
-    blocks (a file's rows, or one embedded chunk) rather than an element per chunk."""
+    blocks (a file's rows, or a bundle's embedded chunks) rather than an element per chunk."""
 
     chunk_ids: np.ndarray  # int64 [n]
     vectors: np.ndarray  # [n, d]
 
     @classmethod
-    def of_row(cls, row: tuple[int, np.ndarray]) -> QueryBlock:
-        """One (chunk_id, vector) pair."""
-        return cls(np.array([row[0]], np.int64), np.asarray(row[1])[None])
+    def of_rows(cls, rows: list[tuple[int, np.ndarray]]) -> QueryBlock:
+        """(chunk_id, vector) pairs, as the embed stage gives them."""
+        return cls(np.array([chunk_id for chunk_id, _ in rows], np.int64), np.stack([vector for _, vector in rows]))
 
     def by_search_batch(self, chunks_per_seq: int):
         """-> (search batch, the block of its rows) for each batch these rows' sequences fall in."""

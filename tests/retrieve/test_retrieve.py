@@ -154,7 +154,9 @@ def _database():
 def retrieve(p, chunks, vectors, index_path, chunk_files, dedupe=False, candidates=8):
     """RetrieveNeighbours as build-shards wires it: document spans read from the chunk files."""
     sequences = p | "Chunks" >> beam.Create([ChunkRows.of_chunks(chunks)]) | PackSequences(L, PAD)
-    queries = p | "Queries" >> beam.Create([(i, vectors[i]) for i in range(len(chunks))]) | beam.Map(QueryBlock.of_row)
+    queries = (
+        p | "Queries" >> beam.Create([[(i, vectors[i])] for i in range(len(chunks))]) | beam.Map(QueryBlock.of_rows)
+    )
     spans = p | DocumentSpans(f"{chunk_files.directory}/chunks/*.parquet")
     spec = Retrieval(index_path, None, chunk_files, L, M, K, candidates, PAD, dedupe)
     batches = ((sequences, queries, spans) | RetrieveNeighbours(spec)).rows
