@@ -1,0 +1,4 @@
+"""Decontamination: training and retrieval documents that are near-duplicates of evaluation
+documents (word n-gram Jaccard at or above a threshold, RETRO's 13-grams at 0.8), found by
+MinHash signatures and LSH bands. `minhash` is the Beam-free part.
+"""
