@@ -208,6 +208,31 @@ class IndexConfig(_Strict):
         return None if v is None else parse_size(v)
 
 
+class DecontaminationConfig(_Strict):
+    """Near-duplicates of evaluation documents removed from the corpora (RETRO's rule: word
+    13-gram Jaccard of 0.8 or more); active when `evaluation_corpus` names a corpus."""
+
+    ngram: int = Field(13, ge=1, le=64, description="Words per shingle (n-gram).")
+    threshold: float = Field(
+        0.8,
+        gt=0,
+        le=1,
+        description="A document whose exact n-gram Jaccard with an evaluation document is at least this is removed.",
+    )
+    num_perm: int = Field(128, ge=16, le=1024, description="MinHash permutations per signature.")
+    candidate_recall: float = Field(
+        0.99,
+        gt=0,
+        lt=1,
+        description="Least probability that a pair at the threshold shares an LSH band and is checked; more "
+        "makes bands of fewer rows (more chance pairs to check, each checked exactly).",
+    )
+    apply_to: list[Literal["training", "retrieval"]] = Field(
+        ["training", "retrieval"], min_length=1, description="The corpora decontaminated."
+    )
+    seed: int = Field(1, description="Seed of the MinHash permutations.")
+
+
 class PipelineConfig(_Strict):
     """One pipeline run: corpora, tokenisation, retrieval and output (docs/design.md §3)."""
 
@@ -274,6 +299,18 @@ class PipelineConfig(_Strict):
     chunk_file_rows: int = Field(65536, ge=1, description="Rows per chunks/embeddings Parquet file.")
     embedding: EmbeddingConfig = EmbeddingConfig()
     index: IndexConfig = IndexConfig()
+    evaluation_corpus: list[CorpusConfig] = Field(
+        [],
+        description="Evaluation documents (one corpus or several): documents of the corpora in "
+        "decontamination.apply_to that are near-duplicates of one are removed (rejected/, reason "
+        "near_duplicate_of_evaluation). Empty: no decontamination.",
+    )
+    decontamination: DecontaminationConfig = DecontaminationConfig()
+
+    @field_validator("evaluation_corpus", mode="before")
+    @classmethod
+    def _one_corpus_is_a_list(cls, v):
+        return [v] if isinstance(v, dict) else v
 
     @model_validator(mode="after")
     def _shapes_agree(self):
@@ -284,6 +321,11 @@ class PipelineConfig(_Strict):
         if self.neighbour_candidates < self.neighbours:
             raise ValueError(
                 f"neighbour_candidates ({self.neighbour_candidates}) must be at least neighbours ({self.neighbours})"
+            )
+        if self.evaluation_corpus and self.training_corpus == "same" and self.decontamination.apply_to == ["training"]:
+            raise ValueError(
+                "decontamination.apply_to [training] with training_corpus: same: the training chunks are the "
+                "retrieval corpus's, so decontaminate retrieval too (apply_to: [training, retrieval])"
             )
         return self
 
@@ -308,12 +350,27 @@ class PipelineConfig(_Strict):
     def training(self) -> CorpusConfig:
         return self.retrieval_corpus if self.training_corpus == "same" else self.training_corpus
 
+    def decontaminates(self, corpus: Literal["training", "retrieval"]) -> bool:
+        """Whether near-duplicates of the evaluation corpus are removed from this corpus
+        (training: a training corpus of its own; with `same`, retrieval covers it)."""
+        if not self.evaluation_corpus or corpus not in self.decontamination.apply_to:
+            return False
+        return corpus == "retrieval" or self.training_corpus != "same"
+
+    def _decontamination_hash(self, corpus: Literal["training", "retrieval"]) -> dict:
+        """What decontaminating `corpus` adds to its stage's hash: nothing when it is not."""
+        if not self.decontaminates(corpus):
+            return {}
+        settings = self.decontamination.model_dump(exclude={"apply_to"})
+        return {"decontamination": {**settings, "evaluation_corpus": [c.model_dump() for c in self.evaluation_corpus]}}
+
     def embed_hash(self) -> str:
         """Hash of what the chunks and embeddings depend on (not `output`, not `index`)."""
         return stable_hash(
             {
                 **self.model_dump(include={"retrieval_corpus", "tokenizer", "chunk_tokens", "chunk_file_rows"}),
                 "embedding": self.embedding.model_dump(exclude=set(EmbeddingConfig.PLACEMENT)),
+                **self._decontamination_hash("retrieval"),
             }
         )
 
@@ -339,6 +396,7 @@ class PipelineConfig(_Strict):
                     }
                 ),
                 "rows_per_shard": self.rows_per_shard(),
+                **self._decontamination_hash("training"),
             }
         )
 

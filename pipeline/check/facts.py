@@ -5,11 +5,15 @@
 
 from __future__ import annotations
 
+import json
+import posixpath
 from dataclasses import dataclass
 
 import numpy as np
 
 from pipeline.check.problems import _require
+from pipeline.common import fileio
+from pipeline.corpus.records import NEAR_DUPLICATE
 from pipeline.index.files import LIST_OWNERS_FILE, QUANTIZER_FILE, searched_files
 from schemas.manifest import FileEntry
 
@@ -67,6 +71,7 @@ class IndexFacts:
     num_documents: int
     chunks: ChunkFiles
     dim: int  # the embeddings' width
+    removed_doc_ids: tuple[int, ...] = ()  # removed as near-duplicates of evaluation documents: in no chunk file
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,7 @@ class ShardsFacts:
     same_corpus: bool
     metadata: tuple  # (key, value) every shard's schema metadata must hold
     chunks: ChunkFiles  # the chunk database the neighbours point into
+    removed_doc_ids: tuple[int, ...] = ()  # training documents removed as near-duplicates: in no sequence
 
     @property
     def chunks_per_sequence(self) -> int:
@@ -137,3 +143,24 @@ class ChunkFileChecked:
 class Probes:
     ids: np.ndarray  # chunk ids
     vectors: np.ndarray  # their embeddings
+
+
+def removed_documents(stage_directory: str, stage: str, counted: int) -> tuple[int, ...]:
+    """The doc ids a stage removed as near-duplicates of evaluation documents, from its
+    rejected records (`<output>/rejected/<stage>-*.jsonl`, beside the stage's directory);
+    a problem when they are not the `counted` its manifest says."""
+    if not counted:
+        return ()
+    rejected = fileio.join(posixpath.dirname(stage_directory.rstrip("/")), "rejected")
+    found = []
+    for path in fileio.list_files(rejected):
+        if posixpath.basename(path).startswith(f"{stage}-"):
+            with fileio.open_read(path) as f:
+                found += [r["doc_id"] for r in map(json.loads, f) if r["reason"] == NEAR_DUPLICATE]
+    _require(
+        len(found) == counted,
+        f"{stage_directory}: {len(found)} rejected records of near-duplicates of evaluation documents in "
+        f"{rejected}, the manifest counts {counted}",
+        "manifest",
+    )
+    return tuple(sorted(found))

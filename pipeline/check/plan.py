@@ -19,10 +19,12 @@ from pipeline.check.facts import (
     FaissFacts,
     IndexFacts,
     ShardsFacts,
+    removed_documents,
 )
 from pipeline.check.problems import _manifest_problem, _require
 from pipeline.chunks.chunk_files import in_file_order
 from pipeline.common import fileio
+from pipeline.corpus.records import NEAR_DUPLICATE
 from schemas.arrow import (
     SHARD_METADATA_KEYS,
 )
@@ -110,8 +112,9 @@ def _plan_index(plan: ValidationPlan, directory: str) -> None:
         "manifest",
     )
     plan.chunks = chunks
+    removed = removed_documents(directory, "build-index", manifest.counters.get(f"rejected_{NEAR_DUPLICATE}", 0))
     plan.index = IndexFacts(
-        directory, manifest.chunk_tokens, manifest.pad_id, manifest.num_documents, chunks, manifest.dim
+        directory, manifest.chunk_tokens, manifest.pad_id, manifest.num_documents, chunks, manifest.dim, removed
     )
     plan.faiss_index = FaissFacts.of(directory, manifest, entries, manifest.num_chunks)
     chosen = {entry.path for entry in sampled(chunk_entries, plan.sample)}
@@ -191,6 +194,7 @@ def _plan_shards(plan: ValidationPlan, directory: str, index_directory: str) -> 
         manifest.training_corpus == "same",
         tuple((key, str(getattr(manifest, key))) for key in SHARD_METADATA_KEYS),
         plan.chunks,
+        removed_documents(directory, "build-shards", manifest.counters.get(f"rejected_{NEAR_DUPLICATE}", 0)),
     )
     entries = _entries(manifest)
     _check_shard_totals(directory, manifest, entries, plan.shards.chunks_per_sequence)

@@ -53,6 +53,12 @@ def _check_chunk_rules(index: IndexFacts, number: int, rows: ChunkRows) -> Chunk
     ids, docs, positions, tokens = rows.chunk_id, rows.doc_id, rows.position, rows.tokens
     continuations = rows.continuation
     _require(len(ids) > 0, f"{path}: holds no chunks")
+    removed = docs[np.isin(docs, np.array(index.removed_doc_ids, np.int64))]
+    _require(
+        not len(removed),
+        f"{path}: holds chunks of document {removed[:1].tolist()}, removed as a near-duplicate of an "
+        "evaluation document",
+    )
     _require(
         np.array_equal(ids, np.arange(start, start + len(ids))),
         f"{path}: chunk ids are not the dense run {start}..{start + len(ids) - 1}",
@@ -325,6 +331,13 @@ def check_shard(shards: ShardsFacts, entry: ShardEntry) -> ShardResult:
     _require(
         not shards.same_corpus or (seq_ids[0] >= 0 and (seq_ids[-1] + 1) * L <= shards.chunks.num_chunks),
         f"{path}: seq_ids point outside the chunk database (training_corpus: same)",
+    )
+    row_docs = table["doc_ids"].combine_chunks().flatten().to_numpy()
+    removed = row_docs[np.isin(row_docs, np.array(shards.removed_doc_ids, np.int64))]
+    _require(
+        not len(removed),
+        f"{path}: a sequence holds document {removed[:1].tolist()}, removed as a near-duplicate of an evaluation "
+        "document",
     )
     present = ids >= 0
     _require(

@@ -46,9 +46,11 @@ class Rejected:
     position: int
     reason: str
     excerpt: str
+    details: tuple[tuple[str, object], ...] = ()  # (key, JSON value) pairs a reason adds
 
     def to_json(self) -> dict:
-        return {"source": self.source, "position": self.position, "reason": self.reason, "excerpt": self.excerpt}
+        record = {"source": self.source, "position": self.position, "reason": self.reason, "excerpt": self.excerpt}
+        return {**record, **dict(self.details)}
 
 
 Record = Document | Rejected
@@ -92,4 +94,9 @@ def rejected_share(counters: dict[str, int]) -> tuple[int, int]:
     return rejected, counters.get("documents_read", 0) + refused_unread
 
 
-AFTER_PARSING = ("rejected_duplicate_id", "rejected_no_tokens")  # of documents already read
+NEAR_DUPLICATE = "near_duplicate_of_evaluation"  # the reason decontamination removes a document for
+AFTER_PARSING = (  # of documents already read
+    "rejected_duplicate_id",
+    "rejected_no_tokens",
+    f"rejected_{NEAR_DUPLICATE}",
+)

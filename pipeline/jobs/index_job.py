@@ -18,7 +18,7 @@ from pipeline.common.models import (
 from pipeline.common.progress import ReportProgress
 from pipeline.common.tally import Tally, counted
 from pipeline.common.writers import WriteGroupedFiles, WriteRejected, chunks_table, embeddings_table, parquet_bytes
-from pipeline.corpus.read import ReadCorpus
+from pipeline.decontaminate.beam import ReadCorpusKeptClean
 from pipeline.index.build import BuildIndex
 from pipeline.index.build_info import BuildInfo
 from pipeline.jobs.commit import REJECTED_STAGING
@@ -111,7 +111,8 @@ def build_index(
     pipeline, staging = job.pipeline, job.staging
     m, pad = cfg.chunk_tokens, tok.pad_id
     threads = encoder_threads(cfg.embedding.cpu_threads, cfg.embedding.device, pipeline.options)
-    documents, rejected = pipeline | "ReadRetrievalCorpus" >> ReadCorpus(cfg.retrieval_corpus, match=not dry_run)
+    corpus = pipeline | "ReadRetrievalCorpus" >> ReadCorpusKeptClean(cfg, "retrieval", match=not dry_run)
+    documents, rejected = corpus.documents, corpus.rejected
     chunks, unusable = (
         documents
         | "DocumentProgress" >> ReportProgress("read", "documents")
@@ -155,7 +156,8 @@ def build_index(
         fileio.join(staging, REJECTED_STAGING), "build-index"
     )
     tallies = (
-        *_documents_read_tally(documents, all_rejected, "Index"),
+        *_documents_read_tally(corpus.read, all_rejected, "Index"),
+        corpus.tallies,
         _rejected_tally(all_rejected, "TallyRejected"),
         chunks
         | "TallyDocumentsChunked" >> beam.FlatMap(lambda c: [("documents_chunked", 1)] if c.position == 0 else []),

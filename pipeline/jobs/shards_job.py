@@ -17,7 +17,7 @@ from pipeline.common import fileio
 from pipeline.common.progress import ReportProgress
 from pipeline.common.tally import Tally, counted
 from pipeline.common.writers import WriteRejected
-from pipeline.corpus.read import ReadCorpus
+from pipeline.decontaminate.beam import ReadCorpusKeptClean
 from pipeline.index.build import INDEX_FILE
 from pipeline.index.recall import PLATEAU_GAIN
 from pipeline.jobs.commit import REJECTED_STAGING, StageError
@@ -178,8 +178,8 @@ def _build_shards(
         precision = pipeline | "NothingEmbedded" >> beam.Create([None])
         read_tallies = ()
     else:
-        documents, read_rejected = pipeline | "ReadTrainingCorpus" >> ReadCorpus(cfg.training_corpus, match=not dry_run)
-        chunks, unusable = documents | "ChunkTrainingDocuments" >> ChunkDocuments(tok.path, m, tok.pad_id)
+        corpus = pipeline | "ReadTrainingCorpus" >> ReadCorpusKeptClean(cfg, "training", match=not dry_run)
+        chunks, unusable = corpus.documents | "ChunkTrainingDocuments" >> ChunkDocuments(tok.path, m, tok.pad_id)
         from pipeline.embed.beam import EmbedChunks
 
         threads = encoder_threads(cfg.embedding.cpu_threads, cfg.embedding.device, pipeline.options)
@@ -194,8 +194,8 @@ def _build_shards(
             | "BatchQueries" >> beam.BatchElements(max_batch_size=CHUNKS_PER_BLOCK)
             | "QueryBlocks" >> beam.Map(QueryBlock.of_rows)
         )
-        rejected = (read_rejected, unusable) | "MergeRejected" >> beam.Flatten()
-        read_tallies = _documents_read_tally(documents, rejected, "Training")
+        rejected = (corpus.rejected, unusable) | "MergeRejected" >> beam.Flatten()
+        read_tallies = (*_documents_read_tally(corpus.read, rejected, "Training"), corpus.tallies)
     sequences = training_chunks | "PackSequences" >> PackSequences(L, tok.pad_id)
     spans = pipeline | "DocumentSpans" >> DocumentSpans(fileio.join(idx, "chunks", "*.parquet"), validate=not dry_run)
     # a dry run without a committed index builds the graph of one index file

@@ -146,3 +146,40 @@ def test_placement_hints_do_not_change_what_is_built(tmp_path):
         placed.index_hash(),
         placed.shards_hash(),
     )
+
+
+def _hashes(config: dict) -> tuple[str, str, str]:
+    cfg = config_from_dict(config)
+    return cfg.embed_hash(), cfg.index_hash(), cfg.shards_hash()
+
+
+def test_an_evaluation_corpus_changes_the_hashes_of_the_stages_it_decontaminates_and_only_those(tmp_path):
+    plain = small_config(tmp_path / "out", "corpus/*.jsonl")
+    evaluation = {"paths": ["eval/*.jsonl"], "id_field": "id"}
+    training = {"paths": ["train/*.jsonl"], "id_field": "id"}
+    embed, index, shards = _hashes(plain)
+    with_eval = _hashes({**plain, "evaluation_corpus": evaluation})
+    assert with_eval[0] != embed and with_eval[1] != index and with_eval[2] == shards  # training: same
+    other_eval = _hashes({**plain, "evaluation_corpus": [evaluation, {"paths": ["more/*.jsonl"]}]})
+    assert other_eval[0] != with_eval[0]
+    stricter = _hashes({**plain, "evaluation_corpus": evaluation, "decontamination": {"threshold": 0.7}})
+    assert stricter[0] != with_eval[0]
+
+    separate = {**plain, "training_corpus": training}
+    base = _hashes(separate)
+    only_training = _hashes(
+        {**separate, "evaluation_corpus": evaluation, "decontamination": {"apply_to": ["training"]}}
+    )
+    assert only_training[:2] == base[:2] and only_training[2] != base[2]
+    only_retrieval = _hashes(
+        {**separate, "evaluation_corpus": evaluation, "decontamination": {"apply_to": ["retrieval"]}}
+    )
+    assert only_retrieval[0] != base[0] and only_retrieval[2] == base[2]
+    assert _hashes({**plain, "decontamination": {"threshold": 0.7}}) == (embed, index, shards)  # no evaluation: off
+
+
+def test_decontaminating_only_training_with_the_same_corpus_is_a_config_error(tmp_path):
+    config = small_config(tmp_path / "out", "corpus/*.jsonl")
+    config.update(evaluation_corpus={"paths": ["eval/*.jsonl"]}, decontamination={"apply_to": ["training"]})
+    with pytest.raises(ConfigError, match=r"apply_to \[training\] with training_corpus: same"):
+        config_from_dict(config)
