@@ -292,3 +292,12 @@ def shards_manifest(filled: int = 80, **fields):
             **fields,
         }
     )
+
+
+def tie_tolerance(precision: str) -> float:
+    """How far a score the Retriever finds (its queries embedded afresh) may be from the
+    build's and still count as a tie. float32: the last bits. Reduced precision: an embedding
+    depends on the batch it was computed in (the build's groups of 2,048 chunks against one
+    sequence's 8); on an Intel Xeon with AMX, bfloat16 scores of the same pair differed by up
+    to 2e-4."""
+    return 1e-6 if precision == "float32" else 1e-3

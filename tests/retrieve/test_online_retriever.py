@@ -19,17 +19,9 @@ from pipeline.jobs.shards_job import build_shards
 from pipeline.retrieve.online import IndexNotUsable, Retriever
 from pipeline.retrieve.sequences import document_spans
 from schemas.config import config_from_dict
-from tests.helpers import shard_rows
+from tests.helpers import shard_rows, tie_tolerance
 
 pytestmark = pytest.mark.e2e
-
-
-def tie_tolerance(precision: str) -> float:
-    """How far a score found afresh may be from the build's and still count as a tie. float32:
-    the last bits. Reduced precision: an embedding depends on the batch it was computed in
-    (the build's groups of 2,048 chunks against one sequence's 8 here); on an Intel Xeon with
-    AMX, bfloat16 scores of the same pair differed by up to 2e-4."""
-    return 1e-6 if precision == "float32" else 1e-3
 
 
 def test_retriever_finds_the_neighbours_build_shards_wrote(built_output):
