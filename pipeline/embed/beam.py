@@ -72,7 +72,8 @@ class _EncodeCalibrated(beam.DoFn):
 
     def process(self, group, calibration):
         if self.texts is None:  # the side input is the same for every group
-            self.texts = chunk_texts(load_tokenizer(self.tokenizer_path), [chunk for _, chunk in calibration])
+            chunks = sorted((chunk for _, chunk in calibration), key=lambda c: c.chunk_id)
+            self.texts = chunk_texts(load_tokenizer(self.tokenizer_path), chunks)
         model = load_embedder(self.handler.cfg, self.handler.threads, self.texts)
         yield from self.handler.run_inference([group], model)
 
