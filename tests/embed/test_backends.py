@@ -152,3 +152,17 @@ def test_a_corrupt_export_fails_the_build_in_one_line_and_is_exported_again(mode
     with pytest.raises(ExportedModelUnusable, match="onnx cannot load it"):
         load_embedder(cfg, 1)
     assert not path.exists()
+
+
+@pytest.mark.unit
+def test_inspect_and_the_report_name_the_setting_and_older_manifests_read_as_torch():
+    from schemas.manifest import PrecisionCheck
+
+    fields = {"sample_size": 256, "top2_agreement": 0.996, "agreement_upper_bound": 1.0, "min_cosine": 0.9991}
+    check = PrecisionCheck(precision="bfloat16", backend="openvino", quantize="none", min_agreement=0.98, **fields)
+    assert check.summary().startswith("openvino bfloat16: top-2 neighbours of 256 sampled chunks agree with torch")
+    int8 = check.model_copy(update={"quantize": "int8", "precision": "float32"})
+    assert int8.summary().startswith("openvino float32 int8: ")
+    older = PrecisionCheck.model_validate({"precision": "float32", "min_agreement": 0.98, **fields})
+    assert (older.backend, older.quantize) == ("torch", "none")
+    assert older.summary() == "torch float32 (the reference itself: nothing to check)"
