@@ -30,6 +30,7 @@ from pipeline.embed.encoder import (
     has_bfloat16_units,
     length_batches,
     load_encoder,
+    model_inputs,
     resolve_precision,
     token_counts,
     torch_threads,
@@ -181,7 +182,7 @@ def exported_model(model: str, quantize: str, calibration: tuple[str, ...] = ())
 def _features(model, texts: Sequence[str]) -> dict[str, np.ndarray]:
     """The tokenizer's inputs for `texts` exactly as sentence-transformers makes them, padded
     to the longest."""
-    features = model.tokenize(list(texts))
+    features = model_inputs(model, texts)
     names = ("input_ids", "attention_mask", "token_type_ids")
     return {name: features[name].numpy() for name in names if name in features}
 

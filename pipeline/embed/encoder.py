@@ -157,13 +157,20 @@ def chunk_texts(tokenizer, chunks: Sequence[Chunk]) -> list[str]:
     return tokenizer.decode_batch([c.tokens.tolist() for c in chunks], skip_special_tokens=True)
 
 
+def model_inputs(model, texts: Sequence[str]) -> dict:
+    """The model's inputs (torch tensors by name) for `texts`, padded to the longest, as
+    `encode` makes them (`preprocess` since sentence-transformers 5, `tokenize` before)."""
+    preprocess = getattr(model, "preprocess", None) or model.tokenize
+    return preprocess(list(texts))
+
+
 def export_onnx(model, path: str) -> None:
     """Write `model` (a loaded SentenceTransformer: every module, pooling included) as one ONNX
     graph from its tokenizer's inputs to the sentence embedding [batch, d], batch and sequence
     length dynamic (torch's dynamo exporter; needs onnxscript)."""
     import torch
 
-    features = model.tokenize(["an example text", "a second, longer example text for the export"])
+    features = model_inputs(model, ["an example text", "a second, longer example text for the export"])
     names = [name for name in ("input_ids", "attention_mask", "token_type_ids") if name in features]
 
     class Sentence(torch.nn.Module):
