@@ -5,9 +5,10 @@ export's cache; and the one entry point the embed stage and its check use for ev
 The export (`encoder.export_onnx`, torch's exporter) runs once per model, quantisation and
 calibration set, on the worker, from the local model directory, into a cache beside it (or
 in ~/.cache/ratrain-pipeline/exports where that is not writable), keyed by the sha256 of the
-model's files. A file is written under a temporary name and renamed, with the sha256 of its
-bytes beside it; one that does not match it, or that the runtime cannot load, is removed and
-fails the build with one line, and the next run exports it again.
+model's files and the versions of torch, onnxscript and onnxruntime. A file is written under
+a temporary name and renamed, with the sha256 of its bytes beside it; one that does not match
+it, or that the runtime cannot load, is removed and fails the build with one line, and the
+next run exports it again.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 import fcntl
 import functools
 import hashlib
+import importlib
+import importlib.metadata
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -144,8 +147,6 @@ def _quantize(source: str, target: str, calibration: Sequence[str], model) -> No
 
 def _runtime(backend: str):
     """The runtime module of `backend` (onnxruntime or openvino), or an error naming the extra."""
-    import importlib
-
     module = "onnxruntime" if backend == "onnx" else "openvino"
     try:
         return importlib.import_module(module)
@@ -163,7 +164,9 @@ def exported_model(model: str, quantize: str, calibration: tuple[str, ...] = ())
     if not model_dir.is_dir():
         raise ValueError(f"embedding.backend onnx/openvino exports a local model directory; {model} is not one")
     calibration_key = hashlib.sha256("\0".join(calibration).encode()).hexdigest()[:16] if calibration else ""
-    key = hashlib.sha256(f"{EXPORT_FORMAT}:{fingerprint_path(model)}".encode()).hexdigest()[:24]
+    # the exporter's and the quantiser's versions too: workers with the same ones run the same bytes
+    tools = ":".join(importlib.metadata.version(name) for name in ("torch", "onnxscript", "onnxruntime"))
+    key = hashlib.sha256(f"{EXPORT_FORMAT}:{tools}:{fingerprint_path(model)}".encode()).hexdigest()[:24]
     folder = exports_root(model_dir) / key
     folder.mkdir(parents=True, exist_ok=True)
     float32 = folder / "model.onnx"
