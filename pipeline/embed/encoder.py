@@ -44,7 +44,8 @@ def _cpu_flags() -> set[str]:
 
 
 def cpu_summary() -> str:
-    """The CPU's model name and its bfloat16 instructions, for benchmark and test reports."""
+    """The CPU's model name and its bfloat16 and int8 dot-product instructions, for benchmark and
+    test reports."""
     name = "unknown CPU"
     try:
         with open("/proc/cpuinfo") as f:
