@@ -13,7 +13,7 @@ install: $(STAMP)
 # CPU build of torch (an unpinned torch would pull a multi-GB CUDA build).
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,report]'
+	$(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,report,onnx,openvino]'
 	touch $(STAMP)
 
 quickstart: install

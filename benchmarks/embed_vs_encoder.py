@@ -14,7 +14,14 @@
 4. build-shards, so that `run` = build-index + build-shards can be set against both floors;
 5. two fixed costs inside build-index, alone: the precision check's float32 encode of its
    sample, and importing sentence-transformers (in a fresh process that has imported Beam and
-   torch, as this one had when build-index started).
+   torch, as this one had when build-index started);
+6. every encoder setting alone on the same texts, in the stage's batches and threads (model
+   loaded and exported before the clock starts): torch float32 and bfloat16, onnx float32 and
+   int8, openvino float32, bfloat16 and int8 (bfloat16 only on a CPU with bfloat16 units),
+   each with its top-2 agreement with torch float32 on the precision check's sample, judged
+   as the build judges it;
+7. the whole run (build-index + build-shards, fresh directory) with the fastest setting that
+   passes that check, against the raw float32 floor.
 Prints the times, the ratios, and the padding of the raw floor's batches and the stage's
 (padded tokens over the texts' tokens); writes them as JSON to benchmarks/results/.
 """
@@ -36,9 +43,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 from benchmarks.report import timed, write_results  # noqa: E402
 from pipeline.chunks.chunking import load_tokenizer
 from pipeline.common.models import resolve_model, resolve_tokenizer
+from pipeline.embed.backends import CALIBRATION_CHUNKS, CALIBRATION_SALT, embed_texts, load_embedder, needs_calibration
 from pipeline.embed.beam import BATCHES_PER_GROUP, EmbedChunks
-from pipeline.embed.encoder import arithmetic, chunk_texts, encode_texts, length_batches, token_counts, torch_threads
-from pipeline.embed.precision import PRECISION_SALT
+from pipeline.embed.encoder import (
+    arithmetic,
+    chunk_texts,
+    cpu_summary,
+    encode_texts,
+    has_bfloat16_units,
+    length_batches,
+    token_counts,
+    torch_threads,
+)
+from pipeline.embed.precision import PRECISION_SALT, agreement_upper_bound, setting_name, top2_agreement
 from pipeline.index.sampling import sample_keys
 from pipeline.jobs.index_job import build_index
 from pipeline.jobs.options import new_pipeline
@@ -76,6 +93,53 @@ def raw_encode(model, texts, batch_size, precision="float32") -> np.ndarray:
             texts, batch_size=batch_size, normalize_embeddings=True, convert_to_tensor=True, show_progress_bar=False
         )
     return encoded.float().cpu().numpy()
+
+
+# (backend, precision, quantize) of step 6; torch float32 first: the others are compared with it.
+SETTINGS = [
+    ("torch", "float32", "none"),
+    ("torch", "bfloat16", "none"),
+    ("onnx", "float32", "none"),
+    ("onnx", "float32", "int8"),
+    ("openvino", "float32", "none"),
+    ("openvino", "bfloat16", "none"),
+    ("openvino", "float32", "int8"),
+]
+
+
+def hash_sample(ids: np.ndarray, salt: int, size: int) -> np.ndarray:
+    """Positions of the `size` chunks the stage's hash sample with `salt` picks, ascending."""
+    return np.sort(np.lexsort((ids, sample_keys(ids, salt)))[:size])
+
+
+def time_settings(embedding, texts, ids, threads) -> list[dict]:
+    """Step 6: each setting's seconds over `texts` and its agreement with torch float32."""
+    check = hash_sample(ids, PRECISION_SALT, embedding.precision_sample)
+    calibration = [texts[i] for i in hash_sample(ids, CALIBRATION_SALT, CALIBRATION_CHUNKS)]
+    rows, reference = [], None
+    for backend, precision, quantize in SETTINGS:
+        if precision == "bfloat16" and not has_bfloat16_units():
+            continue
+        setting = embedding.model_copy(update={"backend": backend, "precision": precision, "quantize": quantize})
+        model = load_embedder(setting, threads, calibration if needs_calibration(setting) else ())
+        embed_texts(setting, model, texts[: setting.batch_size], threads)  # warm-up
+        vectors, seconds = timed(lambda setting=setting, model=model: embed_texts(setting, model, texts, threads))
+        reference = vectors if reference is None else reference
+        agreeing, slots = top2_agreement(reference[check], vectors[check])
+        rows.append(
+            {
+                "setting": setting_name(setting, precision),
+                "backend": backend,
+                "precision": precision,
+                "quantize": quantize,
+                "seconds": round(seconds, 2),
+                "chunks_per_s": round(len(texts) / seconds, 1),
+                "top2_agreement": round(agreeing / slots, 4),
+                "passes_check": agreement_upper_bound(agreeing, slots) >= embedding.min_agreement,
+                "min_cosine": round(float(np.min(np.sum(reference * vectors, axis=1))), 4),
+            }
+        )
+    return rows
 
 
 def padding(counts, batches) -> float:
@@ -118,11 +182,20 @@ def main() -> None:
 
         t_embed = time_embed_stage(cfg, chunks, manifest.encoder_threads)
         ids = np.array([c.chunk_id for c in chunks])
-        sample = np.lexsort((ids, sample_keys(ids, PRECISION_SALT)))[: cfg.embedding.precision_sample]  # the check's
+        sample = hash_sample(ids, PRECISION_SALT, cfg.embedding.precision_sample)  # the check's
         with torch_threads(manifest.encoder_threads):
-            _, t_check = timed(lambda: encode_texts(model, [texts[i] for i in np.sort(sample)], size))
+            _, t_check = timed(lambda: encode_texts(model, [texts[i] for i in sample], size))
         t_import = import_seconds()
+        settings = time_settings(cfg.embedding, texts, ids, manifest.encoder_threads)
+        chosen = min((row for row in settings if row["passes_check"]), key=lambda row: row["seconds"])
+        update = {key: chosen[key] for key in ("backend", "precision", "quantize")}
+        chosen_cfg = cfg.model_copy(
+            update={"output": str(Path(out, "chosen")), "embedding": cfg.embedding.model_copy(update=update)}
+        )
+        chosen_manifest, t_chosen_index = timed(lambda: build_index(chosen_cfg, []))
+        _, t_chosen_shards = timed(lambda: build_shards(chosen_cfg, []))
     result = {
+        "cpu": cpu_summary(),
         "chunks": len(chunks),
         "batch_size": cfg.embedding.batch_size,
         "precision": precision,
@@ -147,6 +220,12 @@ def main() -> None:
         f"embed_stage_vs_raw_{precision}": round(t_embed / t_reduced, 3),
         f"build_index_vs_raw_{precision}": round(t_index / t_reduced, 3),
         f"run_vs_raw_{precision}": round((t_index + t_shards) / t_reduced, 3),
+        "settings": settings,
+        "chosen_setting": chosen["setting"],
+        "chosen_build_index_s": round(t_chosen_index, 2),
+        "chosen_run_s": round(t_chosen_index + t_chosen_shards, 2),
+        "chosen_run_vs_raw": round((t_chosen_index + t_chosen_shards) / t_raw, 3),
+        "chosen_check": chosen_manifest.embedding_precision.summary(),
         "encoder_threads": manifest.encoder_threads,
         "cpu_count": os.cpu_count(),
         "python": sys.version.split()[0],
@@ -154,7 +233,10 @@ def main() -> None:
     write_results(result, "benchmarks/results/embed_vs_encoder.json")
     width = max(map(len, result))
     for key, value in result.items():
-        print(f"{key:<{width}}  {value}")
+        if key != "settings":
+            print(f"{key:<{width}}  {value}")
+    for row in settings:
+        print(f"  {row['setting']:<24} " + "  ".join(f"{k} {v}" for k, v in row.items() if k != "setting"))
 
 
 if __name__ == "__main__":

@@ -88,10 +88,24 @@ class EmbeddingConfig(_Strict):
     device: str = Field("cpu", description="torch device for the encoder: cpu, cuda, cuda:0, ...")
     precision: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
-        description="Arithmetic of the encoder (torch autocast; embeddings are stored as "
-        "float32 either way). auto: bfloat16 where the device runs it natively (a CUDA GPU with "
-        "bf16, a CPU with AVX512-BF16 or AMX), else float32. Every build checks a sample against "
-        "float32 and fails below min_agreement.",
+        description="Arithmetic of the encoder (torch autocast, or OpenVINO's inference "
+        "precision; embeddings are stored as float32 either way). auto: bfloat16 where the device "
+        "runs it natively (a CUDA GPU with bf16, a CPU with AVX512-BF16 or AMX), else float32 "
+        "(always float32 with backend onnx). Every build checks a sample against torch float32 "
+        "and fails below min_agreement.",
+    )
+    backend: Literal["torch", "onnx", "openvino"] = Field(
+        "torch",
+        description="What runs the encoder: torch (any device), or on a CPU the model exported "
+        "to ONNX once per model (cached beside the model directory) and run by ONNX Runtime "
+        "(onnx: float32 only) or OpenVINO (openvino: float32, or bfloat16 on a CPU with "
+        "AVX512-BF16 or AMX). Needs the extra of the same name (pip install -e '.[openvino]').",
+    )
+    quantize: Literal["none", "int8"] = Field(
+        "none",
+        description="int8: the exported model's weight matrix products in int8 (onnx: "
+        "dynamic quantisation; openvino: static, calibrated on the precision check's sample "
+        "of the corpus being embedded). Needs backend onnx or openvino.",
     )
     min_agreement: float = Field(
         0.98,
@@ -99,7 +113,7 @@ class EmbeddingConfig(_Strict):
         le=1,
         description="Least share of the precision "
         "check's top-2 neighbours (among the sampled chunks) that must "
-        "equal float32's; below it the build fails: use precision: float32.",
+        "equal torch float32's; below it the build fails and names the setting to use.",
     )
     precision_sample: int = Field(
         256, ge=16, le=100_000, description="Chunks of the precision check, chosen by a hash of their ids."
@@ -145,6 +159,24 @@ class EmbeddingConfig(_Strict):
         if isinstance(data, dict) and data.get("accelerator") and data.get("model_copies") is None:
             return {**data, "model_copies": 1}
         return data
+
+    @model_validator(mode="after")
+    def _backend_runs_on_device(self):
+        """A backend, quantisation and precision that cannot run together on `device` is an
+        error naming the combination (whether this CPU has bfloat16 units is checked where the
+        encoder loads: the launching machine may not be the worker)."""
+        setting = f"embedding.backend {self.backend} with quantize {self.quantize}, precision {self.precision}"
+        if self.backend == "torch":
+            if self.quantize != "none":
+                raise ValueError(f"{setting}: int8 needs backend onnx or openvino")
+            return self
+        if self.device != "cpu" or self.accelerator:
+            raise ValueError(f"{setting}: {self.backend} runs on a CPU only (device {self.device}); use backend: torch")
+        if self.backend == "onnx" and self.precision in ("bfloat16", "float16"):
+            raise ValueError(f"{setting}: ONNX Runtime runs float32 only; use backend: openvino for bfloat16")
+        if self.precision == "float16":
+            raise ValueError(f"{setting}: OpenVINO runs float32 or bfloat16 on a CPU")
+        return self
 
 
 class IndexConfig(_Strict):
@@ -366,10 +398,14 @@ class PipelineConfig(_Strict):
 
     def embed_hash(self) -> str:
         """Hash of what the chunks and embeddings depend on (not `output`, not `index`)."""
+        # backend and quantize are left out at torch/none, so outputs built before these keys
+        # existed keep their hash
+        backend = (self.embedding.backend, self.embedding.quantize)
+        default_backend = {"backend", "quantize"} if backend == ("torch", "none") else set()
         return stable_hash(
             {
                 **self.model_dump(include={"retrieval_corpus", "tokenizer", "chunk_tokens", "chunk_file_rows"}),
-                "embedding": self.embedding.model_dump(exclude=set(EmbeddingConfig.PLACEMENT)),
+                "embedding": self.embedding.model_dump(exclude=set(EmbeddingConfig.PLACEMENT) | default_backend),
                 **self._decontamination_hash("retrieval"),
             }
         )

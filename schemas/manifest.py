@@ -189,10 +189,15 @@ class VectorIndexManifest(VectorIndex, _Committed):
 
 
 class PrecisionCheck(_Model):
-    """The embed stage's check of its arithmetic against float32, on sampled chunks."""
+    """The embed stage's check of its setting (backend, arithmetic, quantisation) against torch
+    float32, on sampled chunks."""
 
     precision: str = Field(description="What the encoder ran in: float32, bfloat16 or float16.")
-    sample_size: int = Field(description="Chunks embedded again in float32 (chosen by id hash).")
+    backend: str = Field(
+        "torch", description="What ran the encoder: torch, onnx or openvino (torch: an older manifest)."
+    )
+    quantize: str = Field("none", description="none, or int8 weight products (none: an older manifest).")
+    sample_size: int = Field(description="Chunks embedded again by torch in float32 (chosen by id hash).")
     top2_agreement: float = Field(
         description="Share of the sample's top-2 neighbours (within the "
         "sample) equal to float32's, ties within 0.001 counted equal."
@@ -209,11 +214,12 @@ class PrecisionCheck(_Model):
 
     def summary(self) -> str:
         """One line for inspect and the report."""
-        if self.precision == "float32":
-            return "float32 (the reference itself: nothing to check)"
+        setting = " ".join([self.backend, self.precision] + (["int8"] if self.quantize == "int8" else []))
+        if (self.backend, self.precision) == ("torch", "float32"):
+            return "torch float32 (the reference itself: nothing to check)"
         bound = "" if self.agreement_upper_bound is None else f", at most {self.agreement_upper_bound:.3f} at 99%"
         return (
-            f"{self.precision}: top-2 neighbours of {self.sample_size} sampled chunks agree with float32 on "
+            f"{setting}: top-2 neighbours of {self.sample_size} sampled chunks agree with torch float32 on "
             f"{self.top2_agreement:.3f}{bound} (fails below {self.min_agreement}), least cosine {self.min_cosine:.4f}"
         )
 

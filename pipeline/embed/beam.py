@@ -20,7 +20,8 @@ from apache_beam.ml.inference.base import ModelHandler, RunInference
 
 from pipeline.chunks.chunking import load_tokenizer
 from pipeline.corpus.records import METRICS_NAMESPACE
-from pipeline.embed.encoder import chunk_texts, encode_texts, load_encoder, resolve_precision, torch_threads
+from pipeline.embed.backends import CALIBRATION_CHUNKS, CALIBRATION_SALT, embed_texts, load_embedder, needs_calibration
+from pipeline.embed.encoder import chunk_texts
 from pipeline.embed.precision import PRECISION_SALT, _in_sample, check_precision
 from schemas.config import EmbeddingConfig
 
@@ -33,10 +34,11 @@ BATCHES_PER_GROUP = 32
 
 class SentenceEncoderHandler(ModelHandler):
     """RunInference handler; one element = one group of chunks (chunk ids, texts), encoded in
-    batches of `batch_size`.
+    batches of `batch_size` by `embedding.backend`.
 
-    The model is loaded once per worker process (`load_encoder`, which the precision check
-    shares); on GPU runners `model_copies=1` shares one copy between a machine's processes.
+    The model is loaded once per worker process (`load_embedder`; the precision check shares
+    the torch model); on GPU runners `model_copies=1` shares one copy between a machine's
+    processes.
     """
 
     def __init__(self, cfg: EmbeddingConfig, threads: int | None, model_copies: int | None = None):
@@ -45,20 +47,48 @@ class SentenceEncoderHandler(ModelHandler):
         self.cfg, self.threads = cfg, threads
 
     def load_model(self):
-        return load_encoder(self.cfg)
+        return load_embedder(self.cfg, self.threads)
 
     def run_inference(self, batch, model, inference_args=None) -> Iterable:
-        precision = resolve_precision(self.cfg.precision, self.cfg.device)
         for chunk_ids, texts in batch:
-            with torch_threads(self.threads):
-                embeddings = encode_texts(model, texts, self.cfg.batch_size, precision)
-            yield chunk_ids, embeddings
+            yield chunk_ids, embed_texts(self.cfg, model, texts, self.threads)
 
     def get_num_bytes(self, batch) -> int:
         return sum(len(t) for _, texts in batch for t in texts)
 
     def get_metrics_namespace(self) -> str:
         return "EmbedChunks"
+
+
+class _EncodeCalibrated(beam.DoFn):
+    """The handler's encoding where the model needs calibration texts from the corpus (static
+    int8): they arrive as a side input, which RunInference's model loading cannot take."""
+
+    def __init__(self, handler: SentenceEncoderHandler, tokenizer_path: str):
+        self.handler, self.tokenizer_path = handler, tokenizer_path
+
+    def setup(self):
+        self.texts = None
+
+    def process(self, group, calibration):
+        if self.texts is None:  # the side input is the same for every group
+            chunks = sorted((chunk for _, chunk in calibration), key=lambda c: c.chunk_id)
+            self.texts = chunk_texts(load_tokenizer(self.tokenizer_path), chunks)
+        model = load_embedder(self.handler.cfg, self.handler.threads, self.texts)
+        yield from self.handler.run_inference([group], model)
+
+
+def _hash_sample(chunks, salt: int, size: int, label: str):
+    """The `size` chunks with the smallest hashes of their ids under `salt` (the same whatever
+    the bundling), as one list of (hash, chunk) sorted by hash."""
+    from pipeline.index.sampling import sample_keys
+
+    return (
+        chunks
+        | f"KeyFor{label}" >> beam.Map(lambda c: (int(sample_keys(np.array([c.chunk_id]), salt)[0]), c.chunk_id, c))
+        | f"{label}Sample" >> beam.combiners.Top.Smallest(size, key=lambda s: s[:2])
+        | f"{label}Chunks" >> beam.Map(lambda picked: [(key, chunk) for key, _, chunk in picked])
+    )
 
 
 class _PrepareGroup(beam.DoFn):
@@ -82,12 +112,13 @@ def _split_group(result):
 
 class EmbedChunks(beam.PTransform):
     """Chunk rows -> ((chunk_id, float32 embedding [d]), precision check report), grouped by
-    chunk-id range, batched by token count within a group, encoded in `embedding.precision`
-    with `threads` intra-op threads on a CPU.
+    chunk-id range, batched by token count within a group, encoded by `embedding.backend` in
+    `embedding.precision` (and quantize) with `threads` intra-op threads on a CPU.
     With `embedding.accelerator` set, the stage carries that Beam resource hint (GPU workers).
 
     The check: `precision_sample` chunks (the smallest hashes of their ids, so the same ones
-    whatever the bundling) are embedded again in float32 and compared with what was stored."""
+    whatever the bundling) are embedded again by torch in float32 and compared with what was
+    stored. Static int8 (openvino) is calibrated on another such sample of CALIBRATION_CHUNKS."""
 
     def __init__(self, cfg: EmbeddingConfig, tokenizer_path: str, threads: int | None):
         super().__init__()
@@ -96,24 +127,23 @@ class EmbedChunks(beam.PTransform):
             self.with_resource_hints(accelerator=cfg.accelerator)
 
     def expand(self, chunks):
-        from pipeline.index.sampling import sample_keys
-
         cfg, size = self.cfg, self.cfg.batch_size * BATCHES_PER_GROUP
-        embeddings = (
+        handler = SentenceEncoderHandler(cfg, self.threads, cfg.model_copies)
+        groups = (
             chunks
             | "KeyByGroup" >> beam.Map(lambda c: (c.chunk_id // size, c))
             | "GroupChunks" >> beam.GroupByKey()
             | "DecodeTexts" >> beam.ParDo(_PrepareGroup(self.tokenizer_path))
-            | "Encode" >> RunInference(SentenceEncoderHandler(cfg, self.threads, cfg.model_copies))
-            | "SplitGroups" >> beam.FlatMap(_split_group)
         )
-        sample = (
-            chunks
-            | "KeyForPrecisionCheck"
-            >> beam.Map(lambda c: (int(sample_keys(np.array([c.chunk_id]), PRECISION_SALT)[0]), c.chunk_id, c))
-            | "PrecisionSample" >> beam.combiners.Top.Smallest(cfg.precision_sample, key=lambda s: s[:2])
-            | "SampleChunks" >> beam.Map(lambda picked: [(key, chunk) for key, _, chunk in picked])
-        )
+        if needs_calibration(cfg):
+            calibration = _hash_sample(chunks, CALIBRATION_SALT, CALIBRATION_CHUNKS, "Calibration")
+            encoded = groups | "Encode" >> beam.ParDo(
+                _EncodeCalibrated(handler, self.tokenizer_path), beam.pvalue.AsSingleton(calibration)
+            )
+        else:
+            encoded = groups | "Encode" >> RunInference(handler)
+        embeddings = encoded | "SplitGroups" >> beam.FlatMap(_split_group)
+        sample = _hash_sample(chunks, PRECISION_SALT, cfg.precision_sample, "PrecisionCheck")
         sampled = sample | "SampledIds" >> beam.Map(lambda picked: {c.chunk_id for _, c in picked})
         stored = (
             embeddings

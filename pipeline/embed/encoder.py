@@ -44,7 +44,8 @@ def _cpu_flags() -> set[str]:
 
 
 def cpu_summary() -> str:
-    """The CPU's model name and its bfloat16 instructions, for benchmark and test reports."""
+    """The CPU's model name and its bfloat16 and int8 dot-product instructions, for benchmark and
+    test reports."""
     name = "unknown CPU"
     try:
         with open("/proc/cpuinfo") as f:
@@ -53,7 +54,13 @@ def cpu_summary() -> str:
         pass
     flags = _cpu_flags()
     bf16 = [label for flag, label in (("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX-BF16")) if flag in flags]
-    return f"{name} ({', '.join(bf16) or 'no bfloat16 instructions'})"
+    int8 = [label for flag, label in (("avx512_vnni", "AVX512-VNNI"), ("amx_int8", "AMX-INT8")) if flag in flags]
+    return f"{name} ({', '.join(bf16) or 'no bfloat16 instructions'}; {', '.join(int8) or 'no int8 dot products'})"
+
+
+def has_bfloat16_units() -> bool:
+    """Whether this CPU runs bfloat16 natively (AVX512-BF16 or AMX)."""
+    return bool(_cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
 @functools.lru_cache(maxsize=8)
@@ -66,7 +73,7 @@ def resolve_precision(precision: str, device: str) -> str:
         import torch
 
         return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
-    return "bfloat16" if _cpu_flags() & {"avx512_bf16", "amx_bf16"} else "float32"
+    return "bfloat16" if has_bfloat16_units() else "float32"
 
 
 @contextmanager
@@ -149,3 +156,44 @@ def torch_threads(threads: int | None):
 def chunk_texts(tokenizer, chunks: Sequence[Chunk]) -> list[str]:
     """The text the encoder sees: a chunk's tokens decoded, padding and special tokens dropped."""
     return tokenizer.decode_batch([c.tokens.tolist() for c in chunks], skip_special_tokens=True)
+
+
+def model_inputs(model, texts: Sequence[str]) -> dict:
+    """The model's inputs (torch tensors by name) for `texts`, padded to the longest, as
+    `encode` makes them (`preprocess` since sentence-transformers 5, `tokenize` before)."""
+    preprocess = getattr(model, "preprocess", None) or model.tokenize
+    return preprocess(list(texts))
+
+
+def export_onnx(model, path: str) -> None:
+    """Write `model` (a loaded SentenceTransformer: every module, pooling included) as one ONNX
+    graph from its tokenizer's inputs to the sentence embedding [batch, d], batch and sequence
+    length dynamic (torch's dynamo exporter; needs onnxscript)."""
+    import torch
+
+    features = model_inputs(model, ["an example text", "a second, longer example text for the export"])
+    names = [name for name in ("input_ids", "attention_mask", "token_type_ids") if name in features]
+
+    class Sentence(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask, token_type_ids=None):
+            inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids}
+            return self.model({name: inputs[name] for name in names})["sentence_embedding"]
+
+    batch, length = torch.export.Dim("batch"), torch.export.Dim("sequence")
+    with torch.no_grad():
+        torch.onnx.export(
+            Sentence().eval(),
+            (),
+            path,
+            kwargs={name: features[name].to(model.device) for name in names},
+            input_names=names,
+            output_names=["sentence_embedding"],
+            dynamic_shapes={name: {0: batch, 1: length} for name in names},
+            dynamo=True,
+            external_data=False,
+            verbose=False,
+        )

@@ -1,5 +1,6 @@
-"""The check that a reduced-precision (bfloat16) build finds the neighbours float32 finds: on a
-hash-chosen sample, top-2 agreement and the Wilson upper bound the build is judged by.
+"""The check that a build in any setting other than torch float32 (bfloat16, another backend,
+int8) finds the neighbours torch float32 finds: on a hash-chosen sample, top-2 agreement and the
+Wilson upper bound the build is judged by.
 """
 
 from __future__ import annotations
@@ -9,13 +10,14 @@ import math
 import numpy as np
 
 from pipeline.chunks.chunking import load_tokenizer
-from pipeline.embed.encoder import chunk_texts, encode_texts, load_encoder, resolve_precision, torch_threads
+from pipeline.embed.backends import resolved_precision
+from pipeline.embed.encoder import chunk_texts, encode_texts, load_encoder, torch_threads
 from pipeline.index.recall import TIE_TOLERANCE  # a neighbour as similar as float32's within this agrees
 from schemas.config import EmbeddingConfig
 
 
 class PrecisionTooLow(RuntimeError):
-    """Embeddings in reduced precision whose neighbours disagree with float32's."""
+    """Embeddings whose neighbours disagree with torch float32's."""
 
 
 PRECISION_SALT = 4
@@ -53,21 +55,38 @@ def agreement_upper_bound(agreeing: int, slots: int, z: float = AGREEMENT_CONFID
     return min(1.0, (centre + spread) / (1 + z2 / slots))
 
 
+def setting_name(cfg: EmbeddingConfig, precision: str) -> str:
+    """The embedding setting in words, e.g. 'openvino bfloat16 int8'."""
+    return " ".join([cfg.backend, precision] + (["int8"] if cfg.quantize == "int8" else []))
+
+
+def safer_setting(cfg: EmbeddingConfig, precision: str) -> str:
+    """The change a failed check advises: drop int8 first, then reduced precision, then the backend."""
+    if cfg.quantize == "int8":
+        return "set embedding.quantize: none"
+    if precision != "float32":
+        return "set embedding.precision: float32"
+    return "set embedding.backend: torch"
+
+
 def check_precision(sample, stored, cfg: EmbeddingConfig, tokenizer_path: str, threads: int | None) -> dict:
-    """The precision check: the sampled chunks embedded again in float32, compared with what
-    the stage stored. Raises PrecisionTooLow when even the upper confidence bound of the
-    agreement (`agreement_upper_bound`) is below cfg.min_agreement."""
-    precision = resolve_precision(cfg.precision, cfg.device)
+    """The precision check: the sampled chunks embedded again by torch in float32, compared
+    with what the stage stored (nothing to compare for torch float32 itself). Raises
+    PrecisionTooLow when even the upper confidence bound of the agreement
+    (`agreement_upper_bound`) is below cfg.min_agreement."""
+    precision = resolved_precision(cfg)
     chunks = sorted((chunk for _, chunk in sample), key=lambda c: c.chunk_id)
     report = {
         "precision": precision,
+        "backend": cfg.backend,
+        "quantize": cfg.quantize,
         "sample_size": len(chunks),
         "top2_agreement": 1.0,
         "agreement_upper_bound": 1.0,
         "min_cosine": 1.0,
         "min_agreement": cfg.min_agreement,
     }
-    if precision == "float32" or not chunks:
+    if (cfg.backend, precision) == ("torch", "float32") or not chunks:
         return report
     stored = dict(stored)
     reduced = np.stack([stored[c.chunk_id] for c in chunks])
@@ -83,10 +102,10 @@ def check_precision(sample, stored, cfg: EmbeddingConfig, tokenizer_path: str, t
     )
     if upper < cfg.min_agreement:
         raise PrecisionTooLow(
-            f"embedding.precision {precision}: only {agreeing} of {slots} top-2 neighbour slots of "
-            f"{len(chunks)} sampled chunks agree with float32 ({agreement:.3f}; at 99% "
+            f"embedding {setting_name(cfg, precision)}: only {agreeing} of {slots} top-2 neighbour slots of "
+            f"{len(chunks)} sampled chunks agree with torch float32 ({agreement:.3f}; at 99% "
             f"confidence at most {upper:.3f}, below min_agreement "
-            f"{cfg.min_agreement}); set embedding.precision: float32"
+            f"{cfg.min_agreement}); {safer_setting(cfg, precision)}"
         )
     return report
 

@@ -32,6 +32,10 @@ from schemas.config import PipelineConfig
 MB = 2**20
 SDK_PROCESS = 400 * MB  # a Beam SDK process with pyarrow, numpy and tokenizers (210-440 MB measured)
 ENCODER = 600 * MB  # torch and a MiniLM-sized encoder on top of it, batches included
+# The exported encoder in ONNX Runtime or OpenVINO beside the torch one the check keeps:
+# 280-410 MB more than torch alone measured with MiniLM (Intel Xeon, 1,024 chunks, batch 64);
+# a static int8 export's calibration in that process took 1.1 GB more, once per model.
+EXPORTED_ENCODER = 450 * MB
 ROW_OVERHEAD = 250  # bytes of Python objects around one row held as a Python object
 PARQUET_ROW_GROUP = 128 * MB  # what pyarrow decodes at once from a Parquet input (writers' usual row group)
 BYTES_PER_TOKEN = 4  # of English text, for a corpus size given in bytes
@@ -101,6 +105,7 @@ def stage_memory(cfg: PipelineConfig, corpus: Corpus, dim: int = 384) -> list[di
             "embed",
             {
                 "encoder": ENCODER,
+                **({f"{cfg.embedding.backend} runtime": EXPORTED_ENCODER} if cfg.embedding.backend != "torch" else {}),
                 f"one file: {rows:,} embeddings and their Parquet bytes": rows * (dim * 4 + ROW_OVERHEAD) * 2,
             },
             [],

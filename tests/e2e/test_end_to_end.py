@@ -305,6 +305,32 @@ def test_bfloat16_and_float32_give_the_same_neighbours_and_the_manifest_says_whi
     assert np.mean(neighbour_ids(root / "out") == neighbour_ids(out)) >= 0.95
 
 
+@pytest.mark.slow
+def test_the_openvino_setting_gives_the_neighbours_of_torch_float32(built_output, tmp_path):
+    """The CPU setting docs/performance.md recommends (backend openvino, precision auto:
+    bfloat16 where the CPU has it) against torch float32, each a whole run: the build's check
+    passes and records the setting, and >= 95% of neighbour slots hold the same chunk."""
+    root, config, _ = built_output
+
+    def run(name, **embedding):
+        out = tmp_path / name
+        run_all(config_from_dict({**config, "output": str(out), "embedding": {**config["embedding"], **embedding}}), [])
+        return out
+
+    def neighbour_ids(o):
+        return np.concatenate([shard_column(t, "neighbour_ids").ravel() for _, t in _shard_tables(o / "shards")])
+
+    built = json.loads((root / "out" / "index" / "manifest.json").read_text())
+    reference = (
+        root / "out" if built["embedding_precision"]["precision"] == "float32" else run("torch", precision="float32")
+    )
+    chosen = run("openvino", backend="openvino", precision="auto")
+    check = json.loads((chosen / "index" / "manifest.json").read_text())["embedding_precision"]
+    assert (check["backend"], check["quantize"]) == ("openvino", "none")
+    assert check["agreement_upper_bound"] >= check["min_agreement"]
+    assert np.mean(neighbour_ids(reference) == neighbour_ids(chosen)) >= 0.95
+
+
 def test_shards_manifest_carries_the_overlap_audit(built_output):
     root, config, _ = built_output
     manifest = json.loads((root / "out" / "shards" / "manifest.json").read_text())

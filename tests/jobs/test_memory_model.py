@@ -6,7 +6,7 @@ import json
 import pytest
 
 from pipeline.index.factory import choose_index_factory, estimated_bytes
-from pipeline.jobs.memory_model import Corpus, stage_memory, two_level_steps
+from pipeline.jobs.memory_model import EXPORTED_ENCODER, Corpus, stage_memory, two_level_steps
 from schemas.config import config_from_dict, parse_size
 from tests.helpers import sample_documents, small_config, write_config, write_jsonl
 
@@ -144,3 +144,14 @@ def test_with_dedupe_the_candidate_step_holds_one_file_and_one_search_batch_what
         < held(1e8, chunk_file_rows=4096)["bytes"]
         < held(1e8, chunk_file_rows=4096, neighbour_candidates=40)["bytes"]
     )
+
+
+@pytest.mark.unit
+def test_an_exported_backend_adds_its_runtime_to_the_embed_step():
+    def embed(**embedding):
+        config = model_config(embedding={"batch_size": 32, "cpu_threads": 1, **embedding})
+        return next(s for s in stage_memory(config, Corpus.of(1e8)) if s["stage"] == "embed")
+
+    torch, openvino = embed(), embed(backend="openvino")
+    assert openvino["terms"] == {**torch["terms"], "openvino runtime": EXPORTED_ENCODER}
+    assert openvino["bytes"] == torch["bytes"] + EXPORTED_ENCODER

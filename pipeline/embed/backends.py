@@ -1,0 +1,257 @@
+"""The encoder exported to ONNX and run on a CPU by ONNX Runtime (`embedding.backend: onnx`)
+or OpenVINO (`openvino`), in float32, bfloat16 (OpenVINO) or with int8 weight products; the
+export's cache; and the one entry point the embed stage and its check use for every backend.
+
+The export (`encoder.export_onnx`, torch's exporter) runs once per model, quantisation and
+calibration set, on the worker, from the local model directory, into a cache beside it (or
+in ~/.cache/ratrain-pipeline/exports where that is not writable), keyed by the sha256 of the
+model's files and the versions of torch, onnxscript and onnxruntime. A file is written under
+a temporary name and renamed, with the sha256 of its bytes beside it; one that does not match
+it, or that the runtime cannot load, is removed and fails the build with one line, and the
+next run exports it again.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import hashlib
+import importlib
+import importlib.metadata
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.common.fileio import sha256_file
+from pipeline.common.models import fingerprint_path, resolve_model
+from pipeline.embed.encoder import (
+    cpu_summary,
+    encode_texts,
+    export_onnx,
+    has_bfloat16_units,
+    length_batches,
+    load_encoder,
+    model_inputs,
+    resolve_precision,
+    token_counts,
+    torch_threads,
+)
+from schemas.config import EmbeddingConfig
+
+# Part of every cache key: raise it when the export or the quantisation below changes what a
+# cached file holds.
+EXPORT_FORMAT = 1
+# Chunks whose texts calibrate static int8 (OpenVINO): hash-chosen from the corpus being
+# embedded, with a salt of their own so that the precision check is not judged on them.
+CALIBRATION_CHUNKS = 256
+CALIBRATION_SALT = 5
+CALIBRATION_BATCH = 32
+
+
+class ExportedModelUnusable(RuntimeError):
+    """An exported model file that is corrupt or that the runtime cannot load (removed)."""
+
+
+def resolved_precision(cfg: EmbeddingConfig) -> str:
+    """`embedding.precision` as the backend runs it: ONNX Runtime only in float32."""
+    return "float32" if cfg.backend == "onnx" else resolve_precision(cfg.precision, cfg.device)
+
+
+def needs_calibration(cfg: EmbeddingConfig) -> bool:
+    """Static int8 (OpenVINO) is calibrated on texts of the corpus being embedded."""
+    return cfg.backend == "openvino" and cfg.quantize == "int8"
+
+
+def exports_root(model_dir: Path) -> Path:
+    beside = model_dir.parent / f"{model_dir.name}.exports"
+    if os.access(beside if beside.exists() else model_dir.parent, os.W_OK):
+        return beside
+    return Path.home() / ".cache" / "ratrain-pipeline" / "exports"
+
+
+def _sha256(path: Path) -> str:
+    return sha256_file(str(path))[0]
+
+
+def _write_verified(path: Path, write) -> None:
+    """`write(temporary path)`, then the file renamed into place and its sha256 beside it."""
+    temporary = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        write(str(temporary))
+        digest = _sha256(temporary)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+    path.with_name(path.name + ".sha256").write_text(digest + "\n")
+
+
+def _remove(path: Path) -> None:
+    path.unlink(missing_ok=True)
+    path.with_name(path.name + ".sha256").unlink(missing_ok=True)
+
+
+def unusable(path: Path, reason: str) -> ExportedModelUnusable:
+    """Removes the file and says so: the next run exports it again."""
+    _remove(path)
+    return ExportedModelUnusable(
+        f"exported model {path} is unusable ({reason}); removed, the next run exports it again"
+    )
+
+
+def _verified(path: Path) -> bool:
+    """Whether `path` is a complete export: False when absent or without its sha256 (an export
+    cut short); raises ExportedModelUnusable when its bytes do not match the sha256."""
+    digest_file = path.with_name(path.name + ".sha256")
+    if not path.exists() or not digest_file.exists():
+        return False
+    expected, found = digest_file.read_text().strip(), _sha256(path)
+    if found != expected:
+        raise unusable(path, f"sha256 {found[:12]}..., written as {expected[:12]}...")
+    return True
+
+
+def _activation_products(model_path: str) -> list[str]:
+    """MatMul nodes between two activations (attention scores and their weighting): left in
+    float32, only products with a weight matrix go to int8."""
+    import onnx
+
+    graph = onnx.load(model_path).graph
+    weights = {w.name for w in graph.initializer}
+    return [n.name for n in graph.node if n.op_type == "MatMul" and not set(n.input) & weights]
+
+
+def _quantize(source: str, target: str, calibration: Sequence[str], model) -> None:
+    """int8 weight products: dynamic (activations scaled per batch; ONNX Runtime) without
+    calibration texts, else static QDQ calibrated on them (OpenVINO runs it in int8)."""
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
+
+    keep = _activation_products(source)
+    common = dict(per_channel=True, weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"], nodes_to_exclude=keep)
+    if not calibration:
+        quantize_dynamic(source, target, **common)
+        return
+    from onnxruntime.quantization import CalibrationDataReader
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            order = length_batches(token_counts(model, calibration), CALIBRATION_BATCH)
+            self.batches = iter([_features(model, [calibration[i] for i in batch]) for batch in order])
+
+        def get_next(self):
+            return next(self.batches, None)
+
+    quantize_static(source, target, Reader(), quant_format=QuantFormat.QDQ, activation_type=QuantType.QUInt8, **common)
+
+
+def _runtime(backend: str):
+    """The runtime module of `backend` (onnxruntime or openvino), or an error naming the extra."""
+    module = "onnxruntime" if backend == "onnx" else "openvino"
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ValueError(
+            f"embedding.backend {backend} needs {module}: pip install -e '.[{backend}]' (or make install)"
+        ) from None
+
+
+@functools.lru_cache(maxsize=8)
+def exported_model(model: str, quantize: str, calibration: tuple[str, ...] = ()) -> Path:
+    """The ONNX file of `model` (resolved) for `quantize` (none | int8; int8 with calibration
+    texts is static), exported on first use in this process or any before it."""
+    model_dir = Path(model)
+    if not model_dir.is_dir():
+        raise ValueError(f"embedding.backend onnx/openvino exports a local model directory; {model} is not one")
+    calibration_key = hashlib.sha256("\0".join(calibration).encode()).hexdigest()[:16] if calibration else ""
+    # the exporter's and the quantiser's versions too: workers with the same ones run the same bytes
+    tools = ":".join(importlib.metadata.version(name) for name in ("torch", "onnxscript", "onnxruntime"))
+    key = hashlib.sha256(f"{EXPORT_FORMAT}:{tools}:{fingerprint_path(model)}".encode()).hexdigest()[:24]
+    folder = exports_root(model_dir) / key
+    folder.mkdir(parents=True, exist_ok=True)
+    float32 = folder / "model.onnx"
+    int8 = f"model-int8-{calibration_key}.onnx" if calibration else "model-int8.onnx"
+    target = float32 if quantize == "none" else folder / int8
+    with open(folder / ".lock", "w") as lock:  # worker processes of one machine export once
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not _verified(float32):
+            _write_verified(float32, lambda path: export_onnx(load_encoder(EmbeddingConfig(model=model)), path))
+        if target != float32 and not _verified(target):
+            torch_model = load_encoder(EmbeddingConfig(model=model))
+            _write_verified(target, lambda path: _quantize(str(float32), path, calibration, torch_model))
+    return target
+
+
+def _features(model, texts: Sequence[str]) -> dict[str, np.ndarray]:
+    """The tokenizer's inputs for `texts` exactly as sentence-transformers makes them, padded
+    to the longest."""
+    features = model_inputs(model, texts)
+    names = ("input_ids", "attention_mask", "token_type_ids")
+    return {name: features[name].numpy() for name in names if name in features}
+
+
+class ExportedEncoder:
+    """The exported model in ONNX Runtime or OpenVINO with a fixed thread count; tokenises with
+    the torch model's tokenizer, batches as `encode_texts` does."""
+
+    def __init__(self, model, path: Path, backend: str, precision: str, threads: int | None):
+        self.model, self.path, self.backend = model, path, backend
+        runtime = _runtime(backend)
+        try:
+            if backend == "onnx":
+                options = runtime.SessionOptions()
+                if threads is not None:
+                    options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+                session = runtime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+                self._run = lambda features: session.run(None, features)[0]
+            else:
+                config: dict = {"INFERENCE_PRECISION_HINT": "bf16" if precision == "bfloat16" else "f32"}
+                if threads is not None:
+                    config["INFERENCE_NUM_THREADS"] = threads
+                request = runtime.Core().compile_model(str(path), "CPU", config).create_infer_request()
+                self._run = lambda features: request.infer(features)[0].copy()
+        except Exception as err:  # whatever the runtime says of a bad file
+            raise unusable(path, f"{backend} cannot load it: {str(err).strip().splitlines()[0][:200]}") from None
+
+    def encode(self, texts: Sequence[str], batch_size: int) -> np.ndarray:
+        """L2-normalised float32 embeddings [len(texts), d], in the batches of `encode_texts`."""
+        texts = list(texts)
+        batches = [np.arange(len(texts))]
+        if len(texts) > batch_size:
+            batches = length_batches(token_counts(self.model, texts), batch_size)
+        encoded = []
+        for batch in batches:
+            vectors = np.asarray(self._run(_features(self.model, [texts[i] for i in batch])), dtype=np.float32)
+            encoded.append(vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12))
+        return np.concatenate(encoded)[np.argsort(np.concatenate(batches))]
+
+
+@functools.lru_cache(maxsize=4)
+def _loaded(cfg: EmbeddingConfig, threads: int | None, calibration: tuple[str, ...]) -> ExportedEncoder:
+    _runtime(cfg.backend)  # before exporting: a missing extra is named first
+    precision = resolved_precision(cfg)
+    if precision == "bfloat16" and not has_bfloat16_units():
+        raise ValueError(
+            f"embedding.backend openvino with precision bfloat16: this CPU ({cpu_summary()}) has no "
+            "bfloat16 units; use precision: auto or float32"
+        )
+    model = resolve_model(cfg.model)
+    path = exported_model(model, cfg.quantize, calibration)
+    return ExportedEncoder(load_encoder(cfg), path, cfg.backend, precision, threads)
+
+
+def load_embedder(cfg: EmbeddingConfig, threads: int | None, calibration: Sequence[str] = ()):
+    """The encoder the embed stage runs, loaded once per process: the torch model itself, or
+    the exported model in its runtime (`calibration`: texts for static int8)."""
+    if cfg.backend == "torch":
+        return load_encoder(cfg)
+    return _loaded(cfg, threads, tuple(calibration))
+
+
+def embed_texts(cfg: EmbeddingConfig, model, texts: Sequence[str], threads: int | None) -> np.ndarray:
+    """L2-normalised float32 embeddings of `texts` by `model` (from `load_embedder`), with
+    `threads` intra-op threads."""
+    if cfg.backend == "torch":
+        with torch_threads(threads):
+            return encode_texts(model, texts, cfg.batch_size, resolved_precision(cfg))
+    return model.encode(texts, cfg.batch_size)
