@@ -41,6 +41,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 from benchmarks.report import write_results  # noqa: E402
 from benchmarks.retrieve_join import WorkerPeak  # noqa: E402
+from benchmarks.synthetic import words_replaced  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "decontamination.json"
@@ -67,14 +68,6 @@ def chosen(docs: list[dict], count: int, salt: str) -> list[dict]:
     return sorted(docs, key=lambda d: doc_id_for(salt + d["id"]))[:count]
 
 
-def replaced(text: str, share: float, seed: int) -> str:
-    words = text.split()
-    rng = np.random.default_rng(seed)
-    for i in rng.choice(len(words), int(len(words) * share), replace=False):
-        words[i] = f"planted{seed}x{i}"
-    return " ".join(words)
-
-
 def planted(corpus: list[dict], other: list[dict]) -> list[dict]:
     """The evaluation documents: PLANTED of each kind, each from a corpus document of its own,
     and UNRELATED documents from `other`."""
@@ -85,9 +78,9 @@ def planted(corpus: list[dict], other: list[dict]) -> list[dict]:
         words = doc["text"].split()
         text = {
             "copy": doc["text"],
-            "1% changed": replaced(doc["text"], 0.01, n),
-            "5% changed": replaced(doc["text"], 0.05, n),
-            "15% changed": replaced(doc["text"], 0.15, n),
+            "1% changed": words_replaced(doc["text"], 0.01, n),
+            "5% changed": words_replaced(doc["text"], 0.05, n),
+            "15% changed": words_replaced(doc["text"], 0.15, n),
             "first half": " ".join(words[: len(words) // 2]),
         }[kind]
         made.append({"id": f"eval/{kind}/{doc['id']}", "text": text, "kind": kind})

@@ -75,3 +75,13 @@ def long_documents(documents: int, chunks_per_document: int, dim: int = 32, seed
         vectors.append(chunks / np.linalg.norm(chunks, axis=1, keepdims=True))
         spans.append((start, start + chunks_per_document))
     return np.concatenate(vectors).astype(np.float32), spans
+
+
+def words_replaced(text: str, share: float, seed: int) -> str:
+    """The text (split on whitespace) with `share` of its words, chosen by `seed`, replaced by
+    words it does not hold: a planted near-copy for decontamination."""
+    words = text.split()
+    rng = np.random.default_rng(seed)
+    for i in rng.choice(len(words), int(len(words) * share), replace=False):
+        words[i] = f"planted{seed}x{i}"
+    return " ".join(words)

@@ -6,11 +6,11 @@ import apache_beam as beam
 import pytest
 from apache_beam.testing.util import assert_that, equal_to
 
+from benchmarks.synthetic import words_replaced
 from pipeline.corpus.records import NEAR_DUPLICATE, Document, doc_id_for
 from pipeline.decontaminate.beam import Decontaminate
 from pipeline.decontaminate.minhash import jaccard, shingles
 from schemas.config import DecontaminationConfig
-from tests.decontaminate.test_minhash import changed
 from tests.helpers import local_pipeline, sample_documents
 
 pytestmark = pytest.mark.beam
@@ -30,10 +30,10 @@ def planted() -> tuple[list[Document], list[Document]]:
     made = [
         texts[0],
         texts[1],
-        changed(texts[2], 0.01, 2),
-        changed(texts[3], 0.01, 3),
-        changed(texts[4], 0.05, 4),
-        changed(texts[5], 0.15, 5),
+        words_replaced(texts[2], 0.01, 2),
+        words_replaced(texts[3], 0.01, 3),
+        words_replaced(texts[4], 0.05, 4),
+        words_replaced(texts[5], 0.15, 5),
         " ".join(texts[6].split()[: len(texts[6].split()) // 2]),
         " ".join(texts[7].split()[: len(texts[7].split()) * 9 // 10]),
         *texts[60:64],

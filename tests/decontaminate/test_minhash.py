@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from datasketch import MinHash
 
+from benchmarks.synthetic import words_replaced
 from pipeline.decontaminate.minhash import (
     SHINGLE_BLOCK,
     LshBands,
@@ -37,15 +38,6 @@ def ngram_set(text: str, n: int) -> set[tuple[str, ...]]:
     return {tuple(w[i : i + n]) for i in range(len(w) - n + 1)} if len(w) >= n else {tuple(w)}
 
 
-def changed(text: str, share: float, seed: int) -> str:
-    """The text with `share` of its words replaced by a word it does not hold."""
-    w = text.split()
-    rng = np.random.default_rng(seed)
-    for i in rng.choice(len(w), int(len(w) * share), replace=False):
-        w[i] = f"replaced{i}"
-    return " ".join(w)
-
-
 def test_words_ignore_case_punctuation_spacing_and_compatibility_forms():
     assert words("Hello,  WORLD!\nﬁle") == ["hello", "world", "file"]
     assert np.array_equal(shingles("A b, c. D", 2), shingles("a B c d", 2))
@@ -59,7 +51,7 @@ def test_a_text_shorter_than_n_words_is_one_shingle_and_word_order_counts():
 
 def test_exact_jaccard_equals_jaccard_of_the_ngram_sets_on_real_text():
     texts = sample_texts(12)
-    pairs = [(t, changed(t, share, i)) for i, t in enumerate(texts) for share in (0.0, 0.01, 0.05)]
+    pairs = [(t, words_replaced(t, share, i)) for i, t in enumerate(texts) for share in (0.0, 0.01, 0.05)]
     pairs += [(t, " ".join(t.split()[: len(t.split()) // 2])) for t in texts]  # cut in half
     pairs += list(zip(texts, texts[1:]))  # unrelated
     for a, b in pairs:
@@ -82,7 +74,7 @@ def test_estimated_jaccard_is_within_four_standard_errors_of_the_exact_one():
     texts = sample_texts(10)
     for i, text in enumerate(texts):
         for share in (0.0, 0.01, 0.03):
-            a, b = shingles(text, N), shingles(changed(text, share, i), N)
+            a, b = shingles(text, N), shingles(words_replaced(text, share, i), N)
             exact = jaccard(a, b)
             estimate = estimated_jaccard(signer.signature(a), signer.signature(b))
             assert abs(estimate - exact) <= 4 * standard_error(exact, 256) + 1e-9

@@ -10,13 +10,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from benchmarks.synthetic import words_replaced
 from pipeline.check.problems import ValidationFailed
 from pipeline.check.validate import validate_path
 from pipeline.corpus.records import NEAR_DUPLICATE, doc_id_for
 from pipeline.decontaminate.minhash import jaccard, shingles
 from pipeline.jobs.run import run_all
 from schemas.config import config_from_dict
-from tests.decontaminate.test_minhash import changed
 from tests.helpers import sample_documents, small_config, write_jsonl
 
 pytestmark = pytest.mark.e2e
@@ -27,7 +27,7 @@ def test_near_duplicates_of_evaluation_documents_are_in_no_chunk_file_and_no_seq
     training = sample_documents(10, start=20)
     evaluation = [
         {"id": "eval-copy", "text": retrieval[2]["text"]},
-        {"id": "eval-changed", "text": changed(retrieval[5]["text"], 0.01, 5)},
+        {"id": "eval-changed", "text": words_replaced(retrieval[5]["text"], 0.01, 5)},
         {"id": "eval-half", "text": " ".join(retrieval[7]["text"].split()[: len(retrieval[7]["text"].split()) // 2])},
         {"id": "eval-training", "text": training[3]["text"]},
         {"id": "eval-unrelated", "text": sample_documents(1, start=60)[0]["text"]},
