@@ -39,6 +39,7 @@ def pytest_configure(config):
 
 
 KINDS = ("unit", "beam", "e2e")  # pyproject.toml [tool.pytest.ini_options] markers says what each means
+OWN_PROCESS = "RATRAIN_TESTS_OWN_PROCESS"  # set in the process tests/test_own_process.py starts
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects: the rule holds for every collected test
@@ -55,6 +56,12 @@ def pytest_collection_modifyitems(config, items):
             "each test needs exactly one of the markers unit, beam, e2e (see pyproject.toml; a module-level "
             "`pytestmark = pytest.mark.unit` where the whole file is one kind):\n" + "\n".join(wrong)
         )
+    # the own_process tests run only in the process tests/test_own_process.py starts for them
+    mine = bool(os.environ.get(OWN_PROCESS))
+    kept = [item for item in items if (item.get_closest_marker("own_process") is not None) == mine]
+    if mine or len(kept) < len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+        items[:] = kept
 
 
 def pytest_report_header(config):

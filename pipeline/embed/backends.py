@@ -174,6 +174,8 @@ def exported_model(model: str, quantize: str, calibration: tuple[str, ...] = ())
     target = float32 if quantize == "none" else folder / int8
     with open(folder / ".lock", "w") as lock:  # worker processes of one machine export once
         fcntl.flock(lock, fcntl.LOCK_EX)
+        for stale in folder.glob("*.tmp-*"):  # left by an export killed before it finished
+            stale.unlink(missing_ok=True)
         if not _verified(float32):
             _write_verified(float32, lambda path: export_onnx(load_encoder(EmbeddingConfig(model=model)), path))
         if target != float32 and not _verified(target):

@@ -71,6 +71,7 @@ class Retriever:
         tokenizer,
         encoder,
         *,
+        embedding: EmbeddingConfig,
         neighbours: int,
         depth: int | None,
         dedupe: bool,
@@ -84,7 +85,7 @@ class Retriever:
         self.tokenizer, self.encoder = tokenizer, encoder
         self.neighbours, self.depth, self.dedupe, self.candidates = neighbours, depth, dedupe, candidates
         self.index, self.routing = index, routing
-        self.precision = manifest.embedding_precision.precision if manifest.embedding_precision else "float32"
+        self.embedding = embedding  # the setting the index was embedded with (`embedding_of`)
         self._bounds: dict[int, tuple[int, int]] = {}  # chunk file -> its first and last doc id
 
     @classmethod
@@ -102,7 +103,8 @@ class Retriever:
         setting comes from). IndexNotUsable when its tokenizer or encoder cannot be loaded."""
         index, manifest = read_committed_index(index_dir)
         tokenizer = _tokenizer_of(index_dir, manifest)
-        encoder = _encoder_of(index_dir, manifest, device)
+        embedding = embedding_of(manifest, device)
+        encoder = _encoder_of(index_dir, manifest, embedding)
         shards = committed(fileio.join(os.path.dirname(index_dir.rstrip("/")), "shards"), ShardsManifest)
         built = shards if shards is not None and shards.index_manifest_sha256 == index.manifest_sha256 else None
         if neighbours is None:
@@ -118,6 +120,7 @@ class Retriever:
             CommittedChunkFiles(index_dir, index.num_chunks, index.manifest_sha256),
             tokenizer,
             encoder,
+            embedding=embedding,
             neighbours=neighbours,
             depth=depth,
             dedupe=dedupe,
@@ -151,13 +154,13 @@ class Retriever:
         return list(chunk_document(-1, np.asarray(tokens, np.int32), 0, self.chunk_tokens, self.pad_id))
 
     def embed(self, tokens: np.ndarray) -> np.ndarray:
-        """The query embeddings [L, d] of the chunks of `tokens`, from their texts, in the
-        precision and with the encoder threads the index was embedded with."""
-        from pipeline.embed.encoder import chunk_texts, encode_texts, torch_threads
+        """The query embeddings [L, d] of the chunks of `tokens`, from their texts, by the
+        backend, in the precision and with the encoder threads the index was embedded with."""
+        from pipeline.embed.backends import embed_texts
+        from pipeline.embed.encoder import chunk_texts
 
         texts = chunk_texts(self.tokenizer, self.chunks(tokens))
-        with torch_threads(self.manifest.encoder_threads):
-            return encode_texts(self.encoder, texts, EmbeddingConfig().batch_size, self.precision)
+        return embed_texts(self.embedding, self.encoder, texts, self.manifest.encoder_threads)
 
     def document_ranges(self, doc_ids: Iterable[int]) -> list[tuple[int, int]]:
         """The chunk-id ranges of these documents, merged (a document not in the database
@@ -264,11 +267,24 @@ def _tokenizer_of(index_dir: str, manifest: IndexManifest):
         raise IndexNotUsable(f"{index_dir}: its tokenizer file {path} cannot be loaded: {err}") from err
 
 
-def _encoder_of(index_dir: str, manifest: IndexManifest, device: str):
-    """The encoder the index was embedded with (its directory, or a hub name loaded offline), or
-    IndexNotUsable."""
-    from pipeline.embed.encoder import load_encoder
+def embedding_of(manifest: IndexManifest, device: str) -> EmbeddingConfig:
+    """The embedding setting (model, backend, precision, quantisation) the index was built
+    with, as its manifest's check records it (an older manifest: torch; none: float32)."""
+    check = manifest.embedding_precision
+    setting = {"backend": check.backend, "precision": check.precision, "quantize": check.quantize} if check else {}
+    return EmbeddingConfig(model=manifest.embedding_model.name, device=device, **setting)
 
+
+def _encoder_of(index_dir: str, manifest: IndexManifest, embedding: EmbeddingConfig):
+    """The encoder the index was embedded with (its directory, or a hub name loaded offline),
+    in its backend, or IndexNotUsable."""
+    from pipeline.embed.backends import load_embedder, needs_calibration
+
+    if needs_calibration(embedding):
+        raise IndexNotUsable(
+            f"{index_dir}: built with embedding.backend openvino and quantize int8, calibrated on its corpus; "
+            "the retriever does not recalibrate it: rebuild with quantize: none to retrieve from it"
+        )
     name = manifest.embedding_model.name
     path = resolve_model(name)
     if os.path.isabs(path) and not os.path.isdir(path):
@@ -276,7 +292,7 @@ def _encoder_of(index_dir: str, manifest: IndexManifest, device: str):
     if os.path.isdir(path) and fingerprint_path(path) != manifest.embedding_model.fingerprint:
         raise IndexNotUsable(f"{index_dir}: the encoder model directory {path} is not the one the index was built with")
     try:
-        return load_encoder(EmbeddingConfig(model=name, device=device))
+        return load_embedder(embedding, manifest.encoder_threads)
     except Exception as err:  # sentence-transformers raises OSError, ValueError, or the hub's own errors
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise IndexNotUsable(f"{index_dir}: its encoder model {path} cannot be loaded: {first}") from err

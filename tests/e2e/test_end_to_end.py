@@ -15,10 +15,20 @@ from pipeline.common.fileio import sha256_bytes
 from pipeline.common.writers import parquet_bytes
 from pipeline.jobs.run import run_all
 from pipeline.jobs.shards_job import build_shards
+from pipeline.retrieve.online import Retriever
 from schemas.arrow import fixed_size_list, read_shard_table, shard_column, tensor_column_to_numpy
 from schemas.config import config_from_dict
 from schemas.manifest import ShardsManifest
-from tests.helpers import BAD_REASONS, read_rejected, rewrite_shard, sample_documents, suite_precision, write_jsonl
+from tests.helpers import (
+    BAD_REASONS,
+    read_rejected,
+    rewrite_shard,
+    sample_documents,
+    shard_rows,
+    suite_precision,
+    tie_tolerance,
+    write_jsonl,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -305,11 +315,13 @@ def test_bfloat16_and_float32_give_the_same_neighbours_and_the_manifest_says_whi
     assert np.mean(neighbour_ids(root / "out") == neighbour_ids(out)) >= 0.95
 
 
+@pytest.mark.own_process
 @pytest.mark.slow
 def test_the_openvino_setting_gives_the_neighbours_of_torch_float32(built_output, tmp_path):
     """The CPU setting docs/performance.md recommends (backend openvino, precision auto:
     bfloat16 where the CPU has it) against torch float32, each a whole run: the build's check
-    passes and records the setting, and >= 95% of neighbour slots hold the same chunk."""
+    passes and records the setting, >= 95% of neighbour slots hold the same chunk, and the
+    Retriever, embedding with the same backend, finds the neighbours the build wrote."""
     root, config, _ = built_output
 
     def run(name, **embedding):
@@ -329,6 +341,16 @@ def test_the_openvino_setting_gives_the_neighbours_of_torch_float32(built_output
     assert (check["backend"], check["quantize"]) == ("openvino", "none")
     assert check["agreement_upper_bound"] >= check["min_agreement"]
     assert np.mean(neighbour_ids(reference) == neighbour_ids(chosen)) >= 0.95
+    # the retriever embeds its queries with the backend the index was built with
+    retriever = Retriever.open(str(chosen / "index"))
+    assert (retriever.embedding.backend, retriever.embedding.precision) == ("openvino", check["precision"])
+    tie, n = tie_tolerance(check["precision"]), config["sequence_tokens"]
+    equal = slots = 0
+    for tokens, doc_ids, _, ids, scores in shard_rows(chosen / "shards"):
+        found = retriever.retrieve(tokens[:n], exclude_documents=doc_ids)
+        equal += int(((found.ids == ids) | (np.abs(found.scores - scores) <= tie)).sum())
+        slots += ids.size
+    assert slots and equal / slots >= 0.999
 
 
 def test_shards_manifest_carries_the_overlap_audit(built_output):

@@ -136,6 +136,7 @@ def test_a_separate_training_corpus_sharing_documents_is_filled_and_exact(long_o
     assert checked == manifest.num_sequences * L
 
 
+@pytest.mark.own_process
 @pytest.mark.slow
 def test_the_openvino_setting_gives_the_neighbours_of_torch_float32(tmp_path):
     """Long documents, where a chunk's nearest chunks are mostly near-ties of its own

@@ -68,6 +68,7 @@ def _settings(model, **fields):
     return EmbeddingConfig(model=model, batch_size=16, **fields)
 
 
+@pytest.mark.own_process
 @pytest.mark.e2e  # the real encoder, exported
 def test_every_backend_is_checked_against_torch_float32(model_copy):
     """float32 in ONNX Runtime and OpenVINO gives torch's embeddings (float rounding); OpenVINO
@@ -98,6 +99,7 @@ def test_every_backend_is_checked_against_torch_float32(model_copy):
             check_precision(sample, stored, cfg, resolve_tokenizer(None), 1)
 
 
+@pytest.mark.own_process
 @pytest.mark.beam
 def test_static_int8_is_calibrated_on_hash_chosen_chunks_of_the_corpus(model_copy):
     """The stage's openvino int8 model is the one calibrated on the CALIBRATION_CHUNKS chunks
@@ -129,6 +131,7 @@ def test_static_int8_is_calibrated_on_hash_chosen_chunks_of_the_corpus(model_cop
         assert_that(report, checked, label="CheckReport")
 
 
+@pytest.mark.own_process
 @pytest.mark.beam
 def test_a_corrupt_export_fails_the_build_in_one_line_and_is_exported_again(model_copy):
     cfg = _settings(model_copy, backend="onnx", quantize="int8", min_agreement=0)
@@ -145,6 +148,10 @@ def test_a_corrupt_export_fails_the_build_in_one_line_and_is_exported_again(mode
     assert not path.exists()
     exported_model.cache_clear()
     assert exported_model(model_copy, "int8") == path and path.exists()  # the next run exports it again
+    stale = path.with_name(f"{path.name}.tmp-99999")  # an export killed before its rename
+    stale.write_bytes(b"half an export")
+    exported_model.cache_clear()
+    assert exported_model(model_copy, "int8") == path and not stale.exists()
     # a file whose recorded sha256 matches but that the runtime cannot read: the same
     path.write_bytes(b"not an onnx model")
     path.with_name(path.name + ".sha256").write_text(backends._sha256(path))
