@@ -110,24 +110,30 @@ def _recall_body(manifest, search_depth: SearchDepth | None = None) -> str:
     )
 
 
+RECORD_FIELDS = ("source", "position", "reason", "excerpt")  # every rejected record's; a reason may add more
+
+
+def _rejected_example(record: dict) -> str:
+    """source:position: [what the reason adds, e.g. a near-duplicate's jaccard] excerpt."""
+    added = ", ".join(f"{key} {value}" for key, value in record.items() if key not in RECORD_FIELDS)
+    return (
+        f"{record['source']}:{record['position']}: "
+        + (f"[{added}] " if added else "")
+        + record["excerpt"][:EXCERPT_CHARS]
+    )
+
+
 def _rejected_body(rejected: list[RejectedReason]) -> str:
     if not rejected:
         return "<p>No input record was rejected.</p>"
     rows = [
-        (
-            r.reason,
-            f"{r.count:,}",
-            _Html(
-                "<br>".join(
-                    html.escape(f"{e['source']}:{e['position']}: {e['excerpt'][:EXCERPT_CHARS]}") for e in r.examples
-                )
-                or "—"
-            ),
-        )
+        (r.reason, f"{r.count:,}", _Html("<br>".join(html.escape(_rejected_example(e)) for e in r.examples) or "—"))
         for r in rejected
     ]
     return _table(
-        rows, ("reason", "records", f"examples (source:position: excerpt; up to {EXAMPLES_PER_REASON})"), numeric=(1,)
+        rows,
+        ("reason", "records", f"examples (source:position: [details] excerpt; up to {EXAMPLES_PER_REASON})"),
+        numeric=(1,),
     )
 
 
