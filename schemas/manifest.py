@@ -188,6 +188,11 @@ class VectorIndexManifest(VectorIndex, _Committed):
     file_table: FileTable | None = FILE_TABLE_FIELD
 
 
+def setting_name(backend: str, precision: str, quantize: str) -> str:
+    """An embedding setting in words, e.g. 'openvino bfloat16 int8'."""
+    return " ".join([backend, precision] + (["int8"] if quantize == "int8" else []))
+
+
 class PrecisionCheck(_Model):
     """The embed stage's check of its setting (backend, arithmetic, quantisation) against torch
     float32, on sampled chunks."""
@@ -214,7 +219,7 @@ class PrecisionCheck(_Model):
 
     def summary(self) -> str:
         """One line for inspect and the report."""
-        setting = " ".join([self.backend, self.precision] + (["int8"] if self.quantize == "int8" else []))
+        setting = setting_name(self.backend, self.precision, self.quantize)
         if (self.backend, self.precision) == ("torch", "float32"):
             return "torch float32 (the reference itself: nothing to check)"
         bound = "" if self.agreement_upper_bound is None else f", at most {self.agreement_upper_bound:.3f} at 99%"

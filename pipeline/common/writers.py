@@ -93,11 +93,11 @@ class WriteGroupedFiles(beam.PTransform):
         self.facts, self.entry = facts, entry
 
     def expand(self, rows):
-        key, per_file = self.key, self.rows_per_file
+        key, per_file, rows_of = self.key, self.rows_per_file, self.rows_of
 
         def write(group):
             number, members = group
-            if self.rows_of is not None:
+            if rows_of is not None:
                 members = [row for part in members for row in part.rows]
             members = sorted(members, key=key)
             entry = write_file(
@@ -108,8 +108,6 @@ class WriteGroupedFiles(beam.PTransform):
                 self.relative_to,
             )
             return self.entry(**entry.model_dump(), **(self.facts(members) if self.facts else {}))
-
-        rows_of = self.rows_of
 
         def parts_by_file(batch):
             by_file: dict[int, list] = {}

@@ -176,9 +176,11 @@ def exported_model(model: str, quantize: str, calibration: tuple[str, ...] = ())
         fcntl.flock(lock, fcntl.LOCK_EX)
         for stale in folder.glob("*.tmp-*"):  # left by an export killed before it finished
             stale.unlink(missing_ok=True)
+        if target != float32 and _verified(target):  # the int8 file alone is needed: its source stays unread
+            return target
         if not _verified(float32):
             _write_verified(float32, lambda path: export_onnx(load_encoder(EmbeddingConfig(model=model)), path))
-        if target != float32 and not _verified(target):
+        if target != float32:
             torch_model = load_encoder(EmbeddingConfig(model=model))
             _write_verified(target, lambda path: _quantize(str(float32), path, calibration, torch_model))
     return target

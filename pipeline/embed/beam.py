@@ -68,14 +68,14 @@ class _EncodeCalibrated(beam.DoFn):
         self.handler, self.tokenizer_path = handler, tokenizer_path
 
     def setup(self):
-        self.texts = None
+        self.model = None
 
     def process(self, group, calibration):
-        if self.texts is None:  # the side input is the same for every group
+        if self.model is None:  # the side input is the same for every group: load once
             chunks = sorted((chunk for _, chunk in calibration), key=lambda c: c.chunk_id)
-            self.texts = chunk_texts(load_tokenizer(self.tokenizer_path), chunks)
-        model = load_embedder(self.handler.cfg, self.handler.threads, self.texts)
-        yield from self.handler.run_inference([group], model)
+            texts = chunk_texts(load_tokenizer(self.tokenizer_path), chunks)
+            self.model = load_embedder(self.handler.cfg, self.handler.threads, texts)
+        yield from self.handler.run_inference([group], self.model)
 
 
 def _hash_sample(chunks, salt: int, size: int, label: str):

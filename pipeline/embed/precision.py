@@ -14,6 +14,7 @@ from pipeline.embed.backends import resolved_precision
 from pipeline.embed.encoder import chunk_texts, encode_texts, load_encoder, torch_threads
 from pipeline.index.recall import TIE_TOLERANCE  # a neighbour as similar as float32's within this agrees
 from schemas.config import EmbeddingConfig
+from schemas.manifest import setting_name
 
 
 class PrecisionTooLow(RuntimeError):
@@ -53,11 +54,6 @@ def agreement_upper_bound(agreeing: int, slots: int, z: float = AGREEMENT_CONFID
     centre = p + z2 / (2 * slots)
     spread = z * math.sqrt(p * (1 - p) / slots + z2 / (4 * slots * slots))
     return min(1.0, (centre + spread) / (1 + z2 / slots))
-
-
-def setting_name(cfg: EmbeddingConfig, precision: str) -> str:
-    """The embedding setting in words, e.g. 'openvino bfloat16 int8'."""
-    return " ".join([cfg.backend, precision] + (["int8"] if cfg.quantize == "int8" else []))
 
 
 def safer_setting(cfg: EmbeddingConfig, precision: str) -> str:
@@ -102,7 +98,8 @@ def check_precision(sample, stored, cfg: EmbeddingConfig, tokenizer_path: str, t
     )
     if upper < cfg.min_agreement:
         raise PrecisionTooLow(
-            f"embedding {setting_name(cfg, precision)}: only {agreeing} of {slots} top-2 neighbour slots of "
+            f"embedding {setting_name(cfg.backend, precision, cfg.quantize)}: only {agreeing} of {slots} top-2 "
+            f"neighbour slots of "
             f"{len(chunks)} sampled chunks agree with torch float32 ({agreement:.3f}; at 99% "
             f"confidence at most {upper:.3f}, below min_agreement "
             f"{cfg.min_agreement}); {safer_setting(cfg, precision)}"

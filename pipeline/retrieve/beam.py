@@ -316,7 +316,7 @@ def _select_distinct(keyed, spec: Retrieval):
 def _to_rows(keyed, chunks_per_seq: int, k: int, m: int, pad_id: int):
     """(search batch, its sequences, neighbour blocks and SentCounts) -> its RowBatch."""
     _, grouped = keyed
-    sequences = sorted((s for batch in grouped["sequences"] for s in batch.sequences), key=lambda s: s.seq_id)
+    sequences = SequenceBatch.merged(grouped["sequences"])
     blocks = list(grouped["picks"])
     picks = np.concatenate([b.picks for b in blocks]) if blocks else np.zeros(0, PICK)
     values = np.concatenate([b.values for b in blocks]) if blocks else np.zeros((0, 2 * m), np.int32)

@@ -22,6 +22,7 @@ from pipeline.index.search import search_depth_range, search_each_excluding, set
 from pipeline.index.tuning import tune_depth
 from pipeline.retrieve.recall import Probe
 from pipeline.retrieve.sequences import merge_ranges
+from pipeline.shards.rows import SequenceBatch
 from schemas.manifest import DepthRecall, SearchDepth
 
 SEQUENCES_PER_SEARCH = 64  # fixed search batches: faiss scores depend on batch shape
@@ -238,7 +239,7 @@ def batch_queries(grouped, L: int):
     for doc_id, span in grouped["excluded"]:
         spans.setdefault(doc_id, []).append(span)
     vectors = None
-    for s in sorted((s for batch in grouped["sequences"] for s in batch.sequences), key=lambda s: s.seq_id):
+    for s in SequenceBatch.merged(grouped["sequences"]):
         answered = [spans[d][0] for d in s.doc_ids if len(spans.get(d, ())) == 1]
         if len(answered) != len(s.doc_ids):
             raise RuntimeError(

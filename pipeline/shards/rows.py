@@ -38,6 +38,11 @@ class SequenceBatch:
 
     sequences: list[Sequence]
 
+    @staticmethod
+    def merged(batches) -> list[Sequence]:
+        """The sequences of these SequenceBatches (a shuffle's group of them), in seq id order."""
+        return sorted((s for batch in batches for s in batch.sequences), key=lambda s: s.seq_id)
+
 
 @dataclass(frozen=True)
 class RowBatch:
