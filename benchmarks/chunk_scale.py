@@ -83,7 +83,7 @@ def job_main(corpus: str, out: str) -> None:
     pad = pad_id_of(load_tokenizer(tokenizer))
     workers = WorkerPeak()
     with new_pipeline(WORKERS) as p:
-        documents, _ = p | "ReadCorpus" >> ReadCorpus(CorpusConfig(paths=[f"{corpus}/*.jsonl"], id_field="id"))
+        documents, _, _ = p | "ReadCorpus" >> ReadCorpus(CorpusConfig(paths=[f"{corpus}/*.jsonl"], id_field="id"))
         chunks, _ = documents | "ChunkDocuments" >> ChunkDocuments(tokenizer, M, pad)
         _ = chunks | "WriteChunks" >> WriteGroupedFiles(
             f"{out}/chunks",

@@ -135,7 +135,7 @@ def job_main(kind: str, corpus: str, evaluation: str, out: str, beam_args: list[
         if kind == "read":
             from pipeline.corpus.read import ReadCorpus
 
-            documents, _ = p | ReadCorpus(cfg.retrieval_corpus)
+            documents, _, _ = p | ReadCorpus(cfg.retrieval_corpus)
             _ = documents | beam.combiners.Count.Globally()
         elif kind == "decontaminate":
             from pipeline.decontaminate.beam import ReadCorpusKeptClean
@@ -156,7 +156,7 @@ def job_main(kind: str, corpus: str, evaluation: str, out: str, beam_args: list[
             from pipeline.jobs.options import encoder_threads
 
             tokenizer = resolve_tokenizer(cfg.tokenizer)
-            documents, _ = p | ReadCorpus(cfg.retrieval_corpus)
+            documents, _, _ = p | ReadCorpus(cfg.retrieval_corpus)
             chunks, _ = documents | ChunkDocuments(tokenizer, cfg.chunk_tokens, 0)
             threads = encoder_threads(cfg.embedding.cpu_threads, cfg.embedding.device, p.options)
             embedded, _ = chunks | EmbedChunks(cfg.embedding, tokenizer, threads)

@@ -396,25 +396,36 @@ class PipelineConfig(_Strict):
         settings = self.decontamination.model_dump(exclude={"apply_to"})
         return {"decontamination": {**settings, "evaluation_corpus": [c.model_dump() for c in self.evaluation_corpus]}}
 
-    def embed_hash(self) -> str:
-        """Hash of what the chunks and embeddings depend on (not `output`, not `index`)."""
+    def _embed_settings(self, corpus: dict) -> str:
         # backend and quantize are left out at torch/none, so outputs built before these keys
         # existed keep their hash
         backend = (self.embedding.backend, self.embedding.quantize)
         default_backend = {"backend", "quantize"} if backend == ("torch", "none") else set()
         return stable_hash(
             {
-                **self.model_dump(include={"retrieval_corpus", "tokenizer", "chunk_tokens", "chunk_file_rows"}),
+                "retrieval_corpus": corpus,
+                **self.model_dump(include={"tokenizer", "chunk_tokens", "chunk_file_rows"}),
                 "embedding": self.embedding.model_dump(exclude=set(EmbeddingConfig.PLACEMENT) | default_backend),
                 **self._decontamination_hash("retrieval"),
             }
         )
 
+    def embed_hash(self) -> str:
+        """Hash of what the chunks and embeddings depend on (not `output`, not `index`)."""
+        return self._embed_settings(self.retrieval_corpus.model_dump())
+
+    def encoding_hash(self) -> str:
+        """`embed_hash` without the retrieval corpus's paths: how any document becomes chunks
+        and embeddings. An index directory can take more files (an append) only while it holds."""
+        return self._embed_settings(self.retrieval_corpus.model_dump(exclude={"paths"}))
+
     def index_hash(self) -> str:
         """Hash of everything the index directory depends on: embeddings and the faiss index."""
-        return stable_hash(
-            {"embed": self.embed_hash(), "index": self.index.model_dump(exclude=set(IndexConfig.PLACEMENT))}
-        )
+        return self.index_hash_over(self.embed_hash())
+
+    def index_hash_over(self, embed_hash: str) -> str:
+        """The index hash of these index settings over embeddings of `embed_hash`."""
+        return stable_hash({"embed": embed_hash, "index": self.index.model_dump(exclude=set(IndexConfig.PLACEMENT))})
 
     def shards_hash(self) -> str:
         """Hash of the shard stage's own settings (the index is pinned by its manifest hash)."""

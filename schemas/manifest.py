@@ -242,9 +242,46 @@ ENCODER_THREADS = Field(
 )
 
 
+class InputFile(_Model):
+    """A corpus file as read: where, and its size then (a file that changed size is not the one read)."""
+
+    path: str = Field(description="As the corpus glob matched it.")
+    bytes: int
+
+
+class Generation(_Model):
+    """What one build-index run added to an index directory: the first build is generation 0,
+    each append the next (docs/design.md §8, "Appending")."""
+
+    number: int
+    inputs: list[InputFile] = Field(description="The corpus files this generation read.")
+    first_chunk_id: int = Field(description="Its chunks are first_chunk_id ... first_chunk_id + num_chunks - 1.")
+    num_chunks: int
+    num_documents: int
+    new_vector_recall: float | None = Field(
+        None,
+        description="1-recall@10 at the index's depth of sampled vectors of this generation, against "
+        "exact search over all vectors (appends only: how far the trained lists have drifted).",
+    )
+    embedding_precision: PrecisionCheck | None = Field(
+        None, description="The embed check of this generation's chunks (appends; generation 0's is the manifest's)."
+    )
+    timings: StageTimings | None = Field(
+        None, description="Its job's timings (None for the newest generation: the manifest's `timings` are its)."
+    )
+
+
 class IndexManifest(VectorIndex, _Committed):
     embed_config_hash: str = Field(
         description="Hash of what chunks and embeddings depend on: when only index.* changes, they are reused."
+    )
+    encoding_config_hash: str | None = Field(
+        None,
+        description="embed_config_hash without the corpus's paths: an append needs it equal "
+        "(None: an older manifest, which cannot be appended to).",
+    )
+    generations: list[Generation] = Field(
+        default_factory=list, description="What each build-index run added, oldest first (empty: an older manifest)."
     )
     tokenizer: Fingerprint
     embedding_model: Fingerprint

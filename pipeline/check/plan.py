@@ -22,6 +22,7 @@ from pipeline.check.facts import (
     removed_documents,
 )
 from pipeline.check.problems import _manifest_problem, _require
+from pipeline.check.rules import check_generations
 from pipeline.chunks.chunk_files import in_file_order
 from pipeline.common import fileio
 from pipeline.corpus.records import NEAR_DUPLICATE
@@ -111,6 +112,7 @@ def _plan_index(plan: ValidationPlan, directory: str) -> None:
         f"{directory}: {embedded} embeddings for {manifest.num_chunks} chunks",
         "manifest",
     )
+    check_generations(directory, manifest.generations, chunks, manifest.num_documents)
     plan.chunks = chunks
     removed = removed_documents(directory, "build-index", manifest.counters.get(f"rejected_{NEAR_DUPLICATE}", 0))
     plan.index = IndexFacts(

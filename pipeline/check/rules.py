@@ -38,6 +38,7 @@ from schemas.arrow import (
     tensor_column_to_numpy,
 )
 from schemas.manifest import (
+    Generation,
     ShardEntry,
 )
 
@@ -127,6 +128,36 @@ def check_chunk_boundaries(index: IndexFacts, ends: list[ChunkFileEnds]) -> None
 
 
 @_kind("documents")
+def check_generations(directory: str, generations: list[Generation], chunks: ChunkFiles, num_documents: int) -> None:
+    """An index's generations (none: an older manifest) follow each other: numbered 0, 1, …,
+    each chunk-id range starting where the one before ended and at a chunk file's first row,
+    together the manifest's chunks and documents, no corpus file read twice."""
+    if not generations:
+        return
+    _require(
+        [g.number for g in generations] == list(range(len(generations))),
+        f"{directory}: generations numbered {[g.number for g in generations]}",
+        "manifest",
+    )
+    next_id = 0
+    for generation in generations:
+        _require(
+            generation.first_chunk_id == next_id and next_id in chunks.starts,
+            f"{directory}: generation {generation.number} starts at chunk id {generation.first_chunk_id}, "
+            f"not at {next_id} or not at a chunk file's first row",
+            "manifest",
+        )
+        next_id += generation.num_chunks
+    _require(
+        next_id == chunks.num_chunks and sum(g.num_documents for g in generations) == num_documents,
+        f"{directory}: generations hold {next_id} chunks and {sum(g.num_documents for g in generations)} "
+        f"documents, the manifest {chunks.num_chunks} and {num_documents}",
+        "manifest",
+    )
+    paths = [f.path for g in generations for f in g.inputs]
+    _require(len(set(paths)) == len(paths), f"{directory}: a corpus file is in two generations", "manifest")
+
+
 def check_document_runs(index: IndexFacts, runs: int, distinct: int, files: int) -> None:
     """Each document is one run of chunks: as many runs as distinct documents starting them
     in the `files` chunk files checked against the rules, and, when those were all of them,

@@ -56,12 +56,20 @@ def _cut_bucket(keyed, offsets: dict[int, int], m: int, pad_id: int):
 
 
 class ChunkDocuments(beam.PTransform):
-    """Documents -> (Chunk rows with dense stable ids, rejected documents)."""
+    """Documents -> (Chunk rows with dense stable ids from `first_chunk_id`, rejected documents).
+    An append numbers its chunks after the database's last (`first_chunk_id` = its chunk count)."""
 
-    def __init__(self, tokenizer_path: str, chunk_tokens: int, pad_id: int, bucket_bits: int = BUCKET_BITS):
+    def __init__(
+        self,
+        tokenizer_path: str,
+        chunk_tokens: int,
+        pad_id: int,
+        bucket_bits: int = BUCKET_BITS,
+        first_chunk_id: int = 0,
+    ):
         super().__init__()
         self.tokenizer_path, self.m, self.pad_id = tokenizer_path, chunk_tokens, pad_id
-        self.bucket_bits = bucket_bits
+        self.bucket_bits, self.first_chunk_id = bucket_bits, first_chunk_id
 
     def expand(self, documents):
         tokenized = (
@@ -69,14 +77,14 @@ class ChunkDocuments(beam.PTransform):
             | "BatchDocuments" >> beam.BatchElements(min_batch_size=1, max_batch_size=TOKENIZE_BATCH)
             | "Tokenize" >> beam.ParDo(_Tokenize(self.tokenizer_path)).with_outputs("rejected", main="tokens")
         )
-        m, bits = self.m, self.bucket_bits
+        m, bits, first = self.m, self.bucket_bits, self.first_chunk_id
         by_bucket = tokenized.tokens | "KeyByBucket" >> beam.Map(lambda d: (bucket_of(d[0], bits), d))
         offsets = (
             by_bucket
             | "CountChunks" >> beam.Map(lambda b: (b[0], num_chunks(len(b[1][1]), m)))
             | "ChunksPerBucket" >> beam.CombinePerKey(sum)
             | "CollectBuckets" >> beam.combiners.ToList()
-            | "BucketOffsets" >> beam.Map(chunk_offsets)
+            | "BucketOffsets" >> beam.Map(chunk_offsets, first)
         )
         chunks = (
             by_bucket

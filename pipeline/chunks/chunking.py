@@ -76,9 +76,10 @@ def chunk_document(doc_id: int, tokens: np.ndarray, first_chunk_id: int, m: int,
         yield Chunk(first_chunk_id + i, doc_id, i, row, continuation)
 
 
-def chunk_offsets(chunk_counts: Iterable[tuple[int, int]]) -> dict[int, int]:
-    """{key: first chunk id}: keys (doc ids, or buckets of them) in order, ids dense from 0."""
-    offsets, next_id = {}, 0
+def chunk_offsets(chunk_counts: Iterable[tuple[int, int]], first_chunk_id: int = 0) -> dict[int, int]:
+    """{key: first chunk id}: keys (doc ids, or buckets of them) in order, ids dense from
+    `first_chunk_id`."""
+    offsets, next_id = {}, first_chunk_id
     for doc_id, count in sorted(chunk_counts):
         offsets[doc_id] = next_id
         next_id += count

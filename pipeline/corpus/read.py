@@ -23,6 +23,7 @@ from pipeline.corpus.parse import (
 )
 from pipeline.corpus.records import METRICS_NAMESPACE, DocRef, Document, FileRange, Rejected
 from schemas.config import CorpusConfig
+from schemas.manifest import InputFile
 
 
 class _ParseRange(beam.DoFn):
@@ -101,23 +102,37 @@ class SplitFiles(beam.PTransform):
 
 
 class ReadCorpus(beam.PTransform):
-    """Files matched by a CorpusConfig -> (documents, rejected); doc ids are unique."""
+    """Files matched by a CorpusConfig (of them, `only` these paths) -> (documents, rejected,
+    the files read as `InputFile`s); doc ids are unique. `only` keeps the globs' bases, so
+    documents get the identities they would get in a read of all the files."""
 
-    def __init__(self, cfg: CorpusConfig, match: bool = True, split_bytes: int = SPLIT_BYTES):
+    def __init__(
+        self,
+        cfg: CorpusConfig,
+        match: bool = True,
+        split_bytes: int = SPLIT_BYTES,
+        only: frozenset[str] | None = None,
+    ):
         super().__init__()
         self.cfg = cfg
         self.split_bytes = split_bytes
+        self.only = only
         if match:  # at construction: a glob that matches nothing fails early (a dry run lists no files)
             check_globs_match(cfg)
 
     def expand(self, pbegin):
         # the files are listed inside the job, so the job graph holds the globs, not the files
-        parsed = (
+        only = self.only
+        files = (
             pbegin
             | "Globs" >> beam.Create(list(enumerate(self.cfg.paths)))
             | "ListFiles" >> beam.FlatMap(match_pattern)
             | "FirstGlobPerFile" >> beam.CombinePerKey(first_glob)
+            | "OnlyThese" >> beam.Filter(lambda listed: only is None or listed[0] in only)
             | "FileSizes" >> beam.MapTuple(lambda path, match: (path, match[1], match[2]))
+        )
+        parsed = (
+            files
             | "SpreadFiles" >> beam.Reshuffle()
             | "SplitFiles" >> SplitFiles(self.cfg, self.split_bytes)
             | "SpreadRanges" >> beam.Reshuffle()
@@ -139,4 +154,5 @@ class ReadCorpus(beam.PTransform):
             | "DropDuplicateIds" >> beam.FlatMap(_keep_first).with_outputs(_ParseRange.REJECTED, main="documents")
         )
         rejected = (parsed.rejected, unique.rejected) | "MergeRejected" >> beam.Flatten()
-        return unique.documents, rejected
+        read = files | "FilesRead" >> beam.MapTuple(lambda path, _base, size: InputFile(path=path, bytes=size))
+        return unique.documents, rejected, read

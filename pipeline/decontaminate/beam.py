@@ -196,8 +196,8 @@ class KeepOutEvaluation(beam.PTransform):
 
     def expand(self, documents):
         read = [documents.pipeline | f"ReadEvaluation{i}" >> r for i, r in enumerate(self.readers)]
-        evaluation = [docs for docs, _ in read] | "EvaluationDocuments" >> beam.Flatten()
-        unreadable = [rejected for _, rejected in read] | "EvaluationRejected" >> beam.Flatten()
+        evaluation = [docs for docs, _, _ in read] | "EvaluationDocuments" >> beam.Flatten()
+        unreadable = [rejected for _, rejected, _ in read] | "EvaluationRejected" >> beam.Flatten()
         same_id_fails = self.corpus.id_field is not None and all(c.id_field for c in self.cfg.evaluation_corpus)
         kept, removed = (documents, evaluation) | "Decontaminate" >> Decontaminate(
             self.cfg.decontamination, same_id_fails
@@ -217,21 +217,29 @@ class CorpusRead:
     documents: beam.PCollection  # those kept: without the evaluation corpus's near-duplicates
     rejected: beam.PCollection  # Rejected records, near-duplicates included
     tallies: beam.PCollection  # (name, count) pairs of the evaluation corpus
+    files: beam.PCollection  # the corpus files read, as InputFile
 
 
 class ReadCorpusKeptClean(beam.PTransform):
     """The config's retrieval or training corpus read, and decontaminated when the config
     says so (`PipelineConfig.decontaminates`) -> CorpusRead."""
 
-    def __init__(self, cfg: PipelineConfig, which: Literal["retrieval", "training"], match: bool = True):
+    def __init__(
+        self,
+        cfg: PipelineConfig,
+        which: Literal["retrieval", "training"],
+        match: bool = True,
+        only: frozenset[str] | None = None,
+    ):
         super().__init__()
         corpus = cfg.retrieval_corpus if which == "retrieval" else cfg.training()
-        self.reader = ReadCorpus(corpus, match=match)
+        self.reader = ReadCorpus(corpus, match=match, only=only)
         self.keep_out = KeepOutEvaluation(cfg, corpus, match) if cfg.decontaminates(which) else None
 
     def expand(self, pbegin):
-        read, rejected = pbegin | "Read" >> self.reader
+        read, rejected, files = pbegin | "Read" >> self.reader
         if self.keep_out is None:
-            return CorpusRead(read, read, rejected, pbegin.pipeline | "NoEvaluation" >> beam.Create([]))
+            return CorpusRead(read, read, rejected, pbegin.pipeline | "NoEvaluation" >> beam.Create([]), files)
         documents, removed, tallies = read | "KeepOutEvaluation" >> self.keep_out
-        return CorpusRead(read, documents, (rejected, removed) | "WithNearDuplicates" >> beam.Flatten(), tallies)
+        kept_clean = (rejected, removed) | "WithNearDuplicates" >> beam.Flatten()
+        return CorpusRead(read, documents, kept_clean, tallies, files)

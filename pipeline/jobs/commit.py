@@ -10,6 +10,7 @@ stopped and ends in the same state.
 
 from __future__ import annotations
 
+import json
 import posixpath
 import uuid
 
@@ -69,6 +70,7 @@ def commit_stage(
     max_rejected_fraction: float = 1.0,
     replace: tuple[str, ...] | None = None,
     inline_entries: int = INLINE_FILE_ENTRIES,
+    replaces: str | None = None,
 ) -> None:
     """A job's last step: publish its rejected records, refuse a job that rejected too much
     (staging discarded, nothing committed), else move the staged files into `final` and write
@@ -89,7 +91,9 @@ def commit_stage(
             f"({rejected / records:.0%}: {reasons}), more than max_rejected_fraction "
             f"{max_rejected_fraction:.0%}; see {fileio.join(output, 'rejected')}"
         )
-    commit_directory(staging, final, {**data, "timings": clock.timings(data["counters"])}, staged, replace, table)
+    commit_directory(
+        staging, final, {**data, "timings": clock.timings(data["counters"])}, staged, replace, table, replaces
+    )
 
 
 def commit_directory(
@@ -99,6 +103,7 @@ def commit_directory(
     staged: list[str],
     replace: tuple[str, ...] | None = None,
     table: bytes | None = None,
+    replaces: str | None = None,
 ) -> None:
     """Move the files `staged` (paths relative to both directories) from `staging` into
     `final`, then write the manifest's file table `table` (None: its entries are inline, and
@@ -110,11 +115,20 @@ def commit_directory(
     leaves a directory without a manifest (rebuilt on the next run), never a manifest over
     mixed content. Run again after a crash, it moves what is still staged, checks that the
     rest arrived, and writes the same manifest; after a finished commit it changes nothing.
+    `replaces`: the sha256 of the manifest the job built on (an append); another manifest in
+    its place fails the commit, staging discarded, so two jobs never mix their files.
     """
     manifest_path = fileio.join(final, MANIFEST_FILE)
-    if fileio.exists(manifest_path) and _without_timings(fileio.read_json(manifest_path)) == _without_timings(manifest):
-        return  # an earlier attempt of this commit finished (its timings stand)
     if fileio.exists(manifest_path):
+        current = fileio.read_bytes(manifest_path)
+        if _without_timings(json.loads(current)) == _without_timings(manifest):
+            return  # an earlier attempt of this commit finished (its timings stand)
+        if replaces is not None and fileio.sha256_bytes(current) != replaces:
+            discard_staging(staging)
+            raise StageError(
+                f"commit of {final}: its manifest changed while this job ran (another job committed there); "
+                "nothing was committed: run again"
+            )
         FileSystems.delete([manifest_path])
     wanted = set(staged)
     scopes = [final] if replace is None else [fileio.join(final, sub) for sub in replace]

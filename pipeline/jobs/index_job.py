@@ -4,6 +4,8 @@ itself.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import apache_beam as beam
 import numpy as np
 
@@ -18,7 +20,7 @@ from pipeline.common.models import (
 from pipeline.common.progress import ReportProgress
 from pipeline.common.tally import Tally, counted
 from pipeline.common.writers import WriteGroupedFiles, WriteRejected, chunks_table, embeddings_table, parquet_bytes
-from pipeline.decontaminate.beam import ReadCorpusKeptClean
+from pipeline.decontaminate.beam import CorpusRead, ReadCorpusKeptClean
 from pipeline.index.build import BuildIndex
 from pipeline.index.build_info import BuildInfo
 from pipeline.jobs.commit import REJECTED_STAGING
@@ -39,12 +41,13 @@ from pipeline.jobs.job import (
     index_dir,
 )
 from pipeline.jobs.options import encoder_threads
-from pipeline.jobs.reuse import committed, index_action
+from pipeline.jobs.reuse import committed, corpus_changes, index_action, listed_corpus_files
 from pipeline.jobs.vector_index_job import _rebuild_faiss
 from schemas.config import PipelineConfig
 from schemas.manifest import (
     CREATED_BY,
     Fingerprint,
+    Generation,
     IndexManifest,
 )
 
@@ -59,20 +62,32 @@ def tokens_in_chunk(chunk: Chunk, pad_id: int) -> int:
 
 
 def _index_manifest(
-    entries, info: BuildInfo, tallies, precision, cfg: PipelineConfig, tok: Tokenization, threads
+    entries, info: BuildInfo, tallies, precision, files_read, cfg: PipelineConfig, tok: Tokenization, threads
 ) -> IndexManifest:
     files = _sorted_entries(list(entries) + _index_entries(info))
+    num_chunks = sum(e.rows for e in files if e.path.startswith("chunks/"))
+    num_documents = tallies.get("documents_chunked", 0)
     return IndexManifest(
         config_hash=cfg.index_hash(),
         embed_config_hash=cfg.embed_hash(),
+        encoding_config_hash=cfg.encoding_hash(),
+        generations=[
+            Generation(
+                number=0,
+                inputs=sorted(files_read, key=lambda f: f.path),
+                first_chunk_id=0,
+                num_chunks=num_chunks,
+                num_documents=num_documents,
+            )
+        ],
         tokenizer=Fingerprint(name=tok.name, fingerprint=fingerprint_path(tok.path)),
         embedding_model=Fingerprint(
             name=cfg.embedding.model, fingerprint=fingerprint_path(resolve_model(cfg.embedding.model))
         ),
         encoder_threads=threads,
         embedding_precision=precision,
-        num_documents=tallies.get("documents_chunked", 0),
-        num_chunks=sum(e.rows for e in files if e.path.startswith("chunks/")),
+        num_documents=num_documents,
+        num_chunks=num_chunks,
         chunk_tokens=cfg.chunk_tokens,
         pad_id=tok.pad_id,
         files=files,
@@ -82,19 +97,97 @@ def _index_manifest(
     )
 
 
+@dataclass
+class ChunksWritten:
+    """What `chunk_and_embed` gives."""
+
+    chunks: beam.PCollection  # Chunk rows
+    unusable: beam.PCollection  # Rejected: documents with no tokens
+    chunk_files: beam.PCollection  # FileEntry of each chunks-NNNNN.parquet written
+    embeddings: beam.PCollection  # (chunk id, vector)
+    embedding_files: beam.PCollection  # FileEntry of each embeddings-NNNNN.parquet written
+    precision: beam.PCollection  # the one PrecisionCheck
+
+
+def chunk_and_embed(
+    documents,
+    cfg: PipelineConfig,
+    tok: Tokenization,
+    staging: str,
+    threads,
+    first_chunk_id: int = 0,
+    first_file: int = 0,
+) -> ChunksWritten:
+    """Documents -> chunks with ids from `first_chunk_id`, embedded, both written to files
+    numbered from `first_file` (file first_file + i holds the chunk ids first_chunk_id + i·R …)."""
+    m, pad = cfg.chunk_tokens, tok.pad_id
+    shift = first_file * cfg.chunk_file_rows - first_chunk_id  # chunk id -> its key in the file numbering
+    chunks, unusable = (
+        documents
+        | "DocumentProgress" >> ReportProgress("read", "documents")
+        | "ChunkDocuments" >> ChunkDocuments(tok.path, m, pad, first_chunk_id=first_chunk_id)
+    )
+    chunk_files = chunks | "WriteChunks" >> WriteGroupedFiles(
+        fileio.join(staging, "chunks"),
+        staging,
+        "chunks",
+        "parquet",
+        key=lambda c: c.chunk_id + shift,
+        rows_per_file=cfg.chunk_file_rows,
+        to_bytes=lambda rows: parquet_bytes(chunks_table(rows, m), CHUNK_ROW_GROUP_ROWS),
+    )
+    from pipeline.embed.beam import EmbedChunks
+
+    embeddings, precision = chunks | "EmbedChunks" >> EmbedChunks(cfg.embedding, tok.path, threads)
+    embeddings = embeddings | "EmbedProgress" >> ReportProgress("embed", "chunks")
+    embedding_files = embeddings | "WriteEmbeddings" >> WriteGroupedFiles(
+        fileio.join(staging, "embeddings"),
+        staging,
+        "embeddings",
+        "parquet",
+        key=lambda e: e[0] + shift,
+        rows_per_file=cfg.chunk_file_rows,
+        to_bytes=lambda rows: parquet_bytes(embeddings_table(rows)),
+    )
+    return ChunksWritten(chunks, unusable, chunk_files, embeddings, embedding_files, precision)
+
+
+def stage_tallies(corpus: CorpusRead, all_rejected, written: ChunksWritten, pad: int):
+    """The counters of a job that reads, chunks and embeds: (name, count) summed."""
+    chunks = written.chunks
+    return (
+        *_documents_read_tally(corpus.read, all_rejected, "Index"),
+        corpus.tallies,
+        _rejected_tally(all_rejected, "TallyRejected"),
+        chunks
+        | "TallyDocumentsChunked" >> beam.FlatMap(lambda c: [("documents_chunked", 1)] if c.position == 0 else []),
+        counted("chunks", chunks),
+        counted("tokens", chunks, lambda c: tokens_in_chunk(c, pad)),
+        counted("chunks_embedded", written.embeddings),
+    ) | "Tallies" >> Tally()
+
+
 def build_index(
     cfg: PipelineConfig, beam_args: list[str], force: bool = False, dry_run: bool = False, detach: bool = False
 ) -> IndexManifest | Submitted | dict:
     """Stages 1-3: retrieval corpus -> chunks, embeddings, faiss index, committed manifest.
 
     When the committed chunks and embeddings match the config (only `index.*` changed), only
-    the faiss index is rebuilt from them. dry_run: build the graph, touch no input or output,
+    the faiss index is rebuilt from them; when the corpus only gained files, they are appended
+    (`append_index`). dry_run: build the graph, touch no input or output,
     run nothing; return `describe(pipeline)`. detach: submit and return.
     """
     check_index_type(cfg)
     previous = None if force or dry_run else committed(index_dir(cfg), IndexManifest)
-    if previous is not None and index_action(cfg, previous) != "build":  # asked to build: at least the faiss files
-        return _rebuild_faiss(cfg, previous, beam_args, detach)
+    if previous is not None:
+        listed = listed_corpus_files(cfg)
+        action = index_action(cfg, previous, listed)
+        if action == "append":
+            from pipeline.jobs.append_job import append_index
+
+            return append_index(cfg, previous, corpus_changes(previous, listed)[0], beam_args, detach)
+        if action != "build":  # asked to build: at least the faiss files
+            return _rebuild_faiss(cfg, previous, beam_args, detach)
     tok = Tokenization.of(cfg)
     job = Job(
         "build-index",
@@ -109,39 +202,12 @@ def build_index(
         max_rejected_fraction=cfg.max_rejected_fraction,
     )
     pipeline, staging = job.pipeline, job.staging
-    m, pad = cfg.chunk_tokens, tok.pad_id
     threads = encoder_threads(cfg.embedding.cpu_threads, cfg.embedding.device, pipeline.options)
     corpus = pipeline | "ReadRetrievalCorpus" >> ReadCorpusKeptClean(cfg, "retrieval", match=not dry_run)
-    documents, rejected = corpus.documents, corpus.rejected
-    chunks, unusable = (
-        documents
-        | "DocumentProgress" >> ReportProgress("read", "documents")
-        | "ChunkDocuments" >> ChunkDocuments(tok.path, m, pad)
-    )
-    chunk_files = chunks | "WriteChunks" >> WriteGroupedFiles(
-        fileio.join(staging, "chunks"),
-        staging,
-        "chunks",
-        "parquet",
-        key=lambda c: c.chunk_id,
-        rows_per_file=cfg.chunk_file_rows,
-        to_bytes=lambda rows: parquet_bytes(chunks_table(rows, m), CHUNK_ROW_GROUP_ROWS),
-    )
-    from pipeline.embed.beam import EmbedChunks
-
-    embeddings, precision = chunks | "EmbedChunks" >> EmbedChunks(cfg.embedding, tok.path, threads)
-    embeddings = embeddings | "EmbedProgress" >> ReportProgress("embed", "chunks")
-    embedding_files = embeddings | "WriteEmbeddings" >> WriteGroupedFiles(
-        fileio.join(staging, "embeddings"),
-        staging,
-        "embeddings",
-        "parquet",
-        key=lambda e: e[0],
-        rows_per_file=cfg.chunk_file_rows,
-        to_bytes=lambda rows: parquet_bytes(embeddings_table(rows)),
-    )
+    written = chunk_and_embed(corpus.documents, cfg, tok, staging, threads)
+    chunks = written.chunks
     info = (
-        embedding_files
+        written.embedding_files
         | "EmbeddingPaths" >> beam.Map(lambda entry: fileio.join(staging, entry.path))
         | "BuildIndex"
         >> BuildIndex(
@@ -151,21 +217,12 @@ def build_index(
             cfg.neighbours,
         )
     )
-    all_rejected = (rejected, unusable) | "MergeRejected" >> beam.Flatten()
+    all_rejected = (corpus.rejected, written.unusable) | "MergeRejected" >> beam.Flatten()
     rejected_files = all_rejected | "WriteRejected" >> WriteRejected(
         fileio.join(staging, REJECTED_STAGING), "build-index"
     )
-    tallies = (
-        *_documents_read_tally(corpus.read, all_rejected, "Index"),
-        corpus.tallies,
-        _rejected_tally(all_rejected, "TallyRejected"),
-        chunks
-        | "TallyDocumentsChunked" >> beam.FlatMap(lambda c: [("documents_chunked", 1)] if c.position == 0 else []),
-        counted("chunks", chunks),
-        counted("tokens", chunks, lambda c: tokens_in_chunk(c, pad)),
-        counted("chunks_embedded", embeddings),
-    ) | "Tallies" >> Tally()
-    entries = (chunk_files, embedding_files) | "FileEntries" >> beam.Flatten()
+    tallies = stage_tallies(corpus, all_rejected, written, tok.pad_id)
+    entries = (written.chunk_files, written.embedding_files) | "FileEntries" >> beam.Flatten()
     manifest = (
         entries
         | "GatherEntries" >> beam.combiners.ToList()
@@ -174,7 +231,8 @@ def build_index(
             _index_manifest,
             beam.pvalue.AsSingleton(info),
             beam.pvalue.AsDict(tallies),
-            beam.pvalue.AsSingleton(precision),
+            beam.pvalue.AsSingleton(written.precision),
+            beam.pvalue.AsList(corpus.files),
             cfg,
             tok,
             threads,

@@ -119,10 +119,11 @@ class Job:
         detach: bool = False,
         max_rejected_fraction: float = 1.0,
         replace: tuple[str, ...] | None = None,
+        replaces: str | None = None,
     ):
         self.output, self.directory, self.model = output, directory, model
         self.dry_run, self.detach = dry_run, detach
-        self.max_rejected_fraction, self.replace = max_rejected_fraction, replace
+        self.max_rejected_fraction, self.replace, self.replaces = max_rejected_fraction, replace, replaces
         self.staging = "" if staging is None else new_staging_dir(output, staging, dry_run)
         self.pipeline = new_pipeline(beam_args, dry_run)
         self.clock = StageClock(name, records)
@@ -145,7 +146,7 @@ class Job:
         if self.model is None:
             raise TypeError(f"{self.clock.stage}: a job that writes nothing has nothing to commit")
         staging, output, directory, clock = self.staging, self.output, self.directory, self.clock
-        fraction, replace = self.max_rejected_fraction, self.replace
+        fraction, replace, replaces = self.max_rejected_fraction, self.replace, self.replaces
         paths = beam.pvalue.AsList(
             (staged if staged is not None else self.pipeline | "NothingStaged" >> beam.Create([]))
             | "StagedPaths" >> beam.Map(lambda entry: entry.path)
@@ -153,7 +154,9 @@ class Job:
 
         def commit(manifest, paths, *_after):
             extra = staged_of(manifest) if staged_of is not None else []
-            commit_stage(manifest, staging, output, directory, clock, sorted(paths) + extra, fraction, replace)
+            commit_stage(
+                manifest, staging, output, directory, clock, sorted(paths) + extra, fraction, replace, replaces=replaces
+            )
 
         _ = manifest | "Commit" >> beam.Map(commit, paths, *(beam.pvalue.AsList(pc) for pc in after))
 

@@ -8,7 +8,7 @@ from pipeline.jobs.commit import StageError
 from pipeline.jobs.index_files import load_committed_index
 from pipeline.jobs.index_job import build_index
 from pipeline.jobs.job import Submitted, index_dir, shards_dir
-from pipeline.jobs.reuse import committed, index_action, shards_reusable
+from pipeline.jobs.reuse import committed, index_action, listed_corpus_files, shards_reusable
 from pipeline.jobs.shards_job import build_shards
 from schemas.config import PipelineConfig
 from schemas.manifest import IndexManifest, ShardsManifest
@@ -21,7 +21,7 @@ def run_all(cfg: PipelineConfig, beam_args: list[str], force: bool = False, deta
     that needs building is submitted and nothing after it (build-shards needs the index)."""
     report: dict[str, tuple[str, dict[str, int] | Submitted]] = {}
     index = None if force else committed(index_dir(cfg), IndexManifest)
-    if index is not None and index_action(cfg, index) == "reuse":
+    if index is not None and index_action(cfg, index, listed_corpus_files(cfg)) == "reuse":
         log.info("build-index: skipped, %s matches the config", index_dir(cfg))
         report["build-index"] = ("skipped", index.counters)
     else:

@@ -9,13 +9,15 @@ import pytest
 from apache_beam.testing.util import assert_that, equal_to
 
 from benchmarks.validate_sample import write_index, write_shards
+from pipeline.check.facts import ChunkFiles
 from pipeline.check.plan import plan_validation, sampled
 from pipeline.check.problems import ValidationFailed
+from pipeline.check.rules import check_generations
 from pipeline.check.validate import Problems, validate_path
 from pipeline.check.validate_beam import ValidateOutput
 from pipeline.cli import main
 from schemas.arrow import tensor_column_to_numpy
-from schemas.manifest import FILE_TABLE, FileEntry
+from schemas.manifest import FILE_TABLE, FileEntry, Generation, InputFile
 from tests.helpers import local_pipeline, rewrite_shard, rewrite_shards_as_schema_version_1
 
 SAMPLE = 0.2  # 2 of the built output's 6 shards
@@ -257,3 +259,32 @@ def test_inspect_reads_the_shard_paths_from_the_file_table(tmp_path, monkeypatch
         "== sequence 1",
         "== sequence 2",
     ]
+
+
+def _generation(number: int, first: int, chunks: int, documents: int, path: str):
+    return Generation(
+        number=number,
+        inputs=[InputFile(path=path, bytes=1)],
+        first_chunk_id=first,
+        num_chunks=chunks,
+        num_documents=documents,
+    )
+
+
+@pytest.mark.unit
+def test_generations_must_follow_each_other_from_file_boundaries():
+    chunks = ChunkFiles("idx", np.array([0, 10, 15, 25]))
+    good = [_generation(0, 0, 15, 3, "a"), _generation(1, 15, 10, 2, "b")]
+    check_generations("idx", good, chunks, 5)
+    check_generations("idx", [], chunks, 5)  # an older manifest: nothing to check
+    wrong = {
+        "gap": [good[0], _generation(1, 16, 9, 2, "b")],
+        "mid-file": [_generation(0, 0, 12, 3, "a"), _generation(1, 12, 13, 2, "b")],
+        "documents": [good[0], _generation(1, 15, 10, 1, "b")],
+        "numbers": [good[0], _generation(2, 15, 10, 2, "b")],
+        "file read twice": [good[0], _generation(1, 15, 10, 2, "a")],
+    }
+    for case, generations in wrong.items():
+        with pytest.raises(ValidationFailed):
+            check_generations("idx", generations, chunks, 5)
+            pytest.fail(case)

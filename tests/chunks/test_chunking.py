@@ -67,6 +67,20 @@ def test_chunk_documents_gives_dense_stable_ids():
         assert_that(rejected | "Reasons" >> beam.Map(lambda r: r.reason), equal_to(["no_tokens"]), label="Rejected")
 
 
+@pytest.mark.beam
+def test_appended_chunks_are_numbered_after_the_database():
+    docs = [
+        Document(doc_id=5, identity="b", text="alpha beta gamma", source="s", position=1),
+        Document(doc_id=3, identity="a", text="one two", source="s", position=2),
+    ]
+    with local_pipeline() as p:
+        chunks, _ = p | beam.Create(docs) | ChunkDocuments(resolve_tokenizer(None), 2, PAD, first_chunk_id=100)
+        assert_that(
+            chunks | "Ids" >> beam.Map(lambda c: (c.chunk_id, c.doc_id, c.position)),
+            equal_to([(100, 3, 0), (101, 5, 0), (102, 5, 1)]),
+        )
+
+
 @pytest.mark.unit
 def test_buckets_are_contiguous_doc_id_ranges_in_order():
     ids = sorted(np.random.default_rng(0).integers(0, 2**63, 1000, dtype=np.int64).tolist())

@@ -198,7 +198,7 @@ def test_read_corpus_splits_large_files_and_reads_the_same_documents(tmp_path):
         for r in records
     )
     with local_pipeline() as p:
-        documents, rejected = p | ReadCorpus(corpus, split_bytes=2048)
+        documents, rejected, _ = p | ReadCorpus(corpus, split_bytes=2048)
         keys = (
             (documents | "DocKeys" >> beam.Map(lambda d: (d.source, d.position, d.identity))),
             (rejected | "RejectedKeys" >> beam.Map(lambda r: (r.source, r.position, r.reason))),
@@ -239,7 +239,7 @@ def test_read_corpus_keeps_one_of_duplicate_ids(tmp_path):
     )
     (tmp_path / "b.jsonl").write_text('{"id": "x", "text": "second"}\n{"id": "z"}\n')
     with local_pipeline() as p:
-        documents, rejected = p | ReadCorpus(cfg(tmp_path / "*.jsonl", id_field="id"))
+        documents, rejected, _ = p | ReadCorpus(cfg(tmp_path / "*.jsonl", id_field="id"))
         assert_that(
             documents | "Texts" >> beam.Map(lambda d: (d.identity, d.text)),
             equal_to([("x", "first"), ("y", "other")]),

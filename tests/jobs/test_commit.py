@@ -6,7 +6,8 @@ import json
 import pytest
 from apache_beam.io.filesystems import FileSystems
 
-from pipeline.jobs.commit import commit_directory, new_staging_dir, publish_rejected
+from pipeline.common import fileio
+from pipeline.jobs.commit import StageError, commit_directory, new_staging_dir, publish_rejected
 
 pytestmark = pytest.mark.unit
 
@@ -92,3 +93,20 @@ def test_a_commit_retried_after_success_keeps_the_first_timings(tmp_path):
     commit_directory(staging, str(tmp_path / "index"), first, [])
     commit_directory(staging, str(tmp_path / "index"), {**first, "timings": {"wall_seconds": 2.0}}, [])
     assert json.loads((tmp_path / "index" / "manifest.json").read_text()) == first
+
+
+def test_a_commit_built_on_a_manifest_that_another_job_replaced_commits_nothing(tmp_path):
+    final = tmp_path / "index"
+    _old_version(final)
+    appended_to = fileio.sha256_bytes((final / "manifest.json").read_bytes())
+    (final / "manifest.json").write_text(json.dumps({"version": "another job's"}))
+    before = _tree(final)
+    staging = _stage(tmp_path)
+    with pytest.raises(StageError, match="changed while this job ran"):
+        commit_directory(staging, str(final), {"version": "new"}, FILES, replace=("faiss",), replaces=appended_to)
+    assert _tree(final) == before and not (tmp_path / ".staging").exists()
+    # built on the manifest in place, the same commit goes through
+    staging = _stage(tmp_path)
+    in_place = fileio.sha256_bytes((final / "manifest.json").read_bytes())
+    commit_directory(staging, str(final), {"version": "new"}, FILES, replace=("faiss",), replaces=in_place)
+    assert json.loads((final / "manifest.json").read_text()) == {"version": "new"}
