@@ -142,17 +142,28 @@ def _report(result, title: str) -> None:
 @click.option("--config", "config_path", required=True, help="Pipeline config (YAML).")
 @click.argument("beam_args", nargs=-1, type=click.UNPROCESSED)
 @click.option("--force", is_flag=True, help="Rebuild chunks and embeddings even when they match.")
+@click.option(
+    "--delete",
+    "delete_path",
+    default=None,
+    help="A file of document ids (the corpus's id field; one a line) to delete from the committed index.",
+)
 @DRY_RUN
 @CORPUS_CHUNKS
 @CORPUS_DOCUMENTS
 @DETACH
-def build_index_cmd(config_path, beam_args, force, dry_run, corpus_chunks, corpus_documents, detach):
-    """Stages 1-3: chunk, embed and index the retrieval corpus -> <output>/index/."""
+def build_index_cmd(config_path, beam_args, force, delete_path, dry_run, corpus_chunks, corpus_documents, detach):
+    """Stages 1-3: chunk, embed and index the retrieval corpus -> <output>/index/. A committed
+    index whose corpus gained files gets them appended; --delete removes documents from it."""
+    from pipeline.common import fileio
     from pipeline.jobs.index_job import build_index
 
     beam_args = _beam_args(beam_args)
     cfg = _config(config_path)
-    result = build_index(cfg, beam_args, force=force, dry_run=dry_run, detach=detach)
+    delete = ()
+    if delete_path is not None:
+        delete = tuple(line.strip() for line in fileio.read_bytes(delete_path).decode().splitlines() if line.strip())
+    result = build_index(cfg, beam_args, force=force, dry_run=dry_run, detach=detach, delete=delete)
     if dry_run:
         _print_plan({"build-index": result}, cfg, corpus_chunks, corpus_documents)
     else:

@@ -258,6 +258,8 @@ class Generation(_Model):
     first_chunk_id: int = Field(description="Its chunks are first_chunk_id ... first_chunk_id + num_chunks - 1.")
     num_chunks: int
     num_documents: int
+    deleted_documents: int = Field(0, description="Documents this generation deleted (replaced ones included).")
+    deleted_chunks: int = Field(0, description="Their chunks: removed from the faiss index, still in the chunk files.")
     new_vector_recall: float | None = Field(
         None,
         description="1-recall@10 at the index's depth of sampled vectors of this generation, against "
@@ -287,8 +289,10 @@ class IndexManifest(VectorIndex, _Committed):
     embedding_model: Fingerprint
     encoder_threads: int | None = ENCODER_THREADS
     embedding_precision: PrecisionCheck | None = PRECISION_CHECK
-    num_documents: int
-    num_chunks: int
+    num_documents: int = Field(description="Documents in the chunk files (deleted ones included).")
+    num_chunks: int = Field(description="Chunks in the chunk files (deleted ones included: ids are never reused).")
+    deleted_documents: int = Field(0, description="Documents deleted (deleted/*.parquet lists them).")
+    deleted_chunks: int = Field(0, description="Their chunks: in no search (the faiss index holds the others).")
     chunk_tokens: int
     pad_id: int
     files: list[FileEntry] = ENTRIES_IN_TABLE
@@ -324,6 +328,9 @@ class SearchDepth(_Model):
 
 class ShardsManifest(_Committed):
     index_manifest_sha256: str
+    index_generation: int | None = Field(
+        None, description="The index's newest generation when the neighbours were searched (None: none recorded)."
+    )
     training_corpus: str = Field(
         description="'same' (sequences packed from the index's own "
         "chunks, seq s = chunks s*L ... s*L+L-1) or 'separate'."

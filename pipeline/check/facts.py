@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import json
 import posixpath
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from pipeline.check.problems import _require
 from pipeline.common import fileio
 from pipeline.corpus.records import NEAR_DUPLICATE
+from pipeline.index.deleted import DeletedRanges
 from pipeline.index.files import LIST_OWNERS_FILE, QUANTIZER_FILE, searched_files
 from schemas.manifest import FileEntry
 
@@ -68,10 +69,12 @@ class IndexFacts:
     directory: str
     chunk_tokens: int
     pad_id: int
-    num_documents: int
+    num_documents: int  # not deleted
     chunks: ChunkFiles
     dim: int  # the embeddings' width
     removed_doc_ids: tuple[int, ...] = ()  # removed as near-duplicates of evaluation documents: in no chunk file
+    deleted: DeletedRanges = field(default_factory=DeletedRanges.none)  # deleted documents: in no search
+    generation_starts: tuple[int, ...] = ()  # each generation's first chunk id
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,7 @@ class ShardsFacts:
     metadata: tuple  # (key, value) every shard's schema metadata must hold
     chunks: ChunkFiles  # the chunk database the neighbours point into
     removed_doc_ids: tuple[int, ...] = ()  # training documents removed as near-duplicates: in no sequence
+    deleted: DeletedRanges = field(default_factory=DeletedRanges.none)  # the index's deleted documents: no neighbour
 
     @property
     def chunks_per_sequence(self) -> int:
@@ -100,15 +104,32 @@ class FaissFacts:
     files: tuple  # (path, vectors, bytes) of index.faiss or of each slice, in number order
     slice_bytes: int | None
     routing: tuple[str, str] | None  # slices by lists: quantizer.faiss and list_owners.npy
+    deleted: DeletedRanges = field(default_factory=DeletedRanges.none)  # ids removed: never returned
+
+    @property
+    def num_ids(self) -> int:
+        """Ids lie in [0, num_ids): the vectors held and those removed."""
+        return self.num_vectors + self.deleted.num_chunks
 
     @classmethod
-    def of(cls, directory: str, manifest, entries: list[FileEntry], num_vectors: int) -> FaissFacts:
+    def of(
+        cls, directory: str, manifest, entries: list[FileEntry], num_vectors: int, deleted: DeletedRanges | None = None
+    ) -> FaissFacts:
         faiss_entries = {f.path: f for f in entries if f.path.startswith("faiss/")}
         searched = searched_files(list(faiss_entries))
         files = tuple((path, faiss_entries[path].rows, faiss_entries[path].bytes) for path in searched)
         quantizer, owners = (f"faiss/{QUANTIZER_FILE}", f"faiss/{LIST_OWNERS_FILE}")
         routing = (quantizer, owners) if {quantizer, owners} <= set(faiss_entries) else None
-        return cls(directory, manifest.nprobe, num_vectors, manifest.dim, files, manifest.slice_bytes, routing)
+        return cls(
+            directory,
+            manifest.nprobe,
+            num_vectors,
+            manifest.dim,
+            files,
+            manifest.slice_bytes,
+            routing,
+            deleted if deleted is not None else DeletedRanges.none(),
+        )
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from pipeline.check.rules import check_generations
 from pipeline.chunks.chunk_files import in_file_order
 from pipeline.common import fileio
 from pipeline.corpus.records import NEAR_DUPLICATE
+from pipeline.index.deleted import DeletedRanges, deleted_files, read_deleted
 from schemas.arrow import (
     SHARD_METADATA_KEYS,
 )
@@ -73,6 +74,7 @@ class ValidationPlan:
     shards: ShardsFacts | None = None
     faiss_index: FaissFacts | None = None
     chunks: ChunkFiles | None = None  # the chunk database read (the index's, or the shards')
+    deleted: DeletedRanges | None = None  # the documents deleted from that index
     probes_per_file: int = INDEX_PROBES
     lines: list = field(default_factory=list)  # what a passing validation prints
     shard_entries: list = field(default_factory=list)  # shards checked
@@ -114,11 +116,28 @@ def _plan_index(plan: ValidationPlan, directory: str) -> None:
     )
     check_generations(directory, manifest.generations, chunks, manifest.num_documents)
     plan.chunks = chunks
+    plan.deleted = deleted = read_deleted(deleted_files(directory, entries))
+    _require(
+        (len(deleted), deleted.num_chunks) == (manifest.deleted_documents, manifest.deleted_chunks),
+        f"{directory}: {len(deleted)} deleted documents of {deleted.num_chunks} chunks listed in deleted/, "
+        f"manifest says {manifest.deleted_documents} of {manifest.deleted_chunks}",
+        "manifest",
+    )
     removed = removed_documents(directory, "build-index", manifest.counters.get(f"rejected_{NEAR_DUPLICATE}", 0))
     plan.index = IndexFacts(
-        directory, manifest.chunk_tokens, manifest.pad_id, manifest.num_documents, chunks, manifest.dim, removed
+        directory,
+        manifest.chunk_tokens,
+        manifest.pad_id,
+        manifest.num_documents - manifest.deleted_documents,
+        chunks,
+        manifest.dim,
+        removed,
+        deleted,
+        tuple(g.first_chunk_id for g in manifest.generations),
     )
-    plan.faiss_index = FaissFacts.of(directory, manifest, entries, manifest.num_chunks)
+    plan.faiss_index = FaissFacts.of(
+        directory, manifest, entries, manifest.num_chunks - manifest.deleted_chunks, deleted
+    )
     chosen = {entry.path for entry in sampled(chunk_entries, plan.sample)}
     plan.chunk_files = [ChunkFileUnit(i, entry, entry.path in chosen) for i, entry in enumerate(chunk_entries)]
     read = set(chosen)  # read whole, their sha256 checked on the bytes read
@@ -187,6 +206,7 @@ def _plan_shards(plan: ValidationPlan, directory: str, index_directory: str) -> 
         chunk_entries = in_file_order(_entries(index_manifest), "chunks")
         plan.chunks = ChunkFiles.of(index_directory, chunk_entries)
         plan.chunk_files = [ChunkFileUnit(i, entry, plan.complete) for i, entry in enumerate(chunk_entries)]
+        plan.deleted = read_deleted(deleted_files(index_directory, _entries(index_manifest)))
     plan.shards = ShardsFacts(
         directory,
         manifest.sequence_tokens,
@@ -197,6 +217,7 @@ def _plan_shards(plan: ValidationPlan, directory: str, index_directory: str) -> 
         tuple((key, str(getattr(manifest, key))) for key in SHARD_METADATA_KEYS),
         plan.chunks,
         removed_documents(directory, "build-shards", manifest.counters.get(f"rejected_{NEAR_DUPLICATE}", 0)),
+        plan.deleted if plan.deleted is not None else DeletedRanges.none(),
     )
     entries = _entries(manifest)
     _check_shard_totals(directory, manifest, entries, plan.shards.chunks_per_sequence)

@@ -88,7 +88,8 @@ def _check_chunk_rules(index: IndexFacts, number: int, rows: ChunkRows) -> Chunk
         int(positions[-1]),
         continuations[-1].copy(),
     )
-    return ChunkFileSummary(ends, docs[positions == 0].copy())
+    live_starts = (positions == 0) & ~index.deleted.contains(ids)  # a replaced document's old run is deleted
+    return ChunkFileSummary(ends, docs[live_starts].copy())
 
 
 @_kind("chunk file")
@@ -108,7 +109,9 @@ def check_chunk_boundaries(index: IndexFacts, ends: list[ChunkFileEnds]) -> None
         if before is None:
             continue
         path = f"{index.directory}/chunks file {number}"
-        same_doc = after.first_doc == before.last_doc
+        # a generation's first file starts a document: an appended one may have the id of the last one before
+        opens_generation = int(index.chunks.starts[number]) in index.generation_starts
+        same_doc = after.first_doc == before.last_doc and not opens_generation
         _require(
             after.first_position == (before.last_position + 1 if same_doc else 0),
             f"{path}: documents are not runs of chunks at positions 0, 1, 2, ...",
@@ -159,7 +162,7 @@ def check_generations(directory: str, generations: list[Generation], chunks: Chu
 
 
 def check_document_runs(index: IndexFacts, runs: int, distinct: int, files: int) -> None:
-    """Each document is one run of chunks: as many runs as distinct documents starting them
+    """Each document not deleted is one run of chunks: as many runs as distinct documents starting them
     in the `files` chunk files checked against the rules, and, when those were all of them,
     as many as the manifest says."""
     _require(
@@ -168,7 +171,7 @@ def check_document_runs(index: IndexFacts, runs: int, distinct: int, files: int)
     )
     _require(
         files < index.chunks.count or runs == index.num_documents,
-        f"{index.directory}: {runs} document runs for {index.num_documents} documents",
+        f"{index.directory}: {runs} document runs not deleted for {index.num_documents} documents not deleted",
     )
 
 
@@ -193,7 +196,8 @@ def check_embedding_file(index: IndexFacts, unit: EmbeddingFileUnit, probes_per_
         np.isfinite(vectors).all() and (np.abs(norms - 1) < NORM_TOLERANCE).all(),
         f"{where}: embeddings are not finite unit vectors",
     )
-    rows = np.linspace(0, len(ids) - 1, min(len(ids), probes_per_file)).astype(np.int64)
+    searchable = np.flatnonzero(~index.deleted.contains(ids))  # a deleted chunk is in no search
+    rows = searchable[np.linspace(0, len(searchable) - 1, min(len(searchable), probes_per_file)).astype(np.int64)]
     return Probes(ids[rows], vectors[rows].copy())
 
 
@@ -229,7 +233,13 @@ def check_faiss_index(faiss_index: FaissFacts, probes: list[Probes]) -> None:
     if not results:
         return
     _, found = merge_slice_results(results, 10)
-    _require(((found >= 0) & (found < n) | (found == -1)).all(), f"{directory}: index returns unknown ids")
+    _require(
+        ((found >= 0) & (found < faiss_index.num_ids) | (found == -1)).all(), f"{directory}: index returns unknown ids"
+    )
+    _require(
+        not faiss_index.deleted.contains(found[found >= 0]).any(),
+        f"{directory}: index returns a chunk of a deleted document",
+    )
     self_hits = np.mean([chunk_id in row for chunk_id, row in zip(ids, found)])
     _require(self_hits >= 0.5, f"{directory}: only {self_hits:.0%} of indexed vectors find themselves")
 
@@ -375,6 +385,16 @@ def check_shard(shards: ShardsFacts, entry: ShardEntry) -> ShardResult:
         (ids < shards.chunks.num_chunks).all() and (present | (ids == -1)).all(),
         f"{path}: neighbour_ids point outside the chunk database",
     )
+    _require(
+        not shards.deleted.contains(ids[present]).any(),
+        f"{path}: a neighbour is a chunk of a document deleted from the index",
+    )
+    if shards.same_corpus:
+        own = (seq_ids[:, None] * L + np.arange(L)).ravel()
+        _require(
+            not shards.deleted.contains(own).any(),
+            f"{path}: a sequence holds a chunk of a document deleted from the index (training_corpus: same)",
+        )
     _require(
         (neighbours[~present] == pad).all() and (scores[~present] == 0).all(),
         f"{path}: an absent neighbour (id -1) is not padding",

@@ -95,10 +95,8 @@ def rejected_share(counters: dict[str, int]) -> tuple[int, int]:
 
 
 NEAR_DUPLICATE = "near_duplicate_of_evaluation"  # the reason decontamination removes a document for
-ALREADY_INDEXED = "id_already_indexed"  # an appended document whose id an earlier generation holds
 AFTER_PARSING = (  # of documents already read
     "rejected_duplicate_id",
-    f"rejected_{ALREADY_INDEXED}",
     "rejected_no_tokens",
     f"rejected_{NEAR_DUPLICATE}",
 )

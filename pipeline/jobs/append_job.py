@@ -1,109 +1,182 @@
-"""build-index over a corpus that only gained files: the new files alone are read, chunked,
-embedded and added to the committed index, as a new generation (docs/design.md §8,
-"Appending"). Nothing already written is read again but the chunk files' doc ids (to refuse a
-document the index already holds) and, once, the embeddings (the new vectors' recall against
-exact search over all of them).
+"""build-index over a corpus that gained files, or with documents to delete: the new files
+alone are read, chunked, embedded and added to the committed index, and the deleted
+documents' vectors removed from it, as a new generation (docs/design.md §8, "Appending and
+deleting"). An appended document whose id the index holds replaces it (the old one deleted).
+Nothing already written is read again but the chunk files' chunk and doc ids (where each
+document's chunks are) and, once, the embeddings (the new vectors' recall against exact search
+over all of them).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import apache_beam as beam
+import numpy as np
 
 from pipeline.chunks.chunk_files import ChunkFileRanges
 from pipeline.common import fileio
-from pipeline.common.names import file_number
-from pipeline.common.writers import WriteRejected
-from pipeline.corpus.records import ALREADY_INDEXED, Document, Rejected
+from pipeline.common.names import file_name, file_number
+from pipeline.common.writers import WriteRejected, parquet_bytes, write_file
+from pipeline.corpus.records import doc_id_for
 from pipeline.decontaminate.beam import ReadCorpusKeptClean
-from pipeline.index.append import add_in_file_order, new_vector_recall, sampled_vectors
+from pipeline.index.append import NewVectorRecall, add_in_file_order, new_vector_recall, remove_deleted, sampled_vectors
 from pipeline.index.build import INDEX_FILE
+from pipeline.index.deleted import (
+    DELETE_REQUESTED,
+    DELETED_DIR,
+    REPLACED,
+    DeletedDocument,
+    DeletedRanges,
+    deleted_files,
+    deleted_table,
+    read_deleted,
+)
 from pipeline.index.files import read_index, write_index
-from pipeline.jobs.commit import REJECTED_STAGING
+from pipeline.jobs.commit import REJECTED_STAGING, StageError
 from pipeline.jobs.index_files import _index_staged
 from pipeline.jobs.index_job import chunk_and_embed, stage_tallies
 from pipeline.jobs.job import Job, Submitted, Tokenization, _sorted_entries, index_dir
 from pipeline.jobs.options import encoder_threads
+from pipeline.retrieve.sequences import widest_span
 from schemas.config import PipelineConfig
 from schemas.manifest import MANIFEST_FILE, FileEntry, Generation, IndexManifest, InputFile, PrecisionCheck
 
 log = logging.getLogger("ratrain")
 
-KNOWN = "known"  # CoGroupByKey tag: a doc id an earlier generation holds
+RUN, DELETE = "run", "delete"  # CoGroupByKey tags: a document's chunk-id run; a request to delete it
+REPLACED_TAG, NOT_FOUND = "replaced", "not_found"
 
 
-def first_chunk_doc_ids(ranges: ChunkFileRanges, number: int):
-    """The doc ids of the documents that begin in chunk file `number` (one per document)."""
-    columns = ranges.read(number, ["doc_id", "position"])
-    for doc_id in columns["doc_id"][columns["position"] == 0].tolist():
-        yield doc_id, True
+def document_runs(ranges: ChunkFileRanges, number: int, deleted: DeletedRanges):
+    """(doc id, (first chunk id, end)) of each document with chunks in chunk file `number`,
+    but those already deleted (a document's run may go on in the next file: `widest_span`
+    joins the parts)."""
+    columns = ranges.read(number, ["chunk_id", "doc_id"])
+    ids, docs = columns["chunk_id"], columns["doc_id"]
+    kept = ~deleted.contains(ids)
+    ids, docs = ids[kept], docs[kept]
+    if not len(ids):
+        return
+    starts = np.flatnonzero(np.r_[True, docs[1:] != docs[:-1]])
+    ends = np.r_[starts[1:], len(ids)]
+    for a, b in zip(starts.tolist(), ends.tolist()):
+        yield int(docs[a]), (int(ids[a]), int(ids[b - 1]) + 1)
 
 
-def not_indexed(keyed):
-    """A new document joined with its id's presence in the index -> the document, or its
-    rejection (a document is appended once; replacing one is not built yet)."""
-    _, joined = keyed
-    known = bool(list(joined[KNOWN]))
-    for doc in joined["document"]:
-        if not known:
-            yield doc
-            continue
-        yield beam.pvalue.TaggedOutput(
-            "rejected",
-            Rejected(
-                doc.source,
-                doc.position,
-                ALREADY_INDEXED,
-                f"id {doc.identity!r} is already in the index (an earlier generation)",
-                (("doc_id", doc.doc_id),),
-            ),
-        )
+def replacing(keyed):
+    """A new document joined with its id's run in the index -> the document, and its id
+    (tagged REPLACED_TAG) when the index holds a document of that id: the new text replaces it."""
+    doc_id, joined = keyed
+    docs = list(joined["document"])
+    if not docs:
+        return
+    yield from docs
+    if list(joined[RUN]):
+        yield beam.pvalue.TaggedOutput(REPLACED_TAG, doc_id)
 
 
-def _append_vectors(
-    _, new_entries: list[FileEntry], previous: IndexManifest, directory: str, staging: str, sample: int
-):
-    """One worker: the committed index read, the new vectors added in chunk-id order, written
-    to staging; the new vectors' recall at the index's depth measured -> (file entry, recall)."""
+def deletions(keyed):
+    """A doc id joined with its run in the index and the requests to delete it -> a
+    DeletedDocument; a delete request for an id the index does not hold -> NOT_FOUND."""
+    doc_id, joined = keyed
+    reasons = set(joined[DELETE])
+    if not reasons:
+        return
+    runs = list(joined[RUN])
+    if not runs:
+        yield beam.pvalue.TaggedOutput(NOT_FOUND, doc_id)
+        return
+    first, end = widest_span(runs)
+    reason = REPLACED if REPLACED in reasons else DELETE_REQUESTED
+    yield DeletedDocument(doc_id, first, end - first, reason)
+
+
+@dataclass(frozen=True)
+class Changed:
+    """What the one worker holding the index did to it."""
+
+    faiss: FileEntry  # the new index.faiss
+    recall: NewVectorRecall
+    removed: int  # vectors removed (deleted documents' chunks)
+
+
+def _change_index(
+    _,
+    new_entries: list[FileEntry],
+    deleted_now: list[DeletedDocument],
+    previous: IndexManifest,
+    directory,
+    staging,
+    sample,
+) -> Changed:
+    """One worker: the committed index read, the deleted documents' vectors removed, the new
+    ones added in chunk-id order, written to staging; the new vectors' recall at the index's
+    depth measured among the vectors left."""
     new_paths = [fileio.join(staging, e.path) for e in sorted(new_entries, key=lambda e: file_number(e.path))]
     old_paths = [
         fileio.join(directory, e.path)
         for e in sorted(previous.files, key=lambda e: file_number(e.path))
         if e.path.startswith("embeddings/")
     ]
+    deleted = DeletedRanges.concatenate(
+        [read_deleted(deleted_files(directory, previous.files)), DeletedRanges.of(deleted_now)]
+    )
     index = read_index(fileio.join(directory, "faiss", INDEX_FILE))
+    removed = remove_deleted(index, DeletedRanges.of(deleted_now))
     added = add_in_file_order(index, new_paths)
     query_ids, queries = sampled_vectors(new_paths, sample, added)
-    recall = new_vector_recall(index, previous.nprobe, query_ids, queries, old_paths + new_paths)
+    recall = new_vector_recall(index, previous.nprobe, query_ids, queries, old_paths + new_paths, deleted)
     size, sha256 = write_index(index, fileio.join(staging, "faiss", INDEX_FILE))
-    return FileEntry(path=f"faiss/{INDEX_FILE}", rows=int(index.ntotal), bytes=size, sha256=sha256), recall
+    return Changed(
+        FileEntry(path=f"faiss/{INDEX_FILE}", rows=int(index.ntotal), bytes=size, sha256=sha256), recall, removed
+    )
 
 
-def _appended_manifest(
+def _write_deleted(documents: list[DeletedDocument], staging: str, number: int) -> list[FileEntry]:
+    """This generation's deleted documents as deleted/deleted-GGGGG.parquet (none: no file)."""
+    if not documents:
+        return []
+    name = file_name(DELETED_DIR, number, "parquet")
+    return [
+        write_file(
+            fileio.join(staging, DELETED_DIR), name, parquet_bytes(deleted_table(documents)), len(documents), staging
+        )
+    ]
+
+
+def _changed_manifest(
     new_entries,
-    appended,
+    changed: Changed,
+    deleted_now: list[DeletedDocument],
     tallies: dict[str, int],
     precision: PrecisionCheck,
     previous: IndexManifest,
     new_files: list[InputFile],
     cfg: PipelineConfig,
 ) -> IndexManifest:
-    faiss_entry, recall = appended
     kept = [e for e in previous.files if not e.path.startswith("faiss/")]
     num_chunks = sum(e.rows for e in new_entries if e.path.startswith("chunks/"))
+    deleted_chunks = sum(d.num_chunks for d in deleted_now)
     generation = Generation(
         number=len(previous.generations),
         inputs=sorted(new_files, key=lambda f: f.path),
         first_chunk_id=previous.num_chunks,
         num_chunks=num_chunks,
         num_documents=tallies.get("documents_chunked", 0),
-        new_vector_recall=recall.value,
-        embedding_precision=precision,
+        deleted_documents=len(deleted_now),
+        deleted_chunks=deleted_chunks,
+        new_vector_recall=changed.recall.value if changed.recall.sample_size else None,
+        embedding_precision=precision if num_chunks else None,
     )
     earlier = [*previous.generations[:-1], previous.generations[-1].model_copy(update={"timings": previous.timings})]
     counters = dict(previous.counters)
-    for name, count in {**tallies, "index_vectors_added": faiss_entry.rows - previous.num_chunks}.items():
+    this_job = {
+        **tallies,
+        "index_vectors_added": changed.faiss.rows + changed.removed - (previous.num_chunks - previous.deleted_chunks),
+    }
+    for name, count in this_job.items():
         counters[name] = counters.get(name, 0) + count
     return previous.model_copy(
         update={
@@ -112,26 +185,37 @@ def _appended_manifest(
             "generations": [*earlier, generation],
             "num_chunks": previous.num_chunks + num_chunks,
             "num_documents": previous.num_documents + generation.num_documents,
-            "files": _sorted_entries(kept + list(new_entries) + [faiss_entry]),
+            "deleted_documents": previous.deleted_documents + len(deleted_now),
+            "deleted_chunks": previous.deleted_chunks + deleted_chunks,
+            "files": _sorted_entries(kept + list(new_entries) + [changed.faiss]),
             "counters": dict(sorted(counters.items())),
             "timings": None,
         }
     )
 
 
-def append_index(
-    cfg: PipelineConfig, previous: IndexManifest, new_files: list[InputFile], beam_args: list[str], detach: bool = False
+def change_index(
+    cfg: PipelineConfig,
+    previous: IndexManifest,
+    new_files: list[InputFile],
+    beam_args: list[str],
+    delete: tuple[str, ...] = (),
+    detach: bool = False,
 ) -> IndexManifest | Submitted:
-    """The files of `new_files` (corpus files no generation of `previous` read) appended to the
-    committed index as its next generation: chunk ids from `previous.num_chunks`, chunk and
-    embedding files numbered after the last, vectors added to the trained index."""
+    """The committed index's next generation: the documents of `new_files` (corpus files no
+    generation read) appended (chunk ids from `previous.num_chunks`, chunk and embedding files
+    numbered after the last, vectors added to the trained index), each replacing the indexed
+    document of its id; and the documents whose identities `delete` names deleted."""
     directory = index_dir(cfg)
     number = len(previous.generations)
+    if delete and "HNSW" in previous.index_factory and "IVF" not in previous.index_factory:
+        raise StageError(f"{directory}: an HNSW index cannot remove vectors; delete by rebuilding (--force)")
     log.info(
-        "build-index: appending %d new corpus file(s) to %s as generation %d (%s chunks there)",
-        len(new_files),
-        directory,
+        "build-index: generation %d of %s: %d new corpus file(s), %d document(s) to delete (%s chunks there)",
         number,
+        directory,
+        len(new_files),
+        len(delete),
         f"{previous.num_chunks:,}",
     )
     manifest_sha = fileio.sha256_bytes(fileio.read_bytes(fileio.join(directory, MANIFEST_FILE)))
@@ -155,41 +239,74 @@ def append_index(
     corpus = pipeline | "ReadNewFiles" >> ReadCorpusKeptClean(
         cfg, "retrieval", only=frozenset(f.path for f in new_files)
     )
-    known = (
+    already = read_deleted(deleted_files(directory, previous.files))
+    runs = (
         pipeline
         | "ChunkFiles" >> beam.Create(range(len(ranges.paths)))
         | "SpreadChunkFiles" >> beam.Reshuffle()
-        | "IndexedDocuments" >> beam.FlatMap(lambda n: first_chunk_doc_ids(ranges, n))
+        | "DocumentRuns" >> beam.FlatMap(lambda n: document_runs(ranges, n, already))
     )
     fresh = (
-        {"document": corpus.documents | "ById" >> beam.Map(lambda d: (d.doc_id, d)), KNOWN: known}
+        {"document": corpus.documents | "ById" >> beam.Map(lambda d: (d.doc_id, d)), RUN: runs}
         | "JoinIndexed" >> beam.CoGroupByKey()
-        | "NotIndexed" >> beam.FlatMap(not_indexed).with_outputs("rejected", main="documents")
+        | "Replacing" >> beam.FlatMap(replacing).with_outputs(REPLACED_TAG, main="documents")
     )
-    documents: beam.PCollection[Document] = fresh.documents
+    requests = (
+        pipeline | "DeleteRequests" >> beam.Create(sorted({doc_id_for(identity) for identity in delete})),
+        fresh[REPLACED_TAG],
+    )
+    deleted = (
+        {
+            RUN: runs,
+            DELETE: (
+                requests[0] | "Requested" >> beam.Map(lambda doc_id: (doc_id, DELETE_REQUESTED)),
+                requests[1] | "Replaced" >> beam.Map(lambda doc_id: (doc_id, REPLACED)),
+            )
+            | "AllRequests" >> beam.Flatten(),
+        }
+        | "JoinRequests" >> beam.CoGroupByKey()
+        | "Deletions" >> beam.FlatMap(deletions).with_outputs(NOT_FOUND, main="deleted")
+    )
+    deleted_now = beam.pvalue.AsList(deleted.deleted)
     first_file = max(file_number(path) for path in ranges.paths) + 1 if ranges.paths else 0
-    written = chunk_and_embed(documents, cfg, tok, staging, threads, previous.num_chunks, first_file)
-    all_rejected = (corpus.rejected, fresh.rejected, written.unusable) | "MergeRejected" >> beam.Flatten()
+    written = chunk_and_embed(fresh.documents, cfg, tok, staging, threads, previous.num_chunks, first_file)
+    all_rejected = (corpus.rejected, written.unusable) | "MergeRejected" >> beam.Flatten()
     rejected_files = all_rejected | "WriteRejected" >> WriteRejected(
         fileio.join(staging, REJECTED_STAGING), f"build-index-g{number:05d}"
     )
-    tallies = stage_tallies(corpus, all_rejected, written, tok.pad_id)
-    new_embeddings = beam.pvalue.AsList(written.embedding_files)
-    appended = (
+    tallies = (
+        stage_tallies(corpus, all_rejected, written, tok.pad_id),
+        deleted[NOT_FOUND] | "TallyNotFound" >> beam.Map(lambda _: ("delete_ids_not_found", 1)),
+    ) | "AllTallies" >> beam.Flatten()
+    changed = (
         pipeline
         | "OneWorker" >> beam.Create([None])
-        | "AppendVectors"
-        >> beam.Map(_append_vectors, new_embeddings, previous, directory, staging, cfg.index.recall_sample)
+        | "ChangeIndex"
+        >> beam.Map(
+            _change_index,
+            beam.pvalue.AsList(written.embedding_files),
+            deleted_now,
+            previous,
+            directory,
+            staging,
+            cfg.index.recall_sample,
+        )
     )
-    entries = (written.chunk_files, written.embedding_files) | "FileEntries" >> beam.Flatten()
+    deleted_files_written = (
+        pipeline
+        | "OneWriter" >> beam.Create([None])
+        | "WriteDeleted" >> beam.FlatMap(lambda _, docs: _write_deleted(docs, staging, number), deleted_now)
+    )
+    entries = (written.chunk_files, written.embedding_files, deleted_files_written) | "FileEntries" >> beam.Flatten()
     manifest = (
         entries
         | "GatherEntries" >> beam.combiners.ToList()
-        | "AppendedManifest"
+        | "ChangedManifest"
         >> beam.Map(
-            _appended_manifest,
-            beam.pvalue.AsSingleton(appended),
-            beam.pvalue.AsDict(tallies),
+            _changed_manifest,
+            beam.pvalue.AsSingleton(changed),
+            deleted_now,
+            beam.pvalue.AsDict(tallies | "SumTallies" >> beam.CombinePerKey(sum)),
             beam.pvalue.AsSingleton(written.precision),
             previous,
             new_files,
@@ -201,18 +318,29 @@ def append_index(
     manifest = job.run()
     if isinstance(manifest, IndexManifest):
         latest = manifest.generations[-1]
+        recall = (
+            ""
+            if latest.new_vector_recall is None
+            else (
+                f"; new vectors' {manifest.recall_at_k.measure} = {latest.new_vector_recall:.3f} "
+                f"(the build measured {manifest.recall_at_k.value:.3f})"
+            )
+        )
         log.info(
-            "committed %s generation %d: %s chunks from %d files (chunk ids from %s); new vectors' %s = %.3f "
-            "(the build measured %.3f)",
+            "committed %s generation %d: %s chunks from %d file(s) (chunk ids from %s), %d document(s) deleted%s",
             directory,
             latest.number,
             f"{latest.num_chunks:,}",
             len(latest.inputs),
             f"{latest.first_chunk_id:,}",
-            manifest.recall_at_k.measure,
-            latest.new_vector_recall,
-            manifest.recall_at_k.value,
+            latest.deleted_documents,
+            recall,
         )
+        missing = manifest.counters.get("delete_ids_not_found", 0) - previous.counters.get("delete_ids_not_found", 0)
+        if missing:
+            log.warning(
+                "%s: %d of the ids to delete are not in the index (nothing to delete for them)", directory, missing
+            )
         _warn_on_drift(manifest)
     return manifest
 

@@ -17,6 +17,7 @@ from pipeline.common.models import (
 from pipeline.common.tally import counted
 from pipeline.index.build import INDEX_FILE
 from pipeline.index.build_info import BUILD_INFO_FILE, BuildInfo
+from pipeline.index.deleted import DELETED_DIR, DeletedRanges, read_deleted
 from pipeline.index.factory import ivf_lists, new_index, resolve_clustering
 from pipeline.index.files import LIST_OWNERS_FILE, QUANTIZER_FILE, searched_files
 from pipeline.index.recall import PLATEAU_GAIN
@@ -129,6 +130,12 @@ class CommittedIndex:
     faiss_paths: list[str]  # index.faiss, or its slices in number order, relative to the directory
     routing_paths: tuple[str, str] | None  # slices: quantizer.faiss and list_owners.npy, relative
     nlist: int | None  # inverted lists (IVF)
+    deleted_paths: tuple[str, ...] = ()  # deleted/*.parquet, relative to the directory
+    generation: int | None = None  # its newest generation (None: a manifest without generations)
+
+    def deleted(self) -> DeletedRanges:
+        """The documents deleted from it (their chunks are in no search)."""
+        return read_deleted([fileio.join(self.directory, path) for path in self.deleted_paths])
 
     def searched(self) -> tuple[str | None, Routing | None]:
         """What a search reads: (index.faiss, None), or (None, the Routing of its slices by lists)."""
@@ -161,6 +168,8 @@ def read_committed_index(directory: str) -> tuple[CommittedIndex, IndexManifest]
         searched_files(faiss_files(paths)),
         routing if set(routing) <= set(paths) else None,
         ivf_lists(manifest.index_factory),
+        tuple(fileio.entry_paths_and_rows(manifest, directory, DELETED_DIR)[0]),
+        manifest.generations[-1].number if manifest.generations else None,
     )
     return index, manifest
 

@@ -4,6 +4,7 @@ itself.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import apache_beam as beam
@@ -23,7 +24,7 @@ from pipeline.common.writers import WriteGroupedFiles, WriteRejected, chunks_tab
 from pipeline.decontaminate.beam import CorpusRead, ReadCorpusKeptClean
 from pipeline.index.build import BuildIndex
 from pipeline.index.build_info import BuildInfo
-from pipeline.jobs.commit import REJECTED_STAGING
+from pipeline.jobs.commit import REJECTED_STAGING, StageError
 from pipeline.jobs.index_files import (
     _documents_read_tally,
     _index_counters,
@@ -50,6 +51,8 @@ from schemas.manifest import (
     Generation,
     IndexManifest,
 )
+
+log = logging.getLogger("ratrain")
 
 
 def tokens_in_chunk(chunk: Chunk, pad_id: int) -> int:
@@ -168,24 +171,52 @@ def stage_tallies(corpus: CorpusRead, all_rejected, written: ChunksWritten, pad:
 
 
 def build_index(
-    cfg: PipelineConfig, beam_args: list[str], force: bool = False, dry_run: bool = False, detach: bool = False
+    cfg: PipelineConfig,
+    beam_args: list[str],
+    force: bool = False,
+    dry_run: bool = False,
+    detach: bool = False,
+    delete: tuple[str, ...] = (),
 ) -> IndexManifest | Submitted | dict:
     """Stages 1-3: retrieval corpus -> chunks, embeddings, faiss index, committed manifest.
 
     When the committed chunks and embeddings match the config (only `index.*` changed), only
     the faiss index is rebuilt from them; when the corpus only gained files, they are appended
-    (`append_index`). dry_run: build the graph, touch no input or output,
-    run nothing; return `describe(pipeline)`. detach: submit and return.
+    (`change_index`). `delete`: identities of documents to delete from the committed index (as
+    the corpus's id field gives them), any new files appended in the same generation.
+    dry_run: build the graph, touch no input or output, run nothing; return
+    `describe(pipeline)`. detach: submit and return.
     """
     check_index_type(cfg)
     previous = None if force or dry_run else committed(index_dir(cfg), IndexManifest)
+    if delete and (previous is None or not previous.generations):
+        raise StageError(
+            f"{index_dir(cfg)}: no committed index to delete documents from"
+            + (" that records its generations (rebuild it once with --force)" if previous is not None else "")
+            + ("; --force builds from scratch, without them" if force else "")
+        )
     if previous is not None:
         listed = listed_corpus_files(cfg)
         action = index_action(cfg, previous, listed)
-        if action == "append":
-            from pipeline.jobs.append_job import append_index
+        if action == "append" or (delete and action == "reuse"):
+            from pipeline.jobs.append_job import change_index
 
-            return append_index(cfg, previous, corpus_changes(previous, listed)[0], beam_args, detach)
+            return change_index(cfg, previous, corpus_changes(previous, listed)[0], beam_args, delete, detach)
+        if delete:
+            raise StageError(
+                f"{index_dir(cfg)}: documents can be deleted only from an index that matches the config "
+                f"(this config needs a {'faiss rebuild' if action == 'rebuild_faiss' else 'build'}); "
+                "run build-index first"
+            )
+        if action == "reuse" and previous.deleted_documents:  # a faiss rebuild would bring them back
+            log.info("build-index: %s matches the config and its corpus files; nothing to build", index_dir(cfg))
+            return previous
+        if previous.deleted_documents:  # the corpus files still hold them
+            raise StageError(
+                f"{index_dir(cfg)}: this config needs a {'faiss rebuild' if action == 'rebuild_faiss' else 'build'}, "
+                f"which would bring back the {previous.deleted_documents:,} documents deleted from the index: "
+                "remove them from the corpus files, then run build-index --force"
+            )
         if action != "build":  # asked to build: at least the faiss files
             return _rebuild_faiss(cfg, previous, beam_args, detach)
     tok = Tokenization.of(cfg)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 
 import apache_beam as beam
+import numpy as np
 from apache_beam.io.parquetio import ReadFromParquetBatched
 
 from pipeline.chunks.beam import ChunkDocuments
@@ -19,6 +20,7 @@ from pipeline.common.tally import Tally, counted
 from pipeline.common.writers import WriteRejected
 from pipeline.decontaminate.beam import ReadCorpusKeptClean
 from pipeline.index.build import INDEX_FILE
+from pipeline.index.deleted import DeletedRanges
 from pipeline.index.recall import PLATEAU_GAIN
 from pipeline.jobs.commit import REJECTED_STAGING, StageError
 from pipeline.jobs.index_files import CommittedIndex, _documents_read_tally, _rejected_tally, load_committed_index
@@ -67,6 +69,16 @@ def _query_block_from_table(table) -> QueryBlock:
     return QueryBlock(table["chunk_id"].to_numpy(), tensor_column_to_numpy(table["embedding"]))
 
 
+def _not_deleted(block, deleted: DeletedRanges):
+    """A block of chunk rows or queries (`.take`, or `chunk_ids`) without the deleted documents' chunks."""
+    if not len(deleted):
+        return block
+    if isinstance(block, QueryBlock):
+        kept = ~deleted.contains(block.chunk_ids)
+        return QueryBlock(block.chunk_ids[kept], block.vectors[kept])
+    return block.take(np.flatnonzero(~deleted.contains(block.chunk_id)))
+
+
 def _shards_manifest(
     entries,
     tallies,
@@ -75,6 +87,7 @@ def _shards_manifest(
     precision,
     cfg: PipelineConfig,
     index_sha: str,
+    index_generation: int | None,
     threads,
     pad_id: int,
 ) -> ShardsManifest:
@@ -87,6 +100,7 @@ def _shards_manifest(
     return ShardsManifest(
         config_hash=cfg.shards_hash(),
         index_manifest_sha256=index_sha,
+        index_generation=index_generation,
         training_corpus="same" if cfg.training_corpus == "same" else "separate",
         encoder_threads=threads,
         embedding_precision=precision,
@@ -161,18 +175,20 @@ def _build_shards(
     chunk_files = CommittedChunkFiles(
         idx, 0 if index is None else index.num_chunks, "" if index is None else index.manifest_sha256
     )
+    deleted = index.deleted() if index is not None else DeletedRanges.none()
     if cfg.training_corpus == "same":
+        # a deleted document's chunks are in no sequence: the sequences they would be in are not made
         training_chunks = (
             pipeline
             | "ReadChunkDatabase"
             >> ReadFromParquetBatched(fileio.join(idx, "chunks", "*.parquet"), validate=not dry_run)
-            | "ChunkRows" >> beam.Map(ChunkRows.of)
+            | "ChunkRows" >> beam.Map(lambda table: _not_deleted(ChunkRows.of(table), deleted))
         )
         queries = (
             pipeline
             | "ReadEmbeddings"
             >> ReadFromParquetBatched(fileio.join(idx, "embeddings", "*.parquet"), validate=not dry_run)
-            | "QueryBlocks" >> beam.Map(_query_block_from_table)
+            | "QueryBlocks" >> beam.Map(lambda table: _not_deleted(_query_block_from_table(table), deleted))
         )
         rejected = pipeline | "NoRejected" >> beam.Create([])
         precision = pipeline | "NothingEmbedded" >> beam.Create([None])
@@ -215,6 +231,7 @@ def _build_shards(
         cfg.index.target_recall,
         cfg.recall_below_target,
         routing,
+        deleted if len(deleted) else None,
     )
     retrieved = (sequences, queries, spans) | "RetrieveNeighbours" >> RetrieveNeighbours(
         spec, cfg.index.min_ram, validate=not dry_run
@@ -244,6 +261,7 @@ def _build_shards(
             beam.pvalue.AsSingleton(precision),
             cfg,
             None if index is None else index.manifest_sha256,
+            None if index is None else index.generation,
             threads,
             tok.pad_id,
         )

@@ -448,7 +448,9 @@ class RetrieveNeighbours(beam.PTransform):
         else:
             probes = joined.pipeline | "NoProbes" >> beam.Create([[]])
         if spec.probes:
-            truth = probes | "ExactTruth" >> ExactTruth(spec.embeddings, truth_depth(spec.neighbours), self.validate)
+            truth = probes | "ExactTruth" >> ExactTruth(
+                spec.embeddings, truth_depth(spec.neighbours), self.validate, spec.deleted
+            )
         else:
             truth = probes | "NoTruth" >> beam.Map(lambda _: None)
         depth = probes | "TuneSearchDepth" >> beam.Map(

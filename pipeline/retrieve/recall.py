@@ -22,6 +22,7 @@ import apache_beam as beam
 import numpy as np
 from apache_beam.io.parquetio import ReadFromParquetBatched
 
+from pipeline.index.deleted import DeletedRanges
 from pipeline.index.exact import exact_nearest_outside, exact_scores_of, merge_top
 from pipeline.index.recall import NEIGHBOUR_MEASURE, TIE_TOLERANCE, recall_with_ties
 from schemas.arrow import tensor_column_to_numpy
@@ -85,25 +86,29 @@ class _MergeTops(beam.CombineFn):
         return acc
 
 
-def _scan(table, probes, depth: int):
+def _scan(table, probes, depth: int, deleted: DeletedRanges | None):
     if probes and table.num_rows:
-        yield scan_batch(table["chunk_id"].to_numpy(), tensor_column_to_numpy(table["embedding"]), probes, depth)
+        ids, vectors = table["chunk_id"].to_numpy(), tensor_column_to_numpy(table["embedding"])
+        if deleted is not None and len(deleted):
+            kept = ~deleted.contains(ids)
+            ids, vectors = ids[kept], vectors[kept]
+        yield scan_batch(ids, vectors, probes, depth)
 
 
 class ExactTruth(beam.PTransform):
     """The probe sample (one sorted list) -> one (scores, ids) [n, depth] in sample order: the
-    exact best chunks of the embedding files `embeddings` (a glob) outside each probe's ranges;
-    None when nothing was sampled."""
+    exact best chunks of the embedding files `embeddings` (a glob) outside each probe's ranges
+    and the `deleted` documents; None when nothing was sampled."""
 
-    def __init__(self, embeddings: str, depth: int, validate: bool = True):
+    def __init__(self, embeddings: str, depth: int, validate: bool = True, deleted: DeletedRanges | None = None):
         super().__init__()
-        self.embeddings, self.depth, self.validate = embeddings, depth, validate
+        self.embeddings, self.depth, self.validate, self.deleted = embeddings, depth, validate, deleted
 
     def expand(self, sample):
         return (
             sample.pipeline
             | "ReadEmbeddings" >> ReadFromParquetBatched(self.embeddings, validate=self.validate)
-            | "ExactScan" >> beam.FlatMap(_scan, beam.pvalue.AsSingleton(sample), self.depth)
+            | "ExactScan" >> beam.FlatMap(_scan, beam.pvalue.AsSingleton(sample), self.depth, self.deleted)
             | "MergeScans" >> beam.CombineGlobally(_MergeTops(self.depth))
         )
 

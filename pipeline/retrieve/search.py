@@ -14,6 +14,7 @@ from pipeline.chunks.chunk_files import ChunkFileRanges, CommittedChunkFiles
 from pipeline.common import fileio
 from pipeline.common.arrays import groups, positions_of
 from pipeline.common.names import file_name
+from pipeline.index.deleted import DeletedRanges
 from pipeline.index.files import LIST_OWNERS_FILE, QUANTIZER_FILE, load_index, read_owners
 from pipeline.index.recall import recall_of
 from pipeline.index.routing import search_routed
@@ -181,6 +182,7 @@ class Retrieval:
     target_recall: float = 0.95  # index.target_recall: what the depth is tuned to
     recall_below_target: str = "deepen"  # deepen | warn | fail (PipelineConfig.recall_below_target)
     routing: Routing | None = None  # an index in slices by inverted lists: how queries reach them
+    deleted: DeletedRanges | None = None  # documents deleted from the index: not in the probes' exact search
 
     def __post_init__(self):
         if (self.index_path is None) == (self.routing is None):

@@ -1,22 +1,28 @@
-"""Appending: a corpus that gains files gets only them read, chunked, embedded and added to
-the committed index as a new generation; what was written stays byte for byte; build-shards and
-`validate` work over the grown index; a document the index already holds is refused; a changed
-or removed file, or other settings, mean a build from scratch."""
+"""Appending and deleting: a corpus that gains files gets only them read, chunked, embedded
+and added to the committed index as a new generation; what was written stays byte for byte;
+an appended document replaces the indexed one of its id; deleted documents' chunks are in no
+neighbour and no sequence, and `validate` checks it; build-shards and `validate` work over the
+changed index; a changed or removed file, or other settings, mean a build from scratch."""
 
 import json
 
 import numpy as np
 import pytest
 
+from pipeline.check.problems import ValidationFailed
 from pipeline.check.validate import validate_path
-from pipeline.corpus.records import ALREADY_INDEXED, doc_id_for
+from pipeline.chunks.chunk_files import ChunkFileRanges
+from pipeline.corpus.records import doc_id_for
+from pipeline.index.deleted import read_deleted
 from pipeline.index.files import read_embeddings, read_index
 from pipeline.index.search import set_search_depth
+from pipeline.jobs.commit import StageError
+from pipeline.jobs.index_job import build_index
 from pipeline.jobs.reuse import committed, index_action, listed_corpus_files
 from pipeline.jobs.run import run_all
 from schemas.config import config_from_dict
-from schemas.manifest import IndexManifest
-from tests.helpers import read_rejected, sample_documents, small_config, write_jsonl
+from schemas.manifest import IndexManifest, ShardsManifest
+from tests.helpers import rewrite_shard, sample_documents, small_config, write_jsonl
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -48,7 +54,8 @@ def test_an_append_reads_only_the_new_files_and_keeps_what_was_written(tmp_path)
     assert [g.number for g in grown.generations] == [0, 1]
     assert [f.path for f in latest.inputs] == [str(tmp_path / "corpus" / "b.jsonl")]
     assert latest.first_chunk_id == base.num_chunks and grown.num_chunks == base.num_chunks + latest.num_chunks
-    assert latest.num_documents == len(second) and grown.num_documents == len(first) + len(second)
+    # the repeated document is appended too, and counted once more in the chunk database
+    assert latest.num_documents == len(second) + 1 and grown.num_documents == len(first) + len(second) + 1
     assert grown.generations[0].timings == base.timings  # the first generation keeps its job's record
     assert latest.new_vector_recall is not None and 0.0 < latest.new_vector_recall <= 1.0
 
@@ -57,24 +64,25 @@ def test_an_append_reads_only_the_new_files_and_keeps_what_was_written(tmp_path)
         if not path.startswith("faiss/"):
             assert after[path] == entry
     added = sorted(set(after) - set(before))
-    assert added and all(p.startswith(("chunks/", "embeddings/")) for p in added)
+    assert added and all(p.startswith(("chunks/", "embeddings/", "deleted/")) for p in added)
 
-    # the repeated document is refused with its reason, counted, and chunked once
-    refused = [r for r in read_rejected(out, "build-index") if r["reason"] == ALREADY_INDEXED]
-    assert [r["doc_id"] for r in refused] == [doc_id_for(first[3]["id"])]
-    assert grown.counters[f"rejected_{ALREADY_INDEXED}"] == 1
+    # the repeated document replaces the indexed one: its old chunks are deleted
+    assert (latest.deleted_documents, grown.deleted_documents) == (1, 1)
+    old_run = read_deleted([str(out / "index" / "deleted" / "deleted-00001.parquet")])
+    assert old_run.doc_ids.tolist() == [doc_id_for(first[3]["id"])] and old_run.ends[0] <= base.num_chunks
 
     # the index holds every chunk once, by its id, and answers as one filled from scratch with
     # the same trained lists would
     index = read_index(str(out / "index" / "faiss" / "index.faiss"))
-    assert index.ntotal == grown.num_chunks
+    assert index.ntotal == grown.num_chunks - grown.deleted_chunks
     batches = [b for p in sorted((out / "index" / "embeddings").glob("*.parquet")) for b in read_embeddings(str(p))]
     ids = np.concatenate([b[0] for b in batches])
     vectors = np.concatenate([b[1] for b in batches])
     assert np.array_equal(np.sort(ids), np.arange(grown.num_chunks))
+    live = ~old_run.contains(ids)
     refilled = read_index(str(out / "index" / "faiss" / "index.faiss"))
     refilled.reset()
-    refilled.add_with_ids(vectors, ids)
+    refilled.add_with_ids(vectors[live], ids[live])
     for searched in (index, refilled):
         set_search_depth(searched, grown.nprobe)
     assert np.array_equal(index.search(vectors[::7], 4)[1], refilled.search(vectors[::7], 4)[1])
@@ -82,6 +90,67 @@ def test_an_append_reads_only_the_new_files_and_keeps_what_was_written(tmp_path)
     # chunk ids dense across generations, shards checked against the grown index
     assert [line.split()[:2] for line in validate_path(str(out))] == [["OK", "index"], ["OK", "shards"]]
     assert index_action(cfg, grown, listed_corpus_files(cfg)) == "reuse"
+    assert committed(str(out / "shards"), ShardsManifest).index_generation == 1
+    assert not old_run.contains(_neighbour_ids(out)).any()
+
+
+def _shard_column(out, column: str) -> np.ndarray:
+    import pyarrow as pa
+
+    from schemas.arrow import read_shard_table, shard_column
+
+    tables = [read_shard_table(pa.memory_map(str(p))) for p in sorted((out / "shards").glob("shard-*.arrow"))]
+    return np.concatenate([shard_column(t, column) if column != "seq_id" else t[column].to_numpy() for t in tables])
+
+
+def _neighbour_ids(out) -> np.ndarray:
+    ids = _shard_column(out, "neighbour_ids").ravel()
+    return ids[ids >= 0]
+
+
+def test_deleted_documents_are_in_no_neighbour_and_no_sequence(tmp_path):
+    docs = sample_documents(40)
+    write_jsonl(tmp_path / "corpus" / "a.jsonl", docs)
+    out = tmp_path / "out"
+    cfg = config_from_dict(small_config(out, str(tmp_path / "corpus" / "*.jsonl"), index={"type": "Flat"}))
+    run_all(cfg, [])
+    before = _neighbour_ids(out)
+    base = committed(str(out / "index"), IndexManifest)
+    assert base is not None
+    # the documents most often retrieved, so the delete changes neighbours
+    ranges = ChunkFileRanges.from_entries(str(out / "index"), base.files)
+    doc_of = np.concatenate([ranges.read(n, ["doc_id"])["doc_id"] for n in range(len(ranges.paths))])
+    retrieved, counts = np.unique(doc_of[before], return_counts=True)
+    identity = {doc_id_for(d["id"]): d["id"] for d in docs}
+    chosen = [identity[int(d)] for d in retrieved[np.argsort(-counts, kind="stable")[:3]]] + ["not-in-the-index"]
+    build_index(cfg, [], delete=tuple(chosen))
+    changed = committed(str(out / "index"), IndexManifest)
+    assert changed is not None and changed.deleted_documents == 3 and changed.counters["delete_ids_not_found"] == 1
+    deleted = read_deleted([str(p) for p in sorted((out / "index" / "deleted").glob("*.parquet"))])
+    assert sorted(deleted.doc_ids.tolist()) == sorted(doc_id_for(i) for i in chosen[:3])
+    assert deleted.contains(before).any()  # they were neighbours before
+
+    run_all(cfg, [])  # build-shards again: the index changed
+    assert not deleted.contains(_neighbour_ids(out)).any()
+    seq_ids = _shard_column(out, "seq_id")
+    L = cfg.chunks_per_sequence
+    assert not deleted.contains((seq_ids[:, None] * L + np.arange(L)).ravel()).any()
+    assert all(line.startswith("OK") for line in validate_path(str(out)))
+
+    # validate notices a deleted chunk put back as a neighbour
+    def put_back(columns):
+        columns["neighbour_ids"][0, 0, 0] = deleted.starts[0]
+
+    # a rebuild would read the deleted documents again from the corpus files: refused, unless forced
+    with pytest.raises(StageError, match="bring back the 3 documents deleted"):
+        build_index(
+            config_from_dict(small_config(out, str(tmp_path / "corpus" / "*.jsonl"), index={"type": "IVF4,Flat"})), []
+        )
+    assert build_index(cfg, []) == changed  # nothing changed: nothing to build
+
+    rewrite_shard(out / "shards", put_back)
+    with pytest.raises(ValidationFailed, match="deleted from the index"):
+        validate_path(str(out))
 
 
 def test_a_changed_file_or_other_settings_rebuild_instead_of_appending(tmp_path):
