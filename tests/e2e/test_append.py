@@ -44,7 +44,8 @@ def test_an_append_reads_only_the_new_files_and_keeps_what_was_written(tmp_path)
     assert base is not None and [g.number for g in base.generations] == [0]
 
     # the new file holds fresh documents and one the index already has
-    write_jsonl(tmp_path / "corpus" / "b.jsonl", second + [first[3]])
+    replacement = {**first[3], "text": sample_documents(1, start=60)[0]["text"]}  # new text, same id
+    write_jsonl(tmp_path / "corpus" / "b.jsonl", second + [replacement])
     assert index_action(cfg, base, listed_corpus_files(cfg)) == "append"
     report = run_all(cfg, [])
     assert report["build-index"][0] == "built" and report["build-shards"][0] == "built"
@@ -86,6 +87,17 @@ def test_an_append_reads_only_the_new_files_and_keeps_what_was_written(tmp_path)
     for searched in (index, refilled):
         set_search_depth(searched, grown.nprobe)
     assert np.array_equal(index.search(vectors[::7], 4)[1], refilled.search(vectors[::7], 4)[1])
+
+    # the replaced document's new chunks are what a search finds, its old ones never
+    ranges = ChunkFileRanges.from_entries(str(out / "index"), grown.files)
+    doc_of = np.concatenate([ranges.read(n, ["doc_id"])["doc_id"] for n in range(len(ranges.paths))])
+    new_chunks = np.flatnonzero((doc_of == doc_id_for(first[3]["id"])) & ~old_run.contains(np.arange(len(doc_of))))
+    assert len(new_chunks) and new_chunks.min() >= latest.first_chunk_id
+    order = np.argsort(ids)
+    _, found = index.search(vectors[order][new_chunks], 1)
+    assert np.array_equal(found[:, 0], new_chunks)
+    _, found = index.search(vectors[order][old_run.chunk_ids()], 10)
+    assert not old_run.contains(found[found >= 0]).any()
 
     # chunk ids dense across generations, shards checked against the grown index
     assert [line.split()[:2] for line in validate_path(str(out))] == [["OK", "index"], ["OK", "shards"]]
