@@ -30,8 +30,10 @@ with `--no-retrieval`. Greedy predictions of the held-out stories' fact tokens a
 - accuracy with the retrieved neighbours, with them blanked, and of the model trained without
   retrieval, plus the share whose neighbours hold the fact at all (retrieval's ceiling);
 - ratrain-eval's full JSON for the retrieval model on the held-out shards;
-- the edit: the held-out countries' facts are replaced by new ones in the encyclopedia, and
-  only the index and the held-out shards are rebuilt (the model unchanged). Reported: the
+- the edit: the held-out countries' facts are replaced by new ones in the encyclopedia: their
+  entries, with new text under the same ids, are appended to the index, each replacing the
+  indexed entry of its id (nothing else re-embedded), and the held-out shards rebuilt (the
+  model unchanged). Reported: the
   share of predictions that follow the new facts, the share that still give the old ones, and
   the share of `ratrain-generate` continuations of "<preamble> the capital of <name> is"
   (live retrieval) that write the new capital.
@@ -204,11 +206,11 @@ def write_corpora(root: Path, countries: list[Country], held_out: int) -> dict[s
     }
 
 
-def pipeline_config(output: Path, retrieval: Path, training: Path) -> dict:
+def pipeline_config(output: Path, retrieval: list[Path], training: Path) -> dict:
     return {
         "output": str(output),
-        "tokenizer": str(retrieval.parent / TOKENIZER_FILE),
-        "retrieval_corpus": {"paths": [str(retrieval)], "id_field": "id"},
+        "tokenizer": str(retrieval[0].parent / TOKENIZER_FILE),
+        "retrieval_corpus": {"paths": [str(path) for path in retrieval], "id_field": "id"},
         "training_corpus": {"paths": [str(training)], "id_field": "id"},
         "chunk_tokens": CHUNK_TOKENS,
         "sequence_tokens": SEQUENCE_TOKENS,
@@ -220,19 +222,24 @@ def pipeline_config(output: Path, retrieval: Path, training: Path) -> dict:
     }
 
 
-def build(output: Path, retrieval: Path, training: Path, index_from: Path | None = None) -> Path:
-    """Shards of `training` against the index over `retrieval` (built in `output`, or copied
-    from `index_from`'s committed index)."""
+def build(output: Path, retrieval: list[Path], training: Path, index_from: Path | None = None) -> Path:
+    """Shards of `training` against the index over the `retrieval` files (built in `output`;
+    with `index_from`, its committed index copied there first, and only the files it has not
+    read appended)."""
     from pipeline.jobs.index_job import build_index
+    from pipeline.jobs.job import index_dir
+    from pipeline.jobs.reuse import committed, index_action, listed_corpus_files
     from pipeline.jobs.shards_job import build_shards
     from schemas.config import config_from_dict
+    from schemas.manifest import IndexManifest
 
     config = config_from_dict(pipeline_config(output, retrieval, training))
-    if index_from is None:
-        build_index(config, [])
-    else:
+    if index_from is not None:
         shutil.rmtree(output / "index", ignore_errors=True)
         shutil.copytree(index_from / "index", output / "index")
+    copied = committed(index_dir(config), IndexManifest)
+    if index_action(config, copied, listed_corpus_files(config)) != "reuse":
+        build_index(config, [])
     build_shards(config, [])
     return output / "shards"
 
@@ -342,8 +349,8 @@ def main() -> None:
     countries = invent_countries(args.entities, np.random.default_rng(2026))
     vocab = json.loads(write_tokenizer(out / "corpus" / TOKENIZER_FILE, countries).read_text())["model"]["vocab"]
     corpora = write_corpora(out / "corpus", countries, args.held_out)
-    shards = build(out / "train", corpora["retrieval"], corpora["train"])
-    val = build(out / "val", corpora["retrieval"], corpora["val"], index_from=out / "train")
+    shards = build(out / "train", [corpora["retrieval"]], corpora["train"])
+    val = build(out / "val", [corpora["retrieval"]], corpora["val"], index_from=out / "train")
     lap("build index and shards")
     model, plain = out / "retrieval.pt", out / "no_retrieval.pt"
     train(shards, model, args.steps, retrieval=True, vocab_size=len(vocab))
@@ -357,14 +364,12 @@ def main() -> None:
     evaluation = out / "eval_retrieval.json"  # every number of ratrain-eval, on all held-out targets
     evaluate_main(["--checkpoint", str(model), "--shards", str(val), "--json", str(evaluation)])
 
-    # The edit: new facts for the held-out countries, the index rebuilt over the edited encyclopedia.
+    # The edit: new facts for the held-out countries, their entries replaced in the index (a new
+    # file of entries with their ids, appended: each replaces the indexed entry of its id).
     edits = {c.name: c for c in edited(held, np.random.default_rng(11))}
-    edited_corpus = write_jsonl(
-        out / "corpus" / "retrieval_edited.jsonl",
-        encyclopedia([edits.get(c.name, c) for c in countries]),
-    )
-    edited_val = build(out / "edited", edited_corpus, corpora["val"])
-    lap("rebuild index and held-out shards after the edit")
+    replacements = write_jsonl(out / "corpus" / "retrieval_edits.jsonl", encyclopedia(list(edits.values())))
+    edited_val = build(out / "edited", [corpora["retrieval"], replacements], corpora["val"], index_from=out / "train")
+    lap("replace the edited entries in the index, rebuild the held-out shards")
     after_edit = score_facts(model, edited_val, vocab, held, edits)
     generated, example = generated_capitals(model, out / "edited" / "index", held, edits)
     lap("score")

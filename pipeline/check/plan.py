@@ -158,9 +158,15 @@ def _plan_index(plan: ValidationPlan, directory: str) -> None:
         ],
         len(entries),
     )
+    history = ""
+    if len(manifest.generations) > 1 or manifest.deleted_documents:
+        history = (
+            f" ({len(manifest.generations)} generations; {manifest.deleted_documents} documents of "
+            f"{manifest.deleted_chunks} chunks deleted, in no search)"
+        )
     plan.lines.append(
         f"OK index {directory}{note}: {manifest.num_chunks} chunks from {manifest.num_documents} "
-        f"documents, {manifest.index_factory}, {manifest.recall_at_k.summary()}"
+        f"documents{history}, {manifest.index_factory}, {manifest.recall_at_k.summary()}"
     )
 
 

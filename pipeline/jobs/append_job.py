@@ -41,12 +41,13 @@ from pipeline.jobs.job import Job, Submitted, Tokenization, _sorted_entries, ind
 from pipeline.jobs.options import encoder_threads
 from pipeline.retrieve.sequences import widest_span
 from schemas.config import PipelineConfig
-from schemas.manifest import MANIFEST_FILE, FileEntry, Generation, IndexManifest, InputFile, PrecisionCheck
+from schemas.manifest import FileEntry, Generation, IndexManifest, InputFile, PrecisionCheck
 
 log = logging.getLogger("ratrain")
 
 RUN, DELETE = "run", "delete"  # CoGroupByKey tags: a document's chunk-id run; a request to delete it
 REPLACED_TAG, NOT_FOUND = "replaced", "not_found"
+NEWEST_GENERATION_CHUNKS = "newest_generation_chunks"  # a counter: the chunks the last change added
 
 
 def document_runs(ranges: ChunkFileRanges, number: int, deleted: DeletedRanges):
@@ -178,6 +179,7 @@ def _changed_manifest(
     }
     for name, count in this_job.items():
         counters[name] = counters.get(name, 0) + count
+    counters[NEWEST_GENERATION_CHUNKS] = num_chunks  # what this job's throughput counts
     return previous.model_copy(
         update={
             "config_hash": cfg.index_hash(),
@@ -197,6 +199,7 @@ def _changed_manifest(
 def change_index(
     cfg: PipelineConfig,
     previous: IndexManifest,
+    previous_sha256: str,
     new_files: list[InputFile],
     beam_args: list[str],
     delete: tuple[str, ...] = (),
@@ -205,7 +208,8 @@ def change_index(
     """The committed index's next generation: the documents of `new_files` (corpus files no
     generation read) appended (chunk ids from `previous.num_chunks`, chunk and embedding files
     numbered after the last, vectors added to the trained index), each replacing the indexed
-    document of its id; and the documents whose identities `delete` names deleted."""
+    document of its id; and the documents whose identities `delete` names deleted. Its commit
+    fails if the committed manifest is no longer the one `previous_sha256` names."""
     directory = index_dir(cfg)
     number = len(previous.generations)
     if delete and "HNSW" in previous.index_factory and "IVF" not in previous.index_factory:
@@ -218,11 +222,10 @@ def change_index(
         len(delete),
         f"{previous.num_chunks:,}",
     )
-    manifest_sha = fileio.sha256_bytes(fileio.read_bytes(fileio.join(directory, MANIFEST_FILE)))
     tok = Tokenization.of(cfg)
     job = Job(
         "build-index (append)",
-        "chunks",
+        NEWEST_GENERATION_CHUNKS,
         cfg.output,
         directory,
         IndexManifest,
@@ -231,7 +234,7 @@ def change_index(
         detach=detach,
         max_rejected_fraction=cfg.max_rejected_fraction,
         replace=("faiss",),
-        replaces=manifest_sha,
+        replaces=previous_sha256,
     )
     pipeline, staging = job.pipeline, job.staging
     threads = encoder_threads(cfg.embedding.cpu_threads, cfg.embedding.device, pipeline.options)

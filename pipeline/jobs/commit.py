@@ -78,8 +78,10 @@ def commit_stage(
     commit's own clock (`timings(counters)`: `pipeline.jobs.job.StageClock`). The manifest
     stays a model until here, where it is written: with more than `inline_entries` file
     entries, they go to its file table (schemas/file_table.py)."""
-    publish_rejected(staging, output)
     data, table = split_entries(manifest, inline_entries)
+    if replaces is not None:  # before anything moves: not even its rejected records
+        _in_place(final, data, staging, replaces)
+    publish_rejected(staging, output)
     rejected, records = rejected_share(data["counters"])
     if records and rejected / records > max_rejected_fraction:
         discard_staging(staging)
@@ -119,16 +121,9 @@ def commit_directory(
     its place fails the commit, staging discarded, so two jobs never mix their files.
     """
     manifest_path = fileio.join(final, MANIFEST_FILE)
+    if _in_place(final, manifest, staging, replaces):
+        return  # an earlier attempt of this commit finished (its timings stand)
     if fileio.exists(manifest_path):
-        current = fileio.read_bytes(manifest_path)
-        if _without_timings(json.loads(current)) == _without_timings(manifest):
-            return  # an earlier attempt of this commit finished (its timings stand)
-        if replaces is not None and fileio.sha256_bytes(current) != replaces:
-            discard_staging(staging)
-            raise StageError(
-                f"commit of {final}: its manifest changed while this job ran (another job committed there); "
-                "nothing was committed: run again"
-            )
         FileSystems.delete([manifest_path])
     wanted = set(staged)
     scopes = [final] if replace is None else [fileio.join(final, sub) for sub in replace]
@@ -153,6 +148,24 @@ def commit_directory(
     elif fileio.exists(table_path):
         FileSystems.delete([table_path])
     fileio.write_json_atomic(manifest_path, manifest)
+
+
+def _in_place(final: str, manifest: dict, staging: str, replaces: str | None) -> bool:
+    """Whether `final` holds this manifest already (an earlier attempt committed it); a
+    StageError, staging discarded, when it holds one other than `replaces` (if given)."""
+    path = fileio.join(final, MANIFEST_FILE)
+    if not fileio.exists(path):
+        return False
+    current = fileio.read_bytes(path)
+    if _without_timings(json.loads(current)) == _without_timings(manifest):
+        return True
+    if replaces is not None and fileio.sha256_bytes(current) != replaces:
+        discard_staging(staging)
+        raise StageError(
+            f"commit of {final}: its manifest changed while this job ran (another job committed there); "
+            "nothing was committed: run again"
+        )
+    return False
 
 
 def discard_staging(staging: str) -> None:

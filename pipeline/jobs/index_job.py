@@ -42,7 +42,7 @@ from pipeline.jobs.job import (
     index_dir,
 )
 from pipeline.jobs.options import encoder_threads
-from pipeline.jobs.reuse import committed, corpus_changes, index_action, listed_corpus_files
+from pipeline.jobs.reuse import committed_index, corpus_changes, index_action, listed_corpus_files
 from pipeline.jobs.vector_index_job import _rebuild_faiss
 from schemas.config import PipelineConfig
 from schemas.manifest import (
@@ -188,7 +188,7 @@ def build_index(
     `describe(pipeline)`. detach: submit and return.
     """
     check_index_type(cfg)
-    previous = None if force or dry_run else committed(index_dir(cfg), IndexManifest)
+    previous, previous_sha = (None, None) if force or dry_run else committed_index(index_dir(cfg))
     if delete and (previous is None or not previous.generations):
         raise StageError(
             f"{index_dir(cfg)}: no committed index to delete documents from"
@@ -201,7 +201,9 @@ def build_index(
         if action == "append" or (delete and action == "reuse"):
             from pipeline.jobs.append_job import change_index
 
-            return change_index(cfg, previous, corpus_changes(previous, listed)[0], beam_args, delete, detach)
+            assert previous_sha is not None  # read with the manifest
+            new_files = corpus_changes(previous, listed)[0]
+            return change_index(cfg, previous, previous_sha, new_files, beam_args, delete, detach)
         if delete:
             raise StageError(
                 f"{index_dir(cfg)}: documents can be deleted only from an index that matches the config "

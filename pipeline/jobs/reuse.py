@@ -19,7 +19,7 @@ from pipeline.common import fileio
 from pipeline.corpus.parse import match_corpus
 from pipeline.index.build import INDEX_FILE
 from schemas.config import PipelineConfig
-from schemas.manifest import IndexManifest, InputFile, ShardsManifest
+from schemas.manifest import MANIFEST_FILE, IndexManifest, InputFile, ShardsManifest, read_manifest
 
 log = logging.getLogger("ratrain")
 Model = TypeVar("Model", bound=BaseModel)
@@ -33,6 +33,20 @@ def committed(directory: str, model: type[Model]) -> Model | None:
         return fileio.committed_manifest(directory, model)
     except ValueError:
         return None
+
+
+def committed_index(directory: str) -> tuple[IndexManifest | None, str | None]:
+    """`committed(directory, IndexManifest)` and the sha256 of the manifest.json it was read
+    from (one read): what a change of the index builds on, and checks at its commit."""
+    path = fileio.join(directory, MANIFEST_FILE)
+    if not fileio.exists(path):
+        return None, None
+    data = fileio.read_bytes(path)
+    try:
+        manifest = fileio.whole(read_manifest(data, path, IndexManifest), directory)
+    except ValueError:
+        return None, None
+    return manifest, fileio.sha256_bytes(data)
 
 
 def index_action(

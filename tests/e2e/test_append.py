@@ -16,9 +16,10 @@ from pipeline.corpus.records import doc_id_for
 from pipeline.index.deleted import read_deleted
 from pipeline.index.files import read_embeddings, read_index
 from pipeline.index.search import set_search_depth
+from pipeline.jobs.append_job import change_index
 from pipeline.jobs.commit import StageError
 from pipeline.jobs.index_job import build_index
-from pipeline.jobs.reuse import committed, index_action, listed_corpus_files
+from pipeline.jobs.reuse import committed, committed_index, corpus_changes, index_action, listed_corpus_files
 from pipeline.jobs.run import run_all
 from schemas.config import config_from_dict
 from schemas.manifest import IndexManifest, ShardsManifest
@@ -178,3 +179,23 @@ def test_a_changed_file_or_other_settings_rebuild_instead_of_appending(tmp_path)
     assert index_action(other_chunks, base, listed_corpus_files(other_chunks)) == "build"
     write_jsonl(tmp_path / "corpus" / "a.jsonl", sample_documents(11))  # a file read before, now shorter
     assert index_action(cfg, base, listed_corpus_files(cfg)) == "build"
+
+
+def test_of_two_changes_built_on_one_manifest_the_second_commits_nothing(tmp_path):
+    write_jsonl(tmp_path / "corpus" / "a.jsonl", sample_documents(12))
+    out = tmp_path / "out"
+    cfg = config_from_dict(small_config(out, str(tmp_path / "corpus" / "*.jsonl"), index={"type": "Flat"}))
+    build_index(cfg, [])
+    base, base_sha = committed_index(str(out / "index"))  # what a second change starts from
+    assert base is not None and base_sha is not None
+
+    write_jsonl(tmp_path / "corpus" / "b.jsonl", sample_documents(6, start=12))
+    first = build_index(cfg, [])  # the first change commits
+    assert isinstance(first, IndexManifest) and len(first.generations) == 2
+    write_jsonl(tmp_path / "corpus" / "c.jsonl", sample_documents(6, start=18))
+    new_files = corpus_changes(base, listed_corpus_files(cfg))[0]
+    with pytest.raises(StageError, match="changed while this job ran"):
+        change_index(cfg, base, base_sha, new_files, [])
+    assert committed(str(out / "index"), IndexManifest) == first  # the first change stands, whole
+    assert all(line.startswith("OK") for line in validate_path(str(out / "index")))
+    assert not (out / ".staging").exists()
