@@ -12,6 +12,7 @@ files; then documents for --append of that, in one more file.
    is read, chunked, embedded and added), then `build-index` over all 11 into a fresh output
    (a full rebuild). Each a subprocess; the append against the full rebuild is the cost ratio.
    Index type IVF{nlist},Flat with the factory's nlist for the whole corpus and its tuned depth.
+   build-shards over the grown index is timed too: after a change every shard is built again.
 2. Neighbours: the full rebuild's vectors filled into the appended index's trained lists (a
    full rebuild with the same trained quantizer); 2,000 sampled chunks searched in both (top
    10, the query itself left out), each result named by (document, position) so the two
@@ -88,9 +89,9 @@ def config(workdir: Path, out: str, corpus: Path, nlist: int) -> Path:
     return path
 
 
-def build_index(cfg: Path) -> float:
+def timed_command(command: str, cfg: Path) -> float:
     start = time.perf_counter()
-    subprocess.run([str(REPO / ".venv" / "bin" / "ratrain-pipeline"), "build-index", "--config", str(cfg)], check=True)
+    subprocess.run([str(REPO / ".venv" / "bin" / "ratrain-pipeline"), command, "--config", str(cfg)], check=True)
     return time.perf_counter() - start
 
 
@@ -177,10 +178,11 @@ def main() -> None:
     write_files(full_corpus, "more", extra, 1)
     nlist = nlist_for(int(args.chunks * (1 + args.append)))
     grown_cfg = config(workdir, "appended", grown_corpus, nlist)
-    base_seconds = build_index(grown_cfg)
+    base_seconds = timed_command("build-index", grown_cfg)
     write_files(grown_corpus, "more", extra, 1)
-    append_seconds = build_index(grown_cfg)
-    full_seconds = build_index(config(workdir, "rebuilt", full_corpus, nlist))
+    append_seconds = timed_command("build-index", grown_cfg)
+    shards_seconds = timed_command("build-shards", grown_cfg)  # every shard again, over the grown index
+    full_seconds = timed_command("build-index", config(workdir, "rebuilt", full_corpus, nlist))
 
     appended, rebuilt = manifest(workdir / "appended"), manifest(workdir / "rebuilt")
     precision = appended.embedding_precision.precision if appended.embedding_precision else "float32"
@@ -197,6 +199,7 @@ def main() -> None:
         "base_seconds": base_seconds,
         "append_seconds": append_seconds,
         "full_rebuild_seconds": full_seconds,
+        "build_shards_after_append_seconds": shards_seconds,
         "append_over_full": append_seconds / full_seconds,
         "new_vector_recall": latest.new_vector_recall,
         "build_recall": appended.recall_at_k.value,
@@ -210,6 +213,7 @@ def main() -> None:
     print(f"| base build (10 files) | {latest.first_chunk_id:,} | {base_seconds:.1f} | |")
     print(f"| append (1 file) | {latest.num_chunks:,} | {append_seconds:.1f} | {append_seconds / full_seconds:.3f} |")
     print(f"| full rebuild (11 files) | {rebuilt.num_chunks:,} | {full_seconds:.1f} | 1.000 |")
+    print(f"| build-shards over the grown index (every shard) | {rebuilt.num_chunks:,} | {shards_seconds:.1f} | |")
     print(
         f"neighbours equal to the full rebuild in the same trained lists: {neighbours['equal']:,} of "
         f"{neighbours['slots']:,} slots ({neighbours['share']:.4f}; ties within {tolerance:g}); new vectors' "

@@ -9,10 +9,12 @@ from pipeline.check.figures import evaluation_figure, overlap_figure, recall_fig
 from pipeline.check.report import (
     EXAMPLES_PER_REASON,
     EXCERPT_CHARS,
+    GENERATION_COLUMNS,
     REPORT_FILE,
     RejectedReason,
     Report,
     gather,
+    generation_rows,
     index_summary,
     neighbour_quality,
     overlap_bars,
@@ -23,7 +25,7 @@ from pipeline.check.report import (
 from pipeline.common import fileio
 from pipeline.index.recall import PLATEAU_GAIN
 from schemas.evaluation import Evaluation, score_rows
-from schemas.manifest import SearchDepth
+from schemas.manifest import IndexManifest, SearchDepth
 
 STYLE = """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; max-width: 1100px; margin: 1.5em auto;
@@ -252,6 +254,19 @@ def render(report: Report) -> str:
         )
     if report.evaluations:
         sections.append(("evaluation", "Checkpoint evaluation", _evaluation_body(report.evaluations)))
+    if isinstance(report.index, IndexManifest) and (
+        len(report.index.generations) > 1 or report.index.deleted_documents
+    ):
+        sections.append(
+            (
+                "generations",
+                "Index generations",
+                "<p class=muted>Each build or change of the index: the corpus files it read, the chunk ids "
+                "it added, the documents it deleted (in no search since), and the appended vectors' "
+                f"1-recall@10 at the index's depth (the build measured {report.index.recall_at_k.value:.3f}).</p>"
+                + _table(generation_rows(report.index), GENERATION_COLUMNS, numeric=(1, 3)),
+            )
+        )
     if report.index is not None:
         search_depth = report.shards.search_depth if report.shards is not None else None
         sections.append(("recall", "Index recall against search depth", _recall_body(report.index, search_depth)))

@@ -240,6 +240,30 @@ def timing_rows(
     return rows
 
 
+GENERATION_COLUMNS = ("generation", "corpus files", "chunk ids", "documents", "deleted", "new vectors' recall", "job")
+
+
+def generation_rows(manifest: IndexManifest) -> list[tuple[str, ...]]:
+    """One row per generation of an index (empty for a manifest without them): what it read,
+    added and deleted, how well the trained lists found its new vectors, when its job ran."""
+    rows: list[tuple[str, ...]] = []
+    for g in manifest.generations:
+        timings = g.timings if g.timings is not None else manifest.timings
+        last = g.first_chunk_id + g.num_chunks - 1
+        rows.append(
+            (
+                str(g.number),
+                f"{len(g.inputs):,}",
+                f"{g.first_chunk_id:,} … {last:,}" if g.num_chunks else "none",
+                f"{g.num_documents:,}",
+                f"{g.deleted_documents:,} ({g.deleted_chunks:,} chunks)" if g.deleted_documents else "0",
+                "—" if g.new_vector_recall is None else f"{g.new_vector_recall:.3f}",
+                "—" if timings is None else f"{timings.started}, {timings.wall_seconds:,.1f} s",
+            )
+        )
+    return rows
+
+
 @dataclass(frozen=True)
 class ScoreSample:
     """Histograms of the filled slots' scores by neighbour rank, over a sample of the shards."""

@@ -5,10 +5,12 @@ neighbour and no sequence, and `validate` checks it; build-shards and `validate`
 changed index; a changed or removed file, or other settings, mean a build from scratch."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from pipeline.check.html import write_report
 from pipeline.check.problems import ValidationFailed
 from pipeline.check.validate import validate_path
 from pipeline.chunks.chunk_files import ChunkFileRanges
@@ -149,6 +151,8 @@ def test_deleted_documents_are_in_no_neighbour_and_no_sequence(tmp_path):
     L = cfg.chunks_per_sequence
     assert not deleted.contains((seq_ids[:, None] * L + np.arange(L)).ravel()).any()
     assert all(line.startswith("OK") for line in validate_path(str(out)))
+    page = Path(write_report(str(out))).read_text()  # the report lists the generations
+    assert "Index generations" in page and "3 (" in page
 
     # validate notices a deleted chunk put back as a neighbour
     def put_back(columns):
