@@ -156,7 +156,7 @@ def build_index(
         fileio.join(staging, REJECTED_STAGING), "build-index"
     )
     tallies = (
-        *_documents_read_tally(corpus.read, all_rejected, "Index"),
+        *_documents_read_tally(corpus.documents, all_rejected, "Index"),
         corpus.tallies,
         _rejected_tally(all_rejected, "TallyRejected"),
         chunks
