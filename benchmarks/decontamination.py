@@ -2,7 +2,7 @@
 evaluation documents, its cost against the embed stage, and its largest worker as the corpus
 grows 4x.
 
-    .venv/bin/python benchmarks/decontamination.py [--workdir DIR] [--skip-embed]
+    .venv/bin/python benchmarks/decontamination.py [--workdir DIR] [--skip-embed] [--memory-only]
 
 Corpora (real text): the sample corpus (examples/corpus, 346 documents), and the docstrings of
 the Python standard library and the installed packages (examples/stdlib_docstrings.py
@@ -19,10 +19,12 @@ the Python standard library and the installed packages (examples/stdlib_docstrin
    over the same JSONL, each a subprocess: read only; read + decontaminate; read + chunk +
    embed (the default embedding settings). A stage's cost is its job's wall time less the
    read-only job's.
-3. Memory: the read-only job and the decontamination job with 2 worker processes on 2,000 and
-   on 8,000 docstring documents: the peak RSS of the largest worker (VmHWM, polled). Beam's
-   local runner hands a worker a stage's whole input as one bundle, so what grows with the
-   corpus in the read-only job is the runner's; the stage's own memory is the difference.
+3. Memory: the read-only job and the decontamination job with 2 worker processes on 2,000,
+   8,000 and 32,000 docstring documents (there are about 12,000: the 32,000 repeat them, each
+   copy under an id of its own), evaluation documents planted as in 1: the peak RSS of the
+   largest worker (VmHWM, polled), the median of REPEATS runs. Beam's local runner hands a
+   worker half a stage's input as one bundle, so what grows with the corpus in the read-only
+   job is the runner's; the stage's own memory is the difference.
 Results: tables on stdout, JSON in benchmarks/results/decontamination.json.
 """
 
@@ -34,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from itertools import cycle
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +51,8 @@ RESULTS = REPO / "benchmarks" / "results" / "decontamination.json"
 PLANTED, UNRELATED = 40, 40
 KINDS = ("copy", "1% changed", "5% changed", "15% changed", "first half")
 SIZES = (2000, 8000)
+MEMORY_SIZES = (2000, 8000, 32000)
+REPEATS = 3  # memory runs per job and size: their peaks vary by some tens of MB
 MB = 1e6
 
 
@@ -66,6 +71,14 @@ def chosen(docs: list[dict], count: int, salt: str) -> list[dict]:
     from pipeline.corpus.records import doc_id_for
 
     return sorted(docs, key=lambda d: doc_id_for(salt + d["id"]))[:count]
+
+
+def enlarged(docs: list[dict], count: int) -> list[dict]:
+    """`count` documents: `docs` in order, then again as copies under ids of their own."""
+    return [
+        d if n < len(docs) else {**d, "id": f"{d['id']}#copy{n // len(docs)}"}
+        for n, d in zip(range(count), cycle(docs))
+    ]
 
 
 def planted(corpus: list[dict], other: list[dict]) -> list[dict]:
@@ -233,12 +246,44 @@ def quality(name: str, corpus: list[dict], evaluation: list[dict], removed_ids: 
     }
 
 
+def memory(work: Path, docstrings: list[dict], sample: list[dict]) -> dict:
+    """Part 3: per size, the largest worker's peak RSS (MB, the median of REPEATS runs) of the
+    read-only job and of the decontamination job, and the stage's own share (the difference)."""
+    two = ["--direct_num_workers=2", "--direct_running_mode=multi_processing"]
+    found = {}
+    for n in MEMORY_SIZES:
+        corpus = enlarged(docstrings, n)
+        slug = f"memory-{n}"
+        corpus_path = write_jsonl(work / slug / "corpus.jsonl", corpus)
+        plain = [{"id": e["id"], "text": e["text"]} for e in planted(corpus, sample)]
+        eval_path = write_jsonl(work / slug / "evaluation.jsonl", plain)
+        entry = {}
+        for kind in ("read", "decontaminate"):
+            peaks = [
+                run_job(kind, corpus_path, eval_path, work / slug / f"{kind}-{i}", two)["worker_peak_rss_mb"]
+                for i in range(REPEATS)
+            ]
+            entry[kind] = {"runs_mb": peaks, "median_mb": float(np.median(peaks))}
+        entry["stage_mb"] = entry["decontaminate"]["median_mb"] - entry["read"]["median_mb"]
+        found[n] = entry
+        print(
+            f"{n:>6,} documents: largest worker (median of {REPEATS}), read {entry['read']['median_mb']:.0f} MB, "
+            f"read + decontaminate {entry['decontaminate']['median_mb']:.0f} MB: "
+            f"the stage's own {entry['stage_mb']:.0f} MB "
+            f"(runs: read {[round(p) for p in entry['read']['runs_mb']]}, "
+            f"decontaminate {[round(p) for p in entry['decontaminate']['runs_mb']]})",
+            flush=True,
+        )
+    return found
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_job":
         return job_main(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6:])
     parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--workdir", help="kept (the docstring corpus is made once); default: a temp dir")
     parser.add_argument("--skip-embed", action="store_true", help="leave out the cost comparison")
+    parser.add_argument("--memory-only", action="store_true", help="only part 3, the largest worker's memory")
     parser.add_argument("--output", default=str(RESULTS))
     args = parser.parse_args()
     from pipeline.embed.encoder import cpu_summary
@@ -253,9 +298,14 @@ def main() -> None:
             check=True,
         )
     sample = [d for p in sorted((REPO / "examples" / "corpus").glob("*.jsonl")) for d in load_jsonl(p)]
-    docstrings = chosen(load_jsonl(docstrings_path), max(SIZES), "corpus")
+    every = load_jsonl(docstrings_path)
+    docstrings = chosen(every, len(every), "corpus")
     results = {"cpu": cpu_summary(), "corpora": {}}
     print(f"CPU: {cpu_summary()}")
+    if args.memory_only:
+        results["memory"] = memory(work, docstrings, sample)
+        write_results(results, args.output)
+        return
     corpora = {"sample corpus": sample, **{f"docstrings {n:,}": docstrings[:n] for n in SIZES}}
     for name, corpus in corpora.items():
         other = docstrings if name == "sample corpus" else sample
@@ -277,18 +327,8 @@ def main() -> None:
                 f"read + chunk + embed {embed['wall_s']:.1f} s: the stage {stage:.1f} s = "
                 f"{stage / embedding:.3f}x the embedding's {embedding:.1f} s"
             )
-        if name != "sample corpus":
-            two = ["--direct_num_workers=2", "--direct_running_mode=multi_processing"]
-            for kind in ("read", "decontaminate"):
-                peak = run_job(kind, corpus_path, eval_path, work / slug / f"{kind}-2", two)["worker_peak_rss_mb"]
-                entry[f"{kind}_worker_peak_rss_mb"] = peak
         results["corpora"][name] = entry
-    small, large = (results["corpora"][f"docstrings {n:,}"] for n in SIZES)
-    print(f"\nlargest worker, 2 processes, {SIZES[0]:,} -> {SIZES[1]:,} documents:")
-    for kind in ("read", "decontaminate"):
-        a, b = small[f"{kind}_worker_peak_rss_mb"], large[f"{kind}_worker_peak_rss_mb"]
-        results[f"{kind}_worker_rss_growth"] = b / a
-        print(f"  {kind:<14} {a:6.0f} MB -> {b:6.0f} MB (x{b / a:.2f})")
+    results["memory"] = memory(work, docstrings, sample)
     write_results(results, args.output)
     if temp is not None:
         temp.cleanup()

@@ -1,12 +1,13 @@
 """`ReadCorpus`: the corpus as `Document`s and `Rejected` records, in Beam: files listed and split
 into ranges (`SplitFiles`), parsed, duplicate document ids kept once (the first by source and
-position, decided on where the copies were read, without their texts).
+position, decided on where the copies were read, without their texts), and optionally screened
+(`Screen`: decontamination) in the same step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Final, Literal
+from collections.abc import Callable, Iterator
+from typing import Final, Literal, Protocol
 
 import apache_beam as beam
 from apache_beam.metrics import Metrics
@@ -54,15 +55,38 @@ def _later_copies(keyed) -> Iterator[tuple[tuple[str, int], DocRef]]:
             yield ref.key, first
 
 
-def _keep_first(keyed) -> Iterator[Document | beam.pvalue.TaggedOutput[Literal["rejected"], Rejected]]:
+class Screen(Protocol):
+    """A rule over the documents kept, decided from the whole corpus (decontamination's).
+    `ReadCorpus` hands `side_inputs` its file ranges and every parsed document, and applies
+    `rejection` where it keeps the first copy of each doc id: the documents then wait for
+    nothing but the shuffle that keeps them once, and are not held a second time for the rule."""
+
+    def side_inputs(self, ranges: beam.PCollection, parsed: beam.PCollection) -> tuple[beam.pvalue.AsSideInput, ...]:
+        """What `rejection` is given after the document (built once per `ReadCorpus`)."""
+        ...
+
+    @staticmethod
+    def rejection(doc: Document, *side_inputs) -> Rejected | None:
+        """The document's rejection, or None to keep it (a plain function: it runs on the workers)."""
+        ...
+
+
+def _keep_first(
+    keyed, rejection: Callable[..., Rejected | None] | None = None, *side_inputs
+) -> Iterator[Document | beam.pvalue.TaggedOutput[Literal["rejected"], Rejected]]:
     """A document joined with the first copy of its doc id, when it is not that copy -> the
-    document, or its rejection naming the first copy.
+    document (or the screen's rejection of it), or its rejection naming the first copy.
     (Beam reads a tagged output's type only with its tag as a Literal: _ParseRange.REJECTED.)"""
     _, joined = keyed
     (doc,) = joined["document"]
     first = list(joined["first_copy"])
     if not first:
-        yield doc
+        refused = rejection(doc, *side_inputs) if rejection is not None else None
+        if refused is None:
+            yield doc
+        else:
+            Metrics.counter(METRICS_NAMESPACE, f"rejected_{refused.reason}").inc()
+            yield beam.pvalue.TaggedOutput(_ParseRange.REJECTED, refused)
         return
     Metrics.counter(METRICS_NAMESPACE, "rejected_duplicate_id").inc()
     yield beam.pvalue.TaggedOutput(
@@ -104,18 +128,21 @@ class SplitFiles(beam.PTransform):
 class ReadCorpus(beam.PTransform):
     """Files matched by a CorpusConfig (of them, `only` these paths) -> (documents, rejected,
     the files read as `InputFile`s); doc ids are unique. `only` keeps the globs' bases, so
-    documents get the identities they would get in a read of all the files."""
+    documents get the identities they would get in a read of all the files. With a `screen`,
+    the documents it rejects are among the rejected instead."""
 
     def __init__(
         self,
         cfg: CorpusConfig,
         match: bool = True,
         split_bytes: int = SPLIT_BYTES,
+        screen: Screen | None = None,
         only: frozenset[str] | None = None,
     ):
         super().__init__()
         self.cfg = cfg
         self.split_bytes = split_bytes
+        self.screen = screen
         self.only = only
         if match:  # at construction: a glob that matches nothing fails early (a dry run lists no files)
             check_globs_match(cfg)
@@ -131,13 +158,18 @@ class ReadCorpus(beam.PTransform):
             | "OnlyThese" >> beam.Filter(lambda listed: only is None or listed[0] in only)
             | "FileSizes" >> beam.MapTuple(lambda path, match: (path, match[1], match[2]))
         )
-        parsed = (
+        ranges = (
             files
             | "SpreadFiles" >> beam.Reshuffle()
             | "SplitFiles" >> SplitFiles(self.cfg, self.split_bytes)
             | "SpreadRanges" >> beam.Reshuffle()
-            | "ParseRanges" >> beam.ParDo(_ParseRange(self.cfg)).with_outputs(_ParseRange.REJECTED, main="documents")
         )
+        parsed = ranges | "ParseRanges" >> beam.ParDo(_ParseRange(self.cfg)).with_outputs(
+            _ParseRange.REJECTED, main="documents"
+        )
+        rejection, side_inputs = None, ()
+        if self.screen is not None:
+            rejection, side_inputs = self.screen.rejection, self.screen.side_inputs(ranges, parsed.documents)
         # only (source, position) is grouped by doc id; the texts are joined back one by one
         first_copies = (
             parsed.documents
@@ -151,7 +183,8 @@ class ReadCorpus(beam.PTransform):
                 "first_copy": first_copies,
             }
             | "JoinFirstCopies" >> beam.CoGroupByKey()
-            | "DropDuplicateIds" >> beam.FlatMap(_keep_first).with_outputs(_ParseRange.REJECTED, main="documents")
+            | "DropDuplicateIds"
+            >> beam.FlatMap(_keep_first, rejection, *side_inputs).with_outputs(_ParseRange.REJECTED, main="documents")
         )
         rejected = (parsed.rejected, unique.rejected) | "MergeRejected" >> beam.Flatten()
         read = files | "FilesRead" >> beam.MapTuple(lambda path, _base, size: InputFile(path=path, bytes=size))

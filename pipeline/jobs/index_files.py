@@ -15,6 +15,7 @@ from pipeline.common.models import (
     embedding_dim,
 )
 from pipeline.common.tally import counted
+from pipeline.corpus.records import NEAR_DUPLICATE
 from pipeline.index.build import INDEX_FILE
 from pipeline.index.build_info import BUILD_INFO_FILE, BuildInfo
 from pipeline.index.deleted import DELETED_DIR, DeletedRanges, read_deleted
@@ -73,13 +74,17 @@ def _rejected_tally(rejected, label: str):
     return rejected | label >> beam.Map(lambda r: (f"rejected_{r.reason}", 1))
 
 
+_REFUSED_AFTER_PARSING = ("duplicate_id", NEAR_DUPLICATE)
+
+
 def _documents_read_tally(documents, rejected, prefix: str):
-    """Documents parsed: those kept, plus those refused after parsing (a duplicate id)."""
+    """Documents parsed: those kept, plus those refused after parsing (a duplicate id, a
+    near-duplicate of an evaluation document)."""
     return (
         counted("documents_read", documents, label=f"{prefix}DocumentsKept"),
         rejected
         | f"{prefix}DuplicatesRead"
-        >> beam.FlatMap(lambda r: [("documents_read", 1)] if r.reason == "duplicate_id" else []),
+        >> beam.FlatMap(lambda r: [("documents_read", 1)] if r.reason in _REFUSED_AFTER_PARSING else []),
     )
 
 

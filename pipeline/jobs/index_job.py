@@ -159,7 +159,7 @@ def stage_tallies(corpus: CorpusRead, all_rejected, written: ChunksWritten, pad:
     """The counters of a job that reads, chunks and embeds: (name, count) summed."""
     chunks = written.chunks
     return (
-        *_documents_read_tally(corpus.read, all_rejected, "Index"),
+        *_documents_read_tally(corpus.documents, all_rejected, "Index"),
         corpus.tallies,
         _rejected_tally(all_rejected, "TallyRejected"),
         chunks

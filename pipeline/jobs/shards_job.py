@@ -211,7 +211,7 @@ def _build_shards(
             | "QueryBlocks" >> beam.Map(QueryBlock.of_rows)
         )
         rejected = (corpus.rejected, unusable) | "MergeRejected" >> beam.Flatten()
-        read_tallies = (*_documents_read_tally(corpus.read, rejected, "Training"), corpus.tallies)
+        read_tallies = (*_documents_read_tally(corpus.documents, rejected, "Training"), corpus.tallies)
     sequences = training_chunks | "PackSequences" >> PackSequences(L, tok.pad_id)
     spans = pipeline | "DocumentSpans" >> DocumentSpans(fileio.join(idx, "chunks", "*.parquet"), validate=not dry_run)
     # a dry run without a committed index builds the graph of one index file
