@@ -254,7 +254,11 @@ class Generation(_Model):
     each append the next (docs/design.md §8, "Appending")."""
 
     number: int
-    inputs: list[InputFile] = Field(description="The corpus files this generation read.")
+    inputs: list[InputFile] = Field(description="The corpus files this generation read (new, or changed since).")
+    removed_inputs: list[str] = Field(
+        default_factory=list,
+        description="Corpus files gone since an earlier generation read them: their documents deleted.",
+    )
     first_chunk_id: int = Field(description="Its chunks are first_chunk_id ... first_chunk_id + num_chunks - 1.")
     num_chunks: int
     num_documents: int

@@ -134,7 +134,7 @@ def check_chunk_boundaries(index: IndexFacts, ends: list[ChunkFileEnds]) -> None
 def check_generations(directory: str, generations: list[Generation], chunks: ChunkFiles, num_documents: int) -> None:
     """An index's generations (none: an older manifest) follow each other: numbered 0, 1, …,
     each chunk-id range starting where the one before ended and at a chunk file's first row,
-    together the manifest's chunks and documents, no corpus file read twice."""
+    together the manifest's chunks and documents."""
     if not generations:
         return
     _require(
@@ -157,8 +157,6 @@ def check_generations(directory: str, generations: list[Generation], chunks: Chu
         f"documents, the manifest {chunks.num_chunks} and {num_documents}",
         "manifest",
     )
-    paths = [f.path for g in generations for f in g.inputs]
-    _require(len(set(paths)) == len(paths), f"{directory}: a corpus file is in two generations", "manifest")
 
 
 def check_document_runs(index: IndexFacts, runs: int, distinct: int, files: int) -> None:

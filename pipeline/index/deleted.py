@@ -13,7 +13,9 @@ import numpy as np
 import pyarrow as pa
 
 DELETED_DIR = "deleted"
-DELETE_REQUESTED, REPLACED = "delete_requested", "replaced"  # why a document was deleted
+# why a document was deleted: asked for; an appended document has its id; its corpus file changed
+# or went, and no longer holds it
+DELETE_REQUESTED, REPLACED, NOT_IN_ITS_FILE = "delete_requested", "replaced", "not_in_its_file"
 
 
 @dataclass(frozen=True)
@@ -21,7 +23,7 @@ class DeletedDocument:
     doc_id: int
     first_chunk_id: int
     num_chunks: int
-    reason: str  # DELETE_REQUESTED, or REPLACED by an appended document with its id
+    reason: str  # DELETE_REQUESTED, REPLACED or NOT_IN_ITS_FILE
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from pipeline.index.build import INDEX_FILE
 from pipeline.index.deleted import (
     DELETE_REQUESTED,
     DELETED_DIR,
+    NOT_IN_ITS_FILE,
     REPLACED,
     DeletedDocument,
     DeletedRanges,
@@ -34,14 +35,16 @@ from pipeline.index.deleted import (
     read_deleted,
 )
 from pipeline.index.files import read_index, write_index
+from pipeline.index.sources import documents_of, sources_files
 from pipeline.jobs.commit import REJECTED_STAGING, StageError
 from pipeline.jobs.index_files import _index_staged
-from pipeline.jobs.index_job import chunk_and_embed, stage_tallies
+from pipeline.jobs.index_job import chunk_and_embed, stage_tallies, write_sources
 from pipeline.jobs.job import Job, Submitted, Tokenization, _sorted_entries, index_dir
 from pipeline.jobs.options import encoder_threads
+from pipeline.jobs.reuse import CorpusChanges
 from pipeline.retrieve.sequences import widest_span
 from schemas.config import PipelineConfig
-from schemas.manifest import FileEntry, Generation, IndexManifest, InputFile, PrecisionCheck
+from schemas.manifest import FileEntry, Generation, IndexManifest, PrecisionCheck
 
 log = logging.getLogger("ratrain")
 
@@ -80,17 +83,19 @@ def replacing(keyed):
 
 def deletions(keyed):
     """A doc id joined with its run in the index and the requests to delete it -> a
-    DeletedDocument; a delete request for an id the index does not hold -> NOT_FOUND."""
+    DeletedDocument (the reason: replaced, else asked for, else its file changed or went); a
+    request by `--delete` for an id the index does not hold -> NOT_FOUND."""
     doc_id, joined = keyed
     reasons = set(joined[DELETE])
     if not reasons:
         return
     runs = list(joined[RUN])
     if not runs:
-        yield beam.pvalue.TaggedOutput(NOT_FOUND, doc_id)
+        if DELETE_REQUESTED in reasons:
+            yield beam.pvalue.TaggedOutput(NOT_FOUND, doc_id)
         return
     first, end = widest_span(runs)
-    reason = REPLACED if REPLACED in reasons else DELETE_REQUESTED
+    reason = next(r for r in (REPLACED, DELETE_REQUESTED, NOT_IN_ITS_FILE) if r in reasons)
     yield DeletedDocument(doc_id, first, end - first, reason)
 
 
@@ -154,7 +159,7 @@ def _changed_manifest(
     tallies: dict[str, int],
     precision: PrecisionCheck,
     previous: IndexManifest,
-    new_files: list[InputFile],
+    changes: CorpusChanges,
     cfg: PipelineConfig,
 ) -> IndexManifest:
     kept = [e for e in previous.files if not e.path.startswith("faiss/")]
@@ -162,7 +167,8 @@ def _changed_manifest(
     deleted_chunks = sum(d.num_chunks for d in deleted_now)
     generation = Generation(
         number=len(previous.generations),
-        inputs=sorted(new_files, key=lambda f: f.path),
+        inputs=changes.to_read,
+        removed_inputs=changes.gone,
         first_chunk_id=previous.num_chunks,
         num_chunks=num_chunks,
         num_documents=tallies.get("documents_chunked", 0),
@@ -200,25 +206,29 @@ def change_index(
     cfg: PipelineConfig,
     previous: IndexManifest,
     previous_sha256: str,
-    new_files: list[InputFile],
+    changes: CorpusChanges,
     beam_args: list[str],
     delete: tuple[str, ...] = (),
     detach: bool = False,
 ) -> IndexManifest | Submitted:
-    """The committed index's next generation: the documents of `new_files` (corpus files no
-    generation read) appended (chunk ids from `previous.num_chunks`, chunk and embedding files
+    """The committed index's next generation: the documents of the new and changed corpus files
+    (`changes`) appended (chunk ids from `previous.num_chunks`, chunk and embedding files
     numbered after the last, vectors added to the trained index), each replacing the indexed
-    document of its id; and the documents whose identities `delete` names deleted. Its commit
-    fails if the committed manifest is no longer the one `previous_sha256` names."""
+    document of its id; the documents of changed and gone files that they no longer hold, and
+    those whose identities `delete` names, deleted. Its commit fails if the committed manifest
+    is no longer the one `previous_sha256` names."""
     directory = index_dir(cfg)
     number = len(previous.generations)
     if delete and "HNSW" in previous.index_factory and "IVF" not in previous.index_factory:
         raise StageError(f"{directory}: an HNSW index cannot remove vectors; delete by rebuilding (--force)")
     log.info(
-        "build-index: generation %d of %s: %d new corpus file(s), %d document(s) to delete (%s chunks there)",
+        "build-index: generation %d of %s: %d new, %d changed and %d gone corpus file(s), %d document(s) to delete "
+        "(%s chunks there)",
         number,
         directory,
-        len(new_files),
+        len(changes.new),
+        len(changes.changed),
+        len(changes.gone),
         len(delete),
         f"{previous.num_chunks:,}",
     )
@@ -240,7 +250,7 @@ def change_index(
     threads = encoder_threads(cfg.embedding.cpu_threads, cfg.embedding.device, pipeline.options)
     ranges = ChunkFileRanges.from_entries(directory, previous.files)
     corpus = pipeline | "ReadNewFiles" >> ReadCorpusKeptClean(
-        cfg, "retrieval", only=frozenset(f.path for f in new_files)
+        cfg, "retrieval", only=frozenset(f.path for f in changes.to_read)
     )
     already = read_deleted(deleted_files(directory, previous.files))
     runs = (
@@ -254,19 +264,19 @@ def change_index(
         | "JoinIndexed" >> beam.CoGroupByKey()
         | "Replacing" >> beam.FlatMap(replacing).with_outputs(REPLACED_TAG, main="documents")
     )
+    stale_files = frozenset([f.path for f in changes.changed] + changes.gone)
     requests = (
-        pipeline | "DeleteRequests" >> beam.Create(sorted({doc_id_for(identity) for identity in delete})),
-        fresh[REPLACED_TAG],
+        pipeline
+        | "DeleteRequests" >> beam.Create(sorted({doc_id_for(identity) for identity in delete}))
+        | "Requested" >> beam.Map(lambda doc_id: (doc_id, DELETE_REQUESTED)),
+        fresh[REPLACED_TAG] | "Replaced" >> beam.Map(lambda doc_id: (doc_id, REPLACED)),
+        pipeline
+        | "SourcesFiles" >> beam.Create(sources_files(directory, previous.files) if stale_files else [])
+        | "DocumentsOfStaleFiles" >> beam.FlatMap(documents_of, stale_files)
+        | "NotInItsFile" >> beam.MapTuple(lambda doc_id, _source: (doc_id, NOT_IN_ITS_FILE)),
     )
     deleted = (
-        {
-            RUN: runs,
-            DELETE: (
-                requests[0] | "Requested" >> beam.Map(lambda doc_id: (doc_id, DELETE_REQUESTED)),
-                requests[1] | "Replaced" >> beam.Map(lambda doc_id: (doc_id, REPLACED)),
-            )
-            | "AllRequests" >> beam.Flatten(),
-        }
+        {RUN: runs, DELETE: requests | "AllRequests" >> beam.Flatten()}
         | "JoinRequests" >> beam.CoGroupByKey()
         | "Deletions" >> beam.FlatMap(deletions).with_outputs(NOT_FOUND, main="deleted")
     )
@@ -300,7 +310,13 @@ def change_index(
         | "OneWriter" >> beam.Create([None])
         | "WriteDeleted" >> beam.FlatMap(lambda _, docs: _write_deleted(docs, staging, number), deleted_now)
     )
-    entries = (written.chunk_files, written.embedding_files, deleted_files_written) | "FileEntries" >> beam.Flatten()
+    sources = corpus.documents | "WriteSources" >> write_sources(staging, number)
+    entries = (
+        written.chunk_files,
+        written.embedding_files,
+        deleted_files_written,
+        sources,
+    ) | "FileEntries" >> beam.Flatten()
     manifest = (
         entries
         | "GatherEntries" >> beam.combiners.ToList()
@@ -312,7 +328,7 @@ def change_index(
             beam.pvalue.AsDict(tallies | "SumTallies" >> beam.CombinePerKey(sum)),
             beam.pvalue.AsSingleton(written.precision),
             previous,
-            new_files,
+            changes,
             cfg,
         )
     )

@@ -24,6 +24,7 @@ from pipeline.common.writers import WriteGroupedFiles, WriteRejected, chunks_tab
 from pipeline.decontaminate.beam import CorpusRead, ReadCorpusKeptClean
 from pipeline.index.build import BuildIndex
 from pipeline.index.build_info import BuildInfo
+from pipeline.index.sources import SOURCES_DIR, bucket_of_source, sources_prefix, sources_table
 from pipeline.jobs.commit import REJECTED_STAGING, StageError
 from pipeline.jobs.index_files import (
     _documents_read_tally,
@@ -155,6 +156,19 @@ def chunk_and_embed(
     return ChunksWritten(chunks, unusable, chunk_files, embeddings, embedding_files, precision)
 
 
+def write_sources(staging: str, generation: int) -> beam.PTransform:
+    """Documents -> the generation's sources files (which corpus file each came from)."""
+    return beam.Map(lambda d: (d.doc_id, d.source)) | WriteGroupedFiles(
+        fileio.join(staging, SOURCES_DIR),
+        staging,
+        sources_prefix(generation),
+        "parquet",
+        key=bucket_of_source,
+        rows_per_file=1,
+        to_bytes=lambda rows: parquet_bytes(sources_table(rows)),
+    )
+
+
 def stage_tallies(corpus: CorpusRead, all_rejected, written: ChunksWritten, pad: int):
     """The counters of a job that reads, chunks and embeds: (name, count) summed."""
     chunks = written.chunks
@@ -202,8 +216,8 @@ def build_index(
             from pipeline.jobs.append_job import change_index
 
             assert previous_sha is not None  # read with the manifest
-            new_files = corpus_changes(previous, listed)[0]
-            return change_index(cfg, previous, previous_sha, new_files, beam_args, delete, detach)
+            changes = corpus_changes(previous, listed)
+            return change_index(cfg, previous, previous_sha, changes, beam_args, delete, detach)
         if delete:
             raise StageError(
                 f"{index_dir(cfg)}: documents can be deleted only from an index that matches the config "
@@ -255,7 +269,8 @@ def build_index(
         fileio.join(staging, REJECTED_STAGING), "build-index"
     )
     tallies = stage_tallies(corpus, all_rejected, written, tok.pad_id)
-    entries = (written.chunk_files, written.embedding_files) | "FileEntries" >> beam.Flatten()
+    sources = corpus.documents | "WriteSources" >> write_sources(staging, 0)
+    entries = (written.chunk_files, written.embedding_files, sources) | "FileEntries" >> beam.Flatten()
     manifest = (
         entries
         | "GatherEntries" >> beam.combiners.ToList()

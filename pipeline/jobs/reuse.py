@@ -11,6 +11,7 @@ manifest they were built from both match.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Literal, TypeVar
 
 from pydantic import BaseModel
@@ -18,6 +19,7 @@ from pydantic import BaseModel
 from pipeline.common import fileio
 from pipeline.corpus.parse import match_corpus
 from pipeline.index.build import INDEX_FILE
+from pipeline.index.sources import SOURCES_DIR
 from schemas.config import PipelineConfig
 from schemas.manifest import MANIFEST_FILE, IndexManifest, InputFile, ShardsManifest, read_manifest
 
@@ -57,16 +59,9 @@ def index_action(
     if previous is None:
         return "build"
     if listed is not None and previous.generations:
-        new, changed = corpus_changes(previous, listed)
-        if changed:
-            log.info(
-                "build-index: %d corpus file(s) changed or went since the index read them, e.g. %s",
-                len(changed),
-                changed[0],
-            )
-            return "build"
-        if new:
-            return "append" if appendable(cfg, previous) else "build"
+        changes = corpus_changes(previous, listed)
+        if changes:
+            return "append" if appendable(cfg, previous, changes) else "build"
     if previous.config_hash == cfg.index_hash():
         return "reuse"
     return "rebuild_faiss" if previous.embed_config_hash == cfg.embed_hash() else "build"
@@ -77,17 +72,47 @@ def listed_corpus_files(cfg: PipelineConfig) -> list[InputFile]:
     return [InputFile(path=path, bytes=size) for path, _, size in match_corpus(cfg.retrieval_corpus)]
 
 
-def corpus_changes(previous: IndexManifest, listed: list[InputFile]) -> tuple[list[InputFile], list[str]]:
-    """(files listed now that no generation read, paths read then that are gone or of another size now)."""
-    read = {f.path: f.bytes for generation in previous.generations for f in generation.inputs}
-    now = {f.path: f.bytes for f in listed}
-    changed = sorted(path for path, size in read.items() if now.get(path) != size)
-    return [f for f in listed if f.path not in read], changed
+@dataclass(frozen=True)
+class CorpusChanges:
+    """The corpus files now against those the index holds the documents of."""
+
+    new: list[InputFile]  # no generation read them
+    changed: list[InputFile]  # read, but of another size now: read again, their documents replaced
+    gone: list[str]  # read, and matched no more: their documents deleted
+
+    def __bool__(self) -> bool:
+        return bool(self.new or self.changed or self.gone)
+
+    @property
+    def to_read(self) -> list[InputFile]:
+        return sorted(self.new + self.changed, key=lambda f: f.path)
 
 
-def appendable(cfg: PipelineConfig, previous: IndexManifest) -> bool:
-    """New files can be appended: documents become chunks and embeddings as they did
-    (`encoding_hash`), the index settings are the same, and the index is one file."""
+def indexed_files(previous: IndexManifest) -> dict[str, int]:
+    """{path: bytes} of the corpus files whose documents the index holds: every generation's
+    inputs (a later reading of a file replaces an earlier), less the files gone since."""
+    files: dict[str, int] = {}
+    for generation in previous.generations:
+        files.update({f.path: f.bytes for f in generation.inputs})
+        for path in generation.removed_inputs:
+            files.pop(path, None)
+    return files
+
+
+def corpus_changes(previous: IndexManifest, listed: list[InputFile]) -> CorpusChanges:
+    indexed = indexed_files(previous)
+    return CorpusChanges(
+        [f for f in listed if f.path not in indexed],
+        [f for f in listed if f.path in indexed and indexed[f.path] != f.bytes],
+        sorted(set(indexed) - {f.path for f in listed}),
+    )
+
+
+def appendable(cfg: PipelineConfig, previous: IndexManifest, changes: CorpusChanges) -> bool:
+    """The changes can be applied to the index (else it is built from scratch): documents
+    become chunks and embeddings as they did (`encoding_hash`), the index settings are the
+    same, the index is one file, and for changed or gone files, it knows which documents came
+    from them (its sources files)."""
     if previous.encoding_config_hash != cfg.encoding_hash():
         log.info("build-index: the corpus grew, but the settings changed since the index was built")
         return False
@@ -95,7 +120,10 @@ def appendable(cfg: PipelineConfig, previous: IndexManifest) -> bool:
         log.info("build-index: the corpus grew, but index.* changed since the index was built")
         return False
     if [f.path for f in previous.files if f.path.startswith("faiss/")] != [f"faiss/{INDEX_FILE}"]:
-        log.warning("build-index: the corpus grew; appending to an index in slices is not built yet, so it is rebuilt")
+        log.warning("build-index: the corpus changed; changing an index in slices is not built yet, so it is rebuilt")
+        return False
+    if (changes.changed or changes.gone) and not any(f.path.startswith(f"{SOURCES_DIR}/") for f in previous.files):
+        log.info("build-index: corpus files changed or went, and the index does not record its documents' files")
         return False
     return True
 

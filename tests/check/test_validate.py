@@ -282,7 +282,6 @@ def test_generations_must_follow_each_other_from_file_boundaries():
         "mid-file": [_generation(0, 0, 12, 3, "a"), _generation(1, 12, 13, 2, "b")],
         "documents": [good[0], _generation(1, 15, 10, 1, "b")],
         "numbers": [good[0], _generation(2, 15, 10, 2, "b")],
-        "file read twice": [good[0], _generation(1, 15, 10, 2, "a")],
     }
     for case, generations in wrong.items():
         with pytest.raises(ValidationFailed):

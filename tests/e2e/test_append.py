@@ -68,7 +68,7 @@ def test_an_append_reads_only_the_new_files_and_keeps_what_was_written(tmp_path)
         if not path.startswith("faiss/"):
             assert after[path] == entry
     added = sorted(set(after) - set(before))
-    assert added and all(p.startswith(("chunks/", "embeddings/", "deleted/")) for p in added)
+    assert added and all(p.startswith(("chunks/", "embeddings/", "deleted/", "sources/")) for p in added)
 
     # the repeated document replaces the indexed one: its old chunks are deleted
     assert (latest.deleted_documents, grown.deleted_documents) == (1, 1)
@@ -170,19 +170,40 @@ def test_deleted_documents_are_in_no_neighbour_and_no_sequence(tmp_path):
         validate_path(str(out))
 
 
-def test_a_changed_file_or_other_settings_rebuild_instead_of_appending(tmp_path):
-    write_jsonl(tmp_path / "corpus" / "a.jsonl", sample_documents(12))
-    config = small_config(tmp_path / "out", str(tmp_path / "corpus" / "*.jsonl"), index={"type": "Flat"})
+def test_a_changed_or_gone_file_has_its_documents_replaced_or_deleted(tmp_path):
+    docs = sample_documents(24)
+    write_jsonl(tmp_path / "corpus" / "a.jsonl", docs[:12])
+    write_jsonl(tmp_path / "corpus" / "b.jsonl", docs[12:])
+    out = tmp_path / "out"
+    config = small_config(out, str(tmp_path / "corpus" / "*.jsonl"), index={"type": "Flat"})
     cfg = config_from_dict(config)
     run_all(cfg, [])
-    base = committed(str(tmp_path / "out" / "index"), IndexManifest)
+    base = committed(str(out / "index"), IndexManifest)
     assert base is not None
-    write_jsonl(tmp_path / "corpus" / "b.jsonl", sample_documents(4, start=12))
-    assert index_action(cfg, base, listed_corpus_files(cfg)) == "append"
-    other_chunks = config_from_dict({**config, "chunk_tokens": 16})
+    other_chunks = config_from_dict({**config, "chunk_tokens": 16})  # other settings: from scratch
+    write_jsonl(tmp_path / "corpus" / "c.jsonl", sample_documents(4, start=24))
     assert index_action(other_chunks, base, listed_corpus_files(other_chunks)) == "build"
-    write_jsonl(tmp_path / "corpus" / "a.jsonl", sample_documents(11))  # a file read before, now shorter
-    assert index_action(cfg, base, listed_corpus_files(cfg)) == "build"
+    (tmp_path / "corpus" / "c.jsonl").unlink()
+
+    # a.jsonl: one document dropped, one rewritten, the rest as they were; b.jsonl gone
+    rewritten = {**docs[1], "text": sample_documents(1, start=60)[0]["text"]}
+    write_jsonl(tmp_path / "corpus" / "a.jsonl", [docs[0], rewritten] + docs[3:12])
+    (tmp_path / "corpus" / "b.jsonl").unlink()
+    changes = corpus_changes(base, listed_corpus_files(cfg))
+    assert [f.path for f in changes.changed] == [str(tmp_path / "corpus" / "a.jsonl")] and not changes.new
+    assert changes.gone == [str(tmp_path / "corpus" / "b.jsonl")]
+    assert index_action(cfg, base, listed_corpus_files(cfg)) == "append"
+    run_all(cfg, [])
+    changed = committed(str(out / "index"), IndexManifest)
+    assert changed is not None
+    latest = changed.generations[-1]
+    assert latest.removed_inputs == [str(tmp_path / "corpus" / "b.jsonl")]
+    deleted = read_deleted([str(p) for p in sorted((out / "index" / "deleted").glob("*.parquet"))])
+    # every document of the two files was deleted: a.jsonl's 11 read again replace theirs
+    assert sorted(deleted.doc_ids.tolist()) == sorted(doc_id_for(d["id"]) for d in docs)
+    assert latest.num_documents == 11 and changed.num_documents - changed.deleted_documents == 11
+    assert all(line.startswith("OK") for line in validate_path(str(out)))
+    assert index_action(cfg, changed, listed_corpus_files(cfg)) == "reuse"
 
 
 def test_of_two_changes_built_on_one_manifest_the_second_commits_nothing(tmp_path):
@@ -197,9 +218,9 @@ def test_of_two_changes_built_on_one_manifest_the_second_commits_nothing(tmp_pat
     first = build_index(cfg, [])  # the first change commits
     assert isinstance(first, IndexManifest) and len(first.generations) == 2
     write_jsonl(tmp_path / "corpus" / "c.jsonl", sample_documents(6, start=18))
-    new_files = corpus_changes(base, listed_corpus_files(cfg))[0]
+    changes = corpus_changes(base, listed_corpus_files(cfg))
     with pytest.raises(StageError, match="changed while this job ran"):
-        change_index(cfg, base, base_sha, new_files, [])
+        change_index(cfg, base, base_sha, changes, [])
     assert committed(str(out / "index"), IndexManifest) == first  # the first change stands, whole
     assert all(line.startswith("OK") for line in validate_path(str(out / "index")))
     assert not (out / ".staging").exists()
