@@ -335,6 +335,11 @@ def main() -> None:
     parser.add_argument("--entities", type=int, default=ENTITIES)
     parser.add_argument("--held-out", type=int, default=HELD_OUT)
     parser.add_argument("--out", default="out/experiment")
+    parser.add_argument(
+        "--reuse-checkpoints",
+        action="store_true",
+        help="Keep the two checkpoints a run with the same settings left in --out instead of training them again.",
+    )
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from trainer.evaluate import main as evaluate_main
@@ -353,10 +358,12 @@ def main() -> None:
     val = build(out / "val", [corpora["retrieval"]], corpora["val"], index_from=out / "train")
     lap("build index and shards")
     model, plain = out / "retrieval.pt", out / "no_retrieval.pt"
-    train(shards, model, args.steps, retrieval=True, vocab_size=len(vocab))
-    lap("train with retrieval")
-    train(shards, plain, args.steps, retrieval=False, vocab_size=len(vocab))
-    lap("train without retrieval")
+    if not (args.reuse_checkpoints and model.exists()):
+        train(shards, model, args.steps, retrieval=True, vocab_size=len(vocab))
+        lap("train with retrieval")
+    if not (args.reuse_checkpoints and plain.exists()):
+        train(shards, plain, args.steps, retrieval=False, vocab_size=len(vocab))
+        lap("train without retrieval")
 
     held = countries[len(countries) - args.held_out :]
     retrieval = score_facts(model, val, vocab, held, {})

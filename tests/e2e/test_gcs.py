@@ -2,8 +2,10 @@
 commits its outputs to a bucket through Beam's FileSystems, `validate` checks them there, and the
 trainer streams the shards from there."""
 
+import io
 import json
 
+import pyarrow.parquet as pq
 import pytest
 
 from pipeline.check.validate import validate_path
@@ -35,8 +37,10 @@ def test_run_on_gcs_gives_the_local_bytes_and_streams_to_the_trainer(gcs, built_
     remote = _blobs(gcs, "ratrain-e2e", "out")
     local = {p.relative_to(root / "out").as_posix(): p.read_bytes() for p in (root / "out").rglob("*") if p.is_file()}
 
-    def same(key):  # query speed is measured per run; rejected records name their source
-        return not (key.endswith(("manifest.json", "build_info.json")) or key.startswith("rejected/"))
+    def same(key):  # query speed is measured per run; rejected records and sources files name their source
+        return not (
+            key.endswith(("manifest.json", "build_info.json")) or key.startswith(("rejected/", "index/sources/"))
+        )
 
     assert not any(k.startswith(".staging/") for k in remote)
     assert {k: v for k, v in remote.items() if same(k)} == {k: v for k, v in local.items() if same(k)}
@@ -48,6 +52,8 @@ def test_run_on_gcs_gives_the_local_bytes_and_streams_to_the_trainer(gcs, built_
     ]
     assert len(rejected) == len(read_rejected(root / "out", "build-index"))
     assert all(r["source"].startswith("gs://ratrain-e2e/corpus/") for r in rejected)
+    sources = [pq.read_table(io.BytesIO(data)) for key, data in remote.items() if key.startswith("index/sources/")]
+    assert sources and all(s.startswith("gs://ratrain-e2e/corpus/") for t in sources for s in t["source"].to_pylist())
 
     lines = validate_path(f"{bucket}/out")
     assert len(lines) == 2 and all(line.startswith("OK") for line in lines)
