@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import xxhash
-from datasketch import MinHash
 
 WORD = re.compile(r"\w+")
 SHINGLE_BLOCK = 4096  # shingles permuted at once: a block holds [SHINGLE_BLOCK, num_perm] uint64
@@ -89,11 +88,14 @@ class Signer:
 
     def __init__(self, num_perm: int, seed: int):
         self.num_perm, self.seed = num_perm, seed
+        from datasketch import MinHash  # here: it imports scipy, which no job without decontamination needs
+
+        self.minhash = MinHash
         self.permutations = MinHash(num_perm=num_perm, seed=seed, scheme="affine64").permutations
 
     def signature(self, shingle_hashes: np.ndarray) -> np.ndarray:
         """uint64 [num_perm]: the MinHash of the shingles (all values the maximum when none)."""
-        minhash = MinHash(
+        minhash = self.minhash(
             num_perm=self.num_perm,
             seed=self.seed,
             scheme="affine64",
