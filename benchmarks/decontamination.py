@@ -284,6 +284,7 @@ def main() -> None:
     parser.add_argument("--workdir", help="kept (the docstring corpus is made once); default: a temp dir")
     parser.add_argument("--skip-embed", action="store_true", help="leave out the cost comparison")
     parser.add_argument("--memory-only", action="store_true", help="only part 3, the largest worker's memory")
+    parser.add_argument("--skip-memory", action="store_true", help="leave out part 3")
     parser.add_argument("--output", default=str(RESULTS))
     args = parser.parse_args()
     from pipeline.embed.encoder import cpu_summary
@@ -328,7 +329,8 @@ def main() -> None:
                 f"{stage / embedding:.3f}x the embedding's {embedding:.1f} s"
             )
         results["corpora"][name] = entry
-    results["memory"] = memory(work, docstrings, sample)
+    if not args.skip_memory:
+        results["memory"] = memory(work, docstrings, sample)
     write_results(results, args.output)
     if temp is not None:
         temp.cleanup()
