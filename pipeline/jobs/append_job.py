@@ -126,11 +126,10 @@ def _change_index(
         for e in sorted(previous.files, key=lambda e: file_number(e.path))
         if e.path.startswith("embeddings/")
     ]
-    deleted = DeletedRanges.concatenate(
-        [read_deleted(deleted_files(directory, previous.files)), DeletedRanges.of(deleted_now)]
-    )
+    now = DeletedRanges.of(deleted_now)
+    deleted = DeletedRanges.concatenate([read_deleted(deleted_files(directory, previous.files)), now])
     index = read_index(fileio.join(directory, "faiss", INDEX_FILE))
-    removed = remove_deleted(index, DeletedRanges.of(deleted_now))
+    removed = remove_deleted(index, now)
     added = add_in_file_order(index, new_paths)
     query_ids, queries = sampled_vectors(new_paths, sample, added)
     recall = new_vector_recall(index, previous.nprobe, query_ids, queries, old_paths + new_paths, deleted)

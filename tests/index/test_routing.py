@@ -116,7 +116,7 @@ def test_slice_count_bounds_every_slice():
 
 
 def test_an_exact_tie_across_slices_keeps_the_lowest_id_where_one_index_keeps_the_first_list_probed():
-    """The one place routed slices differ from one index (README "Index slices"): two vectors
+    """The one place routed slices differ from one index (docs/scale.md, "Index slices"): two vectors
     of exactly the same score in different lists owned by different slices."""
     quantizer = faiss.IndexFlatIP(2)
     quantizer.add(np.array([[0.65, 0.76], [0.6, -0.8]], np.float32))  # the query's nearer list first
