@@ -243,10 +243,26 @@ ENCODER_THREADS = Field(
 
 
 class InputFile(_Model):
-    """A corpus file as read: where, and its size then (a file that changed size is not the one read)."""
+    """A corpus file as read: where, and its size and modification time then (a file listed
+    with another size or time is not the one read)."""
 
     path: str = Field(description="As the corpus glob matched it.")
     bytes: int
+    modified: float | None = Field(
+        default=None, description="Last modified, seconds since the epoch, as the filesystem listed it."
+    )
+
+    @classmethod
+    def listed(cls, listed) -> InputFile:
+        """From a corpus listing (`pipeline.corpus.parse.ListedFile`)."""
+        return cls(path=listed.path, bytes=listed.size, modified=listed.modified)
+
+    def changed_in(self, now: InputFile) -> bool:
+        """Whether the file listed `now` is not this one as read: another size, or (both known)
+        another modification time, as rsync's quick check decides."""
+        if self.bytes != now.bytes:
+            return True
+        return self.modified is not None and now.modified is not None and self.modified != now.modified
 
 
 class Generation(_Model):

@@ -157,14 +157,30 @@ class CommittedChunkFiles:
     def read(self, number: int, columns: list[str]) -> dict[str, np.ndarray]:
         return self.ranges.read(number, columns)
 
+    def check_unchanged(self) -> None:
+        """Read the index manifest again: an error if it is no longer the one the job was built
+        against. A change's commit deletes the manifest before it replaces any index file, so a
+        file loaded before this check passes is the one this manifest describes."""
+        if fileio.manifest_sha256(self.directory) != self.manifest_sha256:
+            raise _changed(self.directory)
+
+
+def _changed(directory: str) -> ValueError:
+    from schemas.manifest import MANIFEST_FILE
+
+    return ValueError(
+        f"{fileio.join(directory, MANIFEST_FILE)} changed while a job was reading the index it describes: "
+        "run the job again"
+    )
+
 
 @functools.lru_cache(maxsize=2)
 def _committed_ranges(directory: str, manifest_sha256: str) -> ChunkFileRanges:
     from schemas.manifest import MANIFEST_FILE, IndexManifest, read_manifest
 
     path = fileio.join(directory, MANIFEST_FILE)
-    data = fileio.read_bytes(path)
+    data = fileio.read_bytes(path) if fileio.exists(path) else b""
     if fileio.sha256_bytes(data) != manifest_sha256:
-        raise ValueError(f"{path} changed while a job was reading the index it describes: run the job again")
+        raise _changed(directory)
     paths, rows = fileio.entry_paths_and_rows(read_manifest(data, path, IndexManifest), directory, "chunks")
     return ChunkFileRanges.from_paths(directory, paths, rows)

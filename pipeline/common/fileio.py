@@ -90,6 +90,14 @@ def sha256_file(path: str, digest=None) -> tuple[str, int]:
     return digest.hexdigest(), size
 
 
+def manifest_sha256(directory: str) -> str | None:
+    """The sha256 of `directory/manifest.json` as it is now (None: there is none): a job that
+    read a committed stage checks it again before it relies on what it read, since a change's
+    commit deletes the manifest before it moves any file."""
+    path = join(directory, MANIFEST_FILE)
+    return sha256_bytes(read_bytes(path)) if exists(path) else None
+
+
 def committed_manifest(directory: str, model=None, *, error=ManifestError):
     """The manifest of a committed directory (local or gs://): `directory/manifest.json` read
     here, parsed and checked by `schemas.manifest.read_manifest` (`model`, `error`: as there),

@@ -15,7 +15,7 @@ import json
 import posixpath
 import re
 from collections.abc import Iterable, Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
@@ -266,19 +266,43 @@ def number_ranges(keyed: tuple[str, Iterable[tuple[FileRange, int]]]) -> Iterato
         before += lines
 
 
-def match_pattern(numbered: tuple[int, str]) -> Iterator[tuple[str, tuple[int, str, int]]]:
-    """(glob number, glob) -> (path, (glob number, glob base, size in bytes)) of every file it
-    matches; an error if it matches none. A file two globs match keeps the first glob's base
-    (`first_glob`)."""
+@dataclass(frozen=True, order=True)
+class GlobMatch:
+    """A file as one corpus glob lists it (ordered by glob number: the first glob's base wins)."""
+
+    glob_number: int
+    base: str  # the glob's base, which the file's document identities are relative to
+    size: int  # bytes
+    modified: float  # seconds since the epoch, as the filesystem gives it
+
+
+@dataclass(frozen=True)
+class ListedFile:
+    """A corpus file to read: its path, the base of the first glob that matched it, and what
+    the listing said of it."""
+
+    path: str
+    base: str
+    size: int
+    modified: float
+
+    @classmethod
+    def of(cls, path: str, match: GlobMatch) -> ListedFile:
+        return cls(path, match.base, match.size, match.modified)
+
+
+def match_pattern(numbered: tuple[int, str]) -> Iterator[tuple[str, GlobMatch]]:
+    """(glob number, glob) -> (path, GlobMatch) of every file it matches; an error if it matches
+    none. A file two globs match keeps the first glob's base (`first_glob`)."""
     number, pattern = numbered
     (result,) = FileSystems.match([pattern])
     if not result.metadata_list:
         raise FileNotFoundError(f"input glob matches no file: {pattern}")
     for meta in result.metadata_list:
-        yield meta.path, (number, glob_base(pattern), meta.size_in_bytes)
+        yield meta.path, GlobMatch(number, glob_base(pattern), meta.size_in_bytes, meta.last_updated_in_seconds)
 
 
-def first_glob(matches: Iterable[tuple[int, str, int]]) -> tuple[int, str, int]:
+def first_glob(matches: Iterable[GlobMatch]) -> GlobMatch:
     return min(matches)
 
 
@@ -290,11 +314,11 @@ def check_globs_match(cfg: CorpusConfig) -> None:
             raise FileNotFoundError(f"input glob matches no file: {pattern}")
 
 
-def match_corpus(cfg: CorpusConfig) -> list[tuple[str, str, int]]:
-    """(path, glob base, size in bytes) of every file the globs match, sorted; error if a glob
-    matches nothing. In one process: a job lists its files inside the job (`ReadCorpus`)."""
-    files: dict[str, list[tuple[int, str, int]]] = {}
+def match_corpus(cfg: CorpusConfig) -> list[ListedFile]:
+    """Every file the globs match, sorted by path; error if a glob matches nothing. In one
+    process: a job lists its files inside the job (`ReadCorpus`)."""
+    files: dict[str, list[GlobMatch]] = {}
     for numbered in enumerate(cfg.paths):
         for path, match in match_pattern(numbered):
             files.setdefault(path, []).append(match)
-    return sorted((path, *first_glob(matches)[1:]) for path, matches in files.items())
+    return [ListedFile.of(path, first_glob(matches)) for path, matches in sorted(files.items())]

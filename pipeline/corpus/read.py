@@ -14,6 +14,7 @@ from apache_beam.metrics import Metrics
 
 from pipeline.corpus.parse import (
     SPLIT_BYTES,
+    ListedFile,
     check_globs_match,
     count_lines,
     first_glob,
@@ -101,7 +102,7 @@ def _keep_first(
 
 
 class SplitFiles(beam.PTransform):
-    """(path, base, size) of input files -> the FileRanges to parse, each numbered: the line
+    """ListedFiles -> the FileRanges to parse, each numbered: the line
     ends of a split JSONL file are counted range by range (in parallel) and summed per file."""
 
     def __init__(self, cfg: CorpusConfig, split_bytes: int = SPLIT_BYTES):
@@ -112,7 +113,12 @@ class SplitFiles(beam.PTransform):
     def expand(self, files):
         ranges = (
             files
-            | "Split" >> beam.FlatMap(lambda file, cfg, most: split_file(*file, cfg, most), self.cfg, self.split_bytes)
+            | "Split"
+            >> beam.FlatMap(
+                lambda file, cfg, most: split_file(file.path, file.base, file.size, cfg, most),
+                self.cfg,
+                self.split_bytes,
+            )
             | "ByNumbering" >> beam.Partition(lambda r, _: int(r.records_before is None), 2)
         )
         numbered = (
@@ -155,8 +161,8 @@ class ReadCorpus(beam.PTransform):
             | "Globs" >> beam.Create(list(enumerate(self.cfg.paths)))
             | "ListFiles" >> beam.FlatMap(match_pattern)
             | "FirstGlobPerFile" >> beam.CombinePerKey(first_glob)
-            | "OnlyThese" >> beam.Filter(lambda listed: only is None or listed[0] in only)
-            | "FileSizes" >> beam.MapTuple(lambda path, match: (path, match[1], match[2]))
+            | "OnlyThese" >> beam.Filter(lambda keyed: only is None or keyed[0] in only)
+            | "Listed" >> beam.MapTuple(ListedFile.of)
         )
         ranges = (
             files
@@ -187,5 +193,5 @@ class ReadCorpus(beam.PTransform):
             >> beam.FlatMap(_keep_first, rejection, *side_inputs).with_outputs(_ParseRange.REJECTED, main="documents")
         )
         rejected = (parsed.rejected, unique.rejected) | "MergeRejected" >> beam.Flatten()
-        read = files | "FilesRead" >> beam.MapTuple(lambda path, _base, size: InputFile(path=path, bytes=size))
+        read = files | "FilesRead" >> beam.Map(InputFile.listed)
         return unique.documents, rejected, read

@@ -71,14 +71,24 @@ def commit_stage(
     replace: tuple[str, ...] | None = None,
     inline_entries: int = INLINE_FILE_ENTRIES,
     replaces: str | None = None,
+    reads: tuple[tuple[str, str], ...] = (),
 ) -> None:
-    """A job's last step: publish its rejected records, refuse a job that rejected too much
-    (staging discarded, nothing committed), else move the staged files into `final` and write
-    the manifest, with the job's timings, last. `clock` names the stage (`stage`) and reads the
-    commit's own clock (`timings(counters)`: `pipeline.jobs.job.StageClock`). The manifest
-    stays a model until here, where it is written: with more than `inline_entries` file
-    entries, they go to its file table (schemas/file_table.py)."""
+    """A job's last step: refuse a job whose inputs changed under it (`reads`: the committed
+    directories it read, with the sha256 of their manifests then), publish its rejected
+    records, refuse a job that rejected too much (staging discarded, nothing committed), else
+    move the staged files into `final` and write the manifest, with the job's timings, last.
+    `clock` names the stage (`stage`) and reads the commit's own clock (`timings(counters)`:
+    `pipeline.jobs.job.StageClock`). The manifest stays a model until here, where it is
+    written: with more than `inline_entries` file entries, they go to its file table
+    (schemas/file_table.py)."""
     data, table = split_entries(manifest, inline_entries)
+    for directory, sha256 in reads:
+        if fileio.manifest_sha256(directory) != sha256:
+            discard_staging(staging)
+            raise StageError(
+                f"{clock.stage}: {fileio.join(directory, MANIFEST_FILE)} changed while this job read it (a change "
+                "was committed there); nothing was committed: run again"
+            )
     if replaces is not None:  # before anything moves: not even its rejected records
         _in_place(final, data, staging, replaces)
     publish_rejected(staging, output)

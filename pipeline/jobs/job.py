@@ -120,8 +120,10 @@ class Job:
         max_rejected_fraction: float = 1.0,
         replace: tuple[str, ...] | None = None,
         replaces: str | None = None,
+        reads: tuple[tuple[str, str], ...] = (),
     ):
         self.output, self.directory, self.model = output, directory, model
+        self.reads = reads
         self.dry_run, self.detach = dry_run, detach
         self.max_rejected_fraction, self.replace, self.replaces = max_rejected_fraction, replace, replaces
         self.staging = "" if staging is None else new_staging_dir(output, staging, dry_run)
@@ -146,7 +148,7 @@ class Job:
         if self.model is None:
             raise TypeError(f"{self.clock.stage}: a job that writes nothing has nothing to commit")
         staging, output, directory, clock = self.staging, self.output, self.directory, self.clock
-        fraction, replace, replaces = self.max_rejected_fraction, self.replace, self.replaces
+        fraction, replace, replaces, reads = self.max_rejected_fraction, self.replace, self.replaces, self.reads
         paths = beam.pvalue.AsList(
             (staged if staged is not None else self.pipeline | "NothingStaged" >> beam.Create([]))
             | "StagedPaths" >> beam.Map(lambda entry: entry.path)
@@ -155,7 +157,16 @@ class Job:
         def commit(manifest, paths, *_after):
             extra = staged_of(manifest) if staged_of is not None else []
             commit_stage(
-                manifest, staging, output, directory, clock, sorted(paths) + extra, fraction, replace, replaces=replaces
+                manifest,
+                staging,
+                output,
+                directory,
+                clock,
+                sorted(paths) + extra,
+                fraction,
+                replace,
+                replaces=replaces,
+                reads=reads,
             )
 
         _ = manifest | "Commit" >> beam.Map(commit, paths, *(beam.pvalue.AsList(pc) for pc in after))

@@ -299,7 +299,7 @@ def estimate(cfg: PipelineConfig, chunks: float | None = None, documents: float 
         return {"corpus": "unknown: pass --corpus-chunks (a dry run lists no remote files)"}
     else:
         files = match_corpus(cfg.retrieval_corpus)
-        corpus = Corpus.from_input_bytes({p: size for p, _, size in files}, cfg.chunk_tokens)
+        corpus = Corpus.from_input_bytes({f.path: f.size for f in files}, cfg.chunk_tokens)
         source = f"from {len(files):,} input files (~{BYTES_PER_TOKEN} bytes per token)"
     stages = stage_memory(cfg, corpus, embedding_dim(cfg.embedding.model) or 384)
     return {

@@ -69,7 +69,7 @@ def index_action(
 
 def listed_corpus_files(cfg: PipelineConfig) -> list[InputFile]:
     """The retrieval corpus's files as its globs match them now (one listing, in this process)."""
-    return [InputFile(path=path, bytes=size) for path, _, size in match_corpus(cfg.retrieval_corpus)]
+    return [InputFile.listed(f) for f in match_corpus(cfg.retrieval_corpus)]
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ class CorpusChanges:
     """The corpus files now against those the index holds the documents of."""
 
     new: list[InputFile]  # no generation read them
-    changed: list[InputFile]  # read, but of another size now: read again, their documents replaced
+    changed: list[InputFile]  # read, but of another size or time now: read again, their documents replaced
     gone: list[str]  # read, and matched no more: their documents deleted
 
     def __bool__(self) -> bool:
@@ -88,12 +88,12 @@ class CorpusChanges:
         return sorted(self.new + self.changed, key=lambda f: f.path)
 
 
-def indexed_files(previous: IndexManifest) -> dict[str, int]:
-    """{path: bytes} of the corpus files whose documents the index holds: every generation's
+def indexed_files(previous: IndexManifest) -> dict[str, InputFile]:
+    """{path: as read} of the corpus files whose documents the index holds: every generation's
     inputs (a later reading of a file replaces an earlier), less the files gone since."""
-    files: dict[str, int] = {}
+    files: dict[str, InputFile] = {}
     for generation in previous.generations:
-        files.update({f.path: f.bytes for f in generation.inputs})
+        files.update({f.path: f for f in generation.inputs})
         for path in generation.removed_inputs:
             files.pop(path, None)
     return files
@@ -103,7 +103,7 @@ def corpus_changes(previous: IndexManifest, listed: list[InputFile]) -> CorpusCh
     indexed = indexed_files(previous)
     return CorpusChanges(
         [f for f in listed if f.path not in indexed],
-        [f for f in listed if f.path in indexed and indexed[f.path] != f.bytes],
+        [f for f in listed if f.path in indexed and indexed[f.path].changed_in(f)],
         sorted(set(indexed) - {f.path for f in listed}),
     )
 

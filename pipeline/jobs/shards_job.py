@@ -167,6 +167,8 @@ def _build_shards(
         dry_run=dry_run,
         detach=detach,
         max_rejected_fraction=cfg.max_rejected_fraction,
+        # a change of the index committed while this job runs fails it, rather than mixing generations
+        reads=() if index is None else ((index.directory, index.manifest_sha256),),
     )
     pipeline, staging = job.pipeline, job.staging
     L, m, k = cfg.chunks_per_sequence, cfg.chunk_tokens, cfg.neighbours

@@ -26,7 +26,7 @@ from apache_beam.utils import shared
 from pipeline.chunks.chunk_files import ChunkFileRanges, CommittedChunkFiles
 from pipeline.common.arrays import groups
 from pipeline.index.exact import truth_depth
-from pipeline.index.files import load_index, read_owners
+from pipeline.index.files import read_owners
 from pipeline.retrieve.recall import ExactTruth, SmallestProbes
 from pipeline.retrieve.routed import (
     SliceQueries,
@@ -51,6 +51,7 @@ from pipeline.retrieve.search import (
     batch_documents,
     batch_probes,
     check_in_database,
+    load_searched,
     picks_of,
     received_by,
     search_batch,
@@ -129,13 +130,14 @@ def by_chunk_file(spec: Retrieval, rows: np.ndarray):
         yield number, rows[at]
 
 
-def _loaded_index(holder: shared.Shared, path: str, depth: int | None):
+def _loaded_index(holder: shared.Shared, path: str, depth: int | None, chunk_files):
     """The faiss file at `path`, loaded once per process through Beam `Shared` (which keeps the
-    last one acquired alive: a process searching slices in turn holds one at a time)."""
+    last one acquired alive: a process searching slices in turn holds one at a time), checked
+    to be the one the job's index manifest describes (`load_searched`)."""
 
     class _Holder:  # Shared needs a weak-referenceable object
         def __init__(self):
-            self.index = load_index(path, depth)
+            self.index = load_searched(chunk_files, path, depth)
 
     return holder.acquire(_Holder, tag=f"{path}:{depth}")
 
@@ -153,7 +155,7 @@ class _Search(beam.DoFn):
     def process(self, keyed, tuned: SearchDepth):
         _, grouped = keyed
         assert self.spec.index_path is not None  # one index file (__post_init__ allows nothing else here)
-        index = _loaded_index(self._shared_index, self.spec.index_path, tuned.depth).index
+        index = _loaded_index(self._shared_index, self.spec.index_path, tuned.depth, self.spec.chunk_files).index
         sequences, hits, deeper, alone = search_batch(index, grouped, self.spec)
         if sequences:  # none: only the embeddings of chunks left over after the last sequence
             yield from emit_hits(self.spec, keyed[0], [s.seq_id for s in sequences], hits, deeper, alone)
@@ -175,9 +177,9 @@ def _owners(path: str) -> np.ndarray:
     return read_owners(path)
 
 
-def _router(holder: shared.Shared, routing: Routing):
+def _router(holder: shared.Shared, spec: Retrieval, routing: Routing):
     """(quantizer index, list owners) of a sliced index, loaded once per process."""
-    return _loaded_index(holder, routing.quantizer, None).index, _owners(routing.owners)
+    return _loaded_index(holder, routing.quantizer, None, spec.chunk_files).index, _owners(routing.owners)
 
 
 class _RouteQueries(beam.DoFn):
@@ -194,7 +196,7 @@ class _RouteQueries(beam.DoFn):
         batch = batch_of(keyed, self.spec.chunks_per_seq)
         if not len(batch.seq_ids):  # only the embeddings of chunks left over after the last sequence
             return
-        quantized, owner = _router(self._shared_quantizer, self.routing)
+        quantized, owner = _router(self._shared_quantizer, self.spec, self.routing)
         depth = tuned.depth or faiss.extract_index_ivf(quantized).nprobe
         state, sent = first_round(batch, depth, _width(self.spec), quantized, owner, self.spec.chunks_per_seq)
         yield beam.pvalue.TaggedOutput(STATE, (batch.batch, state))
@@ -207,12 +209,13 @@ class _SearchRouted(beam.DoFn):
 
     _shared_index = shared.Shared()
 
-    def __init__(self, routing: Routing, width: int):
-        self.routing, self.width = routing, width
+    def __init__(self, spec: Retrieval, routing: Routing):
+        self.spec, self.routing, self.width = spec, routing, _width(spec)
 
     def process(self, keyed):
         (index_slice, _), sent = keyed
-        index = _loaded_index(self._shared_index, self.routing.slice_path(index_slice), None).index
+        path = self.routing.slice_path(index_slice)
+        index = _loaded_index(self._shared_index, path, None, self.spec.chunk_files).index
         for rows in sent:
             yield rows.batch, search_slice(index, rows, self.width)
 
@@ -237,7 +240,7 @@ class _MergeRound(beam.DoFn):
         if not deeper:
             yield from emit_hits(self.spec, batch, state.queries.seq_ids.tolist(), hits_of(state, L), state.deeper, 0)
             return
-        state, sent = route_rows(state, *_router(self._shared_quantizer, self.routing), L)
+        state, sent = route_rows(state, *_router(self._shared_quantizer, self.spec, self.routing), L)
         yield beam.pvalue.TaggedOutput(STATE, (batch, state))
         for keyed_rows in map(_search_key, sent):
             yield beam.pvalue.TaggedOutput(NEXT, keyed_rows)
@@ -370,7 +373,7 @@ class _SearchIndex(beam.PTransform):
                     "found": (
                         sent
                         | f"GroupBySlice{number}" >> beam.GroupByKey()
-                        | f"SearchSlices{number}" >> beam.ParDo(_SearchRouted(routing, _width(spec)))
+                        | f"SearchSlices{number}" >> beam.ParDo(_SearchRouted(spec, routing))
                     ),
                 }
                 | f"JoinSliceHits{number}" >> beam.CoGroupByKey()

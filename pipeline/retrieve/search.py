@@ -324,28 +324,39 @@ def search_probes(index, probes: list[Probe], k: int, depth: int | None) -> np.n
     return search_each_excluding(index, np.stack([p.query for p in probes]), k, [p.excluded for p in probes]).ids
 
 
-class _SlicesInTurn:
-    """Index slices by number, loaded on access, the last one kept: a routed search takes them
-    in number order, so one is held at a time."""
+def load_searched(chunk_files: ChunkFileRanges | CommittedChunkFiles | None, path: str, depth: int | None = None):
+    """`load_index`, then, for a committed index, its manifest checked to be still the one the
+    job was built against: a change committed meanwhile fails the job (run it again) rather
+    than mixing one generation's index file with another's chunk lookups."""
+    index = load_index(path, depth)
+    if isinstance(chunk_files, CommittedChunkFiles):
+        chunk_files.check_unchanged()
+    return index
 
-    def __init__(self, paths):
-        self.paths, self.number, self.index = paths, None, None
+
+class _SlicesInTurn:
+    """Index slices by number, loaded on access (`load_searched`), the last one kept: a routed
+    search takes them in number order, so one is held at a time."""
+
+    def __init__(self, paths, chunk_files):
+        self.paths, self.chunk_files, self.number, self.index = paths, chunk_files, None, None
 
     def __getitem__(self, number: int):
         if number != self.number:
             self.index, self.number = None, None  # the one held goes before the next loads
-            self.index, self.number = load_index(self.paths[number]), number
+            self.index, self.number = load_searched(self.chunk_files, self.paths[number]), number
         return self.index
 
 
 def search_slices(
-    routing: Routing, queries: np.ndarray, k: int, excluded_each, depth: int | None
+    routing: Routing, queries: np.ndarray, k: int, excluded_each, depth: int | None, chunk_files=None
 ) -> tuple[np.ndarray, np.ndarray]:
     """`search_routed` over the slices `routing` names, loaded one at a time (`_SlicesInTurn`),
-    each query with its own excluded chunk-id ranges: (scores, ids) [q, k], -1 = none."""
+    each query with its own excluded chunk-id ranges: (scores, ids) [q, k], -1 = none. With
+    the job's `chunk_files`, each file loaded is checked against the index manifest."""
     found = search_routed(
-        load_index(routing.quantizer),
-        _SlicesInTurn([routing.slice_path(n) for n in range(routing.slices)]),
+        load_searched(chunk_files, routing.quantizer),
+        _SlicesInTurn([routing.slice_path(n) for n in range(routing.slices)], chunk_files),
         read_owners(routing.owners),
         queries,
         k,
@@ -359,7 +370,9 @@ def search_probes_routed(spec: Retrieval, probes: list[Probe], depth: int | None
     """`search_probes` over slices by inverted lists, routed as build-shards searches them."""
     assert spec.routing is not None
     queries = np.stack([p.query for p in probes])
-    return search_slices(spec.routing, queries, spec.neighbours, [p.excluded for p in probes], depth)[1]
+    return search_slices(spec.routing, queries, spec.neighbours, [p.excluded for p in probes], depth, spec.chunk_files)[
+        1
+    ]
 
 
 def tune_retrieval_depth(spec: Retrieval, probes: list[Probe], truth) -> SearchDepth:
@@ -380,7 +393,9 @@ def tune_retrieval_depth(spec: Retrieval, probes: list[Probe], truth) -> SearchD
     if truth is None or not probes:
         return untuned
 
-    first = load_index(spec.routing.quantizer if spec.routing is not None else str(spec.index_path))
+    first = load_searched(
+        spec.chunk_files, spec.routing.quantizer if spec.routing is not None else str(spec.index_path)
+    )
 
     def recall_at(depth):
         if spec.routing is not None:  # slices: loaded one at a time, at each depth measured

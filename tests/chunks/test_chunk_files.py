@@ -48,3 +48,13 @@ def test_committed_chunk_files_read_the_ranges_from_the_file_table(tmp_path):
     assert files.file_of(chunks - 1) == 5_999 and files.starts[-1] == chunks
     with pytest.raises(ValueError, match="changed while a job was reading"):
         CommittedChunkFiles(str(tmp_path), chunks, "0" * 64).file_of(0)
+    # a process that looked chunks up before a change was committed still refuses, where it
+    # loads an index file after it, to search a file of another generation
+    files.file_of(0)  # the ranges are read, and kept for the process
+    (tmp_path / "manifest.json").write_bytes((tmp_path / "manifest.json").read_bytes() + b"\n")
+    assert files.file_of(0) == 0  # lookups use the ranges read
+    with pytest.raises(ValueError, match="changed while a job was reading"):
+        files.check_unchanged()
+    (tmp_path / "manifest.json").unlink()  # the commit of a change deletes it first
+    with pytest.raises(ValueError, match="changed while a job was reading"):
+        files.check_unchanged()

@@ -191,7 +191,7 @@ def test_read_corpus_splits_large_files_and_reads_the_same_documents(tmp_path):
     jsonl_with_awkward_lines(tmp_path / "a.jsonl")
     (tmp_path / "b.jsonl.gz").write_bytes(gzip.compress((tmp_path / "a.jsonl").read_bytes()))  # not split
     corpus = cfg(tmp_path / "*.jsonl*")
-    expected = [parse_file(p, b, corpus) for p, b, _ in match_corpus(corpus)]
+    expected = [parse_file(f.path, f.base, corpus) for f in match_corpus(corpus)]
     expected = sorted(
         (r.source, r.position, r.identity if isinstance(r, Document) else r.reason)
         for records in expected

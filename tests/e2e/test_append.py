@@ -5,6 +5,9 @@ neighbour and no sequence, and `validate` checks it; build-shards and `validate`
 changed index; a changed or removed file, or other settings, mean a build from scratch."""
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,9 +26,10 @@ from pipeline.jobs.commit import StageError
 from pipeline.jobs.index_job import build_index
 from pipeline.jobs.reuse import committed, committed_index, corpus_changes, index_action, listed_corpus_files
 from pipeline.jobs.run import run_all
+from pipeline.jobs.shards_job import build_shards
 from schemas.config import config_from_dict
 from schemas.manifest import IndexManifest, ShardsManifest
-from tests.helpers import rewrite_shard, sample_documents, small_config, write_jsonl
+from tests.helpers import REPO, rewrite_shard, sample_documents, small_config, write_config, write_jsonl
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -224,3 +228,58 @@ def test_of_two_changes_built_on_one_manifest_the_second_commits_nothing(tmp_pat
     assert committed(str(out / "index"), IndexManifest) == first  # the first change stands, whole
     assert all(line.startswith("OK") for line in validate_path(str(out / "index")))
     assert not (out / ".staging").exists()
+
+
+def _commit_a_change_in_another_process(config_path: Path) -> None:
+    """What a second user does meanwhile: `build-index` over the grown corpus, to its commit."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "build-index", "--config", str(config_path)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("when", ["before its search", "before its commit"])
+def test_a_change_committed_while_build_shards_runs_fails_it_and_leaves_no_mixed_shards(tmp_path, monkeypatch, when):
+    write_jsonl(tmp_path / "corpus" / "a.jsonl", sample_documents(16))
+    out = tmp_path / "out"
+    config = small_config(out, str(tmp_path / "corpus" / "*.jsonl"), index={"type": "IVF4,Flat", "nprobe": 2})
+    config_path = write_config(tmp_path / "config.yaml", config)
+    cfg = config_from_dict(config)
+    build_index(cfg, [])
+    write_jsonl(tmp_path / "corpus" / "b.jsonl", sample_documents(8, start=16))  # the change to come
+
+    import pipeline.jobs.job as job_module
+    import pipeline.jobs.shards_job as shards_module
+
+    # the change commits at a point build-shards reaches: after it read the index manifest and
+    # built its job on it (its workers then load the index), or once every read is done
+    hooked = (shards_module, "load_committed_index") if when == "before its search" else (job_module, "commit_stage")
+    original = getattr(*hooked)
+    changes_made = []  # (the commit step runs a pickled copy of the hook: the index shows the change)
+
+    def with_a_change(*args, **kwargs):
+        if when == "before its search":  # build-shards has read generation 0's manifest
+            result = original(*args, **kwargs)
+            _commit_a_change_in_another_process(config_path)
+            changes_made.append(True)
+            return result
+        if not changes_made:  # the job has read everything, all of generation 0
+            assert committed(str(out / "index"), IndexManifest).generations[-1].number == 0  # type: ignore[union-attr]
+            _commit_a_change_in_another_process(config_path)
+            changes_made.append(True)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(*hooked, with_a_change)
+    with pytest.raises(Exception, match="changed while"):
+        build_shards(cfg, [])
+    assert committed(str(out / "shards"), ShardsManifest) is None  # nothing of it committed
+    assert not (out / ".staging").exists() or not any((out / ".staging").iterdir())
+    assert len(committed(str(out / "index"), IndexManifest).generations) == 2  # type: ignore[union-attr]  # the change stands
+
+    monkeypatch.undo()  # run again, it builds on the change
+    shards = build_shards(cfg, [])
+    assert isinstance(shards, ShardsManifest) and shards.index_generation == 1
+    assert all(line.startswith("OK") for line in validate_path(str(out)))
