@@ -2,6 +2,7 @@
 grown index answers as one filled from scratch with the same trained lists.
 
     .venv/bin/python benchmarks/append.py [--workdir DIR] [--chunks 50000] [--append 0.1]
+        [--slice-bytes SIZE]
 
 Corpus (real text): the docstrings of the Python standard library and the installed packages
 (examples/stdlib_docstrings.py --site-packages), documents taken in hash order until about
@@ -11,15 +12,18 @@ files; then documents for --append of that, in one more file.
 1. `build-index` over the 10 files (the base), then over all 11 (an append: only the new file
    is read, chunked, embedded and added), then `build-index` over all 11 into a fresh output
    (a full rebuild). Each a subprocess; the append against the full rebuild is the cost ratio.
-   Index type IVF{nlist},Flat with the factory's nlist for the whole corpus and its tuned depth.
+   Index type IVF{nlist},Flat with the factory's nlist for the whole corpus and its tuned depth;
+   with --slice-bytes, in slices of at most that size (the append changes them slice by slice).
    build-shards over the grown index is timed too: after a change every shard is built again.
 2. Neighbours: the full rebuild's vectors filled into the appended index's trained lists (a
    full rebuild with the same trained quantizer); 2,000 sampled chunks searched in both (top
-   10, the query itself left out), each result named by (document, position) so the two
-   numberings compare; a slot is equal when it names the same chunk or the two scores are
-   within the tie tolerance of the precision the encoder ran in (bfloat16 embeddings depend
-   on their batch, which differs between the builds).
-Results: a table on stdout, JSON in benchmarks/results/append.json.
+   10, the query itself left out; slices searched as build-shards routes queries), each
+   result named by (document, position) so the two numberings compare; a slot is equal when
+   it names the same chunk or the two scores are within the tie tolerance of the precision
+   the encoder ran in (bfloat16 embeddings depend on their batch, which differs between the
+   builds).
+Results: a table on stdout, JSON in benchmarks/results/append.json (append-sliced.json with
+--slice-bytes).
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 from benchmarks.report import write_results  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "benchmarks" / "results" / "append.json"
+RESULTS = REPO / "benchmarks" / "results" / "append.json"  # append-sliced.json with --slice-bytes
 BASE_FILES = 10
 QUERIES, TOP = 2000, 10
 # tokens a word, an estimate for choosing documents (docstrings hold code); the manifests count the chunks
@@ -75,14 +79,15 @@ def write_files(directory: Path, name: str, docs: list[dict], files: int) -> Non
         (directory / f"{name}-{f:02d}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in part))
 
 
-def config(workdir: Path, out: str, corpus: Path, nlist: int) -> Path:
+def config(workdir: Path, out: str, corpus: Path, nlist: int, slice_bytes: str | None) -> Path:
     path = workdir / f"{out}.yaml"
+    index = {"type": f"IVF{nlist},Flat"} | ({"slice_bytes": slice_bytes} if slice_bytes else {})
     path.write_text(
         json.dumps(
             {
                 "output": str(workdir / out),
                 "retrieval_corpus": {"paths": [str(corpus / "*.jsonl")], "id_field": "id"},
-                "index": {"type": f"IVF{nlist},Flat"},
+                "index": index,
             }
         )
     )
@@ -129,21 +134,33 @@ def compare_neighbours(appended: Path, rebuilt: Path, tolerance: float) -> dict:
     index's trained lists at its depth."""
     import faiss
 
+    from pipeline.index.files import LIST_OWNERS_FILE, QUANTIZER_FILE, read_owners
+    from pipeline.index.routing import search_routed
     from pipeline.index.sampling import QUERY_SALT, in_sample
     from pipeline.index.search import set_search_depth
 
-    grown = faiss.read_index(str(appended / "index" / "faiss" / "index.faiss"))
-    refilled = faiss.read_index(str(appended / "index" / "faiss" / "index.faiss"))
+    faiss_dir = appended / "index" / "faiss"
+    sliced = (faiss_dir / QUANTIZER_FILE).exists()
+    refilled = faiss.read_index(str(faiss_dir / (QUANTIZER_FILE if sliced else "index.faiss")))
     refilled.reset()
     ids, vectors = vectors_of(rebuilt)
     refilled.add_with_ids(vectors, ids)
     depth = manifest(appended).nprobe
-    for index in (grown, refilled):
-        set_search_depth(index, depth)
+    set_search_depth(refilled, depth)
+    if sliced:
+        slices = [faiss.read_index(str(p)) for p in sorted(faiss_dir.glob("slice-*.faiss"))]
+        owner = read_owners(str(faiss_dir / LIST_OWNERS_FILE))
+
+        def search_grown(queries, k):
+            return search_routed(refilled, slices, owner, queries, k, depth=depth)[:2]
+    else:
+        grown = faiss.read_index(str(faiss_dir / "index.faiss"))
+        set_search_depth(grown, depth)
+        search_grown = grown.search
     chosen = in_sample(ids, QUERIES, len(ids), QUERY_SALT)
     query_ids, queries = ids[chosen], vectors[chosen]
     named_rebuilt, named_appended = identities(rebuilt), identities(appended)
-    scores_a, found_a = grown.search(queries, TOP + 1)
+    scores_a, found_a = search_grown(queries, TOP + 1)
     scores_r, found_r = refilled.search(queries, TOP + 1)
     equal = slots = 0
     for q in range(len(query_ids)):
@@ -162,6 +179,7 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path)
     parser.add_argument("--chunks", type=int, default=50_000)
     parser.add_argument("--append", type=float, default=0.1)
+    parser.add_argument("--slice-bytes", help="an index in slices of at most this size (e.g. 16MB)")
     args = parser.parse_args()
     from pipeline.embed.encoder import cpu_summary
     from pipeline.index.factory import nlist_for
@@ -177,12 +195,12 @@ def main() -> None:
     write_files(full_corpus, "base", base, BASE_FILES)
     write_files(full_corpus, "more", extra, 1)
     nlist = nlist_for(int(args.chunks * (1 + args.append)))
-    grown_cfg = config(workdir, "appended", grown_corpus, nlist)
+    grown_cfg = config(workdir, "appended", grown_corpus, nlist, args.slice_bytes)
     base_seconds = timed_command("build-index", grown_cfg)
     write_files(grown_corpus, "more", extra, 1)
     append_seconds = timed_command("build-index", grown_cfg)
     shards_seconds = timed_command("build-shards", grown_cfg)  # every shard again, over the grown index
-    full_seconds = timed_command("build-index", config(workdir, "rebuilt", full_corpus, nlist))
+    full_seconds = timed_command("build-index", config(workdir, "rebuilt", full_corpus, nlist, args.slice_bytes))
 
     appended, rebuilt = manifest(workdir / "appended"), manifest(workdir / "rebuilt")
     precision = appended.embedding_precision.precision if appended.embedding_precision else "float32"
@@ -193,6 +211,8 @@ def main() -> None:
         "cpu": cpu_summary(),
         "precision": precision,
         "index": appended.index_factory,
+        "slices": sum(e.path.startswith("faiss/slice-") for e in appended.files),
+        "slice_bytes": appended.slice_bytes,
         "base_chunks": latest.first_chunk_id,
         "appended_chunks": latest.num_chunks,
         "rebuilt_chunks": rebuilt.num_chunks,
@@ -206,8 +226,12 @@ def main() -> None:
         "rebuild_recall": rebuilt.recall_at_k.value,
         "neighbours": {**neighbours, "tolerance": tolerance},
     }
-    write_results(results, RESULTS)
-    print(f"CPU: {results['cpu']}; encoder in {precision}; {appended.index_factory} at depth {neighbours['depth']}")
+    write_results(results, RESULTS.with_name("append-sliced.json") if args.slice_bytes else RESULTS)
+    sliced = f", in {results['slices']} slices" if results["slices"] else ""
+    print(
+        f"CPU: {results['cpu']}; encoder in {precision}; {appended.index_factory}{sliced} "
+        f"at depth {neighbours['depth']}"
+    )
     print("| run | chunks | seconds | × full rebuild |")
     print("|---|---:|---:|---:|")
     print(f"| base build (10 files) | {latest.first_chunk_id:,} | {base_seconds:.1f} | |")

@@ -124,10 +124,17 @@ def assemble_list_slice(trained, blocks):
     time), each list then sorted by chunk id (the order one index merged from parts in
     chunk-id order scans them in, whatever order the blocks came in)."""
     index_slice = faiss.clone_index(trained)
+    if faiss.extract_index_ivf(index_slice).ntotal:
+        raise IndexBuildError("an index slice is assembled from the trained index without vectors")
+    add_list_blocks(index_slice, blocks)
+    return index_slice
+
+
+def add_list_blocks(index_slice, blocks) -> None:
+    """Add the vectors of `blocks` to a slice's lists, then sort every list by chunk id (also
+    after `remove_ids`, which moves a list's last vectors into the gaps)."""
     ivf = faiss.extract_index_ivf(index_slice)
     invlists = _lists_of(ivf)
-    if ivf.ntotal:
-        raise IndexBuildError("an index slice is assembled from the trained index without vectors")
     ptr = faiss.swig_ptr
     for block in blocks:
         ends = np.cumsum(block.sizes)
@@ -143,7 +150,6 @@ def assemble_list_slice(trained, blocks):
             ids, codes = np.ascontiguousarray(ids[order]), np.ascontiguousarray(codes[order])
             invlists.update_entries(listed, 0, len(ids), ptr(ids), ptr(codes))
     index_slice.ntotal = ivf.ntotal  # a pre-transform wrapper counts too
-    return index_slice
 
 
 def slice_by_lists(index, owner: np.ndarray) -> list:

@@ -21,7 +21,16 @@ from pipeline.common.names import file_name, file_number
 from pipeline.common.writers import WriteRejected, parquet_bytes, write_file
 from pipeline.corpus.records import doc_id_for
 from pipeline.decontaminate.beam import ReadCorpusKeptClean
-from pipeline.index.append import NewVectorRecall, add_in_file_order, new_vector_recall, remove_deleted, sampled_vectors
+from pipeline.index.append import (
+    MergedSearch,
+    NewVectorRecall,
+    add_in_file_order,
+    cut_slice,
+    new_vector_recall,
+    new_vectors_by_slice,
+    remove_deleted,
+    sampled_vectors,
+)
 from pipeline.index.build import INDEX_FILE
 from pipeline.index.deleted import (
     DELETE_REQUESTED,
@@ -34,7 +43,10 @@ from pipeline.index.deleted import (
     deleted_table,
     read_deleted,
 )
-from pipeline.index.files import read_index, write_index
+from pipeline.index.files import LIST_OWNERS_FILE, QUANTIZER_FILE, read_index, read_owners, write_index, write_owners
+from pipeline.index.routing import add_list_blocks
+from pipeline.index.search import set_search_depth
+from pipeline.index.slices import vectors_per_slice
 from pipeline.index.sources import documents_of, sources_files
 from pipeline.jobs.commit import REJECTED_STAGING, StageError
 from pipeline.jobs.index_files import _index_staged
@@ -103,7 +115,8 @@ def deletions(keyed):
 class Changed:
     """What the one worker holding the index did to it."""
 
-    faiss: FileEntry  # the new index.faiss
+    files: list[FileEntry]  # the faiss files written anew (index.faiss, or the slices changed)
+    vectors: int  # the index holds, after
     recall: NewVectorRecall
     removed: int  # vectors removed (deleted documents' chunks)
 
@@ -119,7 +132,7 @@ def _change_index(
 ) -> Changed:
     """One worker: the committed index read, the deleted documents' vectors removed, the new
     ones added in chunk-id order, written to staging; the new vectors' recall at the index's
-    depth measured among the vectors left."""
+    depth measured among the vectors left. An index in slices is changed a slice at a time."""
     new_paths = [fileio.join(staging, e.path) for e in sorted(new_entries, key=lambda e: file_number(e.path))]
     old_paths = [
         fileio.join(directory, e.path)
@@ -128,15 +141,65 @@ def _change_index(
     ]
     now = DeletedRanges.of(deleted_now)
     deleted = DeletedRanges.concatenate([read_deleted(deleted_files(directory, previous.files)), now])
+    if any(e.path == f"faiss/{QUANTIZER_FILE}" for e in previous.files):
+        return _change_slices(previous, directory, staging, new_paths, old_paths, now, deleted, sample)
     index = read_index(fileio.join(directory, "faiss", INDEX_FILE))
     removed = remove_deleted(index, now)
     added = add_in_file_order(index, new_paths)
     query_ids, queries = sampled_vectors(new_paths, sample, added)
-    recall = new_vector_recall(index, previous.nprobe, query_ids, queries, old_paths + new_paths, deleted)
+    if previous.nprobe is not None:
+        set_search_depth(index, previous.nprobe)
+    recall = new_vector_recall(index, query_ids, queries, old_paths + new_paths, deleted)
     size, sha256 = write_index(index, fileio.join(staging, "faiss", INDEX_FILE))
-    return Changed(
-        FileEntry(path=f"faiss/{INDEX_FILE}", rows=int(index.ntotal), bytes=size, sha256=sha256), recall, removed
-    )
+    entry = FileEntry(path=f"faiss/{INDEX_FILE}", rows=int(index.ntotal), bytes=size, sha256=sha256)
+    return Changed([entry], int(index.ntotal), recall, removed)
+
+
+def _change_slices(
+    previous: IndexManifest, directory, staging, new_paths, old_paths, now: DeletedRanges, deleted, sample
+) -> Changed:
+    """The new vectors encoded once on the trained index (quantizer.faiss) and cut by list
+    owner; then each slice in turn read, its deleted vectors removed and its new ones added,
+    cut in two or more if it outgrew the slice size, written anew if it changed, and searched
+    for the sampled new vectors at the index's depth, merged as the index build measures
+    slices. The list owners are written anew when they changed."""
+    faiss_dir = fileio.join(directory, "faiss")
+    trained = read_index(fileio.join(faiss_dir, QUANTIZER_FILE))
+    owners_before = read_owners(fileio.join(faiss_dir, LIST_OWNERS_FILE))
+    new = new_vectors_by_slice(trained, new_paths, owners_before)
+    owner, blocks = new.owner, dict(new.blocks)
+    fits = None
+    if previous.slice_bytes is not None:
+        fits = vectors_per_slice(previous.index_factory, previous.dim, previous.slice_bytes)
+    query_ids, queries = sampled_vectors(new_paths, sample, new.added)
+    merged = MergedSearch(queries)
+    slices = sorted((e for e in previous.files if e.path.startswith("faiss/slice-")), key=lambda e: file_number(e.path))
+    written, removed, vectors, next_number = [], 0, 0, len(slices)
+    for number, entry in enumerate(slices):
+        index_slice = read_index(fileio.join(directory, entry.path))
+        removed_here = remove_deleted(index_slice, now)
+        removed += removed_here
+        pieces = [(number, index_slice)]
+        if removed_here or number in blocks:
+            add_list_blocks(index_slice, [blocks.pop(number)] if number in blocks else [])
+            if fits is not None and index_slice.ntotal > fits:
+                pieces, owner = cut_slice(index_slice, trained, owner, number, next_number, fits)
+                next_number += len(pieces) - 1
+            for piece_number, piece in pieces:
+                path = f"faiss/{file_name('slice', piece_number, 'faiss')}"
+                size, sha256 = write_index(piece, fileio.join(staging, path))
+                written.append(FileEntry(path=path, rows=int(piece.ntotal), bytes=size, sha256=sha256))
+        for _, piece in pieces:
+            vectors += int(piece.ntotal)
+            if previous.nprobe is not None:
+                set_search_depth(piece, previous.nprobe)
+            merged.add(piece)
+        del index_slice, pieces
+    if not np.array_equal(owner, owners_before):
+        size, sha256 = write_owners(owner, fileio.join(staging, "faiss", LIST_OWNERS_FILE))
+        written.append(FileEntry(path=f"faiss/{LIST_OWNERS_FILE}", rows=0, bytes=size, sha256=sha256))
+    recall = new_vector_recall(merged, query_ids, queries, old_paths + new_paths, deleted)
+    return Changed(written, vectors, recall, removed)
 
 
 def _write_deleted(documents: list[DeletedDocument], staging: str, number: int) -> list[FileEntry]:
@@ -161,7 +224,8 @@ def _changed_manifest(
     changes: CorpusChanges,
     cfg: PipelineConfig,
 ) -> IndexManifest:
-    kept = [e for e in previous.files if not e.path.startswith("faiss/")]
+    rewritten = {e.path for e in changed.files}
+    kept = [e for e in previous.files if e.path not in rewritten]
     num_chunks = sum(e.rows for e in new_entries if e.path.startswith("chunks/"))
     deleted_chunks = sum(d.num_chunks for d in deleted_now)
     generation = Generation(
@@ -180,7 +244,7 @@ def _changed_manifest(
     counters = dict(previous.counters)
     this_job = {
         **tallies,
-        "index_vectors_added": changed.faiss.rows + changed.removed - (previous.num_chunks - previous.deleted_chunks),
+        "index_vectors_added": changed.vectors + changed.removed - (previous.num_chunks - previous.deleted_chunks),
     }
     for name, count in this_job.items():
         counters[name] = counters.get(name, 0) + count
@@ -194,7 +258,7 @@ def _changed_manifest(
             "num_documents": previous.num_documents + generation.num_documents,
             "deleted_documents": previous.deleted_documents + len(deleted_now),
             "deleted_chunks": previous.deleted_chunks + deleted_chunks,
-            "files": _sorted_entries(kept + list(new_entries) + [changed.faiss]),
+            "files": _sorted_entries(kept + list(new_entries) + changed.files),
             "counters": dict(sorted(counters.items())),
             "timings": None,
         }
@@ -332,7 +396,13 @@ def change_index(
         )
     )
     in_place = _index_staged(previous) + [e.path for e in previous.files if not e.path.startswith("faiss/")]
-    job.commit(manifest, staged=entries, staged_of=lambda m: in_place, after=(rejected_files,))
+    # every file the new manifest lists is staged or in place (slices cut anew are staged)
+    job.commit(
+        manifest,
+        staged=entries,
+        staged_of=lambda m: sorted({*in_place, *(e.path for e in m.files)}),
+        after=(rejected_files,),
+    )
     manifest = job.run()
     if isinstance(manifest, IndexManifest):
         latest = manifest.generations[-1]

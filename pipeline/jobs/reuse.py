@@ -19,6 +19,7 @@ from pydantic import BaseModel
 from pipeline.common import fileio
 from pipeline.corpus.parse import match_corpus
 from pipeline.index.build import INDEX_FILE
+from pipeline.index.files import QUANTIZER_FILE
 from pipeline.index.sources import SOURCES_DIR
 from schemas.config import PipelineConfig
 from schemas.manifest import MANIFEST_FILE, IndexManifest, InputFile, ShardsManifest, read_manifest
@@ -111,7 +112,7 @@ def corpus_changes(previous: IndexManifest, listed: list[InputFile]) -> CorpusCh
 def appendable(cfg: PipelineConfig, previous: IndexManifest, changes: CorpusChanges) -> bool:
     """The changes can be applied to the index (else it is built from scratch): documents
     become chunks and embeddings as they did (`encoding_hash`), the index settings are the
-    same, the index is one file, and for changed or gone files, it knows which documents came
+    same, the index is one file or slices by lists, and for changed or gone files, it knows which documents came
     from them (its sources files)."""
     if previous.encoding_config_hash != cfg.encoding_hash():
         log.info("build-index: the corpus grew, but the settings changed since the index was built")
@@ -119,8 +120,9 @@ def appendable(cfg: PipelineConfig, previous: IndexManifest, changes: CorpusChan
     if previous.config_hash != cfg.index_hash_over(previous.embed_config_hash):
         log.info("build-index: the corpus grew, but index.* changed since the index was built")
         return False
-    if [f.path for f in previous.files if f.path.startswith("faiss/")] != [f"faiss/{INDEX_FILE}"]:
-        log.warning("build-index: the corpus changed; changing an index in slices is not built yet, so it is rebuilt")
+    faiss_paths = {f.path for f in previous.files if f.path.startswith("faiss/")}
+    if f"faiss/{INDEX_FILE}" not in faiss_paths and f"faiss/{QUANTIZER_FILE}" not in faiss_paths:
+        log.warning("build-index: the corpus changed; an index in slices by chunk-id range is rebuilt")
         return False
     if (changes.changed or changes.gone) and not any(f.path.startswith(f"{SOURCES_DIR}/") for f in previous.files):
         log.info("build-index: corpus files changed or went, and the index does not record its documents' files")

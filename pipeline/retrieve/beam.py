@@ -51,6 +51,7 @@ from pipeline.retrieve.search import (
     batch_documents,
     batch_probes,
     check_in_database,
+    index_version,
     load_searched,
     picks_of,
     received_by,
@@ -139,7 +140,8 @@ def _loaded_index(holder: shared.Shared, path: str, depth: int | None, chunk_fil
         def __init__(self):
             self.index = load_searched(chunk_files, path, depth)
 
-    return holder.acquire(_Holder, tag=f"{path}:{depth}")
+    # a change rewrites an index file under its name: the tag names the manifest too
+    return holder.acquire(_Holder, tag=f"{path}:{depth}:{index_version(chunk_files)}")
 
 
 class _Search(beam.DoFn):
@@ -173,13 +175,15 @@ def _search_key(sent: SliceQueries):
 
 
 @functools.lru_cache(maxsize=1)
-def _owners(path: str) -> np.ndarray:
+def _owners(path: str, _version: str) -> np.ndarray:
     return read_owners(path)
 
 
 def _router(holder: shared.Shared, spec: Retrieval, routing: Routing):
     """(quantizer index, list owners) of a sliced index, loaded once per process."""
-    return _loaded_index(holder, routing.quantizer, None, spec.chunk_files).index, _owners(routing.owners)
+    return _loaded_index(holder, routing.quantizer, None, spec.chunk_files).index, _owners(
+        routing.owners, index_version(spec.chunk_files)
+    )
 
 
 class _RouteQueries(beam.DoFn):

@@ -324,6 +324,13 @@ def search_probes(index, probes: list[Probe], k: int, depth: int | None) -> np.n
     return search_each_excluding(index, np.stack([p.query for p in probes]), k, [p.excluded for p in probes]).ids
 
 
+def index_version(chunk_files: ChunkFileRanges | CommittedChunkFiles | None) -> str:
+    """What tells generations of a committed index apart (its manifest's sha256; "" for chunk
+    files given directly): a change rewrites index files under their names, so what a process
+    keeps of them is keyed by it too."""
+    return chunk_files.manifest_sha256 if isinstance(chunk_files, CommittedChunkFiles) else ""
+
+
 def load_searched(chunk_files: ChunkFileRanges | CommittedChunkFiles | None, path: str, depth: int | None = None):
     """`load_index`, then, for a committed index, its manifest checked to be still the one the
     job was built against: a change committed meanwhile fails the job (run it again) rather

@@ -19,7 +19,8 @@ from pipeline.check.validate import validate_path
 from pipeline.chunks.chunk_files import ChunkFileRanges
 from pipeline.corpus.records import doc_id_for
 from pipeline.index.deleted import read_deleted
-from pipeline.index.files import read_embeddings, read_index
+from pipeline.index.files import read_embeddings, read_index, read_owners
+from pipeline.index.routing import list_blocks
 from pipeline.index.search import set_search_depth
 from pipeline.jobs.append_job import change_index
 from pipeline.jobs.commit import StageError
@@ -282,4 +283,45 @@ def test_a_change_committed_while_build_shards_runs_fails_it_and_leaves_no_mixed
     monkeypatch.undo()  # run again, it builds on the change
     shards = build_shards(cfg, [])
     assert isinstance(shards, ShardsManifest) and shards.index_generation == 1
+    assert all(line.startswith("OK") for line in validate_path(str(out)))
+
+
+def test_an_index_in_slices_takes_appended_and_deleted_documents_slice_by_slice(tmp_path):
+    docs = sample_documents(32)
+    write_jsonl(tmp_path / "corpus" / "a.jsonl", docs[:24])
+    out = tmp_path / "out"
+    index = {"type": "IVF8,Flat", "nprobe": 2, "slice_bytes": "400KB"}
+    cfg = config_from_dict(small_config(out, str(tmp_path / "corpus" / "*.jsonl"), index=index))
+    run_all(cfg, [])
+    base = committed(str(out / "index"), IndexManifest)
+    assert base is not None and sum(e.path.startswith("faiss/slice-") for e in base.files) >= 3
+
+    write_jsonl(tmp_path / "corpus" / "b.jsonl", docs[24:])
+    grown = build_index(cfg, [], delete=(docs[0]["id"],))  # an append and a delete in one generation
+    assert isinstance(grown, IndexManifest) and [g.number for g in grown.generations] == [0, 1]
+    assert grown.deleted_documents == 1 and grown.generations[1].new_vector_recall is not None
+    before, after = ({e.path: e for e in m.files if e.path.startswith("faiss/")} for m in (base, grown))
+    assert after["faiss/quantizer.faiss"] == before["faiss/quantizer.faiss"]  # the trained lists stay
+    # a third more vectors: slices outgrow 400 KB and are cut, the new ones numbered after the last
+    assert set(after) > set(before) and all(e.bytes <= 400_000 for e in after.values())
+
+    # each slice holds in each of its lists what one index refilled from scratch with the same
+    # trained lists holds there, deleted chunks left out, in chunk-id order
+    faiss_dir = out / "index" / "faiss"
+    owner = read_owners(str(faiss_dir / "list_owners.npy"))
+    reference = read_index(str(faiss_dir / "quantizer.faiss"))
+    deleted = read_deleted([str(p) for p in sorted((out / "index" / "deleted").glob("*.parquet"))])
+    for path in sorted((out / "index" / "embeddings").glob("*.parquet")):
+        for ids, vectors in read_embeddings(str(path)):
+            kept = ~deleted.contains(ids)
+            reference.add_with_ids(vectors[kept], ids[kept])
+    expected = {block.index_slice: block for block in list_blocks(reference, owner)}
+    for number in range(int(owner.max()) + 1):
+        held = list_blocks(read_index(str(faiss_dir / f"slice-{number:05d}.faiss")), owner)
+        assert len(held) == 1 and held[0].index_slice == number
+        for field in ("lists", "sizes", "ids"):
+            assert np.array_equal(getattr(held[0], field), getattr(expected[number], field))
+
+    run_all(cfg, [])  # build-shards over the changed slices
+    assert not deleted.contains(_neighbour_ids(out)).any()
     assert all(line.startswith("OK") for line in validate_path(str(out)))

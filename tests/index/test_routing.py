@@ -129,3 +129,51 @@ def test_an_exact_tie_across_slices_keeps_the_lowest_id_where_one_index_keeps_th
     owner = np.array([0, 1], np.int32)
     _, routed, _, _ = search_routed(index, slice_by_lists(index, owner), owner, query, 1)
     assert one.tolist() == [[5]] and routed.tolist() == [[3]]
+
+
+def test_a_grown_slice_is_cut_and_a_list_empty_at_the_build_gets_the_owner_of_its_nearest(tmp_path):
+    """Appending to slices: new vectors land in their lists' slices, a list nobody owned (empty
+    at the build) goes to the slice of the nearest owned list, and a slice past the size limit
+    is cut in lists; the routed search then answers as one index holding every vector."""
+    from pipeline.index.append import cut_slice, new_vectors_by_slice
+    from pipeline.index.routing import add_list_blocks
+    from tests.helpers import write_embedding_files
+
+    index, data, queries = _index("IVF64,Flat", vectors=8_000)
+    trained = faiss.clone_index(index)
+    trained.reset()
+    _, lists = faiss.extract_index_ivf(trained).quantizer.search(data, 1)
+    emptied = int(np.bincount(lists[:6_000].ravel()).argmax())  # the build saw no vector of this list
+    old = np.flatnonzero(lists[:6_000].ravel() != emptied)
+    base = faiss.clone_index(trained)
+    base.add_with_ids(data[old], old)
+    sizes = list_sizes(base)
+    owner = list_owners(faiss.extract_index_ivf(trained).quantizer.reconstruct_n(0, 64), sizes, 4)
+    owner[sizes == 0] = -1
+    slices = slice_by_lists(base, owner)
+    ids = np.arange(6_000, 8_000)
+    path = write_embedding_files(tmp_path, ids, data[6_000:], 1)[0]
+    everything = faiss.clone_index(trained)  # one index holding every vector
+    everything.add_with_ids(data[np.concatenate([old, ids])], np.concatenate([old, ids]))
+    set_search_depth(everything, 8)
+
+    appended = new_vectors_by_slice(trained, [path], owner)
+    assert appended.added == 2_000 and owner[emptied] == -1 and appended.owner[emptied] >= 0
+    assert (np.delete(appended.owner, emptied) == np.delete(owner, emptied)).all()
+    fits = int(max(s.ntotal for s in slices) * 1.1)
+    owner, grown = appended.owner, []
+    for number, index_slice in enumerate(slices):
+        add_list_blocks(index_slice, [appended.blocks[number]] if number in appended.blocks else [])
+        pieces = [(number, index_slice)]
+        if index_slice.ntotal > fits:
+            pieces, owner = cut_slice(index_slice, trained, owner, number, len(slices) + len(grown), fits)
+            grown += pieces[1:]
+        slices[number] = pieces[0][1]
+    slices += [piece for _, piece in grown]
+    assert grown and all(s.ntotal <= fits for s in slices)
+    for number, index_slice in enumerate(slices):  # every slice holds only lists it owns
+        held = np.flatnonzero(list_sizes(index_slice))
+        assert (owner[held] == number).all()
+    want_scores, want_ids = everything.search(queries, K)
+    scores, found, _, _ = search_routed(everything, slices, owner, queries, K)
+    assert _same_slots(found, scores, want_ids, want_scores) >= 0.999
