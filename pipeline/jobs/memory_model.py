@@ -41,6 +41,7 @@ PARQUET_ROW_GROUP = 128 * MB  # what pyarrow decodes at once from a Parquet inpu
 BYTES_PER_TOKEN = 4  # of English text, for a corpus size given in bytes
 GZIP_RATIO = 3.5  # text compresses about this much
 SEARCH_BATCH = 4096  # queries searched at once, with their candidates
+APPEND_SHARE = 0.1  # an append of this share of the corpus, for the change step's new vectors
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,17 @@ def stage_memory(cfg: PipelineConfig, corpus: Corpus, dim: int = 384) -> list[di
             held_grows,
         ),
         *_slice_planning(factory, dim, not held_grows, auto_grows),
+        (
+            "index: change (append, delete)",
+            {
+                # a slice that outgrows its size is cut: the slice and its pieces at once
+                (f"{held} and its pieces" if not held_grows else held): held_bytes * (1 if held_grows else 2),
+                f"the new vectors' codes (an append of {APPEND_SHARE:.0%} of the corpus)": APPEND_SHARE
+                * C
+                * per_vector,
+            },
+            [*held_grows, 1],
+        ),
         (
             "build-shards: search",
             {

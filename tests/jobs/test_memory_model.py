@@ -51,7 +51,7 @@ def test_two_level_training_holds_no_step_with_the_whole_sample():
         [
             s
             for s in stage_memory(model_config(index={"clustering": c}), corpus)
-            if s["stage"].startswith("index: ") and "fill" not in s["stage"] and "merge" not in s["stage"]
+            if s["stage"].startswith("index: ") and not any(w in s["stage"] for w in ("fill", "merge", "change"))
         ]
         for c in ("flat", "auto")
     )
@@ -125,6 +125,8 @@ def test_with_index_slices_a_worker_holds_one_slice_whatever_the_corpus():
     for a, b in zip(small, large):
         if a["stage"] in ("index: merge", "build-shards: search"):
             assert not b["grows_with_corpus"] and a["bytes"] == b["bytes"] < 5 * 2**30, a["stage"]
+        if a["stage"] == "index: change (append, delete)":  # what grows is the append's new vectors
+            assert len(b["grows_with_corpus"]) == 1 and "new vectors" in b["grows_with_corpus"][0]
 
 
 @pytest.mark.unit
