@@ -2,7 +2,8 @@
 evaluation documents, its cost against the embed stage, and its largest worker as the corpus
 grows 4x.
 
-    .venv/bin/python benchmarks/decontamination.py [--workdir DIR] [--skip-embed] [--memory-only]
+    .venv/bin/python benchmarks/decontamination.py [--workdir DIR] [--skip-embed] [--skip-memory]
+        [--memory-only | --bundles-only]
 
 Corpora (real text): the sample corpus (examples/corpus, 346 documents), and the docstrings of
 the Python standard library and the installed packages (examples/stdlib_docstrings.py
@@ -25,13 +26,21 @@ the Python standard library and the installed packages (examples/stdlib_docstrin
    largest worker (VmHWM, polled), the median of REPEATS runs. Beam's local runner hands a
    worker half a stage's input as one bundle, so what grows with the corpus in the read-only
    job is the runner's; the stage's own memory is the difference.
-Results: tables on stdout, JSON in benchmarks/results/decontamination.json.
+4. `--bundles-only`: the same two jobs at the same sizes, once each, with every bundle of
+   Beam's worker processes recorded (`benchmarks/bundle_peaks/sitecustomize.py`: how far each
+   bundle raised its process's resident memory); the largest rise among the stage's own
+   bundles (no step of the read in them), among bundles that fuse its steps with the read's,
+   and in the read-only job.
+Results: tables on stdout, JSON in benchmarks/results/decontamination.json
+(decontamination-bundles.json for part 4).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -178,7 +187,9 @@ def job_main(kind: str, corpus: str, evaluation: str, out: str, beam_args: list[
     Path(out, "workers.json").write_text(json.dumps({"peak_kb": workers.stop()}))
 
 
-def run_job(kind: str, corpus: Path, evaluation: Path, out: Path, beam_args: list[str] = ()) -> dict:
+def run_job(
+    kind: str, corpus: Path, evaluation: Path, out: Path, beam_args: list[str] = (), env: dict | None = None
+) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with open(out / "log.txt", "w") as log:
@@ -187,6 +198,7 @@ def run_job(kind: str, corpus: Path, evaluation: Path, out: Path, beam_args: lis
             stdout=log,
             stderr=subprocess.STDOUT,
             cwd=REPO,
+            env=None if env is None else {**os.environ, **env},
         )
     if done.returncode:
         raise SystemExit(f"the {kind} job failed: see {out / 'log.txt'}")
@@ -286,6 +298,67 @@ def memory(work: Path, docstrings: list[dict], sample: list[dict]) -> dict:
     return found
 
 
+def _labels(transforms: list[str], composite: str) -> set[str]:
+    """The step labels of a bundle's transforms directly under `composite` (e.g. `ReadCorpus`)."""
+    prefix = composite + "/"
+    return {name[len(prefix) :].split("/")[0] for name in transforms if name.startswith(prefix)}
+
+
+def _largest(group: list[dict]) -> dict:
+    """The bundle that raised its worker's memory most: by how much (MB) and its steps."""
+    top = max(group, key=lambda bundle: bundle["rise_kb"])
+    steps = sorted(_labels(top["transforms"], "ReadCorpusKeptClean/Read") - {"Read"})
+    return {"rise_mb": top["rise_kb"] * 1024 / MB, "steps": steps}
+
+
+def bundles(work: Path, docstrings: list[dict], sample: list[dict]) -> dict:
+    """Part 4: per size, every bundle of the two jobs recorded in Beam's worker processes
+    (benchmarks/bundle_peaks: how far each raised its process's resident memory). A bundle of
+    the decontamination job is the stage's own when none of its steps is one of the read's
+    (the read-only job's step labels), mixed when it fuses both; the read-only job's largest
+    bundle is beside them."""
+    two = ["--direct_num_workers=2", "--direct_running_mode=multi_processing"]
+    found = {}
+    for n in MEMORY_SIZES:
+        corpus = enlarged(docstrings, n)
+        slug = f"bundles-{n}"
+        corpus_path = write_jsonl(work / slug / "corpus.jsonl", corpus)
+        plain = [{"id": e["id"], "text": e["text"]} for e in planted(corpus, sample)]
+        eval_path = write_jsonl(work / slug / "evaluation.jsonl", plain)
+        recorded = {}
+        for kind in ("read", "decontaminate"):
+            peaks = work / slug / f"{kind}-bundles"
+            shutil.rmtree(peaks, ignore_errors=True)
+            peaks.mkdir(parents=True)
+            env = {"BUNDLE_PEAKS_DIR": str(peaks), "PYTHONPATH": str(REPO / "benchmarks" / "bundle_peaks")}
+            run_job(kind, corpus_path, eval_path, work / slug / kind, two, env)
+            recorded[kind] = [json.loads(line) for f in sorted(peaks.glob("*.jsonl")) for line in f.open()]
+        read_steps = set().union(*(_labels(b["transforms"], "ReadCorpus") for b in recorded["read"]))
+        own, mixed = [], []
+        for bundle in recorded["decontaminate"]:
+            steps = _labels(bundle["transforms"], "ReadCorpusKeptClean/Read") | _labels(
+                bundle["transforms"], "ReadCorpusKeptClean"
+            ) - {"Read"}
+            if steps - read_steps:
+                (mixed if steps & read_steps else own).append(bundle)
+        entry = {
+            "bundles": {kind: len(found_here) for kind, found_here in recorded.items()},
+            "stage_own": _largest(own),
+            "mixed": _largest(mixed) if mixed else None,
+            "read_job": {"rise_mb": max(b["rise_kb"] for b in recorded["read"]) * 1024 / MB},
+        }
+        found[n] = entry
+        print(
+            f"{n:>6,} documents: the stage's own bundles raise a worker by at most "
+            f"{entry['stage_own']['rise_mb']:.0f} MB ({', '.join(entry['stage_own']['steps'][:4])}); "
+            "bundles fused with the read's steps "
+            f"{entry['mixed']['rise_mb'] if mixed else 0:.0f} MB; the read-only job's largest "
+            f"{entry['read_job']['rise_mb']:.0f} MB",
+            flush=True,
+        )
+    return found
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_job":
         return job_main(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6:])
@@ -294,6 +367,7 @@ def main() -> None:
     parser.add_argument("--skip-embed", action="store_true", help="leave out the cost comparison")
     parser.add_argument("--memory-only", action="store_true", help="only part 3, the largest worker's memory")
     parser.add_argument("--skip-memory", action="store_true", help="leave out part 3")
+    parser.add_argument("--bundles-only", action="store_true", help="only part 4, the stage's bundles' memory")
     parser.add_argument("--output", default=str(RESULTS))
     args = parser.parse_args()
     from pipeline.embed.encoder import cpu_summary
@@ -312,9 +386,11 @@ def main() -> None:
     docstrings = chosen(every, len(every), "corpus")
     results = {"cpu": cpu_summary(), "corpora": {}}
     print(f"CPU: {cpu_summary()}")
-    if args.memory_only:
-        results["memory"] = memory(work, docstrings, sample)
-        write_results(results, args.output)
+    if args.memory_only or args.bundles_only:
+        results["memory" if args.memory_only else "bundles"] = (memory if args.memory_only else bundles)(
+            work, docstrings, sample
+        )
+        write_results(results, args.output.replace(".json", "-bundles.json") if args.bundles_only else args.output)
         return
     corpora = {"sample corpus": sample, **{f"docstrings {n:,}": docstrings[:n] for n in SIZES}}
     for name, corpus in corpora.items():
