@@ -267,12 +267,12 @@ def quality(name: str, corpus: list[dict], evaluation: list[dict], removed_ids: 
     }
 
 
-def memory(work: Path, docstrings: list[dict], sample: list[dict]) -> dict:
+def memory(work: Path, docstrings: list[dict], sample: list[dict], sizes=MEMORY_SIZES) -> dict:
     """Part 3: per size, the largest worker's peak RSS (MB, the median of REPEATS runs) of the
     read-only job and of the decontamination job, and the stage's own share (the difference)."""
     two = ["--direct_num_workers=2", "--direct_running_mode=multi_processing"]
     found = {}
-    for n in MEMORY_SIZES:
+    for n in sizes:
         corpus = enlarged(docstrings, n)
         slug = f"memory-{n}"
         corpus_path = write_jsonl(work / slug / "corpus.jsonl", corpus)
@@ -311,7 +311,7 @@ def _largest(group: list[dict]) -> dict:
     return {"rise_mb": top["rise_kb"] * 1024 / MB, "steps": steps}
 
 
-def bundles(work: Path, docstrings: list[dict], sample: list[dict]) -> dict:
+def bundles(work: Path, docstrings: list[dict], sample: list[dict], sizes=MEMORY_SIZES) -> dict:
     """Part 4: per size, every bundle of the two jobs recorded in Beam's worker processes
     (benchmarks/bundle_peaks: how far each raised its process's resident memory). A bundle of
     the decontamination job is the stage's own when none of its steps is one of the read's
@@ -319,7 +319,7 @@ def bundles(work: Path, docstrings: list[dict], sample: list[dict]) -> dict:
     bundle is beside them."""
     two = ["--direct_num_workers=2", "--direct_running_mode=multi_processing"]
     found = {}
-    for n in MEMORY_SIZES:
+    for n in sizes:
         corpus = enlarged(docstrings, n)
         slug = f"bundles-{n}"
         corpus_path = write_jsonl(work / slug / "corpus.jsonl", corpus)
@@ -368,6 +368,9 @@ def main() -> None:
     parser.add_argument("--memory-only", action="store_true", help="only part 3, the largest worker's memory")
     parser.add_argument("--skip-memory", action="store_true", help="leave out part 3")
     parser.add_argument("--bundles-only", action="store_true", help="only part 4, the stage's bundles' memory")
+    parser.add_argument(
+        "--memory-sizes", type=int, nargs="+", default=list(MEMORY_SIZES), help="documents, for parts 3 and 4"
+    )
     parser.add_argument("--output", default=str(RESULTS))
     args = parser.parse_args()
     from pipeline.embed.encoder import cpu_summary
@@ -388,7 +391,7 @@ def main() -> None:
     print(f"CPU: {cpu_summary()}")
     if args.memory_only or args.bundles_only:
         results["memory" if args.memory_only else "bundles"] = (memory if args.memory_only else bundles)(
-            work, docstrings, sample
+            work, docstrings, sample, args.memory_sizes
         )
         write_results(results, args.output.replace(".json", "-bundles.json") if args.bundles_only else args.output)
         return
@@ -418,7 +421,7 @@ def main() -> None:
             )
         results["corpora"][name] = entry
     if not args.skip_memory:
-        results["memory"] = memory(work, docstrings, sample)
+        results["memory"] = memory(work, docstrings, sample, args.memory_sizes)
     write_results(results, args.output)
     if temp is not None:
         temp.cleanup()
