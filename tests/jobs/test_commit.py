@@ -5,6 +5,7 @@ import json
 
 import pytest
 from apache_beam.io.filesystems import FileSystems
+from pydantic import BaseModel
 
 from pipeline.common import fileio
 from pipeline.jobs.commit import StageError, commit_directory, new_staging_dir, publish_rejected
@@ -110,3 +111,46 @@ def test_a_commit_built_on_a_manifest_that_another_job_replaced_commits_nothing(
     in_place = fileio.sha256_bytes((final / "manifest.json").read_bytes())
     commit_directory(staging, str(final), {"version": "new"}, FILES, replace=("faiss",), replaces=in_place)
     assert json.loads((final / "manifest.json").read_text()) == {"version": "new"}
+
+
+def test_a_job_whose_input_changed_while_it_ran_commits_nothing_but_a_retry_after_its_commit_passes(tmp_path):
+    from types import SimpleNamespace
+
+    from pipeline.jobs.commit import commit_stage
+    from schemas.manifest import FileEntry
+
+    class Written(BaseModel):  # a manifest as a job hands it to its commit
+        version: str
+        files: list[FileEntry]
+        counters: dict[str, int] = {}
+        file_table: None = None
+
+    index = tmp_path / "index"
+    _old_version(index)
+    read_then = fileio.sha256_bytes((index / "manifest.json").read_bytes())
+    clock = SimpleNamespace(stage="build-shards", timings=lambda counters: {"wall_seconds": 1.0})
+    written = Written(version="shards", files=[FileEntry(path="shard-00000.arrow", rows=1, bytes=1, sha256="0")])
+
+    def commit():
+        staging = _stage(tmp_path, ["shard-00000.arrow"])
+        commit_stage(
+            written,
+            staging,
+            str(tmp_path),
+            str(tmp_path / "shards"),
+            clock,
+            ["shard-00000.arrow"],
+            reads=((str(index), read_then),),
+        )
+
+    (index / "manifest.json").write_text(json.dumps({"version": "a change"}))  # committed meanwhile
+    with pytest.raises(StageError, match="changed while this job read it"):
+        commit()
+    assert not (tmp_path / "shards").exists() and not (tmp_path / ".staging").exists()
+
+    (index / "manifest.json").write_text(json.dumps({"version": "old"}))  # as the job read it
+    commit()
+    assert json.loads((tmp_path / "shards" / "manifest.json").read_text())["version"] == "shards"
+    (index / "manifest.json").write_text(json.dumps({"version": "a later change"}))
+    commit()  # the runner retries a commit that had finished: it stands
+    assert json.loads((tmp_path / "shards" / "manifest.json").read_text())["version"] == "shards"
