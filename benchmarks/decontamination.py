@@ -267,21 +267,28 @@ def quality(name: str, corpus: list[dict], evaluation: list[dict], removed_ids: 
     }
 
 
+TWO_WORKERS = ["--direct_num_workers=2", "--direct_running_mode=multi_processing"]
+
+
+def _sized_corpus(directory: Path, docstrings: list[dict], sample: list[dict], n: int) -> tuple[Path, Path]:
+    """n docstring documents (`enlarged`) and their planted evaluation documents, as JSONL."""
+    corpus = enlarged(docstrings, n)
+    corpus_path = write_jsonl(directory / "corpus.jsonl", corpus)
+    plain = [{"id": e["id"], "text": e["text"]} for e in planted(corpus, sample)]
+    return corpus_path, write_jsonl(directory / "evaluation.jsonl", plain)
+
+
 def memory(work: Path, docstrings: list[dict], sample: list[dict], sizes=MEMORY_SIZES) -> dict:
     """Part 3: per size, the largest worker's peak RSS (MB, the median of REPEATS runs) of the
     read-only job and of the decontamination job, and the stage's own share (the difference)."""
-    two = ["--direct_num_workers=2", "--direct_running_mode=multi_processing"]
     found = {}
     for n in sizes:
-        corpus = enlarged(docstrings, n)
         slug = f"memory-{n}"
-        corpus_path = write_jsonl(work / slug / "corpus.jsonl", corpus)
-        plain = [{"id": e["id"], "text": e["text"]} for e in planted(corpus, sample)]
-        eval_path = write_jsonl(work / slug / "evaluation.jsonl", plain)
+        corpus_path, eval_path = _sized_corpus(work / slug, docstrings, sample, n)
         entry = {}
         for kind in ("read", "decontaminate"):
             peaks = [
-                run_job(kind, corpus_path, eval_path, work / slug / f"{kind}-{i}", two)["worker_peak_rss_mb"]
+                run_job(kind, corpus_path, eval_path, work / slug / f"{kind}-{i}", TWO_WORKERS)["worker_peak_rss_mb"]
                 for i in range(REPEATS)
             ]
             entry[kind] = {"runs_mb": peaks, "median_mb": float(np.median(peaks))}
@@ -317,21 +324,17 @@ def bundles(work: Path, docstrings: list[dict], sample: list[dict], sizes=MEMORY
     the decontamination job is the stage's own when none of its steps is one of the read's
     (the read-only job's step labels), mixed when it fuses both; the read-only job's largest
     bundle is beside them."""
-    two = ["--direct_num_workers=2", "--direct_running_mode=multi_processing"]
     found = {}
     for n in sizes:
-        corpus = enlarged(docstrings, n)
         slug = f"bundles-{n}"
-        corpus_path = write_jsonl(work / slug / "corpus.jsonl", corpus)
-        plain = [{"id": e["id"], "text": e["text"]} for e in planted(corpus, sample)]
-        eval_path = write_jsonl(work / slug / "evaluation.jsonl", plain)
+        corpus_path, eval_path = _sized_corpus(work / slug, docstrings, sample, n)
         recorded = {}
         for kind in ("read", "decontaminate"):
             peaks = work / slug / f"{kind}-bundles"
             shutil.rmtree(peaks, ignore_errors=True)
             peaks.mkdir(parents=True)
             env = {"BUNDLE_PEAKS_DIR": str(peaks), "PYTHONPATH": str(REPO / "benchmarks" / "bundle_peaks")}
-            run_job(kind, corpus_path, eval_path, work / slug / kind, two, env)
+            run_job(kind, corpus_path, eval_path, work / slug / kind, TWO_WORKERS, env)
             recorded[kind] = [json.loads(line) for f in sorted(peaks.glob("*.jsonl")) for line in f.open()]
         read_steps = set().union(*(_labels(b["transforms"], "ReadCorpus") for b in recorded["read"]))
         own, mixed = [], []
