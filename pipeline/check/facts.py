@@ -113,7 +113,7 @@ class FaissFacts:
 
     @classmethod
     def of(
-        cls, directory: str, manifest, entries: list[FileEntry], num_vectors: int, deleted: DeletedRanges | None = None
+        cls, directory: str, manifest, entries: list[FileEntry], num_vectors: int, deleted: DeletedRanges
     ) -> FaissFacts:
         faiss_entries = {f.path: f for f in entries if f.path.startswith("faiss/")}
         searched = searched_files(list(faiss_entries))
@@ -128,7 +128,7 @@ class FaissFacts:
             files,
             manifest.slice_bytes,
             routing,
-            deleted if deleted is not None else DeletedRanges.none(),
+            deleted,
         )
 
 

@@ -27,6 +27,7 @@ from pipeline.check.facts import (
 from pipeline.check.problems import ValidationFailed, _kind, _parquet, _read_checked, _require
 from pipeline.chunks.chunk_files import ChunkRows
 from pipeline.common import fileio
+from pipeline.common.arrays import ranges_of
 from pipeline.common.names import file_number
 from pipeline.index.files import load_index, read_owners
 from pipeline.index.routing import list_sizes
@@ -288,16 +289,10 @@ class ShardResult:
     references: dict = field(repr=False)  # chunk file number -> ReferenceBlock
 
 
-def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """The indexes starts[r] ... starts[r] + counts[r] - 1 of every r, concatenated."""
-    within = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-    return np.repeat(starts, counts) + within
-
-
 def _contains(docs: np.ndarray, starts: np.ndarray, counts: np.ndarray, wanted: np.ndarray) -> np.ndarray:
     """Per reference r: is wanted[r] among docs[starts[r] : starts[r] + counts[r]]?"""
     owner = np.repeat(np.arange(len(starts)), counts)
-    hits = np.asarray(docs[_ranges(starts, counts)]) == wanted[owner]
+    hits = np.asarray(docs[ranges_of(starts, counts)]) == wanted[owner]
     return np.bincount(owner, weights=hits, minlength=len(starts)) > 0
 
 
@@ -329,7 +324,7 @@ def _shard_references(
         here = numbers == number
         rows_here = np.unique(row[here])
         counts = doc_offsets[rows_here + 1] - doc_offsets[rows_here]
-        docs = doc_values[_ranges(doc_offsets[rows_here], counts)]
+        docs = doc_values[ranges_of(doc_offsets[rows_here], counts)]
         local_start = np.cumsum(counts) - counts
         where = np.searchsorted(rows_here, row[here])
         refs = np.zeros(int(here.sum()), REFERENCE)

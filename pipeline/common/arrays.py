@@ -1,5 +1,5 @@
-"""Two numpy idioms the block-wise steps share: rows grouped by a key, and ids looked up in a
-sorted id array."""
+"""Numpy idioms the block-wise steps share: rows grouped by a key, ids looked up in a sorted
+id array, and runs of consecutive integers laid end to end."""
 
 from __future__ import annotations
 
@@ -22,3 +22,10 @@ def positions_of(sorted_ids: np.ndarray, wanted: np.ndarray) -> tuple[np.ndarray
         return np.zeros(len(wanted), np.int64), np.zeros(len(wanted), bool)
     at = np.minimum(np.searchsorted(sorted_ids, wanted), len(sorted_ids) - 1)
     return at, sorted_ids[at] == wanted
+
+
+def ranges_of(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The integers starts[r] ... starts[r] + counts[r] - 1 of every r, concatenated."""
+    counts = np.asarray(counts, np.int64)
+    within = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+    return np.repeat(np.asarray(starts, np.int64), counts) + within

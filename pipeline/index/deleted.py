@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from pipeline.common.arrays import ranges_of
+
 DELETED_DIR = "deleted"
 # why a document was deleted: asked for; an appended document has its id; its corpus file changed
 # or went, and no longer holds it
@@ -41,7 +43,7 @@ class DeletedRanges:
 
     @classmethod
     def of(cls, documents) -> DeletedRanges:
-        """From DeletedDocuments or tables of deleted-file rows."""
+        """From DeletedDocuments, in any order."""
         docs = list(documents)
         starts = np.array([d.first_chunk_id for d in docs], np.int64)
         order = np.argsort(starts, kind="stable")
@@ -72,9 +74,7 @@ class DeletedRanges:
 
     def chunk_ids(self) -> np.ndarray:
         """Every deleted chunk id, ascending."""
-        if not len(self):
-            return np.zeros(0, np.int64)
-        return np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in zip(self.starts, self.ends)])
+        return ranges_of(self.starts, self.ends - self.starts)
 
     def contains(self, chunk_ids: np.ndarray) -> np.ndarray:
         """Per chunk id: whether a deleted document holds it (bool, the ids' shape)."""
