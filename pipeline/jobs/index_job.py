@@ -218,18 +218,18 @@ def build_index(
             assert previous_sha is not None  # read with the manifest
             changes = corpus_changes(previous, listed)
             return change_index(cfg, previous, previous_sha, changes, beam_args, delete, detach)
+        needs = "faiss rebuild" if action == "rebuild_faiss" else "build"
         if delete:
             raise StageError(
                 f"{index_dir(cfg)}: documents can be deleted only from an index that matches the config "
-                f"(this config needs a {'faiss rebuild' if action == 'rebuild_faiss' else 'build'}); "
-                "run build-index first"
+                f"(this config needs a {needs}); run build-index first"
             )
         if action == "reuse" and previous.deleted_documents:  # a faiss rebuild would bring them back
             log.info("build-index: %s matches the config and its corpus files; nothing to build", index_dir(cfg))
             return previous
         if previous.deleted_documents:  # the corpus files still hold them
             raise StageError(
-                f"{index_dir(cfg)}: this config needs a {'faiss rebuild' if action == 'rebuild_faiss' else 'build'}, "
+                f"{index_dir(cfg)}: this config needs a {needs}, "
                 f"which would bring back the {previous.deleted_documents:,} documents deleted from the index: "
                 "remove them from the corpus files, then run build-index --force"
             )
