@@ -2,13 +2,26 @@
 
     .venv/bin/python benchmarks/embed_vs_encoder.py [--config examples/quickstart.yaml]
         [--precision auto|float32|bfloat16|float16]
+        [--docstring-chunks N [--workdir DIR]] [--no-settings]
+
+The chunks: the config's corpus (the quickstart's 4,557 by default), or with --docstring-chunks
+about N chunks of real text the sample corpus does not hold: the docstrings of the Python
+standard library and the installed packages (examples/stdlib_docstrings.py --site-packages),
+documents taken in hash order as benchmarks/append.py takes them, with the config's other
+settings. At the quickstart's size the fixed costs (imports, Beam's graph, the check) weigh as
+much as a third of the encoder's time; at tens of thousands of chunks what remains is the part
+that grows with the corpus. --no-settings leaves out steps 6 and 7 (each setting alone, and the
+run with the fastest): the whole run is then the config's own settings, run warm.
 
 1. build-index (stages 1-3) into a fresh directory, timed end to end, in the config's
    `embedding.precision` (or --precision);
 2. the raw floors: `SentenceTransformer.encode` of exactly the texts the pipeline embedded
    (its chunks, decoded) in one call (it sorts them by characters and batches them), same batch
    size and threads, model already loaded, in float32 and in the precision the stage used
-   (torch autocast, as the stage does);
+   (torch autocast, as the stage does); these run warm (imports done, encoder loaded, its
+   kernels run before), so the same precision's floor is also taken as a script would run it:
+   a fresh process that imports sentence-transformers, loads the encoder and encodes, the
+   like of step 1's build-index, the first in its process;
 3. the embed stage alone: a Beam job reading those chunks and running `EmbedChunks`
    (its precision check included);
 4. build-shards, so that `run` = build-index + build-shards can be set against both floors;
@@ -21,9 +34,10 @@
    each with its top-2 agreement with torch float32 on the precision check's sample, judged
    as the build judges it;
 7. the whole run (build-index + build-shards, fresh directory) with the fastest setting that
-   passes that check, against the raw float32 floor; then the config's own settings again.
-   Both run warm (imports done and the encoder loaded by the steps before, as in the raw
-   floors), unlike step 1's run, which pays them.
+   passes that check, against the raw float32 floor; then the config's own settings again
+   (build-index's time alone is set against the warm floor of its precision). Both run warm
+   (imports done and the encoder loaded by the steps before, as in the raw floors), unlike
+   step 1's run, which pays them.
 Prints the times, the ratios, and the padding of the raw floor's batches and the stage's
 (padded tokens over the texts' tokens); writes them as JSON to benchmarks/results/.
 """
@@ -31,6 +45,7 @@ Prints the times, the ratios, and the padding of the raw floor's batches and the
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -40,6 +55,7 @@ from pathlib import Path
 import apache_beam as beam
 import numpy as np
 import pyarrow.parquet as pq
+from apache_beam.io.parquetio import ReadAllFromParquetBatched
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 from benchmarks.report import timed, write_results  # noqa: E402
@@ -48,13 +64,13 @@ from pipeline.common.models import resolve_model, resolve_tokenizer
 from pipeline.embed.backends import CALIBRATION_CHUNKS, CALIBRATION_SALT, embed_texts, load_embedder, needs_calibration
 from pipeline.embed.beam import BATCHES_PER_GROUP, EmbedChunks
 from pipeline.embed.encoder import (
+    Tokenized,
     arithmetic,
     chunk_texts,
     cpu_summary,
     encode_texts,
     has_bfloat16_units,
     length_batches,
-    token_counts,
     torch_threads,
 )
 from pipeline.embed.precision import PRECISION_SALT, agreement_upper_bound, setting_name, top2_agreement
@@ -65,14 +81,18 @@ from pipeline.jobs.shards_job import _chunks_from_table, build_shards
 from schemas.config import load_config
 
 
-def time_embed_stage(cfg, chunks, threads) -> float:
-    """Seconds of a Beam job (in-process) that runs `EmbedChunks` over these chunks."""
+def time_embed_stage(cfg, chunk_files: list[Path], threads) -> float:
+    """Seconds of a Beam job (in-process) that reads these chunk files and runs `EmbedChunks`
+    over their chunks (read, not `beam.Create`d: Create would pickle and compress them all into
+    the job's graph, a cost build-index does not have)."""
 
     def embed_stage():
         with new_pipeline([]) as p:
             embedded, _ = (
                 p
-                | beam.Create(chunks, reshuffle=False)
+                | beam.Create([str(f) for f in chunk_files])
+                | ReadAllFromParquetBatched()
+                | beam.FlatMap(_chunks_from_table)
                 | EmbedChunks(cfg.embedding, resolve_tokenizer(cfg.tokenizer), threads)
             )
             _ = embedded | beam.combiners.Count.Globally()
@@ -85,6 +105,31 @@ def import_seconds() -> float:
     code = "import time, apache_beam, torch; t = time.perf_counter(); import sentence_transformers; "
     code += "print(time.perf_counter() - t)"
     return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+
+
+FRESH_ENCODE = """
+import json, sys, time
+texts = json.load(open(sys.argv[1]))
+start = time.perf_counter()
+import torch
+from sentence_transformers import SentenceTransformer
+torch.set_num_threads(int(sys.argv[4]))
+model = SentenceTransformer(sys.argv[2], device="cpu")
+with torch.autocast("cpu", dtype=getattr(torch, sys.argv[3]), enabled=sys.argv[3] != "float32"):
+    model.encode(texts, batch_size=int(sys.argv[5]), normalize_embeddings=True, convert_to_tensor=True)
+print(time.perf_counter() - start)
+"""
+
+
+def fresh_raw_seconds(texts, model: str, precision: str, threads: int, batch_size: int, out: str) -> float:
+    """The raw floor as a script would run it, against build-index's first run in a process:
+    a fresh process importing sentence-transformers, loading the encoder and encoding the texts
+    in one call (reading the texts not counted)."""
+    path = Path(out, "texts.json")
+    path.write_text(json.dumps(texts))
+    command = [sys.executable, "-c", FRESH_ENCODE, str(path), model, precision, str(threads), str(batch_size)]
+    env = os.environ | {"HF_HUB_OFFLINE": "1"}
+    return float(subprocess.run(command, capture_output=True, text=True, check=True, env=env).stdout.split()[-1])
 
 
 def raw_encode(model, texts, batch_size, precision="float32") -> np.ndarray:
@@ -149,13 +194,30 @@ def padding(counts, batches) -> float:
     return sum(len(b) * int(counts[b].max()) for b in batches) / int(counts.sum())
 
 
+def docstring_corpus(workdir: Path, chunks: int, m: int) -> list[str]:
+    """About `chunks` chunks of docstring documents as JSONL files under `workdir`; their glob."""
+    from benchmarks.append import corpus_documents, take, write_files
+
+    directory = workdir / f"docstrings-{chunks}"
+    if not directory.exists():
+        write_files(directory, "docstrings", take(corpus_documents(workdir), chunks, m)[0], 4)
+    return [str(directory / "*.jsonl")]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="examples/quickstart.yaml")
     parser.add_argument("--precision", help="override embedding.precision")
+    parser.add_argument("--docstring-chunks", type=int, help="embed about this many docstring chunks instead")
+    parser.add_argument("--workdir", help="where the docstring corpus is kept (default: a temp dir)")
+    parser.add_argument("--no-settings", action="store_true", help="leave out each setting alone (steps 6-7)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as out:
         cfg = load_config(args.config).model_copy(update={"output": out})
+        if args.docstring_chunks:
+            paths = docstring_corpus(Path(args.workdir or out), args.docstring_chunks, cfg.chunk_tokens)
+            corpus = cfg.retrieval_corpus.model_copy(update={"paths": paths, "text_field": "text", "id_field": "id"})
+            cfg = cfg.model_copy(update={"retrieval_corpus": corpus})
         if args.precision:
             cfg = cfg.model_copy(update={"embedding": cfg.embedding.model_copy(update={"precision": args.precision})})
         manifest, t_index = timed(lambda: build_index(cfg, []))
@@ -172,7 +234,7 @@ def main() -> None:
         with torch_threads(manifest.encoder_threads):  # the threads the stage used
             _, t_raw = timed(lambda: raw_encode(model, texts, size))
             _, t_reduced = timed(lambda: raw_encode(model, texts, size, precision))
-        counts = token_counts(model, texts)  # chunks are in chunk-id order, as the stage groups them
+        counts = Tokenized.of(model, texts).counts  # chunks are in chunk-id order, as the stage groups them
         by_characters = np.argsort([-len(t) for t in texts])  # SentenceTransformer.encode's order
         raw_batches = [by_characters[i : i + size] for i in range(0, len(texts), size)]
         group = size * BATCHES_PER_GROUP
@@ -182,24 +244,29 @@ def main() -> None:
             for batch in length_batches(counts[start : start + group], size)
         ]
 
-        t_embed = time_embed_stage(cfg, chunks, manifest.encoder_threads)
+        t_fresh = fresh_raw_seconds(
+            texts, resolve_model(cfg.embedding.model), precision, manifest.encoder_threads, size, out
+        )
+        t_embed = time_embed_stage(cfg, chunk_files, manifest.encoder_threads)
         ids = np.array([c.chunk_id for c in chunks])
         sample = hash_sample(ids, PRECISION_SALT, cfg.embedding.precision_sample)  # the check's
         with torch_threads(manifest.encoder_threads):
             _, t_check = timed(lambda: encode_texts(model, [texts[i] for i in sample], size))
         t_import = import_seconds()
-        settings = time_settings(cfg.embedding, texts, ids, manifest.encoder_threads)
-        chosen = min((row for row in settings if row["passes_check"]), key=lambda row: row["seconds"])
-        update = {key: chosen[key] for key in ("backend", "precision", "quantize")}
-        chosen_cfg = cfg.model_copy(
-            update={"output": str(Path(out, "chosen")), "embedding": cfg.embedding.model_copy(update=update)}
-        )
-        chosen_manifest, t_chosen_index = timed(lambda: build_index(chosen_cfg, []))
-        _, t_chosen_shards = timed(lambda: build_shards(chosen_cfg, []))
+        settings, chosen = [], None
+        if not args.no_settings:
+            settings = time_settings(cfg.embedding, texts, ids, manifest.encoder_threads)
+            chosen = min((row for row in settings if row["passes_check"]), key=lambda row: row["seconds"])
+            update = {key: chosen[key] for key in ("backend", "precision", "quantize")}
+            chosen_cfg = cfg.model_copy(
+                update={"output": str(Path(out, "chosen")), "embedding": cfg.embedding.model_copy(update=update)}
+            )
+            chosen_manifest, t_chosen_index = timed(lambda: build_index(chosen_cfg, []))
+            _, t_chosen_shards = timed(lambda: build_shards(chosen_cfg, []))
         # the first run above paid the imports and the encoder load; the chosen one ran warm, so
         # the default settings run again warm, to compare like with like
         warm_cfg = cfg.model_copy(update={"output": str(Path(out, "warm"))})
-        _, t_warm_index = timed(lambda: build_index(warm_cfg, []))
+        warm_manifest, t_warm_index = timed(lambda: build_index(warm_cfg, []))
         _, t_warm_shards = timed(lambda: build_shards(warm_cfg, []))
     result = {
         "cpu": cpu_summary(),
@@ -228,18 +295,29 @@ def main() -> None:
         "run_vs_raw": round((t_index + t_shards) / t_raw, 3),
         f"embed_stage_vs_raw_{precision}": round(t_embed / t_reduced, 3),
         f"build_index_vs_raw_{precision}": round(t_index / t_reduced, 3),
+        f"raw_{precision}_fresh_process_s": round(t_fresh, 2),
+        f"build_index_vs_raw_{precision}_fresh_process": round(t_index / t_fresh, 3),
         f"run_vs_raw_{precision}": round((t_index + t_shards) / t_reduced, 3),
         "settings": settings,
-        "chosen_setting": chosen["setting"],
-        "chosen_build_index_s": round(t_chosen_index, 2),
-        "chosen_run_s": round(t_chosen_index + t_chosen_shards, 2),
-        "chosen_run_vs_raw": round((t_chosen_index + t_chosen_shards) / t_raw, 3),
-        "chosen_check": chosen_manifest.embedding_precision.summary(),
+        "warm_build_index_s": round(t_warm_index, 2),
+        f"warm_build_index_vs_raw_{precision}": round(t_warm_index / t_reduced, 3),
+        "warm_check": warm_manifest.embedding_precision.summary(),
+    }
+    if chosen:
+        result |= {
+            "chosen_setting": chosen["setting"],
+            "chosen_build_index_s": round(t_chosen_index, 2),
+            "chosen_run_s": round(t_chosen_index + t_chosen_shards, 2),
+            "chosen_run_vs_raw": round((t_chosen_index + t_chosen_shards) / t_raw, 3),
+            "chosen_check": chosen_manifest.embedding_precision.summary(),
+        }
+    result |= {
         "encoder_threads": manifest.encoder_threads,
         "cpu_count": os.cpu_count(),
         "python": sys.version.split()[0],
     }
-    write_results(result, "benchmarks/results/embed_vs_encoder.json")
+    name = f"embed_vs_encoder-docstrings-{args.docstring_chunks}" if args.docstring_chunks else "embed_vs_encoder"
+    write_results(result, f"benchmarks/results/{name}.json")
     width = max(map(len, result))
     for key, value in result.items():
         if key != "settings":

@@ -27,15 +27,13 @@ import numpy as np
 from pipeline.common.fileio import sha256_file
 from pipeline.common.models import fingerprint_path, resolve_model
 from pipeline.embed.encoder import (
+    Tokenized,
     cpu_summary,
     encode_texts,
     export_onnx,
     has_bfloat16_units,
-    length_batches,
     load_encoder,
-    model_inputs,
     resolve_precision,
-    token_counts,
     torch_threads,
 )
 from schemas.config import EmbeddingConfig
@@ -136,8 +134,8 @@ def _quantize(source: str, target: str, calibration: Sequence[str], model) -> No
 
     class Reader(CalibrationDataReader):
         def __init__(self):
-            order = length_batches(token_counts(model, calibration), CALIBRATION_BATCH)
-            self.batches = iter([_features(model, [calibration[i] for i in batch]) for batch in order])
+            tokenized = Tokenized.of(model, calibration)
+            self.batches = iter([_features(tokenized, batch) for batch in tokenized.batches(CALIBRATION_BATCH)])
 
         def get_next(self):
             return next(self.batches, None)
@@ -186,10 +184,10 @@ def exported_model(model: str, quantize: str, calibration: tuple[str, ...] = ())
     return target
 
 
-def _features(model, texts: Sequence[str]) -> dict[str, np.ndarray]:
-    """The tokenizer's inputs for `texts` exactly as sentence-transformers makes them, padded
-    to the longest."""
-    features = model_inputs(model, texts)
+def _features(tokenized: Tokenized, rows: np.ndarray) -> dict[str, np.ndarray]:
+    """The exported graph's inputs for the texts at `rows`, exactly as sentence-transformers
+    makes them, padded to the longest."""
+    features = tokenized.batch(rows)
     names = ("input_ids", "attention_mask", "token_type_ids")
     return {name: features[name].numpy() for name in names if name in features}
 
@@ -219,13 +217,11 @@ class ExportedEncoder:
 
     def encode(self, texts: Sequence[str], batch_size: int) -> np.ndarray:
         """L2-normalised float32 embeddings [len(texts), d], in the batches of `encode_texts`."""
-        texts = list(texts)
-        batches = [np.arange(len(texts))]
-        if len(texts) > batch_size:
-            batches = length_batches(token_counts(self.model, texts), batch_size)
+        tokenized = Tokenized.of(self.model, texts)
+        batches = tokenized.batches(batch_size)
         encoded = []
         for batch in batches:
-            vectors = np.asarray(self._run(_features(self.model, [texts[i] for i in batch])), dtype=np.float32)
+            vectors = np.asarray(self._run(_features(tokenized, batch)), dtype=np.float32)
             encoded.append(vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12))
         return np.concatenate(encoded)[np.argsort(np.concatenate(batches))]
 

@@ -22,7 +22,7 @@ from pipeline.chunks.chunking import load_tokenizer
 from pipeline.corpus.records import METRICS_NAMESPACE
 from pipeline.embed.backends import CALIBRATION_CHUNKS, CALIBRATION_SALT, embed_texts, load_embedder, needs_calibration
 from pipeline.embed.encoder import chunk_texts
-from pipeline.embed.precision import PRECISION_SALT, _in_sample, check_precision
+from pipeline.embed.precision import PRECISION_SALT, check_precision
 from schemas.config import EmbeddingConfig
 
 # Batches a group of chunks is cut into. Larger groups sort more texts by token count, so
@@ -78,17 +78,33 @@ class _EncodeCalibrated(beam.DoFn):
         yield from self.handler.run_inference([group], self.model)
 
 
-def _hash_sample(chunks, salt: int, size: int, label: str):
-    """The `size` chunks with the smallest hashes of their ids under `salt` (the same whatever
-    the bundling), as one list of (hash, chunk) sorted by hash."""
+def _group_sample(keyed, salt: int, size: int) -> list:
+    """A group's `size` chunks with the smallest hashes of their ids under `salt`, as
+    (hash, chunk id, chunk): the sample's candidates from this group, keyed in one numpy call."""
     from pipeline.index.sampling import sample_keys
 
+    chunks = list(keyed[1])
+    ids = np.array([c.chunk_id for c in chunks], dtype=np.int64)
+    keys = sample_keys(ids, salt)
+    return [(int(keys[i]), int(ids[i]), chunks[i]) for i in np.lexsort((ids, keys))[:size]]
+
+
+def _hash_sample(groups, salt: int, size: int, label: str):
+    """The `size` chunks with the smallest hashes of their ids under `salt` (the same whatever
+    the grouping or bundling), as one list of (hash, chunk) sorted by hash: each group's
+    smallest, then the smallest of those."""
     return (
-        chunks
-        | f"KeyFor{label}" >> beam.Map(lambda c: (int(sample_keys(np.array([c.chunk_id]), salt)[0]), c.chunk_id, c))
+        groups
+        | f"{label}Candidates" >> beam.FlatMap(_group_sample, salt, size)
         | f"{label}Sample" >> beam.combiners.Top.Smallest(size, key=lambda s: s[:2])
         | f"{label}Chunks" >> beam.Map(lambda picked: [(key, chunk) for key, _, chunk in picked])
     )
+
+
+def _stored_in_sample(result, sampled: set) -> list:
+    """The (chunk id, embedding) pairs of an encoded group whose chunks the check sampled."""
+    chunk_ids, embeddings = result
+    return [(int(i), embeddings[n]) for n, i in enumerate(chunk_ids.tolist()) if i in sampled]
 
 
 class _PrepareGroup(beam.DoFn):
@@ -129,25 +145,23 @@ class EmbedChunks(beam.PTransform):
     def expand(self, chunks):
         cfg, size = self.cfg, self.cfg.batch_size * BATCHES_PER_GROUP
         handler = SentenceEncoderHandler(cfg, self.threads, cfg.model_copies)
-        groups = (
-            chunks
-            | "KeyByGroup" >> beam.Map(lambda c: (c.chunk_id // size, c))
-            | "GroupChunks" >> beam.GroupByKey()
-            | "DecodeTexts" >> beam.ParDo(_PrepareGroup(self.tokenizer_path))
+        grouped = (
+            chunks | "KeyByGroup" >> beam.Map(lambda c: (c.chunk_id // size, c)) | "GroupChunks" >> beam.GroupByKey()
         )
+        groups = grouped | "DecodeTexts" >> beam.ParDo(_PrepareGroup(self.tokenizer_path))
         if needs_calibration(cfg):
-            calibration = _hash_sample(chunks, CALIBRATION_SALT, CALIBRATION_CHUNKS, "Calibration")
+            calibration = _hash_sample(grouped, CALIBRATION_SALT, CALIBRATION_CHUNKS, "Calibration")
             encoded = groups | "Encode" >> beam.ParDo(
                 _EncodeCalibrated(handler, self.tokenizer_path), beam.pvalue.AsSingleton(calibration)
             )
         else:
             encoded = groups | "Encode" >> RunInference(handler)
         embeddings = encoded | "SplitGroups" >> beam.FlatMap(_split_group)
-        sample = _hash_sample(chunks, PRECISION_SALT, cfg.precision_sample, "PrecisionCheck")
+        sample = _hash_sample(grouped, PRECISION_SALT, cfg.precision_sample, "PrecisionCheck")
         sampled = sample | "SampledIds" >> beam.Map(lambda picked: {c.chunk_id for _, c in picked})
         stored = (
-            embeddings
-            | "StoredForCheck" >> beam.Filter(_in_sample, beam.pvalue.AsSingleton(sampled))
+            encoded
+            | "StoredForCheck" >> beam.FlatMap(_stored_in_sample, beam.pvalue.AsSingleton(sampled))
             | "GatherStored" >> beam.combiners.ToList()
         )
         report = sample | "CheckPrecision" >> beam.Map(

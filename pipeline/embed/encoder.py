@@ -12,6 +12,7 @@ import functools
 import os
 from collections.abc import Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -88,20 +89,6 @@ def arithmetic(precision: str, device: str):
         yield
 
 
-def token_counts(model, texts: Sequence[str]) -> np.ndarray:
-    """The encoder's tokens per text, special tokens included, at most its max_seq_length: the
-    length a batch is padded to is its largest count."""
-    counts = model.tokenizer(
-        list(texts),
-        truncation=True,
-        max_length=model.max_seq_length,
-        return_attention_mask=False,
-        return_token_type_ids=False,
-        return_length=True,
-    )["length"]
-    return np.asarray(counts, dtype=np.int64)
-
-
 def length_batches(counts: np.ndarray, batch_size: int) -> list[np.ndarray]:
     """Positions of texts in batches of `batch_size` with similar token counts, longest first
     (equal counts in position order), each batch's positions ascending. A batch is padded to
@@ -111,23 +98,58 @@ def length_batches(counts: np.ndarray, batch_size: int) -> list[np.ndarray]:
     return [np.sort(order[start : start + batch_size]) for start in range(0, len(order), batch_size)]
 
 
+@dataclass(frozen=True)
+class Tokenized:
+    """Texts tokenized once for the encoder: the model's inputs for all of them, padded to the
+    longest (`model_inputs`), and each text's token count (special tokens included, at most
+    max_seq_length). A batch's inputs are its rows cut to the columns its texts use, which is
+    what tokenizing those texts alone gives, so the batching and every batch share one
+    tokenizer pass."""
+
+    features: dict
+    counts: np.ndarray  # int64 [len(texts)]
+
+    @classmethod
+    def of(cls, model, texts: Sequence[str]) -> Tokenized:
+        features = model_inputs(model, texts)
+        return cls(features, features["attention_mask"].sum(1).numpy().astype(np.int64))
+
+    def batches(self, batch_size: int) -> list[np.ndarray]:
+        """`length_batches`, or all texts as one batch when they fit in one."""
+        if len(self.counts) <= batch_size:
+            return [np.arange(len(self.counts))]
+        return length_batches(self.counts, batch_size)
+
+    def batch(self, rows: np.ndarray) -> dict:
+        """The inputs of the texts at `rows`, padded to the longest of them (on either side)."""
+        import torch
+
+        index = torch.from_numpy(rows)
+        used = torch.nonzero(self.features["attention_mask"][index].any(0)).flatten()
+        columns = slice(int(used[0]), int(used[-1]) + 1)
+        return {
+            name: value[index][:, columns] if isinstance(value, torch.Tensor) and value.ndim == 2 else value
+            for name, value in self.features.items()
+        }
+
+
 def encode_texts(model, texts: Sequence[str], batch_size: int, precision: str = "float32") -> np.ndarray:
     """L2-normalised float32 embeddings [len(texts), d] (inner product = cosine), computed in
     `precision` (resolved: float32, bfloat16 or float16), in the batches of `length_batches`.
     A text's embedding depends on the batch it is in (at the 1e-7 level in float32, more in
-    bfloat16), so on all of `texts` and their order; up to `batch_size` texts are one batch."""
-    texts = list(texts)
-    batches = [np.arange(len(texts))]
-    if len(texts) > batch_size:
-        batches = length_batches(token_counts(model, texts), batch_size)
-    with arithmetic(precision, str(model.device)):
+    bfloat16), so on all of `texts` and their order; up to `batch_size` texts are one batch.
+    Each batch runs as `SentenceTransformer.encode` runs one (its forward pass, then the
+    normalisation), on inputs tokenized once for all texts (`Tokenized`)."""
+    import torch
+    from sentence_transformers.util import batch_to_device
+
+    tokenized = Tokenized.of(model, texts)
+    batches = tokenized.batches(batch_size)
+    model.eval()
+    with torch.inference_mode(), arithmetic(precision, str(model.device)):
         encoded = [
-            model.encode(
-                [texts[i] for i in batch],
-                batch_size=batch_size,
-                normalize_embeddings=True,
-                convert_to_tensor=True,
-                show_progress_bar=False,
+            torch.nn.functional.normalize(
+                model(batch_to_device(tokenized.batch(batch), model.device))["sentence_embedding"], p=2, dim=1
             )
             .float()
             .cpu()

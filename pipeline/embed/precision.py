@@ -105,7 +105,3 @@ def check_precision(sample, stored, cfg: EmbeddingConfig, tokenizer_path: str, t
             f"{cfg.min_agreement}); {safer_setting(cfg, precision)}"
         )
     return report
-
-
-def _in_sample(embedding, sampled: set) -> bool:
-    return embedding[0] in sampled

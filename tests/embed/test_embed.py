@@ -7,13 +7,14 @@ from pipeline.chunks.chunking import chunk_document, load_tokenizer, tokenize_ba
 from pipeline.common.models import resolve_tokenizer
 from pipeline.embed.beam import BATCHES_PER_GROUP, EmbedChunks
 from pipeline.embed.encoder import (
+    Tokenized,
     arithmetic,
     chunk_texts,
     encode_texts,
     length_batches,
     load_encoder,
+    model_inputs,
     resolve_precision,
-    token_counts,
     torch_threads,
 )
 from pipeline.embed.precision import PrecisionTooLow, agreement_upper_bound, check_precision, top2_agreement
@@ -89,7 +90,7 @@ def test_encode_texts_is_sentence_transformers_encode_on_each_of_its_batches():
     texts[3] = texts[3][:20]  # a short text among chunks of equal token counts
     model = load_encoder(CFG)
     precision = resolve_precision(CFG.precision, CFG.device)
-    counts = token_counts(model, texts)
+    counts = Tokenized.of(model, texts).counts
     assert counts[3] < counts.max() and counts.max() <= model.max_seq_length
     with torch_threads(1):
         got = encode_texts(model, texts, 8, precision)
@@ -102,6 +103,29 @@ def test_encode_texts_is_sentence_transformers_encode_on_each_of_its_batches():
                 )
                 np.testing.assert_array_equal(got[batch], expected.float().numpy())
     assert load_encoder(CFG) is model  # loaded once per process: the stage and its check share it
+
+
+@pytest.mark.e2e  # the real encoder's tokenizer
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_a_tokenized_batch_is_its_texts_tokenized_alone(side):
+    """One tokenizer pass serves every batch: a batch's rows, cut to the columns its texts use,
+    are what tokenizing those texts alone gives, whichever side the tokenizer pads."""
+    texts = ["a short one", "a text of a few more words than that", "mid length text here", "x"]
+    model = load_encoder(CFG)
+    before = model.tokenizer.padding_side
+    model.tokenizer.padding_side = side
+    try:
+        tokenized = Tokenized.of(model, texts)
+        for rows in ([0, 3], [2], [3, 2, 0], [0, 1, 2, 3]):
+            alone = model_inputs(model, [texts[i] for i in rows])
+            got = tokenized.batch(np.array(rows))
+            assert set(got) == set(alone)
+            for name, value in alone.items():  # tensors, and a string or two (e.g. the modality)
+                same = got[name].tolist() == value.tolist() if hasattr(value, "tolist") else got[name] == value
+                assert same, (rows, name)
+        assert tokenized.counts.tolist() == [int(m.sum()) for m in model_inputs(model, texts)["attention_mask"]]
+    finally:
+        model.tokenizer.padding_side = before
 
 
 @pytest.mark.unit
