@@ -175,7 +175,7 @@ def time_settings(embedding, texts, ids, threads) -> list[dict]:
         agreeing, slots = top2_agreement(reference[check], vectors[check])
         rows.append(
             {
-                "setting": setting_name(setting, precision),
+                "setting": setting_name(backend, precision, quantize),
                 "backend": backend,
                 "precision": precision,
                 "quantize": quantize,
