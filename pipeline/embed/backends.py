@@ -33,6 +33,7 @@ from pipeline.embed.encoder import (
     export_onnx,
     has_bfloat16_units,
     load_encoder,
+    no_embeddings,
     resolve_precision,
     torch_threads,
 )
@@ -217,6 +218,8 @@ class ExportedEncoder:
 
     def encode(self, texts: Sequence[str], batch_size: int) -> np.ndarray:
         """L2-normalised float32 embeddings [len(texts), d], in the batches of `encode_texts`."""
+        if not texts:
+            return no_embeddings(self.model)
         tokenized = Tokenized.of(self.model, texts)
         batches = tokenized.batches(batch_size)
         encoded = []

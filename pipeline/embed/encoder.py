@@ -133,6 +133,12 @@ class Tokenized:
         }
 
 
+def no_embeddings(model) -> np.ndarray:
+    """The embeddings of no texts, [0, d] (the tokenizer makes no inputs of no texts)."""
+    width = getattr(model, "get_embedding_dimension", None) or model.get_sentence_embedding_dimension  # < 6.0
+    return np.zeros((0, width()), dtype=np.float32)
+
+
 def encode_texts(model, texts: Sequence[str], batch_size: int, precision: str = "float32") -> np.ndarray:
     """L2-normalised float32 embeddings [len(texts), d] (inner product = cosine), computed in
     `precision` (resolved: float32, bfloat16 or float16), in the batches of `length_batches`.
@@ -143,6 +149,8 @@ def encode_texts(model, texts: Sequence[str], batch_size: int, precision: str = 
     import torch
     from sentence_transformers.util import batch_to_device
 
+    if not texts:
+        return no_embeddings(model)
     tokenized = Tokenized.of(model, texts)
     batches = tokenized.batches(batch_size)
     model.eval()

@@ -102,6 +102,7 @@ def test_encode_texts_is_sentence_transformers_encode_on_each_of_its_batches():
                     [texts[i] for i in batch], batch_size=8, normalize_embeddings=True, convert_to_tensor=True
                 )
                 np.testing.assert_array_equal(got[batch], expected.float().numpy())
+    assert encode_texts(model, [], 8).shape == (0, got.shape[1])
     assert load_encoder(CFG) is model  # loaded once per process: the stage and its check share it
 
 
