@@ -51,10 +51,10 @@ lint: install
 	$(BIN)/mypy
 
 # The quickstart with every encoder setting (~10 min on 2 cores), then ~50k chunks of real text
-# where the per-job costs no longer dominate (~25 min on 2 cores with AMX).
+# where the per-job costs no longer dominate, every setting again (~40 min on 2 cores with AMX).
 benchmark: install
 	$(BIN)/python benchmarks/embed_vs_encoder.py
-	$(BIN)/python benchmarks/embed_vs_encoder.py --docstring-chunks 50000 --no-settings
+	$(BIN)/python benchmarks/embed_vs_encoder.py --docstring-chunks 50000
 
 experiment: install
 	$(BIN)/python examples/retrieval_experiment.py --out out/experiment
