@@ -73,19 +73,17 @@ def chunk_overlap(chunks: np.ndarray, neighbours: np.ndarray, pad_id: int) -> np
     numpy's per-call cost is paid per position i, so many rows together cost little more than
     one) -> float64 [C] in [0, 1]."""
     m = chunks.shape[1]
-    equal = (chunks[:, None, :, None] == neighbours[:, :, None, :]) & (chunks != pad_id)[
-        :, None, :, None
-    ]  # [C, k, m, 2m]
-    run = np.zeros(neighbours.shape, np.int16)  # [C, k, 2m]: run ending at (i, col); m < 2^15
-    extended = np.empty_like(run)
-    longest = np.zeros(len(chunks), np.int16)
+    counts = np.uint8 if m < 2**8 else np.uint16 if m < 2**16 else np.uint32  # a run is at most m
+    own = np.where(chunks == pad_id, -1, chunks)[:, None, :]  # [C, 1, m]: padding matches nothing
+    run = np.zeros((*neighbours.shape[:2], neighbours.shape[2] + 1), counts)  # [C, k, 1 + 2m]: run ending at col
+    step = np.empty(neighbours.shape, counts)
+    longest = np.zeros(neighbours.shape, counts)
     for i in range(m):
-        extended[..., 1:] = run[..., :-1]  # diagonal step (i-1, col-1) -> (i, col)
-        extended[..., 0] = 0
-        extended += 1
-        run = np.where(equal[:, :, i, :], extended, np.int16(0))
-        longest = np.maximum(longest, run.max(axis=(1, 2), initial=0))
-    return longest / m
+        np.add(run[..., :-1], 1, out=step)  # the diagonal step (i-1, col-1) -> (i, col)
+        step *= neighbours == own[..., i, None]
+        run[..., 1:] = step
+        np.maximum(longest, step, out=longest)
+    return longest.reshape(len(chunks), -1).max(axis=1, initial=0) / m
 
 
 def overlap_bucket(ratio: float) -> str:
@@ -102,19 +100,13 @@ def overlap_ranges(thresholds: list[str]) -> list[str]:
 OVERLAP_COUNTER = "overlap_r_le_"
 
 
-OVERLAP_ROWS = 32  # rows audited at once: chunk_overlap holds [chunks, k, m, 2m] booleans
-
-
 def overlap_tally(batch: RowBatch, m: int, pad_id: int):
     """(overlap counter of a bucket, the chunks in it) for the chunks of a batch of shard rows:
     the audit, counted as data."""
     rows = batch.rows
-    ratios = []
-    for start in range(0, len(rows), OVERLAP_ROWS):
-        part = rows[start : start + OVERLAP_ROWS]
-        chunks = np.concatenate([row.tokens[: len(row.neighbours) * m].reshape(-1, m) for row in part])
-        ratios.append(chunk_overlap(chunks, np.concatenate([row.neighbours for row in part]), pad_id))
-    bucket_of = np.searchsorted(OVERLAP_BUCKETS, np.concatenate(ratios), side="left")
+    chunks = np.concatenate([row.tokens[: len(row.neighbours) * m].reshape(-1, m) for row in rows])
+    ratios = chunk_overlap(chunks, np.concatenate([row.neighbours for row in rows]), pad_id)
+    bucket_of = np.searchsorted(OVERLAP_BUCKETS, ratios, side="left")
     buckets, counts = np.unique(bucket_of, return_counts=True)
     for bucket, count in zip(buckets.tolist(), counts.tolist()):  # the smallest threshold at or above r
         yield OVERLAP_COUNTER + str(OVERLAP_BUCKETS[bucket]), count
