@@ -79,6 +79,14 @@ def _not_deleted(block, deleted: DeletedRanges):
     return block.take(np.flatnonzero(~deleted.contains(block.chunk_id)))
 
 
+def _row_tally(batch, m: int, pad_id: int):
+    """A batch of shard rows' counters: its sequences, its empty neighbour slots and the
+    overlap audit's buckets."""
+    yield "sequences", len(batch.rows)
+    yield "neighbour_slots_padded", int(sum((row.neighbour_ids < 0).sum() for row in batch.rows))
+    yield from overlap_tally(batch, m, pad_id)
+
+
 def _shards_manifest(
     entries,
     tallies,
@@ -192,9 +200,8 @@ def _build_shards(
             >> ReadFromParquetBatched(fileio.join(idx, "embeddings", "*.parquet"), validate=not dry_run)
             | "QueryBlocks" >> beam.Map(lambda table: _not_deleted(_query_block_from_table(table), deleted))
         )
-        rejected = pipeline | "NoRejected" >> beam.Create([])
-        precision = pipeline | "NothingEmbedded" >> beam.Create([None])
-        read_tallies = ()
+        # nothing is read that could be rejected, nothing is embedded: no steps for them
+        rejected, precision, read_tallies = None, None, ()
     else:
         corpus = pipeline | "ReadTrainingCorpus" >> ReadCorpusKeptClean(cfg, "training", match=not dry_run)
         chunks, unusable = corpus.documents | "ChunkTrainingDocuments" >> ChunkDocuments(tok.path, m, tok.pad_id)
@@ -206,14 +213,19 @@ def _build_shards(
             | "BatchChunks" >> beam.BatchElements(max_batch_size=CHUNKS_PER_BLOCK)
             | "ChunkBlocks" >> beam.Map(ChunkRows.of_chunks)
         )
-        embedded, precision = chunks | "EmbedTrainingChunks" >> EmbedChunks(cfg.embedding, tok.path, threads)
+        embedded, precision_used = chunks | "EmbedTrainingChunks" >> EmbedChunks(cfg.embedding, tok.path, threads)
         queries = (
             embedded
             | "BatchQueries" >> beam.BatchElements(max_batch_size=CHUNKS_PER_BLOCK)
             | "QueryBlocks" >> beam.Map(QueryBlock.of_rows)
         )
         rejected = (corpus.rejected, unusable) | "MergeRejected" >> beam.Flatten()
-        read_tallies = (*_documents_read_tally(corpus.documents, rejected, "Training"), corpus.tallies)
+        read_tallies = (
+            *_documents_read_tally(corpus.documents, rejected, "Training"),
+            corpus.tallies,
+            _rejected_tally(rejected, "TallyRejected"),
+        )
+        precision = beam.pvalue.AsSingleton(precision_used)
     sequences = training_chunks | "PackSequences" >> PackSequences(L, tok.pad_id)
     spans = pipeline | "DocumentSpans" >> DocumentSpans(fileio.join(idx, "chunks", "*.parquet"), validate=not dry_run)
     # a dry run without a committed index builds the graph of one index file
@@ -240,27 +252,29 @@ def _build_shards(
     )
     rows = retrieved.rows | "ShardProgress" >> ReportProgress("retrieve", "sequences", lambda batch: len(batch.rows))
     shard_files = rows | "WriteShards" >> WriteShards(staging, cfg.rows_per_shard(), tok.pad_id)
-    rejected_files = rejected | "WriteRejected" >> WriteRejected(fileio.join(staging, REJECTED_STAGING), "build-shards")
+    rejected_files = (
+        ()
+        if rejected is None
+        else (rejected | "WriteRejected" >> WriteRejected(fileio.join(staging, REJECTED_STAGING), "build-shards"),)
+    )
     recall = (retrieved.probes, retrieved.truth, rows) | "MeasureNeighbourRecall" >> MeasureNeighbourRecall(k)
     tallies = (
         *read_tallies,
         retrieved.tallies,
-        _rejected_tally(rejected, "TallyRejected"),
         counted("training_chunks", training_chunks, len),
-        counted("sequences", rows, lambda batch: len(batch.rows)),
-        counted("neighbour_slots_padded", rows, lambda batch: sum((r.neighbour_ids < 0).sum() for r in batch.rows)),
-        rows | "TallyOverlap" >> beam.FlatMap(overlap_tally, m, tok.pad_id),
+        rows | "TallyRows" >> beam.FlatMap(_row_tally, m, tok.pad_id),
     ) | "Tallies" >> Tally()
     manifest = (
-        shard_files
-        | "GatherShards" >> beam.combiners.ToList()
+        pipeline
+        | "Once" >> beam.Create([None])  # the manifest is made once, when every side input is complete
         | "ShardsManifest"
         >> beam.Map(
-            _shards_manifest,
+            lambda _, *facts: _shards_manifest(*facts),
+            beam.pvalue.AsList(shard_files),
             beam.pvalue.AsDict(tallies),
             beam.pvalue.AsSingleton(recall),
             beam.pvalue.AsSingleton(retrieved.search_depth),
-            beam.pvalue.AsSingleton(precision),
+            precision,
             cfg,
             None if index is None else index.manifest_sha256,
             None if index is None else index.generation,
@@ -268,7 +282,7 @@ def _build_shards(
             tok.pad_id,
         )
     )
-    job.commit(manifest, staged=shard_files, after=(rejected_files,))
+    job.commit(manifest, staged=shard_files, after=rejected_files)
     manifest = job.run()
     if isinstance(manifest, ShardsManifest):
         log.info(

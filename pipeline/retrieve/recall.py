@@ -148,11 +148,7 @@ class MeasureNeighbourRecall(beam.PTransform):
     def expand(self, inputs):
         sample, truth, rows = inputs
         wanted = sample | "SampledChunks" >> beam.Map(lambda ps: {(p.seq_id, p.j) for p in ps})
-        ours = (
-            rows
-            | "OurNeighbours" >> beam.FlatMap(_our_neighbours, beam.pvalue.AsSingleton(wanted))
-            | "GatherOurs" >> beam.combiners.ToList()
-        )
+        ours = rows | "OurNeighbours" >> beam.FlatMap(_our_neighbours, beam.pvalue.AsSingleton(wanted))
         return sample | "Recall" >> beam.Map(
-            neighbour_recall, beam.pvalue.AsSingleton(truth), beam.pvalue.AsSingleton(ours), self.k
+            neighbour_recall, beam.pvalue.AsSingleton(truth), beam.pvalue.AsList(ours), self.k
         )
