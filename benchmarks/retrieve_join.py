@@ -13,7 +13,8 @@ Per chunk-database size N (same seed, so each database extends the smaller ones)
 2. The training sequences are fixed: the first `--query-chunks` chunks (all in the first
    chunk file), packed into sequences of n = 512 tokens (L = 8 chunks), k = 2 neighbours
    from 32 candidates.
-3. Builders, each a subprocess of its own, one after the other:
+3. Builders, each a subprocess of its own, one after the other, each after the data has been
+   read into the page cache (else the first pays every disk read for those after it):
    - ours: a Beam job wiring the stage's own transforms as `build-shards` does
      (`PackSequences` -> `RetrieveNeighbours` -> `WriteShards`), retrieving from the whole
      chunk database (its files are read where a hit or a kept neighbour lies), run twice:
@@ -33,7 +34,9 @@ Per chunk-database size N (same seed, so each database extends the smaller ones)
    different batch shapes) before reporting anything.
 
 Reported: sequences/s (training sequences written per second of wall time, interpreter
-start included), peak RSS (VmHWM) of the main process and, for the multi-process run, of the
+start included), system CPU time and minor page faults (memory allocated and freed again is
+faulted in afresh; where that is slow, as on a VM that returns freed pages to its host, the
+builder that churns memory pays for it), peak RSS (VmHWM) of the main process and, for the multi-process run, of the
 largest worker process (polled from /proc every 0.2 s inside the job process). With Beam's local runner
 the main process holds every shuffle in memory, as a cluster's shuffle service would hold it
 on disk; the workers are where a Dataflow or Flink job's memory goes, and theirs is the figure
@@ -58,7 +61,7 @@ from types import SimpleNamespace
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
-from benchmarks.report import peak_rss_kb, write_results  # noqa: E402
+from benchmarks.report import peak_rss_kb, read_into_page_cache, write_results  # noqa: E402
 from benchmarks.synthetic import LowRankClusters  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -146,9 +149,9 @@ def ours_main(root: str, out: str, query_chunks: int, beam_args: list[str]) -> N
         ],
     )
 
-    def training_queries(block):
-        keep = block.chunk_ids < limit
-        return QueryBlock(block.chunk_ids[keep], block.vectors[keep])
+    def training_queries(block):  # a file's ids ascend: the first rows, as a view (the floor slices too)
+        keep = int(np.searchsorted(block.chunk_ids, limit))
+        return QueryBlock(block.chunk_ids[:keep], block.vectors[:keep])
 
     workers = WorkerPeak()
     with new_pipeline(beam_args) as p:
@@ -263,9 +266,11 @@ def record_rss(out: str, workers_kb: int = 0) -> None:
     Path(out, "rss.json").write_text(json.dumps({"self_kb": peak_rss_kb(), "children_kb": workers_kb}))
 
 
-def measured(args: list[str], out: Path) -> dict:
+def measured(args: list[str], out: Path, data: Path) -> dict:
+    """Run a builder on `data` (read into the page cache first, for every builder alike)."""
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
+    read_into_page_cache(data)
     start = time.perf_counter()
     with open(out.with_suffix(".log"), "w") as log:
         proc = subprocess.Popen(
@@ -279,6 +284,10 @@ def measured(args: list[str], out: Path) -> dict:
     return {
         "wall_s": wall,
         "cpu_s": usage.ru_utime + usage.ru_stime,  # workers' CPU included
+        "sys_s": usage.ru_stime,
+        # fresh memory is touched page by page: what a builder allocates and frees again costs
+        # it here (on a VM that hands freed memory back to the host, up to ~10 s per GB)
+        "minor_faults": usage.ru_minflt,
         "peak_rss_mb": rss["self_kb"] * 1024 / MB,
         "worker_peak_rss_mb": rss["children_kb"] * 1024 / MB or None,
     }
@@ -333,14 +342,14 @@ def main() -> None:
                 out = workdir / f"run-{n}-{name.replace(' ', '-')}"
                 beam_args = multi if name == "ours 2 workers" else []
                 print(f"[{name}] N = {n:,} ...", flush=True)
-                runs[name] = measured([*extra, str(root), str(out), str(args.query_chunks), *beam_args], out)
+                runs[name] = measured([*extra, str(root), str(out), str(args.query_chunks), *beam_args], out, root)
                 runs[name]["sequences_per_s"] = sequences / runs[name]["wall_s"]
                 runs[name]["out"] = out
             fixed = {}
             for name, extra in (("ours 1 process", ["_ours"]), ("floor", ["_floor"])):
                 out = workdir / f"run-{n}-{name.replace(' ', '-')}-one-batch"
                 print(f"[{name}, one search batch] N = {n:,} ...", flush=True)
-                fixed[name] = measured([*extra, str(root), str(out), str(FIXED_COST_CHUNKS)], out)["wall_s"]
+                fixed[name] = measured([*extra, str(root), str(out), str(FIXED_COST_CHUNKS)], out, root)["wall_s"]
                 runs[name]["one_batch_wall_s"] = fixed[name]
             floor_ids = neighbour_ids(runs["floor"].pop("out"))
             for name in ("ours 1 process", "ours 2 workers"):
@@ -356,13 +365,14 @@ def main() -> None:
             results["sizes"].append({"chunks": n, "runs": runs})
             print(f"\n== chunk database {n:,} chunks, {sequences:,} sequences")
             print(
-                f"{'builder':<16} {'wall s':>7} {'cpu s':>7} {'seq/s':>8} {'vs floor':>8} "
-                f"{'main RSS MB':>11} {'worker RSS MB':>13}"
+                f"{'builder':<16} {'wall s':>7} {'cpu s':>7} {'sys s':>6} {'faults k':>8} {'seq/s':>8} "
+                f"{'vs floor':>8} {'main RSS MB':>11} {'worker RSS MB':>13}"
             )
             for name, r in runs.items():
                 worker = f"{r['worker_peak_rss_mb']:.0f}" if r["worker_peak_rss_mb"] else "-"
                 print(
-                    f"{name:<16} {r['wall_s']:>7.1f} {r['cpu_s']:>7.1f} {r['sequences_per_s']:>8.1f} "
+                    f"{name:<16} {r['wall_s']:>7.1f} {r['cpu_s']:>7.1f} {r['sys_s']:>6.1f} "
+                    f"{r['minor_faults'] / 1000:>8.0f} {r['sequences_per_s']:>8.1f} "
                     f"{r.get('throughput_vs_floor', 1.0):>8.3f} {r['peak_rss_mb']:>11.0f} {worker:>13}"
                 )
             print(
