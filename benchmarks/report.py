@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import resource
 import time
 from pathlib import Path
 
@@ -35,6 +36,21 @@ def timed(fn):
     start = time.perf_counter()
     value = fn()
     return value, time.perf_counter() - start
+
+
+def timed_in_process(fn):
+    """(fn(), {seconds, sys_seconds, minor_faults}): wall time and what this process's threads
+    spent in the kernel and faulting pages in, where fresh memory is touched (on a VM that hands
+    freed memory back to its host, that costs up to ~10 s per GB: the part of a first run that a
+    second one in the same process does not pay)."""
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    value, seconds = timed(fn)
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    return value, {
+        "seconds": round(seconds, 2),
+        "sys_seconds": round(after.ru_stime - before.ru_stime, 2),
+        "minor_faults": after.ru_minflt - before.ru_minflt,
+    }
 
 
 def write_results(results: dict, path: str | Path) -> None:
