@@ -133,7 +133,7 @@ def ours_main(root: str, out: str, query_chunks: int, beam_args: list[str]) -> N
     import pyarrow.parquet as pq
     from apache_beam.io.parquetio import ReadAllFromParquetBatched
 
-    from pipeline.chunks.chunk_files import ChunkFileRanges, ChunkRows
+    from pipeline.chunks.chunk_files import TRAINING_COLUMNS, ChunkFileRanges, TrainingChunks
     from pipeline.jobs.options import new_pipeline
     from pipeline.jobs.shards_job import _query_block_from_table
     from pipeline.retrieve.beam import DocumentSpans, PackSequences, RetrieveNeighbours
@@ -161,8 +161,8 @@ def ours_main(root: str, out: str, query_chunks: int, beam_args: list[str]) -> N
         training = (
             p
             | "TrainingFiles" >> beam.Create([str(f) for f in files[:used]])
-            | "ReadTrainingChunks" >> ReadAllFromParquetBatched()
-            | "ChunkRows" >> beam.Map(ChunkRows.of)
+            | "ReadTrainingChunks" >> ReadAllFromParquetBatched(columns=list(TRAINING_COLUMNS))
+            | "TrainingChunkBlocks" >> beam.Map(TrainingChunks.of)
             | "TrainingChunks" >> beam.Map(lambda rows: rows.take(np.flatnonzero(rows.chunk_id <= limit)))
         )
         queries = (

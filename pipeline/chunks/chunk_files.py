@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import bisect
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -35,8 +35,27 @@ def chunk_arrays(table, columns=CHUNK_COLUMNS) -> dict[str, np.ndarray]:
     return {c: (tensor_column_to_numpy(table[c]) if c in TENSOR_COLUMNS else table[c].to_numpy()) for c in columns}
 
 
+class _ColumnBlock:
+    """A block of rows held column by column: its subclasses are dataclasses of equal-length
+    arrays, chunk_id first."""
+
+    chunk_id: np.ndarray
+
+    @classmethod
+    def concatenate(cls, blocks: list):
+        columns = fields(cls)  # type: ignore[arg-type]  # a dataclass subclass
+        return cls(*(np.concatenate([getattr(b, f.name) for b in blocks]) for f in columns))
+
+    def take(self, rows: np.ndarray):
+        columns = fields(self)  # type: ignore[arg-type]
+        return type(self)(*(getattr(self, f.name)[rows] for f in columns))
+
+    def __len__(self) -> int:
+        return len(self.chunk_id)
+
+
 @dataclass(frozen=True)
-class ChunkRows:
+class ChunkRows(_ColumnBlock):
     """The rows of one chunk file, column by column."""
 
     chunk_id: np.ndarray  # [rows]
@@ -59,15 +78,32 @@ class ChunkRows:
             np.stack([c.continuation for c in chunks]).astype(np.int32),
         )
 
+
+TRAINING_COLUMNS = ("chunk_id", "doc_id", "tokens")  # what packing a sequence reads of a chunk
+
+
+@dataclass(frozen=True)
+class TrainingChunks(_ColumnBlock):
+    """Training chunks as sequences are packed from them: no continuation (a sequence holds
+    its own chunks' tokens only; the continuation is a neighbour's) and no position, so the
+    shuffle that packs them carries half the tokens a chunk file holds."""
+
+    chunk_id: np.ndarray  # [rows]
+    doc_id: np.ndarray  # [rows]
+    tokens: np.ndarray  # [rows, m]
+
     @classmethod
-    def concatenate(cls, blocks: list[ChunkRows]) -> ChunkRows:
-        return cls(*(np.concatenate([getattr(b, f) for b in blocks]) for f in CHUNK_COLUMNS))
+    def of(cls, table) -> TrainingChunks:
+        """From a table (or batch) of chunk rows with at least TRAINING_COLUMNS."""
+        return cls(**chunk_arrays(table, TRAINING_COLUMNS))
 
-    def take(self, rows: np.ndarray) -> ChunkRows:
-        return ChunkRows(*(getattr(self, f)[rows] for f in CHUNK_COLUMNS))
-
-    def __len__(self) -> int:
-        return len(self.chunk_id)
+    @classmethod
+    def of_chunks(cls, chunks: list[Chunk]) -> TrainingChunks:
+        return cls(
+            np.array([c.chunk_id for c in chunks], np.int64),
+            np.array([c.doc_id for c in chunks], np.int64),
+            np.stack([c.tokens for c in chunks]).astype(np.int32),
+        )
 
 
 def in_file_order(entries, prefix: str) -> list:

@@ -12,7 +12,7 @@ import numpy as np
 from apache_beam.io.parquetio import ReadFromParquetBatched
 
 from pipeline.chunks.beam import ChunkDocuments
-from pipeline.chunks.chunk_files import ChunkRows, CommittedChunkFiles, chunk_arrays
+from pipeline.chunks.chunk_files import TRAINING_COLUMNS, CommittedChunkFiles, TrainingChunks, chunk_arrays
 from pipeline.chunks.chunking import Chunk
 from pipeline.common import fileio
 from pipeline.common.progress import ReportProgress
@@ -191,8 +191,10 @@ def _build_shards(
         training_chunks = (
             pipeline
             | "ReadChunkDatabase"
-            >> ReadFromParquetBatched(fileio.join(idx, "chunks", "*.parquet"), validate=not dry_run)
-            | "ChunkRows" >> beam.Map(lambda table: _not_deleted(ChunkRows.of(table), deleted))
+            >> ReadFromParquetBatched(
+                fileio.join(idx, "chunks", "*.parquet"), columns=list(TRAINING_COLUMNS), validate=not dry_run
+            )
+            | "TrainingChunks" >> beam.Map(lambda table: _not_deleted(TrainingChunks.of(table), deleted))
         )
         queries = (
             pipeline
@@ -211,7 +213,7 @@ def _build_shards(
         training_chunks = (
             chunks
             | "BatchChunks" >> beam.BatchElements(max_batch_size=CHUNKS_PER_BLOCK)
-            | "ChunkBlocks" >> beam.Map(ChunkRows.of_chunks)
+            | "ChunkBlocks" >> beam.Map(TrainingChunks.of_chunks)
         )
         embedded, precision_used = chunks | "EmbedTrainingChunks" >> EmbedChunks(cfg.embedding, tok.path, threads)
         queries = (

@@ -76,7 +76,7 @@ def _pack(keyed, chunks_per_seq: int, pad_id: int):
 
 
 class PackSequences(beam.PTransform):
-    """Chunk rows (`ChunkRows` blocks) -> a SequenceBatch per search batch: its sequences, each
+    """Training chunks (`TrainingChunks` blocks) -> a SequenceBatch per search batch: its sequences, each
     of `chunks_per_seq` consecutive chunks (ids seq·L … seq·L+L-1), travel as one element."""
 
     def __init__(self, chunks_per_seq: int, pad_id: int):

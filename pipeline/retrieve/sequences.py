@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.chunks.chunk_files import ChunkRows
+from pipeline.chunks.chunk_files import TrainingChunks
 from pipeline.common.arrays import groups, positions_of
 from pipeline.shards.rows import Sequence
 
@@ -22,8 +22,8 @@ def pack_sequence(
     return Sequence(seq_id, flat.astype(np.int32), tuple(sorted(docs)))
 
 
-def batch_parts(rows: ChunkRows, chunks_per_seq: int, sequences_per_batch: int):
-    """Chunk rows -> (batch, its rows) for each batch of `sequences_per_batch` sequences they
+def batch_parts(rows: TrainingChunks, chunks_per_seq: int, sequences_per_batch: int):
+    """Training chunk rows -> (batch, its rows) for each batch of `sequences_per_batch` sequences they
     fall in; a batch's first chunk also goes to the batch before, whose last sequence takes
     its first token as its target."""
     per_batch = chunks_per_seq * sequences_per_batch
@@ -34,11 +34,11 @@ def batch_parts(rows: ChunkRows, chunks_per_seq: int, sequences_per_batch: int):
         yield int(rows.chunk_id[row]) // per_batch - 1, rows.take(np.array([row]))
 
 
-def pack_batch(batch: int, parts: list[ChunkRows], chunks_per_seq: int, sequences_per_batch: int, pad_id: int):
+def pack_batch(batch: int, parts: list[TrainingChunks], chunks_per_seq: int, sequences_per_batch: int, pad_id: int):
     """A batch's chunk rows (`batch_parts`) -> its Sequences, in seq id order: each of L
     consecutive chunks, with the first token of the chunk after it as its target. A sequence
     short of chunks is the chunk database's tail, too short for one: none is made."""
-    rows = ChunkRows.concatenate(parts)
+    rows = TrainingChunks.concatenate(parts)
     rows = rows.take(np.argsort(rows.chunk_id, kind="stable"))
     ids, L = rows.chunk_id, chunks_per_seq
     for seq_id in range(batch * sequences_per_batch, (batch + 1) * sequences_per_batch):

@@ -11,7 +11,7 @@ import pytest
 from apache_beam.testing.util import assert_that
 
 from benchmarks.synthetic import long_documents
-from pipeline.chunks.chunk_files import ChunkFileRanges, ChunkRows
+from pipeline.chunks.chunk_files import ChunkFileRanges, TrainingChunks
 from pipeline.chunks.chunking import Chunk
 from pipeline.common.writers import chunks_table, parquet_bytes
 from pipeline.index.factory import training_size
@@ -84,7 +84,7 @@ def _retrieve(tmp_path, corpus, policy: str, slices: int, check_depth, check_rec
         routing=routing,
     )
     with local_pipeline() as p:
-        sequences = p | "Chunks" >> beam.Create([ChunkRows.of_chunks(chunks)]) | PackSequences(L, PAD)
+        sequences = p | "Chunks" >> beam.Create([TrainingChunks.of_chunks(chunks)]) | PackSequences(L, PAD)
         queries = p | "Queries" >> beam.Create([QueryBlock(ids, vectors[ids])])
         spans_read = p | DocumentSpans(str(tmp_path / "index" / "chunks" / "*.parquet"))
         retrieved = (sequences, queries, spans_read) | RetrieveNeighbours(spec)

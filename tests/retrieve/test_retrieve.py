@@ -11,7 +11,7 @@ import pytest
 from apache_beam.testing.util import assert_that, equal_to
 
 import pipeline.retrieve.beam as retrieve_beam
-from pipeline.chunks.chunk_files import ChunkRows
+from pipeline.chunks.chunk_files import TrainingChunks
 from pipeline.chunks.chunking import chunk_document
 from pipeline.index.train import build_index
 from pipeline.retrieve.beam import LOST_DATA, DocumentSpans, PackSequences, RetrieveNeighbours
@@ -41,7 +41,7 @@ M, L, K, PAD = 4, 2, 2, 0
 
 @pytest.mark.unit
 def test_pack_sequence_adds_the_next_token_and_its_document():
-    rows = ChunkRows.of_chunks(list(chunk_document(7, np.arange(1, 9, dtype=np.int32), 0, M, PAD)))
+    rows = TrainingChunks.of_chunks(list(chunk_document(7, np.arange(1, 9, dtype=np.int32), 0, M, PAD)))
     seq = pack_sequence(0, rows.tokens, rows.doc_id, next_token=42, next_doc=8, pad_id=PAD)
     assert seq.tokens.tolist() == list(range(1, 9)) + [42]
     assert seq.doc_ids == (7, 8)
@@ -58,7 +58,7 @@ def test_packing_by_batches_of_any_blocks_gives_each_sequence_its_chunks_and_the
     for doc in range(12):
         tokens = rng.integers(1, 99, int(rng.integers(1, 4)) * M).astype(np.int32)
         chunks += chunk_document(doc, tokens, len(chunks), M, PAD)
-    rows = ChunkRows.of_chunks(chunks)
+    rows = TrainingChunks.of_chunks(chunks)
     cuts = np.sort(rng.choice(np.arange(1, len(chunks)), 4, replace=False))
     parts: dict[int, list] = {}
     for block in np.split(rng.permutation(len(chunks)), cuts):  # blocks in no order
@@ -153,7 +153,7 @@ def _database():
 
 def retrieve(p, chunks, vectors, index_path, chunk_files, dedupe=False, candidates=8):
     """RetrieveNeighbours as build-shards wires it: document spans read from the chunk files."""
-    sequences = p | "Chunks" >> beam.Create([ChunkRows.of_chunks(chunks)]) | PackSequences(L, PAD)
+    sequences = p | "Chunks" >> beam.Create([TrainingChunks.of_chunks(chunks)]) | PackSequences(L, PAD)
     queries = (
         p | "Queries" >> beam.Create([[(i, vectors[i])] for i in range(len(chunks))]) | beam.Map(QueryBlock.of_rows)
     )
@@ -365,7 +365,7 @@ def test_routed_search_over_list_slices_finds_one_indexs_neighbours_and_sends_no
     def neighbours_of(spec):
         _ROWS.clear()
         with local_pipeline() as p:
-            sequences = p | "Chunks" >> beam.Create([ChunkRows.of_chunks(chunks)]) | PackSequences(L, PAD)
+            sequences = p | "Chunks" >> beam.Create([TrainingChunks.of_chunks(chunks)]) | PackSequences(L, PAD)
             queries = p | "Queries" >> beam.Create([QueryBlock(np.arange(len(chunks)), vectors)])
             spans = p | DocumentSpans(f"{chunk_files.directory}/chunks/*.parquet")
             _ = ((sequences, queries, spans) | RetrieveNeighbours(spec)).rows | beam.FlatMap(_collect)
