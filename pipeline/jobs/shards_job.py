@@ -33,7 +33,7 @@ from pipeline.jobs.job import (
     shards_dir,
 )
 from pipeline.jobs.options import encoder_threads
-from pipeline.retrieve.beam import DocumentSpans, PackSequences, RetrieveNeighbours
+from pipeline.retrieve.beam import DocumentSpans, PackSequences, RetrieveNeighbours, SpansOfTrainingChunks
 from pipeline.retrieve.recall import MeasureNeighbourRecall
 from pipeline.retrieve.search import LOST_DATA, QueryBlock, Retrieval
 from pipeline.shards.rows import overlap_histogram, overlap_tally
@@ -229,7 +229,11 @@ def _build_shards(
         )
         precision = beam.pvalue.AsSingleton(precision_used)
     sequences = training_chunks | "PackSequences" >> PackSequences(L, tok.pad_id)
-    spans = pipeline | "DocumentSpans" >> DocumentSpans(fileio.join(idx, "chunks", "*.parquet"), validate=not dry_run)
+    if cfg.training_corpus == "same":
+        spans = training_chunks | "DocumentSpans" >> SpansOfTrainingChunks()
+    else:
+        database_chunks = fileio.join(idx, "chunks", "*.parquet")
+        spans = pipeline | "DocumentSpans" >> DocumentSpans(database_chunks, validate=not dry_run)
     # a dry run without a committed index builds the graph of one index file
     index_path, routing = index.searched() if index is not None else (fileio.join(idx, "faiss", INDEX_FILE), None)
     spec = Retrieval(

@@ -110,6 +110,20 @@ class DocumentSpans(beam.PTransform):
         )
 
 
+class SpansOfTrainingChunks(beam.PTransform):
+    """`TrainingChunks` blocks -> (doc_id, (first chunk id, last + 1)) per document they hold:
+    `DocumentSpans` without reading the chunk files again, where the training chunks are the
+    database's (`training_corpus: same`; a deleted document is in no sequence, so it needs no
+    span)."""
+
+    def expand(self, blocks):
+        return (
+            blocks
+            | "SpansInBlock" >> beam.FlatMap(lambda b: document_spans(b.chunk_id, b.doc_id))
+            | "WidestSpan" >> beam.CombinePerKey(widest_span)
+        )
+
+
 def emit_hits(spec: Retrieval, batch: int, seq_ids: list[int], hits: np.ndarray, deeper_seqs, searched_alone: int):
     """What a searched batch sends on: tallies, the count each of its sequences will receive
     (one `SentCounts`, keyed by the batch), and the hits in blocks keyed by the chunk file

@@ -51,7 +51,10 @@ def pack_batch(batch: int, parts: list[TrainingChunks], chunks_per_seq: int, seq
 
 def document_spans(chunk_ids: np.ndarray, doc_ids: np.ndarray) -> list[tuple[int, tuple[int, int]]]:
     """(doc_id, (first chunk id, last + 1)) of each document among these chunk rows; a document
-    cut by the rows' edges gives a partial span, which `widest_span` merges."""
+    cut by the rows' edges gives a partial span, which `widest_span` merges. No rows (a block
+    whose documents were all deleted): no spans."""
+    if not len(chunk_ids):
+        return []
     order = np.argsort(chunk_ids, kind="stable")
     ids, docs = chunk_ids[order], doc_ids[order]
     starts = np.flatnonzero(np.r_[True, docs[1:] != docs[:-1]])

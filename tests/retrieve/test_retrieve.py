@@ -14,7 +14,13 @@ import pipeline.retrieve.beam as retrieve_beam
 from pipeline.chunks.chunk_files import TrainingChunks
 from pipeline.chunks.chunking import chunk_document
 from pipeline.index.train import build_index
-from pipeline.retrieve.beam import LOST_DATA, DocumentSpans, PackSequences, RetrieveNeighbours
+from pipeline.retrieve.beam import (
+    LOST_DATA,
+    DocumentSpans,
+    PackSequences,
+    RetrieveNeighbours,
+    SpansOfTrainingChunks,
+)
 from pipeline.retrieve.routed import BatchQueries, RoutedBatch, SliceFound, SliceQueries, merge_round
 from pipeline.retrieve.search import (
     CANDIDATE,
@@ -131,9 +137,25 @@ def test_document_spans_and_ranges():
     ids = np.array([7, 3, 4, 5, 6, 8])  # any order; doc 20 continues past this batch
     docs = np.array([20, 10, 10, 20, 20, 20])
     assert document_spans(ids, docs) == [(10, (3, 5)), (20, (5, 9))]
+    assert document_spans(ids[:0], docs[:0]) == []
     assert widest_span([(5, 9), (9, 12), (7, 8)]) == (5, 12)
     assert merge_ranges([(9, 12), (0, 3), (3, 5), (10, 11), (20, 21)]) == [(0, 5), (9, 12), (20, 21)]
     assert merge_ranges([]) == []
+
+
+@pytest.mark.beam
+def test_spans_of_training_chunks_are_the_spans_read_from_the_chunk_files(tmp_path):
+    """Documents cut across blocks and files: the spans from the training chunks' blocks
+    (training_corpus: same) equal those DocumentSpans reads from the chunk files."""
+    chunks, _ = _database()
+    chunk_files = write_chunk_files(tmp_path / "index", chunks)  # 5 rows a file: documents cross files
+    blocks = [TrainingChunks.of_chunks(chunks[begin : begin + 3]) for begin in range(0, len(chunks), 3)]
+    expected = [(100, (0, 4)), (101, (4, 8)), (102, (8, 12))]
+    with local_pipeline() as p:
+        from_blocks = p | "Blocks" >> beam.Create(blocks) | "FromBlocks" >> SpansOfTrainingChunks()
+        read = p | "Read" >> DocumentSpans(f"{chunk_files.directory}/chunks/*.parquet")
+        assert_that(from_blocks, equal_to(expected), label="FromBlocksAreExpected")
+        assert_that(read, equal_to(expected), label="ReadAreExpected")
 
 
 def _database():
