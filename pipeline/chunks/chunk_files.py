@@ -35,27 +35,8 @@ def chunk_arrays(table, columns=CHUNK_COLUMNS) -> dict[str, np.ndarray]:
     return {c: (tensor_column_to_numpy(table[c]) if c in TENSOR_COLUMNS else table[c].to_numpy()) for c in columns}
 
 
-class _ColumnBlock:
-    """A block of rows held column by column: its subclasses are dataclasses of equal-length
-    arrays, chunk_id first."""
-
-    chunk_id: np.ndarray
-
-    @classmethod
-    def concatenate(cls, blocks: list):
-        columns = fields(cls)  # type: ignore[arg-type]  # a dataclass subclass
-        return cls(*(np.concatenate([getattr(b, f.name) for b in blocks]) for f in columns))
-
-    def take(self, rows: np.ndarray):
-        columns = fields(self)  # type: ignore[arg-type]
-        return type(self)(*(getattr(self, f.name)[rows] for f in columns))
-
-    def __len__(self) -> int:
-        return len(self.chunk_id)
-
-
 @dataclass(frozen=True)
-class ChunkRows(_ColumnBlock):
+class ChunkRows:
     """The rows of one chunk file, column by column."""
 
     chunk_id: np.ndarray  # [rows]
@@ -68,22 +49,12 @@ class ChunkRows(_ColumnBlock):
     def of(cls, table) -> ChunkRows:
         return cls(**chunk_arrays(table))
 
-    @classmethod
-    def of_chunks(cls, chunks: list[Chunk]) -> ChunkRows:
-        return cls(
-            np.array([c.chunk_id for c in chunks], np.int64),
-            np.array([c.doc_id for c in chunks], np.int64),
-            np.array([c.position for c in chunks], np.int64),
-            np.stack([c.tokens for c in chunks]).astype(np.int32),
-            np.stack([c.continuation for c in chunks]).astype(np.int32),
-        )
-
-
-TRAINING_COLUMNS = ("chunk_id", "doc_id", "tokens")  # what packing a sequence reads of a chunk
+    def __len__(self) -> int:
+        return len(self.chunk_id)
 
 
 @dataclass(frozen=True)
-class TrainingChunks(_ColumnBlock):
+class TrainingChunks:
     """Training chunks as sequences are packed from them: no continuation (a sequence holds
     its own chunks' tokens only; the continuation is a neighbour's) and no position, so the
     shuffle that packs them carries half the tokens a chunk file holds."""
@@ -104,6 +75,19 @@ class TrainingChunks(_ColumnBlock):
             np.array([c.doc_id for c in chunks], np.int64),
             np.stack([c.tokens for c in chunks]).astype(np.int32),
         )
+
+    @classmethod
+    def concatenate(cls, blocks: list[TrainingChunks]) -> TrainingChunks:
+        return cls(*(np.concatenate([getattr(b, c) for b in blocks]) for c in TRAINING_COLUMNS))
+
+    def take(self, rows: np.ndarray) -> TrainingChunks:
+        return TrainingChunks(*(getattr(self, c)[rows] for c in TRAINING_COLUMNS))
+
+    def __len__(self) -> int:
+        return len(self.chunk_id)
+
+
+TRAINING_COLUMNS = tuple(f.name for f in fields(TrainingChunks))  # what packing a sequence reads of a chunk
 
 
 def in_file_order(entries, prefix: str) -> list:

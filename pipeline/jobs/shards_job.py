@@ -186,14 +186,13 @@ def _build_shards(
         idx, 0 if index is None else index.num_chunks, "" if index is None else index.manifest_sha256
     )
     deleted = index.deleted() if index is not None else DeletedRanges.none()
+    database_chunks = fileio.join(idx, "chunks", "*.parquet")
     if cfg.training_corpus == "same":
         # a deleted document's chunks are in no sequence: the sequences they would be in are not made
         training_chunks = (
             pipeline
             | "ReadChunkDatabase"
-            >> ReadFromParquetBatched(
-                fileio.join(idx, "chunks", "*.parquet"), columns=list(TRAINING_COLUMNS), validate=not dry_run
-            )
+            >> ReadFromParquetBatched(database_chunks, columns=list(TRAINING_COLUMNS), validate=not dry_run)
             | "TrainingChunks" >> beam.Map(lambda table: _not_deleted(TrainingChunks.of(table), deleted))
         )
         queries = (
@@ -232,7 +231,6 @@ def _build_shards(
     if cfg.training_corpus == "same":
         spans = training_chunks | "DocumentSpans" >> SpansOfTrainingChunks()
     else:
-        database_chunks = fileio.join(idx, "chunks", "*.parquet")
         spans = pipeline | "DocumentSpans" >> DocumentSpans(database_chunks, validate=not dry_run)
     # a dry run without a committed index builds the graph of one index file
     index_path, routing = index.searched() if index is not None else (fileio.join(idx, "faiss", INDEX_FILE), None)
