@@ -135,7 +135,6 @@ def ours_main(root: str, out: str, query_chunks: int, beam_args: list[str]) -> N
 
     from pipeline.chunks.chunk_files import TRAINING_COLUMNS, ChunkFileRanges, TrainingChunks
     from pipeline.jobs.options import new_pipeline
-    from pipeline.jobs.shards_job import _query_block_from_table
     from pipeline.retrieve.beam import DocumentSpans, PackSequences, RetrieveNeighbours
     from pipeline.retrieve.search import QueryBlock, Retrieval
     from pipeline.shards.write import WriteShards
@@ -169,7 +168,7 @@ def ours_main(root: str, out: str, query_chunks: int, beam_args: list[str]) -> N
             p
             | "EmbeddingFiles" >> beam.Create([f"{root}/embeddings/embeddings-{i:05d}.parquet" for i in range(used)])
             | "ReadEmbeddings" >> ReadAllFromParquetBatched()
-            | "QueryBlocks" >> beam.Map(_query_block_from_table)
+            | "QueryBlocks" >> beam.Map(QueryBlock.of_table)
             | "TrainingQueries" >> beam.Map(training_queries)
         )
         sequences = training | "PackSequences" >> PackSequences(L, PAD)

@@ -121,13 +121,14 @@ class Job:
         replace: tuple[str, ...] | None = None,
         replaces: str | None = None,
         reads: tuple[tuple[str, str], ...] = (),
+        type_check: bool = True,
     ):
         self.output, self.directory, self.model = output, directory, model
         self.reads = reads
         self.dry_run, self.detach = dry_run, detach
         self.max_rejected_fraction, self.replace, self.replaces = max_rejected_fraction, replace, replaces
         self.staging = "" if staging is None else new_staging_dir(output, staging, dry_run)
-        self.pipeline = new_pipeline(beam_args, dry_run)
+        self.pipeline = new_pipeline(beam_args, dry_run, type_check)
         self.clock = StageClock(name, records)
 
     @classmethod

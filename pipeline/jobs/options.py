@@ -21,6 +21,7 @@ from apache_beam.options.pipeline_options import (
     PipelineOptions,
     PortableOptions,
     StandardOptions,
+    TypeOptions,
     _BeamArgumentParser,
 )
 
@@ -211,12 +212,16 @@ def pipeline_options(beam_args: list[str]) -> PipelineOptions:
     return PipelineOptions(with_defaults(check_beam_args(beam_args)))
 
 
-def new_pipeline(beam_args: list[str], dry_run: bool = False) -> beam.Pipeline:
+def new_pipeline(beam_args: list[str], dry_run: bool = False, type_check: bool = True) -> beam.Pipeline:
     """A pipeline for these options, with what its runner needs set in this process (runners
     whose workers run here: their share of the cores, no timed flush). A dry run builds it on
     the local runner: the configured runner (Dataflow's checks its buckets when the pipeline is
-    created) is never contacted."""
+    created) is never contacted. Without `type_check` Beam does not infer element types while
+    the graph is built (as `--no_pipeline_type_check`): a job whose shuffles need no registered
+    coder saves that time (0.1-0.2 s of a 1.5 s build-shards)."""
     options = pipeline_options(beam_args)
+    if not type_check:
+        options.view_as(TypeOptions).pipeline_type_check = False
     if local_worker_processes(options) is not None:
         os.environ.update(thread_environment(options, os.environ))
         no_timed_flush_on_local_runner()

@@ -33,12 +33,17 @@ from pipeline.jobs.job import (
     shards_dir,
 )
 from pipeline.jobs.options import encoder_threads
-from pipeline.retrieve.beam import DocumentSpans, PackSequences, RetrieveNeighbours, SpansOfTrainingChunks
+from pipeline.retrieve.beam import (
+    DocumentSpans,
+    PackSequences,
+    ReadQueryBlocks,
+    RetrieveNeighbours,
+    SpansOfTrainingChunks,
+)
 from pipeline.retrieve.recall import MeasureNeighbourRecall
 from pipeline.retrieve.search import LOST_DATA, QueryBlock, Retrieval
 from pipeline.shards.rows import overlap_histogram, overlap_tally
 from pipeline.shards.write import WriteShards
-from schemas.arrow import tensor_column_to_numpy
 from schemas.config import PipelineConfig
 from schemas.manifest import (
     CREATED_BY,
@@ -65,17 +70,10 @@ def _chunks_from_table(table) -> list[Chunk]:
     ]
 
 
-def _query_block_from_table(table) -> QueryBlock:
-    return QueryBlock(table["chunk_id"].to_numpy(), tensor_column_to_numpy(table["embedding"]))
-
-
-def _not_deleted(block, deleted: DeletedRanges):
-    """A block of chunk rows or queries (`.take`, or `chunk_ids`) without the deleted documents' chunks."""
+def _not_deleted(block: TrainingChunks, deleted: DeletedRanges) -> TrainingChunks:
+    """Training chunks without the deleted documents' chunks."""
     if not len(deleted):
         return block
-    if isinstance(block, QueryBlock):
-        kept = ~deleted.contains(block.chunk_ids)
-        return QueryBlock(block.chunk_ids[kept], block.vectors[kept])
     return block.take(np.flatnonzero(~deleted.contains(block.chunk_id)))
 
 
@@ -177,6 +175,9 @@ def _build_shards(
         max_rejected_fraction=cfg.max_rejected_fraction,
         # a change of the index committed while this job runs fails it, rather than mixing generations
         reads=() if index is None else ((index.directory, index.manifest_sha256),),
+        # over its own chunk database nothing it shuffles has a registered coder (decontamination's
+        # does), so Beam's type inference would only cost time
+        type_check=cfg.training_corpus != "same",
     )
     pipeline, staging = job.pipeline, job.staging
     L, m, k = cfg.chunks_per_sequence, cfg.chunk_tokens, cfg.neighbours
@@ -195,11 +196,8 @@ def _build_shards(
             >> ReadFromParquetBatched(database_chunks, columns=list(TRAINING_COLUMNS), validate=not dry_run)
             | "TrainingChunks" >> beam.Map(lambda table: _not_deleted(TrainingChunks.of(table), deleted))
         )
-        queries = (
-            pipeline
-            | "ReadEmbeddings"
-            >> ReadFromParquetBatched(fileio.join(idx, "embeddings", "*.parquet"), validate=not dry_run)
-            | "QueryBlocks" >> beam.Map(lambda table: _not_deleted(_query_block_from_table(table), deleted))
+        queries = pipeline | "ReadEmbeddings" >> ReadQueryBlocks(
+            fileio.join(idx, "embeddings", "*.parquet"), deleted, validate=not dry_run
         )
         # nothing is read that could be rejected, nothing is embedded: no steps for them
         rejected, precision, read_tallies = None, None, ()
@@ -250,6 +248,7 @@ def _build_shards(
         cfg.recall_below_target,
         routing,
         deleted if len(deleted) else None,
+        queries_are_database=cfg.training_corpus == "same",
     )
     retrieved = (sequences, queries, spans) | "RetrieveNeighbours" >> RetrieveNeighbours(
         spec, cfg.index.min_ram, validate=not dry_run

@@ -25,6 +25,7 @@ from apache_beam.utils import shared
 
 from pipeline.chunks.chunk_files import ChunkFileRanges, CommittedChunkFiles
 from pipeline.common.arrays import groups
+from pipeline.index.deleted import DeletedRanges
 from pipeline.index.exact import truth_depth
 from pipeline.index.files import read_owners
 from pipeline.retrieve.recall import ExactTruth, SmallestProbes
@@ -44,6 +45,7 @@ from pipeline.retrieve.search import (
     SEQUENCES_PER_SEARCH,
     FileTokens,
     NeighbourBlock,
+    QueryBlock,
     Retrieval,
     Routing,
     SentCounts,
@@ -107,6 +109,22 @@ class DocumentSpans(beam.PTransform):
             >> ReadFromParquetBatched(self.pattern, columns=["chunk_id", "doc_id"], validate=self.validate)
             | "SpansInBatch" >> beam.FlatMap(lambda t: document_spans(t["chunk_id"].to_numpy(), t["doc_id"].to_numpy()))
             | "WidestSpan" >> beam.CombinePerKey(widest_span)
+        )
+
+
+class ReadQueryBlocks(beam.PTransform):
+    """Embedding files (a glob) -> a `QueryBlock` per record batch, the `deleted` documents'
+    chunks left out."""
+
+    def __init__(self, pattern: str, deleted: DeletedRanges | None = None, validate: bool = True):
+        super().__init__()
+        self.pattern, self.deleted, self.validate = pattern, deleted, validate
+
+    def expand(self, pbegin):
+        return (
+            pbegin
+            | "Read" >> ReadFromParquetBatched(self.pattern, validate=self.validate)
+            | "QueryBlocks" >> beam.Map(QueryBlock.of_table, self.deleted)
         )
 
 
@@ -441,8 +459,11 @@ class RetrieveNeighbours(beam.PTransform):
         super().__init__()
         if min_ram:  # every worker holds the index
             self.with_resource_hints(min_ram=min_ram)
-        if spec.probes and not spec.embeddings:
-            raise ValueError("Retrieval.probes needs Retrieval.embeddings: the files their exact search reads")
+        if spec.probes and not (spec.embeddings or spec.queries_are_database):
+            raise ValueError(
+                "Retrieval.probes needs Retrieval.embeddings (the files their exact search reads) "
+                "or queries_are_database"
+            )
         self.spec, self.validate = spec, validate
 
     def expand(self, inputs):
@@ -469,9 +490,13 @@ class RetrieveNeighbours(beam.PTransform):
         else:
             probes = joined.pipeline | "NoProbes" >> beam.Create([[]])
         if spec.probes:
-            truth = probes | "ExactTruth" >> ExactTruth(
-                spec.embeddings, truth_depth(spec.neighbours), self.validate, spec.deleted
+            database = (
+                embeddings
+                if spec.queries_are_database
+                else joined.pipeline
+                | "ReadDatabaseEmbeddings" >> ReadQueryBlocks(spec.embeddings, spec.deleted, self.validate)
             )
+            truth = (probes, database) | "ExactTruth" >> ExactTruth(truth_depth(spec.neighbours))
         else:
             truth = probes | "NoTruth" >> beam.Map(lambda _: None)
         depth = probes | "TuneSearchDepth" >> beam.Map(

@@ -7,8 +7,8 @@ to check the neighbours written against it.
 Recall counts distance ties the way ann-benchmarks does: a neighbour is right when its exact
 similarity to the query is within `TIE_TOLERANCE` of the exact k-th best, so near-duplicate
 chunks are interchangeable; an empty slot is a miss unless the database has fewer than k
-chunks outside the sequence's documents. The exact side is one scan over the embedding files
-(a matrix product per record batch against the probes), merged like a top-k. It keeps the
+chunks outside the sequence's documents. The exact side is one scan over the database's
+embeddings (a matrix product per block against the probes), merged like a top-k. It keeps the
 `truth_depth` best per probe, so a neighbour's exact similarity is read from that list; one
 beyond it is below the k-th best (a miss).
 """
@@ -20,12 +20,9 @@ from typing import NamedTuple
 
 import apache_beam as beam
 import numpy as np
-from apache_beam.io.parquetio import ReadFromParquetBatched
 
-from pipeline.index.deleted import DeletedRanges
 from pipeline.index.exact import exact_nearest_outside, exact_scores_of, merge_top
 from pipeline.index.recall import NEIGHBOUR_MEASURE, TIE_TOLERANCE, recall_with_ties
-from schemas.arrow import tensor_column_to_numpy
 
 
 class Probe(NamedTuple):
@@ -86,29 +83,25 @@ class _MergeTops(beam.CombineFn):
         return acc
 
 
-def _scan(table, probes, depth: int, deleted: DeletedRanges | None):
-    if probes and table.num_rows:
-        ids, vectors = table["chunk_id"].to_numpy(), tensor_column_to_numpy(table["embedding"])
-        if deleted is not None and len(deleted):
-            kept = ~deleted.contains(ids)
-            ids, vectors = ids[kept], vectors[kept]
-        yield scan_batch(ids, vectors, probes, depth)
+def _scan(block, probes, depth: int):
+    if probes and len(block.chunk_ids):
+        yield scan_batch(block.chunk_ids, block.vectors, probes, depth)
 
 
 class ExactTruth(beam.PTransform):
-    """The probe sample (one sorted list) -> one (scores, ids) [n, depth] in sample order: the
-    exact best chunks of the embedding files `embeddings` (a glob) outside each probe's ranges
-    and the `deleted` documents; None when nothing was sampled."""
+    """(probe sample (one sorted list), the database's embeddings (`QueryBlock`s: every chunk
+    not deleted, each once)) -> one (scores, ids) [n, depth] in sample order: the exact best
+    chunks outside each probe's ranges; None when nothing was sampled."""
 
-    def __init__(self, embeddings: str, depth: int, validate: bool = True, deleted: DeletedRanges | None = None):
+    def __init__(self, depth: int):
         super().__init__()
-        self.embeddings, self.depth, self.validate, self.deleted = embeddings, depth, validate, deleted
+        self.depth = depth
 
-    def expand(self, sample):
+    def expand(self, inputs):
+        sample, database = inputs
         return (
-            sample.pipeline
-            | "ReadEmbeddings" >> ReadFromParquetBatched(self.embeddings, validate=self.validate)
-            | "ExactScan" >> beam.FlatMap(_scan, beam.pvalue.AsSingleton(sample), self.depth, self.deleted)
+            database
+            | "ExactScan" >> beam.FlatMap(_scan, beam.pvalue.AsSingleton(sample), self.depth)
             | "MergeScans" >> beam.CombineGlobally(_MergeTops(self.depth))
         )
 

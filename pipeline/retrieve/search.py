@@ -24,6 +24,7 @@ from pipeline.index.tuning import tune_depth
 from pipeline.retrieve.recall import Probe
 from pipeline.retrieve.sequences import merge_ranges
 from pipeline.shards.rows import SequenceBatch
+from schemas.arrow import tensor_column_to_numpy
 from schemas.manifest import DepthRecall, SearchDepth
 
 SEQUENCES_PER_SEARCH = 64  # fixed search batches: faiss scores depend on batch shape
@@ -183,6 +184,9 @@ class Retrieval:
     recall_below_target: str = "deepen"  # deepen | warn | fail (PipelineConfig.recall_below_target)
     routing: Routing | None = None  # an index in slices by inverted lists: how queries reach them
     deleted: DeletedRanges | None = None  # documents deleted from the index: not in the probes' exact search
+    # the query blocks are every database chunk's embedding but the deleted (training corpus
+    # "same"): the probes' exact search scans them instead of reading `embeddings` again
+    queries_are_database: bool = False
 
     def __post_init__(self):
         if (self.index_path is None) == (self.routing is None):
@@ -216,6 +220,15 @@ class QueryBlock:
 
     chunk_ids: np.ndarray  # int64 [n]
     vectors: np.ndarray  # [n, d]
+
+    @classmethod
+    def of_table(cls, table, deleted: DeletedRanges | None = None) -> QueryBlock:
+        """A record batch of the embedding files, the `deleted` documents' chunks left out."""
+        block = cls(table["chunk_id"].to_numpy(), tensor_column_to_numpy(table["embedding"]))
+        if deleted is None or not len(deleted):
+            return block
+        kept = ~deleted.contains(block.chunk_ids)
+        return cls(block.chunk_ids[kept], block.vectors[kept])
 
     @classmethod
     def of_rows(cls, rows: list[tuple[int, np.ndarray]]) -> QueryBlock:

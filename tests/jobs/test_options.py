@@ -183,3 +183,14 @@ def test_an_unknown_options_value_is_never_in_the_error():
 def test_a_runner_module_that_cannot_be_imported_is_named():
     with pytest.raises(PipelineOptionsError, match=r"--runner=no_such_module\.Runner: cannot import no_such_module"):
         check_beam_args(["--runner=no_such_module.Runner"])
+
+
+@pytest.mark.parametrize(
+    "type_check, args, inferred",
+    [(True, [], True), (False, [], False), (True, ["--no_pipeline_type_check"], False)],
+)
+def test_type_inference_is_left_off_where_the_job_or_the_arguments_say(type_check, args, inferred):
+    from apache_beam.options.pipeline_options import TypeOptions
+
+    pipeline = new_pipeline(args, type_check=type_check)
+    assert pipeline.options.view_as(TypeOptions).pipeline_type_check is inferred

@@ -4,8 +4,10 @@ import pytest
 from apache_beam.testing.util import assert_that
 
 from pipeline.common.writers import embeddings_table, parquet_bytes
+from pipeline.index.deleted import DELETE_REQUESTED, REPLACED, DeletedDocument, DeletedRanges
 from pipeline.index.exact import exact_scores_of, exact_top, merge_top
 from pipeline.index.recall import TIE_TOLERANCE, recall_of, recall_with_ties
+from pipeline.retrieve.beam import ReadQueryBlocks
 from pipeline.retrieve.recall import ExactTruth, MeasureNeighbourRecall, Probe, SmallestProbes, scan_batch
 from pipeline.shards.rows import RowBatch, ShardRow
 from tests.helpers import local_pipeline
@@ -112,7 +114,33 @@ def test_measure_neighbour_recall_against_exact_search(tmp_path):
 
     with local_pipeline() as p:
         sample = p | "Probes" >> beam.Create([probes[:15], probes[15:]]) | beam.CombineGlobally(SmallestProbes(30))
-        truth = sample | ExactTruth(str(tmp_path / "embeddings" / "*.parquet"), 100)
+        database = p | ReadQueryBlocks(str(tmp_path / "embeddings" / "*.parquet"))
+        truth = (sample, database) | ExactTruth(100)
         rows = p | "Rows" >> beam.Create([RowBatch(shard_rows[:7]), RowBatch(shard_rows[7:])])
         result = (sample, truth, rows) | MeasureNeighbourRecall(K)
         assert_that(result, check)
+
+
+@pytest.mark.beam
+def test_query_blocks_leave_out_deleted_documents(tmp_path):
+    """The database the exact check scans: every embedding row of the files but the deleted
+    documents' chunks, each once, with its own vector."""
+    vectors = _vectors(n=200)
+    (tmp_path / "embeddings").mkdir()
+    for number, start in enumerate(range(0, len(vectors), 64)):
+        rows = [(i, vectors[i]) for i in range(start, min(start + 64, len(vectors)))]
+        (tmp_path / "embeddings" / f"embeddings-{number:05d}.parquet").write_bytes(
+            parquet_bytes(embeddings_table(rows))
+        )
+    deleted = DeletedRanges.of([DeletedDocument(7, 60, 10, DELETE_REQUESTED), DeletedDocument(9, 150, 1, REPLACED)])
+    kept = [i for i in range(len(vectors)) if not (60 <= i < 70 or i == 150)]
+
+    def check(blocks):
+        ids = np.concatenate([b.chunk_ids for b in blocks])
+        assert sorted(ids.tolist()) == kept
+        for block in blocks:
+            np.testing.assert_array_equal(block.vectors, vectors[block.chunk_ids])
+
+    with local_pipeline() as p:
+        blocks = p | ReadQueryBlocks(str(tmp_path / "embeddings" / "*.parquet"), deleted)
+        assert_that(blocks, check)
