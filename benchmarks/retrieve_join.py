@@ -153,7 +153,7 @@ def ours_main(root: str, out: str, query_chunks: int, beam_args: list[str]) -> N
         return QueryBlock(block.chunk_ids[:keep], block.vectors[:keep])
 
     workers = WorkerPeak()
-    with new_pipeline(beam_args) as p:
+    with new_pipeline(beam_args, type_check=False) as p:  # as build-shards over its own chunks
         # the training chunks are the first `limit` + 1 (the last gives the last sequence its
         # target token, then is left over), from as many files as hold them
         used = limit // FILE_ROWS + 1
