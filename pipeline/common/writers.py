@@ -37,7 +37,7 @@ def chunks_table(chunks: list[Chunk], m: int) -> pa.Table:
 
 
 def embeddings_table(rows: list[tuple[int, np.ndarray]]) -> pa.Table:
-    vectors = np.stack([r[1] for r in rows]).astype(np.float32)
+    vectors = np.stack([r[1] for r in rows]).astype(np.float32, copy=False)
     return pa.Table.from_arrays(
         [pa.array([r[0] for r in rows], pa.int64()), fixed_size_list(vectors, vectors.shape[1])],
         schema=embedding_schema(vectors.shape[1]),

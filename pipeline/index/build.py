@@ -148,8 +148,9 @@ def _build_in_one(paths, plan: IndexPlan, queries: QuerySample, cfg: IndexConfig
     batches = [batch for path in sorted(paths, key=file_number) for batch in read_embeddings(path)]
     ids = np.concatenate([b[0] for b in batches])
     vectors = np.concatenate([b[1] for b in batches])
-    order = np.argsort(ids, kind="stable")
-    ids, vectors = ids[order], vectors[order]
+    if np.any(ids[1:] < ids[:-1]):  # files in order hold ids in order: no copy of every vector then
+        order = np.argsort(ids, kind="stable")
+        ids, vectors = ids[order], vectors[order]
     index = build_index(ids, vectors, plan.factory)
     return _finish(index, plan, queries, _truth_of(queries, ids, vectors, neighbours), cfg, out_dir, 1, neighbours)
 

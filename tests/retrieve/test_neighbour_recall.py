@@ -4,6 +4,7 @@ import pytest
 from apache_beam.testing.util import assert_that
 
 from pipeline.common.writers import embeddings_table, parquet_bytes
+from pipeline.index import exact
 from pipeline.index.deleted import DELETE_REQUESTED, REPLACED, DeletedDocument, DeletedRanges
 from pipeline.index.exact import exact_scores_of, exact_top, merge_top
 from pipeline.index.recall import TIE_TOLERANCE, recall_of, recall_with_ties
@@ -55,6 +56,24 @@ def test_scans_of_parts_merge_to_the_exact_answer():
         expected, _ = _exact(vectors, vectors[j], probes[j].excluded)
         assert whole[1][j].tolist() == expected.tolist()
     assert exact_top(np.zeros((2, 0), np.float32), np.zeros(0, np.int64), K)[1].tolist() == [[-1] * K] * 2
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("block", [7, 64, 10_000])
+def test_the_exact_scan_in_blocks_gives_the_answer_of_one_product(monkeypatch, block):
+    """Blocks smaller than the rows, ranges across block edges, rows out of order, fewer
+    reachable rows than the depth: the same as scoring every row at once."""
+    monkeypatch.setattr(exact, "EXACT_BLOCK", block)
+    vectors = _vectors()
+    shuffled = np.random.default_rng(2).permutation(len(vectors))
+    queries = vectors[:5]
+    excluded = [((0, 10), (60, 75)), (), ((5, 295),), ((0, 300),), ((100, 101),)]
+    scores, ids = exact.exact_nearest_outside(queries, excluded, shuffled, vectors[shuffled], 8)
+    for row, ranges in enumerate(excluded):
+        expected, all_scores = _exact(vectors, queries[row], ranges, 8)
+        reachable = np.isfinite(all_scores[expected])
+        assert ids[row].tolist() == np.where(reachable, expected, -1).tolist()
+        np.testing.assert_allclose(scores[row][reachable], all_scores[expected][reachable], atol=1e-6)
 
 
 @pytest.mark.unit
