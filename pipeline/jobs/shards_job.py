@@ -248,7 +248,6 @@ def _build_shards(
         cfg.recall_below_target,
         routing,
         deleted if len(deleted) else None,
-        queries_are_database=cfg.training_corpus == "same",
     )
     retrieved = (sequences, queries, spans) | "RetrieveNeighbours" >> RetrieveNeighbours(
         spec, cfg.index.min_ram, validate=not dry_run

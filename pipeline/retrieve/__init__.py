@@ -2,5 +2,6 @@
 
 `sequences` (packing and document spans), `search` (batches, the search with exclusion,
 depth tuning, without Beam), `recall` (neighbour recall against exact search), `beam`
-(`PackSequences`, `DocumentSpans`, `RetrieveNeighbours`).
+(`PackSequences`, `DocumentSpans`, `SpansOfTrainingChunks`, `ReadQueryBlocks`,
+`RetrieveNeighbours`).
 """

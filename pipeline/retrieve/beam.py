@@ -459,11 +459,8 @@ class RetrieveNeighbours(beam.PTransform):
         super().__init__()
         if min_ram:  # every worker holds the index
             self.with_resource_hints(min_ram=min_ram)
-        if spec.probes and not (spec.embeddings or spec.queries_are_database):
-            raise ValueError(
-                "Retrieval.probes needs Retrieval.embeddings (the files their exact search reads) "
-                "or queries_are_database"
-            )
+        if spec.probes and not spec.embeddings:
+            raise ValueError("Retrieval.probes needs Retrieval.embeddings: the files their exact search reads")
         self.spec, self.validate = spec, validate
 
     def expand(self, inputs):
@@ -490,11 +487,10 @@ class RetrieveNeighbours(beam.PTransform):
         else:
             probes = joined.pipeline | "NoProbes" >> beam.Create([[]])
         if spec.probes:
-            database = (
-                embeddings
-                if spec.queries_are_database
-                else joined.pipeline
-                | "ReadDatabaseEmbeddings" >> ReadQueryBlocks(spec.embeddings, spec.deleted, self.validate)
+            # read again even when the queries are the database: scanning those would keep every
+            # query embedding until the sample exists (a side input from the same read)
+            database = joined.pipeline | "ReadDatabaseEmbeddings" >> ReadQueryBlocks(
+                spec.embeddings, spec.deleted, self.validate
             )
             truth = (probes, database) | "ExactTruth" >> ExactTruth(truth_depth(spec.neighbours))
         else:

@@ -37,7 +37,7 @@ class Probe(NamedTuple):
 
 
 def scan_batch(ids: np.ndarray, vectors: np.ndarray, probes: list[Probe], depth: int):
-    """One (non-empty) record batch of embeddings against the probes: its exact top `depth`
+    """One (non-empty) block of embeddings against the probes: its exact top `depth`
     (scores, ids) per probe, each probe's ranges excluded."""
     return exact_nearest_outside(np.stack([p.query for p in probes]), [p.excluded for p in probes], ids, vectors, depth)
 

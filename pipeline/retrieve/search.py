@@ -184,9 +184,6 @@ class Retrieval:
     recall_below_target: str = "deepen"  # deepen | warn | fail (PipelineConfig.recall_below_target)
     routing: Routing | None = None  # an index in slices by inverted lists: how queries reach them
     deleted: DeletedRanges | None = None  # documents deleted from the index: not in the probes' exact search
-    # the query blocks are every database chunk's embedding but the deleted (training corpus
-    # "same"): the probes' exact search scans them instead of reading `embeddings` again
-    queries_are_database: bool = False
 
     def __post_init__(self):
         if (self.index_path is None) == (self.routing is None):

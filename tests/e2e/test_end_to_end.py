@@ -231,12 +231,9 @@ def _without_timings(manifest_path):
 
 
 def test_two_worker_processes_write_byte_identical_outputs(built_output, tmp_path, monkeypatch):
-    """Also with Beam's type inference, which build-shards over its own chunks leaves off by
-    default: the coders it would pick change nothing written."""
     root, config, _ = built_output
     assert config["embedding"]["cpu_threads"] == 1  # both runs encode on one thread per process
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # new_pipeline shares the cores
-    monkeypatch.setattr(job, "new_pipeline", lambda args, dry_run, type_check: options.new_pipeline(args, dry_run))
     run_all(
         config_from_dict({**config, "output": str(tmp_path / "out")}),
         ["--direct_num_workers=2", "--direct_running_mode=multi_processing"],
@@ -251,6 +248,31 @@ def test_two_worker_processes_write_byte_identical_outputs(built_output, tmp_pat
     for path in (root / "out").rglob("*.json"):
         if path.name in timed:
             assert _without_timings(tmp_path / "out" / path.relative_to(root / "out")) == _without_timings(path)
+
+
+def test_beam_type_inference_changes_no_byte_of_the_shards(built_output, tmp_path, monkeypatch):
+    """build-shards over its own chunks builds its graph without Beam's type inference; with
+    it Beam picks other coders for some shuffles, and nothing written may change."""
+    root, config, _ = built_output
+    assert config.get("training_corpus", "same") == "same"  # the case that leaves inference off
+    shutil.copytree(root / "out" / "index", tmp_path / "out" / "index")
+    asked = []
+
+    def with_inference(args, dry_run, type_check):
+        asked.append(type_check)
+        return options.new_pipeline(args, dry_run)
+
+    monkeypatch.setattr(job, "new_pipeline", with_inference)
+    build_shards(config_from_dict({**config, "output": str(tmp_path / "out")}), [])
+    assert asked == [False]  # the job asks for none; this run has it
+    shards, ours = root / "out" / "shards", tmp_path / "out" / "shards"
+    written = sorted(p.relative_to(shards) for p in shards.rglob("*") if p.is_file())
+    assert written == sorted(p.relative_to(ours) for p in ours.rglob("*") if p.is_file())
+    for path in written:
+        if path.name == "manifest.json":
+            assert _without_timings(ours / path) == _without_timings(shards / path)
+        else:
+            assert (ours / path).read_bytes() == (shards / path).read_bytes(), path
 
 
 BFLOAT16_STEP = 2e-3  # two bfloat16 rounding steps of an embedding's largest components (~0.25)
