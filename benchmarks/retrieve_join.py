@@ -321,6 +321,8 @@ def main() -> None:
         "--repeat", type=int, default=3, help="runs of ours in one process and of the floor, alternating (median)"
     )
     args = parser.parse_args()
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
     if args.query_chunks >= FILE_ROWS:
         parser.error(f"--query-chunks must be under {FILE_ROWS} (the training chunks come from the first file)")
     if args.query_chunks >= min(args.sizes):
