@@ -39,17 +39,27 @@ def merge_top(a, b, k: int):
     return np.take_along_axis(scores, order, axis=1), np.take_along_axis(ids, order, axis=1)
 
 
+def _blocked_top(queries, ids, vectors, depth: int, mask_block):
+    """Per query, the `depth` best of `ids` (in order where `mask_block` needs it), scored a
+    block of EXACT_BLOCK vectors at a time; `mask_block(scores, block_ids)` sets to -inf what a
+    query may not return. No vectors: every slot empty (-inf, -1)."""
+    result = exact_top(np.zeros((len(queries), 0), np.float32), ids[:0], depth)
+    for begin in range(0, len(ids), EXACT_BLOCK):
+        block_ids = ids[begin : begin + EXACT_BLOCK]
+        scores = queries @ vectors[begin : begin + EXACT_BLOCK].T  # [q, block]
+        mask_block(scores, block_ids)
+        result = merge_top(result, exact_top(scores, block_ids, depth), depth)
+    return result
+
+
 def exact_nearest_other(query_ids, queries, ids, vectors, depth: int = TRUTH_DEPTH):
     """Per query, the `depth` nearest vectors among `ids` other than itself: (scores, ids)
     [q, depth], merged over blocks with `merge_top`."""
-    result = None
-    for start in range(0, len(ids), EXACT_BLOCK):
-        block_ids = ids[start : start + EXACT_BLOCK]
-        scores = queries @ vectors[start : start + EXACT_BLOCK].T  # [q, block]
+
+    def not_itself(scores, block_ids):
         scores[query_ids[:, None] == block_ids[None, :]] = -np.inf
-        found = exact_top(scores, block_ids, depth)
-        result = found if result is None else merge_top(result, found, depth)
-    return result
+
+    return _blocked_top(queries, ids, vectors, depth, not_itself)
 
 
 def truth_depth(k: int) -> int:
@@ -66,16 +76,13 @@ def exact_nearest_outside(queries, excluded, ids, vectors, depth: int):
     if np.any(ids[1:] < ids[:-1]):  # the ranges are cut from ids in order (files are in order already)
         order = np.argsort(ids, kind="stable")
         ids, vectors = ids[order], vectors[order]
-    result = None
-    for begin in range(0, len(ids), EXACT_BLOCK):
-        block_ids = ids[begin : begin + EXACT_BLOCK]
-        scores = queries @ vectors[begin : begin + EXACT_BLOCK].T  # [q, block]
+
+    def outside(scores, block_ids):
         for row, ranges in enumerate(excluded):
             for start, end in ranges:
                 scores[row, np.searchsorted(block_ids, start) : np.searchsorted(block_ids, end)] = -np.inf
-        found = exact_top(scores, block_ids, depth)
-        result = found if result is None else merge_top(result, found, depth)
-    return result if result is not None else exact_top(np.zeros((len(queries), 0), np.float32), ids, depth)
+
+    return _blocked_top(queries, ids, vectors, depth, outside)
 
 
 def merge_nearest(a, b):

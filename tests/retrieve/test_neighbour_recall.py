@@ -59,6 +59,22 @@ def test_scans_of_parts_merge_to_the_exact_answer():
 
 
 @pytest.mark.unit
+def test_an_exact_search_over_no_vectors_leaves_every_slot_empty_and_merges():
+    """A record batch whose documents were all deleted: nothing found, and merging it with
+    another batch's answer changes nothing."""
+    vectors = _vectors()
+    ids = np.arange(len(vectors))
+    none = exact.exact_nearest_other(ids[:3], vectors[:3], ids[:0], vectors[:0])
+    assert none[1].tolist() == [[-1] * exact.TRUTH_DEPTH] * 3 and np.isneginf(none[0]).all()
+    some = exact.exact_nearest_other(ids[:3], vectors[:3], ids, vectors)
+    assert (some[1] >= 0).all()
+    merged = exact.merge_nearest(some, none)
+    assert np.array_equal(merged[1], some[1]) and np.array_equal(merged[0], some[0])
+    outside = exact.exact_nearest_outside(vectors[:3], [(), (), ()], ids[:0], vectors[:0], 5)
+    assert outside[1].tolist() == [[-1] * 5] * 3
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("block", [7, 64, 10_000])
 def test_the_exact_scan_in_blocks_gives_the_answer_of_one_product(monkeypatch, block):
     """Blocks smaller than the rows, ranges across block edges, rows out of order, fewer
