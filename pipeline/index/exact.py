@@ -40,15 +40,14 @@ def merge_top(a, b, k: int):
 
 
 def _blocked_top(queries, ids, vectors, depth: int, mask_block):
-    """Per query, the `depth` best of `ids` (in order where `mask_block` needs it), scored a
-    block of EXACT_BLOCK vectors at a time; `mask_block(scores, block_ids)` sets to -inf what a
-    query may not return. No vectors: every slot empty (-inf, -1)."""
+    """Per query, the `depth` best of `ids`, scored a block of EXACT_BLOCK vectors at a time;
+    `mask_block(scores, begin)` sets to -inf what a query may not return among the block's
+    vectors `begin` … `begin + len(scores[0])`. No vectors: every slot empty (-inf, -1)."""
     result = exact_top(np.zeros((len(queries), 0), np.float32), ids[:0], depth)
     for begin in range(0, len(ids), EXACT_BLOCK):
-        block_ids = ids[begin : begin + EXACT_BLOCK]
         scores = queries @ vectors[begin : begin + EXACT_BLOCK].T  # [q, block]
-        mask_block(scores, block_ids)
-        result = merge_top(result, exact_top(scores, block_ids, depth), depth)
+        mask_block(scores, begin)
+        result = merge_top(result, exact_top(scores, ids[begin : begin + EXACT_BLOCK], depth), depth)
     return result
 
 
@@ -56,8 +55,8 @@ def exact_nearest_other(query_ids, queries, ids, vectors, depth: int = TRUTH_DEP
     """Per query, the `depth` nearest vectors among `ids` other than itself: (scores, ids)
     [q, depth], merged over blocks with `merge_top`."""
 
-    def not_itself(scores, block_ids):
-        scores[query_ids[:, None] == block_ids[None, :]] = -np.inf
+    def not_itself(scores, begin):
+        scores[query_ids[:, None] == ids[None, begin : begin + scores.shape[1]]] = -np.inf
 
     return _blocked_top(queries, ids, vectors, depth, not_itself)
 
@@ -77,10 +76,15 @@ def exact_nearest_outside(queries, excluded, ids, vectors, depth: int):
         order = np.argsort(ids, kind="stable")
         ids, vectors = ids[order], vectors[order]
 
-    def outside(scores, block_ids):
-        for row, ranges in enumerate(excluded):
-            for start, end in ranges:
-                scores[row, np.searchsorted(block_ids, start) : np.searchsorted(block_ids, end)] = -np.inf
+    # every range's rows among the sorted ids, found once: [lo, hi) per (query row, range)
+    rows = np.array([row for row, ranges in enumerate(excluded) for _ in ranges], np.int64)
+    bounds = np.array([bound for ranges in excluded for bound in ranges], np.int64).reshape(-1, 2)
+    lo, hi = np.searchsorted(ids, bounds[:, 0]), np.searchsorted(ids, bounds[:, 1])
+
+    def outside(scores, begin):
+        end = begin + scores.shape[1]
+        for row, first, last in zip(*(a[(lo < end) & (hi > begin)].tolist() for a in (rows, lo, hi))):
+            scores[row, max(first, begin) - begin : min(last, end) - begin] = -np.inf
 
     return _blocked_top(queries, ids, vectors, depth, outside)
 
