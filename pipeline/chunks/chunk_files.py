@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 from pipeline.chunks.chunking import Chunk
 from pipeline.common import fileio
 from pipeline.common.names import file_number
+from pipeline.index.deleted import DeletedRanges
 from schemas.arrow import tensor_column_to_numpy
 
 CHUNK_COLUMNS = ("chunk_id", "doc_id", "position", "tokens", "continuation")  # schemas.arrow.chunk_schema
@@ -64,9 +65,13 @@ class TrainingChunks:
     tokens: np.ndarray  # [rows, m]
 
     @classmethod
-    def of(cls, table) -> TrainingChunks:
-        """From a table (or batch) of chunk rows with at least TRAINING_COLUMNS."""
-        return cls(**chunk_arrays(table, TRAINING_COLUMNS))
+    def of(cls, table, deleted: DeletedRanges | None = None) -> TrainingChunks:
+        """From a table (or batch) of chunk rows with at least TRAINING_COLUMNS, the `deleted`
+        documents' chunks left out (they are in no sequence)."""
+        block = cls(**chunk_arrays(table, TRAINING_COLUMNS))
+        if deleted is None or not len(deleted):
+            return block
+        return block.take(np.flatnonzero(~deleted.contains(block.chunk_id)))
 
     @classmethod
     def of_chunks(cls, chunks: list[Chunk]) -> TrainingChunks:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 
 import apache_beam as beam
-import numpy as np
 from apache_beam.io.parquetio import ReadFromParquetBatched
 
 from pipeline.chunks.beam import ChunkDocuments
@@ -68,13 +67,6 @@ def _chunks_from_table(table) -> list[Chunk]:
             rows["chunk_id"], rows["doc_id"], rows["position"], rows["tokens"], rows["continuation"]
         )
     ]
-
-
-def _not_deleted(block: TrainingChunks, deleted: DeletedRanges) -> TrainingChunks:
-    """Training chunks without the deleted documents' chunks."""
-    if not len(deleted):
-        return block
-    return block.take(np.flatnonzero(~deleted.contains(block.chunk_id)))
 
 
 def _row_tally(batch, m: int, pad_id: int):
@@ -188,17 +180,17 @@ def _build_shards(
     )
     deleted = index.deleted() if index is not None else DeletedRanges.none()
     database_chunks = fileio.join(idx, "chunks", "*.parquet")
+    database_embeddings = fileio.join(idx, "embeddings", "*.parquet")
     if cfg.training_corpus == "same":
         # a deleted document's chunks are in no sequence: the sequences they would be in are not made
         training_chunks = (
             pipeline
             | "ReadChunkDatabase"
             >> ReadFromParquetBatched(database_chunks, columns=list(TRAINING_COLUMNS), validate=not dry_run)
-            | "TrainingChunks" >> beam.Map(lambda table: _not_deleted(TrainingChunks.of(table), deleted))
+            | "TrainingChunks" >> beam.Map(TrainingChunks.of, deleted)
         )
-        queries = pipeline | "ReadEmbeddings" >> ReadQueryBlocks(
-            fileio.join(idx, "embeddings", "*.parquet"), deleted, validate=not dry_run
-        )
+        queries = pipeline | "ReadEmbeddings" >> ReadQueryBlocks(database_embeddings, deleted, validate=not dry_run)
+        spans = training_chunks | "DocumentSpans" >> SpansOfTrainingChunks()
         # nothing is read that could be rejected, nothing is embedded: no steps for them
         rejected, precision, read_tallies = None, None, ()
     else:
@@ -225,11 +217,8 @@ def _build_shards(
             _rejected_tally(rejected, "TallyRejected"),
         )
         precision = beam.pvalue.AsSingleton(precision_used)
-    sequences = training_chunks | "PackSequences" >> PackSequences(L, tok.pad_id)
-    if cfg.training_corpus == "same":
-        spans = training_chunks | "DocumentSpans" >> SpansOfTrainingChunks()
-    else:
         spans = pipeline | "DocumentSpans" >> DocumentSpans(database_chunks, validate=not dry_run)
+    sequences = training_chunks | "PackSequences" >> PackSequences(L, tok.pad_id)
     # a dry run without a committed index builds the graph of one index file
     index_path, routing = index.searched() if index is not None else (fileio.join(idx, "faiss", INDEX_FILE), None)
     spec = Retrieval(
@@ -243,7 +232,7 @@ def _build_shards(
         tok.pad_id,
         cfg.dedupe_neighbours,
         cfg.neighbour_recall_sample,
-        fileio.join(idx, "embeddings", "*.parquet"),
+        database_embeddings,
         cfg.index.target_recall,
         cfg.recall_below_target,
         routing,
