@@ -17,7 +17,8 @@ Per chunk-database size N (same seed, so each database extends the smaller ones)
    read into the page cache (else the first pays every disk read for those after it):
    - ours: a Beam job wiring the stage's own transforms as `build-shards` does
      (`PackSequences` -> `RetrieveNeighbours` -> `WriteShards`), retrieving from the whole
-     chunk database (its files are read where a hit or a kept neighbour lies), run twice:
+     chunk database (its files are read where a hit or a kept neighbour lies; the queries'
+     embedding file where its search batches are searched), run twice:
      in-process (FnApiRunner, one process) and with
      `--direct_num_workers=2 --direct_running_mode=multi_processing`;
    - floor: numpy and faiss in one process: every chunk read into arrays, one faiss search
@@ -141,7 +142,7 @@ def ours_main(root: str, out: str, query_chunks: int, beam_args: list[str]) -> N
     from pipeline.chunks.chunk_files import TRAINING_COLUMNS, ChunkFileRanges, TrainingChunks
     from pipeline.jobs.options import new_pipeline
     from pipeline.retrieve.beam import DocumentSpans, PackSequences, RetrieveNeighbours
-    from pipeline.retrieve.search import QueryBlock, Retrieval
+    from pipeline.retrieve.search import Retrieval
     from pipeline.shards.write import WriteShards
 
     limit = query_chunks
@@ -152,10 +153,6 @@ def ours_main(root: str, out: str, query_chunks: int, beam_args: list[str]) -> N
             SimpleNamespace(path=f"chunks/{p.name}", rows=pq.ParquetFile(p).metadata.num_rows) for p in files
         ],
     )
-
-    def training_queries(block):  # a file's ids ascend: the first rows, as a view (the floor slices too)
-        keep = int(np.searchsorted(block.chunk_ids, limit))
-        return QueryBlock(block.chunk_ids[:keep], block.vectors[:keep])
 
     workers = WorkerPeak()
     with new_pipeline(beam_args, type_check=False) as p:  # as build-shards over its own chunks
@@ -169,17 +166,11 @@ def ours_main(root: str, out: str, query_chunks: int, beam_args: list[str]) -> N
             | "TrainingChunkBlocks" >> beam.Map(TrainingChunks.of)
             | "TrainingChunks" >> beam.Map(lambda rows: rows.take(np.flatnonzero(rows.chunk_id <= limit)))
         )
-        queries = (
-            p
-            | "EmbeddingFiles" >> beam.Create([f"{root}/embeddings/embeddings-{i:05d}.parquet" for i in range(used)])
-            | "ReadEmbeddings" >> ReadAllFromParquetBatched()
-            | "QueryBlocks" >> beam.Map(QueryBlock.of_table)
-            | "TrainingQueries" >> beam.Map(training_queries)
-        )
         sequences = training | "PackSequences" >> PackSequences(L, PAD)
         spans = p | "DocumentSpans" >> DocumentSpans(f"{root}/chunks/*.parquet")
         spec = Retrieval(f"{root}/index.faiss", NPROBE, chunk_files, L, M, K, CANDIDATES, PAD)
-        rows = ((sequences, queries, spans) | "RetrieveNeighbours" >> RetrieveNeighbours(spec)).rows
+        # the queries: read by the search from the embedding files, as build-shards over its own chunks does
+        rows = ((sequences, spans) | "RetrieveNeighbours" >> RetrieveNeighbours(spec)).rows
         _ = rows | "WriteShards" >> WriteShards(out, SHARD_ROWS, PAD)
     record_rss(out, workers.stop())
 

@@ -203,21 +203,28 @@ class GcsEmulator:
         self.process.wait(10)
 
 
-def write_chunk_files(directory: Path, chunks: list, rows_per_file: int = 5):
+def write_chunk_files(directory: Path, chunks: list, rows_per_file: int = 5, vectors=None):
     """The chunk database as the index stage writes it: `chunks/chunks-NNNNN.parquet` under
     `directory`, file NNNNN holding ids NNNNN·rows_per_file ... (several files, so lookups
-    cross them); its `ChunkFileRanges`."""
+    cross them), and with `vectors` (row = chunk id) `embeddings/embeddings-NNNNN.parquet`
+    holding the same ids; its `ChunkFileRanges`."""
     from pipeline.chunks.chunk_files import ChunkFileRanges
-    from pipeline.common.writers import chunks_table, parquet_bytes
+    from pipeline.common.writers import chunks_table, embeddings_table, parquet_bytes
     from schemas.manifest import FileEntry
 
     (directory / "chunks").mkdir(parents=True)
+    (directory / "embeddings").mkdir()
     entries = []
     for number, begin in enumerate(range(0, len(chunks), rows_per_file)):
         part = chunks[begin : begin + rows_per_file]
         path = f"chunks/chunks-{number:05d}.parquet"
         (directory / path).write_bytes(parquet_bytes(chunks_table(part, len(part[0].tokens))))
         entries.append(FileEntry(path=path, rows=len(part), bytes=0, sha256=""))
+        if vectors is not None:
+            rows = [(c.chunk_id, vectors[c.chunk_id]) for c in part]
+            (directory / f"embeddings/embeddings-{number:05d}.parquet").write_bytes(
+                parquet_bytes(embeddings_table(rows))
+            )
     return ChunkFileRanges.from_entries(str(directory), entries)
 
 

@@ -18,12 +18,13 @@ import pyarrow.parquet as pq
 
 from pipeline.chunks.chunking import Chunk
 from pipeline.common import fileio
-from pipeline.common.names import file_number
+from pipeline.common.names import file_name, file_number
 from pipeline.index.deleted import DeletedRanges
 from schemas.arrow import tensor_column_to_numpy
 
 CHUNK_COLUMNS = ("chunk_id", "doc_id", "position", "tokens", "continuation")  # schemas.arrow.chunk_schema
 TENSOR_COLUMNS = ("tokens", "continuation")
+EMBEDDINGS_DIR = "embeddings"  # beside chunks/: embeddings/embeddings-NNNNN.parquet, the same ids as chunks-NNNNN
 # Rows a chunk file's Parquet row group holds: `validate --sample` reads only the row groups its
 # references point into. Smaller groups cost bytes (each repeats its dictionary pages): +15%
 # at 1,024 rows against one group for a 65,536-row file of m = 64 Zipf-like tokens.
@@ -141,7 +142,18 @@ class ChunkFileRanges:
     def read(self, number: int, columns: list[str]) -> dict[str, np.ndarray]:
         """These columns of file `number` (tensor columns as [rows, width] arrays), after
         checking that it holds the ids the manifest puts there."""
-        path = fileio.join(self.directory, self.paths[number])
+        return chunk_arrays(self._read_checked(number, self.paths[number], columns), columns)
+
+    def read_embeddings(self, number: int) -> np.ndarray:
+        """The embeddings of file `number`'s chunks, float32 [rows, d]: the embedding file of
+        the same number (the index stage writes both from one chunk-id bucketing), checked
+        to hold the same ids."""
+        path = fileio.join(EMBEDDINGS_DIR, file_name(EMBEDDINGS_DIR, file_number(self.paths[number]), "parquet"))
+        vectors = tensor_column_to_numpy(self._read_checked(number, path, ["embedding"])["embedding"])
+        return np.ascontiguousarray(vectors, np.float32)
+
+    def _read_checked(self, number: int, relative: str, columns: list[str]):
+        path = fileio.join(self.directory, relative)
         with fileio.open_read(path) as f:
             table = pq.ParquetFile(f).read(columns=["chunk_id", *columns])
         start, end = self.starts[number], self.starts[number + 1]
@@ -150,7 +162,7 @@ class ChunkFileRanges:
                 f"{path} does not hold the chunk ids {start}..{end - 1} its manifest "
                 "implies: run `ratrain-pipeline validate` on the index"
             )
-        return chunk_arrays(table, columns)
+        return table
 
 
 @dataclass(frozen=True)
@@ -181,6 +193,9 @@ class CommittedChunkFiles:
 
     def read(self, number: int, columns: list[str]) -> dict[str, np.ndarray]:
         return self.ranges.read(number, columns)
+
+    def read_embeddings(self, number: int) -> np.ndarray:
+        return self.ranges.read_embeddings(number)
 
     def check_unchanged(self) -> None:
         """Read the index manifest again: an error if it is no longer the one the job was built

@@ -11,7 +11,7 @@ import apache_beam as beam
 import numpy as np
 
 from pipeline.chunks.beam import ChunkDocuments
-from pipeline.chunks.chunk_files import CHUNK_ROW_GROUP_ROWS
+from pipeline.chunks.chunk_files import CHUNK_ROW_GROUP_ROWS, EMBEDDINGS_DIR
 from pipeline.chunks.chunking import Chunk
 from pipeline.common import fileio
 from pipeline.common.models import (
@@ -145,9 +145,9 @@ def chunk_and_embed(
     embeddings, precision = chunks | "EmbedChunks" >> EmbedChunks(cfg.embedding, tok.path, threads)
     embeddings = embeddings | "EmbedProgress" >> ReportProgress("embed", "chunks")
     embedding_files = embeddings | "WriteEmbeddings" >> WriteGroupedFiles(
-        fileio.join(staging, "embeddings"),
+        fileio.join(staging, EMBEDDINGS_DIR),
         staging,
-        "embeddings",
+        EMBEDDINGS_DIR,
         "parquet",
         key=lambda e: e[0] + shift,
         rows_per_file=cfg.chunk_file_rows,

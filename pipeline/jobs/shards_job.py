@@ -11,7 +11,13 @@ import apache_beam as beam
 from apache_beam.io.parquetio import ReadFromParquetBatched
 
 from pipeline.chunks.beam import ChunkDocuments
-from pipeline.chunks.chunk_files import TRAINING_COLUMNS, CommittedChunkFiles, TrainingChunks, chunk_arrays
+from pipeline.chunks.chunk_files import (
+    EMBEDDINGS_DIR,
+    TRAINING_COLUMNS,
+    CommittedChunkFiles,
+    TrainingChunks,
+    chunk_arrays,
+)
 from pipeline.chunks.chunking import Chunk
 from pipeline.common import fileio
 from pipeline.common.progress import ReportProgress
@@ -35,7 +41,6 @@ from pipeline.jobs.options import encoder_threads
 from pipeline.retrieve.beam import (
     DocumentSpans,
     PackSequences,
-    ReadQueryBlocks,
     RetrieveNeighbours,
     SpansOfTrainingChunks,
 )
@@ -180,7 +185,7 @@ def _build_shards(
     )
     deleted = index.deleted() if index is not None else DeletedRanges.none()
     database_chunks = fileio.join(idx, "chunks", "*.parquet")
-    database_embeddings = fileio.join(idx, "embeddings", "*.parquet")
+    database_embeddings = fileio.join(idx, EMBEDDINGS_DIR, "*.parquet")
     if cfg.training_corpus == "same":
         # a deleted document's chunks are in no sequence: the sequences they would be in are not made
         training_chunks = (
@@ -189,8 +194,8 @@ def _build_shards(
             >> ReadFromParquetBatched(database_chunks, columns=list(TRAINING_COLUMNS), validate=not dry_run)
             | "TrainingChunks" >> beam.Map(TrainingChunks.of, deleted)
         )
-        queries = pipeline | "ReadEmbeddings" >> ReadQueryBlocks(database_embeddings, deleted, validate=not dry_run)
         spans = training_chunks | "DocumentSpans" >> SpansOfTrainingChunks()
+        queries = None  # the search reads them from the database's embedding files
         # nothing is read that could be rejected, nothing is embedded: no steps for them
         rejected, precision, read_tallies = None, None, ()
     else:
@@ -238,9 +243,8 @@ def _build_shards(
         routing,
         deleted if len(deleted) else None,
     )
-    retrieved = (sequences, queries, spans) | "RetrieveNeighbours" >> RetrieveNeighbours(
-        spec, cfg.index.min_ram, validate=not dry_run
-    )
+    inputs = (sequences, spans) if queries is None else (sequences, queries, spans)
+    retrieved = inputs | "RetrieveNeighbours" >> RetrieveNeighbours(spec, cfg.index.min_ram, validate=not dry_run)
     rows = retrieved.rows | "ShardProgress" >> ReportProgress("retrieve", "sequences", lambda batch: len(batch.rows))
     shard_files = rows | "WriteShards" >> WriteShards(staging, cfg.rows_per_shard(), tok.pad_id)
     rejected_files = (

@@ -2,8 +2,10 @@
 
 Everything moves through Beam shuffles keyed by ids, in numpy blocks rather than an element per
 chunk or hit: chunk rows are packed into sequences by search batch (64 sequences); a sequence's
-documents meet their chunk-id ranges by document id; sequences meet their query embeddings and
-those ranges by search batch; the search leaves out hits in those ranges, so the k best hits
+documents meet their chunk-id ranges by document id; sequences meet those ranges, and their
+query embeddings, by search batch (where the training chunks are the database's, the batches
+are grouped instead by the embedding file holding them, and each group reads its file once
+where it searches: no embedding is shuffled); the search leaves out hits in those ranges, so the k best hits
 are the neighbours (with `dedupe_neighbours`, the candidates first fetch their tokens from the
 chunk file holding them); the kept neighbours are shuffled by the chunk file that holds them
 and read their tokens in one read of that file; and they meet their sequences by search batch. No
@@ -61,6 +63,7 @@ from pipeline.retrieve.search import (
     search_batch_of,
     select_distinct,
     tune_retrieval_depth,
+    with_file_queries,
 )
 from pipeline.retrieve.sequences import batch_parts, document_spans, pack_batch, widest_span
 from pipeline.shards.rows import RowBatch, SequenceBatch, ShardRow, neighbour_arrays
@@ -140,6 +143,11 @@ class SpansOfTrainingChunks(beam.PTransform):
             | "SpansInBlock" >> beam.FlatMap(lambda b: document_spans(b.chunk_id, b.doc_id))
             | "WidestSpan" >> beam.CombinePerKey(widest_span)
         )
+
+
+def _first_file(chunk_files, batch: int, chunks_per_seq: int) -> int:
+    """The number of the file holding search batch `batch`'s first chunk."""
+    return int(chunk_files.files_of(np.array([batch * SEQUENCES_PER_SEARCH * chunks_per_seq]))[0])
 
 
 def emit_hits(spec: Retrieval, batch: int, seq_ids: list[int], hits: np.ndarray, deeper_seqs, searched_alone: int):
@@ -442,7 +450,9 @@ class Retrieved:
 
 
 class RetrieveNeighbours(beam.PTransform):
-    """(sequences (`PackSequences`' SequenceBatches), query embeddings (`QueryBlock`s), database
+    """(sequences (`PackSequences`' SequenceBatches), query embeddings (`QueryBlock`s; left out
+    where the training chunks are the database's: each search then reads its queries from the
+    database's embedding files, grouped by file, so no embedding is shuffled), database
     document spans) -> `Retrieved`: ShardRows, in a RowBatch per search batch, with
     the k nearest chunks of the database outside each sequence's documents, and the probe
     sample with its exact truth and the search depth tuned on it.
@@ -464,7 +474,8 @@ class RetrieveNeighbours(beam.PTransform):
         self.spec, self.validate = spec, validate
 
     def expand(self, inputs):
-        sequences, embeddings, doc_spans = inputs
+        # (sequences, spans): the training chunks are the database's, their embeddings in its files
+        sequences, embeddings, doc_spans = inputs if len(inputs) == 3 else (inputs[0], None, inputs[1])
         spec = self.spec
         L, files = spec.chunks_per_seq, spec.chunk_files
         by_batch = sequences | "BySearchBatch" >> beam.Map(lambda b: (search_batch_of(b.sequences[0].seq_id), b))
@@ -473,23 +484,39 @@ class RetrieveNeighbours(beam.PTransform):
             | "JoinDocumentSpans" >> beam.CoGroupByKey()
             | "ExcludedRanges" >> beam.FlatMap(_excluded_ranges)
         )
-        joined = {
-            "sequences": by_batch,
-            "embeddings": embeddings | "QueriesBySearchBatch" >> beam.FlatMap(lambda b: b.by_search_batch(L)),
-            "excluded": excluded,
-        } | "JoinQueries" >> beam.CoGroupByKey()
+        if embeddings is None:  # the training chunks are the database's: their rows are in its embedding files
+            by_file = (
+                {"sequences": by_batch, "excluded": excluded}
+                | "JoinRanges" >> beam.CoGroupByKey()
+                | "ByEmbeddingFile" >> beam.Map(lambda keyed: (_first_file(files, keyed[0], L), keyed))
+                | "GroupByEmbeddingFile" >> beam.GroupByKey()
+            )
+
+            def joined_for(step: str):  # each file read where its batches are used: no embedding is shuffled
+                return by_file | f"{step}Queries" >> beam.FlatMap(with_file_queries, files, L)
+
+        else:
+            joined_queries = {
+                "sequences": by_batch,
+                "embeddings": embeddings | "QueriesBySearchBatch" >> beam.FlatMap(lambda b: b.by_search_batch(L)),
+                "excluded": excluded,
+            } | "JoinQueries" >> beam.CoGroupByKey()
+
+            def joined_for(step: str):
+                return joined_queries
+
         if spec.probes:
             probes = (
-                joined
+                joined_for("Probe")
                 | "BatchProbes" >> beam.Map(batch_probes, spec)
                 | "SampleProbes" >> beam.CombineGlobally(SmallestProbes(spec.probes))
             )
         else:
-            probes = joined.pipeline | "NoProbes" >> beam.Create([[]])
+            probes = by_batch.pipeline | "NoProbes" >> beam.Create([[]])
         if spec.probes:
             # read again even when the queries are the database: scanning those would keep every
             # query embedding until the sample exists (a side input from the same read)
-            database = joined.pipeline | "ReadDatabaseEmbeddings" >> ReadQueryBlocks(
+            database = by_batch.pipeline | "ReadDatabaseEmbeddings" >> ReadQueryBlocks(
                 spec.embeddings, spec.deleted, self.validate
             )
             truth = (probes, database) | "ExactTruth" >> ExactTruth(truth_depth(spec.neighbours))
@@ -498,7 +525,7 @@ class RetrieveNeighbours(beam.PTransform):
         depth = probes | "TuneSearchDepth" >> beam.Map(
             lambda sample, truth: tune_retrieval_depth(spec, sample, truth), beam.pvalue.AsSingleton(truth)
         )
-        searched = joined | "Search" >> _SearchIndex(spec, depth)
+        searched = joined_for("Search") | "Search" >> _SearchIndex(spec, depth)
         tallies = [searched.tallies]
         if spec.dedupe:
             picked = (

@@ -238,6 +238,43 @@ class QueryBlock:
             yield batch, QueryBlock(self.chunk_ids[rows], self.vectors[rows])
 
 
+class FileQueries:
+    """Query embeddings where the training chunks are the database's: a block of chunk ids'
+    rows read from the embedding files (`read_embeddings`), the last file read kept, so a
+    process holds one file's embeddings at a time (two for a block across a file's edge)."""
+
+    def __init__(self, chunk_files):
+        self.chunk_files, self.number, self.vectors = chunk_files, -1, np.zeros((0, 0), np.float32)
+
+    def block(self, chunk_ids: np.ndarray) -> QueryBlock:
+        if len(chunk_ids) and not 0 <= chunk_ids.min() <= chunk_ids.max() < self.chunk_files.num_chunks:
+            raise ValueError(
+                f"training chunk ids {chunk_ids.min()}..{chunk_ids.max()} are not all in the chunk database "
+                f"({self.chunk_files.num_chunks} chunks): training chunks and embedding files disagree"
+            )
+        vectors = np.zeros((0, 0), np.float32)
+        for number, at in groups(self.chunk_files.files_of(chunk_ids)):
+            if number != self.number:
+                self.vectors, self.number = np.zeros((0, 0), np.float32), -1  # one file held at a time
+                self.vectors, self.number = self.chunk_files.read_embeddings(number), number
+            if not vectors.size:
+                vectors = np.empty((len(chunk_ids), self.vectors.shape[1]), np.float32)
+            vectors[at] = self.vectors[chunk_ids[at] - self.chunk_files.starts[number]]
+        return QueryBlock(chunk_ids, vectors)
+
+
+def with_file_queries(keyed, chunk_files, chunks_per_seq: int):
+    """(embedding file, the joined search batches whose first chunk it holds) -> each batch,
+    in batch order, as a join with its query embeddings gives it: its sequences' chunks' rows
+    read from the embedding files (`FileQueries`: one read per file, not one per batch)."""
+    _, batches = keyed
+    queries = FileQueries(chunk_files)
+    for batch, grouped in sorted(batches, key=lambda keyed_batch: keyed_batch[0]):
+        seq_ids = np.array(sorted(s.seq_id for s in SequenceBatch.merged(grouped["sequences"])), np.int64)
+        chunk_ids = (seq_ids[:, None] * chunks_per_seq + np.arange(chunks_per_seq)).ravel()
+        yield batch, {**grouped, "embeddings": [queries.block(chunk_ids)]}
+
+
 def batch_queries(grouped, L: int):
     """A joined search batch -> per sequence (seq id order): (sequence, its queries [L, d], its
     documents' chunk-id ranges, merged). A sequence whose documents did not all answer (a

@@ -25,6 +25,7 @@ from pipeline.retrieve.routed import BatchQueries, RoutedBatch, SliceFound, Slic
 from pipeline.retrieve.search import (
     CANDIDATE,
     SEQUENCES_PER_SEARCH,
+    FileQueries,
     QueryBlock,
     Retrieval,
     batch_queries,
@@ -173,15 +174,20 @@ def _database():
     return chunks, vectors
 
 
-def retrieve(p, chunks, vectors, index_path, chunk_files, dedupe=False, candidates=8):
-    """RetrieveNeighbours as build-shards wires it: document spans read from the chunk files."""
+def retrieve(p, chunks, vectors, index_path, chunk_files, dedupe=False, candidates=8, queries_from_files=False):
+    """RetrieveNeighbours as build-shards wires it: document spans read from the chunk files;
+    the queries given as blocks (a separate training corpus) or, `queries_from_files`, read
+    by the search from the embedding files (the training chunks are the database's)."""
     sequences = p | "Chunks" >> beam.Create([TrainingChunks.of_chunks(chunks)]) | PackSequences(L, PAD)
-    queries = (
-        p | "Queries" >> beam.Create([[(i, vectors[i])] for i in range(len(chunks))]) | beam.Map(QueryBlock.of_rows)
-    )
     spans = p | DocumentSpans(f"{chunk_files.directory}/chunks/*.parquet")
     spec = Retrieval(index_path, None, chunk_files, L, M, K, candidates, PAD, dedupe)
-    batches = ((sequences, queries, spans) | RetrieveNeighbours(spec)).rows
+    if queries_from_files:
+        batches = ((sequences, spans) | RetrieveNeighbours(spec)).rows
+    else:
+        queries = (
+            p | "Queries" >> beam.Create([[(i, vectors[i])] for i in range(len(chunks))]) | beam.Map(QueryBlock.of_rows)
+        )
+        batches = ((sequences, queries, spans) | RetrieveNeighbours(spec)).rows
     return batches | "EachRow" >> beam.FlatMap(lambda batch: batch.rows)
 
 
@@ -271,6 +277,48 @@ def test_a_search_batch_with_only_leftover_chunks_is_skipped(tmp_path):
         assert_that(rows | beam.Map(lambda r: r.seq_id), equal_to(list(range(SEQUENCES_PER_SEARCH))))
 
 
+@pytest.mark.unit
+def test_file_queries_read_rows_across_file_edges_and_refuse_files_that_disagree(tmp_path):
+    chunks, vectors = _database()
+    chunk_files = write_chunk_files(tmp_path / "index", chunks, vectors=vectors)  # 5 rows a file
+    queries = FileQueries(chunk_files)
+    ids = np.array([3, 4, 5, 6, 11])  # three files
+    block = queries.block(ids)
+    assert block.chunk_ids.tolist() == ids.tolist() and np.array_equal(block.vectors, vectors[ids])
+    with pytest.raises(ValueError, match="12 chunks"):
+        queries.block(np.array([11, 12]))
+    other = write_chunk_files(tmp_path / "other", chunks[:5] + chunks[6:], vectors=vectors)  # file 1 off by one
+    with pytest.raises(ValueError, match="does not hold the chunk ids 5..9"):
+        FileQueries(other).block(np.array([5]))
+
+
+@pytest.mark.beam
+def test_the_search_reading_queries_from_the_embedding_files_finds_what_it_finds_given_them(tmp_path):
+    """300 chunks in files of 7 rows: search batches (128 chunks) start inside files and cross
+    their edges; read from the files, grouped by file, the queries give the same neighbours."""
+    rng = np.random.default_rng(3)
+    chunks = []
+    for doc in range(60):
+        chunks += list(chunk_document(doc, rng.integers(1, 1000, 5 * M).astype(np.int32), len(chunks), M, PAD))
+    vectors = rng.normal(size=(len(chunks), 16)).astype(np.float32)
+    faiss.normalize_L2(vectors)
+    index_path = str(tmp_path / "index.faiss")
+    faiss.write_index(build_index(np.arange(len(chunks), dtype=np.int64), vectors, "Flat"), index_path)
+    chunk_files = write_chunk_files(tmp_path / "index", chunks, rows_per_file=7, vectors=vectors)
+    found = {}
+    for from_files in (False, True):
+        _ROWS.clear()
+        with local_pipeline() as p:
+            rows = retrieve(p, chunks, vectors, index_path, chunk_files, queries_from_files=from_files)
+            _ = rows | beam.Map(lambda row: [row]) | beam.FlatMap(_collect)
+        found[from_files] = {row.seq_id: row for row in _ROWS}
+    assert sorted(found[True]) == sorted(found[False]) == list(range(len(chunks) // L))
+    assert len(found[True]) > 2 * SEQUENCES_PER_SEARCH  # several search batches
+    for seq_id, row in found[True].items():
+        assert np.array_equal(row.neighbour_ids, found[False][seq_id].neighbour_ids)
+        assert np.array_equal(row.neighbours, found[False][seq_id].neighbours)
+
+
 @pytest.mark.beam
 @pytest.mark.parametrize(
     "what, lost, message",
@@ -358,8 +406,8 @@ def test_a_routed_round_sends_short_queries_deeper_until_every_list():
 _ROWS: list = []  # rows the in-process runner made, collected in place (`_collect` travels by name)
 
 
-def _collect(batch) -> None:
-    _ROWS.extend(batch.rows)
+def _collect(rows) -> None:
+    _ROWS.extend(rows)
 
 
 @pytest.mark.beam
@@ -390,7 +438,8 @@ def test_routed_search_over_list_slices_finds_one_indexs_neighbours_and_sends_no
             sequences = p | "Chunks" >> beam.Create([TrainingChunks.of_chunks(chunks)]) | PackSequences(L, PAD)
             queries = p | "Queries" >> beam.Create([QueryBlock(np.arange(len(chunks)), vectors)])
             spans = p | DocumentSpans(f"{chunk_files.directory}/chunks/*.parquet")
-            _ = ((sequences, queries, spans) | RetrieveNeighbours(spec)).rows | beam.FlatMap(_collect)
+            batches = ((sequences, queries, spans) | RetrieveNeighbours(spec)).rows
+            _ = batches | beam.Map(lambda batch: batch.rows) | beam.FlatMap(_collect)
         return {row.seq_id: row.neighbour_ids.tolist() for row in _ROWS}
 
     want = neighbours_of(Retrieval(one, 1, chunk_files, L, M, K, 8, PAD))
