@@ -67,7 +67,8 @@ class _FilePart:
 
 
 class WriteGroupedFiles(beam.PTransform):
-    """Rows (or batches of them, `rows_of(batch)` their rows) -> files `<directory>/<prefix>-NNNNN.<ext>`, file
+    """Rows (or batches of them, `rows_of(batch)` their rows; `grouped`: each batch all of one
+    file's rows) -> files `<directory>/<prefix>-NNNNN.<ext>`, file
     NNNNN holding the rows with `key(row) // rows_per_file == NNNNN`, sorted by key. Yields
     manifest entries (`entry`, a FileEntry model), with what `facts(rows)` says of the rows
     written added to each (facts from the data, not metrics)."""
@@ -84,9 +85,12 @@ class WriteGroupedFiles(beam.PTransform):
         facts: Callable[[list], dict] | None = None,
         entry: type[FileEntry] = FileEntry,
         rows_of: Callable[[Any], list] | None = None,
+        grouped: bool = False,
     ):
         super().__init__()
-        self.rows_of = rows_of
+        if grouped and rows_of is None:
+            raise ValueError("grouped: each element is one file's rows, a batch `rows_of` reads")
+        self.rows_of, self.grouped = rows_of, grouped
         self.directory, self.relative_to = directory, relative_to
         self.prefix, self.extension = prefix, extension
         self.key, self.rows_per_file, self.to_bytes = key, rows_per_file, to_bytes
@@ -116,6 +120,16 @@ class WriteGroupedFiles(beam.PTransform):
             for number, rows in by_file.items():
                 yield number, _FilePart(rows)
 
+        def one_file(batch):
+            parts = list(parts_by_file(batch))
+            if len(parts) != 1:
+                raise ValueError(
+                    f"a batch of {self.prefix} rows for one file holds rows of files {[n for n, _ in parts]}"
+                )
+            return write((parts[0][0], [parts[0][1]]))
+
+        if self.grouped:  # each batch is all of one file's rows: written where it is, not shuffled
+            return rows | "WriteFile" >> beam.Map(one_file)
         keyed = (
             rows | "KeyByFile" >> beam.FlatMap(parts_by_file)
             if rows_of is not None

@@ -192,7 +192,13 @@ def shards_dir(cfg: PipelineConfig) -> str:
 
 
 def _sorted_entries(entries: Iterable[Entry]) -> list[Entry]:
-    return sorted(entries, key=lambda e: e.path)
+    """Manifest entries by path; a path written twice (two elements wrote one file: the last
+    write would hide the other's rows) fails the job."""
+    ordered = sorted(entries, key=lambda e: e.path)
+    for before, after in zip(ordered, ordered[1:]):
+        if before.path == after.path:
+            raise RuntimeError(f"{after.path} was written twice: nothing is committed")
+    return ordered
 
 
 def describe(pipeline: beam.Pipeline) -> dict:

@@ -145,6 +145,16 @@ def stage_memory(cfg: PipelineConfig, corpus: Corpus, dim: int = 384) -> list[di
             {
                 f"{held}, one copy per process": held_bytes,
                 f"{SEARCH_BATCH:,} queries and candidates": SEARCH_BATCH * (dim * 4 + 64 * 12),
+                # over its own chunks, the search reads its queries' embeddings file (`FileQueries`)
+                **(
+                    {
+                        f"the queries' file: {rows:,} embeddings and their Parquet bytes": rows
+                        * (dim * 4 + ROW_OVERHEAD)
+                        * 2
+                    }
+                    if cfg.training_corpus == "same"
+                    else {}
+                ),
             },
             held_grows,
         ),

@@ -244,7 +244,9 @@ def _build_shards(
         deleted if len(deleted) else None,
     )
     inputs = (sequences, spans) if queries is None else (sequences, queries, spans)
-    retrieved = inputs | "RetrieveNeighbours" >> RetrieveNeighbours(spec, cfg.index.min_ram, validate=not dry_run)
+    retrieved = inputs | "RetrieveNeighbours" >> RetrieveNeighbours(
+        spec, cfg.index.min_ram, validate=not dry_run, shard_rows=cfg.rows_per_shard()
+    )
     rows = retrieved.rows | "ShardProgress" >> ReportProgress("retrieve", "sequences", lambda batch: len(batch.rows))
     shard_files = rows | "WriteShards" >> WriteShards(staging, cfg.rows_per_shard(), tok.pad_id)
     rejected_files = (

@@ -8,7 +8,8 @@ are grouped instead by the embedding file holding them, and each group reads its
 where it searches: no embedding is shuffled); the search leaves out hits in those ranges, so the k best hits
 are the neighbours (with `dedupe_neighbours`, the candidates first fetch their tokens from the
 chunk file holding them); the kept neighbours are shuffled by the chunk file that holds them
-and read their tokens in one read of that file; and they meet their sequences by search batch. No
+and read their tokens in one read of that file; and they meet their sequences by shard, where
+the shard's rows are assembled and then written without a shuffle. No
 process holds the chunk database, and nothing shuffles it: what moves grows with the
 training sequences (plus one (doc id, range) per database document), not with the chunks.
 """
@@ -360,8 +361,16 @@ def _select_distinct(keyed, spec: Retrieval):
     yield from by_chunk_file(spec, picks)
 
 
+def _in_shards(keyed, shard_rows: int):
+    """(search batch, its SequenceBatch, a NeighbourBlock or its SentCounts) -> (shard, the
+    part its sequences there own) per shard it touches: the last join meets by shard, so a
+    shard's rows are assembled where they are written, and never shuffled."""
+    _, value = keyed
+    yield from value.in_shards(shard_rows)
+
+
 def _to_rows(keyed, chunks_per_seq: int, k: int, m: int, pad_id: int):
-    """(search batch, its sequences, neighbour blocks and SentCounts) -> its RowBatch."""
+    """(shard, its sequences, neighbour blocks and SentCounts) -> its RowBatch."""
     _, grouped = keyed
     sequences = SequenceBatch.merged(grouped["sequences"])
     blocks = list(grouped["picks"])
@@ -442,7 +451,7 @@ def _nothing_left(element):
 class Retrieved:
     """What `RetrieveNeighbours` gives: PCollections of the rows and of what checks them."""
 
-    rows: beam.PCollection  # a RowBatch per search batch
+    rows: beam.PCollection  # a RowBatch per shard (`shard_rows` sequences)
     probes: beam.PCollection  # one sorted list of Probes: the training chunks sampled
     truth: beam.PCollection  # one (scores, ids) [probes, truth_depth]: their exact neighbours, or None
     search_depth: beam.PCollection  # one SearchDepth: `tune_retrieval_depth`'s result
@@ -453,7 +462,7 @@ class RetrieveNeighbours(beam.PTransform):
     """(sequences (`PackSequences`' SequenceBatches), query embeddings (`QueryBlock`s; left out
     where the training chunks are the database's: each search then reads its queries from the
     database's embedding files, grouped by file, so no embedding is shuffled), database
-    document spans) -> `Retrieved`: ShardRows, in a RowBatch per search batch, with
+    document spans) -> `Retrieved`: ShardRows, in a RowBatch per shard of `shard_rows` sequences, with
     the k nearest chunks of the database outside each sequence's documents, and the probe
     sample with its exact truth and the search depth tuned on it.
 
@@ -465,13 +474,15 @@ class RetrieveNeighbours(beam.PTransform):
     (or, deduplicating, the candidates) travel on.
     """
 
-    def __init__(self, spec: Retrieval, min_ram: str | None = None, validate: bool = True):
+    def __init__(
+        self, spec: Retrieval, min_ram: str | None = None, validate: bool = True, shard_rows: int = SEQUENCES_PER_SEARCH
+    ):
         super().__init__()
         if min_ram:  # every worker holds the index
             self.with_resource_hints(min_ram=min_ram)
         if spec.probes and not spec.embeddings:
             raise ValueError("Retrieval.probes needs Retrieval.embeddings: the files their exact search reads")
-        self.spec, self.validate = spec, validate
+        self.spec, self.validate, self.shard_rows = spec, validate, shard_rows
 
     def expand(self, inputs):
         # (sequences, spans): the training chunks are the database's, their embeddings in its files
@@ -550,7 +561,11 @@ class RetrieveNeighbours(beam.PTransform):
             | "NeighbourTokens" >> beam.ParDo(_NeighbourTokens(files))
         )
         rows = (
-            {"sequences": by_batch, "picks": neighbours, "sent": sent}
+            {
+                "sequences": by_batch | "SequencesByShard" >> beam.FlatMap(_in_shards, self.shard_rows),
+                "picks": neighbours | "NeighboursByShard" >> beam.FlatMap(_in_shards, self.shard_rows),
+                "sent": sent | "CountsByShard" >> beam.FlatMap(_in_shards, self.shard_rows),
+            }
             | "JoinNeighbours" >> beam.CoGroupByKey()
             | "AssembleRows" >> beam.FlatMap(_to_rows, L, spec.neighbours, spec.chunk_tokens, spec.pad_id)
         )

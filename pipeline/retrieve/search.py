@@ -91,6 +91,11 @@ class SentCounts:
         ids = np.asarray(seq_ids, np.int64)
         return cls(ids, received_by(ids, rows))
 
+    def in_shards(self, shard_rows: int):
+        """-> (shard, the counts of its sequences) per shard these fall in."""
+        for shard, at in groups(self.seq_ids // shard_rows):
+            yield shard, SentCounts(self.seq_ids[at], self.counts[at])
+
 
 def received_by(seq_ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """How many of `rows` (CANDIDATE or PICK) belong to each of `seq_ids` (sorted)."""
@@ -104,6 +109,11 @@ class NeighbourBlock:
 
     picks: np.ndarray  # PICK [n]
     values: np.ndarray  # int32 [n, 2m]: each chunk's tokens + its continuation
+
+    def in_shards(self, shard_rows: int):
+        """-> (shard, the block of its sequences' neighbours) per shard these fall in."""
+        for shard, at in groups(self.picks["seq_id"] // shard_rows):
+            yield shard, NeighbourBlock(self.picks[at], self.values[at])
 
 
 def token_key(tokens: np.ndarray) -> int:

@@ -43,10 +43,20 @@ class SequenceBatch:
         """The sequences of these SequenceBatches (a shuffle's group of them), in seq id order."""
         return sorted((s for batch in batches for s in batch.sequences), key=lambda s: s.seq_id)
 
+    def in_shards(self, shard_rows: int):
+        """-> (shard, the SequenceBatch of its sequences here) per shard these fall in
+        (shard s holds seq ids s·shard_rows …)."""
+        shards: dict[int, list[Sequence]] = {}
+        for s in self.sequences:
+            shards.setdefault(s.seq_id // shard_rows, []).append(s)
+        for shard, sequences in shards.items():
+            yield shard, SequenceBatch(sequences)
+
 
 @dataclass(frozen=True)
 class RowBatch:
-    """One search batch's shard rows, in seq id order, as one element (see SequenceBatch)."""
+    """Shard rows in seq id order, as one element (see SequenceBatch): one shard's rows, as
+    `RetrieveNeighbours` assembles them."""
 
     rows: list[ShardRow]
 

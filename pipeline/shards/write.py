@@ -25,8 +25,10 @@ def rows_to_ipc(rows: list[ShardRow], pad_id: int) -> bytes:
 
 
 class WriteShards(beam.PTransform):
-    """RowBatches -> `shard-NNNNN.arrow`, shard NNNNN holding seq ids NNNNN·rows …
-    (sorted)."""
+    """RowBatches, each all of one shard's rows (`RetrieveNeighbours` with the same
+    `shard_rows`), -> `shard-NNNNN.arrow`, shard NNNNN holding seq ids NNNNN·rows … (sorted),
+    written where they are: the rows cross no shuffle. A batch holding rows of two shards is
+    an error."""
 
     def __init__(self, directory: str, shard_rows: int, pad_id: int):
         super().__init__()
@@ -45,4 +47,5 @@ class WriteShards(beam.PTransform):
             facts=lambda rs: {"neighbour_slots_filled": sum(int((r.neighbour_ids >= 0).sum()) for r in rs)},
             entry=ShardEntry,
             rows_of=lambda batch: batch.rows,
+            grouped=True,
         )

@@ -1,8 +1,8 @@
-"""What every job shares (`pipeline.jobs.job`): the stage timings its manifest records."""
+"""What every job shares (`pipeline.jobs.job`): the stage timings its manifest records, its entries."""
 
 import pytest
 
-from pipeline.jobs.job import stage_timings
+from pipeline.jobs.job import _sorted_entries, stage_timings
 
 pytestmark = pytest.mark.unit
 
@@ -18,3 +18,14 @@ def test_stage_timings_are_the_wall_time_between_the_two_clocks():
         "records_per_second": 4.0,
     }
     assert stage_timings("build-shards", 1_000.0, 999.0, {"sequences": 50}, "sequences")["records_per_second"] is None
+
+
+def test_manifest_entries_come_sorted_by_path_and_a_path_written_twice_fails():
+    from schemas.manifest import FileEntry
+
+    def entry(path, rows):
+        return FileEntry(path=path, rows=rows, bytes=0, sha256="")
+
+    assert [e.path for e in _sorted_entries([entry("b", 1), entry("a", 2)])] == ["a", "b"]
+    with pytest.raises(RuntimeError, match="a was written twice"):
+        _sorted_entries([entry("a", 1), entry("b", 1), entry("a", 2)])

@@ -137,7 +137,7 @@ def test_write_shards_is_sorted_split_by_seq_id_and_counts_filled_slots(tmp_path
     with local_pipeline() as p:
         entries = (
             p
-            | beam.Create([RowBatch(rows[:3]), RowBatch(rows[3:])])
+            | beam.Create([RowBatch(rows[:1]), RowBatch([rows[2], rows[4]]), RowBatch([rows[1], rows[3]])])
             | WriteShards(str(tmp_path), shard_rows=2, pad_id=PAD)
         )
         assert_that(
@@ -147,6 +147,26 @@ def test_write_shards_is_sorted_split_by_seq_id_and_counts_filled_slots(tmp_path
             ),
         )
     table = read_shard_table(pa.memory_map(str(tmp_path / "shard-00001.arrow")))
-    assert table["seq_id"].to_pylist() == [2, 3]
+    assert table["seq_id"].to_pylist() == [2, 3]  # given as 3, 2
     assert shard_column(table, "neighbours").shape == (2, L, K, 2 * M)
     assert table.schema.metadata[b"schema_version"] == str(SCHEMA_VERSION).encode() == b"2"
+
+
+@pytest.mark.beam
+def test_write_shards_refuses_a_batch_holding_rows_of_two_shards(tmp_path):
+    """Each batch is written as one file where it is: one holding rows of two shards would
+    have one of them overwrite the other's file, so it fails the job."""
+    rows = [
+        ShardRow(
+            s,
+            np.zeros(L * M + 1, np.int32),
+            np.zeros((L, K, 2 * M), np.int32),
+            np.zeros((L, K), np.int64),
+            np.zeros((L, K), np.float32),
+            (s,),
+        )
+        for s in (1, 2)
+    ]
+    with pytest.raises(Exception, match=r"holds rows of files \[0, 1\]"):
+        with local_pipeline() as p:
+            _ = p | beam.Create([RowBatch(rows)]) | WriteShards(str(tmp_path), shard_rows=2, pad_id=PAD)
