@@ -97,6 +97,7 @@ def test_chunk_files_rows_bound_the_steps_that_hold_one_file():
         "index: assign one sample file to the first level",
         "index: Lloyd step over one sample file",
         "index: fill one embeddings file",
+        "build-shards: search",  # over its own chunks: the embeddings file its queries come from
         "build-shards: join one chunk file",
     }
 
