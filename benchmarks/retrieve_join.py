@@ -170,7 +170,7 @@ def ours_main(root: str, out: str, query_chunks: int, beam_args: list[str]) -> N
         spans = p | "DocumentSpans" >> DocumentSpans(f"{root}/chunks/*.parquet")
         spec = Retrieval(f"{root}/index.faiss", NPROBE, chunk_files, L, M, K, CANDIDATES, PAD)
         # the queries: read by the search from the embedding files, as build-shards over its own chunks does
-        rows = ((sequences, spans) | "RetrieveNeighbours" >> RetrieveNeighbours(spec, shard_rows=SHARD_ROWS)).rows
+        rows = ((sequences, spans) | "RetrieveNeighbours" >> RetrieveNeighbours(spec, SHARD_ROWS)).rows
         _ = rows | "WriteShards" >> WriteShards(out, SHARD_ROWS, PAD)
     record_rss(out, workers.stop())
 

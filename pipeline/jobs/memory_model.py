@@ -162,7 +162,12 @@ def stage_memory(cfg: PipelineConfig, corpus: Corpus, dim: int = 384) -> list[di
         ("build-shards: join one chunk file", {f"tokens and continuations of {rows:,} chunks": rows * chunk_row}, []),
         (
             "build-shards: write one shard",
-            {f"{cfg.rows_per_shard():,} rows and their Arrow bytes": cfg.rows_per_shard() * shard_row * 2},
+            {
+                # assembled where it is written: the neighbour blocks, the rows, their columns stacked, the bytes
+                f"{cfg.rows_per_shard():,} rows, the blocks they are assembled from, their columns and Arrow bytes": (
+                    cfg.rows_per_shard() * shard_row * 4
+                )
+            },
             [],
         ),
     ]

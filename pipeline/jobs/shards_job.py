@@ -245,7 +245,7 @@ def _build_shards(
     )
     inputs = (sequences, spans) if queries is None else (sequences, queries, spans)
     retrieved = inputs | "RetrieveNeighbours" >> RetrieveNeighbours(
-        spec, cfg.index.min_ram, validate=not dry_run, shard_rows=cfg.rows_per_shard()
+        spec, cfg.rows_per_shard(), cfg.index.min_ram, validate=not dry_run
     )
     rows = retrieved.rows | "ShardProgress" >> ReportProgress("retrieve", "sequences", lambda batch: len(batch.rows))
     shard_files = rows | "WriteShards" >> WriteShards(staging, cfg.rows_per_shard(), tok.pad_id)

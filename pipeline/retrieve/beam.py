@@ -3,15 +3,15 @@
 Everything moves through Beam shuffles keyed by ids, in numpy blocks rather than an element per
 chunk or hit: chunk rows are packed into sequences by search batch (64 sequences); a sequence's
 documents meet their chunk-id ranges by document id; sequences meet those ranges, and their
-query embeddings, by search batch (where the training chunks are the database's, the batches
-are grouped instead by the embedding file holding them, and each group reads its file once
-where it searches: no embedding is shuffled); the search leaves out hits in those ranges, so the k best hits
-are the neighbours (with `dedupe_neighbours`, the candidates first fetch their tokens from the
-chunk file holding them); the kept neighbours are shuffled by the chunk file that holds them
-and read their tokens in one read of that file; and they meet their sequences by shard, where
-the shard's rows are assembled and then written without a shuffle. No
-process holds the chunk database, and nothing shuffles it: what moves grows with the
-training sequences (plus one (doc id, range) per database document), not with the chunks.
+query embeddings, by search batch (where the training chunks are the database's, they meet
+instead by the embedding file holding the batch, and each group reads its file where it
+searches: no query embedding is shuffled to its batch); the search leaves out hits in those
+ranges, so the k best hits are the neighbours (with `dedupe_neighbours`, the candidates first
+fetch their tokens from the chunk file holding them); the kept neighbours are shuffled by the
+chunk file that holds them and read their tokens in one read of that file; and they meet
+their sequences by shard, where the shard's rows are assembled and then written without a
+shuffle. No process holds the chunk database, and nothing shuffles it: what moves grows with
+the training sequences (plus one (doc id, range) per database document), not with the chunks.
 """
 
 from __future__ import annotations
@@ -146,9 +146,11 @@ class SpansOfTrainingChunks(beam.PTransform):
         )
 
 
-def _first_file(chunk_files, batch: int, chunks_per_seq: int) -> int:
-    """The number of the file holding search batch `batch`'s first chunk."""
-    return int(chunk_files.files_of(np.array([batch * SEQUENCES_PER_SEARCH * chunks_per_seq]))[0])
+def _by_first_file(keyed, chunk_files, chunks_per_seq: int):
+    """(search batch, what it holds) -> (the number of the file holding the batch's first
+    chunk, (search batch, what it holds))."""
+    first = keyed[0] * SEQUENCES_PER_SEARCH * chunks_per_seq
+    return int(chunk_files.files_of(np.array([first]))[0]), keyed
 
 
 def emit_hits(spec: Retrieval, batch: int, seq_ids: list[int], hits: np.ndarray, deeper_seqs, searched_alone: int):
@@ -461,7 +463,8 @@ class Retrieved:
 class RetrieveNeighbours(beam.PTransform):
     """(sequences (`PackSequences`' SequenceBatches), query embeddings (`QueryBlock`s; left out
     where the training chunks are the database's: each search then reads its queries from the
-    database's embedding files, grouped by file, so no embedding is shuffled), database
+    database's embedding files, grouped by file, so no query embedding is shuffled to its
+    batch), database
     document spans) -> `Retrieved`: ShardRows, in a RowBatch per shard of `shard_rows` sequences, with
     the k nearest chunks of the database outside each sequence's documents, and the probe
     sample with its exact truth and the search depth tuned on it.
@@ -474,9 +477,7 @@ class RetrieveNeighbours(beam.PTransform):
     (or, deduplicating, the candidates) travel on.
     """
 
-    def __init__(
-        self, spec: Retrieval, min_ram: str | None = None, validate: bool = True, shard_rows: int = SEQUENCES_PER_SEARCH
-    ):
+    def __init__(self, spec: Retrieval, shard_rows: int, min_ram: str | None = None, validate: bool = True):
         super().__init__()
         if min_ram:  # every worker holds the index
             self.with_resource_hints(min_ram=min_ram)
@@ -496,14 +497,12 @@ class RetrieveNeighbours(beam.PTransform):
             | "ExcludedRanges" >> beam.FlatMap(_excluded_ranges)
         )
         if embeddings is None:  # the training chunks are the database's: their rows are in its embedding files
-            by_file = (
-                {"sequences": by_batch, "excluded": excluded}
-                | "JoinRanges" >> beam.CoGroupByKey()
-                | "ByEmbeddingFile" >> beam.Map(lambda keyed: (_first_file(files, keyed[0], L), keyed))
-                | "GroupByEmbeddingFile" >> beam.GroupByKey()
-            )
+            by_file = {
+                "sequences": by_batch | "SequencesByFile" >> beam.Map(_by_first_file, files, L),
+                "excluded": excluded | "RangesByFile" >> beam.Map(_by_first_file, files, L),
+            } | "JoinByEmbeddingFile" >> beam.CoGroupByKey()
 
-            def joined_for(step: str):  # each file read where its batches are used: no embedding is shuffled
+            def joined_for(step: str):  # each file read where its batches are used: no query is shuffled
                 return by_file | f"{step}Queries" >> beam.FlatMap(with_file_queries, files, L)
 
         else:

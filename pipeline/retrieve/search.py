@@ -40,8 +40,8 @@ PROBE_SALT = 3
 
 
 def search_batch_of(seq_id):
-    """The search batch a sequence (or an array of them) belongs to: its queries are searched,
-    and its row assembled, with those of the batch."""
+    """The search batch a sequence (or an array of them) belongs to: its queries are searched
+    with those of the batch (its row is assembled with those of its shard)."""
     return seq_id // SEQUENCES_PER_SEARCH
 
 
@@ -251,7 +251,8 @@ class QueryBlock:
 class FileQueries:
     """Query embeddings where the training chunks are the database's: a block of chunk ids'
     rows read from the embedding files (`read_embeddings`), the last file read kept, so a
-    process holds one file's embeddings at a time (two for a block across a file's edge)."""
+    process holds one file's embeddings at a time (a block across a file's edge reads the
+    next file whole, after letting go of the last)."""
 
     def __init__(self, chunk_files):
         self.chunk_files, self.number, self.vectors = chunk_files, -1, np.zeros((0, 0), np.float32)
@@ -274,15 +275,22 @@ class FileQueries:
 
 
 def with_file_queries(keyed, chunk_files, chunks_per_seq: int):
-    """(embedding file, the joined search batches whose first chunk it holds) -> each batch,
-    in batch order, as a join with its query embeddings gives it: its sequences' chunks' rows
-    read from the embedding files (`FileQueries`: one read per file, not one per batch)."""
-    _, batches = keyed
+    """(embedding file, the (search batch, SequenceBatch) and (search batch, (doc_id, span))
+    of the batches whose first chunk it holds) -> each batch, in batch order, as a join with
+    its query embeddings gives it: its sequences' chunks' rows read from the embedding files
+    (`FileQueries`: a file read once for its batches, plus the next one for a batch across
+    its edge)."""
+    _, grouped = keyed
+    batches: dict[int, dict[str, list]] = {}
+    for name in ("sequences", "excluded"):
+        for batch, value in grouped[name]:
+            batches.setdefault(batch, {"sequences": [], "excluded": []})[name].append(value)
     queries = FileQueries(chunk_files)
-    for batch, grouped in sorted(batches, key=lambda keyed_batch: keyed_batch[0]):
-        seq_ids = np.array(sorted(s.seq_id for s in SequenceBatch.merged(grouped["sequences"])), np.int64)
+    for batch in sorted(batches):
+        joined = batches.pop(batch)
+        seq_ids = np.array(sorted(s.seq_id for s in SequenceBatch.merged(joined["sequences"])), np.int64)
         chunk_ids = (seq_ids[:, None] * chunks_per_seq + np.arange(chunks_per_seq)).ravel()
-        yield batch, {**grouped, "embeddings": [queries.block(chunk_ids)]}
+        yield batch, {**joined, "embeddings": [queries.block(chunk_ids)]}
 
 
 def batch_queries(grouped, L: int):

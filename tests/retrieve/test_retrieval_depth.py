@@ -87,7 +87,7 @@ def _retrieve(tmp_path, corpus, policy: str, slices: int, check_depth, check_rec
         sequences = p | "Chunks" >> beam.Create([TrainingChunks.of_chunks(chunks)]) | PackSequences(L, PAD)
         queries = p | "Queries" >> beam.Create([QueryBlock(ids, vectors[ids])])
         spans_read = p | DocumentSpans(str(tmp_path / "index" / "chunks" / "*.parquet"))
-        retrieved = (sequences, queries, spans_read) | RetrieveNeighbours(spec)
+        retrieved = (sequences, queries, spans_read) | RetrieveNeighbours(spec, shard_rows=16)
         recall = (retrieved.probes, retrieved.truth, retrieved.rows) | MeasureNeighbourRecall(K)
         assert_that(retrieved.search_depth, check_depth, label="CheckDepth")
         assert_that(recall, check_recall, label="CheckRecall")
@@ -139,4 +139,4 @@ def test_recall_below_target_warn_keeps_the_index_depth_and_fail_names_the_depth
 @pytest.mark.unit
 def test_a_probe_sample_without_embedding_files_is_refused():
     with pytest.raises(ValueError, match="probes needs Retrieval.embeddings"):
-        RetrieveNeighbours(Retrieval("index.faiss", 1, None, L, M, K, K, PAD, probes=10))
+        RetrieveNeighbours(Retrieval("index.faiss", 1, None, L, M, K, K, PAD, probes=10), shard_rows=16)

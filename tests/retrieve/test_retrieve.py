@@ -174,21 +174,33 @@ def _database():
     return chunks, vectors
 
 
-def retrieve(p, chunks, vectors, index_path, chunk_files, dedupe=False, candidates=8, queries_from_files=False):
+def retrieve(
+    p,
+    chunks,
+    vectors,
+    index_path,
+    chunk_files,
+    dedupe=False,
+    candidates=8,
+    queries_from_files=False,
+    shard_rows=SEQUENCES_PER_SEARCH,
+    each_row=True,
+):
     """RetrieveNeighbours as build-shards wires it: document spans read from the chunk files;
     the queries given as blocks (a separate training corpus) or, `queries_from_files`, read
-    by the search from the embedding files (the training chunks are the database's)."""
+    by the search from the embedding files (the training chunks are the database's). -> its
+    rows (`each_row`) or its RowBatches."""
     sequences = p | "Chunks" >> beam.Create([TrainingChunks.of_chunks(chunks)]) | PackSequences(L, PAD)
     spans = p | DocumentSpans(f"{chunk_files.directory}/chunks/*.parquet")
     spec = Retrieval(index_path, None, chunk_files, L, M, K, candidates, PAD, dedupe)
     if queries_from_files:
-        batches = ((sequences, spans) | RetrieveNeighbours(spec)).rows
+        batches = ((sequences, spans) | RetrieveNeighbours(spec, shard_rows)).rows
     else:
         queries = (
             p | "Queries" >> beam.Create([[(i, vectors[i])] for i in range(len(chunks))]) | beam.Map(QueryBlock.of_rows)
         )
-        batches = ((sequences, queries, spans) | RetrieveNeighbours(spec)).rows
-    return batches | "EachRow" >> beam.FlatMap(lambda batch: batch.rows)
+        batches = ((sequences, queries, spans) | RetrieveNeighbours(spec, shard_rows)).rows
+    return batches | "EachRow" >> beam.FlatMap(lambda batch: batch.rows) if each_row else batches
 
 
 @pytest.mark.beam
@@ -293,9 +305,12 @@ def test_file_queries_read_rows_across_file_edges_and_refuse_files_that_disagree
 
 
 @pytest.mark.beam
-def test_the_search_reading_queries_from_the_embedding_files_finds_what_it_finds_given_them(tmp_path):
+@pytest.mark.parametrize("shard_rows", [SEQUENCES_PER_SEARCH, 100])
+def test_the_search_reading_queries_from_the_embedding_files_finds_what_it_finds_given_them(tmp_path, shard_rows):
     """300 chunks in files of 7 rows: search batches (128 chunks) start inside files and cross
-    their edges; read from the files, grouped by file, the queries give the same neighbours."""
+    their edges; read from the files, grouped by file, the queries give the same neighbours.
+    The rows come a shard at a time, also where shards (of 100) and search batches (of 64)
+    cross."""
     rng = np.random.default_rng(3)
     chunks = []
     for doc in range(60):
@@ -305,15 +320,30 @@ def test_the_search_reading_queries_from_the_embedding_files_finds_what_it_finds
     index_path = str(tmp_path / "index.faiss")
     faiss.write_index(build_index(np.arange(len(chunks), dtype=np.int64), vectors, "Flat"), index_path)
     chunk_files = write_chunk_files(tmp_path / "index", chunks, rows_per_file=7, vectors=vectors)
-    found = {}
+    found, shards = {}, {}
     for from_files in (False, True):
         _ROWS.clear()
         with local_pipeline() as p:
-            rows = retrieve(p, chunks, vectors, index_path, chunk_files, queries_from_files=from_files)
-            _ = rows | beam.Map(lambda row: [row]) | beam.FlatMap(_collect)
-        found[from_files] = {row.seq_id: row for row in _ROWS}
-    assert sorted(found[True]) == sorted(found[False]) == list(range(len(chunks) // L))
-    assert len(found[True]) > 2 * SEQUENCES_PER_SEARCH  # several search batches
+            batches = retrieve(
+                p,
+                chunks,
+                vectors,
+                index_path,
+                chunk_files,
+                queries_from_files=from_files,
+                shard_rows=shard_rows,
+                each_row=False,
+            )
+            shard_ids = batches | "ShardIds" >> beam.Map(lambda batch: [[row.seq_id for row in batch.rows]])
+            _ = shard_ids | "CollectShardIds" >> beam.FlatMap(_collect)
+            _ = batches | beam.Map(lambda batch: batch.rows) | "CollectRows" >> beam.FlatMap(_collect)
+        found[from_files] = {row.seq_id: row for row in _ROWS if not isinstance(row, list)}
+        shards[from_files] = sorted(sorted(ids) for ids in _ROWS if isinstance(ids, list))
+    sequences = len(chunks) // L
+    assert sorted(found[True]) == sorted(found[False]) == list(range(sequences))
+    assert sequences > 2 * SEQUENCES_PER_SEARCH  # several search batches
+    by_shard = [list(range(begin, min(begin + shard_rows, sequences))) for begin in range(0, sequences, shard_rows)]
+    assert shards[True] == shards[False] == by_shard  # one RowBatch per shard, all of its rows
     for seq_id, row in found[True].items():
         assert np.array_equal(row.neighbour_ids, found[False][seq_id].neighbour_ids)
         assert np.array_equal(row.neighbours, found[False][seq_id].neighbours)
@@ -438,7 +468,7 @@ def test_routed_search_over_list_slices_finds_one_indexs_neighbours_and_sends_no
             sequences = p | "Chunks" >> beam.Create([TrainingChunks.of_chunks(chunks)]) | PackSequences(L, PAD)
             queries = p | "Queries" >> beam.Create([QueryBlock(np.arange(len(chunks)), vectors)])
             spans = p | DocumentSpans(f"{chunk_files.directory}/chunks/*.parquet")
-            batches = ((sequences, queries, spans) | RetrieveNeighbours(spec)).rows
+            batches = ((sequences, queries, spans) | RetrieveNeighbours(spec, SEQUENCES_PER_SEARCH)).rows
             _ = batches | beam.Map(lambda batch: batch.rows) | beam.FlatMap(_collect)
         return {row.seq_id: row.neighbour_ids.tolist() for row in _ROWS}
 
