@@ -258,11 +258,8 @@ class FileQueries:
         self.chunk_files, self.number, self.vectors = chunk_files, -1, np.zeros((0, 0), np.float32)
 
     def block(self, chunk_ids: np.ndarray) -> QueryBlock:
-        if len(chunk_ids) and not 0 <= chunk_ids.min() <= chunk_ids.max() < self.chunk_files.num_chunks:
-            raise ValueError(
-                f"training chunk ids {chunk_ids.min()}..{chunk_ids.max()} are not all in the chunk database "
-                f"({self.chunk_files.num_chunks} chunks): training chunks and embedding files disagree"
-            )
+        for end in (chunk_ids.min(), chunk_ids.max()) if len(chunk_ids) else ():
+            self.chunk_files.file_of(int(end))  # an error naming an id the database does not hold
         vectors = np.zeros((0, 0), np.float32)
         for number, at in groups(self.chunk_files.files_of(chunk_ids)):
             if number != self.number:
