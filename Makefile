@@ -33,12 +33,17 @@ quickstart: install
 # the real encoder); slow (over ~30 s) comes on top. Select with -m, e.g.
 # PYTEST_ARGS='-m "beam and not slow"'.
 # PYTEST_ARGS="--embedding-precision float32|bfloat16": the encoder path this CPU would not choose.
+# The tests run in TEST_WORKERS pytest processes (pytest-xdist), a test file to a process, so a
+# module's fixtures are built once (the session's built output once per process): run one at a
+# time, most tests keep one of two cores busy. TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 test: install
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
 # Everything but the tests marked slow (each over ~30 s); `make test` (and CI) runs them all.
 test-fast: install
-	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) -m "not slow" $(PYTEST_ARGS)
 
 # The unit tests only: under a minute on 2 cores, for the edit-test loop.
 test-unit: install

@@ -26,6 +26,7 @@ from tests.helpers import (
     rewrite_shard,
     sample_documents,
     shard_rows,
+    small_config,
     suite_precision,
     tie_tolerance,
     write_jsonl,
@@ -343,25 +344,23 @@ def test_bfloat16_and_float32_give_the_same_neighbours_and_the_manifest_says_whi
 
 @pytest.mark.own_process
 @pytest.mark.slow
-def test_the_openvino_setting_gives_the_neighbours_of_torch_float32(built_output, tmp_path):
+def test_the_openvino_setting_gives_the_neighbours_of_torch_float32(tmp_path):
     """The CPU setting docs/performance.md recommends (backend openvino, precision auto:
     bfloat16 where the CPU has it) against torch float32, each a whole run: the build's check
     passes and records the setting, >= 95% of neighbour slots hold the same chunk, and the
-    Retriever, embedding with the same backend, finds the neighbours the build wrote."""
-    root, config, _ = built_output
+    Retriever, embedding with the same backend, finds the neighbours the build wrote. Its own
+    corpus, not the session's built output: this process would build that only for this test."""
+    write_jsonl(tmp_path / "corpus" / "docs.jsonl", sample_documents(16))
 
     def run(name, **embedding):
-        out = tmp_path / name
-        run_all(config_from_dict({**config, "output": str(out), "embedding": {**config["embedding"], **embedding}}), [])
-        return out
+        config = small_config(tmp_path / name, str(tmp_path / "corpus" / "*.jsonl"))
+        run_all(config_from_dict({**config, "embedding": {**config["embedding"], **embedding}}), [])
+        return tmp_path / name
 
     def neighbour_ids(o):
         return np.concatenate([shard_column(t, "neighbour_ids").ravel() for _, t in _shard_tables(o / "shards")])
 
-    built = json.loads((root / "out" / "index" / "manifest.json").read_text())
-    reference = (
-        root / "out" if built["embedding_precision"]["precision"] == "float32" else run("torch", precision="float32")
-    )
+    reference = run("torch", precision="float32")
     chosen = run("openvino", backend="openvino", precision="auto")
     check = json.loads((chosen / "index" / "manifest.json").read_text())["embedding_precision"]
     assert (check["backend"], check["quantize"]) == ("openvino", "none")
@@ -370,7 +369,8 @@ def test_the_openvino_setting_gives_the_neighbours_of_torch_float32(built_output
     # the retriever embeds its queries with the backend the index was built with
     retriever = Retriever.open(str(chosen / "index"))
     assert (retriever.embedding.backend, retriever.embedding.precision) == ("openvino", check["precision"])
-    tie, n = tie_tolerance(check["precision"]), config["sequence_tokens"]
+    shards = ShardsManifest.model_validate_json((chosen / "shards" / "manifest.json").read_text())
+    tie, n = tie_tolerance(check["precision"]), shards.sequence_tokens
     equal = slots = 0
     for tokens, doc_ids, _, ids, scores in shard_rows(chosen / "shards"):
         found = retriever.retrieve(tokens[:n], exclude_documents=doc_ids)
