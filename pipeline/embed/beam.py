@@ -21,7 +21,7 @@ from apache_beam.ml.inference.base import ModelHandler, RunInference
 from pipeline.chunks.chunking import load_tokenizer
 from pipeline.corpus.records import METRICS_NAMESPACE
 from pipeline.embed.backends import CALIBRATION_CHUNKS, CALIBRATION_SALT, embed_texts, load_embedder, needs_calibration
-from pipeline.embed.encoder import chunk_texts
+from pipeline.embed.encoder import EmbeddedChunks, chunk_texts
 from pipeline.embed.precision import PRECISION_SALT, check_precision
 from schemas.config import EmbeddingConfig
 
@@ -49,9 +49,10 @@ class SentenceEncoderHandler(ModelHandler):
     def load_model(self):
         return load_embedder(self.cfg, self.threads)
 
-    def run_inference(self, batch, model, inference_args=None) -> Iterable:
+    def run_inference(self, batch, model, inference_args=None) -> Iterable[EmbeddedChunks]:
         for chunk_ids, texts in batch:
-            yield chunk_ids, embed_texts(self.cfg, model, texts, self.threads)
+            Metrics.counter(METRICS_NAMESPACE, "chunks_embedded").inc(len(chunk_ids))
+            yield EmbeddedChunks(chunk_ids, embed_texts(self.cfg, model, texts, self.threads))
 
     def get_num_bytes(self, batch) -> int:
         return sum(len(t) for _, texts in batch for t in texts)
@@ -101,10 +102,9 @@ def _hash_sample(groups, salt: int, size: int, label: str):
     )
 
 
-def _stored_in_sample(result, sampled: set) -> list:
+def _stored_in_sample(group: EmbeddedChunks, sampled: set) -> list:
     """The (chunk id, embedding) pairs of an encoded group whose chunks the check sampled."""
-    chunk_ids, embeddings = result
-    return [(int(i), embeddings[n]) for n, i in enumerate(chunk_ids.tolist()) if i in sampled]
+    return [(i, group.vectors[n]) for n, i in enumerate(group.chunk_ids.tolist()) if i in sampled]
 
 
 class _PrepareGroup(beam.DoFn):
@@ -120,14 +120,8 @@ class _PrepareGroup(beam.DoFn):
         yield (np.array([c.chunk_id for c in chunks], dtype=np.int64), chunk_texts(self.tokenizer, chunks))
 
 
-def _split_group(result):
-    chunk_ids, embeddings = result
-    Metrics.counter(METRICS_NAMESPACE, "chunks_embedded").inc(len(chunk_ids))
-    yield from zip(chunk_ids.tolist(), embeddings)
-
-
 class EmbedChunks(beam.PTransform):
-    """Chunk rows -> ((chunk_id, float32 embedding [d]), precision check report), grouped by
+    """Chunk rows -> (EmbeddedChunks, one per group; precision check report), grouped by
     chunk-id range, batched by token count within a group, encoded by `embedding.backend` in
     `embedding.precision` (and quantize) with `threads` intra-op threads on a CPU.
     With `embedding.accelerator` set, the stage carries that Beam resource hint (GPU workers).
@@ -156,7 +150,6 @@ class EmbedChunks(beam.PTransform):
             )
         else:
             encoded = groups | "Encode" >> RunInference(handler)
-        embeddings = encoded | "SplitGroups" >> beam.FlatMap(_split_group)
         sample = _hash_sample(grouped, PRECISION_SALT, cfg.precision_sample, "PrecisionCheck")
         sampled = sample | "SampledIds" >> beam.Map(lambda picked: {c.chunk_id for _, c in picked})
         stored = (
@@ -167,4 +160,4 @@ class EmbedChunks(beam.PTransform):
         report = sample | "CheckPrecision" >> beam.Map(
             check_precision, beam.pvalue.AsSingleton(stored), cfg, self.tokenizer_path, self.threads
         )
-        return embeddings, report
+        return encoded, report

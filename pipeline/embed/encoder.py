@@ -99,6 +99,23 @@ def length_batches(counts: np.ndarray, batch_size: int) -> list[np.ndarray]:
 
 
 @dataclass(frozen=True)
+class EmbeddedChunks:
+    """A group of chunks' embeddings, in chunk-id order: what the embed stage gives, one element
+    a group (thousands of chunks), not one per chunk."""
+
+    chunk_ids: np.ndarray  # int64 [n]
+    vectors: np.ndarray  # float32 [n, d], L2-normalised
+
+    def __len__(self) -> int:
+        return len(self.chunk_ids)
+
+    @property
+    def rows(self) -> list[tuple[int, np.ndarray]]:
+        """(chunk id, vector) pairs: the embedding files' rows."""
+        return list(zip(self.chunk_ids.tolist(), self.vectors))
+
+
+@dataclass(frozen=True)
 class Tokenized:
     """Texts tokenized once for the encoder: the model's inputs for all of them, padded to the
     longest (`model_inputs`), and each text's token count (special tokens included, at most

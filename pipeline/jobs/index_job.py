@@ -108,7 +108,7 @@ class ChunksWritten:
     chunks: beam.PCollection  # Chunk rows
     unusable: beam.PCollection  # Rejected: documents with no tokens
     chunk_files: beam.PCollection  # FileEntry of each chunks-NNNNN.parquet written
-    embeddings: beam.PCollection  # (chunk id, vector)
+    embeddings: beam.PCollection  # EmbeddedChunks, a group of chunks each
     embedding_files: beam.PCollection  # FileEntry of each embeddings-NNNNN.parquet written
     precision: beam.PCollection  # the one PrecisionCheck
 
@@ -143,15 +143,16 @@ def chunk_and_embed(
     from pipeline.embed.beam import EmbedChunks
 
     embeddings, precision = chunks | "EmbedChunks" >> EmbedChunks(cfg.embedding, tok.path, threads)
-    embeddings = embeddings | "EmbedProgress" >> ReportProgress("embed", "chunks")
+    embeddings = embeddings | "EmbedProgress" >> ReportProgress("embed", "chunks", len)
     embedding_files = embeddings | "WriteEmbeddings" >> WriteGroupedFiles(
         fileio.join(staging, EMBEDDINGS_DIR),
         staging,
         EMBEDDINGS_DIR,
         "parquet",
-        key=lambda e: e[0] + shift,
+        key=lambda row: row[0] + shift,  # (chunk id, vector)
         rows_per_file=cfg.chunk_file_rows,
         to_bytes=lambda rows: parquet_bytes(embeddings_table(rows)),
+        rows_of=lambda group: group.rows,
     )
     return ChunksWritten(chunks, unusable, chunk_files, embeddings, embedding_files, precision)
 
@@ -180,7 +181,7 @@ def stage_tallies(corpus: CorpusRead, all_rejected, written: ChunksWritten, pad:
         | "TallyDocumentsChunked" >> beam.FlatMap(lambda c: [("documents_chunked", 1)] if c.position == 0 else []),
         counted("chunks", chunks),
         counted("tokens", chunks, lambda c: tokens_in_chunk(c, pad)),
-        counted("chunks_embedded", written.embeddings),
+        counted("chunks_embedded", written.embeddings, len),
     ) | "Tallies" >> Tally()
 
 

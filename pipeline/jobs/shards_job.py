@@ -61,7 +61,7 @@ log = logging.getLogger("ratrain")
 
 MIN_FILL = 0.99  # below this share of filled neighbour slots, the stage warns
 
-CHUNKS_PER_BLOCK = 1024  # a separate training corpus's chunks and queries travel in blocks of up to this many
+CHUNKS_PER_BLOCK = 1024  # a separate training corpus's chunks travel in blocks of up to this many
 
 
 def _chunks_from_table(table) -> list[Chunk]:
@@ -210,11 +210,7 @@ def _build_shards(
             | "ChunkBlocks" >> beam.Map(TrainingChunks.of_chunks)
         )
         embedded, precision_used = chunks | "EmbedTrainingChunks" >> EmbedChunks(cfg.embedding, tok.path, threads)
-        queries = (
-            embedded
-            | "BatchQueries" >> beam.BatchElements(max_batch_size=CHUNKS_PER_BLOCK)
-            | "QueryBlocks" >> beam.Map(QueryBlock.of_rows)
-        )
+        queries = embedded | "QueryBlocks" >> beam.Map(lambda group: QueryBlock(group.chunk_ids, group.vectors))
         rejected = (corpus.rejected, unusable) | "MergeRejected" >> beam.Flatten()
         read_tallies = (
             *_documents_read_tally(corpus.documents, rejected, "Training"),

@@ -223,7 +223,7 @@ def _excluded_ranges(keyed):
 @dataclass(frozen=True)
 class QueryBlock:
     """Query embeddings of training chunks, any ids in any order: what the search reads, in
-    blocks (a file's rows, or a bundle's embedded chunks) rather than an element per chunk."""
+    blocks (a file's rows, or a group the embed stage encoded) rather than an element per chunk."""
 
     chunk_ids: np.ndarray  # int64 [n]
     vectors: np.ndarray  # [n, d]
@@ -236,11 +236,6 @@ class QueryBlock:
             return block
         kept = ~deleted.contains(block.chunk_ids)
         return cls(block.chunk_ids[kept], block.vectors[kept])
-
-    @classmethod
-    def of_rows(cls, rows: list[tuple[int, np.ndarray]]) -> QueryBlock:
-        """(chunk_id, vector) pairs, as the embed stage gives them."""
-        return cls(np.array([chunk_id for chunk_id, _ in rows], np.int64), np.stack([vector for _, vector in rows]))
 
     def by_search_batch(self, chunks_per_seq: int):
         """-> (search batch, the block of its rows) for each batch these rows' sequences fall in."""

@@ -117,8 +117,8 @@ def test_static_int8_is_calibrated_on_hash_chosen_chunks_of_the_corpus(model_cop
         [model.encode(chunk_texts(tokenizer, chunks[i : i + group]), 16) for i in range(0, len(chunks), group)]
     )
 
-    def check(rows):
-        got = np.stack([v for _, v in sorted(rows, key=lambda r: r[0])])
+    def check(groups):
+        got = np.concatenate([g.vectors for g in sorted(groups, key=lambda g: g.chunk_ids[0])])
         np.testing.assert_array_equal(got, expected)
 
     def checked(reports):

@@ -53,10 +53,11 @@ def test_embed_chunks_equals_the_encoder_on_the_same_groups():
             [encode_texts(model, texts[i : i + group], cfg.batch_size, precision) for i in range(0, len(texts), group)]
         )
 
-    def check(rows):
-        rows = sorted(rows, key=lambda r: r[0])
-        assert [r[0] for r in rows] == [c.chunk_id for c in chunks]
-        got = np.stack([r[1] for r in rows])
+    def check(groups):
+        groups = sorted(groups, key=lambda g: g.chunk_ids[0])
+        assert [len(g) for g in groups] == [group, len(chunks) - group]  # an element a group
+        assert np.concatenate([g.chunk_ids for g in groups]).tolist() == [c.chunk_id for c in chunks]
+        got = np.concatenate([g.vectors for g in groups])
         assert got.dtype == np.float32 and got.shape == (len(chunks), 384)
         np.testing.assert_array_equal(got, expected)
         np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)

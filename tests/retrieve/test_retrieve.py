@@ -196,8 +196,8 @@ def retrieve(
     if queries_from_files:
         batches = ((sequences, spans) | RetrieveNeighbours(spec, shard_rows)).rows
     else:
-        queries = (
-            p | "Queries" >> beam.Create([[(i, vectors[i])] for i in range(len(chunks))]) | beam.Map(QueryBlock.of_rows)
+        queries = p | "Queries" >> beam.Create(
+            [QueryBlock(np.array([i]), vectors[i : i + 1]) for i in range(len(chunks))]
         )
         batches = ((sequences, queries, spans) | RetrieveNeighbours(spec, shard_rows)).rows
     return batches | "EachRow" >> beam.FlatMap(lambda batch: batch.rows) if each_row else batches
