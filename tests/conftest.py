@@ -7,6 +7,7 @@ conftest."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -40,6 +41,7 @@ def pytest_configure(config):
 
 KINDS = ("unit", "beam", "e2e")  # pyproject.toml [tool.pytest.ini_options] markers says what each means
 OWN_PROCESS = "RATRAIN_TESTS_OWN_PROCESS"  # set in the process tests/test_own_process.py starts
+RUNS_OWN_PROCESS = Path(__file__).with_name("test_own_process.py")
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects: the rule holds for every collected test
@@ -62,11 +64,12 @@ def pytest_collection_modifyitems(config, items):
     if mine or len(kept) < len(items):
         config.hook.pytest_deselected(items=[item for item in items if item not in kept])
         items[:] = kept
-    # The files holding slow tests first, each file's tests kept together (its module fixtures
-    # built once): with `make test`'s worker processes, the longest start first instead of
-    # leaving one worker busy at the end.
+    # The longest test first (the one that runs the own_process tests, over 2 min), then the
+    # files holding slow tests, each file's tests kept together (its module fixtures built
+    # once): with `make test`'s worker processes, the longest start first instead of leaving
+    # one worker busy at the end.
     slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
-    items.sort(key=lambda item: item.path not in slow_files)
+    items.sort(key=lambda item: (item.path != RUNS_OWN_PROCESS, item.path not in slow_files))
 
 
 def pytest_report_header(config):
