@@ -149,8 +149,7 @@ class SpansOfTrainingChunks(beam.PTransform):
 def _by_first_file(keyed, chunk_files, chunks_per_seq: int):
     """(search batch, what it holds) -> (the number of the file holding the batch's first
     chunk, (search batch, what it holds))."""
-    first = keyed[0] * SEQUENCES_PER_SEARCH * chunks_per_seq
-    return int(chunk_files.files_of(np.array([first]))[0]), keyed
+    return chunk_files.file_of(keyed[0] * SEQUENCES_PER_SEARCH * chunks_per_seq), keyed
 
 
 def emit_hits(spec: Retrieval, batch: int, seq_ids: list[int], hits: np.ndarray, deeper_seqs, searched_alone: int):

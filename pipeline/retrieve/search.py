@@ -253,8 +253,9 @@ class FileQueries:
         self.chunk_files, self.number, self.vectors = chunk_files, -1, np.zeros((0, 0), np.float32)
 
     def block(self, chunk_ids: np.ndarray) -> QueryBlock:
-        for end in (chunk_ids.min(), chunk_ids.max()) if len(chunk_ids) else ():
-            self.chunk_files.file_of(int(end))  # an error naming an id the database does not hold
+        if len(chunk_ids):  # an error naming an id the database does not hold
+            self.chunk_files.file_of(int(chunk_ids.min()))
+            self.chunk_files.file_of(int(chunk_ids.max()))
         vectors = np.zeros((0, 0), np.float32)
         for number, at in groups(self.chunk_files.files_of(chunk_ids)):
             if number != self.number:
