@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.common.names import file_number
-from pipeline.index.factory import IndexBuildError
+from pipeline.index.factory import IndexBuildError, is_ivf
 from pipeline.index.search import set_search_depth
 from schemas.arrow import tensor_column_to_numpy
 
@@ -76,16 +76,28 @@ def read_index(path: str):
 
 
 def load_index(path: str, depth: int | None = None):
-    """`read_index`, but local IVF files are memory-mapped."""
+    """`read_index`, but local IVF files are memory-mapped (`without_prefetch`)."""
     if "://" in path:
         index = read_index(path)
     else:
         try:
-            index = faiss.read_index(path, faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY)
+            index = without_prefetch(faiss.read_index(path, faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY))
         except RuntimeError:
             index = faiss.read_index(path)
     if depth is not None:
         set_search_depth(index, depth)
+    return index
+
+
+def without_prefetch(index):
+    """A memory-mapped IVF index whose searches read only what they score. faiss's on-disk
+    lists otherwise start 32 threads per search call, each reading whole probed lists ahead
+    of the search; over a file in the page cache that is all cost (at 50k chunks, IVF256
+    nprobe 16, 512 queries a call: 3.5-3.9 s of search against 2.6-2.8 s without, AMD EPYC)."""
+    if is_ivf(index):
+        lists = faiss.downcast_InvertedLists(faiss.extract_index_ivf(index).invlists)
+        if isinstance(lists, faiss.OnDiskInvertedLists):
+            lists.prefetch_nthread = 0
     return index
 
 

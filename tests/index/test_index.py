@@ -161,6 +161,18 @@ def test_flat_index_answers_chunk_ids():
 
 
 @pytest.mark.unit
+def test_a_local_ivf_file_is_memory_mapped_and_searched_without_reading_ahead(tmp_path):
+    vectors = clustered(2000)
+    index = build_index(np.arange(2000, dtype=np.int64), vectors, "IVF16,PQ8x8np")
+    faiss.write_index(index, str(tmp_path / "index.faiss"))
+    loaded = load_index(str(tmp_path / "index.faiss"), depth=4)
+    lists = faiss.downcast_InvertedLists(faiss.extract_index_ivf(loaded).invlists)
+    assert isinstance(lists, faiss.OnDiskInvertedLists) and lists.prefetch_nthread == 0
+    set_search_depth(index, 4)
+    assert np.array_equal(loaded.search(vectors[:50], 5)[1], index.search(vectors[:50], 5)[1])
+
+
+@pytest.mark.unit
 def test_parts_merged_equal_one_fill():
     vectors = clustered(6000, clusters=100)
     ids = np.arange(6000, dtype=np.int64) * 7  # sparse chunk ids survive as faiss ids
