@@ -38,6 +38,14 @@ class SequenceBatch:
 
     sequences: list[Sequence]
 
+    def __reduce__(self):
+        # Beam pickles every element that crosses a stage: one array per field, not a small
+        # array per sequence, pickles in half the time (64 sequences of 513 tokens)
+        if not self.sequences:
+            return SequenceBatch, ([],)
+        s = self.sequences
+        return _sequence_batch, (_seq_ids(s), np.stack([x.tokens for x in s]), [x.doc_ids for x in s])
+
     @staticmethod
     def merged(batches) -> list[Sequence]:
         """The sequences of these SequenceBatches (a shuffle's group of them), in seq id order."""
@@ -59,6 +67,28 @@ class RowBatch:
     `RetrieveNeighbours` assembles them."""
 
     rows: list[ShardRow]
+
+    def __reduce__(self):  # as SequenceBatch's
+        if not self.rows:
+            return RowBatch, ([],)
+        r = self.rows
+        arrays = (np.stack([getattr(x, name) for x in r]) for name in ROW_ARRAYS)
+        return _row_batch, (_seq_ids(r), *arrays, [x.doc_ids for x in r])
+
+
+ROW_ARRAYS = ("tokens", "neighbours", "neighbour_ids", "neighbour_scores")  # ShardRow's, in field order
+
+
+def _seq_ids(records: list) -> np.ndarray:
+    return np.array([record.seq_id for record in records], np.int64)
+
+
+def _sequence_batch(seq_ids: np.ndarray, tokens: np.ndarray, doc_ids: list) -> SequenceBatch:
+    return SequenceBatch([Sequence(*fields) for fields in zip(seq_ids.tolist(), tokens, doc_ids)])
+
+
+def _row_batch(seq_ids: np.ndarray, *columns) -> RowBatch:
+    return RowBatch([ShardRow(*fields) for fields in zip(seq_ids.tolist(), *columns)])
 
 
 def neighbour_arrays(picks: np.ndarray, values: np.ndarray, chunks_per_seq: int, k: int, m: int, pad_id: int):

@@ -1,6 +1,8 @@
 """The shards stage: neighbour arrays, the r(C) overlap audit, and `WriteShards` (sorted, split,
 schema version 2); the row types import no Beam, faiss or torch."""
 
+import dataclasses
+import pickle
 import subprocess
 import sys
 
@@ -13,6 +15,8 @@ from apache_beam.testing.util import assert_that, equal_to
 from pipeline.retrieve.search import PICK
 from pipeline.shards.rows import (
     RowBatch,
+    Sequence,
+    SequenceBatch,
     ShardRow,
     chunk_overlap,
     neighbour_arrays,
@@ -103,6 +107,34 @@ def test_overlap_tally_of_a_batch_counts_each_chunk_in_its_bucket():
             key = "overlap_r_le_" + overlap_bucket(ratio)
             expected[key] = expected.get(key, 0) + 1
     assert dict(overlap_tally(RowBatch(rows), m, 0)) == expected and expected["overlap_r_le_1.0"] == 5
+
+
+@pytest.mark.unit
+def test_batches_pickle_by_column_and_come_back_equal():
+    rng = np.random.default_rng(2)
+    sequences = [Sequence(i, rng.integers(0, 99, 9).astype(np.int32), (i, i + 1)) for i in (3, 4, 7)]
+    rows = [
+        ShardRow(
+            s.seq_id,
+            s.tokens,
+            rng.integers(0, 99, (2, 2, 8), np.int32),
+            np.arange(4).reshape(2, 2),
+            rng.random((2, 2), np.float32),
+            s.doc_ids,
+        )
+        for s in sequences
+    ]
+    pickled = pickle.loads(pickle.dumps(SequenceBatch(sequences), pickle.HIGHEST_PROTOCOL)).sequences
+    pickled_rows = pickle.loads(pickle.dumps(RowBatch(rows), pickle.HIGHEST_PROTOCOL)).rows
+    for got, want in [*zip(pickled, sequences, strict=True), *zip(pickled_rows, rows, strict=True)]:
+        assert type(got) is type(want)
+        for field in dataclasses.fields(want):
+            value, back = getattr(want, field.name), getattr(got, field.name)
+            if isinstance(value, np.ndarray):
+                assert back.dtype == value.dtype and np.array_equal(back, value), field.name
+            else:
+                assert back == value and type(back) is type(value), field.name
+    assert pickle.loads(pickle.dumps(SequenceBatch([]))) == SequenceBatch([])
 
 
 @pytest.mark.unit
