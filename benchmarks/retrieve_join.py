@@ -241,18 +241,19 @@ class WorkerPeak:
     """Polls the peak RSS of this process's descendants (Beam's worker processes) until stopped."""
 
     def __init__(self):
-        self.peak_kb, self.running = 0, True
+        self.peak_kb, self.stopped = 0, threading.Event()
         self.thread = threading.Thread(target=self._poll, daemon=True)
         self.thread.start()
 
     def _poll(self):
-        while self.running:
+        while True:
             for pid in descendants(str(os.getpid())):
                 self.peak_kb = max(self.peak_kb, peak_rss_kb(pid))
-            time.sleep(0.2)
+            if self.stopped.wait(0.2):  # woken at once by stop(): the job's time is not a poll longer
+                return
 
     def stop(self) -> int:
-        self.running = False
+        self.stopped.set()
         self.thread.join()
         return self.peak_kb
 
