@@ -27,7 +27,7 @@ from apache_beam.io.parquetio import ReadFromParquetBatched
 from apache_beam.utils import shared
 
 from pipeline.chunks.chunk_files import ChunkFileRanges, CommittedChunkFiles
-from pipeline.common.arrays import groups
+from pipeline.common.arrays import groups, positions_of
 from pipeline.index.deleted import DeletedRanges
 from pipeline.index.exact import truth_depth
 from pipeline.index.files import read_owners
@@ -67,7 +67,7 @@ from pipeline.retrieve.search import (
     with_file_queries,
 )
 from pipeline.retrieve.sequences import batch_parts, document_spans, pack_batch, widest_span
-from pipeline.shards.rows import RowBatch, SequenceBatch, ShardRow, neighbour_arrays
+from pipeline.shards.rows import RowBatch, SequenceBatch, ShardRow, sequences_neighbour_arrays
 from schemas.manifest import SearchDepth
 
 SENT = "sent"  # tagged output: (search batch, SentCounts: what each sequence sent through the next shuffle)
@@ -379,12 +379,11 @@ def _to_rows(keyed, chunks_per_seq: int, k: int, m: int, pad_id: int):
     values = np.concatenate([b.values for b in blocks]) if blocks else np.zeros((0, 2 * m), np.int32)
     seq_ids = np.array([s.seq_id for s in sequences], np.int64)
     _all_arrived("neighbours", seq_ids, picks, list(grouped["sent"]))
-    each = dict(groups(picks["seq_id"]))
-    rows = []
-    for s in sequences:
-        at = each.get(s.seq_id, np.zeros(0, np.int64))
-        neighbours, ids, scores = neighbour_arrays(picks[at], values[at], chunks_per_seq, k, m, pad_id)
-        rows.append(ShardRow(s.seq_id, s.tokens, neighbours, ids, scores, s.doc_ids))
+    row, owned = positions_of(seq_ids, picks["seq_id"])
+    neighbours, ids, scores = sequences_neighbour_arrays(
+        row[owned], len(sequences), picks[owned], values[owned], chunks_per_seq, k, m, pad_id
+    )
+    rows = [ShardRow(s.seq_id, s.tokens, neighbours[i], ids[i], scores[i], s.doc_ids) for i, s in enumerate(sequences)]
     if rows:
         yield RowBatch(rows)
 

@@ -95,10 +95,27 @@ def neighbour_arrays(picks: np.ndarray, values: np.ndarray, chunks_per_seq: int,
     """One sequence's kept neighbours (records with j, slot, chunk_id, score) and their values
     [n, 2m] -> neighbours [L, k, 2m], ids [L, k] (-1 = absent), scores [L, k]; absent slots
     hold pad_id and score 0."""
-    tokens = np.full((chunks_per_seq, k, 2 * m), pad_id, dtype=np.int32)
-    ids = np.full((chunks_per_seq, k), -1, dtype=np.int64)
-    scores = np.zeros((chunks_per_seq, k), dtype=np.float32)
-    at = (picks["j"], picks["slot"])
+    row = np.zeros(len(picks), np.int64)
+    tokens, ids, scores = sequences_neighbour_arrays(row, 1, picks, values, chunks_per_seq, k, m, pad_id)
+    return tokens[0], ids[0], scores[0]
+
+
+def sequences_neighbour_arrays(
+    row: np.ndarray,
+    sequences: int,
+    picks: np.ndarray,
+    values: np.ndarray,
+    chunks_per_seq: int,
+    k: int,
+    m: int,
+    pad_id: int,
+):
+    """`neighbour_arrays` of many sequences at once, pick i in sequence `row[i]` (0 ...
+    `sequences` - 1) -> neighbours [S, L, k, 2m], ids [S, L, k], scores [S, L, k]."""
+    tokens = np.full((sequences, chunks_per_seq, k, 2 * m), pad_id, dtype=np.int32)
+    ids = np.full((sequences, chunks_per_seq, k), -1, dtype=np.int64)
+    scores = np.zeros((sequences, chunks_per_seq, k), dtype=np.float32)
+    at = (row, picks["j"], picks["slot"])
     tokens[at], ids[at], scores[at] = values, picks["chunk_id"], picks["score"]
     return tokens, ids, scores
 

@@ -23,6 +23,7 @@ from pipeline.shards.rows import (
     overlap_bucket,
     overlap_histogram,
     overlap_tally,
+    sequences_neighbour_arrays,
 )
 from pipeline.shards.write import WriteShards
 from schemas.arrow import SCHEMA_VERSION, read_shard_table, shard_column
@@ -39,6 +40,20 @@ def test_neighbour_arrays_pad_the_slots_without_a_neighbour():
     assert ids.tolist() == [[11, 12], [-1, -1]]
     assert scores.tolist() == [[0.5, 0.25], [0, 0]]
     assert (tokens[0, 0] == 11).all() and (tokens[1] == PAD).all()
+
+
+@pytest.mark.unit
+def test_many_sequences_neighbour_arrays_are_each_sequence_alone():
+    picks = np.array([(7, 1, 0, 31, 0.5), (5, 0, 1, 12, 0.25), (7, 0, 0, 21, 0.75), (5, 0, 0, 11, 0.5)], PICK)
+    values = np.repeat(picks["chunk_id"][:, None], 2 * M, axis=1).astype(np.int32)
+    seq_ids = np.array([5, 6, 7])
+    row = np.searchsorted(seq_ids, picks["seq_id"])
+    together = sequences_neighbour_arrays(row, len(seq_ids), picks, values, L, K, M, PAD)
+    for at, seq_id in enumerate(seq_ids):
+        alone = neighbour_arrays(picks[picks["seq_id"] == seq_id], values[picks["seq_id"] == seq_id], L, K, M, PAD)
+        for many, one in zip(together, alone, strict=True):
+            assert many.dtype == one.dtype and np.array_equal(many[at], one)
+    assert together[1][1].tolist() == [[-1, -1], [-1, -1]]  # sequence 6 has no neighbour
 
 
 def _longest_common_run(a, b, pad):
