@@ -9,7 +9,7 @@ or torch).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -41,10 +41,7 @@ class SequenceBatch:
     def __reduce__(self):
         # Beam pickles every element that crosses a stage: one array per field, not a small
         # array per sequence, pickles in half the time (64 sequences of 513 tokens)
-        if not self.sequences:
-            return SequenceBatch, ([],)
-        s = self.sequences
-        return _sequence_batch, (_seq_ids(s), np.stack([x.tokens for x in s]), [x.doc_ids for x in s])
+        return _by_column(SequenceBatch, Sequence, self.sequences)
 
     @staticmethod
     def merged(batches) -> list[Sequence]:
@@ -69,26 +66,23 @@ class RowBatch:
     rows: list[ShardRow]
 
     def __reduce__(self):  # as SequenceBatch's
-        if not self.rows:
-            return RowBatch, ([],)
-        r = self.rows
-        arrays = (np.stack([getattr(x, name) for x in r]) for name in ROW_ARRAYS)
-        return _row_batch, (_seq_ids(r), *arrays, [x.doc_ids for x in r])
+        return _by_column(RowBatch, ShardRow, self.rows)
 
 
-ROW_ARRAYS = ("tokens", "neighbours", "neighbour_ids", "neighbour_scores")  # ShardRow's, in field order
+def _by_column(batch_type, record_type, records: list):
+    """A batch's pickle as columns: the seq ids as one array, each array field between seq_id
+    and doc_ids (the record type's first and last) stacked (equal shapes within a batch),
+    the doc ids listed; `_from_columns` rebuilds it."""
+    if not records:
+        return batch_type, ([],)
+    arrays = [field.name for field in fields(record_type)][1:-1]
+    seq_ids = np.array([record.seq_id for record in records], np.int64)
+    stacked = [np.stack([getattr(record, name) for record in records]) for name in arrays]
+    return _from_columns, (batch_type, record_type, seq_ids, *stacked, [record.doc_ids for record in records])
 
 
-def _seq_ids(records: list) -> np.ndarray:
-    return np.array([record.seq_id for record in records], np.int64)
-
-
-def _sequence_batch(seq_ids: np.ndarray, tokens: np.ndarray, doc_ids: list) -> SequenceBatch:
-    return SequenceBatch([Sequence(*fields) for fields in zip(seq_ids.tolist(), tokens, doc_ids)])
-
-
-def _row_batch(seq_ids: np.ndarray, *columns) -> RowBatch:
-    return RowBatch([ShardRow(*fields) for fields in zip(seq_ids.tolist(), *columns)])
+def _from_columns(batch_type, record_type, seq_ids: np.ndarray, *columns):
+    return batch_type([record_type(*values) for values in zip(seq_ids.tolist(), *columns)])
 
 
 def neighbour_arrays(picks: np.ndarray, values: np.ndarray, chunks_per_seq: int, k: int, m: int, pad_id: int):
