@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 QUICKSTART := examples/quickstart.yaml
 
-.PHONY: install quickstart test test-fast test-unit lint benchmark experiment clean
+.PHONY: install quickstart test test-fast test-unit lint benchmark experiment clean flink-install flink-up flink-down
 
 install: $(STAMP)
 
@@ -15,6 +15,21 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,report,onnx,openvino]'
 	touch $(STAMP)
+
+# A Flink session cluster on this machine (deploy/flink/local/cluster.py; versions pinned there):
+# the jars once through Maven and PyPI, sha256-checked; then 1 JobManager and 2 TaskManagers on
+# loopback. flink-up prints, as its last line, the Beam options that submit to it.
+FLINK := $(BIN)/python deploy/flink/local/cluster.py
+
+# Idempotent: returns at once when the pinned jars are in place.
+flink-install: install
+	$(FLINK) install
+
+flink-up: install flink-install
+	$(FLINK) up
+
+flink-down:
+	$(FLINK) down
 
 quickstart: install
 	$(BIN)/ratrain-pipeline run --config $(QUICKSTART)
@@ -38,7 +53,7 @@ quickstart: install
 # time, most tests keep one of two cores busy. TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
-test: install
+test: install flink-install
 	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
 # Everything but the tests marked slow (each over ~30 s); `make test` (and CI) runs them all.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import threading
 import time
 
 import click
@@ -54,6 +55,20 @@ def _no_worker_tracebacks(record: logging.LogRecord) -> bool:
     )
 
 
+def _hung_up_worker_threads(args: threading.ExceptHookArgs) -> None:
+    """LOOPBACK workers are threads of this process. When a runner closes a worker's
+    environment after its work (Flink does, stage by stage) the worker's gRPC streams end
+    CANCELLED and Beam's threads raise that on their way out: two tracebacks per worker of a
+    job that succeeds. Those go to the debug log; a job's real failure comes from its runner."""
+    import grpc
+
+    error = args.exc_value
+    if isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.CANCELLED:
+        log.debug("worker thread %s: streams closed by the runner", args.thread.name if args.thread else "?")
+        return
+    threading.__excepthook__(args)
+
+
 def _setup_logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     if not verbose:  # Beam and HF are chatty at INFO; keep the project's own progress lines
@@ -61,6 +76,7 @@ def _setup_logging(verbose: bool) -> None:
             logging.getLogger(name).setLevel(logging.WARNING)
         for handler in logging.getLogger().handlers:
             handler.addFilter(_no_worker_tracebacks)
+        threading.excepthook = _hung_up_worker_threads
 
 
 def _config(path: str):

@@ -30,7 +30,8 @@ from pipeline.common.models import (
 )
 from pipeline.common.progress import StageTimer
 from pipeline.jobs.commit import StageError, commit_stage, new_staging_dir
-from pipeline.jobs.options import new_pipeline
+from pipeline.jobs.flink import job_server_is_a_child, listed_jobs, name_the_job, wait_until_flink_has
+from pipeline.jobs.options import check_detachable, new_pipeline
 from schemas.config import PipelineConfig
 from schemas.manifest import (
     MANIFEST_FILE,
@@ -129,6 +130,11 @@ class Job:
         self.max_rejected_fraction, self.replace, self.replaces = max_rejected_fraction, replace, replaces
         self.staging = "" if staging is None else new_staging_dir(output, staging, dry_run)
         self.pipeline = new_pipeline(beam_args, dry_run, type_check)
+        self.flink_job_server = detach and not dry_run and job_server_is_a_child(self.pipeline.options)
+        if detach and not dry_run:
+            check_detachable(self.pipeline.options)
+        if self.flink_job_server:
+            name_the_job(self.pipeline.options, name)
         self.clock = StageClock(name, records)
 
     @classmethod
@@ -180,7 +186,14 @@ class Job:
         if self.model is None:
             self.pipeline.run().wait_until_finish()
             return None
-        return run_stage(self.pipeline, self.clock, self.directory, self.model, self.detach)
+        handed_over = None
+        if self.flink_job_server:  # the job server ends with this process: wait until Flink has the job
+            options, known = self.pipeline.options, {job["jid"] for job in listed_jobs(self.pipeline.options)}
+
+            def handed_over() -> str:
+                return wait_until_flink_has(options, known)
+
+        return run_stage(self.pipeline, self.clock, self.directory, self.model, self.detach, handed_over)
 
 
 def index_dir(cfg: PipelineConfig) -> str:
@@ -235,15 +248,23 @@ def graph_bytes(pipeline: beam.Pipeline) -> int:
     return size
 
 
-def run_stage(pipeline: beam.Pipeline, clock: StageClock, directory: str, model, detach: bool):
+def run_stage(
+    pipeline: beam.Pipeline,
+    clock: StageClock,
+    directory: str,
+    model,
+    detach: bool,
+    handed_over: Callable[[], str] | None = None,
+):
     """Run a job that commits itself. Attached: wait, then read and return the committed
-    manifest. Detached: return once the runner has the job (`Submitted`)."""
+    manifest. Detached: return once the runner has the job (`Submitted`); `handed_over`, where
+    submitting is not enough, waits until the runner holds the job and returns its id."""
     name, main = clock.stage, clock.records
     manifest_path = fileio.join(directory, MANIFEST_FILE)
     with StageTimer(name) as timer:
         result = pipeline.run()
         if detach:
-            job = getattr(result, "job_id", lambda: None)()
+            job = handed_over() if handed_over is not None else getattr(result, "job_id", lambda: None)()
             log.info(
                 "%s: submitted%s; it commits %s when it finishes", name, f" (job {job})" if job else "", manifest_path
             )

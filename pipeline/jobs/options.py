@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 import apache_beam as beam
 from apache_beam.options.pipeline_options import (
     DirectOptions,
+    FlinkRunnerOptions,
     PipelineOptions,
     PortableOptions,
     StandardOptions,
@@ -25,9 +26,31 @@ from apache_beam.options.pipeline_options import (
     _BeamArgumentParser,
 )
 
+from pipeline.jobs.worker_pool import serve_loopback_workers_by_caller
+
 LOCAL_RUNNER = "FnApiRunner"
 # Runners whose SDK workers run on the machine that launches the job.
 IN_PROCESS_RUNNERS = {None, LOCAL_RUNNER, "DirectRunner", "BundleBasedDirectRunner", "SwitchingDirectRunner"}
+# Runners that take a job through Beam's portable Job API; with LOOPBACK workers, the workers are
+# threads of the process that submits (Beam's runner starts a worker pool in it).
+PORTABLE_RUNNERS = {"portable", "flink", "spark"}
+
+
+def runner_kind(runner: str | None) -> str | None:
+    """A runner's name as `create_runner` resolves it, lower case and without 'Runner':
+    'FlinkRunner', 'flink' and 'apache_beam.runners.portability.flink_runner.FlinkRunner' are 'flink'."""
+    if runner is None:
+        return None
+    name = runner.rsplit(".", 1)[-1].lower()
+    return name[: -len("runner")] if name.endswith("runner") and name != "runner" else name
+
+
+def loopback_workers(options: PipelineOptions) -> bool:
+    """Whether the job's SDK workers are threads of this process (a portable runner, LOOPBACK)."""
+    return (
+        runner_kind(options.view_as(StandardOptions).runner) in PORTABLE_RUNNERS
+        and options.view_as(PortableOptions).environment_type == "LOOPBACK"
+    )
 
 
 def with_defaults(beam_args: list[str]) -> list[str]:
@@ -46,8 +69,8 @@ def local_worker_processes(options: PipelineOptions) -> int | None:
         if direct.direct_running_mode != "multi_processing":
             return 1
         return direct.direct_num_workers or os.cpu_count() or 1  # 0 means one worker per core
-    if runner == "PortableRunner" and options.view_as(PortableOptions).environment_type == "LOOPBACK":
-        return 1  # the job service calls back into this process
+    if loopback_workers(options):
+        return 1  # the runner calls back into this process
     return None
 
 
@@ -206,6 +229,24 @@ def check_beam_args(beam_args: Sequence[str], cli_options: Mapping[str, str] | N
     return args
 
 
+def check_detachable(options: PipelineOptions) -> None:
+    """Refuse `--detach` where the job would end with this process: LOOPBACK workers are its
+    threads, and with `--flink_master=[local]` (FlinkRunner's default) Flink itself runs in the
+    job server this process started. (On an in-process runner the job finishes before the
+    command returns.)"""
+    if loopback_workers(options):
+        raise PipelineOptionsError(
+            "--detach with --environment_type=LOOPBACK: the workers run in this process, which exits "
+            "once the job is submitted; use --environment_type=EXTERNAL (a worker pool) to detach"
+        )
+    flink = options.view_as(FlinkRunnerOptions)
+    if runner_kind(options.view_as(StandardOptions).runner) == "flink" and flink.flink_master in ("[local]", "[auto]"):
+        raise PipelineOptionsError(
+            f"--detach with --flink_master={flink.flink_master}: Flink runs inside the job server this "
+            "process starts and stops; give the cluster's --flink_master=host:port to detach"
+        )
+
+
 def pipeline_options(beam_args: list[str]) -> PipelineOptions:
     """The options for these arguments (unknown ones refused) over the local defaults. Changes
     nothing in this process: `new_pipeline` sets up the runner."""
@@ -225,6 +266,8 @@ def new_pipeline(beam_args: list[str], dry_run: bool = False, type_check: bool =
     if local_worker_processes(options) is not None:
         os.environ.update(thread_environment(options, os.environ))
         no_timed_flush_on_local_runner()
+    if loopback_workers(options):
+        serve_loopback_workers_by_caller()
     if dry_run:
         from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 
