@@ -1,8 +1,8 @@
 """Shared fixtures: one built output that the end-to-end tests share (building it embeds a few
-hundred chunks with the real encoder, so it is done once per session) and the GCS emulator; and
-the rule that every test is marked unit, beam or e2e. Helpers (sample corpus, configs, shard
-rewriting, `local_pipeline`) live in tests/helpers.py; tests import them from there, never from
-conftest."""
+hundred chunks with the real encoder, so it is done once per session), the GCS emulator and a
+Flink cluster; and the rule that every test is marked unit, beam or e2e. Helpers (sample
+corpus, configs, shard rewriting, `local_pipeline`) live in tests/helpers.py; tests import them
+from there, never from conftest."""
 
 from __future__ import annotations
 
@@ -15,6 +15,9 @@ from tests.helpers import (
     BAD_RECORDS,
     PRECISION_ENV,
     GcsEmulator,
+    LocalFlinkCluster,
+    LocalService,
+    free_port,
     sample_documents,
     small_config,
     write_config,
@@ -96,6 +99,40 @@ def built_output(tmp_path_factory):
     write_config(root / "config.yaml", config)
     report = run_all(config_from_dict(config), [])
     return root, config, report
+
+
+@pytest.fixture(scope="session")
+def job_service():
+    """Beam's own Python job service (the portable Job API), its address."""
+    import sys
+
+    port = free_port()
+    command = [sys.executable, "-m", "apache_beam.runners.portability.local_job_service_main", "--port", str(port)]
+    service = LocalService(command, port, "the Beam job service")
+    yield f"localhost:{port}"
+    service.stop()
+
+
+@pytest.fixture(scope="session")
+def worker_pool():
+    """The project's SDK worker pool as its own process (`python -m pipeline.jobs.worker_pool`),
+    its address: the Flink-operator layout, where the job asks for EXTERNAL workers."""
+    import sys
+
+    port = free_port()
+    command = [sys.executable, "-m", "pipeline.jobs.worker_pool", "--service_port", str(port)]
+    service = LocalService(command, port, "the worker pool")
+    yield f"localhost:{port}"
+    service.stop()
+
+
+@pytest.fixture(scope="session")
+def flink_cluster(tmp_path_factory):
+    """A Flink session cluster (1 JobManager, 2 TaskManagers) started by the project's helper
+    from the jars `make flink-install` installed; stopped, by pid, at the end of the session."""
+    cluster = LocalFlinkCluster(tmp_path_factory.mktemp("flink"))
+    yield cluster
+    cluster.stop()
 
 
 @pytest.fixture(scope="session")

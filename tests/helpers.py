@@ -60,6 +60,17 @@ def small_config(output: Path, corpus_glob: str, **overrides) -> dict:
     return config
 
 
+DATA_STAGES = ("index/chunks", "index/embeddings", "index/faiss", "shards")
+
+
+def assert_same_data_files(out: Path, reference: Path, stages: tuple[str, ...] = DATA_STAGES) -> None:
+    """`out` holds every data file (all but the JSON manifests and build info) that `reference`,
+    an output of the same config, holds under `stages`, byte for byte."""
+    for stage in stages:
+        files = sorted(p.relative_to(reference) for p in (reference / stage).iterdir() if p.suffix != ".json")
+        assert files and [(reference / f).read_bytes() for f in files] == [(out / f).read_bytes() for f in files]
+
+
 def write_config(path: Path, config: dict) -> Path:
     path.write_text(yaml.safe_dump(config))
     return path
@@ -145,37 +156,51 @@ BAD_RECORDS = [
 BAD_REASONS = ["malformed_json", "not_an_object", "empty_text", "text_not_a_string", "duplicate_id"]
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class LocalService:
+    """A server process of the test session listening on 127.0.0.1:`port`: started, waited for
+    until it accepts connections, stopped."""
+
+    def __init__(self, command: list[str], port: int, what: str):
+        import socket
+        import subprocess
+        import time
+
+        self.port = port
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while True:  # a readiness poll, not a timing sleep
+            try:
+                socket.create_connection(("127.0.0.1", port), 0.2).close()
+                return
+            except OSError:
+                if time.monotonic() > deadline or self.process.poll() is not None:
+                    self.process.kill()
+                    raise RuntimeError(f"{what} did not start") from None
+                time.sleep(0.05)
+
+    def stop(self):
+        self.process.terminate()
+        self.process.wait(10)
+
+
 class GcsEmulator:
     """A `gcp-storage-emulator` on 127.0.0.1 (in memory), the one stand-in for the cloud."""
 
     def __init__(self):
-        import socket
-        import subprocess
         import sys
-        import time
 
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
-        command = [
-            str(Path(sys.executable).parent / "gcp-storage-emulator"),
-            "start",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--in-memory",
-        ]
-        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 30
-        while True:  # wait until it accepts connections (a readiness poll, not a timing sleep)
-            try:
-                socket.create_connection(("127.0.0.1", self.port), 0.2).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or self.process.poll() is not None:
-                    raise RuntimeError("gcp-storage-emulator did not start") from None
-                time.sleep(0.05)
+        self.port = free_port()
+        emulator = str(Path(sys.executable).parent / "gcp-storage-emulator")
+        command = [emulator, "start", "--host", "127.0.0.1", "--port", str(self.port), "--in-memory"]
+        self.service = LocalService(command, self.port, "gcp-storage-emulator")
         self.host = f"http://127.0.0.1:{self.port}"
 
     def client(self):
@@ -199,8 +224,63 @@ class GcsEmulator:
         return url
 
     def stop(self):
-        self.process.terminate()
-        self.process.wait(10)
+        self.service.stop()
+
+
+class LocalFlinkCluster:
+    """A Flink session cluster of this machine (1 JobManager, 2 TaskManagers, each its own JVM)
+    started by the project's helper, `deploy/flink/local/cluster.py`, as `make flink-up` does,
+    in `directory` with its REST API on a free port. `options`: the Beam options it printed."""
+
+    HELPER = REPO / "deploy" / "flink" / "local" / "cluster.py"
+    TASK_MANAGERS = ("taskmanager-1", "taskmanager-2")
+
+    def __init__(self, directory: Path):
+        port = free_port()
+        self.directory = directory
+        self.options = self._helper("up", "--rest-port", str(port)).splitlines()[-1].split()
+        self.rest_port = port
+
+    def _helper(self, *args: str) -> str:
+        import subprocess
+        import sys
+
+        done = subprocess.run(
+            [sys.executable, str(self.HELPER), *args, "--dir", str(self.directory)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"cluster.py {args[0]} failed: {done.stderr.strip()}")
+        return done.stdout
+
+    def restore(self) -> None:
+        """Start again whatever of the cluster is not running (a killed TaskManager)."""
+        self._helper("up")
+
+    def stop(self) -> None:
+        self._helper("down")
+
+    def pid(self, process: str) -> int:
+        return int((self.directory / "pids" / f"{process}.pid").read_text())
+
+    def rest(self, path: str):
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://localhost:{self.rest_port}{path}", timeout=10) as response:
+            return json.load(response)
+
+    def job_ids(self) -> set[str]:
+        return {job["jid"] for job in self.rest("/jobs/overview")["jobs"]}
+
+    def task_managers_of(self, job: str) -> set[str]:
+        """The TaskManagers that ran any subtask of `job`."""
+        return {
+            task_manager["taskmanager-id"]
+            for vertex in self.rest(f"/jobs/{job}")["vertices"]
+            for task_manager in self.rest(f"/jobs/{job}/vertices/{vertex['id']}/taskmanagers")["taskmanagers"]
+        }
 
 
 def write_chunk_files(directory: Path, chunks: list, rows_per_file: int = 5, vectors=None):

@@ -3,7 +3,6 @@ and Spark take), against Beam's own Python job service, with LOOPBACK workers.""
 
 import json
 import pathlib
-import socket
 import subprocess
 import sys
 import time
@@ -14,41 +13,9 @@ from pipeline.check.validate import validate_path
 from pipeline.check.validate_beam import validate_with_beam
 from pipeline.jobs.run import run_all
 from schemas.config import config_from_dict
-from tests.helpers import sample_documents, small_config, write_config, write_jsonl
+from tests.helpers import assert_same_data_files, sample_documents, small_config, write_config, write_jsonl
 
 pytestmark = pytest.mark.e2e
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _wait_for_port(port: int, process, what: str) -> None:
-    deadline = time.monotonic() + 60
-    while True:  # readiness poll
-        try:
-            socket.create_connection(("127.0.0.1", port), 0.2).close()
-            return
-        except OSError:
-            if time.monotonic() > deadline or process.poll() is not None:
-                raise RuntimeError(f"{what} did not start") from None
-            time.sleep(0.05)
-
-
-@pytest.fixture(scope="module")
-def job_service():
-    port = _free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "apache_beam.runners.portability.local_job_service_main", "--port", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    _wait_for_port(port, process, "the Beam job service")
-    yield f"localhost:{port}"
-    process.terminate()
-    process.wait(10)
 
 
 @pytest.fixture(scope="module")
@@ -60,38 +27,6 @@ def corpus_and_in_process_output(tmp_path_factory):
     corpus = str(root / "corpus" / "*.jsonl")
     run_all(config_from_dict(small_config(root / "in-process", corpus)), [])
     return corpus, root / "in-process"
-
-
-def _assert_in_process_bytes(out, in_process) -> None:
-    """`out` holds the data files the in-process run of the same config wrote, byte for byte."""
-    for stage in ("index/chunks", "index/embeddings", "index/faiss", "shards"):
-        files = sorted(p for p in (in_process / stage).iterdir() if p.suffix != ".json")
-        assert files and [p.read_bytes() for p in files] == [
-            (out / p.relative_to(in_process)).read_bytes() for p in files
-        ]
-
-
-@pytest.fixture(scope="module")
-def worker_pool():
-    """Beam's SDK worker pool as its own process: the Flink-operator layout, where task managers
-    run the project's image with --worker_pool and the job asks for EXTERNAL workers."""
-    import os
-
-    port = _free_port()
-    env = {
-        **os.environ,
-        "PATH": f"{pathlib.Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
-    }  # it starts `python`
-    process = subprocess.Popen(
-        [sys.executable, "-m", "apache_beam.runners.worker.worker_pool_main", "--service_port", str(port)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    _wait_for_port(port, process, "the worker pool")
-    yield f"localhost:{port}"
-    process.terminate()
-    process.wait(10)
 
 
 @pytest.mark.slow  # 30-50 s
@@ -142,7 +77,7 @@ def test_detached_stages_commit_themselves_on_an_external_worker_pool(
         time.sleep(0.2)
     assert all(line.startswith("OK") for line in validate_path(str(tmp_path / "pool")))
 
-    _assert_in_process_bytes(tmp_path / "pool", in_process)
+    assert_same_data_files(tmp_path / "pool", in_process)
 
 
 def test_portable_runner_writes_the_fnapi_runners_bytes(job_service, corpus_and_in_process_output, tmp_path):
@@ -156,7 +91,7 @@ def test_portable_runner_writes_the_fnapi_runners_bytes(job_service, corpus_and_
     assert all(line.startswith("OK") for line in lines)
     assert validate_with_beam(str(tmp_path / "portable"), beam_args) == lines  # validate as a job on that runner
 
-    _assert_in_process_bytes(tmp_path / "portable", in_process)
+    assert_same_data_files(tmp_path / "portable", in_process)
 
 
 DATAFLOW = [

@@ -293,7 +293,7 @@ def _memory_parameters(flink: Path, conf: Path, which: str) -> tuple[list[str], 
     return shlex.split(results[0]), shlex.split(results[1])
 
 
-def _start(name: str, main: str, flink: Path, directory: Path, extra: list[str]) -> int:
+def _start(name: str, main: str, flink: Path, directory: Path, extra: list[str]) -> subprocess.Popen:
     conf = directory / "conf"
     jvm, dynamic = _memory_parameters(flink, conf, "JM" if main == JOB_MANAGER_MAIN else "TM")
     log = directory / "log" / f"{name}.log"
@@ -314,7 +314,7 @@ def _start(name: str, main: str, flink: Path, directory: Path, extra: list[str])
     with (directory / "log" / f"{name}.out").open("ab") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     (directory / "pids" / f"{name}.pid").write_text(str(process.pid))
-    return process.pid
+    return process
 
 
 def rest(rest_port: int, path: str) -> dict:
@@ -342,17 +342,19 @@ def up(home: Path, directory: Path, rest_port: int, task_managers: int, slots: i
         (directory / sub).mkdir(parents=True, exist_ok=True)
     names = ["jobmanager"] + [f"taskmanager-{i}" for i in range(1, task_managers + 1)]
     running = {name: _alive(directory / "pids" / f"{name}.pid", directory) for name in names}
+    started = {}
     if running["jobmanager"] is None:
         if _port_taken(rest_port):
             raise ClusterError(f"port {rest_port} is taken: stop what holds it or pass --rest-port")
         config = flink_config(directory, rest_port, _free_port(), task_managers, slots)
         (directory / "conf" / "config.yaml").write_text(config)
         (directory / "conf" / "log4j.properties").write_text(LOG4J)
-        _start("jobmanager", JOB_MANAGER_MAIN, flink, directory, [])
+        started["jobmanager"] = _start("jobmanager", JOB_MANAGER_MAIN, flink, directory, [])
     rest_port = json.loads((directory / "conf" / "config.yaml").read_text())["rest"]["port"]
     for name in names[1:]:
         if running[name] is None:
-            _start(name, TASK_MANAGER_MAIN, flink, directory, ["-D", f"taskmanager.resource-id={name}"])
+            extra = ["-D", f"taskmanager.resource-id={name}"]
+            started[name] = _start(name, TASK_MANAGER_MAIN, flink, directory, extra)
     deadline = time.monotonic() + timeout
     while True:  # readiness poll: the JobManager's REST API lists the TaskManagers once registered
         try:
@@ -361,8 +363,10 @@ def up(home: Path, directory: Path, rest_port: int, task_managers: int, slots: i
                 break
         except (OSError, urllib.error.URLError, ValueError):
             registered = set()
-        dead = [n for n in names if _alive(directory / "pids" / f"{n}.pid", directory) is None]
+        dead = [name for name, process in started.items() if process.poll() is not None]
         if dead or time.monotonic() > deadline:
+            for process in started.values():  # nothing half-started is left running
+                process.kill()
             why = f"{', '.join(dead)} exited" if dead else f"not all TaskManagers registered in {timeout:.0f} s"
             raise ClusterError(f"the Flink cluster did not start: {why}; logs in {directory / 'log'}")
         time.sleep(0.5)

@@ -1,0 +1,170 @@
+"""The pipeline on a real Flink cluster: one JobManager and two TaskManagers, each its own JVM,
+started by deploy/flink/local/cluster.py as `make flink-up` does, and Beam's Flink job server.
+Flink runs the graph with its own operators (batch GroupByKey as a sort, its network shuffle,
+its restart strategy); what it writes is compared byte for byte with the local runner's output
+of the same config."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from examples.long_documents import long_documents
+from pipeline.check.validate import validate_path
+from pipeline.jobs.run import run_all
+from schemas.config import config_from_dict
+from tests.helpers import (
+    LocalFlinkCluster,
+    assert_same_data_files,
+    sample_documents,
+    small_config,
+    write_config,
+    write_jsonl,
+)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+PAGES = ["howto/enum", "library/enum", "tutorial/classes", "library/collections"]
+#: An IVF index written as slices by groups of lists (7 slices of ~400 KB for these documents)
+SLICED_IVF = {"type": "IVF8,Flat", "nprobe": 2, "slice_bytes": "400KB"}
+CLI = str(Path(sys.executable).parent / "ratrain-pipeline")
+
+
+@pytest.fixture(scope="module")
+def long_documents_built_locally(tmp_path_factory):
+    """Four long documents (127-211 chunks, near-duplicate passages planted) and what the local
+    runner writes from them with a sliced IVF index: (config for an output, local output)."""
+    root = tmp_path_factory.mktemp("flink-long")
+    write_jsonl(root / "corpus" / "docs.jsonl", long_documents(PAGES, near_duplicates=True))
+
+    def config(out: Path) -> dict:
+        return small_config(out, str(root / "corpus" / "*.jsonl"), index=SLICED_IVF)
+
+    run_all(config_from_dict(config(root / "local")), [])
+    return config, root / "local"
+
+
+def _manifest(out: Path, stage: str) -> dict:
+    return json.loads((out / stage / "manifest.json").read_text())
+
+
+def test_long_documents_on_flink_write_the_local_runners_bytes(flink_cluster, long_documents_built_locally, tmp_path):
+    """Both stages on the cluster at parallelism 2 with LOOPBACK workers: every chunk,
+    embedding, index slice and shard file equal to the local runner's, every neighbour slot
+    filled, the same recall; Flink lists both jobs FINISHED, each with subtasks on both
+    TaskManagers."""
+    config, local = long_documents_built_locally
+    before = flink_cluster.job_ids()
+    options = [*flink_cluster.options, "--environment_type=LOOPBACK"]
+    report = run_all(config_from_dict(config(tmp_path / "out")), options)
+    assert [status for status, _ in report.values()] == ["built", "built"]
+
+    assert_same_data_files(tmp_path / "out", local)
+    slices = [f for f in _manifest(tmp_path / "out", "index")["files"] if f["path"].startswith("faiss/slice-")]
+    assert len(slices) >= 3
+    shards, local_shards = _manifest(tmp_path / "out", "shards"), _manifest(local, "shards")
+    assert report["build-shards"][1]["neighbour_slots_padded"] == 0
+    assert shards["neighbour_recall"] == local_shards["neighbour_recall"]
+    assert all(line.startswith("OK") for line in validate_path(str(tmp_path / "out")))
+
+    jobs = flink_cluster.job_ids() - before
+    assert len(jobs) == 2
+    for job in jobs:
+        assert flink_cluster.rest(f"/jobs/{job}")["state"] == "FINISHED"
+        assert flink_cluster.task_managers_of(job) == set(LocalFlinkCluster.TASK_MANAGERS)
+
+
+@pytest.fixture(scope="module")
+def small_corpus_built_locally(tmp_path_factory):
+    root = tmp_path_factory.mktemp("flink-small")
+    write_jsonl(root / "corpus" / "a.jsonl", sample_documents(6))
+
+    def config(out: Path) -> dict:
+        return small_config(out, str(root / "corpus" / "*.jsonl"))
+
+    run_all(config_from_dict(config(root / "local")), [])
+    return config, root / "local"
+
+
+def test_detached_stages_chain_and_commit_on_flink_with_an_external_worker_pool(
+    flink_cluster, worker_pool, small_corpus_built_locally, tmp_path
+):
+    """The layout of deploy/flink/ on one machine: workers from a worker pool process
+    (EXTERNAL) that both TaskManagers share. build-index --detach returns once Flink lists the
+    job (Beam's job server, a child of the command, ends with it); build-shards
+    --wait-for-index --detach waits for that index, submits and returns; the cluster finishes
+    and commits both with the local runner's bytes."""
+    config, local = small_corpus_built_locally
+    path = write_config(tmp_path / "c.yaml", config(tmp_path / "out"))
+    options = [*flink_cluster.options, "--environment_type=EXTERNAL", f"--environment_config={worker_pool}"]
+    before = flink_cluster.job_ids()
+    index = subprocess.run(
+        [CLI, "build-index", "--config", str(path), "--detach", "--", *options], capture_output=True, text=True
+    )
+    assert index.returncode == 0 and "build-index submitted as job" in index.stderr, index.stderr[-3000:]
+    (index_job,) = flink_cluster.job_ids() - before  # on the cluster when the command returned
+    shards = subprocess.run(
+        [CLI, "build-shards", "--config", str(path), "--wait-for-index", "--poll-every", "1", "--detach", "--"]
+        + options,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert shards.returncode == 0 and "build-shards submitted as job" in shards.stderr, shards.stderr[-3000:]
+    deadline = time.monotonic() + 600
+    while not (tmp_path / "out" / "shards" / "manifest.json").exists():  # readiness poll: it commits itself
+        assert time.monotonic() < deadline, "the detached build-shards job never committed"
+        time.sleep(0.5)
+
+    assert_same_data_files(tmp_path / "out", local)
+    assert all(line.startswith("OK") for line in validate_path(str(tmp_path / "out")))
+    jobs = {flink_cluster.rest(f"/jobs/{job}")["name"] for job in flink_cluster.job_ids() - before}
+    assert {name.rsplit("-", 3)[0] for name in jobs} == {"ratrain-build-index", "ratrain-build-shards"}
+    assert flink_cluster.rest(f"/jobs/{index_job}")["state"] == "FINISHED"
+
+
+def _running_vertex(cluster: LocalFlinkCluster, job: str, step: str) -> bool:
+    return any(step in v["name"] and v["status"] == "RUNNING" for v in cluster.rest(f"/jobs/{job}")["vertices"])
+
+
+def test_a_task_manager_killed_mid_build_index_leaves_the_undisturbed_bytes(
+    flink_cluster, long_documents_built_locally, tmp_path
+):
+    """SIGKILL to one TaskManager while the embed stage runs. Flink's restart strategy reruns
+    the job on the slots left, or the job fails and a re-run builds it; either way the index
+    committed is the undisturbed run's, byte for byte, and a failed run commits nothing."""
+    config, local = long_documents_built_locally
+    path = write_config(tmp_path / "c.yaml", config(tmp_path / "out"))
+    command = [CLI, "build-index", "--config", str(path), "--", *flink_cluster.options, "--environment_type=LOOPBACK"]
+    before = flink_cluster.job_ids()
+    build = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while True:  # readiness poll: until the cluster runs the job's embed stage
+            jobs = flink_cluster.job_ids() - before
+            if jobs and _running_vertex(flink_cluster, next(iter(jobs)), "EmbedChunks"):
+                break
+            assert build.poll() is None and time.monotonic() < deadline, "build-index ended before its embed stage ran"
+            time.sleep(0.2)
+        os.kill(flink_cluster.pid("taskmanager-1"), signal.SIGKILL)
+        _, stderr = build.communicate(timeout=900)
+        (job,) = jobs
+        if build.returncode != 0:
+            assert not (tmp_path / "out" / "index" / "manifest.json").exists(), "a failed job committed"
+            flink_cluster.restore()
+            rerun = subprocess.run(command, capture_output=True, text=True, timeout=900)
+            assert rerun.returncode == 0, rerun.stderr[-3000:]
+        else:  # Flink restarted it: the loss is in the job's exception history
+            assert flink_cluster.rest(f"/jobs/{job}")["state"] == "FINISHED"
+            assert flink_cluster.rest(f"/jobs/{job}/exceptions")["exceptionHistory"]["entries"], stderr[-3000:]
+    finally:
+        build.kill()
+        flink_cluster.restore()
+
+    assert_same_data_files(tmp_path / "out", local, stages=("index/chunks", "index/embeddings", "index/faiss"))
+    assert all(line.startswith("OK") for line in validate_path(str(tmp_path / "out" / "index")))
