@@ -273,3 +273,53 @@ def test_flex_template_splits_its_parameters_from_beam_options():
     assert split_args(["--config", "gs://b/c.yaml"])[1] == "run"
     with pytest.raises(SystemExit):
         split_args(["--command=run"])  # no config
+
+
+def _local_cluster():
+    """deploy/flink/local/cluster.py, as a module (it runs as a script, beside no package)."""
+    spec = importlib.util.spec_from_file_location("local_cluster", DEPLOY / "flink" / "local" / "cluster.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.unit
+def test_the_local_flink_cluster_runs_the_flink_release_the_manifests_name():
+    cluster = _local_cluster()
+    (deployment,) = yaml.safe_load_all(rendered(DEPLOY / "flink" / "flink-deployment.yaml"))
+    assert deployment["spec"]["flinkVersion"] == "v" + cluster.FLINK_MINOR.replace(".", "_")
+    assert cluster.FLINK_VERSION.startswith(cluster.FLINK_MINOR + ".")
+    pinned = cluster.pinned_job_server_jars()
+    assert f"beam-runners-flink-{cluster.FLINK_MINOR}-{cluster.BEAM_JAVA_VERSION}.jar" in pinned
+    assert {f"flink-runtime-{cluster.FLINK_MINOR}.0.jar", f"flink-clients-{cluster.FLINK_MINOR}.0.jar"} <= set(pinned)
+    readme = (DEPLOY / "README.md").read_text()
+    for version in (cluster.BEAM_JAVA_VERSION, cluster.FLINK_VERSION, apache_beam.__version__):
+        assert version in readme
+
+
+@pytest.mark.unit
+def test_the_job_servers_jars_are_checked_against_their_pins(tmp_path):
+    cluster = _local_cluster()
+    (tmp_path / "a.jar").write_bytes(b"a")
+    pinned = {"a.jar": cluster.hashlib.sha256(b"a").hexdigest()}
+    cluster.check_jars(tmp_path, pinned)
+    (tmp_path / "a.jar").write_bytes(b"tampered")
+    with pytest.raises(cluster.ClusterError, match="sha256 differs"):
+        cluster.check_jars(tmp_path, pinned)
+    (tmp_path / "a.jar").write_bytes(b"a")
+    (tmp_path / "b.jar").write_bytes(b"b")
+    with pytest.raises(cluster.ClusterError, match=r"not pinned \['b.jar'\]"):
+        cluster.check_jars(tmp_path, pinned)
+
+
+@pytest.mark.unit
+def test_the_local_flink_config_leaves_a_slot_per_task_manager_for_restarts(tmp_path):
+    cluster = _local_cluster()
+    config = yaml.safe_load(cluster.flink_config(tmp_path, rest_port=8081, rpc_port=6123, task_managers=2, slots=2))
+    assert config["parallelism"]["default"] == 2 and config["taskmanager"]["numberOfTaskSlots"] == 2
+    assert config["restart-strategy"]["type"] == "fixed-delay"
+    assert config["rest"]["bind-address"] == config["taskmanager"]["bind-host"] == "localhost"  # loopback only
+    options = cluster.beam_options(tmp_path, 8081, 2)
+    parsed = pipeline_options([*options, "--environment_type=LOOPBACK"]).get_all_options()
+    assert parsed["runner"] == "FlinkRunner" and parsed["flink_master"] == "localhost:8081"
+    assert parsed["flink_version"] == cluster.FLINK_MINOR and int(parsed["parallelism"]) == 2

@@ -1,5 +1,6 @@
 import gc
 import os
+import re
 
 import pytest
 
@@ -7,9 +8,11 @@ from pipeline.jobs.options import (
     LOCAL_RUNNER,
     PipelineOptionsError,
     check_beam_args,
+    check_detachable,
     encoder_threads,
     new_pipeline,
     pipeline_options,
+    runner_kind,
     thread_environment,
 )
 
@@ -55,6 +58,8 @@ def test_the_users_thread_count_wins(monkeypatch):
         (None, "cpu", MULTI + ["--direct_num_workers=2"], 4),  # local workers share them
         (None, "cpu", MULTI + ["--direct_num_workers=16"], 1),
         (None, "cpu", ["--runner=PortableRunner", "--environment_type=LOOPBACK"], 8),  # calls back here
+        (None, "cpu", ["--runner=flink", "--environment_type=LOOPBACK"], 8),  # so do Flink's TaskManagers
+        (None, "cpu", ["--runner=FlinkRunner", "--environment_type=EXTERNAL"], 1),
         (None, "cpu", ["--runner=DataflowRunner"], 1),  # a process per worker core
         (None, "cpu", ["--runner=PortableRunner", "--environment_type=DOCKER"], 1),
         (2, "cuda", [], None),  # threads do not touch GPU bytes
@@ -64,6 +69,44 @@ def test_encoder_threads_are_fixed_once_per_job(monkeypatch, configured, device,
     monkeypatch.setenv("OMP_NUM_THREADS", "5")  # what faiss gets does not decide the encoder's
     monkeypatch.setattr(os, "cpu_count", lambda: 8)
     assert encoder_threads(configured, device, pipeline_options(args)) == threads
+
+
+@pytest.mark.parametrize(
+    "runner, kind",
+    [
+        ("FlinkRunner", "flink"),
+        ("flink", "flink"),
+        ("apache_beam.runners.portability.flink_runner.FlinkRunner", "flink"),
+        ("PortableRunner", "portable"),
+        ("DataflowRunner", "dataflow"),
+        (None, None),
+    ],
+)
+def test_a_runner_is_known_by_any_name_beam_resolves(runner, kind):
+    assert runner_kind(runner) == kind
+
+
+@pytest.mark.parametrize(
+    "args, refused",
+    [
+        (["--runner=FlinkRunner", "--flink_master=localhost:8081", "--environment_type=LOOPBACK"], "LOOPBACK"),
+        (["--runner=PortableRunner", "--job_endpoint=localhost:8099", "--environment_type=LOOPBACK"], "LOOPBACK"),
+        (
+            ["--runner=FlinkRunner", "--environment_type=EXTERNAL", "--environment_config=localhost:50000"],
+            "Flink runs inside",
+        ),
+        (["--runner=FlinkRunner", "--flink_master=localhost:8081", "--environment_type=EXTERNAL"], None),
+        (["--runner=PortableRunner", "--job_endpoint=localhost:8099", "--environment_type=EXTERNAL"], None),
+        ([], None),  # the local runner finishes the job before the command returns
+    ],
+)
+def test_detaching_is_refused_where_the_job_would_end_with_this_process(args, refused):
+    options = pipeline_options(args)
+    if refused is None:
+        check_detachable(options)
+    else:
+        with pytest.raises(PipelineOptionsError, match=re.escape(refused)):
+            check_detachable(options)
 
 
 # --- options Beam would drop are refused ------------------------------------------------------

@@ -1,0 +1,141 @@
+"""The quickstart on a Flink cluster against the local runner: wall time per stage, and the
+outputs compared file by file.
+
+    .venv/bin/python benchmarks/flink_vs_local.py [--repeat N] [--workdir DIR]
+
+1. A Flink 1.19 session cluster on this machine (`deploy/flink/local/cluster.py up`, as
+   `make flink-up`: 1 JobManager, 2 TaskManagers of 2 slots, each its own JVM), on a free port.
+2. The quickstart config (`examples/quickstart.yaml`, its corpus) built from nothing by `run`
+   on the local runner (FnApiRunner, in-process) and on the cluster at parallelism 2 with
+   LOOPBACK workers, `--repeat` times each, alternating, each run into a new output.
+3. Reported per runner: each stage's wall time from its manifest (the driver's start to the
+   commit) and the whole `run`; the ratio Flink / local of the medians. Checked: the sha256 of
+   every chunk, embedding, faiss and shard file equal between the two, `validate` passing on
+   both, and Flink's REST API listing each Flink job FINISHED with subtasks on both
+   TaskManagers.
+
+Results: a table on stdout, JSON in benchmarks/results/flink_vs_local.json. The cluster is
+stopped at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+from benchmarks.report import timed, write_results  # noqa: E402
+from pipeline.check.validate import validate_path  # noqa: E402
+from pipeline.embed.encoder import cpu_summary  # noqa: E402
+from pipeline.jobs.run import run_all  # noqa: E402
+from schemas.config import load_config  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+HELPER = REPO / "deploy" / "flink" / "local" / "cluster.py"
+DATA = ("index/chunks", "index/embeddings", "index/faiss", "shards")
+STAGES = ("build-index", "build-shards")
+
+
+def data_digests(out: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for stage in DATA
+        for p in sorted((out / stage).iterdir())
+        if p.suffix != ".json"
+    }
+
+
+def stage_seconds(out: Path) -> dict[str, float]:
+    """Each stage's wall time as its manifest records it (the driver's start to the commit)."""
+    manifests = {stage: out / stage.removeprefix("build-") / "manifest.json" for stage in STAGES}
+    return {stage: json.loads(path.read_text())["timings"]["wall_seconds"] for stage, path in manifests.items()}
+
+
+def rest(port: int, path: str):
+    with urllib.request.urlopen(f"http://localhost:{port}{path}", timeout=10) as response:
+        return json.load(response)
+
+
+def task_managers_of(port: int, job: str) -> set[str]:
+    return {
+        tm["taskmanager-id"]
+        for vertex in rest(port, f"/jobs/{job}")["vertices"]
+        for tm in rest(port, f"/jobs/{job}/vertices/{vertex['id']}/taskmanagers")["taskmanagers"]
+    }
+
+
+def flink_job(port: int, job: str) -> dict:
+    return {"state": rest(port, f"/jobs/{job}")["state"], "task_managers": sorted(task_managers_of(port, job))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--workdir", type=Path, default=None)
+    args = parser.parse_args()
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="flink-vs-local-"))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    cluster = ["--dir", str(workdir / "cluster")]
+    command = [sys.executable, str(HELPER), "up", "--rest-port", str(port), *cluster]
+    up = subprocess.run(command, check=True, capture_output=True, text=True)
+    flink_options = up.stdout.splitlines()[-1].split() + ["--environment_type=LOOPBACK"]
+    config = load_config(REPO / "examples" / "quickstart.yaml")
+    corpus = config.retrieval_corpus.model_copy(update={"paths": [str(REPO / "examples/corpus/*.jsonl")]})
+    runs: dict[str, list[dict]] = {"local": [], "flink": []}
+    try:
+        for i in range(args.repeat):
+            for runner, options in (("local", []), ("flink", flink_options)):
+                out = workdir / f"{runner}-{i}"
+                cfg = config.model_copy(update={"output": str(out), "retrieval_corpus": corpus})
+                before = {job["jid"] for job in rest(port, "/jobs/overview")["jobs"]}
+                _, seconds = timed(lambda cfg=cfg, options=options: run_all(cfg, options))
+                jobs = sorted({job["jid"] for job in rest(port, "/jobs/overview")["jobs"]} - before)
+                runs[runner].append(
+                    {
+                        "run_seconds": round(seconds, 1),
+                        **stage_seconds(out),
+                        "digests": data_digests(out),
+                        "validate_ok": all(line.startswith("OK") for line in validate_path(str(out))),
+                        "flink_jobs": [flink_job(port, job) for job in jobs],
+                    }
+                )
+                print(f"{runner} run {i + 1}: {seconds:.1f} s", file=sys.stderr)
+    finally:
+        subprocess.run([sys.executable, str(HELPER), "down", *cluster], check=True)
+
+    reference = runs["local"][0]["digests"]
+    identical = all(run["digests"] == reference for r in runs.values() for run in r)
+    results = {
+        "cpu": cpu_summary(),
+        "repeat": args.repeat,
+        "files_compared": len(reference),
+        "byte_identical": identical,
+        "validate_ok": all(run["validate_ok"] for r in runs.values() for run in r),
+        "flink_jobs": [job for run in runs["flink"] for job in run["flink_jobs"]],
+        "median_seconds": {
+            runner: {key: statistics.median(run[key] for run in r) for key in ("run_seconds", *STAGES)}
+            for runner, r in runs.items()
+        },
+    }
+    print(f"CPU: {results['cpu']}; quickstart, median of {args.repeat}")
+    print(f"{'':14}{'local s':>9}{'Flink s':>9}{'Flink/local':>13}")
+    for key in ("run_seconds", *STAGES):
+        local, flink = results["median_seconds"]["local"][key], results["median_seconds"]["flink"][key]
+        print(f"{key:14}{local:9.1f}{flink:9.1f}{flink / local:12.2f}x")
+    print(f"{len(reference)} data files byte-identical: {identical}; validate OK: {results['validate_ok']}")
+    print(f"Flink jobs: {results['flink_jobs']}")
+    write_results(results, REPO / "benchmarks" / "results" / "flink_vs_local.json")
+
+
+if __name__ == "__main__":
+    main()
