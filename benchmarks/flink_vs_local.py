@@ -4,7 +4,8 @@ outputs compared file by file.
     .venv/bin/python benchmarks/flink_vs_local.py [--repeat N] [--workdir DIR]
 
 1. A Flink 1.19 session cluster on this machine (`deploy/flink/local/cluster.py up`, as
-   `make flink-up`: 1 JobManager, 2 TaskManagers of 2 slots, each its own JVM), on a free port.
+   `make flink-up`: 1 JobManager, 2 TaskManagers of 2 slots, each its own JVM), on a free port
+   (`tests.helpers.LocalFlinkCluster`, as the tests start it).
 2. The quickstart config (`examples/quickstart.yaml`, its corpus) built from nothing by `run`
    on the local runner (FnApiRunner, in-process) and on the cluster at parallelism 2 with
    LOOPBACK workers, `--repeat` times each, alternating, each run into a new output.
@@ -23,12 +24,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
@@ -37,17 +35,16 @@ from pipeline.check.validate import validate_path  # noqa: E402
 from pipeline.embed.encoder import cpu_summary  # noqa: E402
 from pipeline.jobs.run import run_all  # noqa: E402
 from schemas.config import load_config  # noqa: E402
+from tests.helpers import DATA_STAGES, LocalFlinkCluster  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-HELPER = REPO / "deploy" / "flink" / "local" / "cluster.py"
-DATA = ("index/chunks", "index/embeddings", "index/faiss", "shards")
 STAGES = ("build-index", "build-shards")
 
 
 def data_digests(out: Path) -> dict[str, str]:
     return {
         str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for stage in DATA
+        for stage in DATA_STAGES
         for p in sorted((out / stage).iterdir())
         if p.suffix != ".json"
     }
@@ -59,21 +56,8 @@ def stage_seconds(out: Path) -> dict[str, float]:
     return {stage: json.loads(path.read_text())["timings"]["wall_seconds"] for stage, path in manifests.items()}
 
 
-def rest(port: int, path: str):
-    with urllib.request.urlopen(f"http://localhost:{port}{path}", timeout=10) as response:
-        return json.load(response)
-
-
-def task_managers_of(port: int, job: str) -> set[str]:
-    return {
-        tm["taskmanager-id"]
-        for vertex in rest(port, f"/jobs/{job}")["vertices"]
-        for tm in rest(port, f"/jobs/{job}/vertices/{vertex['id']}/taskmanagers")["taskmanagers"]
-    }
-
-
-def flink_job(port: int, job: str) -> dict:
-    return {"state": rest(port, f"/jobs/{job}")["state"], "task_managers": sorted(task_managers_of(port, job))}
+def flink_job(cluster: LocalFlinkCluster, job: str) -> dict:
+    return {"state": cluster.rest(f"/jobs/{job}")["state"], "task_managers": sorted(cluster.task_managers_of(job))}
 
 
 def main() -> None:
@@ -82,13 +66,8 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=None)
     args = parser.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="flink-vs-local-"))
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    cluster = ["--dir", str(workdir / "cluster")]
-    command = [sys.executable, str(HELPER), "up", "--rest-port", str(port), *cluster]
-    up = subprocess.run(command, check=True, capture_output=True, text=True)
-    flink_options = up.stdout.splitlines()[-1].split() + ["--environment_type=LOOPBACK"]
+    cluster = LocalFlinkCluster(workdir / "cluster")
+    flink_options = [*cluster.options, "--environment_type=LOOPBACK"]
     config = load_config(REPO / "examples" / "quickstart.yaml")
     corpus = config.retrieval_corpus.model_copy(update={"paths": [str(REPO / "examples/corpus/*.jsonl")]})
     runs: dict[str, list[dict]] = {"local": [], "flink": []}
@@ -97,21 +76,20 @@ def main() -> None:
             for runner, options in (("local", []), ("flink", flink_options)):
                 out = workdir / f"{runner}-{i}"
                 cfg = config.model_copy(update={"output": str(out), "retrieval_corpus": corpus})
-                before = {job["jid"] for job in rest(port, "/jobs/overview")["jobs"]}
+                before = cluster.job_ids()
                 _, seconds = timed(lambda cfg=cfg, options=options: run_all(cfg, options))
-                jobs = sorted({job["jid"] for job in rest(port, "/jobs/overview")["jobs"]} - before)
                 runs[runner].append(
                     {
                         "run_seconds": round(seconds, 1),
                         **stage_seconds(out),
                         "digests": data_digests(out),
                         "validate_ok": all(line.startswith("OK") for line in validate_path(str(out))),
-                        "flink_jobs": [flink_job(port, job) for job in jobs],
+                        "flink_jobs": [flink_job(cluster, job) for job in sorted(cluster.job_ids() - before)],
                     }
                 )
                 print(f"{runner} run {i + 1}: {seconds:.1f} s", file=sys.stderr)
     finally:
-        subprocess.run([sys.executable, str(HELPER), "down", *cluster], check=True)
+        cluster.stop()
 
     reference = runs["local"][0]["digests"]
     identical = all(run["digests"] == reference for r in runs.values() for run in r)

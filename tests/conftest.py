@@ -16,8 +16,7 @@ from tests.helpers import (
     PRECISION_ENV,
     GcsEmulator,
     LocalFlinkCluster,
-    LocalService,
-    free_port,
+    python_service,
     sample_documents,
     small_config,
     write_config,
@@ -104,26 +103,16 @@ def built_output(tmp_path_factory):
 @pytest.fixture(scope="session")
 def job_service():
     """Beam's own Python job service (the portable Job API), its address."""
-    import sys
-
-    port = free_port()
-    command = [sys.executable, "-m", "apache_beam.runners.portability.local_job_service_main", "--port", str(port)]
-    service = LocalService(command, port, "the Beam job service")
-    yield f"localhost:{port}"
-    service.stop()
+    with python_service("apache_beam.runners.portability.local_job_service_main", "--port") as address:
+        yield address
 
 
 @pytest.fixture(scope="session")
 def worker_pool():
     """The project's SDK worker pool as its own process (`python -m pipeline.jobs.worker_pool`),
     its address: the Flink-operator layout, where the job asks for EXTERNAL workers."""
-    import sys
-
-    port = free_port()
-    command = [sys.executable, "-m", "pipeline.jobs.worker_pool", "--service_port", str(port)]
-    service = LocalService(command, port, "the worker pool")
-    yield f"localhost:{port}"
-    service.stop()
+    with python_service("pipeline.jobs.worker_pool", "--service_port") as address:
+        yield address
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import yaml
@@ -189,6 +190,19 @@ class LocalService:
     def stop(self):
         self.process.terminate()
         self.process.wait(10)
+
+
+@contextmanager
+def python_service(module: str, port_option: str):
+    """`python -m module port_option PORT` on a free port while in the block: its address."""
+    import sys
+
+    port = free_port()
+    service = LocalService([sys.executable, "-m", module, port_option, str(port)], port, module)
+    try:
+        yield f"localhost:{port}"
+    finally:
+        service.stop()
 
 
 class GcsEmulator:
