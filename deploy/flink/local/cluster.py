@@ -224,9 +224,10 @@ def _port_taken(port: int) -> bool:
 def flink_config(directory: Path, rest_port: int, rpc_port: int, task_managers: int, slots: int) -> str:
     """Flink's config.yaml (1.19's standard YAML). Memory: a sort inside a batch GroupByKey needs
     each element to fit one sort buffer, a share of the slot's managed memory (with the 435 MiB
-    Flink gives a 2 GiB TaskManager by default, the embed stage's groups of several MB did not); network buffers for Beam's batch graphs,
-    which deploy every stage at once. Failures: a lost TaskManager is noticed within 10 s and the
-    job restarted on the slots left (2 per TaskManager, 1 used at parallelism 2)."""
+    Flink gives a 2 GiB TaskManager by default, the embed stage's groups of several MB did not);
+    network buffers for Beam's batch graphs, which deploy every stage at once. Failures: a lost
+    TaskManager is noticed within 10 s and the job restarted on the slots left (2 per
+    TaskManager, 1 used at parallelism 2)."""
     config = {
         "jobmanager": {
             "rpc": {"address": "localhost", "port": rpc_port},
