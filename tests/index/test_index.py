@@ -213,7 +213,9 @@ def test_recall_counts_a_tied_neighbour_as_found():
     ids = np.arange(len(vectors), dtype=np.int64)
     query_ids = ids[::50]
     truth = exact_nearest_other(query_ids, vectors[query_ids], ids, vectors)
-    assert (truth[0][:, :24] == truth[0][:, :1]).all()  # 24 ties per query
+    # 24 ties per query: equal scores up to the matrix product's rounding, which on some CPUs
+    # (an AMD EPYC without AVX512) differs by an ulp between rows of one block and the next
+    assert np.abs(truth[0][:, :24] - truth[0][:, :1]).max() <= 1e-6
     index = faiss.IndexIDMap2(faiss.IndexFlatIP(vectors.shape[1]))
     index.add_with_ids(vectors[::-1].copy(), ids[::-1].copy())  # ties come back in another order
     assert one_recall_at_k(index, query_ids, vectors[query_ids], truth) == 1.0
