@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 QUICKSTART := examples/quickstart.yaml
 
-.PHONY: install quickstart test test-fast test-unit lint benchmark experiment clean flink-install flink-up flink-down
+.PHONY: install quickstart test test-fast test-unit lint benchmark experiment clean runners-install flink-up flink-down
 
 install: $(STAMP)
 
@@ -16,20 +16,21 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,report,onnx,openvino]'
 	touch $(STAMP)
 
-# A Flink session cluster on this machine (deploy/flink/local/cluster.py; versions pinned there):
-# the jars once through Maven and PyPI, sha256-checked; then 1 JobManager and 2 TaskManagers on
-# loopback. flink-up prints, as its last line, the Beam options that submit to it.
-FLINK := $(BIN)/python deploy/flink/local/cluster.py
+# Beam's Flink and Spark runners on this machine (deploy/local/runners.py; versions pinned there):
+# the jars once through Maven and PyPI, sha256-checked. flink-up starts a Flink session cluster
+# (1 JobManager, 2 TaskManagers, on loopback) and prints, as its last line, the Beam options that
+# submit to it; `$(RUNNERS) spark-options` prints those for Spark (which runs in its job server).
+RUNNERS := $(BIN)/python deploy/local/runners.py
 
 # Idempotent: returns at once when the pinned jars are in place.
-flink-install: install
-	$(FLINK) install
+runners-install: install
+	$(RUNNERS) install
 
-flink-up: install flink-install
-	$(FLINK) up
+flink-up: runners-install
+	$(RUNNERS) up
 
 flink-down:
-	$(FLINK) down
+	$(RUNNERS) down
 
 quickstart: install
 	$(BIN)/ratrain-pipeline run --config $(QUICKSTART)
@@ -53,7 +54,7 @@ quickstart: install
 # time, most tests keep one of two cores busy. TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
-test: install flink-install
+test: install runners-install
 	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
 # Everything but the tests marked slow (each over ~30 s); `make test` (and CI) runs them all.

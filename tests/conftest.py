@@ -16,6 +16,7 @@ from tests.helpers import (
     PRECISION_ENV,
     GcsEmulator,
     LocalFlinkCluster,
+    local_runners,
     python_service,
     sample_documents,
     small_config,
@@ -116,9 +117,36 @@ def worker_pool():
 
 
 @pytest.fixture(scope="session")
+def long_documents_built_locally(tmp_path_factory):
+    """Four long documents (127-211 chunks, near-duplicate passages planted) and what the local
+    runner writes from them with an IVF index in slices (7 of ~400 KB): (config for an output
+    directory, the local output), the reference for other runners."""
+    from examples.long_documents import long_documents
+    from pipeline.jobs.run import run_all
+    from schemas.config import config_from_dict
+
+    root = tmp_path_factory.mktemp("long-local")
+    pages = ["howto/enum", "library/enum", "tutorial/classes", "library/collections"]
+    write_jsonl(root / "corpus" / "docs.jsonl", long_documents(pages, near_duplicates=True))
+    sliced_ivf = {"type": "IVF8,Flat", "nprobe": 2, "slice_bytes": "400KB"}
+
+    def config(out: Path) -> dict:
+        return small_config(out, str(root / "corpus" / "*.jsonl"), index=sliced_ivf)
+
+    run_all(config_from_dict(config(root / "local")), [])
+    return config, root / "local"
+
+
+@pytest.fixture(scope="session")
+def spark_options():
+    """The Beam options for Spark inside Beam's Spark job server (`runners.py spark-options`)."""
+    return local_runners("spark-options").split()
+
+
+@pytest.fixture(scope="session")
 def flink_cluster(tmp_path_factory):
     """A Flink session cluster (1 JobManager, 2 TaskManagers) started by the project's helper
-    from the jars `make flink-install` installed; stopped, by pid, at the end of the session."""
+    from the jars `make runners-install` installed; stopped, by pid, at the end of the session."""
     cluster = LocalFlinkCluster(tmp_path_factory.mktemp("flink"))
     yield cluster
     cluster.stop()

@@ -241,12 +241,41 @@ class GcsEmulator:
         self.service.stop()
 
 
+def assert_matches_the_local_run(out: Path, local: Path) -> None:
+    """`out`, built by another runner from the config `local` was built from by the local
+    runner (`long_documents_built_locally`): every data file the same bytes, the index in
+    slices, every neighbour slot filled, the same neighbour recall, `validate` passing."""
+    from pipeline.check.validate import validate_path
+    from pipeline.common import fileio
+    from schemas.manifest import IndexManifest, ShardsManifest
+
+    assert_same_data_files(out, local)
+    index = fileio.committed_manifest(str(out / "index"), IndexManifest)
+    assert sum(f.path.startswith("faiss/slice-") for f in index.files) >= 3
+    shards, local_shards = (fileio.committed_manifest(str(o / "shards"), ShardsManifest) for o in (out, local))
+    assert shards.neighbour_fill == 1.0 and shards.neighbour_recall == local_shards.neighbour_recall
+    assert all(line.startswith("OK") for line in validate_path(str(out)))
+
+
+LOCAL_RUNNERS = REPO / "deploy" / "local" / "runners.py"
+
+
+def local_runners(*args: str) -> str:
+    """What `deploy/local/runners.py ARGS` prints; a RuntimeError with its message if it fails."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, str(LOCAL_RUNNERS), *args], capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        raise RuntimeError(f"runners.py {args[0]} failed: {done.stderr.strip()}")
+    return done.stdout
+
+
 class LocalFlinkCluster:
     """A Flink session cluster of this machine (1 JobManager, 2 TaskManagers, each its own JVM)
-    started by the project's helper, `deploy/flink/local/cluster.py`, as `make flink-up` does,
+    started by the project's helper, `deploy/local/runners.py`, as `make flink-up` does,
     in `directory` with its REST API on a free port. `options`: the Beam options it printed."""
 
-    HELPER = REPO / "deploy" / "flink" / "local" / "cluster.py"
     TASK_MANAGERS = ("taskmanager-1", "taskmanager-2")
 
     def __init__(self, directory: Path):
@@ -256,18 +285,7 @@ class LocalFlinkCluster:
         self.rest_port = port
 
     def _helper(self, *args: str) -> str:
-        import subprocess
-        import sys
-
-        done = subprocess.run(
-            [sys.executable, str(self.HELPER), *args, "--dir", str(self.directory)],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"cluster.py {args[0]} failed: {done.stderr.strip()}")
-        return done.stdout
+        return local_runners(*args, "--dir", str(self.directory))
 
     def restore(self) -> None:
         """Start again whatever of the cluster is not running (a killed TaskManager)."""

@@ -21,6 +21,7 @@ from apache_beam.options.pipeline_options import (
     FlinkRunnerOptions,
     PipelineOptions,
     PortableOptions,
+    SparkRunnerOptions,
     StandardOptions,
     TypeOptions,
     _BeamArgumentParser,
@@ -231,19 +232,30 @@ def check_beam_args(beam_args: Sequence[str], cli_options: Mapping[str, str] | N
 
 def check_detachable(options: PipelineOptions) -> None:
     """Refuse `--detach` where the job would end with this process: LOOPBACK workers are its
-    threads, and with `--flink_master=[local]` (FlinkRunner's default) Flink itself runs in the
-    job server this process started. (On an in-process runner the job finishes before the
+    threads, and without --job_endpoint the runner starts its job server as a child of this
+    process, which with FlinkRunner's `--flink_master=[auto]` (or `[local]`) runs Flink itself,
+    and with SparkRunner the Spark driver. (On an in-process runner the job finishes before the
     command returns.)"""
     if loopback_workers(options):
         raise PipelineOptionsError(
             "--detach with --environment_type=LOOPBACK: the workers run in this process, which exits "
             "once the job is submitted; use --environment_type=EXTERNAL (a worker pool) to detach"
         )
-    flink = options.view_as(FlinkRunnerOptions)
-    if runner_kind(options.view_as(StandardOptions).runner) == "flink" and flink.flink_master in ("[local]", "[auto]"):
+    if options.view_as(PortableOptions).job_endpoint:
+        return  # a job server of its own, which outlives this process
+    kind, flink_master = (
+        runner_kind(options.view_as(StandardOptions).runner),
+        options.view_as(FlinkRunnerOptions).flink_master,
+    )
+    if kind == "flink" and flink_master in ("[local]", "[auto]"):
         raise PipelineOptionsError(
-            f"--detach with --flink_master={flink.flink_master}: Flink runs inside the job server this "
-            "process starts and stops; give the cluster's --flink_master=host:port to detach"
+            f"--detach with --flink_master={flink_master}: Flink runs inside the job server this process "
+            "starts and stops; give the cluster's --flink_master=HOST:PORT to detach"
+        )
+    if kind == "spark" and not options.view_as(SparkRunnerOptions).spark_submit_uber_jar:
+        raise PipelineOptionsError(
+            "--detach with --runner=SparkRunner: the Spark driver runs inside the job server this process "
+            "starts and stops; give a running job server (--job_endpoint) to detach"
         )
 
 

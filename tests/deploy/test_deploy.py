@@ -275,51 +275,56 @@ def test_flex_template_splits_its_parameters_from_beam_options():
         split_args(["--command=run"])  # no config
 
 
-def _local_cluster():
-    """deploy/flink/local/cluster.py, as a module (it runs as a script, beside no package)."""
-    spec = importlib.util.spec_from_file_location("local_cluster", DEPLOY / "flink" / "local" / "cluster.py")
+def _local_runners():
+    """deploy/local/runners.py, as a module (it runs as a script, beside no package)."""
+    spec = importlib.util.spec_from_file_location("local_runners", DEPLOY / "local" / "runners.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
 
 @pytest.mark.unit
-def test_the_local_flink_cluster_runs_the_flink_release_the_manifests_name():
-    cluster = _local_cluster()
+def test_the_local_runners_run_the_releases_the_manifests_and_docs_name():
+    runners = _local_runners()
     (deployment,) = yaml.safe_load_all(rendered(DEPLOY / "flink" / "flink-deployment.yaml"))
-    assert deployment["spec"]["flinkVersion"] == "v" + cluster.FLINK_MINOR.replace(".", "_")
-    assert cluster.FLINK_VERSION.startswith(cluster.FLINK_MINOR + ".")
-    pinned = cluster.pinned_job_server_jars()
-    assert f"beam-runners-flink-{cluster.FLINK_MINOR}-{cluster.BEAM_JAVA_VERSION}.jar" in pinned
-    assert {f"flink-runtime-{cluster.FLINK_MINOR}.0.jar", f"flink-clients-{cluster.FLINK_MINOR}.0.jar"} <= set(pinned)
+    assert deployment["spec"]["flinkVersion"] == "v" + runners.FLINK_MINOR.replace(".", "_")
+    assert runners.FLINK_VERSION.startswith(runners.FLINK_MINOR + ".")
+    flink, spark = runners.FLINK_JOB_SERVER.pinned(), runners.SPARK_JOB_SERVER.pinned()
+    assert f"beam-runners-flink-{runners.FLINK_MINOR}-{runners.BEAM_JAVA_VERSION}.jar" in flink
+    assert {f"flink-runtime-{runners.FLINK_MINOR}.0.jar", f"flink-clients-{runners.FLINK_MINOR}.0.jar"} <= set(flink)
+    assert f"beam-runners-spark-3-{runners.BEAM_JAVA_VERSION}.jar" in spark
+    assert f"spark-core_2.12-{runners.SPARK_VERSION}.jar" in spark
     readme = (DEPLOY / "README.md").read_text()
-    for version in (cluster.BEAM_JAVA_VERSION, cluster.FLINK_VERSION, apache_beam.__version__):
+    for version in (runners.BEAM_JAVA_VERSION, runners.FLINK_VERSION, runners.SPARK_VERSION, apache_beam.__version__):
         assert version in readme
 
 
 @pytest.mark.unit
 def test_the_job_servers_jars_are_checked_against_their_pins(tmp_path):
-    cluster = _local_cluster()
+    runners = _local_runners()
     (tmp_path / "a.jar").write_bytes(b"a")
-    pinned = {"a.jar": cluster.hashlib.sha256(b"a").hexdigest()}
-    cluster.check_jars(tmp_path, pinned)
+    pinned = {"a.jar": runners.hashlib.sha256(b"a").hexdigest()}
+    runners.check_jars(tmp_path, pinned)
     (tmp_path / "a.jar").write_bytes(b"tampered")
-    with pytest.raises(cluster.ClusterError, match="sha256 differs"):
-        cluster.check_jars(tmp_path, pinned)
+    with pytest.raises(runners.ClusterError, match="sha256 differs"):
+        runners.check_jars(tmp_path, pinned)
     (tmp_path / "a.jar").write_bytes(b"a")
     (tmp_path / "b.jar").write_bytes(b"b")
-    with pytest.raises(cluster.ClusterError, match=r"not pinned \['b.jar'\]"):
-        cluster.check_jars(tmp_path, pinned)
+    with pytest.raises(runners.ClusterError, match=r"not pinned \['b.jar'\]"):
+        runners.check_jars(tmp_path, pinned)
 
 
 @pytest.mark.unit
 def test_the_local_flink_config_leaves_a_slot_per_task_manager_for_restarts(tmp_path):
-    cluster = _local_cluster()
-    config = yaml.safe_load(cluster.flink_config(tmp_path, rest_port=8081, rpc_port=6123, task_managers=2, slots=2))
+    runners = _local_runners()
+    config = yaml.safe_load(runners.flink_config(tmp_path, rest_port=8081, rpc_port=6123, task_managers=2, slots=2))
     assert config["parallelism"]["default"] == 2 and config["taskmanager"]["numberOfTaskSlots"] == 2
     assert config["restart-strategy"]["type"] == "fixed-delay"
     assert config["rest"]["bind-address"] == config["taskmanager"]["bind-host"] == "localhost"  # loopback only
-    options = cluster.beam_options(tmp_path, 8081, 2)
-    parsed = pipeline_options([*options, "--environment_type=LOOPBACK"]).get_all_options()
+    flink = [*runners.beam_options(tmp_path, 8081, 2), "--environment_type=LOOPBACK"]
+    parsed = pipeline_options(flink).get_all_options()
     assert parsed["runner"] == "FlinkRunner" and parsed["flink_master"] == "localhost:8081"
-    assert parsed["flink_version"] == cluster.FLINK_MINOR and int(parsed["parallelism"]) == 2
+    assert parsed["flink_version"] == runners.FLINK_MINOR and int(parsed["parallelism"]) == 2
+    parsed = pipeline_options(runners.spark_options(tmp_path)).get_all_options()
+    assert parsed["runner"] == "SparkRunner" and parsed["spark_master_url"] == runners.SPARK_MASTER

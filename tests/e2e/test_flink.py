@@ -1,10 +1,9 @@
 """The pipeline on a real Flink cluster: one JobManager and two TaskManagers, each its own JVM,
-started by deploy/flink/local/cluster.py as `make flink-up` does, and Beam's Flink job server.
+started by deploy/local/runners.py as `make flink-up` does, and Beam's Flink job server.
 Flink runs the graph with its own operators (batch GroupByKey as a sort, its network shuffle,
 its restart strategy); what it writes is compared byte for byte with the local runner's output
 of the same config."""
 
-import json
 import os
 import signal
 import subprocess
@@ -14,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from examples.long_documents import long_documents
 from pipeline.check.validate import validate_path
 from pipeline.jobs.run import run_all
 from schemas.config import config_from_dict
 from tests.helpers import (
     LocalFlinkCluster,
+    assert_matches_the_local_run,
     assert_same_data_files,
     sample_documents,
     small_config,
@@ -29,28 +28,7 @@ from tests.helpers import (
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-PAGES = ["howto/enum", "library/enum", "tutorial/classes", "library/collections"]
-#: An IVF index written as slices by groups of lists (7 slices of ~400 KB for these documents)
-SLICED_IVF = {"type": "IVF8,Flat", "nprobe": 2, "slice_bytes": "400KB"}
 CLI = str(Path(sys.executable).parent / "ratrain-pipeline")
-
-
-@pytest.fixture(scope="module")
-def long_documents_built_locally(tmp_path_factory):
-    """Four long documents (127-211 chunks, near-duplicate passages planted) and what the local
-    runner writes from them with a sliced IVF index: (config for an output, local output)."""
-    root = tmp_path_factory.mktemp("flink-long")
-    write_jsonl(root / "corpus" / "docs.jsonl", long_documents(PAGES, near_duplicates=True))
-
-    def config(out: Path) -> dict:
-        return small_config(out, str(root / "corpus" / "*.jsonl"), index=SLICED_IVF)
-
-    run_all(config_from_dict(config(root / "local")), [])
-    return config, root / "local"
-
-
-def _manifest(out: Path, stage: str) -> dict:
-    return json.loads((out / stage / "manifest.json").read_text())
 
 
 def test_long_documents_on_flink_write_the_local_runners_bytes(flink_cluster, long_documents_built_locally, tmp_path):
@@ -64,13 +42,8 @@ def test_long_documents_on_flink_write_the_local_runners_bytes(flink_cluster, lo
     report = run_all(config_from_dict(config(tmp_path / "out")), options)
     assert [status for status, _ in report.values()] == ["built", "built"]
 
-    assert_same_data_files(tmp_path / "out", local)
-    slices = [f for f in _manifest(tmp_path / "out", "index")["files"] if f["path"].startswith("faiss/slice-")]
-    assert len(slices) >= 3
-    shards, local_shards = _manifest(tmp_path / "out", "shards"), _manifest(local, "shards")
     assert report["build-shards"][1]["neighbour_slots_padded"] == 0
-    assert shards["neighbour_recall"] == local_shards["neighbour_recall"]
-    assert all(line.startswith("OK") for line in validate_path(str(tmp_path / "out")))
+    assert_matches_the_local_run(tmp_path / "out", local)
 
     jobs = flink_cluster.job_ids() - before
     assert len(jobs) == 2

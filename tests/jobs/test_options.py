@@ -95,6 +95,8 @@ def test_a_runner_is_known_by_any_name_beam_resolves(runner, kind):
             ["--runner=FlinkRunner", "--environment_type=EXTERNAL", "--environment_config=localhost:50000"],
             "Flink runs inside",
         ),
+        (["--runner=SparkRunner", "--spark_master_url=local[2]", "--environment_type=EXTERNAL"], "Spark driver"),
+        (["--runner=SparkRunner", "--job_endpoint=localhost:8099", "--environment_type=EXTERNAL"], None),
         (["--runner=FlinkRunner", "--flink_master=localhost:8081", "--environment_type=EXTERNAL"], None),
         (["--runner=PortableRunner", "--job_endpoint=localhost:8099", "--environment_type=EXTERNAL"], None),
         ([], None),  # the local runner finishes the job before the command returns

@@ -1,12 +1,15 @@
-"""A Flink session cluster on this machine for Beam's FlinkRunner: one JobManager and two
-TaskManagers, each its own JVM, on loopback, and Beam's Flink job server jar beside it.
+"""Beam's Flink and Spark runners on this machine, from pinned jars: a Flink session cluster of
+one JobManager and two TaskManagers, each its own JVM, on loopback, with Beam's Flink job
+server beside it; and Beam's Spark job server, which runs Spark inside itself (`local[2]`).
 
-    python deploy/flink/local/cluster.py install  # the pinned jars (Maven, PyPI), sha256-checked
-    python deploy/flink/local/cluster.py up       # start what is not running; last line: Beam options
-    python deploy/flink/local/cluster.py down     # stop every process `up` started, by pid
+    python deploy/local/runners.py install        # the pinned jars (Maven, PyPI), sha256-checked
+    python deploy/local/runners.py up             # start the Flink cluster (what is not running);
+                                                  # last line: the Beam options that submit to it
+    python deploy/local/runners.py down           # stop every process `up` started, by pid
+    python deploy/local/runners.py spark-options  # the Beam options for the Spark job server
 
-`make flink-up` / `make flink-down` run these; the tests start their own cluster the same way
-(`--dir`, `--rest-port`). Standard library only: it runs before anything else is installed.
+`make flink-up` / `make flink-down` run these; the tests start their own Flink cluster the same
+way (`--dir`, `--rest-port`). Standard library only: it runs before anything else is installed.
 """
 
 from __future__ import annotations
@@ -26,44 +29,53 @@ import time
 import urllib.error
 import urllib.request
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
-# The versions, pinned here only. Beam's Java side: the newest `beam-runners-flink-1.19` whose
-# dependencies Maven Central serves here (2.63-2.69 and 2.71-2.77 are not served; 2.70.0 lacks
-# beam-runners-java-job-service 2.70.0). Flink: the newest 1.19 release, from PyPI's
-# apache-flink-libraries (its deps/ holds the distribution's jars; Maven Central serves no flink-dist).
+# The versions, pinned here only. Beam's Java side: the newest release whose Flink runner
+# (`beam-runners-flink-1.19`) comes from Maven Central here with all its dependencies (2.63-2.69
+# and 2.71-2.77 are not served; 2.70.0 lacks beam-runners-java-job-service 2.70.0); its Spark
+# runner from the same release. Flink: the newest 1.19 release, from PyPI's
+# apache-flink-libraries (its deps/ holds the distribution's jars; Maven Central serves no
+# flink-dist). Spark: the newest 3.5 release (the first line to run on Java 17), from Maven.
 BEAM_JAVA_VERSION = "2.62.0"
 FLINK_MINOR = "1.19"
 FLINK_VERSION = "1.19.3"
 FLINK_LIBRARIES_SHA256 = "4a58e3a1fb7d83340bc96b6c080624c6d792d69fae5d294b96224775204a9c60"
+SPARK_VERSION = "3.5.9"
+SPARK_MASTER = "local[2]"
 
 HERE = Path(__file__).resolve().parent
-REPOSITORY = HERE.parents[2]
-DEFAULT_HOME = REPOSITORY / ".flink"  # the installed jars
-JOB_SERVER_MAIN = "org.apache.beam.runners.flink.FlinkJobServerDriver"
+REPOSITORY = HERE.parents[1]
+DEFAULT_HOME = REPOSITORY / ".runners"  # the installed jars
 JOB_MANAGER_MAIN = "org.apache.flink.runtime.entrypoint.StandaloneSessionClusterEntrypoint"
 TASK_MANAGER_MAIN = "org.apache.flink.runtime.taskexecutor.TaskManagerRunner"
 MEMORY_PARAMETERS = "org.apache.flink.runtime.util.bash.BashJavaUtils"
 
-# What Flink's own config.yaml passes every JVM on Java 17 (env.java.opts.all): Flink and Beam
-# serialise JDK classes by reflection. As JVM flags for the cluster, as manifest attributes for
-# the job server's launcher jar.
+# What Flink's own config.yaml passes every JVM on Java 17 (env.java.opts.all), and what Spark
+# adds (sun.nio.cs, sun.security.action, sun.util.calendar, java.lang.invoke): both serialise
+# JDK classes by reflection. As JVM flags for the Flink cluster, as manifest attributes for the
+# job servers' launcher jars.
 EXPORTED = ["java.base/sun.net.util", "java.rmi/sun.rmi.registry", "java.security.jgss/sun.security.krb5"]
 OPENED = [
     f"java.base/{package}"
     for package in (
         "java.lang",
-        "java.net",
-        "java.io",
-        "java.nio",
-        "sun.nio.ch",
+        "java.lang.invoke",
         "java.lang.reflect",
+        "java.io",
+        "java.net",
+        "java.nio",
         "java.text",
         "java.time",
         "java.util",
         "java.util.concurrent",
         "java.util.concurrent.atomic",
         "java.util.concurrent.locks",
+        "sun.nio.ch",
+        "sun.nio.cs",
+        "sun.security.action",
+        "sun.util.calendar",
     )
 ]
 JAVA_17_FLAGS = [f"--add-exports={m}=ALL-UNNAMED" for m in EXPORTED] + [f"--add-opens={m}=ALL-UNNAMED" for m in OPENED]
@@ -73,11 +85,52 @@ class ClusterError(RuntimeError):
     pass
 
 
+@dataclass(frozen=True)
+class JobServer:
+    """One of Beam's Java job servers: its Maven project (`pom.xml`, with every jar of its
+    classpath pinned in `jars.sha256` beside it), the versions the project takes, its main class."""
+
+    name: str
+    artifact: str  # Beam's name for the runner: beam-runners-<artifact>
+    main: str
+    properties: tuple[tuple[str, str], ...]
+
+    @property
+    def project(self) -> Path:
+        return HERE / f"{self.name}-job-server"
+
+    def jar(self, home: Path) -> Path:
+        """The launcher jar, beside the `lib/` it names."""
+        return home / f"{self.name}-job-server" / f"beam-runners-{self.artifact}-job-server-{BEAM_JAVA_VERSION}.jar"
+
+    def pinned(self) -> dict[str, str]:
+        """jars.sha256: every jar of the classpath and its sha256."""
+        pinned = {}
+        for line in (self.project / "jars.sha256").read_text().splitlines():
+            if line.strip() and not line.startswith("#"):
+                digest, name = line.split()
+                pinned[name] = digest
+        return pinned
+
+
+JOB_SERVERS = (
+    JobServer(
+        "flink",
+        f"flink-{FLINK_MINOR}",
+        "org.apache.beam.runners.flink.FlinkJobServerDriver",
+        (("beam.version", BEAM_JAVA_VERSION), ("flink.minor", FLINK_MINOR)),
+    ),
+    JobServer(
+        "spark",
+        "spark-3",
+        "org.apache.beam.runners.spark.SparkJobServerDriver",
+        (("beam.version", BEAM_JAVA_VERSION), ("spark.version", SPARK_VERSION)),
+    ),
+)
+FLINK_JOB_SERVER, SPARK_JOB_SERVER = JOB_SERVERS
+
+
 # -- install -------------------------------------------------------------------------------
-
-
-def job_server_jar(home: Path) -> Path:
-    return home / "job-server" / f"beam-runners-flink-{FLINK_MINOR}-job-server-{BEAM_JAVA_VERSION}.jar"
 
 
 def flink_dir(home: Path) -> Path:
@@ -89,10 +142,11 @@ def _stamp(home: Path) -> Path:
 
 
 def _pins() -> str:
-    """What an installation is of: the versions, the Maven project and the pinned digests."""
-    digest = hashlib.sha256(f"{BEAM_JAVA_VERSION} {FLINK_VERSION} {FLINK_LIBRARIES_SHA256}".encode())
-    for pinned in ("pom.xml", "job-server.sha256"):
-        digest.update((HERE / pinned).read_bytes())
+    """What an installation is of: the versions, the Maven projects and the pinned digests."""
+    digest = hashlib.sha256(f"{BEAM_JAVA_VERSION} {FLINK_VERSION} {FLINK_LIBRARIES_SHA256} {SPARK_VERSION}".encode())
+    for server in JOB_SERVERS:
+        for pinned in ("pom.xml", "jars.sha256"):
+            digest.update((server.project / pinned).read_bytes())
     return digest.hexdigest()
 
 
@@ -108,16 +162,6 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def pinned_job_server_jars() -> dict[str, str]:
-    """job-server.sha256: every jar of the job server's classpath and its sha256."""
-    pinned = {}
-    for line in (HERE / "job-server.sha256").read_text().splitlines():
-        if line.strip() and not line.startswith("#"):
-            digest, name = line.split()
-            pinned[name] = digest
-    return pinned
-
-
 def check_jars(directory: Path, pinned: dict[str, str]) -> None:
     """Every pinned jar present with its sha256, and no other jar."""
     found = {p.name for p in directory.glob("*.jar")}
@@ -126,16 +170,16 @@ def check_jars(directory: Path, pinned: dict[str, str]) -> None:
         raise ClusterError(f"{directory}: jars missing {missing[:5]}, not pinned {extra[:5]}")
     wrong = [name for name, digest in pinned.items() if _sha256(directory / name) != digest]
     if wrong:
-        raise ClusterError(f"{directory}: sha256 differs from job-server.sha256 for {wrong[:5]}")
+        raise ClusterError(f"{directory}: sha256 differs from jars.sha256 for {wrong[:5]}")
 
 
-def _write_launcher(jar: Path, classpath: list[str]) -> None:
+def _write_launcher(jar: Path, main: str, classpath: list[str]) -> None:
     """A jar holding only a manifest: `java -jar` runs the job server's main class over the
     jars beside it (the Class-Path entries resolve relative to this jar) with the JDK modules
-    Flink needs opened, and the log level of the job server's own lines."""
+    Flink and Spark need opened, and the log level of the job server's own lines."""
     attributes = {
         "Manifest-Version": "1.0",
-        "Main-Class": JOB_SERVER_MAIN,
+        "Main-Class": main,
         "Class-Path": " ".join(classpath),
         "Add-Exports": " ".join(EXPORTED),
         "Add-Opens": " ".join(OPENED),
@@ -150,36 +194,24 @@ def _write_launcher(jar: Path, classpath: list[str]) -> None:
         out.writestr("simplelogger.properties", "org.slf4j.simpleLogger.defaultLogLevel=warn\n")
 
 
-def install(home: Path) -> None:
-    """Fetch the job server's jars through Maven and Flink's from PyPI, check every sha256, and
-    write the job server's launcher jar. Does nothing when already installed."""
-    if installed(home):
-        return
-    for tool in ("java", "mvn"):
-        if shutil.which(tool) is None:
-            raise ClusterError(f"{tool} not found: the Flink cluster needs Java 17 and Maven")
-    lib = job_server_jar(home).parent / "lib"
-    shutil.rmtree(lib, ignore_errors=True)
-    print(f"fetching Beam's Flink job server {BEAM_JAVA_VERSION} (Flink {FLINK_MINOR}) through Maven", file=sys.stderr)
+def install_job_server(server: JobServer, home: Path) -> None:
+    """The job server's classpath through Maven, every jar checked against its pin, and the
+    launcher jar that names them."""
+    shutil.rmtree(server.jar(home).parent, ignore_errors=True)  # nothing of an earlier pin is left
+    lib = server.jar(home).parent / "lib"
+    print(f"fetching Beam's {server.name} job server {BEAM_JAVA_VERSION} through Maven", file=sys.stderr)
     subprocess.run(
-        [
-            "mvn",
-            "--batch-mode",
-            "--quiet",
-            "-Dstyle.color=never",
-            "--file",
-            str(HERE / "pom.xml"),
-            f"-Dbeam.version={BEAM_JAVA_VERSION}",
-            f"-Dflink.minor={FLINK_MINOR}",
-            "dependency:copy-dependencies",
-            f"-DoutputDirectory={lib}",
-            "-DincludeScope=runtime",
-        ],
+        ["mvn", "--batch-mode", "--quiet", "-Dstyle.color=never", "--file", str(server.project / "pom.xml")]
+        + [f"-D{key}={value}" for key, value in server.properties]
+        + ["dependency:copy-dependencies", f"-DoutputDirectory={lib}", "-DincludeScope=runtime"],
         check=True,
     )
-    check_jars(lib, pinned_job_server_jars())
-    _write_launcher(job_server_jar(home), [f"lib/{name}" for name in sorted(pinned_job_server_jars())])
+    check_jars(lib, server.pinned())
+    _write_launcher(server.jar(home), server.main, [f"lib/{name}" for name in sorted(server.pinned())])
 
+
+def install_flink(home: Path) -> None:
+    """Flink's jars from PyPI's apache-flink-libraries, the download checked against its pin."""
     print(f"fetching Flink {FLINK_VERSION} (apache-flink-libraries from PyPI)", file=sys.stderr)
     download = home / "download"
     download.mkdir(parents=True, exist_ok=True)
@@ -204,6 +236,18 @@ def install(home: Path) -> None:
     if not (target / "lib" / f"flink-dist-{FLINK_VERSION}.jar").exists():
         raise ClusterError(f"{sdist} holds no deps/lib/flink-dist-{FLINK_VERSION}.jar")
     shutil.rmtree(download)
+
+
+def install(home: Path) -> None:
+    """Both job servers and Flink, every jar checked. Does nothing when already installed."""
+    if installed(home):
+        return
+    for tool in ("java", "mvn"):
+        if shutil.which(tool) is None:
+            raise ClusterError(f"{tool} not found: Beam's Flink and Spark runners here need Java 17 and Maven")
+    for server in JOB_SERVERS:
+        install_job_server(server, home)
+    install_flink(home)
     _stamp(home).write_text(_pins())
 
 
@@ -323,12 +367,18 @@ def rest(rest_port: int, path: str) -> dict:
         return json.load(response)
 
 
+def spark_options(home: Path) -> list[str]:
+    """The Beam options for Spark inside Beam's Spark job server (which the runner starts)."""
+    jar = SPARK_JOB_SERVER.jar(home)
+    return ["--runner=SparkRunner", f"--spark_job_server_jar={jar}", f"--spark_master_url={SPARK_MASTER}"]
+
+
 def beam_options(home: Path, rest_port: int, parallelism: int) -> list[str]:
     return [
         "--runner=FlinkRunner",
         f"--flink_master=localhost:{rest_port}",
         f"--flink_version={FLINK_MINOR}",
-        f"--flink_job_server_jar={job_server_jar(home)}",
+        f"--flink_job_server_jar={FLINK_JOB_SERVER.jar(home)}",
         f"--parallelism={parallelism}",
     ]
 
@@ -337,7 +387,7 @@ def up(home: Path, directory: Path, rest_port: int, task_managers: int, slots: i
     """Start the JobManager and each TaskManager that is not running, wait until the REST API
     lists every TaskManager, and return the Beam options that submit to the cluster."""
     if not installed(home):
-        raise ClusterError(f"Flink is not installed in {home}: run `make flink-install`")
+        raise ClusterError(f"Flink is not installed in {home}: run `make runners-install`")
     flink = flink_dir(home)
     for sub in ("conf", "log", "pids", "tmp"):
         (directory / sub).mkdir(parents=True, exist_ok=True)
@@ -394,7 +444,7 @@ def down(directory: Path, grace: float = 30) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=["install", "up", "down"])
+    parser.add_argument("command", choices=["install", "up", "down", "spark-options"])
     parser.add_argument("--home", type=Path, default=DEFAULT_HOME, help="where the jars are installed")
     parser.add_argument("--dir", type=Path, help="the cluster's conf, logs and pids (default: HOME/cluster)")
     parser.add_argument("--rest-port", type=int, default=8081)
@@ -407,7 +457,11 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.command == "install":
             install(home)
-            print(f"installed: {job_server_jar(home)}, {flink_dir(home)}")
+            print(f"installed in {home}: Flink {FLINK_VERSION}, Beam's Flink and Spark job servers {BEAM_JAVA_VERSION}")
+        elif args.command == "spark-options":
+            if not installed(home):
+                raise ClusterError(f"the runners are not installed in {home}: run `make runners-install`")
+            print(" ".join(spark_options(home)))
         elif args.command == "up":
             options = up(home, directory, args.rest_port, args.task_managers, args.slots, args.timeout)
             print(f"Flink {FLINK_VERSION}, 1 JobManager, {args.task_managers} TaskManagers, logs: {directory / 'log'}")

@@ -1,22 +1,23 @@
-"""The quickstart on a Flink cluster against the local runner: wall time per stage, and the
+"""The quickstart on Flink and on Spark against the local runner: wall time per stage, and the
 outputs compared file by file.
 
-    .venv/bin/python benchmarks/flink_vs_local.py [--repeat N] [--workdir DIR]
+    .venv/bin/python benchmarks/runners_vs_local.py [--repeat N] [--workdir DIR]
 
-1. A Flink 1.19 session cluster on this machine (`deploy/flink/local/cluster.py up`, as
+1. A Flink 1.19 session cluster on this machine (`deploy/local/runners.py up`, as
    `make flink-up`: 1 JobManager, 2 TaskManagers of 2 slots, each its own JVM), on a free port
-   (`tests.helpers.LocalFlinkCluster`, as the tests start it).
+   (`tests.helpers.LocalFlinkCluster`, as the tests start it); Spark inside Beam's Spark job
+   server on two cores (`runners.py spark-options`: `local[2]`).
 2. The quickstart config (`examples/quickstart.yaml`, its corpus) built from nothing by `run`
-   on the local runner (FnApiRunner, in-process) and on the cluster at parallelism 2 with
-   LOOPBACK workers, `--repeat` times each, alternating, each run into a new output.
+   on the local runner (FnApiRunner, in-process), on the Flink cluster at parallelism 2 and on
+   Spark, both with LOOPBACK workers, `--repeat` times each, in turn, each run into a new output.
 3. Reported per runner: each stage's wall time from its manifest (the driver's start to the
-   commit) and the whole `run`; the ratio Flink / local of the medians. Checked: the sha256 of
-   every chunk, embedding, faiss and shard file equal between the two, `validate` passing on
-   both, and Flink's REST API listing each Flink job FINISHED with subtasks on both
-   TaskManagers.
+   commit) and the whole `run`; each runner's ratio to the local runner's medians. Checked: the
+   sha256 of every chunk, embedding, faiss and shard file equal across runners and runs,
+   `validate` passing on every output, and Flink's REST API listing each Flink job FINISHED
+   with subtasks on both TaskManagers.
 
-Results: a table on stdout, JSON in benchmarks/results/flink_vs_local.json. The cluster is
-stopped at the end.
+Results: a table on stdout, JSON in benchmarks/results/runners_vs_local.json. The Flink cluster
+is stopped at the end.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from pipeline.check.validate import validate_path  # noqa: E402
 from pipeline.embed.encoder import cpu_summary  # noqa: E402
 from pipeline.jobs.run import run_all  # noqa: E402
 from schemas.config import load_config  # noqa: E402
-from tests.helpers import DATA_STAGES, LocalFlinkCluster  # noqa: E402
+from tests.helpers import DATA_STAGES, LocalFlinkCluster, local_runners  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 STAGES = ("build-index", "build-shards")
@@ -65,15 +66,19 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--workdir", type=Path, default=None)
     args = parser.parse_args()
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="flink-vs-local-"))
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="runners-vs-local-"))
     cluster = LocalFlinkCluster(workdir / "cluster")
-    flink_options = [*cluster.options, "--environment_type=LOOPBACK"]
+    runners = {
+        "local": [],
+        "flink": [*cluster.options, "--environment_type=LOOPBACK"],
+        "spark": [*local_runners("spark-options").split(), "--environment_type=LOOPBACK"],
+    }
     config = load_config(REPO / "examples" / "quickstart.yaml")
     corpus = config.retrieval_corpus.model_copy(update={"paths": [str(REPO / "examples/corpus/*.jsonl")]})
-    runs: dict[str, list[dict]] = {"local": [], "flink": []}
+    runs: dict[str, list[dict]] = {runner: [] for runner in runners}
     try:
         for i in range(args.repeat):
-            for runner, options in (("local", []), ("flink", flink_options)):
+            for runner, options in runners.items():
                 out = workdir / f"{runner}-{i}"
                 cfg = config.model_copy(update={"output": str(out), "retrieval_corpus": corpus})
                 before = cluster.job_ids()
@@ -106,13 +111,13 @@ def main() -> None:
         },
     }
     print(f"CPU: {results['cpu']}; quickstart, median of {args.repeat}")
-    print(f"{'':14}{'local s':>9}{'Flink s':>9}{'Flink/local':>13}")
+    print(f"{'':14}{'local s':>9}{'Flink s':>9}{'Spark s':>9}{'Flink/local':>13}{'Spark/local':>13}")
     for key in ("run_seconds", *STAGES):
-        local, flink = results["median_seconds"]["local"][key], results["median_seconds"]["flink"][key]
-        print(f"{key:14}{local:9.1f}{flink:9.1f}{flink / local:12.2f}x")
+        local, flink, spark = (results["median_seconds"][runner][key] for runner in ("local", "flink", "spark"))
+        print(f"{key:14}{local:9.1f}{flink:9.1f}{spark:9.1f}{flink / local:12.2f}x{spark / local:12.2f}x")
     print(f"{len(reference)} data files byte-identical: {identical}; validate OK: {results['validate_ok']}")
     print(f"Flink jobs: {results['flink_jobs']}")
-    write_results(results, REPO / "benchmarks" / "results" / "flink_vs_local.json")
+    write_results(results, REPO / "benchmarks" / "results" / "runners_vs_local.json")
 
 
 if __name__ == "__main__":
