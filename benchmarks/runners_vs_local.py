@@ -23,7 +23,6 @@ is stopped at the end.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import statistics
 import sys
@@ -33,6 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 from benchmarks.report import timed, write_results  # noqa: E402
 from pipeline.check.validate import validate_path  # noqa: E402
+from pipeline.common import fileio  # noqa: E402
 from pipeline.embed.encoder import cpu_summary  # noqa: E402
 from pipeline.jobs.run import run_all  # noqa: E402
 from schemas.config import load_config  # noqa: E402
@@ -44,7 +44,7 @@ STAGES = ("build-index", "build-shards")
 
 def data_digests(out: Path) -> dict[str, str]:
     return {
-        str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
+        str(p.relative_to(out)): fileio.sha256_file(str(p))[0]
         for stage in DATA_STAGES
         for p in sorted((out / stage).iterdir())
         if p.suffix != ".json"
@@ -67,14 +67,11 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=None)
     args = parser.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="runners-vs-local-"))
-    cluster = LocalFlinkCluster(workdir / "cluster")
-    runners = {
-        "local": [],
-        "flink": [*cluster.options, "--environment_type=LOOPBACK"],
-        "spark": [*local_runners("spark-options").split(), "--environment_type=LOOPBACK"],
-    }
     config = load_config(REPO / "examples" / "quickstart.yaml")
     corpus = config.retrieval_corpus.model_copy(update={"paths": [str(REPO / "examples/corpus/*.jsonl")]})
+    spark = [*local_runners("spark-options").split(), "--environment_type=LOOPBACK"]
+    cluster = LocalFlinkCluster(workdir / "cluster")
+    runners = {"local": [], "flink": [*cluster.options, "--environment_type=LOOPBACK"], "spark": spark}
     runs: dict[str, list[dict]] = {runner: [] for runner in runners}
     try:
         for i in range(args.repeat):

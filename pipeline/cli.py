@@ -19,11 +19,12 @@ log = logging.getLogger("ratrain")
 BEAM_ARGS = dict(context_settings={"ignore_unknown_options": True})
 
 
-def _beam_args(beam_args) -> list[str]:
+def _beam_args(beam_args, detach: bool = False) -> list[str]:
     """The command's Beam arguments, once Beam knows every option among them: an unknown one
     (a typo of the command's own option before `--`, or of a Beam option) fails naming it,
-    before anything is read, waited for or written. Run inside a command."""
-    from pipeline.jobs.options import check_beam_args
+    and so does `--detach` where the job would end with the command, before anything is read,
+    waited for or written. Run inside a command."""
+    from pipeline.jobs.options import check_beam_args, check_detachable, pipeline_options
 
     ctx = click.get_current_context()
     ours = {}
@@ -44,7 +45,10 @@ def _beam_args(beam_args) -> list[str]:
             for opt in (*param.opts, *param.secondary_opts)
         }
     )
-    return check_beam_args(beam_args, ours)
+    checked = check_beam_args(beam_args, ours)
+    if detach:
+        check_detachable(pipeline_options(checked))
+    return checked
 
 
 def _no_worker_tracebacks(record: logging.LogRecord) -> bool:
@@ -174,7 +178,7 @@ def build_index_cmd(config_path, beam_args, force, delete_path, dry_run, corpus_
     from pipeline.common import fileio
     from pipeline.jobs.index_job import build_index
 
-    beam_args = _beam_args(beam_args)
+    beam_args = _beam_args(beam_args, detach=detach and not dry_run)
     cfg = _config(config_path)
     delete = ()
     if delete_path is not None:
@@ -264,7 +268,7 @@ def build_shards_cmd(
     from pipeline.jobs.index_files import wait_for_index as wait
     from pipeline.jobs.shards_job import build_shards
 
-    beam_args = _beam_args(beam_args)
+    beam_args = _beam_args(beam_args, detach=detach and not dry_run)
     cfg = _config(config_path)
     if wait_for_index and not dry_run:
         wait(cfg, wait_timeout, poll_every)
@@ -291,7 +295,7 @@ def run_cmd(config_path, force, beam_args, dry_run, corpus_chunks, corpus_docume
     from pipeline.jobs.run import run_all
     from pipeline.jobs.shards_job import build_shards
 
-    beam_args = _beam_args(beam_args)
+    beam_args = _beam_args(beam_args, detach=detach and not dry_run)
     if dry_run:
         cfg, args = _config(config_path), beam_args
         _print_plan(

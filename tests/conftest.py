@@ -109,9 +109,32 @@ def job_service():
 
 
 @pytest.fixture(scope="session")
+def six_documents_built_locally(tmp_path_factory):
+    """Six sample documents (their glob) and what an in-process run of `small_config` writes
+    from them: the bytes every runner must write for that corpus (the output directory is no
+    part of the config hash)."""
+    from pipeline.jobs.run import run_all
+    from schemas.config import config_from_dict
+
+    root = tmp_path_factory.mktemp("six-local")
+    write_jsonl(root / "corpus" / "a.jsonl", sample_documents(6))
+    corpus = str(root / "corpus" / "*.jsonl")
+    run_all(config_from_dict(small_config(root / "in-process", corpus)), [])
+    return corpus, root / "in-process"
+
+
+@pytest.fixture(scope="session")
+def beam_worker_pool():
+    """Beam's own SDK worker pool as its own process (what the Kubernetes image's `--worker_pool`
+    runs, one per TaskManager), its address."""
+    with python_service("apache_beam.runners.worker.worker_pool_main", "--service_port") as address:
+        yield address
+
+
+@pytest.fixture(scope="session")
 def worker_pool():
     """The project's SDK worker pool as its own process (`python -m pipeline.jobs.worker_pool`),
-    its address: the Flink-operator layout, where the job asks for EXTERNAL workers."""
+    its address: one pool that several Flink TaskManagers share."""
     with python_service("pipeline.jobs.worker_pool", "--service_port") as address:
         yield address
 

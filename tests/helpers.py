@@ -169,13 +169,13 @@ class LocalService:
     """A server process of the test session listening on 127.0.0.1:`port`: started, waited for
     until it accepts connections, stopped."""
 
-    def __init__(self, command: list[str], port: int, what: str):
+    def __init__(self, command: list[str], port: int, what: str, env: dict[str, str] | None = None):
         import socket
         import subprocess
         import time
 
         self.port = port
-        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
         deadline = time.monotonic() + 60
         while True:  # a readiness poll, not a timing sleep
             try:
@@ -194,11 +194,13 @@ class LocalService:
 
 @contextmanager
 def python_service(module: str, port_option: str):
-    """`python -m module port_option PORT` on a free port while in the block: its address."""
+    """`python -m module port_option PORT` on a free port while in the block: its address. This
+    interpreter's directory leads PATH (Beam's worker pool starts each worker as `python`)."""
     import sys
 
     port = free_port()
-    service = LocalService([sys.executable, "-m", module, port_option, str(port)], port, module)
+    env = {**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+    service = LocalService([sys.executable, "-m", module, port_option, str(port)], port, module, env)
     try:
         yield f"localhost:{port}"
     finally:
@@ -294,8 +296,15 @@ class LocalFlinkCluster:
     def stop(self) -> None:
         self._helper("down")
 
-    def pid(self, process: str) -> int:
-        return int((self.directory / "pids" / f"{process}.pid").read_text())
+    def kill(self, process: str) -> None:
+        """SIGKILL to one of the cluster's processes ("taskmanager-1"), once its pid is checked
+        to be that process (its command line names this cluster's conf directory)."""
+        import signal
+
+        pid = int((self.directory / "pids" / f"{process}.pid").read_text())
+        command_line = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        assert str(self.directory.resolve() / "conf").encode() in command_line, f"pid {pid} is not {process}"
+        os.kill(pid, signal.SIGKILL)
 
     def rest(self, path: str):
         import urllib.request

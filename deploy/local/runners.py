@@ -15,6 +15,7 @@ way (`--dir`, `--rest-port`). Standard library only: it runs before anything els
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -44,6 +45,9 @@ FLINK_VERSION = "1.19.3"
 FLINK_LIBRARIES_SHA256 = "4a58e3a1fb7d83340bc96b6c080624c6d792d69fae5d294b96224775204a9c60"
 SPARK_VERSION = "3.5.9"
 SPARK_MASTER = "local[2]"
+# The Flink cluster: jobs run at parallelism TASK_MANAGERS, a slot of each TaskManager, and the
+# slots left let Flink's restart strategy rerun a job on the TaskManagers that survive one lost.
+TASK_MANAGERS, SLOTS = 2, 2
 
 HERE = Path(__file__).resolve().parent
 REPOSITORY = HERE.parents[1]
@@ -222,9 +226,7 @@ def install_flink(home: Path) -> None:
         + ["--no-binary", ":all:", "-r", str(requirement), "-d", str(download)],
         check=True,
     )
-    sdist = download / f"apache-flink-libraries-{FLINK_VERSION}.tar.gz"
-    if _sha256(sdist) != FLINK_LIBRARIES_SHA256:
-        raise ClusterError(f"{sdist}: sha256 differs from the pinned {FLINK_LIBRARIES_SHA256}")
+    sdist = download / f"apache-flink-libraries-{FLINK_VERSION}.tar.gz"  # pip checked its hash
     target = flink_dir(home)
     shutil.rmtree(target, ignore_errors=True)
     with tarfile.open(sdist) as archive:
@@ -383,7 +385,15 @@ def beam_options(home: Path, rest_port: int, parallelism: int) -> list[str]:
     ]
 
 
-def up(home: Path, directory: Path, rest_port: int, task_managers: int, slots: int, timeout: float) -> list[str]:
+def _registered(rest_port: int) -> set[str] | None:
+    """The TaskManagers the JobManager lists, or None while its REST API does not answer."""
+    try:
+        return {tm["id"] for tm in rest(rest_port, "/taskmanagers")["taskmanagers"]}
+    except (OSError, urllib.error.URLError, ValueError):
+        return None
+
+
+def up(home: Path, directory: Path, *, rest_port: int, task_managers: int, slots: int, timeout: float) -> list[str]:
     """Start the JobManager and each TaskManager that is not running, wait until the REST API
     lists every TaskManager, and return the Beam options that submit to the cluster."""
     if not installed(home):
@@ -394,7 +404,11 @@ def up(home: Path, directory: Path, rest_port: int, task_managers: int, slots: i
     names = ["jobmanager"] + [f"taskmanager-{i}" for i in range(1, task_managers + 1)]
     running = {name: _alive(directory / "pids" / f"{name}.pid", directory) for name in names}
     started = {}
+    deadline = time.monotonic() + timeout
     if running["jobmanager"] is None:
+        # TaskManagers of an earlier JobManager would never register with a new one (a new rpc port)
+        stop(directory, [name for name in names[1:] if running[name] is not None])
+        running = dict.fromkeys(names)
         if _port_taken(rest_port):
             raise ClusterError(f"port {rest_port} is taken: stop what holds it or pass --rest-port")
         config = flink_config(directory, rest_port, _free_port(), task_managers, slots)
@@ -402,18 +416,17 @@ def up(home: Path, directory: Path, rest_port: int, task_managers: int, slots: i
         (directory / "conf" / "log4j.properties").write_text(LOG4J)
         started["jobmanager"] = _start("jobmanager", JOB_MANAGER_MAIN, flink, directory, [])
     rest_port = json.loads((directory / "conf" / "config.yaml").read_text())["rest"]["port"]
-    for name in names[1:]:
-        if running[name] is None:
-            extra = ["-D", f"taskmanager.resource-id={name}"]
-            started[name] = _start(name, TASK_MANAGER_MAIN, flink, directory, extra)
-    deadline = time.monotonic() + timeout
-    while True:  # readiness poll: the JobManager's REST API lists the TaskManagers once registered
-        try:
-            registered = {tm["id"] for tm in rest(rest_port, "/taskmanagers")["taskmanagers"]}
-            if set(names[1:]) <= registered:
-                break
-        except (OSError, urllib.error.URLError, ValueError):
-            registered = set()
+    restart = [name for name in names[1:] if running[name] is None]
+    if "jobmanager" not in started:
+        # a TaskManager that died stays listed until its heartbeats time out, and its successor
+        # registers under the same id: start it once the old one is gone, or `up` could return early
+        while restart and set(restart) & (_registered(rest_port) or set()):
+            if time.monotonic() > deadline:
+                raise ClusterError(f"{', '.join(restart)} still listed as registered after {timeout:.0f} s")
+            time.sleep(0.5)
+    for name in restart:
+        started[name] = _start(name, TASK_MANAGER_MAIN, flink, directory, ["-D", f"taskmanager.resource-id={name}"])
+    while not set(names[1:]) <= (_registered(rest_port) or set()):  # readiness poll: until all registered
         dead = [name for name, process in started.items() if process.poll() is not None]
         if dead or time.monotonic() > deadline:
             for process in started.values():  # nothing half-started is left running
@@ -424,22 +437,29 @@ def up(home: Path, directory: Path, rest_port: int, task_managers: int, slots: i
     return beam_options(home, rest_port, task_managers)
 
 
-def down(directory: Path, grace: float = 30) -> list[str]:
-    """Stop every process of this cluster that runs (SIGTERM, SIGKILL after `grace` seconds);
-    the names of those stopped."""
+def stop(directory: Path, names: list[str], grace: float = 30) -> list[str]:
+    """Stop the named processes of this cluster that run (SIGTERM; SIGKILL after `grace`
+    seconds) and forget them; the names of those that ran."""
     stopped = []
-    for pid_file in sorted((directory / "pids").glob("*.pid")):
+    for name in names:
+        pid_file = directory / "pids" / f"{name}.pid"
         pid = _alive(pid_file, directory)
         if pid is not None:
-            os.kill(pid, signal.SIGTERM)
-            deadline = time.monotonic() + grace
-            while _alive(pid_file, directory) is not None and time.monotonic() < deadline:
-                time.sleep(0.2)  # waiting for the JVM's shutdown hooks
-            if _alive(pid_file, directory) is not None:
-                os.kill(pid, signal.SIGKILL)
-            stopped.append(pid_file.stem)
-        pid_file.unlink()
+            with contextlib.suppress(ProcessLookupError):  # it may exit on its own meanwhile
+                os.kill(pid, signal.SIGTERM)
+                deadline = time.monotonic() + grace
+                while _alive(pid_file, directory) is not None and time.monotonic() < deadline:
+                    time.sleep(0.2)  # waiting for the JVM's shutdown hooks
+                if _alive(pid_file, directory) is not None:
+                    os.kill(pid, signal.SIGKILL)
+            stopped.append(name)
+        pid_file.unlink(missing_ok=True)
     return stopped
+
+
+def down(directory: Path) -> list[str]:
+    """Stop every process of this cluster that runs; the names of those stopped."""
+    return stop(directory, sorted(p.stem for p in (directory / "pids").glob("*.pid")))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -448,8 +468,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--home", type=Path, default=DEFAULT_HOME, help="where the jars are installed")
     parser.add_argument("--dir", type=Path, help="the cluster's conf, logs and pids (default: HOME/cluster)")
     parser.add_argument("--rest-port", type=int, default=8081)
-    parser.add_argument("--task-managers", type=int, default=2)
-    parser.add_argument("--slots", type=int, default=2, help="per TaskManager")
+    parser.add_argument("--task-managers", type=int, default=TASK_MANAGERS)
+    parser.add_argument("--slots", type=int, default=SLOTS, help="per TaskManager")
     parser.add_argument("--timeout", type=float, default=120, help="seconds `up` waits for the TaskManagers")
     args = parser.parse_args(argv)
     home = args.home.resolve()
@@ -463,7 +483,14 @@ def main(argv: list[str] | None = None) -> None:
                 raise ClusterError(f"the runners are not installed in {home}: run `make runners-install`")
             print(" ".join(spark_options(home)))
         elif args.command == "up":
-            options = up(home, directory, args.rest_port, args.task_managers, args.slots, args.timeout)
+            options = up(
+                home,
+                directory,
+                rest_port=args.rest_port,
+                task_managers=args.task_managers,
+                slots=args.slots,
+                timeout=args.timeout,
+            )
             print(f"Flink {FLINK_VERSION}, 1 JobManager, {args.task_managers} TaskManagers, logs: {directory / 'log'}")
             print(" ".join(options))
         else:

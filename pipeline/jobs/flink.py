@@ -14,6 +14,7 @@ import secrets
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from datetime import datetime, timezone
 
 from apache_beam.options.pipeline_options import (
@@ -23,6 +24,7 @@ from apache_beam.options.pipeline_options import (
     PortableOptions,
     StandardOptions,
 )
+from apache_beam.runners.runner import PipelineState
 
 from pipeline.jobs.options import runner_kind
 
@@ -33,10 +35,12 @@ class FlinkSubmissionError(RuntimeError):
 
 def job_server_is_a_child(options: PipelineOptions) -> bool:
     """Whether Beam runs the Flink job server as a child of this process (FlinkRunner without
-    --job_endpoint), so that it ends when this process does."""
+    --job_endpoint, and not submitting an uber jar to the cluster itself), so that it ends when
+    this process does."""
     return (
         runner_kind(options.view_as(StandardOptions).runner) == "flink"
         and not options.view_as(PortableOptions).job_endpoint
+        and not options.view_as(FlinkRunnerOptions).flink_submit_uber_jar
     )
 
 
@@ -49,14 +53,15 @@ def name_the_job(options: PipelineOptions, stage: str) -> str:
     return named.job_name
 
 
-def _rest_address(options: PipelineOptions) -> str:
+def rest_address(options: PipelineOptions) -> str:
+    """The cluster's REST API, from --flink_master (read it before the job runs: FlinkRunner
+    rewrites the option while it submits)."""
     master = options.view_as(FlinkRunnerOptions).flink_master.strip()
     return master if master.startswith(("http://", "https://")) else f"http://{master}"
 
 
-def listed_jobs(options: PipelineOptions) -> list[dict]:
-    """The cluster's jobs as its REST API lists them (`/jobs/overview`)."""
-    address = _rest_address(options)
+def listed_jobs(address: str) -> list[dict]:
+    """The cluster's jobs as its REST API at `address` lists them (`/jobs/overview`)."""
     try:
         with urllib.request.urlopen(f"{address}/jobs/overview", timeout=10) as response:
             return json.load(response)["jobs"]
@@ -64,21 +69,24 @@ def listed_jobs(options: PipelineOptions) -> list[dict]:
         raise FlinkSubmissionError(f"cannot read the Flink cluster's jobs at {address}: {err}") from err
 
 
-def wait_until_flink_has(options: PipelineOptions, known: set[str], timeout: float = 600, every: float = 1) -> str:
-    """Poll the cluster's REST API until it lists a job under this job's name whose id is not in
-    `known` (the ids listed before it was submitted); that job's Flink id. A job that failed on
-    arrival, or none within `timeout` seconds, raises."""
-    name = options.view_as(GoogleCloudOptions).job_name
+def wait_until_flink_has(
+    address: str, name: str, known: set[str], beam_state: Callable[[], str], *, timeout: float = 600, every: float = 1
+) -> str:
+    """Poll the cluster's REST API until it lists a job called `name` whose id is not in
+    `known` (the ids listed before it was submitted); that job's Flink id. Raises when the job
+    failed on arrival, when Beam's job server gave up on it first (`beam_state`, the Beam job's
+    state: translating or submitting it failed), or when nothing arrived within `timeout` s."""
     deadline = time.monotonic() + timeout
     while True:  # readiness poll: the job server builds and submits the Flink job in its own time
-        jobs = [job for job in listed_jobs(options) if job["name"] == name and job["jid"] not in known]
+        jobs = [job for job in listed_jobs(address) if job["name"] == name and job["jid"] not in known]
         if jobs:
             (job,) = jobs
             if job["state"] in ("FAILED", "CANCELED"):
                 raise FlinkSubmissionError(f"Flink job {name} ({job['jid']}) is {job['state']}")
             return job["jid"]
+        state = beam_state()
+        if state in (PipelineState.FAILED, PipelineState.CANCELLED):
+            raise FlinkSubmissionError(f"Beam's Flink job server reports job {name} {state} before Flink had it")
         if time.monotonic() > deadline:
-            raise FlinkSubmissionError(
-                f"the Flink cluster at {_rest_address(options)} did not list job {name} within {timeout:.0f} s"
-            )
+            raise FlinkSubmissionError(f"the Flink cluster at {address} did not list job {name} within {timeout:.0f} s")
         time.sleep(every)

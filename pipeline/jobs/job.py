@@ -20,6 +20,7 @@ from datetime import datetime, timezone
 from typing import Any, TypeVar
 
 import apache_beam as beam
+from apache_beam.runners.runner import PipelineResult
 from pydantic import BaseModel
 
 from pipeline.chunks.chunking import load_tokenizer, pad_id_of
@@ -30,7 +31,7 @@ from pipeline.common.models import (
 )
 from pipeline.common.progress import StageTimer
 from pipeline.jobs.commit import StageError, commit_stage, new_staging_dir
-from pipeline.jobs.flink import job_server_is_a_child, listed_jobs, name_the_job, wait_until_flink_has
+from pipeline.jobs.flink import job_server_is_a_child, listed_jobs, name_the_job, rest_address, wait_until_flink_has
 from pipeline.jobs.options import check_detachable, new_pipeline
 from schemas.config import PipelineConfig
 from schemas.manifest import (
@@ -128,13 +129,13 @@ class Job:
         self.reads = reads
         self.dry_run, self.detach = dry_run, detach
         self.max_rejected_fraction, self.replace, self.replaces = max_rejected_fraction, replace, replaces
-        self.staging = "" if staging is None else new_staging_dir(output, staging, dry_run)
         self.pipeline = new_pipeline(beam_args, dry_run, type_check)
-        self.flink_job_server = detach and not dry_run and job_server_is_a_child(self.pipeline.options)
-        if detach and not dry_run:
+        if detach and not dry_run:  # before the staging directory replaces an earlier one
             check_detachable(self.pipeline.options)
-        if self.flink_job_server:
-            name_the_job(self.pipeline.options, name)
+        self.staging = "" if staging is None else new_staging_dir(output, staging, dry_run)
+        # where the job server ends with this process, a detached run waits until Flink lists the job
+        wait_for_flink = detach and not dry_run and job_server_is_a_child(self.pipeline.options)
+        self.flink_job_name = name_the_job(self.pipeline.options, name) if wait_for_flink else None
         self.clock = StageClock(name, records)
 
     @classmethod
@@ -187,13 +188,16 @@ class Job:
             self.pipeline.run().wait_until_finish()
             return None
         handed_over = None
-        if self.flink_job_server:  # the job server ends with this process: wait until Flink has the job
-            options, known = self.pipeline.options, {job["jid"] for job in listed_jobs(self.pipeline.options)}
+        if self.flink_job_name is not None:
+            address, name = rest_address(self.pipeline.options), self.flink_job_name
+            known = {job["jid"] for job in listed_jobs(address)}
 
-            def handed_over() -> str:
-                return wait_until_flink_has(options, known)
+            def handed_over(result: PipelineResult) -> str:
+                return wait_until_flink_has(address, name, known, lambda: result.state)
 
-        return run_stage(self.pipeline, self.clock, self.directory, self.model, self.detach, handed_over)
+        return run_stage(
+            self.pipeline, self.clock, self.directory, self.model, detach=self.detach, handed_over=handed_over
+        )
 
 
 def index_dir(cfg: PipelineConfig) -> str:
@@ -253,8 +257,9 @@ def run_stage(
     clock: StageClock,
     directory: str,
     model,
+    *,
     detach: bool,
-    handed_over: Callable[[], str] | None = None,
+    handed_over: Callable[[PipelineResult], str] | None = None,
 ):
     """Run a job that commits itself. Attached: wait, then read and return the committed
     manifest. Detached: return once the runner has the job (`Submitted`); `handed_over`, where
@@ -264,7 +269,7 @@ def run_stage(
     with StageTimer(name) as timer:
         result = pipeline.run()
         if detach:
-            job = handed_over() if handed_over is not None else getattr(result, "job_id", lambda: None)()
+            job = handed_over(result) if handed_over is not None else getattr(result, "job_id", lambda: None)()
             log.info(
                 "%s: submitted%s; it commits %s when it finishes", name, f" (job {job})" if job else "", manifest_path
             )

@@ -26,15 +26,17 @@ from apache_beam.options.pipeline_options import (
     TypeOptions,
     _BeamArgumentParser,
 )
+from apache_beam.runners.portability.spark_runner import LOCAL_MASTER_PATTERN
 
 from pipeline.jobs.worker_pool import serve_loopback_workers_by_caller
 
 LOCAL_RUNNER = "FnApiRunner"
-# Runners whose SDK workers run on the machine that launches the job.
-IN_PROCESS_RUNNERS = {None, LOCAL_RUNNER, "DirectRunner", "BundleBasedDirectRunner", "SwitchingDirectRunner"}
+# Runners (`runner_kind`) whose SDK workers run on the machine that launches the job.
+IN_PROCESS_RUNNERS = {None, "fnapi", "direct", "bundlebaseddirect", "switchingdirect"}
 # Runners that take a job through Beam's portable Job API; with LOOPBACK workers, the workers are
 # threads of the process that submits (Beam's runner starts a worker pool in it).
 PORTABLE_RUNNERS = {"portable", "flink", "spark"}
+FLINK_IN_THE_JOB_SERVER = ("[auto]", "[local]")  # --flink_master values that run Flink inside Beam's job server
 
 
 def runner_kind(runner: str | None) -> str | None:
@@ -46,12 +48,24 @@ def runner_kind(runner: str | None) -> str | None:
     return name[: -len("runner")] if name.endswith("runner") and name != "runner" else name
 
 
+def _engine_in_the_job_server(options: PipelineOptions) -> bool:
+    """Whether Flink or Spark runs inside the job server Beam starts for the job (FlinkRunner
+    with --flink_master=[auto] or [local]; SparkRunner with a local[...] master)."""
+    kind = runner_kind(options.view_as(StandardOptions).runner)
+    if kind == "flink":
+        return options.view_as(FlinkRunnerOptions).flink_master in FLINK_IN_THE_JOB_SERVER
+    master = options.view_as(SparkRunnerOptions).spark_master_url
+    return kind == "spark" and re.match(LOCAL_MASTER_PATTERN, master) is not None
+
+
 def loopback_workers(options: PipelineOptions) -> bool:
-    """Whether the job's SDK workers are threads of this process (a portable runner, LOOPBACK)."""
-    return (
-        runner_kind(options.view_as(StandardOptions).runner) in PORTABLE_RUNNERS
-        and options.view_as(PortableOptions).environment_type == "LOOPBACK"
-    )
+    """Whether the job's SDK workers are threads of this process: a portable runner with
+    LOOPBACK workers, asked for or chosen by Beam (Flink and Spark inside their job server get
+    them when no --environment_type is given, as their `default_environment` decides)."""
+    if runner_kind(options.view_as(StandardOptions).runner) not in PORTABLE_RUNNERS:
+        return False
+    environment = options.view_as(PortableOptions).environment_type
+    return environment == "LOOPBACK" or (environment is None and _engine_in_the_job_server(options))
 
 
 def with_defaults(beam_args: list[str]) -> list[str]:
@@ -64,8 +78,7 @@ def with_defaults(beam_args: list[str]) -> list[str]:
 def local_worker_processes(options: PipelineOptions) -> int | None:
     """How many SDK worker processes share this machine's cores, or None when the workers run
     elsewhere (a cluster runner, or a portable job service with its own worker environment)."""
-    runner = options.view_as(StandardOptions).runner
-    if runner in IN_PROCESS_RUNNERS:
+    if runner_kind(options.view_as(StandardOptions).runner) in IN_PROCESS_RUNNERS:
         direct = options.view_as(DirectOptions)
         if direct.direct_running_mode != "multi_processing":
             return 1
@@ -232,22 +245,24 @@ def check_beam_args(beam_args: Sequence[str], cli_options: Mapping[str, str] | N
 
 def check_detachable(options: PipelineOptions) -> None:
     """Refuse `--detach` where the job would end with this process: LOOPBACK workers are its
-    threads, and without --job_endpoint the runner starts its job server as a child of this
-    process, which with FlinkRunner's `--flink_master=[auto]` (or `[local]`) runs Flink itself,
-    and with SparkRunner the Spark driver. (On an in-process runner the job finishes before the
-    command returns.)"""
+    threads, `--job_endpoint=embed` runs the job service in it, and without --job_endpoint the
+    runner starts its job server as a child of this process, which with FlinkRunner's
+    `--flink_master=[auto]` (or `[local]`) runs Flink itself, and with SparkRunner the Spark
+    driver (unless --spark_submit_uber_jar hands the job to a Spark cluster). On an in-process
+    runner the job finishes before the command returns."""
     if loopback_workers(options):
         raise PipelineOptionsError(
-            "--detach with --environment_type=LOOPBACK: the workers run in this process, which exits "
-            "once the job is submitted; use --environment_type=EXTERNAL (a worker pool) to detach"
+            "--detach with LOOPBACK workers: they run in this process, which exits once the job is "
+            "submitted; use --environment_type=EXTERNAL (a worker pool) to detach"
         )
-    if options.view_as(PortableOptions).job_endpoint:
+    endpoint = options.view_as(PortableOptions).job_endpoint
+    if endpoint == "embed":
+        raise PipelineOptionsError("--detach with --job_endpoint=embed: the job service runs in this process")
+    if endpoint:
         return  # a job server of its own, which outlives this process
-    kind, flink_master = (
-        runner_kind(options.view_as(StandardOptions).runner),
-        options.view_as(FlinkRunnerOptions).flink_master,
-    )
-    if kind == "flink" and flink_master in ("[local]", "[auto]"):
+    kind = runner_kind(options.view_as(StandardOptions).runner)
+    if kind == "flink" and _engine_in_the_job_server(options):
+        flink_master = options.view_as(FlinkRunnerOptions).flink_master
         raise PipelineOptionsError(
             f"--detach with --flink_master={flink_master}: Flink runs inside the job server this process "
             "starts and stops; give the cluster's --flink_master=HOST:PORT to detach"
@@ -255,7 +270,8 @@ def check_detachable(options: PipelineOptions) -> None:
     if kind == "spark" and not options.view_as(SparkRunnerOptions).spark_submit_uber_jar:
         raise PipelineOptionsError(
             "--detach with --runner=SparkRunner: the Spark driver runs inside the job server this process "
-            "starts and stops; give a running job server (--job_endpoint) to detach"
+            "starts and stops; give a running job server (--job_endpoint) or submit to a Spark cluster "
+            "(--spark_submit_uber_jar --spark_rest_url) to detach"
         )
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import threading
 
@@ -36,11 +37,14 @@ def worker_key(worker_id: str, caller: str) -> str:
 
 
 class WorkerPool(worker_pool_main.BeamFnExternalWorkerPoolServicer):
-    """Beam's worker pool, its workers filed by id and caller (`worker_key`)."""
+    """Beam's worker pool, its workers filed by id and caller (`worker_key`) in the tables Beam's
+    StartWorker and StopWorker keep."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._filing = threading.Lock()
+        if not (isinstance(self._worker_processes, dict) and isinstance(self._worker_threads, dict)):
+            raise TypeError("Beam's worker pool no longer keeps _worker_processes and _worker_threads")
 
     def StartWorker(self, request, context):  # noqa: N802 (gRPC's method name)
         key = worker_key(request.worker_id, context.peer())
@@ -53,6 +57,14 @@ class WorkerPool(worker_pool_main.BeamFnExternalWorkerPoolServicer):
 
     def StopWorker(self, request, context):  # noqa: N802
         key = worker_key(request.worker_id, context.peer())
+        with self._filing:
+            filed = {*self._worker_processes, *self._worker_threads}
+            if key not in filed:  # the caller's channel reconnected: a worker of that id, if only one
+                same_id = [k for k in filed if k.startswith(worker_key(request.worker_id, ""))]
+                if len(same_id) != 1:  # none, or which one is ambiguous: it ends when its runner hangs up
+                    log.debug("StopWorker %s: %d workers of that id, none stopped", key, len(same_id))
+                    return beam_fn_api_pb2.StopWorkerResponse()
+                key = same_id[0]
         return super().StopWorker(beam_fn_api_pb2.StopWorkerRequest(worker_id=key), context)
 
 
@@ -72,6 +84,8 @@ def main(argv: list[str] | None = None) -> None:
     # Beam starts each worker as `python -c ...`: this interpreter's, with the project installed
     os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
     address, server = WorkerPool.start(use_process=True, port=args.service_port)
+    # SIGTERM as SIGINT: an orderly exit, whose atexit hook (Beam's) stops the worker processes
+    signal.signal(signal.SIGTERM, lambda *_: signal.raise_signal(signal.SIGINT))
     log.info("worker pool listening at %s", address)
     try:
         server.wait_for_termination()

@@ -295,6 +295,8 @@ def test_the_local_runners_run_the_releases_the_manifests_and_docs_name():
     assert {f"flink-runtime-{runners.FLINK_MINOR}.0.jar", f"flink-clients-{runners.FLINK_MINOR}.0.jar"} <= set(flink)
     assert f"beam-runners-spark-3-{runners.BEAM_JAVA_VERSION}.jar" in spark
     assert f"spark-core_2.12-{runners.SPARK_VERSION}.jar" in spark
+    parsed = pipeline_options(runners.spark_options(REPO)).get_all_options()
+    assert parsed["runner"] == "SparkRunner" and parsed["spark_master_url"] == runners.SPARK_MASTER
     readme = (DEPLOY / "README.md").read_text()
     for version in (runners.BEAM_JAVA_VERSION, runners.FLINK_VERSION, runners.SPARK_VERSION, apache_beam.__version__):
         assert version in readme
@@ -316,15 +318,17 @@ def test_the_job_servers_jars_are_checked_against_their_pins(tmp_path):
 
 
 @pytest.mark.unit
-def test_the_local_flink_config_leaves_a_slot_per_task_manager_for_restarts(tmp_path):
+def test_the_local_flink_cluster_can_rerun_a_job_without_one_task_manager(tmp_path):
+    """At the defaults a job runs a subtask on every TaskManager, and the slots of the others
+    hold the whole job again once one is lost (the restart the SIGKILL test relies on)."""
     runners = _local_runners()
-    config = yaml.safe_load(runners.flink_config(tmp_path, rest_port=8081, rpc_port=6123, task_managers=2, slots=2))
-    assert config["parallelism"]["default"] == 2 and config["taskmanager"]["numberOfTaskSlots"] == 2
-    assert config["restart-strategy"]["type"] == "fixed-delay"
+    managers, slots = runners.TASK_MANAGERS, runners.SLOTS
+    config = yaml.safe_load(runners.flink_config(tmp_path, 8081, 6123, managers, slots))
+    options = [*runners.beam_options(tmp_path, 8081, managers), "--environment_type=LOOPBACK"]
+    parallelism = int(pipeline_options(options).get_all_options()["parallelism"])
+    assert parallelism == managers == config["parallelism"]["default"]  # a subtask on each
+    assert config["taskmanager"]["numberOfTaskSlots"] * (managers - 1) >= parallelism
+    assert config["cluster"]["evenly-spread-out-slots"] and config["restart-strategy"]["type"] == "fixed-delay"
     assert config["rest"]["bind-address"] == config["taskmanager"]["bind-host"] == "localhost"  # loopback only
-    flink = [*runners.beam_options(tmp_path, 8081, 2), "--environment_type=LOOPBACK"]
-    parsed = pipeline_options(flink).get_all_options()
-    assert parsed["runner"] == "FlinkRunner" and parsed["flink_master"] == "localhost:8081"
-    assert parsed["flink_version"] == runners.FLINK_MINOR and int(parsed["parallelism"]) == 2
     parsed = pipeline_options(runners.spark_options(tmp_path)).get_all_options()
     assert parsed["runner"] == "SparkRunner" and parsed["spark_master_url"] == runners.SPARK_MASTER

@@ -4,7 +4,6 @@ Flink runs the graph with its own operators (batch GroupByKey as a sort, its net
 its restart strategy); what it writes is compared byte for byte with the local runner's output
 of the same config."""
 
-import os
 import signal
 import subprocess
 import sys
@@ -20,10 +19,8 @@ from tests.helpers import (
     LocalFlinkCluster,
     assert_matches_the_local_run,
     assert_same_data_files,
-    sample_documents,
     small_config,
     write_config,
-    write_jsonl,
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -52,28 +49,16 @@ def test_long_documents_on_flink_write_the_local_runners_bytes(flink_cluster, lo
         assert flink_cluster.task_managers_of(job) == set(LocalFlinkCluster.TASK_MANAGERS)
 
 
-@pytest.fixture(scope="module")
-def small_corpus_built_locally(tmp_path_factory):
-    root = tmp_path_factory.mktemp("flink-small")
-    write_jsonl(root / "corpus" / "a.jsonl", sample_documents(6))
-
-    def config(out: Path) -> dict:
-        return small_config(out, str(root / "corpus" / "*.jsonl"))
-
-    run_all(config_from_dict(config(root / "local")), [])
-    return config, root / "local"
-
-
 def test_detached_stages_chain_and_commit_on_flink_with_an_external_worker_pool(
-    flink_cluster, worker_pool, small_corpus_built_locally, tmp_path
+    flink_cluster, worker_pool, six_documents_built_locally, tmp_path
 ):
     """The layout of deploy/flink/ on one machine: workers from a worker pool process
     (EXTERNAL) that both TaskManagers share. build-index --detach returns once Flink lists the
     job (Beam's job server, a child of the command, ends with it); build-shards
     --wait-for-index --detach waits for that index, submits and returns; the cluster finishes
     and commits both with the local runner's bytes."""
-    config, local = small_corpus_built_locally
-    path = write_config(tmp_path / "c.yaml", config(tmp_path / "out"))
+    corpus, local = six_documents_built_locally
+    path = write_config(tmp_path / "c.yaml", small_config(tmp_path / "out", corpus))
     options = [*flink_cluster.options, "--environment_type=EXTERNAL", f"--environment_config={worker_pool}"]
     before = flink_cluster.job_ids()
     index = subprocess.run(
@@ -124,7 +109,7 @@ def test_a_task_manager_killed_mid_build_index_leaves_the_undisturbed_bytes(
                 break
             assert build.poll() is None and time.monotonic() < deadline, "build-index ended before its embed stage ran"
             time.sleep(0.2)
-        os.kill(flink_cluster.pid("taskmanager-1"), signal.SIGKILL)
+        flink_cluster.kill("taskmanager-1")
         _, stderr = build.communicate(timeout=900)
         (job,) = jobs
         if build.returncode != 0:
@@ -136,7 +121,12 @@ def test_a_task_manager_killed_mid_build_index_leaves_the_undisturbed_bytes(
             assert flink_cluster.rest(f"/jobs/{job}")["state"] == "FINISHED"
             assert flink_cluster.rest(f"/jobs/{job}/exceptions")["exceptionHistory"]["entries"], stderr[-3000:]
     finally:
-        build.kill()
+        if build.poll() is None:  # SIGINT: the command's exit hooks stop the job server it started
+            build.send_signal(signal.SIGINT)
+            try:
+                build.wait(60)
+            except subprocess.TimeoutExpired:
+                build.kill()
         flink_cluster.restore()
 
     assert_same_data_files(tmp_path / "out", local, stages=("index/chunks", "index/embeddings", "index/faiss"))

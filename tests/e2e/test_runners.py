@@ -13,36 +13,25 @@ from pipeline.check.validate import validate_path
 from pipeline.check.validate_beam import validate_with_beam
 from pipeline.jobs.run import run_all
 from schemas.config import config_from_dict
-from tests.helpers import assert_same_data_files, sample_documents, small_config, write_config, write_jsonl
+from tests.helpers import assert_same_data_files, small_config, write_config
 
 pytestmark = pytest.mark.e2e
 
 
-@pytest.fixture(scope="module")
-def corpus_and_in_process_output(tmp_path_factory):
-    """Six sample documents (their glob) and what an in-process run writes from them: the bytes
-    every runner must write for that corpus (the output directory is no part of the config hash)."""
-    root = tmp_path_factory.mktemp("runners")
-    write_jsonl(root / "corpus" / "a.jsonl", sample_documents(6))
-    corpus = str(root / "corpus" / "*.jsonl")
-    run_all(config_from_dict(small_config(root / "in-process", corpus)), [])
-    return corpus, root / "in-process"
-
-
 @pytest.mark.slow  # 30-50 s
 def test_detached_stages_commit_themselves_on_an_external_worker_pool(
-    job_service, worker_pool, corpus_and_in_process_output, tmp_path
+    job_service, beam_worker_pool, six_documents_built_locally, tmp_path
 ):
     """build-index --detach exits once the job service has the job; build-shards
     --wait-for-index --detach waits for that index to commit, submits and exits; the shards then
     commit on the worker pool with no submitting process left, with the in-process runner's bytes."""
-    corpus, in_process = corpus_and_in_process_output
+    corpus, in_process = six_documents_built_locally
     config = write_config(tmp_path / "c.yaml", small_config(tmp_path / "pool", corpus))
     beam_args = [
         "--runner=PortableRunner",
         f"--job_endpoint={job_service}",
         "--environment_type=EXTERNAL",
-        f"--environment_config={worker_pool}",
+        f"--environment_config={beam_worker_pool}",
     ]
     cli = str(pathlib.Path(sys.executable).parent / "ratrain-pipeline")
     submitted = subprocess.run(
@@ -80,8 +69,8 @@ def test_detached_stages_commit_themselves_on_an_external_worker_pool(
     assert_same_data_files(tmp_path / "pool", in_process)
 
 
-def test_portable_runner_writes_the_fnapi_runners_bytes(job_service, corpus_and_in_process_output, tmp_path):
-    corpus, in_process = corpus_and_in_process_output
+def test_portable_runner_writes_the_fnapi_runners_bytes(job_service, six_documents_built_locally, tmp_path):
+    corpus, in_process = six_documents_built_locally
     portable = config_from_dict(small_config(tmp_path / "portable", corpus))
     beam_args = ["--runner=PortableRunner", f"--job_endpoint={job_service}", "--environment_type=LOOPBACK"]
     report = run_all(portable, beam_args)

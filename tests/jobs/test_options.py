@@ -60,6 +60,8 @@ def test_the_users_thread_count_wins(monkeypatch):
         (None, "cpu", ["--runner=PortableRunner", "--environment_type=LOOPBACK"], 8),  # calls back here
         (None, "cpu", ["--runner=flink", "--environment_type=LOOPBACK"], 8),  # so do Flink's TaskManagers
         (None, "cpu", ["--runner=FlinkRunner", "--environment_type=EXTERNAL"], 1),
+        (None, "cpu", ["--runner=SparkRunner"], 8),  # Beam picks LOOPBACK for Spark in its job server
+        (None, "cpu", ["--runner=FlinkRunner", "--flink_master=host:8081"], 1),  # and DOCKER for a cluster
         (None, "cpu", ["--runner=DataflowRunner"], 1),  # a process per worker core
         (None, "cpu", ["--runner=PortableRunner", "--environment_type=DOCKER"], 1),
         (2, "cuda", [], None),  # threads do not touch GPU bytes
@@ -97,6 +99,8 @@ def test_a_runner_is_known_by_any_name_beam_resolves(runner, kind):
         ),
         (["--runner=SparkRunner", "--spark_master_url=local[2]", "--environment_type=EXTERNAL"], "Spark driver"),
         (["--runner=SparkRunner", "--job_endpoint=localhost:8099", "--environment_type=EXTERNAL"], None),
+        (["--runner=SparkRunner", "--job_endpoint=localhost:8099"], "LOOPBACK"),  # Beam's default for local[N]
+        (["--runner=PortableRunner", "--job_endpoint=embed", "--environment_type=EXTERNAL"], "embed"),
         (["--runner=FlinkRunner", "--flink_master=localhost:8081", "--environment_type=EXTERNAL"], None),
         (["--runner=PortableRunner", "--job_endpoint=localhost:8099", "--environment_type=EXTERNAL"], None),
         ([], None),  # the local runner finishes the job before the command returns

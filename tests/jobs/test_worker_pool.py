@@ -1,5 +1,7 @@
 """The worker pool over real gRPC: two callers (two TaskManagers) start workers under the same
-id, as Beam's Java runner numbers them per JVM, and each stop reaches its own caller's worker."""
+id, as Beam's Java runner numbers them per JVM, and each stop reaches its own caller's worker;
+a stop over a new connection (a channel that reconnected) reaches a worker only when its id
+names one."""
 
 import os
 import sys
@@ -21,13 +23,13 @@ time.sleep(600)
 """
 
 
-def _alive(pid: int) -> bool:
+def _alive(pid: int, worker) -> bool:
+    """Whether `pid` runs, and runs the `worker` script (not a process that took a freed pid)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as stat, open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            return stat.read().split()[2] != "Z" and str(worker).encode() in cmdline.read()  # a zombie has exited
+    except FileNotFoundError:
         return False
-    with open(f"/proc/{pid}/stat") as stat:
-        return stat.read().split()[2] != "Z"  # a zombie has exited
 
 
 def _caller(address: str):
@@ -48,6 +50,7 @@ def test_each_caller_stops_only_the_worker_it_started(tmp_path):
     worker.chmod(0o755)
     address, server = WorkerPool.start(use_process=True, container_executable=str(worker))
     (first, first_channel), (second, second_channel) = _caller(address), _caller(address)
+    reconnected, reconnected_channel = _caller(address)
     try:
         _start(first, "1-1", "first")
         _start(second, "1-1", "second")  # the other TaskManager's first worker: the same id
@@ -57,16 +60,19 @@ def test_each_caller_stops_only_the_worker_it_started(tmp_path):
             time.sleep(0.05)
         pids = {name: int((tmp_path / name).read_text()) for name in ("first", "second")}
 
-        first.StopWorker(beam_fn_api_pb2.StopWorkerRequest(worker_id="1-1"))
-        assert not _alive(pids["first"]) and _alive(pids["second"])
-        second.StopWorker(beam_fn_api_pb2.StopWorkerRequest(worker_id="1-1"))
-        assert not _alive(pids["second"])
+        stop = beam_fn_api_pb2.StopWorkerRequest(worker_id="1-1")
+        reconnected.StopWorker(stop)  # two workers of that id: which one is not known
+        assert _alive(pids["first"], worker) and _alive(pids["second"], worker)
+        first.StopWorker(stop)
+        assert not _alive(pids["first"], worker) and _alive(pids["second"], worker)
+        reconnected.StopWorker(stop)  # now the id names one
+        assert not _alive(pids["second"], worker)
     finally:
-        first_channel.close()
-        second_channel.close()
+        for channel in (first_channel, second_channel, reconnected_channel):
+            channel.close()
         server.stop(0)
         for name in ("first", "second"):
             if (tmp_path / name).exists():
                 pid = int((tmp_path / name).read_text())
-                if _alive(pid):
+                if _alive(pid, worker):
                     os.kill(pid, 9)

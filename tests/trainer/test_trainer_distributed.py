@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from contextlib import redirect_stdout
@@ -20,7 +19,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.helpers import REPO
+from tests.helpers import REPO, free_port
 from tests.trainer_fixtures import write_shard_dir
 from trainer import ShardDataset
 from trainer.model import Retro, RetroConfig
@@ -64,12 +63,6 @@ def arguments(shards: Path, steps: int, *extra: str) -> list[str]:
 
 def losses(output: str) -> dict[int, float]:
     return {int(step): float(loss) for step, loss in re.findall(r"step=(\d+) loss=(\S+) tok/s=\S+", output)}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_rank(rank: int, world_size: int, port: int, argv: list[str], out: Path) -> None:
