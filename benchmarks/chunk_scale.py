@@ -77,7 +77,7 @@ def job_main(corpus: str, out: str) -> None:
     from pipeline.common.writers import WriteGroupedFiles, chunks_table, parquet_bytes
     from pipeline.corpus.read import ReadCorpus
     from pipeline.jobs.options import new_pipeline
-    from schemas.config import CorpusConfig
+    from schemas.stage_config import CorpusConfig
 
     tokenizer = resolve_tokenizer(None)
     pad = pad_id_of(load_tokenizer(tokenizer))

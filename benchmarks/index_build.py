@@ -568,7 +568,7 @@ def main() -> None:
     parser.add_argument("--output", default=str(RESULTS))
     args = parser.parse_args()
 
-    from schemas.config import parse_size
+    from schemas.stage_config import parse_size
 
     budget = parse_size(args.budget)
     temp = None if args.workdir else tempfile.TemporaryDirectory(prefix="index-bench-")

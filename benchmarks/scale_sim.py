@@ -41,18 +41,18 @@ from pipeline.index.slices import vectors_per_slice  # noqa: E402
 from pipeline.jobs import index_job, shards_job  # noqa: E402
 from pipeline.jobs.memory_model import Corpus, largest, stage_memory  # noqa: E402
 from schemas.config import PipelineConfig  # noqa: E402
-from schemas.manifest import (  # noqa: E402
+from schemas.manifest import (
     CREATED_BY,
     FILE_TABLE,
     MANIFEST_FILE,
     FileEntry,
     Fingerprint,
     IndexManifest,
-    Recall,
     ShardEntry,
     ShardsManifest,
     read_manifest,
 )
+from schemas.measures import Recall
 from tests.trainer_fixtures import write_manifest as write_committed  # noqa: E402
 
 DIM, M, N, K = 384, 64, 2048, 2

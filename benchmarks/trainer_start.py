@@ -85,10 +85,10 @@ def upload(emulator, directory: Path, url: str) -> str:
 def measure(source: str, repeats: int, check_all_repeats: int) -> dict:
     from schemas.manifest import MANIFEST_FILE, ShardsManifest, read_manifest
     from trainer import ShardDataset
-    from trainer.dataset import _files_for
+    from trainer.shard_files import files_for
 
     def manifest():
-        files = _files_for(source)  # a fresh client, as a starting trainer has
+        files = files_for(source)  # a fresh client, as a starting trainer has
         path = f"{source}/{MANIFEST_FILE}"
         return read_manifest(lambda: files.read_text(path), path, ShardsManifest)
 

@@ -48,15 +48,8 @@ from pipeline.chunks.chunk_files import CHUNK_ROW_GROUP_ROWS  # noqa: E402
 from pipeline.common.fileio import sha256_bytes  # noqa: E402
 from pipeline.common.writers import parquet_bytes  # noqa: E402
 from schemas.arrow import chunk_schema, embedding_schema, fixed_size_list, shard_ipc_bytes, shard_table  # noqa: E402
-from schemas.manifest import (  # noqa: E402
-    INLINE_FILE_ENTRIES,
-    FileEntry,
-    Fingerprint,
-    IndexManifest,
-    Recall,
-    ShardEntry,
-    ShardsManifest,
-)
+from schemas.manifest import INLINE_FILE_ENTRIES, FileEntry, Fingerprint, IndexManifest, ShardEntry, ShardsManifest
+from schemas.measures import Recall
 from tests.trainer_fixtures import write_manifest  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent

@@ -8,14 +8,13 @@ use. User errors end with one line on stderr and a non-zero exit; `--debug` show
 from __future__ import annotations
 
 import json
-import logging
 import sys
-import threading
 import time
 
 import click
 
-log = logging.getLogger("ratrain")
+from pipeline.console import error_line, report, setup_logging, summary
+
 BEAM_ARGS = dict(context_settings={"ignore_unknown_options": True})
 
 
@@ -51,38 +50,6 @@ def _beam_args(beam_args, detach: bool = False) -> list[str]:
     return checked
 
 
-def _no_worker_tracebacks(record: logging.LogRecord) -> bool:
-    """Beam logs a failing step's traceback before re-raising it; main() prints the one line."""
-    return not (
-        record.name.startswith("apache_beam")
-        and (record.exc_info or "Traceback (most recent call last)" in record.getMessage())
-    )
-
-
-def _hung_up_worker_threads(args: threading.ExceptHookArgs) -> None:
-    """LOOPBACK workers are threads of this process. When a runner closes a worker's
-    environment after its work (Flink does, stage by stage) the worker's gRPC streams end
-    CANCELLED and Beam's threads raise that on their way out: two tracebacks per worker of a
-    job that succeeds. Those go to the debug log; a job's real failure comes from its runner."""
-    import grpc
-
-    error = args.exc_value
-    if isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.CANCELLED:
-        log.debug("worker thread %s: streams closed by the runner", args.thread.name if args.thread else "?")
-        return
-    threading.__excepthook__(args)
-
-
-def _setup_logging(verbose: bool) -> None:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    if not verbose:  # Beam and HF are chatty at INFO; keep the project's own progress lines
-        for name in ("apache_beam", "sentence_transformers", "transformers", "faiss", "httpx", "huggingface_hub"):
-            logging.getLogger(name).setLevel(logging.WARNING)
-        for handler in logging.getLogger().handlers:
-            handler.addFilter(_no_worker_tracebacks)
-        threading.excepthook = _hung_up_worker_threads
-
-
 def _config(path: str):
     """A local config file, or one on gs:// (a flex template's parameter)."""
     from schemas.config import ConfigError, config_from_yaml, load_config
@@ -102,14 +69,7 @@ def _config(path: str):
 def cli(ctx, debug):
     """Turn a text corpus into retrieval-augmented (RETRO-style) training shards."""
     ctx.obj = {"debug": debug}
-    _setup_logging(debug)
-
-
-def _summary(counters: dict[str, int], title: str) -> None:
-    width = max((len(k) for k in counters), default=0)
-    click.echo(f"{title}:", err=True)
-    for name, value in counters.items():
-        click.echo(f"  {name:<{width}}  {value:,}", err=True)
+    setup_logging(debug)
 
 
 DRY_RUN = click.option(
@@ -147,17 +107,6 @@ DETACH = click.option(
 )
 
 
-def _report(result, title: str) -> None:
-    """A committed stage's counters, or where a detached one will commit."""
-    from pipeline.jobs.job import Submitted
-
-    if isinstance(result, Submitted):
-        job = f" as job {result.job}" if result.job else ""
-        click.echo(f"{result.stage} submitted{job}; it commits {result.manifest} when it finishes", err=True)
-    else:
-        _summary(result.counters, title)
-
-
 @cli.command("build-index", **BEAM_ARGS)
 @click.option("--config", "config_path", required=True, help="Pipeline config (YAML).")
 @click.argument("beam_args", nargs=-1, type=click.UNPROCESSED)
@@ -187,7 +136,7 @@ def build_index_cmd(config_path, beam_args, force, delete_path, dry_run, corpus_
     if dry_run:
         _print_plan({"build-index": result}, cfg, corpus_chunks, corpus_documents)
     else:
-        _report(result, "build-index counters")
+        report(result, "build-index counters")
 
 
 @cli.command("index", **BEAM_ARGS)
@@ -217,7 +166,8 @@ def index_cmd(embeddings, output, index_type, memory_budget, target_recall, npro
     from pydantic import ValidationError
 
     from pipeline.jobs.vector_index_job import build_vector_index
-    from schemas.config import ConfigError, IndexConfig, format_validation_error
+    from schemas.config import ConfigError, format_validation_error
+    from schemas.stage_config import IndexConfig
 
     beam_args = _beam_args(beam_args)
     try:
@@ -231,7 +181,7 @@ def index_cmd(embeddings, output, index_type, memory_budget, target_recall, npro
     except ValidationError as err:
         raise ConfigError(format_validation_error(err, "index options")) from None
     manifest = build_vector_index(list(embeddings), output, cfg, beam_args)
-    _summary(manifest.counters, "index counters")
+    summary(manifest.counters, "index counters")
 
 
 @cli.command("build-shards", **BEAM_ARGS)
@@ -276,7 +226,7 @@ def build_shards_cmd(
     if dry_run:
         _print_plan({"build-shards": result}, cfg, corpus_chunks, corpus_documents)
     else:
-        _report(result, "build-shards counters")
+        report(result, "build-shards counters")
 
 
 @cli.command("run", **BEAM_ARGS)
@@ -312,9 +262,9 @@ def run_cmd(config_path, force, beam_args, dry_run, corpus_chunks, corpus_docume
     report = run_all(_config(config_path), beam_args, force=force, detach=detach)
     for stage, (status, result) in report.items():
         if status == "submitted":
-            _report(result, stage)
+            report(result, stage)
         else:
-            _summary(result, f"{stage} ({status})")
+            summary(result, f"{stage} ({status})")
     click.echo(f"run {'submitted' if detach else 'finished'} in {time.monotonic() - start:.1f} s", err=True)
 
 
@@ -398,16 +348,6 @@ def main(argv=None) -> None:
             raise
         click.echo(f"error: {error_line(err)}", err=True)
         sys.exit(1)
-
-
-def error_line(err: BaseException) -> str:
-    """One line naming the problem. Errors raised inside Beam workers arrive re-raised with the
-    failing step appended to their message; the first line is the original one."""
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    first = lines[0] if lines else type(err).__name__
-    if isinstance(err, (ValueError, FileNotFoundError, RuntimeError)):
-        return first
-    return f"{type(err).__name__}: {first} (run with --debug for the traceback)"
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """Manifest models of the index and shard directories (docs/design.md §4), and the one reader
 of a manifest (`read_manifest`).
 
-A stage's output exists only once its manifest.json is written, and that happens last.
+A stage's output exists only once its manifest.json is written, and that happens last. The
+measurements they record (recall, the precision check, the search depth) are in
+`schemas/measures.py`.
 """
 
 from __future__ import annotations
@@ -9,10 +11,11 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AliasChoices, Field, ValidationError
 
 from schemas import __version__
 from schemas.arrow import SCHEMA_VERSION, check_schema_version
+from schemas.measures import ManifestModel, NeighbourRecall, PrecisionCheck, Recall, SearchDepth
 
 #: The file that commits a directory: written last, and readers refuse a directory without it.
 MANIFEST_FILE = "manifest.json"
@@ -24,11 +27,7 @@ INLINE_FILE_ENTRIES = 10_000
 FILE_TABLE = "files.parquet"
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
-class FileEntry(_Model):
+class FileEntry(ManifestModel):
     path: str = Field(description="Path relative to the manifest's directory.")
     rows: int
     bytes: int
@@ -41,7 +40,7 @@ class ShardEntry(FileEntry):
     )
 
 
-class FileTable(_Model):
+class FileTable(ManifestModel):
     """Where a manifest's file entries are when there are more than INLINE_FILE_ENTRIES."""
 
     path: str = Field(description="A Parquet file beside the manifest, one row per entry, in the manifest's order.")
@@ -55,75 +54,12 @@ ENTRIES_IN_TABLE = Field(description="Empty when `file_table` is set: the entrie
 FILE_TABLE_FIELD = Field(None, description="The file table holding the entries (None: they are inline).")
 
 
-class Fingerprint(_Model):
+class Fingerprint(ManifestModel):
     name: str
     fingerprint: str = Field(description="sha256 over the files that define it.")
 
 
-class DepthRecall(_Model):
-    """One point of a recall curve: the recall measured at one search depth."""
-
-    depth: int | None = Field(description="nprobe or efSearch; None: an exact index, searched whole.")
-    recall: float
-
-
-class OwnDocumentRecall(_Model):
-    """The index's recall on the search build-shards makes: each query's whole document excluded."""
-
-    measure: str = Field(
-        description="'recall@k with ties within 0.001 (empty slot = miss)': share of the "
-        "query sample's k neighbour slots, found with the query's own document excluded "
-        "(chunk-id range skipped inside faiss, deepening as build-shards does), that are as "
-        "similar as exact search's k-th best outside that document."
-    )
-    k: int
-    value: float = Field(description="At the index's search depth.")
-    depth: int | None = Field(description="The depth this measure alone reached the target at (None: exact).")
-    plateau: bool = False
-    curve: list[DepthRecall] | None = Field(None, description="Recall at each depth measured (None: exact index).")
-
-
-class Recall(_Model):
-    measure: str = Field(
-        description="'1-recall@10 with ties within 0.001': share of sampled "
-        "indexed vectors for which one of the index's top 10 (self excluded) is "
-        "as similar as the exact nearest other vector, within the tolerance."
-    )
-    value: float
-    sample_size: int
-    nprobe: int | None = Field(
-        None, description="Search depth it was measured at (nprobe for IVF, efSearch for HNSW; None for exact indexes)."
-    )
-    target: float | None = None
-    plateau: bool = Field(
-        False,
-        description="The tuning stopped below the target because "
-        "two doublings of the search depth gained less than 0.005 recall.",
-    )
-    curve: list[DepthRecall] | None = Field(
-        None,
-        description="Recall at each search depth the "
-        "tuning measured, in the order measured (one point for a "
-        "fixed index.nprobe; None: an exact index, or an older "
-        "manifest).",
-    )
-    own_document_excluded: OwnDocumentRecall | None = Field(
-        None,
-        description="The same queries with their own document excluded (None: documents not "
-        "known, e.g. `ratrain-pipeline index`, or an older manifest). The index's depth is the "
-        "deeper of the two tunings.",
-    )
-
-    def summary(self) -> str:
-        """'1-recall@10 ... = 0.977, recall@2 with the own document excluded = 0.963, at depth 8'."""
-        text = f"{self.measure} = {self.value:.3f}"
-        if self.own_document_excluded is not None:
-            own = self.own_document_excluded
-            text += f", recall@{own.k} with the own document excluded = {own.value:.3f}"
-        return text + ("" if self.nprobe is None else f", at depth {self.nprobe}")
-
-
-class VectorIndex(_Model):
+class VectorIndex(ManifestModel):
     """What a faiss build records, in an index manifest and in a stand-alone one."""
 
     index_factory: str
@@ -149,7 +85,7 @@ class VectorIndex(_Model):
     )
 
 
-class StageTimings(_Model):
+class StageTimings(ManifestModel):
     """A job's wall time and throughput, for reports and comparisons between runs."""
 
     stage: str = Field(description="The job: build-index, build-index (faiss only), index or build-shards.")
@@ -165,7 +101,7 @@ class StageTimings(_Model):
     )
 
 
-class _Committed(_Model):
+class _Committed(ManifestModel):
     """What every committed directory's manifest says about itself."""
 
     schema_version: int = SCHEMA_VERSION
@@ -188,47 +124,6 @@ class VectorIndexManifest(VectorIndex, _Committed):
     file_table: FileTable | None = FILE_TABLE_FIELD
 
 
-def setting_name(backend: str, precision: str, quantize: str) -> str:
-    """An embedding setting in words, e.g. 'openvino bfloat16 int8'."""
-    return " ".join([backend, precision] + (["int8"] if quantize == "int8" else []))
-
-
-class PrecisionCheck(_Model):
-    """The embed stage's check of its setting (backend, arithmetic, quantisation) against torch
-    float32, on sampled chunks."""
-
-    precision: str = Field(description="What the encoder ran in: float32, bfloat16 or float16.")
-    backend: str = Field(
-        "torch", description="What ran the encoder: torch, onnx or openvino (torch: an older manifest)."
-    )
-    quantize: str = Field("none", description="none, or int8 weight products (none: an older manifest).")
-    sample_size: int = Field(description="Chunks embedded again by torch in float32 (chosen by id hash).")
-    top2_agreement: float = Field(
-        description="Share of the sample's top-2 neighbours (within the "
-        "sample) equal to float32's, ties within 0.001 counted equal."
-    )
-    agreement_upper_bound: float | None = Field(
-        None,
-        description="Wilson 99% upper confidence bound of the agreement given the sample "
-        "(None: an older manifest); the build fails when it is below min_agreement.",
-    )
-    min_cosine: float = Field(description="Least cosine between a chunk's stored embedding and its float32 one.")
-    min_agreement: float = Field(
-        description="The agreement below which the build fails (when the upper bound is below it)."
-    )
-
-    def summary(self) -> str:
-        """One line for inspect and the report."""
-        setting = setting_name(self.backend, self.precision, self.quantize)
-        if (self.backend, self.precision) == ("torch", "float32"):
-            return "torch float32 (the reference itself: nothing to check)"
-        bound = "" if self.agreement_upper_bound is None else f", at most {self.agreement_upper_bound:.3f} at 99%"
-        return (
-            f"{setting}: top-2 neighbours of {self.sample_size} sampled chunks agree with torch float32 on "
-            f"{self.top2_agreement:.3f}{bound} (fails below {self.min_agreement}), least cosine {self.min_cosine:.4f}"
-        )
-
-
 PRECISION_CHECK = Field(
     None, description="The precision check of the embed stage (None: nothing embedded, or an older manifest)."
 )
@@ -242,7 +137,7 @@ ENCODER_THREADS = Field(
 )
 
 
-class InputFile(_Model):
+class InputFile(ManifestModel):
     """A corpus file as read: where, and its size and modification time then (a file listed
     with another size or time is not the one read)."""
 
@@ -265,7 +160,7 @@ class InputFile(_Model):
         return self.modified is not None and now.modified is not None and self.modified != now.modified
 
 
-class Generation(_Model):
+class Generation(ManifestModel):
     """What one build-index run added to an index directory: the first build is generation 0,
     each append the next (docs/design.md §8, "Appending")."""
 
@@ -317,33 +212,6 @@ class IndexManifest(VectorIndex, _Committed):
     pad_id: int
     files: list[FileEntry] = ENTRIES_IN_TABLE
     file_table: FileTable | None = FILE_TABLE_FIELD
-
-
-class NeighbourRecall(_Model):
-    measure: str = Field(
-        description="Share of sampled training chunks' neighbour slots whose "
-        "neighbour is as near as exact search's k-th best (within tolerance), "
-        "exact search applying the same own-document exclusion; an empty slot "
-        "is a miss unless the database has fewer than k chunks to offer."
-    )
-    value: float
-    sample_size: int = Field(description="Training chunks sampled (deterministically by id).")
-    slots: int = Field(description="Neighbour slots that exact search fills for them.")
-    tolerance: float
-
-
-class SearchDepth(_Model):
-    """How build-shards chose its search depth: from the neighbour recall of its sampled
-    training chunks (own documents excluded, as in the search), before searching."""
-
-    index_depth: int | None = Field(description="The depth the index stage tuned (nprobe, efSearch; None: exact).")
-    depth: int | None = Field(description="The depth build-shards searched at.")
-    target: float = Field(description="index.target_recall.")
-    recall_below_target: str = Field(description="The policy: deepen, warn or fail.")
-    curve: list[DepthRecall] = Field(
-        description="{depth, recall} measured, index depth first (recall as neighbour_recall measures it)."
-    )
-    plateau: bool = Field(description="Deepening stopped because two doublings of the depth gained less than 0.005.")
 
 
 class ShardsManifest(_Committed):

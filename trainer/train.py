@@ -17,16 +17,14 @@ micro-batches, all ranks), tok/s counts every rank's input tokens.
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import math
 import os
 import sys
 import time
 import typing
 from contextlib import nullcontext
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
@@ -36,149 +34,10 @@ from torch.utils.data import DataLoader
 
 from schemas.arrow import SchemaVersionError
 from trainer.dataset import ShardDataError, ShardDataset
+from trainer.distributed import Process, gather_to_main, start_process, sum_over_ranks
 from trainer.model import Retro, RetroConfig
-
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-class TrainError(ValueError):
-    """A run that cannot go on (bad tokens, missing device); main prints it as one line."""
-
-
-def option(default=MISSING, help: str = "", **flag):
-    """A TrainConfig field and its command-line flag (--field-name), declared once: `help`, and
-    argparse's `type` or `choices`, or `minimum` (the least value accepted)."""
-    return field(default=default, metadata={"help": help, **flag})
-
-
-def int_list(text: str) -> tuple[int, ...]:
-    return tuple(int(i) for i in text.split(",") if i)
-
-
-@dataclass
-class TrainConfig:
-    shards: str = option(help="shard directory (manifest.json + *.arrow), local or gs://")
-    steps: int = option(help="train until this optimizer step (counting the steps before --resume)", minimum=1)
-    decay_steps: int | None = option(None, "length of the LR schedule (default: --steps)", minimum=1)
-    batch_size: int = option(8, "sequences per micro-batch on each rank", minimum=1)
-    grad_accum: int = option(
-        1, "micro-batches per optimizer step; a step takes batch size × this × ranks sequences", minimum=1
-    )
-    lr: float = option(3e-4, "peak learning rate, after warmup")
-    min_lr_ratio: float = option(0.1, "cosine decay ends at lr × this")
-    warmup_steps: int | None = option(None, "linear warmup (default: 5% of the schedule)", minimum=0)
-    weight_decay: float = option(0.1, "AdamW's, on matrices and embeddings only")
-    grad_clip: float = option(1.0, "max global gradient norm")
-    seed: int = option(0, "model init and data order")
-    device: str = option("cpu", "cpu, cuda or cuda:N (under torchrun, cuda is cuda:LOCAL_RANK)")
-    precision: str = option(
-        "fp32", "autocast dtype of forward and loss (fp16 adds a gradient scaler)", choices=tuple(PRECISIONS)
-    )
-    compile: bool = option(False, "torch.compile the model (slow first steps, faster after)")
-    retrieval: bool = option(True, "the ablation: train without neighbours (no encoder, no CCA)")
-    vocab_size: int = option(RetroConfig.vocab_size, "token ids must be below it", minimum=1)
-    dim: int = option(RetroConfig.dim, "model width", minimum=1)
-    depth: int = option(RetroConfig.depth, "decoder blocks", minimum=1)
-    heads: int = option(RetroConfig.heads, "attention heads", minimum=1)
-    encoder_depth: int = option(RetroConfig.encoder_depth, "neighbour encoder blocks", minimum=0)
-    cca_layers: tuple[int, ...] | None = option(
-        None, "comma-separated 0-based decoder blocks with CCA (default: every third from block 2)", type=int_list
-    )
-    num_workers: int = option(0, "DataLoader worker processes per rank", minimum=0)
-    checkpoint: str | None = option(
-        None, "write model, optimizer and data positions here at the end (on storage every node sees)"
-    )
-    checkpoint_every: int | None = option(None, "also checkpoint every K steps", minimum=1)
-    resume: str | None = option(None, "continue from this checkpoint (same number of ranks)")
-    log_every: int = option(10, "print (and record) every K steps", minimum=1)
-    metrics: str | None = option(None, "append one JSON line per log step to this file")
-    tensorboard: str | None = option(
-        None, "also write TensorBoard scalars to this directory (needs the tensorboard package)"
-    )
-    val_shards: str | None = option(None, "held-out shard directory (local or gs://) to score")
-    val_every: int = option(50, "score --val-shards every K steps and at the end", minimum=1)
-    val_batches: int | None = option(None, "score only this many batches (default: all)", minimum=1)
-    verify_shards: bool = option(False, "check each shard's sha256 against the manifest whenever it is opened")
-    skip_bad_shards: bool = option(False, "leave out, with a warning, shards that fail their checks (default: refuse)")
-
-
-def parse_args(argv: list[str] | None = None) -> TrainConfig:
-    """Flags from TrainConfig's fields: --field-name, a bool that defaults to True is --no-field-name."""
-    parser = argparse.ArgumentParser(prog="ratrain-train", description=__doc__.splitlines()[0])
-    hints = typing.get_type_hints(TrainConfig)
-    for spec in fields(TrainConfig):
-        flag = {k: v for k, v in spec.metadata.items() if k != "minimum"}
-        flag["help"] = flag["help"].replace("%", "%%")
-        name = spec.name.replace("_", "-")
-        if hints[spec.name] is bool:
-            parser.add_argument(
-                f"--no-{name}" if spec.default else f"--{name}",
-                dest=spec.name,
-                action="store_false" if spec.default else "store_true",
-                **flag,
-            )
-            continue
-        if spec.default not in (MISSING, None):
-            flag["help"] += f" (default: {spec.default})"
-        scalar = [t for t in typing.get_args(hints[spec.name]) if t is not type(None)] or [hints[spec.name]]
-        flag.setdefault("type", scalar[0])
-        parser.add_argument(
-            f"--{name}",
-            dest=spec.name,
-            required=spec.default is MISSING,
-            default=None if spec.default is MISSING else spec.default,
-            **flag,
-        )
-    args = parser.parse_args(argv)
-    for spec in fields(TrainConfig):
-        value, minimum = getattr(args, spec.name), spec.metadata.get("minimum")
-        if minimum is not None and value is not None and value < minimum:
-            parser.error(f"--{spec.name.replace('_', '-')} must be at least {minimum}")
-    return TrainConfig(**vars(args))
-
-
-@dataclass
-class Process:
-    """This process's place in the run: rank 0 of 1 when launched alone."""
-
-    rank: int
-    world_size: int
-    device: torch.device
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def start_process(device_name: str) -> Process:
-    """Rank and world size from torchrun's environment; with more than one rank, join the
-    process group (NCCL on CUDA, gloo on CPU)."""
-    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    device = torch.device(device_name)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise TrainError(f"--device {device_name}: CUDA is not available")
-        if world_size > 1:
-            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))  # one GPU per process
-        torch.cuda.set_device(device)
-    if world_size > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size)
-    return Process(rank, world_size, device)
-
-
-def sum_over_ranks(values: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized():
-        dist.all_reduce(values)
-    return values
-
-
-def gather_to_main(item, process: Process) -> list | None:
-    """Every rank's `item`, in rank order, on rank 0 (None elsewhere)."""
-    if not dist.is_initialized():
-        return [item]
-    items = [None] * process.world_size if process.is_main else None
-    dist.gather_object(item, items, dst=0)
-    return items
+from trainer.options import PRECISIONS, TrainConfig, TrainError, parse_args
+from trainer.reporting import Reporter
 
 
 def lr_multiplier(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
@@ -288,40 +147,6 @@ def validation_loss(
         count += int((targets != pad_id).sum())
     model.train()
     return total / max(count, 1)
-
-
-class Reporter:
-    """Rank 0's output: printed lines, and one record per log step appended as a JSON line to
-    --metrics and written as scalars to --tensorboard. Other ranks report nothing."""
-
-    def __init__(self, config: TrainConfig, enabled: bool):
-        self.enabled = enabled
-        self.metrics = open(config.metrics, "a", encoding="utf-8") if enabled and config.metrics else None
-        self.tensorboard = None
-        if enabled and config.tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise TrainError("--tensorboard needs the tensorboard package (pip install tensorboard)") from None
-            self.tensorboard = SummaryWriter(config.tensorboard)
-
-    def line(self, text: str) -> None:
-        if self.enabled:
-            print(text, flush=True)  # visible as it happens when stdout is a pipe or a file
-
-    def record(self, record: dict) -> None:
-        if self.metrics:
-            self.metrics.write(json.dumps(record) + "\n")
-            self.metrics.flush()
-        if self.tensorboard:
-            for name, value in record.items():
-                if name != "step":
-                    self.tensorboard.add_scalar(name, value, record["step"])
-
-    def close(self) -> None:
-        for sink in (self.metrics, self.tensorboard):
-            if sink:
-                sink.close()
 
 
 def train(config: TrainConfig) -> Retro:

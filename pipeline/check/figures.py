@@ -10,9 +10,10 @@ import io
 
 import numpy as np
 
-from pipeline.check.report import ReportError, ScoreSample
+from pipeline.check.report_samples import ScoreSample
+from pipeline.check.report_sources import ReportError
 from schemas.evaluation import NO_CHUNK, Evaluation
-from schemas.manifest import SearchDepth
+from schemas.measures import SearchDepth
 
 DRAWN_BINS = 40  # bins across the scores' range in the figure
 

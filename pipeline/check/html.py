@@ -7,25 +7,23 @@ from collections.abc import Sequence
 
 from pipeline.check.figures import evaluation_figure, overlap_figure, recall_figure, scores_figure
 from pipeline.check.report import (
-    EXAMPLES_PER_REASON,
-    EXCERPT_CHARS,
     GENERATION_COLUMNS,
     REPORT_FILE,
-    RejectedReason,
     Report,
     gather,
     generation_rows,
     index_summary,
     neighbour_quality,
     overlap_bars,
-    score_table,
     shards_summary,
     timing_rows,
 )
+from pipeline.check.report_samples import EXAMPLES_PER_REASON, EXCERPT_CHARS, RejectedReason, score_table
 from pipeline.common import fileio
 from pipeline.index.recall import PLATEAU_GAIN
 from schemas.evaluation import Evaluation, score_rows
-from schemas.manifest import IndexManifest, SearchDepth
+from schemas.manifest import IndexManifest
+from schemas.measures import SearchDepth
 
 STYLE = """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; max-width: 1100px; margin: 1.5em auto;

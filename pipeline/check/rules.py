@@ -1,53 +1,37 @@
-"""The rules `validate` checks, one function per unit: chunk files (ids, continuations, document
-runs, boundaries), embedding files, the faiss index, a shard and the references into the chunk
-files (docs/design.md §4-5).
+"""The index rules `validate` checks, one function per unit: chunk files (ids, continuations,
+document runs, boundaries), generations, embedding files, the faiss index (docs/design.md §4-5).
+A shard and the references into the chunk files are `pipeline.check.shard_rules`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import faiss
 import numpy as np
-import pyarrow as pa
 
-from pipeline.check.chunk_reads import ChunkRowsRead, read_row_groups, read_whole
 from pipeline.check.facts import (
-    ChunkFileChecked,
     ChunkFileEnds,
     ChunkFiles,
     ChunkFileSummary,
-    ChunkFileUnit,
     EmbeddingFileUnit,
     FaissFacts,
     IndexFacts,
     Probes,
-    ShardsFacts,
 )
-from pipeline.check.problems import ValidationFailed, _kind, _parquet, _read_checked, _require
+from pipeline.check.problems import ValidationFailed, _kind, _parquet, _require
 from pipeline.chunks.chunk_files import ChunkRows
 from pipeline.common import fileio
-from pipeline.common.arrays import ranges_of
 from pipeline.common.names import file_number
 from pipeline.index.files import load_index, read_owners
 from pipeline.index.routing import list_sizes
 from pipeline.index.slices import merge_slice_results
-from schemas.arrow import (
-    check_schema_version,
-    read_shard_table,
-    shard_column,
-    tensor_column_to_numpy,
-)
-from schemas.manifest import (
-    Generation,
-    ShardEntry,
-)
+from schemas.arrow import tensor_column_to_numpy
+from schemas.manifest import Generation
 
 NORM_TOLERANCE = 1e-3
 
 
 @_kind("chunk file")
-def _check_chunk_rules(index: IndexFacts, number: int, rows: ChunkRows) -> ChunkFileSummary:
+def check_chunk_rules(index: IndexFacts, number: int, rows: ChunkRows) -> ChunkFileSummary:
     """One chunk file against the rules, within the file (its first row is checked against
     the file before it by `check_chunk_boundaries`)."""
     path = f"{index.directory}/chunks file {number}"
@@ -264,211 +248,3 @@ def _check_list_owners(faiss_index: FaissFacts) -> None:
         held = np.flatnonzero(list_sizes(load_index(fileio.join(faiss_index.directory, relative))))
         strays = held[owner[held] != number]
         _require(not len(strays), f"{relative}: holds vectors in lists {strays[:5].tolist()} it does not own")
-
-
-REFERENCE = np.dtype(
-    [("chunk_id", "<i8"), ("seq_id", "<i8"), ("own", "?"), ("docs_start", "<i8"), ("docs_count", "<i4")]
-)
-
-
-@dataclass(frozen=True)
-class ReferenceBlock:
-    """References into one chunk file: which chunk, which sequence, neighbour or the
-    sequence's own chunk, where its doc ids are in `docs`; their tokens [r, 2m]; the doc ids."""
-
-    refs: np.ndarray
-    values: np.ndarray
-    docs: np.ndarray
-
-
-@dataclass(frozen=True)
-class ShardResult:
-    path: str
-    first_seq: int
-    last_seq: int
-    references: dict = field(repr=False)  # chunk file number -> ReferenceBlock
-
-
-def _contains(docs: np.ndarray, starts: np.ndarray, counts: np.ndarray, wanted: np.ndarray) -> np.ndarray:
-    """Per reference r: is wanted[r] among docs[starts[r] : starts[r] + counts[r]]?"""
-    owner = np.repeat(np.arange(len(starts)), counts)
-    hits = np.asarray(docs[ranges_of(starts, counts)]) == wanted[owner]
-    return np.bincount(owner, weights=hits, minlength=len(starts)) > 0
-
-
-def _shard_references(
-    shards: ShardsFacts,
-    table: pa.Table,
-    present: np.ndarray,
-    ids: np.ndarray,
-    neighbours: np.ndarray,
-    tokens: np.ndarray,
-) -> dict[int, ReferenceBlock]:
-    """A shard's references, grouped by the chunk file holding their chunk."""
-    m, pad, L = shards.chunk_tokens, shards.pad_id, shards.chunks_per_sequence
-    seq_ids = table["seq_id"].to_numpy()
-    doc_lists = table["doc_ids"].combine_chunks()
-    doc_offsets = doc_lists.offsets.to_numpy()
-    doc_values = doc_lists.values.to_numpy()
-    row, j, slot = np.nonzero(present)
-    chunk_id, value, own = ids[row, j, slot], neighbours[row, j, slot], np.zeros(len(row), bool)
-    if shards.same_corpus:  # sequence s holds chunks s·L ... s·L + L - 1
-        own_row, own_j = np.divmod(np.arange(len(seq_ids) * L), L)
-        own_value = np.full((len(own_row), 2 * m), pad, np.int32)
-        own_value[:, :m] = tokens[:, : L * m].reshape(-1, m)  # row-major: (own_row, own_j)
-        row, chunk_id = np.concatenate([row, own_row]), np.concatenate([chunk_id, seq_ids[own_row] * L + own_j])
-        value, own = np.concatenate([value, own_value]), np.concatenate([own, np.ones(len(own_row), bool)])
-    numbers = shards.chunks.file_of(chunk_id)
-    blocks = {}
-    for number in np.unique(numbers):
-        here = numbers == number
-        rows_here = np.unique(row[here])
-        counts = doc_offsets[rows_here + 1] - doc_offsets[rows_here]
-        docs = doc_values[ranges_of(doc_offsets[rows_here], counts)]
-        local_start = np.cumsum(counts) - counts
-        where = np.searchsorted(rows_here, row[here])
-        refs = np.zeros(int(here.sum()), REFERENCE)
-        refs["chunk_id"], refs["seq_id"], refs["own"] = chunk_id[here], seq_ids[row[here]], own[here]
-        refs["docs_start"], refs["docs_count"] = local_start[where], counts[where]
-        blocks[int(number)] = ReferenceBlock(refs, value[here].astype(np.int32), docs.astype(np.int64))
-    return blocks
-
-
-@_kind("shard")
-def check_shard(shards: ShardsFacts, entry: ShardEntry) -> ShardResult:
-    """One shard: its bytes, schema metadata, rows, shapes, sequence ids, absent neighbours;
-    returns its references for the chunk files to check."""
-    n, m, k, pad, L = (
-        shards.sequence_tokens,
-        shards.chunk_tokens,
-        shards.neighbours,
-        shards.pad_id,
-        shards.chunks_per_sequence,
-    )
-    path = fileio.join(shards.directory, entry.path)
-    table = read_shard_table(pa.BufferReader(_read_checked(shards.directory, entry)))
-    meta = {key.decode(): value.decode() for key, value in (table.schema.metadata or {}).items()}
-    check_schema_version(meta.get("schema_version"), path)
-    for key, value in shards.metadata:
-        _require(meta.get(key) == value, f"{path}: metadata {key}={meta.get(key)} disagrees with the manifest")
-    _require(table.num_rows == entry.rows, f"{path}: {table.num_rows} rows, manifest says {entry.rows}")
-    seq_ids = table["seq_id"].to_numpy()
-    tokens = shard_column(table, "tokens")
-    neighbours = shard_column(table, "neighbours")
-    ids = shard_column(table, "neighbour_ids")
-    scores = shard_column(table, "neighbour_scores")
-    _require(
-        tokens.shape[1:] == (n + 1,) and neighbours.shape[1:] == (L, k, 2 * m) and ids.shape[1:] == (L, k),
-        f"{path}: column shapes disagree with n={n} m={m} k={k}",
-    )
-    _require(len(seq_ids) > 0 and (np.diff(seq_ids) > 0).all(), f"{path}: seq_ids are not sorted and unique")
-    _require(
-        not shards.same_corpus or (seq_ids[0] >= 0 and (seq_ids[-1] + 1) * L <= shards.chunks.num_chunks),
-        f"{path}: seq_ids point outside the chunk database (training_corpus: same)",
-    )
-    row_docs = table["doc_ids"].combine_chunks().flatten().to_numpy()
-    removed = row_docs[np.isin(row_docs, np.array(shards.removed_doc_ids, np.int64))]
-    _require(
-        not len(removed),
-        f"{path}: a sequence holds document {removed[:1].tolist()}, removed as a near-duplicate of an evaluation "
-        "document",
-    )
-    present = ids >= 0
-    _require(
-        (ids < shards.chunks.num_chunks).all() and (present | (ids == -1)).all(),
-        f"{path}: neighbour_ids point outside the chunk database",
-    )
-    _require(
-        not shards.deleted.contains(ids[present]).any(),
-        f"{path}: a neighbour is a chunk of a document deleted from the index",
-    )
-    if shards.same_corpus:
-        own = (seq_ids[:, None] * L + np.arange(L)).ravel()
-        _require(
-            not shards.deleted.contains(own).any(),
-            f"{path}: a sequence holds a chunk of a document deleted from the index (training_corpus: same)",
-        )
-    _require(
-        (neighbours[~present] == pad).all() and (scores[~present] == 0).all(),
-        f"{path}: an absent neighbour (id -1) is not padding",
-    )
-    filled = int(present.sum())
-    _require(
-        entry.neighbour_slots_filled in (None, filled),
-        f"{path}: {filled} neighbour slots filled, manifest says {entry.neighbour_slots_filled}",
-    )
-    return ShardResult(
-        path, int(seq_ids[0]), int(seq_ids[-1]), _shard_references(shards, table, present, ids, neighbours, tokens)
-    )
-
-
-@_kind("reference")
-def check_references(chunks: ChunkFiles, unit: ChunkFileUnit, read: ChunkRowsRead, block: ReferenceBlock) -> None:
-    """References into a chunk file (`read`: its rows they point at): a neighbour's tokens are
-    the chunk and its continuation and it is from none of the sequence's documents; a
-    sequence's own chunks hold its tokens and their documents are among its doc_ids."""
-    refs, values, docs, rows = block.refs, block.values, block.docs, read.rows
-    m = rows.tokens.shape[1]
-    local = read.at[np.searchsorted(read.asked, refs["chunk_id"] - int(chunks.starts[unit.number]))]
-    path = fileio.join(chunks.directory, unit.entry.path)
-    _require(
-        np.array_equal(rows.chunk_id[local], refs["chunk_id"]),
-        f"{path} does not hold the chunk ids its manifest implies",
-        "chunk file",
-    )
-    expected = np.concatenate([rows.tokens[local], rows.continuation[local]], axis=1)
-    own = refs["own"]
-    wrong = np.where(own, (values[:, :m] != expected[:, :m]).any(axis=1), (values != expected).any(axis=1))
-    if wrong.any():
-        first = np.flatnonzero(wrong)[0]
-        what = "tokens differ from its chunks" if own[first] else "neighbour tokens differ from the chunk database"
-        raise ValidationFailed(f"seq {refs['seq_id'][first]}: {what} (chunk {refs['chunk_id'][first]}, {path})")
-    chunk_docs = rows.doc_id[local]
-    inside = _contains(docs, refs["docs_start"], refs["docs_count"], chunk_docs)
-    leak = ~own & inside
-    if leak.any():
-        first = np.flatnonzero(leak)[0]
-        raise ValidationFailed(
-            f"seq {refs['seq_id'][first]} has a neighbour from its own "
-            f"document {chunk_docs[first]} (chunk {refs['chunk_id'][first]})"
-        )
-    missing = own & ~inside
-    if missing.any():
-        first = np.flatnonzero(missing)[0]
-        raise ValidationFailed(
-            f"seq {refs['seq_id'][first]}: doc_ids miss document {chunk_docs[first]}, which it holds"
-        )
-
-
-def check_chunk_file(chunks: ChunkFiles, unit: ChunkFileUnit, blocks, index: IndexFacts | None):
-    """A chunk file, read once: whole and against the rules when it is sampled (and `index` is
-    the index being validated), else only the row groups the references (`blocks`, iterable
-    twice, or None) point into; then against the references. Yields what it read (with the
-    summary) before the references are checked, so a caller that gathers problems keeps it for
-    the checks across files."""
-    if unit.sampled:
-        read = read_whole(chunks.directory, unit.entry)
-    elif blocks:
-        start = int(chunks.starts[unit.number])
-        local = np.unique(np.concatenate([block.refs["chunk_id"] for block in blocks]) - start)
-        _require(
-            local[0] >= 0 and local[-1] < unit.entry.rows,
-            f"{fileio.join(chunks.directory, unit.entry.path)}: references outside the file",
-            "reference",
-        )
-        read = read_row_groups(chunks.directory, unit.entry, local)
-    else:
-        return
-    rules = index is not None and unit.sampled
-    summary = _check_chunk_rules(index, unit.number, read.rows) if rules else None
-    yield ChunkFileChecked(read.bytes_read, summary)
-    for block in blocks or ():
-        check_references(chunks, unit, read, block)
-
-
-@_kind("shard")
-def check_seq_ranges(ranges: list[tuple[int, int, str]]) -> None:
-    """No sequence in two shards: (first seq_id, last seq_id, path) of each shard checked."""
-    ranges = sorted(ranges)
-    for (_, last, a), (first, _, b) in zip(ranges, ranges[1:]):
-        _require(first > last, f"{a} and {b}: seq_id ranges overlap (a duplicate sequence?)")

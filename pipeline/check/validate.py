@@ -31,16 +31,12 @@ import numpy as np
 from pipeline.check.plan import ValidationPlan, plan_validation
 from pipeline.check.problems import check_listed_file
 from pipeline.check.rules import (
-    REFERENCE,
-    ReferenceBlock,
     check_chunk_boundaries,
-    check_chunk_file,
     check_document_runs,
     check_embedding_file,
     check_faiss_index,
-    check_seq_ranges,
-    check_shard,
 )
+from pipeline.check.shard_rules import REFERENCE, ReferenceBlock, check_chunk_file, check_seq_ranges, check_shard
 
 PROBLEMS_KEPT = 10  # problems of each kind a failed Beam job reports in full
 

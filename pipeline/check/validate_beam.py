@@ -22,13 +22,11 @@ from pipeline.check.plan import ValidationPlan, plan_validation
 from pipeline.check.problems import ValidationFailed, check_listed_file
 from pipeline.check.rules import (
     check_chunk_boundaries,
-    check_chunk_file,
     check_document_runs,
     check_embedding_file,
     check_faiss_index,
-    check_seq_ranges,
-    check_shard,
 )
+from pipeline.check.shard_rules import check_chunk_file, check_seq_ranges, check_shard
 from pipeline.check.validate import Problems, Verdict
 from pipeline.jobs.job import Job, graph_bytes
 from pipeline.jobs.options import new_pipeline

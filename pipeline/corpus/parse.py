@@ -25,7 +25,7 @@ from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 
 from pipeline.corpus.records import EXCERPT_CHARS, Document, FileRange, Record, Rejected, _excerpt, doc_id_for
-from schemas.config import CorpusConfig
+from schemas.stage_config import CorpusConfig
 
 SPLIT_BYTES = 64 << 20  # an uncompressed JSONL or Parquet file larger than this is read in ranges
 PARQUET_BATCH_ROWS = 1024  # rows decoded at a time: bounds memory for long documents

@@ -24,8 +24,8 @@ from pipeline.corpus.parse import (
     split_file,
 )
 from pipeline.corpus.records import METRICS_NAMESPACE, DocRef, Document, FileRange, Rejected
-from schemas.config import CorpusConfig
 from schemas.manifest import InputFile
+from schemas.stage_config import CorpusConfig
 
 
 class _ParseRange(beam.DoFn):

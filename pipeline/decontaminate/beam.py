@@ -26,7 +26,8 @@ from pipeline.corpus.parse import parse_range
 from pipeline.corpus.read import ReadCorpus
 from pipeline.corpus.records import NEAR_DUPLICATE, DocRef, Document, Rejected, _excerpt
 from pipeline.decontaminate.minhash import LshBands, Signer, jaccard, shingles
-from schemas.config import CorpusConfig, DecontaminationConfig, PipelineConfig
+from schemas.config import PipelineConfig
+from schemas.stage_config import CorpusConfig, DecontaminationConfig
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from pipeline.embed.encoder import (
     resolve_precision,
     torch_threads,
 )
-from schemas.config import EmbeddingConfig
+from schemas.stage_config import EmbeddingConfig
 
 # Part of every cache key: raise it when the export or the quantisation below changes what a
 # cached file holds.

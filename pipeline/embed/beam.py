@@ -23,7 +23,7 @@ from pipeline.corpus.records import METRICS_NAMESPACE
 from pipeline.embed.backends import CALIBRATION_CHUNKS, CALIBRATION_SALT, embed_texts, load_embedder, needs_calibration
 from pipeline.embed.encoder import EmbeddedChunks, chunk_texts
 from pipeline.embed.precision import PRECISION_SALT, check_precision
-from schemas.config import EmbeddingConfig
+from schemas.stage_config import EmbeddingConfig
 
 # Batches a group of chunks is cut into. Larger groups sort more texts by token count, so
 # batches pad less (on the quickstart's chunks at batch 64, padded batches hold 7.7% more

@@ -18,7 +18,7 @@ import numpy as np
 
 from pipeline.chunks.chunking import Chunk
 from pipeline.common.models import resolve_model
-from schemas.config import EmbeddingConfig
+from schemas.stage_config import EmbeddingConfig
 
 
 def load_encoder(cfg: EmbeddingConfig):

@@ -13,8 +13,8 @@ from pipeline.chunks.chunking import load_tokenizer
 from pipeline.embed.backends import resolved_precision
 from pipeline.embed.encoder import chunk_texts, encode_texts, load_encoder, torch_threads
 from pipeline.index.recall import TIE_TOLERANCE  # a neighbour as similar as float32's within this agrees
-from schemas.config import EmbeddingConfig
-from schemas.manifest import setting_name
+from schemas.measures import setting_name
+from schemas.stage_config import EmbeddingConfig
 
 
 class PrecisionTooLow(RuntimeError):

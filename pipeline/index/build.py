@@ -19,59 +19,37 @@ lists through a shuffle, and each slice is assembled by its own worker into
 slice-NNNNN.faiss (lists sorted by chunk id) and searches the query sample at every depth;
 one worker merges those results by score, tunes the one nprobe of all slices, and writes
 quantizer.faiss (the trained index: the coarse assignment build-shards routes queries by)
-and list_owners.npy. No worker holds more than one slice and the trained index.
+and list_owners.npy. No worker holds more than one slice and the trained index. Those steps
+are `pipeline.index.build_slices`.
 
 Chunk ids are the faiss ids, so a search answers chunk ids.
 """
 
 from __future__ import annotations
 
-import logging
-import time
-import types
-from dataclasses import dataclass
-
 import apache_beam as beam
-import faiss
 import numpy as np
 from apache_beam.metrics import Metrics
 
 from pipeline.common import fileio
-from pipeline.common.names import file_name, file_number
+from pipeline.common.names import file_number
 from pipeline.corpus.records import METRICS_NAMESPACE
 from pipeline.index.build_info import write_build_info
+from pipeline.index.build_slices import FilledPart, SumListSizes, assemble_slice, plan_slices, split_part, tune_slices
 from pipeline.index.exact import exact_nearest_other, exact_nearest_outside, truth_depth
-from pipeline.index.factory import IndexBuildError, IndexPlan, plan_index
-from pipeline.index.files import (
-    LIST_OWNERS_FILE,
-    QUANTIZER_FILE,
-    embedding_file_info,
-    read_embeddings,
-    read_index,
-    write_index,
-    write_owners,
-)
+from pipeline.index.factory import IndexPlan, plan_index
+from pipeline.index.files import embedding_file_info, read_embeddings, read_index, write_index
 from pipeline.index.recall import RECALL_K, one_recall_at_k, recall_of
-from pipeline.index.routing import assemble_list_slice, list_blocks, list_owners, list_sizes, slice_count
+from pipeline.index.routing import list_sizes
 from pipeline.index.sampling import QUERY_SALT, in_sample
-from pipeline.index.search import (
-    query_rate,
-    search_depth_range,
-    search_each_at,
-    search_each_excluding,
-    set_search_depth,
-)
-from pipeline.index.slices import merge_slice_results, vectors_per_slice
+from pipeline.index.search import query_rate, search_depth_range, search_each_excluding, set_search_depth
 from pipeline.index.train import build_index, merge_part, write_part
 from pipeline.index.train_beam import TrainIndex, _file_stem, _sample_rows, _stack, _Stats, _write_sample
 from pipeline.index.tuning import QuerySample, Truth, tune_index_depth
 from pipeline.retrieve.sequences import widest_span
-from schemas.config import IndexConfig
+from schemas.stage_config import IndexConfig
 
 INDEX_FILE = "index.faiss"
-
-
-log = logging.getLogger("ratrain")
 
 
 def _truth_of(queries: QuerySample, ids, vectors, k: int) -> Truth:
@@ -79,15 +57,6 @@ def _truth_of(queries: QuerySample, ids, vectors, k: int) -> Truth:
     if queries.documents is not None:
         outside = exact_nearest_outside(queries.vectors, queries.documents, ids, vectors, truth_depth(k))
     return Truth(exact_nearest_other(queries.ids, queries.vectors, ids, vectors), outside)
-
-
-@dataclass(frozen=True)
-class FilledPart:
-    """One embeddings file's vectors added to a copy of the trained index, written as a part."""
-
-    embeddings: str  # the embeddings file it was filled from
-    path: str  # its part-<file>.faiss
-    list_sizes: np.ndarray  # [nlist] vectors it holds in each inverted list
 
 
 class _FillPart(beam.DoFn):
@@ -189,160 +158,6 @@ def _finish(
     )
 
 
-@dataclass(frozen=True)
-class ListSlicing:
-    """How the lists of a filled IVF index are shared out among its slices."""
-
-    owner: np.ndarray  # [nlist] the slice of each list; -1 for an empty list
-    parts: int  # filled parts: each is cut into blocks, one per slice it has vectors for
-
-
-class _SumListSizes(beam.CombineFn):
-    """Filled parts -> (vectors per list [nlist] over all of them, parts): one array, not a
-    list of every part, so what the planning step holds does not grow with the files."""
-
-    def create_accumulator(self):
-        return None, 0
-
-    def add_input(self, acc, part: FilledPart):
-        sizes, parts = acc
-        return (part.list_sizes.copy() if sizes is None else sizes + part.list_sizes), parts + 1
-
-    def merge_accumulators(self, accs):
-        total, parts = None, 0
-        for sizes, count in accs:
-            if sizes is not None:
-                total = sizes.copy() if total is None else total + sizes
-            parts += count
-        return total, parts
-
-    def extract_output(self, acc):
-        return acc
-
-
-def _plan_slices(summed, trained_path, plan: IndexPlan, slice_bytes: int | None) -> ListSlicing | None:
-    """The lists shared out among slices of at most `slice_bytes` (`routing.list_owners` over
-    the lists' sizes summed over the filled parts); None when the index is one file: no slice
-    size, not an IVF index, or everything fits one slice."""
-    sizes, parts = summed
-    if slice_bytes is None:
-        return None
-    if not plan.mergeable:
-        log.warning("index.slice_bytes applies to IVF indexes; %s is built as one file", plan.factory)
-        return None
-    if sizes is None:  # no vectors
-        return None
-    count = slice_count(sizes, vectors_per_slice(plan.factory, plan.dim, slice_bytes))
-    if count == 1:
-        return None
-    trained = read_index(trained_path)
-    ivf = faiss.extract_index_ivf(trained)  # a view: `trained` keeps it alive
-    owner = list_owners(ivf.quantizer.reconstruct_n(0, ivf.nlist), sizes, count)
-    owner[sizes == 0] = -1  # nothing to search: no slice holds it
-    _, owner[sizes > 0] = np.unique(owner[sizes > 0], return_inverse=True)  # slices numbered 0 … S-1
-    return ListSlicing(owner, parts)
-
-
-def _split_part(part: FilledPart, slicing: ListSlicing | None):
-    """A filled part -> (slice, ListBlock) for each slice owning some of its lists."""
-    if slicing is None:
-        return
-    for block in list_blocks(read_index(part.path), slicing.owner):
-        yield block.index_slice, block
-
-
-@dataclass(frozen=True)
-class AssembledSlice:
-    """One slice written, with the query sample's search of it at every depth measured."""
-
-    number: int
-    file: dict  # its file entry (path relative to faiss/, rows, bytes, sha256)
-    results: dict[int, tuple[np.ndarray, np.ndarray, float]]  # depth -> (scores, ids, seconds), plain search
-    own: dict[int, tuple[np.ndarray, np.ndarray]]  # depth -> (scores, ids), own document excluded
-
-
-def _assemble(keyed, trained_path, queries: QuerySample, cfg: IndexConfig, out_dir, neighbours: int) -> AssembledSlice:
-    """One worker per slice: the ListBlocks of its lists added to a copy of the trained index,
-    written as slice-NNNNN.faiss; then the query sample searched at every depth the tuning may
-    pick (plainly, and with each query's own document excluded, not deepened: the merged result
-    decides that), for the merge step to combine with the other slices' results. A slice
-    searched at depth d probes the d lists one index probes, its own holding vectors."""
-    number, blocks = keyed
-    index_slice = assemble_list_slice(read_index(trained_path), blocks)
-    name = file_name("slice", number, "faiss")
-    slice_bytes, sha256 = write_index(index_slice, fileio.join(out_dir, name))
-    depths = [cfg.nprobe] if cfg.nprobe is not None else search_depth_range(index_slice)
-    if depths is None:
-        raise IndexBuildError(f"{name}: an index slice must be an IVF index, with lists to probe")
-    results: dict[int, tuple[np.ndarray, np.ndarray, float]] = {}
-    own: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-    for depth in depths:
-        set_search_depth(index_slice, depth)
-        start = time.perf_counter()
-        scores, ids = index_slice.search(np.ascontiguousarray(queries.vectors, np.float32), RECALL_K + 1)
-        results[depth] = (scores, ids, time.perf_counter() - start)
-        if queries.documents is not None:
-            own[depth] = search_each_at(index_slice, queries.vectors, neighbours, queries.documents, depth)
-    entry = {"path": name, "rows": int(index_slice.ntotal), "bytes": slice_bytes, "sha256": sha256}
-    return AssembledSlice(number, entry, results, own)
-
-
-def _routing_files(trained_path, slicing: ListSlicing, out_dir) -> list[dict]:
-    """quantizer.faiss (the trained index) and list_owners.npy written beside the slices."""
-    quantizer_bytes, quantizer_sha = write_index(read_index(trained_path), fileio.join(out_dir, QUANTIZER_FILE))
-    owners_bytes, owners_sha = write_owners(slicing.owner, fileio.join(out_dir, LIST_OWNERS_FILE))
-    return [
-        {"path": QUANTIZER_FILE, "rows": 0, "bytes": quantizer_bytes, "sha256": quantizer_sha},
-        {"path": LIST_OWNERS_FILE, "rows": 0, "bytes": owners_bytes, "sha256": owners_sha},
-    ]
-
-
-def _tune_slices(
-    slices,
-    trained_path,
-    slicing: ListSlicing,
-    plan: IndexPlan,
-    queries: QuerySample,
-    truth: Truth,
-    cfg: IndexConfig,
-    out_dir,
-    k: int,
-):
-    """One worker: the slices' results merged by score per depth, the one nprobe of all slices
-    tuned on them as on one index (the same lists are probed, so the same recall)."""
-    slices = sorted(slices, key=lambda s: s.number)
-
-    def plain_at(depth):
-        merged = merge_slice_results([s.results[depth][:2] for s in slices], RECALL_K + 1)
-        searcher = types.SimpleNamespace(search=lambda q, width: merged)
-        return one_recall_at_k(searcher, queries.ids, queries.vectors, truth.nearest_other)
-
-    def own_at(depth):
-        return recall_of(truth.outside_document, merge_slice_results([s.own[depth] for s in slices], k)[1])
-
-    measured = own_at if truth.outside_document is not None else None
-    tuned, curve, own = tune_index_depth(sorted(slices[0].results), plain_at, measured, cfg, k)
-    seconds = sum(s.results[tuned[0]][2] for s in slices)
-    info = write_build_info(
-        plan,
-        cfg,
-        out_dir,
-        slicing.parts,
-        [s.file for s in slices] + _routing_files(trained_path, slicing, out_dir),
-        (*tuned, len(queries.ids)),
-        len(queries.ids) / seconds if seconds else 0.0,
-        curve,
-        own,
-    )
-    # only once every slice is written: the parts are found by name, no list of them travels
-    parts = [
-        m.path
-        for m in beam.io.filesystems.FileSystems.match([fileio.join(out_dir, "parts", "part-*")])[0].metadata_list
-    ]
-    beam.io.filesystems.FileSystems.delete(parts + [trained_path])
-    return info
-
-
 class BuildIndex(beam.PTransform):
     """Paths of embeddings Parquet files -> `<out_dir>/index.faiss` + `build_info.json`;
     yields the build info.
@@ -426,8 +241,8 @@ class BuildIndex(beam.PTransform):
         )
         slicing = beam.pvalue.AsSingleton(  # a ListSlicing, or None for one index file
             filled.parts
-            | "SumListSizes" >> beam.CombineGlobally(_SumListSizes())
-            | "PlanSlices" >> beam.Map(_plan_slices, trained_path, plan, cfg.slice_bytes)
+            | "SumListSizes" >> beam.CombineGlobally(SumListSizes())
+            | "PlanSlices" >> beam.Map(plan_slices, trained_path, plan, cfg.slice_bytes)
         )
         merged = (
             filled.parts
@@ -448,14 +263,14 @@ class BuildIndex(beam.PTransform):
         )
         sliced = (
             filled.parts
-            | "ListsBySlice" >> beam.FlatMap(_split_part, slicing)
+            | "ListsBySlice" >> beam.FlatMap(split_part, slicing)
             | "GroupSlices" >> beam.GroupByKey()
-            | "AssembleSlices" >> beam.Map(_assemble, trained_path, queries, cfg, out_dir, k)
+            | "AssembleSlices" >> beam.Map(assemble_slice, trained_path, queries, cfg, out_dir, k)
             | "GatherSlices" >> beam.combiners.ToList()
             | "TuneSlices"
             >> beam.FlatMap(
                 lambda slices, trained, s, p, q, t: (
-                    [_tune_slices(slices, trained, s, p, q, t, cfg, out_dir, k)] if slices else []
+                    [tune_slices(slices, trained, s, p, q, t, cfg, out_dir, k)] if slices else []
                 ),
                 trained_path,
                 slicing,

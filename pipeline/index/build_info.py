@@ -8,8 +8,9 @@ from typing import Any
 from pipeline.common import fileio
 from pipeline.index.factory import IndexPlan
 from pipeline.index.recall import RECALL_MEASURE
-from schemas.config import IndexConfig
-from schemas.manifest import DepthRecall, FileEntry, OwnDocumentRecall, VectorIndex
+from schemas.manifest import FileEntry, VectorIndex
+from schemas.measures import DepthRecall, OwnDocumentRecall
+from schemas.stage_config import IndexConfig
 
 BUILD_INFO_FILE = "build_info.json"
 

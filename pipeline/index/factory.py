@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import faiss
 
-from schemas.config import IndexConfig
+from schemas.stage_config import IndexConfig
 
 ID_BYTES = 8  # faiss keeps an int64 id per vector
 FLAT_MAX_VECTORS = 100_000  # exact search stays fast below this

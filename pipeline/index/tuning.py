@@ -12,8 +12,8 @@ import numpy as np
 from pipeline.index.exact import merge_nearest
 from pipeline.index.recall import NEIGHBOUR_MEASURE, PLATEAU_GAIN, one_recall_at_k
 from pipeline.index.search import search_depth_range, set_search_depth
-from schemas.config import IndexConfig
-from schemas.manifest import DepthRecall, OwnDocumentRecall
+from schemas.measures import DepthRecall, OwnDocumentRecall
+from schemas.stage_config import IndexConfig
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,8 @@ over all of them).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import apache_beam as beam
-import numpy as np
 
 from pipeline.chunks.chunk_files import ChunkFileRanges
 from pipeline.common import fileio
@@ -21,185 +19,41 @@ from pipeline.common.names import file_name, file_number
 from pipeline.common.writers import WriteRejected, parquet_bytes, write_file
 from pipeline.corpus.records import doc_id_for
 from pipeline.decontaminate.beam import ReadCorpusKeptClean
-from pipeline.index.append import (
-    MergedSearch,
-    NewVectorRecall,
-    add_in_file_order,
-    cut_slice,
-    new_vector_recall,
-    new_vectors_by_slice,
-    remove_deleted,
-    sampled_vectors,
-)
-from pipeline.index.build import INDEX_FILE
 from pipeline.index.deleted import (
     DELETE_REQUESTED,
     DELETED_DIR,
     NOT_IN_ITS_FILE,
     REPLACED,
     DeletedDocument,
-    DeletedRanges,
     deleted_files,
     deleted_table,
     read_deleted,
 )
-from pipeline.index.files import LIST_OWNERS_FILE, QUANTIZER_FILE, read_index, read_owners, write_index, write_owners
-from pipeline.index.routing import add_list_blocks
-from pipeline.index.search import set_search_depth
-from pipeline.index.slices import vectors_per_slice
 from pipeline.index.sources import documents_of, sources_files
+from pipeline.jobs.append_changes import (
+    DELETE,
+    NOT_FOUND,
+    REPLACED_TAG,
+    RUN,
+    Changed,
+    deletions,
+    document_runs,
+    replacing,
+    rewrite_index,
+)
 from pipeline.jobs.commit import REJECTED_STAGING, StageError
 from pipeline.jobs.index_files import _index_staged
 from pipeline.jobs.index_job import chunk_and_embed, stage_tallies, write_sources
 from pipeline.jobs.job import Job, Submitted, Tokenization, _sorted_entries, index_dir
 from pipeline.jobs.options import encoder_threads
 from pipeline.jobs.reuse import CorpusChanges
-from pipeline.retrieve.sequences import widest_span
 from schemas.config import PipelineConfig
-from schemas.manifest import FileEntry, Generation, IndexManifest, PrecisionCheck
+from schemas.manifest import FileEntry, Generation, IndexManifest
+from schemas.measures import PrecisionCheck
 
 log = logging.getLogger("ratrain")
 
-RUN, DELETE = "run", "delete"  # CoGroupByKey tags: a document's chunk-id run; a request to delete it
-REPLACED_TAG, NOT_FOUND = "replaced", "not_found"
 NEWEST_GENERATION_CHUNKS = "newest_generation_chunks"  # a counter: the chunks the last change added
-
-
-def document_runs(ranges: ChunkFileRanges, number: int, deleted: DeletedRanges):
-    """(doc id, (first chunk id, end)) of each document with chunks in chunk file `number`,
-    but those already deleted (a document's run may go on in the next file: `widest_span`
-    joins the parts)."""
-    columns = ranges.read(number, ["chunk_id", "doc_id"])
-    ids, docs = columns["chunk_id"], columns["doc_id"]
-    kept = ~deleted.contains(ids)
-    ids, docs = ids[kept], docs[kept]
-    if not len(ids):
-        return
-    starts = np.flatnonzero(np.r_[True, docs[1:] != docs[:-1]])
-    ends = np.r_[starts[1:], len(ids)]
-    for a, b in zip(starts.tolist(), ends.tolist()):
-        yield int(docs[a]), (int(ids[a]), int(ids[b - 1]) + 1)
-
-
-def replacing(keyed):
-    """A new document joined with its id's run in the index -> the document, and its id
-    (tagged REPLACED_TAG) when the index holds a document of that id: the new text replaces it."""
-    doc_id, joined = keyed
-    docs = list(joined["document"])
-    if not docs:
-        return
-    yield from docs
-    if list(joined[RUN]):
-        yield beam.pvalue.TaggedOutput(REPLACED_TAG, doc_id)
-
-
-def deletions(keyed):
-    """A doc id joined with its run in the index and the requests to delete it -> a
-    DeletedDocument (the reason: replaced, else asked for, else its file changed or went); a
-    request by `--delete` for an id the index does not hold -> NOT_FOUND."""
-    doc_id, joined = keyed
-    reasons = set(joined[DELETE])
-    if not reasons:
-        return
-    runs = list(joined[RUN])
-    if not runs:
-        if DELETE_REQUESTED in reasons:
-            yield beam.pvalue.TaggedOutput(NOT_FOUND, doc_id)
-        return
-    first, end = widest_span(runs)
-    reason = next(r for r in (REPLACED, DELETE_REQUESTED, NOT_IN_ITS_FILE) if r in reasons)
-    yield DeletedDocument(doc_id, first, end - first, reason)
-
-
-@dataclass(frozen=True)
-class Changed:
-    """What the one worker holding the index did to it."""
-
-    files: list[FileEntry]  # the faiss files written anew (index.faiss, or the slices changed)
-    vectors: int  # the index holds, after
-    recall: NewVectorRecall
-    removed: int  # vectors removed (deleted documents' chunks)
-
-
-def _change_index(
-    _,
-    new_entries: list[FileEntry],
-    deleted_now: list[DeletedDocument],
-    previous: IndexManifest,
-    directory,
-    staging,
-    sample,
-) -> Changed:
-    """One worker: the committed index read, the deleted documents' vectors removed, the new
-    ones added in chunk-id order, written to staging; the new vectors' recall at the index's
-    depth measured among the vectors left. An index in slices is changed a slice at a time."""
-    new_paths = [fileio.join(staging, e.path) for e in sorted(new_entries, key=lambda e: file_number(e.path))]
-    old_paths = [
-        fileio.join(directory, e.path)
-        for e in sorted(previous.files, key=lambda e: file_number(e.path))
-        if e.path.startswith("embeddings/")
-    ]
-    now = DeletedRanges.of(deleted_now)
-    deleted = DeletedRanges.concatenate([read_deleted(deleted_files(directory, previous.files)), now])
-    if any(e.path == f"faiss/{QUANTIZER_FILE}" for e in previous.files):
-        return _change_slices(previous, directory, staging, new_paths, old_paths, now, deleted, sample)
-    index = read_index(fileio.join(directory, "faiss", INDEX_FILE))
-    removed = remove_deleted(index, now)
-    added = add_in_file_order(index, new_paths)
-    query_ids, queries = sampled_vectors(new_paths, sample, added)
-    if previous.nprobe is not None:
-        set_search_depth(index, previous.nprobe)
-    recall = new_vector_recall(index, query_ids, queries, old_paths + new_paths, deleted)
-    size, sha256 = write_index(index, fileio.join(staging, "faiss", INDEX_FILE))
-    entry = FileEntry(path=f"faiss/{INDEX_FILE}", rows=int(index.ntotal), bytes=size, sha256=sha256)
-    return Changed([entry], int(index.ntotal), recall, removed)
-
-
-def _change_slices(
-    previous: IndexManifest, directory, staging, new_paths, old_paths, now: DeletedRanges, deleted, sample
-) -> Changed:
-    """The new vectors encoded once on the trained index (quantizer.faiss) and cut by list
-    owner; then each slice in turn read, its deleted vectors removed and its new ones added,
-    cut in two or more if it outgrew the slice size, written anew if it changed, and searched
-    for the sampled new vectors at the index's depth, merged as the index build measures
-    slices. The list owners are written anew when they changed."""
-    faiss_dir = fileio.join(directory, "faiss")
-    trained = read_index(fileio.join(faiss_dir, QUANTIZER_FILE))
-    owners_before = read_owners(fileio.join(faiss_dir, LIST_OWNERS_FILE))
-    new = new_vectors_by_slice(trained, new_paths, owners_before)
-    owner, blocks = new.owner, dict(new.blocks)
-    fits = None
-    if previous.slice_bytes is not None:
-        fits = vectors_per_slice(previous.index_factory, previous.dim, previous.slice_bytes)
-    query_ids, queries = sampled_vectors(new_paths, sample, new.added)
-    merged = MergedSearch(queries)
-    slices = sorted((e for e in previous.files if e.path.startswith("faiss/slice-")), key=lambda e: file_number(e.path))
-    written, removed, vectors, next_number = [], 0, 0, len(slices)
-    for number, entry in enumerate(slices):
-        index_slice = read_index(fileio.join(directory, entry.path))
-        removed_here = remove_deleted(index_slice, now)
-        removed += removed_here
-        pieces = [(number, index_slice)]
-        if removed_here or number in blocks:
-            add_list_blocks(index_slice, [blocks.pop(number)] if number in blocks else [])
-            if fits is not None and index_slice.ntotal > fits:
-                pieces, owner = cut_slice(index_slice, trained, owner, number, next_number, fits)
-                next_number += len(pieces) - 1
-            for piece_number, piece in pieces:
-                path = f"faiss/{file_name('slice', piece_number, 'faiss')}"
-                size, sha256 = write_index(piece, fileio.join(staging, path))
-                written.append(FileEntry(path=path, rows=int(piece.ntotal), bytes=size, sha256=sha256))
-        for _, piece in pieces:
-            vectors += int(piece.ntotal)
-            if previous.nprobe is not None:
-                set_search_depth(piece, previous.nprobe)
-            merged.add(piece)
-        del index_slice, pieces
-    if not np.array_equal(owner, owners_before):
-        size, sha256 = write_owners(owner, fileio.join(staging, "faiss", LIST_OWNERS_FILE))
-        written.append(FileEntry(path=f"faiss/{LIST_OWNERS_FILE}", rows=0, bytes=size, sha256=sha256))
-    recall = new_vector_recall(merged, query_ids, queries, old_paths + new_paths, deleted)
-    return Changed(written, vectors, recall, removed)
 
 
 def _write_deleted(documents: list[DeletedDocument], staging: str, number: int) -> list[FileEntry]:
@@ -359,7 +213,7 @@ def change_index(
         | "OneWorker" >> beam.Create([None])
         | "ChangeIndex"
         >> beam.Map(
-            _change_index,
+            rewrite_index,
             beam.pvalue.AsList(written.embedding_files),
             deleted_now,
             previous,

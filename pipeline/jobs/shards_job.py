@@ -49,12 +49,8 @@ from pipeline.retrieve.search import LOST_DATA, QueryBlock, Retrieval
 from pipeline.shards.rows import overlap_histogram, overlap_tally
 from pipeline.shards.write import WriteShards
 from schemas.config import PipelineConfig
-from schemas.manifest import (
-    CREATED_BY,
-    NeighbourRecall,
-    SearchDepth,
-    ShardsManifest,
-)
+from schemas.manifest import CREATED_BY, ShardsManifest
+from schemas.measures import NeighbourRecall, SearchDepth
 
 log = logging.getLogger("ratrain")
 

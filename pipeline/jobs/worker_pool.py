@@ -68,10 +68,26 @@ class WorkerPool(worker_pool_main.BeamFnExternalWorkerPoolServicer):
         return super().StopWorker(beam_fn_api_pb2.StopWorkerRequest(worker_id=key), context)
 
 
+def _hung_up_worker_threads(args: threading.ExceptHookArgs) -> None:
+    """When a runner closes a LOOPBACK worker's environment after its work (Flink does, stage by
+    stage), the worker's gRPC streams end CANCELLED and Beam's threads raise that on their way
+    out: two tracebacks per worker of a job that succeeds. Those go to the debug log; a job's
+    real failure comes from its runner. Any other error in a thread is reported as before."""
+    import grpc
+
+    error = args.exc_value
+    if isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.CANCELLED:
+        log.debug("worker thread %s: streams closed by the runner", args.thread.name if args.thread else "?")
+        return
+    threading.__excepthook__(args)
+
+
 def serve_loopback_workers_by_caller() -> None:
     """Make the pool a portable runner starts in this process for LOOPBACK workers a
-    `WorkerPool` (Beam's runner creates it through this module attribute)."""
+    `WorkerPool` (Beam's runner creates it through this module attribute), and keep the
+    CANCELLED of its threads' hung-up streams out of the terminal."""
     setattr(worker_pool_main, "BeamFnExternalWorkerPoolServicer", WorkerPool)  # noqa: B010 (mypy: a class)
+    threading.excepthook = _hung_up_worker_threads
 
 
 def main(argv: list[str] | None = None) -> None:

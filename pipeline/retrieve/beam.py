@@ -5,42 +5,29 @@ chunk or hit: chunk rows are packed into sequences by search batch (64 sequences
 documents meet their chunk-id ranges by document id; sequences meet those ranges, and their
 query embeddings, by search batch (where the training chunks are the database's, they meet
 instead by the embedding file holding the batch, and each group reads its file where it
-searches: no query embedding is shuffled to its batch); the search leaves out hits in those
-ranges, so the k best hits are the neighbours (with `dedupe_neighbours`, the candidates first
-fetch their tokens from the chunk file holding them); the kept neighbours are shuffled by the
-chunk file that holds them and read their tokens in one read of that file; and they meet
-their sequences by shard, where the shard's rows are assembled and then written without a
+searches: no query embedding is shuffled to its batch); the search (`search_beam`) leaves out
+hits in those ranges, so the k best hits are the neighbours (with `dedupe_neighbours`, the
+candidates first fetch their tokens from the chunk file holding them); the kept neighbours are
+shuffled by the chunk file that holds them and read their tokens in one read of that file; and
+they meet their sequences by shard, where the shard's rows are assembled and then written without a
 shuffle. No process holds the chunk database, and nothing shuffles it: what moves grows with
 the training sequences (plus one (doc id, range) per database document), not with the chunks.
 """
 
 from __future__ import annotations
 
-import functools
-import math
 from dataclasses import dataclass
 
 import apache_beam as beam
-import faiss
 import numpy as np
 from apache_beam.io.parquetio import ReadFromParquetBatched
-from apache_beam.utils import shared
 
 from pipeline.chunks.chunk_files import ChunkFileRanges, CommittedChunkFiles
-from pipeline.common.arrays import groups, positions_of
+from pipeline.common.arrays import positions_of
 from pipeline.index.deleted import DeletedRanges
 from pipeline.index.exact import truth_depth
-from pipeline.index.files import read_owners
+from pipeline.retrieve.depth import tune_retrieval_depth
 from pipeline.retrieve.recall import ExactTruth, SmallestProbes
-from pipeline.retrieve.routed import (
-    SliceQueries,
-    batch_of,
-    first_round,
-    hits_of,
-    merge_round,
-    route_rows,
-    search_slice,
-)
 from pipeline.retrieve.search import (
     CANDIDATE,
     LOST_DATA,
@@ -50,28 +37,18 @@ from pipeline.retrieve.search import (
     NeighbourBlock,
     QueryBlock,
     Retrieval,
-    Routing,
     SentCounts,
     _excluded_ranges,
     batch_documents,
     batch_probes,
-    check_in_database,
-    index_version,
-    load_searched,
-    picks_of,
     received_by,
-    search_batch,
     search_batch_of,
     select_distinct,
-    tune_retrieval_depth,
     with_file_queries,
 )
+from pipeline.retrieve.search_beam import SENT, TALLY, SearchIndex, by_chunk_file
 from pipeline.retrieve.sequences import batch_parts, document_spans, pack_batch, widest_span
 from pipeline.shards.rows import RowBatch, SequenceBatch, ShardRow, sequences_neighbour_arrays
-from schemas.manifest import SearchDepth
-
-SENT = "sent"  # tagged output: (search batch, SentCounts: what each sequence sent through the next shuffle)
-TALLY = "tally"  # tagged output: (name, count) pairs, counted as data (pipeline.common.tally)
 
 
 def _pack(keyed, chunks_per_seq: int, pad_id: int):
@@ -150,150 +127,6 @@ def _by_first_file(keyed, chunk_files, chunks_per_seq: int):
     """(search batch, what it holds) -> (the number of the file holding the batch's first
     chunk, (search batch, what it holds))."""
     return chunk_files.file_of(keyed[0] * SEQUENCES_PER_SEARCH * chunks_per_seq), keyed
-
-
-def emit_hits(spec: Retrieval, batch: int, seq_ids: list[int], hits: np.ndarray, deeper_seqs, searched_alone: int):
-    """What a searched batch sends on: tallies, the count each of its sequences will receive
-    (one `SentCounts`, keyed by the batch), and the hits in blocks keyed by the chunk file
-    holding them: the k neighbours as PICK rows, or (deduplicating) the CANDIDATE rows.
-    `searched_alone`: queries the batched search left short (0 for a routed search, which
-    excludes inside each slice's search)."""
-    check_in_database(hits, spec.chunk_files.num_chunks)
-    L = spec.chunks_per_seq
-    yield beam.pvalue.TaggedOutput(TALLY, ("queries", len(seq_ids) * L))
-    yield beam.pvalue.TaggedOutput(TALLY, ("queries_searched_deeper", len(deeper_seqs) * L))
-    yield beam.pvalue.TaggedOutput(TALLY, ("queries_searched_alone", searched_alone))
-    yield beam.pvalue.TaggedOutput(SENT, (batch, SentCounts.of(seq_ids, hits)))
-    yield from by_chunk_file(spec, hits if spec.dedupe else picks_of(hits))
-
-
-def by_chunk_file(spec: Retrieval, rows: np.ndarray):
-    """CANDIDATE or PICK rows -> (chunk file number, the block of them it holds) per file."""
-    for number, at in groups(spec.chunk_files.files_of(rows["chunk_id"])):
-        yield number, rows[at]
-
-
-def _loaded_index(holder: shared.Shared, path: str, depth: int | None, chunk_files):
-    """The faiss file at `path`, loaded once per process through Beam `Shared` (which keeps the
-    last one acquired alive: a process searching slices in turn holds one at a time), checked
-    to be the one the job's index manifest describes (`load_searched`)."""
-
-    class _Holder:  # Shared needs a weak-referenceable object
-        def __init__(self):
-            self.index = load_searched(chunk_files, path, depth)
-
-    # a change rewrites an index file under its name: the tag names the manifest too
-    return holder.acquire(_Holder, tag=f"{path}:{depth}:{index_version(chunk_files)}")
-
-
-class _Search(beam.DoFn):
-    """A search batch of sequences -> per sequence, its queries searched with the chunk-id
-    ranges of its own documents skipped inside faiss (the one index file, loaded once per
-    process, at the tuned depth: a side input). Emits `emit_hits`."""
-
-    _shared_index = shared.Shared()
-
-    def __init__(self, spec: Retrieval):
-        self.spec = spec
-
-    def process(self, keyed, tuned: SearchDepth):
-        _, grouped = keyed
-        assert self.spec.index_path is not None  # one index file (__post_init__ allows nothing else here)
-        index = _loaded_index(self._shared_index, self.spec.index_path, tuned.depth, self.spec.chunk_files).index
-        sequences, hits, deeper, alone = search_batch(index, grouped, self.spec)
-        if sequences:  # none: only the embeddings of chunks left over after the last sequence
-            yield from emit_hits(self.spec, keyed[0], [s.seq_id for s in sequences], hits, deeper, alone)
-
-
-BATCHES_PER_SEARCH_GROUP = 256  # search batches a (slice, group) key holds: the slice is loaded once per group
-STATE = "state"  # tagged output: (batch, RoutedBatch) between rounds of a routed search
-NEXT = "next"  # tagged output: ((slice, group), SliceQueries) for the next, deeper round
-
-
-def _search_key(sent: SliceQueries):
-    """Queries go to (slice, group of consecutive batches): groups grow in number with the
-    training sequences, so a large job spreads over as many workers as the runner gives it."""
-    return (sent.index_slice, sent.batch // BATCHES_PER_SEARCH_GROUP), sent
-
-
-@functools.lru_cache(maxsize=1)
-def _owners(path: str, _version: str) -> np.ndarray:
-    return read_owners(path)
-
-
-def _router(holder: shared.Shared, spec: Retrieval, routing: Routing):
-    """(quantizer index, list owners) of a sliced index, loaded once per process."""
-    return _loaded_index(holder, routing.quantizer, None, spec.chunk_files).index, _owners(
-        routing.owners, index_version(spec.chunk_files)
-    )
-
-
-class _RouteQueries(beam.DoFn):
-    """A joined search batch -> its queries (tokens left behind) assigned to their lists at the
-    tuned depth: the batch's RoutedBatch (tagged STATE) and one SliceQueries per slice owning
-    a probed list, keyed for the search (the quantizer loaded once per process)."""
-
-    _shared_quantizer = shared.Shared()
-
-    def __init__(self, spec: Retrieval, routing: Routing):
-        self.spec, self.routing = spec, routing  # routing: spec.routing, known to be set
-
-    def process(self, keyed, tuned: SearchDepth):
-        batch = batch_of(keyed, self.spec.chunks_per_seq)
-        if not len(batch.seq_ids):  # only the embeddings of chunks left over after the last sequence
-            return
-        quantized, owner = _router(self._shared_quantizer, self.spec, self.routing)
-        depth = tuned.depth or faiss.extract_index_ivf(quantized).nprobe
-        state, sent = first_round(batch, depth, _width(self.spec), quantized, owner, self.spec.chunks_per_seq)
-        yield beam.pvalue.TaggedOutput(STATE, (batch.batch, state))
-        yield from map(_search_key, sent)
-
-
-class _SearchRouted(beam.DoFn):
-    """((slice, group), SliceQueries) -> (batch, SliceFound): each process loads the slice of
-    the group it is given and searches every batch's rows sent to it, only their lists."""
-
-    _shared_index = shared.Shared()
-
-    def __init__(self, spec: Retrieval, routing: Routing):
-        self.spec, self.routing, self.width = spec, routing, _width(spec)
-
-    def process(self, keyed):
-        (index_slice, _), sent = keyed
-        path = self.routing.slice_path(index_slice)
-        index = _loaded_index(self._shared_index, path, None, self.spec.chunk_files).index
-        for rows in sent:
-            yield rows.batch, search_slice(index, rows, self.width)
-
-
-class _MergeRound(beam.DoFn):
-    """(batch, its RoutedBatch and the round's SliceFound) -> the hits merged as one index
-    ranks them; a batch with rows still short routes them again at twice the depth (tagged
-    STATE and NEXT), a finished one sends its hits on as one index's search would."""
-
-    _shared_quantizer = shared.Shared()
-
-    def __init__(self, spec: Retrieval, routing: Routing):
-        self.spec, self.routing = spec, routing  # routing: spec.routing, known to be set
-
-    def process(self, keyed):
-        batch, grouped = keyed
-        states = list(grouped["state"])
-        if len(states) != 1:
-            raise RuntimeError(f"search batch {batch}: {len(states)} states of its routed search arrived: {LOST_DATA}")
-        L = self.spec.chunks_per_seq
-        state, deeper = merge_round(states[0], list(grouped["found"]), _width(self.spec), self.routing.nlist, L)
-        if not deeper:
-            yield from emit_hits(self.spec, batch, state.queries.seq_ids.tolist(), hits_of(state, L), state.deeper, 0)
-            return
-        state, sent = route_rows(state, *_router(self._shared_quantizer, self.spec, self.routing), L)
-        yield beam.pvalue.TaggedOutput(STATE, (batch, state))
-        for keyed_rows in map(_search_key, sent):
-            yield beam.pvalue.TaggedOutput(NEXT, keyed_rows)
-
-
-def _width(spec: Retrieval) -> int:
-    return spec.candidates if spec.dedupe else spec.neighbours
 
 
 class _CandidateTokens(beam.DoFn):
@@ -389,65 +222,6 @@ def _to_rows(keyed, chunks_per_seq: int, k: int, m: int, pad_id: int):
 
 
 @dataclass
-class Searched:
-    """What the search sends on: hits ("found"), each sequence's count (SENT), tallies."""
-
-    found: beam.PCollection
-    sent: beam.PCollection
-    tallies: beam.PCollection
-
-
-class _SearchIndex(beam.PTransform):
-    """Joined search batches -> `Searched`, at the depth in `tuned` (a singleton side input:
-    `tune_retrieval_depth`'s result). One index file: each batch searched where it is. Slices
-    by inverted lists (`spec.routing`): each query assigned to its lists once, sent only to
-    the slices owning them (vectors, lists, excluded ranges: no tokens), the slices' hits
-    merged per batch; queries still short go round again at twice the depth, in as many
-    rounds as doubling takes from one list to all of them (a round nothing needs is empty)."""
-
-    def __init__(self, spec: Retrieval, tuned):
-        super().__init__()
-        self.spec, self.tuned = spec, tuned
-
-    def expand(self, batches):
-        spec, tuned = self.spec, beam.pvalue.AsSingleton(self.tuned)
-        if spec.routing is None:
-            out = batches | "SearchBatches" >> beam.ParDo(_Search(spec), tuned).with_outputs(SENT, TALLY, main="found")
-            return Searched(out.found, out[SENT], out[TALLY])
-        routing = spec.routing
-        first = batches | "RouteQueries" >> beam.ParDo(_RouteQueries(spec, routing), tuned).with_outputs(
-            STATE, main="sent"
-        )
-        sent, states, rounds = first.sent, first[STATE], []
-        for number in range(math.ceil(math.log2(routing.nlist)) + 1):  # depth 1, 2, 4, … nlist at most
-            merged = (
-                {
-                    "state": states,
-                    "found": (
-                        sent
-                        | f"GroupBySlice{number}" >> beam.GroupByKey()
-                        | f"SearchSlices{number}" >> beam.ParDo(_SearchRouted(spec, routing))
-                    ),
-                }
-                | f"JoinSliceHits{number}" >> beam.CoGroupByKey()
-                | f"MergeSliceHits{number}"
-                >> beam.ParDo(_MergeRound(spec, routing)).with_outputs(SENT, TALLY, STATE, NEXT, main="found")
-            )
-            rounds.append(merged)
-            sent, states = merged[NEXT], merged[STATE]
-        _ = (sent, states) | "DeepestRoundEnds" >> beam.Flatten() | beam.Map(_nothing_left)
-        return Searched(
-            [r.found for r in rounds] | "RoundHits" >> beam.Flatten(),
-            [r[SENT] for r in rounds] | "RoundCounts" >> beam.Flatten(),
-            [r[TALLY] for r in rounds] | "RoundTallies" >> beam.Flatten(),
-        )
-
-
-def _nothing_left(element):
-    raise RuntimeError(f"a routed search went deeper than every list: {element!r:.200}")
-
-
-@dataclass
 class Retrieved:
     """What `RetrieveNeighbours` gives: PCollections of the rows and of what checks them."""
 
@@ -533,7 +307,7 @@ class RetrieveNeighbours(beam.PTransform):
         depth = probes | "TuneSearchDepth" >> beam.Map(
             lambda sample, truth: tune_retrieval_depth(spec, sample, truth), beam.pvalue.AsSingleton(truth)
         )
-        searched = joined_for("Search") | "Search" >> _SearchIndex(spec, depth)
+        searched = joined_for("Search") | "Search" >> SearchIndex(spec, depth)
         tallies = [searched.tallies]
         if spec.dedupe:
             picked = (

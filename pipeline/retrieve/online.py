@@ -33,18 +33,19 @@ from pipeline.index.files import load_index
 from pipeline.index.search import search_each_excluding
 from pipeline.jobs.index_files import read_committed_index
 from pipeline.jobs.reuse import committed
+from pipeline.retrieve.depth import search_slices
 from pipeline.retrieve.search import (
     FileTokens,
     candidate_rows,
     check_in_database,
     picks_of,
-    search_slices,
     select_distinct,
 )
 from pipeline.retrieve.sequences import merge_ranges, widest_span
 from pipeline.shards.rows import neighbour_arrays
-from schemas.config import EmbeddingConfig, PipelineConfig
+from schemas.config import PipelineConfig
 from schemas.manifest import IndexManifest, ShardsManifest
+from schemas.stage_config import EmbeddingConfig
 
 
 class IndexNotUsable(RuntimeError):

@@ -15,13 +15,16 @@ import pytest
 
 from pipeline.check.figures import recall_curves
 from pipeline.check.html import write_report
-from pipeline.check.report import gather_scores, overlap_bars, read_shards_manifest
+from pipeline.check.report import overlap_bars
+from pipeline.check.report_samples import gather_scores
+from pipeline.check.report_sources import read_shards_manifest
 from pipeline.cli import main
 from pipeline.jobs.vector_index_job import build_vector_index
 from schemas.arrow import read_shard_table, shard_column
-from schemas.config import IndexConfig
 from schemas.evaluation import evaluation_json, score_rows
-from schemas.manifest import IndexManifest, OwnDocumentRecall, Recall, SearchDepth, ShardsManifest
+from schemas.manifest import IndexManifest, ShardsManifest
+from schemas.measures import OwnDocumentRecall, Recall, SearchDepth
+from schemas.stage_config import IndexConfig
 from tests.helpers import BAD_REASONS, rewrite_shards_as_schema_version_1
 from tests.trainer_fixtures import write_checkpoint
 
@@ -344,7 +347,7 @@ def test_a_report_on_shards_in_a_file_table_reads_columns_not_entries(tmp_path, 
 @pytest.mark.unit
 def test_a_rejected_example_shows_what_its_reason_adds():
     from pipeline.check.html import _rejected_body
-    from pipeline.check.report import RejectedReason
+    from pipeline.check.report_samples import RejectedReason
 
     near = {"source": "a.jsonl", "position": 3, "reason": "near_duplicate_of_evaluation", "excerpt": "Some text"}
     near.update(doc_id=7, jaccard=0.9312, evaluation_id="eval-1")

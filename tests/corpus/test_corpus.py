@@ -23,7 +23,7 @@ from pipeline.corpus.parse import (
 )
 from pipeline.corpus.read import ReadCorpus
 from pipeline.corpus.records import Document, Rejected, doc_id_for
-from schemas.config import CorpusConfig
+from schemas.stage_config import CorpusConfig
 from tests.helpers import REPO, local_pipeline
 
 
@@ -271,7 +271,7 @@ PEAK_RSS_GROWTH = """
 import resource, sys
 from pipeline.corpus.parse import parse_file
 from pipeline.corpus.records import Document
-from schemas.config import CorpusConfig
+from schemas.stage_config import CorpusConfig
 
 path, fmt = sys.argv[1], sys.argv[2]
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

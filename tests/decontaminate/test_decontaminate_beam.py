@@ -13,7 +13,8 @@ from benchmarks.synthetic import words_replaced
 from pipeline.corpus.records import NEAR_DUPLICATE, Document, doc_id_for
 from pipeline.decontaminate.beam import ReadCorpusKeptClean
 from pipeline.decontaminate.minhash import jaccard, shingles
-from schemas.config import DecontaminationConfig, config_from_dict
+from schemas.config import config_from_dict
+from schemas.stage_config import DecontaminationConfig
 from tests.helpers import local_pipeline, sample_documents, write_jsonl
 
 pytestmark = pytest.mark.beam

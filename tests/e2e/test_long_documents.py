@@ -92,7 +92,7 @@ def test_a_separate_training_corpus_sharing_documents_is_filled_and_exact(long_o
     from pipeline.chunks.chunking import load_tokenizer
     from pipeline.common.models import resolve_tokenizer
     from pipeline.embed.encoder import encode_texts, load_encoder
-    from schemas.config import EmbeddingConfig
+    from schemas.stage_config import EmbeddingConfig
 
     root, config = long_output
     out = tmp_path / "out"  # the same index, shards of their own

@@ -11,8 +11,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-import pipeline.retrieve.beam as retrieve_beam
-import pipeline.retrieve.search as search
+import pipeline.retrieve.depth as retrieve_depth
+import pipeline.retrieve.search_beam as search_beam
 from pipeline.check.validate import validate_path
 from pipeline.jobs.run import run_all
 from pipeline.jobs.shards_job import build_shards
@@ -67,7 +67,7 @@ def test_build_shards_over_a_sliced_index_finds_the_neighbours_of_one_index(slic
 def test_build_shards_fails_uncommitted_when_an_index_slices_results_are_lost(sliced, tmp_path, monkeypatch):
     root, config, _, _ = sliced
     shutil.copytree(root / "out" / "index", tmp_path / "out" / "index")
-    search = retrieve_beam._SearchRouted.process
+    search = search_beam._SearchRouted.process
 
     def without_slice_1(self, keyed):  # as if the runner dropped what slice 1 sent
         (index_slice, _), _ = keyed
@@ -75,7 +75,7 @@ def test_build_shards_fails_uncommitted_when_an_index_slices_results_are_lost(sl
             yield from search(self, keyed)
 
     # the search step's DoFn is the one place to drop a slice's results from inside the job
-    monkeypatch.setattr(retrieve_beam._SearchRouted, "process", without_slice_1)
+    monkeypatch.setattr(search_beam._SearchRouted, "process", without_slice_1)
     with pytest.raises(Exception, match=rf"index slices \[0, 2.*answered.*{LOST_DATA}"):
         build_shards(config_from_dict({**config, "output": str(tmp_path / "out")}), [])
     assert not (tmp_path / "out" / "shards" / "manifest.json").exists()
@@ -86,7 +86,7 @@ def test_the_retriever_searches_the_slices_one_at_a_time_and_finds_the_one_index
     retriever = Retriever.open(str(root / "out" / "index"))
     assert retriever.routing is not None and retriever.routing.slices >= 3
     loaded, held, most_held = [], set(), []
-    load_index = search.load_index
+    load_index = retrieve_depth.load_index
 
     def load_and_count(path, depth=None):  # the real load, counted, and each slice watched until freed
         index = load_index(path, depth)
@@ -97,7 +97,7 @@ def test_the_retriever_searches_the_slices_one_at_a_time_and_finds_the_one_index
             most_held.append(len(held))
         return index
 
-    monkeypatch.setattr(search, "load_index", load_and_count)
+    monkeypatch.setattr(retrieve_depth, "load_index", load_and_count)
     n = config["sequence_tokens"]
     rows = list(shard_rows(root / "out" / "shards"))
     found = [retriever.retrieve(tokens[:n], exclude_documents=doc_ids) for tokens, doc_ids, *_ in rows]

@@ -9,15 +9,16 @@ import numpy as np
 import pytest
 from apache_beam.testing.util import assert_that
 
-from pipeline.cli import error_line
 from pipeline.common.models import resolve_model, resolve_tokenizer
+from pipeline.console import error_line
 from pipeline.embed import backends
 from pipeline.embed.backends import ExportedModelUnusable, embed_texts, exported_model, load_embedder
 from pipeline.embed.beam import EmbedChunks
 from pipeline.embed.encoder import chunk_texts, encode_texts, has_bfloat16_units, load_encoder
 from pipeline.embed.precision import PrecisionTooLow, check_precision, top2_agreement
 from pipeline.index.sampling import sample_keys
-from schemas.config import ConfigError, EmbeddingConfig, config_from_dict, stable_hash
+from schemas.config import ConfigError, config_from_dict, stable_hash
+from schemas.stage_config import EmbeddingConfig
 from tests.embed.test_embed import _chunks
 from tests.helpers import local_pipeline
 
@@ -163,7 +164,7 @@ def test_a_corrupt_export_fails_the_build_in_one_line_and_is_exported_again(mode
 
 @pytest.mark.unit
 def test_inspect_and_the_report_name_the_setting_and_older_manifests_read_as_torch():
-    from schemas.manifest import PrecisionCheck
+    from schemas.measures import PrecisionCheck
 
     fields = {"sample_size": 256, "top2_agreement": 0.996, "agreement_upper_bound": 1.0, "min_cosine": 0.9991}
     check = PrecisionCheck(precision="bfloat16", backend="openvino", quantize="none", min_agreement=0.98, **fields)

@@ -18,7 +18,7 @@ from pipeline.embed.encoder import (
     torch_threads,
 )
 from pipeline.embed.precision import PrecisionTooLow, agreement_upper_bound, check_precision, top2_agreement
-from schemas.config import EmbeddingConfig
+from schemas.stage_config import EmbeddingConfig
 from tests.helpers import local_pipeline, sample_documents, suite_precision
 
 CFG = EmbeddingConfig(batch_size=8, precision=suite_precision())  # the suite's precision

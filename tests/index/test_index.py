@@ -8,7 +8,8 @@ import pytest
 from apache_beam.metrics.metric import MetricsFilter
 from apache_beam.testing.util import assert_that, equal_to
 
-from pipeline.index.build import BuildIndex, FilledPart, _plan_slices, _SumListSizes
+from pipeline.index.build import BuildIndex
+from pipeline.index.build_slices import FilledPart, SumListSizes, plan_slices
 from pipeline.index.exact import exact_nearest_other
 from pipeline.index.factory import (
     EmbeddingStats,
@@ -31,7 +32,7 @@ from pipeline.index.slices import vectors_per_slice
 from pipeline.index.train import build_index, merge_part, train_index
 from pipeline.index.tuning import tune_search_depth
 from pipeline.jobs.options import new_pipeline
-from schemas.config import IndexConfig
+from schemas.stage_config import IndexConfig
 from tests.helpers import local_pipeline, write_embedding_files
 
 
@@ -460,7 +461,7 @@ def test_slice_bytes_on_an_index_that_cannot_be_sliced_builds_one_file_and_says_
 
 @pytest.mark.unit
 def test_lists_are_shared_out_among_slices_only_when_there_are_several(tmp_path, caplog):
-    """`_plan_slices` on real filled parts of a real trained index: None for one index file;
+    """`plan_slices` on real filled parts of a real trained index: None for one index file;
     else every list's owner, slices numbered 0 … S-1, -1 exactly for the lists no part filled,
     and no slice holding more vectors than a slice of that size holds."""
     factory, dim = "IVF16,Flat", 8
@@ -474,7 +475,7 @@ def test_lists_are_shared_out_among_slices_only_when_there_are_several(tmp_path,
         part = faiss.clone_index(trained)
         part.add_with_ids(vectors[rows], rows.astype(np.int64))
         parts.append(FilledPart(f"embeddings-{number:05d}.parquet", f"part-{number:05d}.faiss", list_sizes(part)))
-    summed = _SumListSizes()
+    summed = SumListSizes()
     totals = summed.extract_output(
         summed.merge_accumulators(
             [summed.add_input(summed.create_accumulator(), part) for part in parts] + [summed.create_accumulator()]
@@ -486,14 +487,14 @@ def test_lists_are_shared_out_among_slices_only_when_there_are_several(tmp_path,
     trained_path = str(tmp_path / "trained.faiss")
     third = estimated_bytes(factory, len(kept) // 3, dim)
 
-    assert _plan_slices(totals, trained_path, plan, None) is None
-    assert _plan_slices(totals, trained_path, plan, 10**9) is None  # all fit one
+    assert plan_slices(totals, trained_path, plan, None) is None
+    assert plan_slices(totals, trained_path, plan, 10**9) is None  # all fit one
     graph = dataclasses.replace(plan, factory="HNSW32", mergeable=False)
     with caplog.at_level("WARNING", logger="ratrain"):
-        assert _plan_slices(totals, trained_path, graph, third) is None
+        assert plan_slices(totals, trained_path, graph, third) is None
     assert "applies to IVF indexes" in caplog.text
 
-    slicing = _plan_slices(totals, trained_path, plan, third)
+    slicing = plan_slices(totals, trained_path, plan, third)
     assert slicing is not None and slicing.parts == 3
     owner = slicing.owner
     assert ((owner == -1) == (sizes == 0)).all() and (sizes[:3] == 0).all()

@@ -20,8 +20,8 @@ from pipeline.index.sampling import QUERY_SALT, in_sample
 from pipeline.index.search import search_depth_range, search_each_excluding, set_search_depth
 from pipeline.index.train import build_index
 from pipeline.index.tuning import tune_index_depth
-from schemas.config import IndexConfig
-from schemas.manifest import DepthRecall
+from schemas.measures import DepthRecall
+from schemas.stage_config import IndexConfig
 from tests.helpers import local_pipeline, write_embedding_files
 
 DOCUMENTS, CHUNKS_PER_DOCUMENT, FACTORY = 32, 100, "IVF64,Flat"

@@ -7,7 +7,7 @@ from benchmarks.scale_sim import CHUNK_FILE_ROWS, config, index_manifest, write_
 from pipeline.corpus.read import ReadCorpus
 from pipeline.jobs import shards_job
 from pipeline.jobs.job import graph_bytes
-from schemas.config import CorpusConfig
+from schemas.stage_config import CorpusConfig
 from tests.helpers import local_pipeline
 
 pytestmark = pytest.mark.unit

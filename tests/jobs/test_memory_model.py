@@ -7,7 +7,8 @@ import pytest
 
 from pipeline.index.factory import choose_index_factory, estimated_bytes
 from pipeline.jobs.memory_model import EXPORTED_ENCODER, Corpus, stage_memory, two_level_steps
-from schemas.config import config_from_dict, parse_size
+from schemas.config import config_from_dict
+from schemas.stage_config import parse_size
 from tests.helpers import sample_documents, small_config, write_config, write_jsonl
 
 

@@ -5,7 +5,7 @@ import pytest
 
 from pipeline.jobs.shards_job import neighbour_warnings
 from schemas.config import config_from_dict
-from schemas.manifest import NeighbourRecall
+from schemas.measures import NeighbourRecall
 from tests.helpers import shards_manifest, small_config
 
 pytestmark = pytest.mark.unit

@@ -19,8 +19,9 @@ from pipeline.index.sampling import TRAIN_SALT, in_sample
 from pipeline.index.search import set_search_depth
 from pipeline.index.train import train_index
 from pipeline.retrieve.beam import DocumentSpans, PackSequences, RetrieveNeighbours
+from pipeline.retrieve.depth import NeighbourRecallTooLow
 from pipeline.retrieve.recall import MeasureNeighbourRecall
-from pipeline.retrieve.search import NeighbourRecallTooLow, QueryBlock, Retrieval
+from pipeline.retrieve.search import QueryBlock, Retrieval
 from schemas.manifest import FileEntry
 from tests.helpers import local_pipeline, write_embedding_files, write_list_slices
 

@@ -11,6 +11,7 @@ import pytest
 from apache_beam.testing.util import assert_that, equal_to
 
 import pipeline.retrieve.beam as retrieve_beam
+import pipeline.retrieve.search_beam as search_beam
 from pipeline.chunks.chunk_files import TrainingChunks
 from pipeline.chunks.chunking import chunk_document
 from pipeline.index.train import build_index
@@ -454,13 +455,13 @@ def test_routed_search_over_list_slices_finds_one_indexs_neighbours_and_sends_no
     faiss.write_index(index, one)
     routing = write_list_slices(tmp_path, index, 3)
     received = []
-    search = retrieve_beam._SearchRouted.process
+    search = search_beam._SearchRouted.process
 
     def recording(self, keyed):
         received.extend(keyed[1])
         yield from search(self, keyed)
 
-    monkeypatch.setattr(retrieve_beam._SearchRouted, "process", recording)
+    monkeypatch.setattr(search_beam._SearchRouted, "process", recording)
 
     def neighbours_of(spec):
         _ROWS.clear()

@@ -1,7 +1,8 @@
 import pytest
 
 from pipeline.cli import main
-from schemas.config import ConfigError, config_from_dict, load_config, parse_size
+from schemas.config import ConfigError, config_from_dict, load_config
+from schemas.stage_config import parse_size
 from tests.helpers import small_config, write_config
 
 pytestmark = pytest.mark.unit

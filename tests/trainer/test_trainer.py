@@ -24,7 +24,8 @@ from tests.trainer_fixtures import source_rows, write_shard_dir
 from trainer import ShardDataset
 from trainer.dataset import ShardDataError
 from trainer.model import Retro, RetroConfig
-from trainer.train import TrainConfig, accumulate_gradients, main, next_token_loss, parse_args
+from trainer.options import TrainConfig, parse_args
+from trainer.train import accumulate_gradients, main, next_token_loss
 
 SHARD_ROWS = [7, 5, 9, 6]  # uneven on purpose: 27 sequences, record batches of 3
 SEQ_IDS = set(range(1000, 1000 + sum(SHARD_ROWS)))
@@ -424,7 +425,7 @@ def test_gcs_two_ranks_two_workers_cover_each_sequence_once(gcs_shards):
 def test_gcs_reads_ahead_one_shard(gcs_shards, monkeypatch):
     """Each remote object is fetched once: the manifest when the dataset is built, each shard
     while the one before it is read (at most one ahead), never one the epoch does not reach."""
-    from trainer import dataset as dataset_module
+    from trainer import shard_files
 
     fetched = []  # object keys, in the order requested, from any thread
 
@@ -436,8 +437,8 @@ def test_gcs_reads_ahead_one_shard(gcs_shards, monkeypatch):
             fetched.append(key.rsplit("/", 1)[1])
             return self.client.open_input_stream(key, *args, **kwargs)
 
-    gcs_filesystem = dataset_module.gcs_filesystem
-    monkeypatch.setattr(dataset_module, "gcs_filesystem", lambda: RecordingGcs(gcs_filesystem()))
+    gcs_filesystem = shard_files.gcs_filesystem
+    monkeypatch.setattr(shard_files, "gcs_filesystem", lambda: RecordingGcs(gcs_filesystem()))
     dataset = ShardDataset(gcs_shards, seed=4)
     assert fetched == ["manifest.json"]  # building reads the manifest only
     fetched.clear()
@@ -704,7 +705,8 @@ def test_trainer_imports_neither_beam_nor_faiss_nor_sentence_transformers():
 @pytest.mark.filterwarnings("ignore:skipping a bad shard")
 @pytest.mark.unit
 def test_an_epoch_with_every_shard_skipped_stops_training_instead_of_looping(tmp_path):
-    from trainer.train import TrainError, epochs
+    from trainer.options import TrainError
+    from trainer.train import epochs
 
     write_shard_dir(tmp_path, shard_rows=[4])
     (tmp_path / "shard-00000.arrow").write_bytes(b"not arrow")

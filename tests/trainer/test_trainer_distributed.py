@@ -23,7 +23,8 @@ from tests.helpers import REPO, free_port
 from tests.trainer_fixtures import write_shard_dir
 from trainer import ShardDataset
 from trainer.model import Retro, RetroConfig
-from trainer.train import accumulate_gradients, main, parse_args, train
+from trainer.options import parse_args
+from trainer.train import accumulate_gradients, main, train
 
 pytestmark = pytest.mark.e2e  # 2 training processes (torch.multiprocessing, torchrun)
 
