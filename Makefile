@@ -65,11 +65,14 @@ test-fast: install
 test-unit: install
 	$(BIN)/python -m pytest -m unit $(PYTEST_ARGS)
 
-# ruff (lint and format, pyproject.toml [tool.ruff]) over the tree, mypy over pipeline/, schemas/ and trainer/.
+# ruff (lint and format, pyproject.toml [tool.ruff]) over the tree, mypy over pipeline/, schemas/ and
+# trainer/, and the house rules (tests/house/: the layers, no import cycle, no module over 400 lines,
+# every module in docs/design.md §2).
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 0 tests/house
 
 # The quickstart with every encoder setting (~10 min on 2 cores), then ~50k chunks of real text
 # where the per-job costs no longer dominate, every setting again (~40 min on 2 cores with AMX).

@@ -134,9 +134,9 @@ def compare_neighbours(appended: Path, rebuilt: Path, tolerance: float) -> dict:
     index's trained lists at its depth."""
     import faiss
 
+    from pipeline.common.sampling import QUERY_SALT, in_sample
     from pipeline.index.files import LIST_OWNERS_FILE, QUANTIZER_FILE, read_owners
     from pipeline.index.routing import search_routed
-    from pipeline.index.sampling import QUERY_SALT, in_sample
     from pipeline.index.search import set_search_depth
 
     faiss_dir = appended / "index" / "faiss"
@@ -152,7 +152,7 @@ def compare_neighbours(appended: Path, rebuilt: Path, tolerance: float) -> dict:
         owner = read_owners(str(faiss_dir / LIST_OWNERS_FILE))
 
         def search_grown(queries, k):
-            return search_routed(refilled, slices, owner, queries, k, depth=depth)[:2]
+            return search_routed(refilled, slices, owner, queries, k=k, depth=depth)[:2]
     else:
         grown = faiss.read_index(str(faiss_dir / "index.faiss"))
         set_search_depth(grown, depth)

@@ -41,12 +41,13 @@ import pyarrow.parquet as pq
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 from benchmarks.report import read_into_page_cache, timed, write_results  # noqa: E402
 from examples.long_documents import long_documents  # noqa: E402
-from pipeline.index.recall import TIE_TOLERANCE  # noqa: E402
 from pipeline.jobs.index_job import build_index  # noqa: E402
 from pipeline.jobs.job import Tokenization  # noqa: E402
 from pipeline.jobs.shards_job import build_shards  # noqa: E402
 from schemas.arrow import read_shard_table, shard_column, shard_ipc_bytes, shard_table, tensor_column_to_numpy  # noqa: E402
 from schemas.config import PipelineConfig, load_config  # noqa: E402
+from schemas.measures import TIE_TOLERANCE
+from schemas.shard_columns import ShardDims
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -110,15 +111,16 @@ def floor(index_dir: Path, out: Path, L: int, k: int, rows_per_shard: int, pad_i
     out.mkdir(parents=True, exist_ok=True)
     for start in range(0, sequences, rows_per_shard):
         part = slice(start, start + rows_per_shard)
-        table = shard_table(
-            np.arange(sequences)[part],
-            own_tokens[part],
-            neighbours[part],
-            ids[part],
-            scores[part],
-            doc_ids[part],
-            pad_id=pad_id,
-        )
+        columns = {
+            "seq_id": np.arange(sequences)[part],
+            "tokens": own_tokens[part],
+            "neighbours": neighbours[part],
+            "neighbour_ids": ids[part],
+            "neighbour_scores": scores[part],
+            "doc_ids": doc_ids[part],
+        }
+        m = tokens.shape[1]
+        table = shard_table(columns, dims=ShardDims(n=L * m, m=m, k=k), pad_id=pad_id)
         (out / f"shard-{start // rows_per_shard:05d}.arrow").write_bytes(shard_ipc_bytes(table))
     return ids, scores, vectors
 

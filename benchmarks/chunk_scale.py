@@ -72,9 +72,10 @@ def job_main(corpus: str, out: str) -> None:
     """The stage's transforms up to the chunk files, on 2 worker processes."""
 
     from pipeline.chunks.beam import ChunkDocuments
+    from pipeline.chunks.chunk_files import chunks_table
     from pipeline.chunks.chunking import load_tokenizer, pad_id_of
     from pipeline.common.models import resolve_tokenizer
-    from pipeline.common.writers import WriteGroupedFiles, chunks_table, parquet_bytes
+    from pipeline.common.writers import WriteGroupedFiles, parquet_bytes
     from pipeline.corpus.read import ReadCorpus
     from pipeline.jobs.options import new_pipeline
     from schemas.stage_config import CorpusConfig
@@ -87,9 +88,9 @@ def job_main(corpus: str, out: str) -> None:
         chunks, _ = documents | "ChunkDocuments" >> ChunkDocuments(tokenizer, M, pad)
         _ = chunks | "WriteChunks" >> WriteGroupedFiles(
             f"{out}/chunks",
-            out,
-            "chunks",
-            "parquet",
+            relative_to=out,
+            prefix="chunks",
+            extension="parquet",
             key=lambda c: c.chunk_id,
             rows_per_file=CHUNK_FILE_ROWS,
             to_bytes=lambda rows: parquet_bytes(chunks_table(rows, M)),
@@ -101,9 +102,10 @@ def floor_main(corpus: str, out: str, documents: str) -> None:
     """The same chunk rows without ids or deduplication, grouped by a hash into as many files."""
     import apache_beam as beam
 
+    from pipeline.chunks.chunk_files import chunks_table
     from pipeline.chunks.chunking import Chunk, chunk_document, load_tokenizer, pad_id_of, tokenize_batch
     from pipeline.common.models import resolve_tokenizer
-    from pipeline.common.writers import WriteGroupedFiles, chunks_table, parquet_bytes
+    from pipeline.common.writers import WriteGroupedFiles, parquet_bytes
     from pipeline.jobs.options import new_pipeline
 
     path = resolve_tokenizer(None)
@@ -128,9 +130,9 @@ def floor_main(corpus: str, out: str, documents: str) -> None:
             | "WriteChunks"
             >> WriteGroupedFiles(
                 f"{out}/chunks",
-                out,
-                "chunks",
-                "parquet",
+                relative_to=out,
+                prefix="chunks",
+                extension="parquet",
                 key=lambda c: c.doc_id % files * CHUNK_FILE_ROWS,
                 rows_per_file=CHUNK_FILE_ROWS,
                 to_bytes=lambda rows: parquet_bytes(chunks_table(rows, M)),

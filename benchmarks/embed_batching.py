@@ -29,7 +29,7 @@ from pipeline.common.models import resolve_tokenizer  # noqa: E402
 from pipeline.embed.beam import BATCHES_PER_GROUP  # noqa: E402
 from pipeline.embed.encoder import chunk_texts, encode_texts, load_encoder, torch_threads  # noqa: E402
 from pipeline.jobs.index_job import build_index  # noqa: E402
-from pipeline.jobs.shards_job import _chunks_from_table  # noqa: E402
+from pipeline.jobs.shards_job import chunks_from_table  # noqa: E402
 from schemas.config import load_config  # noqa: E402
 
 
@@ -42,7 +42,7 @@ def main() -> None:
         cfg = load_config(args.config).model_copy(update={"output": out})
         manifest = build_index(cfg, [])
         files = sorted(Path(out, "index", "chunks").glob("*.parquet"))
-        chunks = [c for f in files for c in _chunks_from_table(pq.read_table(f))]  # in chunk-id order
+        chunks = [c for f in files for c in chunks_from_table(pq.read_table(f))]  # in chunk-id order
     texts = chunk_texts(load_tokenizer(resolve_tokenizer(cfg.tokenizer)), chunks)
     model, size = load_encoder(cfg.embedding), cfg.embedding.batch_size
     precision, group = manifest.embedding_precision.precision, size * BATCHES_PER_GROUP

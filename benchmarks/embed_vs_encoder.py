@@ -61,8 +61,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 from benchmarks.report import timed, timed_in_process, write_results  # noqa: E402
 from pipeline.chunks.chunking import load_tokenizer
 from pipeline.common.models import resolve_model, resolve_tokenizer
-from pipeline.embed.backends import CALIBRATION_CHUNKS, CALIBRATION_SALT, embed_texts, load_embedder, needs_calibration
+from pipeline.common.sampling import sample_keys
+from pipeline.embed.backends import CALIBRATION_CHUNKS, CALIBRATION_SALT
 from pipeline.embed.beam import BATCHES_PER_GROUP, EmbedChunks
+from pipeline.embed.embedder import embed_texts, load_embedder, needs_calibration
 from pipeline.embed.encoder import (
     Tokenized,
     arithmetic,
@@ -74,10 +76,9 @@ from pipeline.embed.encoder import (
     torch_threads,
 )
 from pipeline.embed.precision import PRECISION_SALT, agreement_upper_bound, setting_name, top2_agreement
-from pipeline.index.sampling import sample_keys
 from pipeline.jobs.index_job import build_index
 from pipeline.jobs.options import new_pipeline
-from pipeline.jobs.shards_job import _chunks_from_table, build_shards
+from pipeline.jobs.shards_job import build_shards, chunks_from_table
 from schemas.config import load_config
 
 
@@ -92,7 +93,7 @@ def time_embed_stage(cfg, chunk_files: list[Path], threads) -> float:
                 p
                 | beam.Create([str(f) for f in chunk_files])
                 | ReadAllFromParquetBatched()
-                | beam.FlatMap(_chunks_from_table)
+                | beam.FlatMap(chunks_from_table)
                 | EmbedChunks(cfg.embedding, resolve_tokenizer(cfg.tokenizer), threads)
             )
             _ = embedded | beam.combiners.Count.Globally()
@@ -226,7 +227,7 @@ def main() -> None:
 
         _, t_shards = timed(lambda: build_shards(cfg, []))
         chunk_files = sorted(Path(out, "index", "chunks").glob("*.parquet"))
-        chunks = [c for f in chunk_files for c in _chunks_from_table(pq.read_table(f))]
+        chunks = [c for f in chunk_files for c in chunks_from_table(pq.read_table(f))]
         texts = chunk_texts(load_tokenizer(resolve_tokenizer(cfg.tokenizer)), chunks)
         device = cfg.embedding.device
         # its own model, as a user would load it (the stage's stays loaded in this process)

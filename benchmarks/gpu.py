@@ -40,7 +40,7 @@ from pipeline.embed.encoder import chunk_texts, load_encoder, torch_threads  # n
 from pipeline.index.files import load_index  # noqa: E402
 from pipeline.index.search import query_rate  # noqa: E402
 from pipeline.jobs.index_job import build_index  # noqa: E402
-from pipeline.jobs.shards_job import _chunks_from_table, build_shards  # noqa: E402
+from pipeline.jobs.shards_job import build_shards, chunks_from_table  # noqa: E402
 from schemas.arrow import tensor_column_to_numpy  # noqa: E402
 from schemas.config import load_config  # noqa: E402
 
@@ -92,7 +92,7 @@ def main() -> None:
         )
         manifest, t_index = timed(lambda: build_index(cfg, []))
         files = sorted((workdir / "out" / "index" / "chunks").glob("*.parquet"))
-        chunks = [c for f in files for c in _chunks_from_table(pq.read_table(f))]
+        chunks = [c for f in files for c in chunks_from_table(pq.read_table(f))]
         texts = chunk_texts(load_tokenizer(resolve_tokenizer(cfg.tokenizer)), chunks)
         model = load_encoder(cfg.embedding)
         raw = {}

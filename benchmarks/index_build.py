@@ -204,9 +204,9 @@ def data_files(directory: Path) -> list[str]:
 
 def ground_truth(directory: Path, n: int, sample: int):
     """(query ids, query vectors, exact nearest other id) with the pipeline's own query rule."""
+    from pipeline.common.sampling import QUERY_SALT, in_sample
     from pipeline.index.exact import exact_nearest_other, merge_nearest
     from pipeline.index.files import read_embeddings
-    from pipeline.index.sampling import QUERY_SALT, in_sample
 
     size = min(sample, n)
     q_ids, q_vecs = [], []
@@ -261,7 +261,7 @@ def measure_recall(index_path: str, truth, own_depth=None, own_params=None, posi
         tuned_depth, tuned = None, own
     else:
         if position_to_id is None:
-            tuned_depth, tuned = tune_search_depth(index, query_ids, queries, truth_ids, target)
+            tuned_depth, tuned, _ = tune_search_depth(index, query_ids, queries, truth_ids, target=target)
         else:  # tune_search_depth searches `index` itself: same loop through the id table
             for tuned_depth in depths:
                 set_search_depth(index, tuned_depth)

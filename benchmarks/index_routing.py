@@ -79,7 +79,7 @@ def measure(index, queries: np.ndarray, count: int, nprobe: int, reference) -> d
     ivf = faiss.extract_index_ivf(index)
     owner = list_owners(ivf.quantizer.reconstruct_n(0, ivf.nlist), list_sizes(index), count)
     by_lists = slice_by_lists(index, owner)
-    routed_cpu, (r_scores, r_ids, _, sent) = cpu_seconds(lambda: search_routed(index, by_lists, owner, queries, K))
+    routed_cpu, (r_scores, r_ids, _, sent) = cpu_seconds(lambda: search_routed(index, by_lists, owner, queries, k=K))
     row = {
         "slices": count,
         "one_index_cpu_s": one_cpu,

@@ -136,7 +136,7 @@ def merged_recall(run: dict, vectors: np.ndarray, rows: np.ndarray, truth: np.nd
     else:
         quantizer = load_index(str(Path(run["directory"]) / QUANTIZER_FILE), depth)
         owner = read_owners(str(Path(run["directory"]) / LIST_OWNERS_FILE))
-        _, found, _, _ = search_routed(quantizer, shards, owner, vectors[rows], 11)
+        _, found, _, _ = search_routed(quantizer, shards, owner, vectors[rows], k=11)
     return float(np.mean([t in [f for f in row if f != r][:10] for r, t, row in zip(rows, truth, found)]))
 
 

@@ -58,7 +58,7 @@ DIM, QUERIES, K, NPROBES = 384, 1000, 10, (8, 16, 32, 64)
 def recall_at_k(index, vectors: np.ndarray, queries: np.ndarray, best: np.ndarray) -> float:
     """Share of queries with a top-K hit truly as similar as the exact best (within the
     tolerance): the hits' exact similarities, not the index's compressed ones."""
-    from pipeline.index.recall import TIE_TOLERANCE
+    from schemas.measures import TIE_TOLERANCE
 
     _, ids = index.search(queries, K)
     exact = np.where(ids >= 0, np.einsum("qkd,qd->qk", vectors[np.maximum(ids, 0)], queries), -np.inf)
@@ -252,9 +252,9 @@ def spread(factory: str, files: int, vectors, queries, best) -> dict:
     import apache_beam as beam
     import faiss
 
+    from pipeline.common.sampling import TRAIN_SALT, in_sample
     from pipeline.index.factory import IndexPlan, training_size
     from pipeline.index.kmeans import train_two_level
-    from pipeline.index.sampling import TRAIN_SALT, in_sample
     from pipeline.index.search import set_search_depth
     from pipeline.index.train_beam import TRAINED_FILE, TrainIndex
     from pipeline.index.two_level import write_sample_part
@@ -284,7 +284,15 @@ def spread(factory: str, files: int, vectors, queries, best) -> dict:
         measured.append({"step": name, "measured_bytes": peak, "model_bytes": modelled, "ratio": peak / modelled})
         print(f"{name:<62} measured {peak / 2**20:7.1f} MB  model {modelled / 2**20:7.1f} MB", flush=True)
 
-    plan = IndexPlan(factory, DIM, n, int(keep.sum()), "two_level", True, 0)
+    plan = IndexPlan(
+        factory=factory,
+        dim=DIM,
+        count=n,
+        train_size=int(keep.sum()),
+        clustering="two_level",
+        mergeable=True,
+        queries=0,
+    )
     out = work / "beam"
 
     def run_beam():

@@ -104,7 +104,8 @@ def make_chunks(n: int):
 def ensure_data(workdir: Path, n: int) -> Path:
     import faiss
 
-    from pipeline.common.writers import chunks_table, embeddings_table, parquet_bytes
+    from pipeline.chunks.chunk_files import chunks_table
+    from pipeline.common.writers import embeddings_table, parquet_bytes
     from pipeline.index.search import set_search_depth
     from pipeline.index.train import build_index
 
@@ -168,7 +169,16 @@ def ours_main(root: str, out: str, query_chunks: int, beam_args: list[str]) -> N
         )
         sequences = training | "PackSequences" >> PackSequences(L, PAD)
         spans = p | "DocumentSpans" >> DocumentSpans(f"{root}/chunks/*.parquet")
-        spec = Retrieval(f"{root}/index.faiss", NPROBE, chunk_files, L, M, K, CANDIDATES, PAD)
+        spec = Retrieval(
+            index_path=f"{root}/index.faiss",
+            depth=NPROBE,
+            chunk_files=chunk_files,
+            chunks_per_seq=L,
+            chunk_tokens=M,
+            neighbours=K,
+            candidates=CANDIDATES,
+            pad_id=PAD,
+        )
         # the queries: read by the search from the embedding files, as build-shards over its own chunks does
         rows = ((sequences, spans) | "RetrieveNeighbours" >> RetrieveNeighbours(spec, SHARD_ROWS)).rows
         _ = rows | "WriteShards" >> WriteShards(out, SHARD_ROWS, PAD)
@@ -216,7 +226,14 @@ def floor_main(root: str, out: str, query_chunks: int) -> None:
     Path(out).mkdir(parents=True, exist_ok=True)
     for begin in range(0, sequences, SHARD_ROWS):
         rows = [
-            ShardRow(s, seq_tokens[s], values[s], ids[s], kept_scores[s], tuple(sorted(set(own[s].tolist()))))
+            ShardRow(
+                seq_id=s,
+                tokens=seq_tokens[s],
+                neighbours=values[s],
+                neighbour_ids=ids[s],
+                neighbour_scores=kept_scores[s],
+                doc_ids=tuple(sorted(set(own[s].tolist()))),
+            )
             for s in range(begin, min(begin + SHARD_ROWS, sequences))
         ]
         Path(out, f"shard-{begin // SHARD_ROWS:05d}.arrow").write_bytes(rows_to_ipc(rows, PAD))

@@ -50,6 +50,7 @@ from pipeline.common.writers import parquet_bytes  # noqa: E402
 from schemas.arrow import chunk_schema, embedding_schema, fixed_size_list, shard_ipc_bytes, shard_table  # noqa: E402
 from schemas.manifest import INLINE_FILE_ENTRIES, FileEntry, Fingerprint, IndexManifest, ShardEntry, ShardsManifest
 from schemas.measures import Recall
+from schemas.shard_columns import ShardDims
 from tests.trainer_fixtures import write_manifest  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -164,15 +165,15 @@ def write_shards(
         neighbour_ids = rng.integers(0, chunks - L, size=(rows, L, K))
         neighbour_ids += (neighbour_ids >= (seqs * L)[:, None, None]) * L  # never a chunk of its own document
         values = np.concatenate([db["tokens"][neighbour_ids], db["continuations"][neighbour_ids]], axis=-1)
-        table = shard_table(
-            seqs,
-            tokens,
-            values,
-            neighbour_ids,
-            rng.random((rows, L, K), dtype=np.float32),
-            [[db["docs"][s * L]] for s in seqs],
-            pad_id=PAD,
-        )
+        columns = {
+            "seq_id": seqs,
+            "tokens": tokens,
+            "neighbours": values,
+            "neighbour_ids": neighbour_ids,
+            "neighbour_scores": rng.random((rows, L, K), dtype=np.float32),
+            "doc_ids": [[db["docs"][s * L]] for s in seqs],
+        }
+        table = shard_table(columns, dims=ShardDims(n=L * m, m=m, k=K), pad_id=PAD)
         entry = _write(directory, f"shard-{shard:05d}.arrow", shard_ipc_bytes(table), rows)
         entries.append(ShardEntry(**entry, neighbour_slots_filled=rows * L * K))
     manifest = ShardsManifest(

@@ -226,9 +226,10 @@ def build(output: Path, retrieval: list[Path], training: Path, index_from: Path 
     """Shards of `training` against the index over the `retrieval` files (built in `output`;
     with `index_from`, its committed index copied there first, and only the files it has not
     read appended)."""
+    from pipeline.common.fileio import committed
     from pipeline.jobs.index_job import build_index
     from pipeline.jobs.job import index_dir
-    from pipeline.jobs.reuse import committed, index_action, listed_corpus_files
+    from pipeline.jobs.reuse import index_action, listed_corpus_files
     from pipeline.jobs.shards_job import build_shards
     from schemas.config import config_from_dict
     from schemas.manifest import IndexManifest
@@ -322,7 +323,9 @@ def generated_capitals(checkpoint: Path, index: Path, countries: list[Country], 
     for country in countries:
         preamble = sentence(PREAMBLES[0].format(name=country.name, emblem=country.emblem), country)
         prompt = f"{preamble} the capital of {country.name} is"
-        continuation = retriever.decode(generate(model, retriever, retriever.tokenize(prompt).tolist(), 1).continuation)
+        continuation = retriever.decode(
+            generate(model, retriever, retriever.tokenize(prompt).tolist(), max_tokens=1).continuation
+        )
         capital = edits.get(country.name, country).capital
         written += continuation.strip() == capital
         example = example or f"{prompt} -> {continuation} (the encyclopedia: {capital})"

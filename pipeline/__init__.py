@@ -2,7 +2,8 @@
 
 A package per stage, in the order data flows: `corpus`, `chunks`, `embed`, `index`, `retrieve`,
 `shards`; `jobs` wires them into Beam jobs, `check` looks at their outputs, `common` serves
-them all, and `cli` is the command line (docs/design.md §2).
+them all, and `cli` is the command line. Its packages and modules, one line each, and the
+layers they keep: docs/design.md §2.
 """
 
 from schemas import __version__

@@ -121,7 +121,7 @@ DETACH = click.option(
 @CORPUS_CHUNKS
 @CORPUS_DOCUMENTS
 @DETACH
-def build_index_cmd(config_path, beam_args, force, delete_path, dry_run, corpus_chunks, corpus_documents, detach):
+def build_index_cmd(config_path, beam_args, *, force, delete_path, dry_run, corpus_chunks, corpus_documents, detach):
     """Stages 1-3: chunk, embed and index the retrieval corpus -> <output>/index/. A committed
     index whose corpus gained files gets them appended; --delete removes documents from it."""
     from pipeline.common import fileio
@@ -161,7 +161,7 @@ def build_index_cmd(config_path, beam_args, force, delete_path, dry_run, corpus_
     "inverted lists (faiss/slice-NNNNN.faiss, plus quantizer.faiss and list_owners.npy).",
 )
 @click.argument("beam_args", nargs=-1, type=click.UNPROCESSED)
-def index_cmd(embeddings, output, index_type, memory_budget, target_recall, nprobe, slice_bytes, beam_args):
+def index_cmd(embeddings, output, *, index_type, memory_budget, target_recall, nprobe, slice_bytes, beam_args):
     """Build a faiss index over embeddings you already have (the index stage alone)."""
     from pydantic import ValidationError
 
@@ -212,7 +212,16 @@ def index_cmd(embeddings, output, index_type, memory_budget, target_recall, npro
     help="Seconds between looks at the index manifest while waiting.",
 )
 def build_shards_cmd(
-    config_path, beam_args, dry_run, corpus_chunks, corpus_documents, detach, wait_for_index, wait_timeout, poll_every
+    config_path,
+    beam_args,
+    *,
+    dry_run,
+    corpus_chunks,
+    corpus_documents,
+    detach,
+    wait_for_index,
+    wait_timeout,
+    poll_every,
 ):
     """Stages 4-5: retrieve neighbours for the training corpus -> <output>/shards/."""
     from pipeline.jobs.index_files import wait_for_index as wait
@@ -237,7 +246,7 @@ def build_shards_cmd(
 @CORPUS_CHUNKS
 @CORPUS_DOCUMENTS
 @DETACH
-def run_cmd(config_path, force, beam_args, dry_run, corpus_chunks, corpus_documents, detach):
+def run_cmd(config_path, *, force, beam_args, dry_run, corpus_chunks, corpus_documents, detach):
     """Both stages; a stage whose committed manifest matches the config is skipped. With
     --detach, the first stage to build is submitted and the command exits (follow a detached
     build-index with `build-shards --wait-for-index`)."""
@@ -259,8 +268,8 @@ def run_cmd(config_path, force, beam_args, dry_run, corpus_chunks, corpus_docume
         )
         return
     start = time.monotonic()
-    report = run_all(_config(config_path), beam_args, force=force, detach=detach)
-    for stage, (status, result) in report.items():
+    stages = run_all(_config(config_path), beam_args, force=force, detach=detach)
+    for stage, (status, result) in stages.items():
         if status == "submitted":
             report(result, stage)
         else:

@@ -1,6 +1,7 @@
 """Contracts shared by the pipeline and the trainer: config, manifests, Arrow schemas.
 
-Imports neither Beam nor faiss nor torch, so every component can depend on it.
+Imports neither Beam nor faiss nor torch, so every component can depend on it. Its modules, one
+line each: docs/design.md §2.
 """
 
 from importlib.metadata import PackageNotFoundError, version

@@ -1,9 +1,10 @@
 """Arrow schemas of the chunk database, the embeddings and the training shards (docs/design.md §4).
 
-`shard_table` is the one place a training shard's columns are built, `shard_ipc_bytes` the one
-place its file is written and `read_shard` / `shard_column` the one place it is read, so the
-pipeline's writer, the trainer, `validate` and any other producer agree byte for byte on the
-layout.
+A training shard's columns are declared once, in `schemas/shard_columns.py`; `shard_schema`,
+`shard_table` (the one place its columns are built) and `shard_column_problems` are derived from
+that spec, `shard_ipc_bytes` is the one place its file is written and `read_shard` /
+`shard_column` the one place it is read, so the pipeline's writer, the trainer, `validate` and
+any other producer agree byte for byte on the layout.
 
 A training shard is an Arrow IPC file. Its array columns have two layouts:
 - schema_version 2 (written now): plain `fixed_size_list`s of the flattened values, each field's
@@ -16,9 +17,15 @@ A training shard is an Arrow IPC file. Its array columns have two layouts:
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
+
+from schemas import shard_columns
+from schemas.shard_columns import ShardColumn, ShardDims
 
 SCHEMA_VERSION = 2
 #: Versions this code reads (manifests and shards); it writes SCHEMA_VERSION.
@@ -64,69 +71,83 @@ def embedding_schema(dim: int) -> pa.Schema:
 def shard_schema(
     sequence_tokens: int, chunk_tokens: int, neighbours: int, pad_id: int, version: int = SCHEMA_VERSION
 ) -> pa.Schema:
-    n, m, k = sequence_tokens, chunk_tokens, neighbours
-    chunks = n // m
-
-    def array(name: str, value_type: pa.DataType, shape: list[int]) -> pa.Field:
-        if version == 1:
-            return pa.field(name, pa.fixed_shape_tensor(value_type, shape))
-        return pa.field(
-            name, pa.list_(value_type, int(np.prod(shape))), metadata={SHAPE_KEY: json.dumps(shape).encode()}
-        )
-
-    metadata = {"schema_version": version, "chunk_tokens": m, "neighbours": k, "pad_id": pad_id, "sequence_tokens": n}
+    """A training shard's schema: the spec's columns (`schemas/shard_columns.py`) in its order."""
+    dims = ShardDims(sequence_tokens, chunk_tokens, neighbours)
+    metadata = {
+        "schema_version": version,
+        "chunk_tokens": chunk_tokens,
+        "neighbours": neighbours,
+        "pad_id": pad_id,
+        "sequence_tokens": sequence_tokens,
+    }
     return pa.schema(
-        [
-            ("seq_id", pa.int64()),
-            ("tokens", pa.list_(pa.int32(), n + 1)),
-            array("neighbours", pa.int32(), [chunks, k, 2 * m]),
-            array("neighbour_ids", pa.int64(), [chunks, k]),
-            array("neighbour_scores", pa.float32(), [chunks, k]),
-            ("doc_ids", pa.list_(pa.int64())),
-        ],
+        [_shard_field(column, dims, version) for column in shard_columns.SHARD_COLUMNS],
         metadata={key: str(value) for key, value in metadata.items()},
     )
+
+
+def _shard_field(column: ShardColumn, dims: ShardDims, version: int) -> pa.Field:
+    value_type = pa.from_numpy_dtype(column.dtype)
+    shape = [int(size) for size in column.shape(dims)]
+    if column.kind == "scalar":
+        return pa.field(column.name, value_type)
+    if column.kind == "list":
+        return pa.field(column.name, pa.list_(value_type))
+    if column.kind == "tensor" and version == 1:
+        return pa.field(column.name, pa.fixed_shape_tensor(value_type, shape))
+    width = pa.list_(value_type, math.prod(shape))
+    if column.kind == "vector":
+        return pa.field(column.name, width)
+    return pa.field(column.name, width, metadata={SHAPE_KEY: json.dumps(shape).encode()})
+
+
+def shard_column_problems(schema: pa.Schema, dims: ShardDims, version: int) -> list[str]:
+    """How a shard's columns disagree with the spec at these sizes and this layout: other
+    columns, or a column of another type or `shape`; [] when they agree."""
+    expected = [_shard_field(column, dims, version) for column in shard_columns.SHARD_COLUMNS]
+    if schema.names != [field.name for field in expected]:
+        return [f"columns {schema.names}, the spec's {[field.name for field in expected]}"]
+    return [
+        f"column {want.name} is {_described(got)}, the spec's {_described(want)}"
+        for got, want in zip(schema, expected)
+        if not got.type.equals(want.type) or _shape_metadata(got) != _shape_metadata(want)
+    ]
+
+
+def _shape_metadata(field: pa.Field) -> bytes | None:
+    return (field.metadata or {}).get(SHAPE_KEY)
+
+
+def _described(field: pa.Field) -> str:
+    shape = _shape_metadata(field)
+    return f"{field.type}" + (f" of shape {shape.decode()}" if shape is not None else "")
 
 
 def fixed_size_list(values: np.ndarray, width: int) -> pa.FixedSizeListArray:
     return pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), width)
 
 
-def shard_table(
-    seq_ids: np.ndarray,
-    tokens: np.ndarray,
-    neighbours: np.ndarray,
-    neighbour_ids: np.ndarray,
-    neighbour_scores: np.ndarray,
-    doc_ids: list,
-    *,
-    pad_id: int,
-    version: int = SCHEMA_VERSION,
-) -> pa.Table:
-    """Training-shard table from stacked rows.
-
-    seq_ids [b] int64, tokens [b, n+1] int32, neighbours [b, n/m, k, 2m] int32,
-    neighbour_ids [b, n/m, k] int64, neighbour_scores [b, n/m, k] float32, doc_ids: b lists.
-    `version` 1 is for tests and tools that need the old layout.
-    """
-    b, chunks, k, width = neighbours.shape
-    m = width // 2
-    schema = shard_schema(chunks * m, m, k, pad_id, version)
-
-    def array(name, values, dtype):
-        values = np.ascontiguousarray(values, dtype=dtype)
-        flat = fixed_size_list(values, int(np.prod(values.shape[1:])))
-        return pa.ExtensionArray.from_storage(schema.field(name).type, flat) if version == 1 else flat
-
-    columns = [
-        pa.array(np.asarray(seq_ids, dtype=np.int64)),
-        fixed_size_list(np.ascontiguousarray(tokens, dtype=np.int32), tokens.shape[1]),
-        array("neighbours", neighbours, np.int32),
-        array("neighbour_ids", neighbour_ids, np.int64),
-        array("neighbour_scores", neighbour_scores, np.float32),
-        pa.array([list(map(int, d)) for d in doc_ids], type=pa.list_(pa.int64())),
-    ]
-    return pa.Table.from_arrays(columns, schema=schema)
+def shard_table(columns: Mapping[str, Any], *, dims: ShardDims, pad_id: int, version: int = SCHEMA_VERSION) -> pa.Table:
+    """Training-shard table from each spec column's rows (`shard_columns.columns_of`): a
+    [rows, *shape] array (cast to the column's dtype) or, for a list column, one sequence per
+    row. ValueError names a column whose rows do not have the spec's shape at `dims`.
+    `version` 1 is for tests and tools that need the old layout."""
+    schema = shard_schema(dims.n, dims.m, dims.k, pad_id, version)
+    arrays = []
+    for column, field in zip(shard_columns.SHARD_COLUMNS, schema):
+        if column.kind == "list":
+            arrays.append(pa.array([np.asarray(row, column.dtype) for row in columns[column.name]], field.type))
+            continue
+        values = np.ascontiguousarray(columns[column.name], dtype=column.dtype)
+        if values.shape[1:] != column.shape(dims):
+            raise ValueError(f"{column.name}: rows of shape {values.shape[1:]}, the spec's is {column.shape(dims)}")
+        if column.kind == "scalar":
+            arrays.append(pa.array(values))
+            continue
+        flat = fixed_size_list(values, math.prod(values.shape[1:]))
+        tensor = isinstance(field.type, pa.FixedShapeTensorType)  # schema_version 1
+        arrays.append(pa.ExtensionArray.from_storage(field.type, flat) if tensor else flat)
+    return pa.Table.from_arrays(arrays, schema=schema)
 
 
 def shard_ipc_bytes(table: pa.Table, batch_rows: int | None = None) -> bytes:
@@ -169,8 +190,11 @@ def tensor_column_to_numpy(column) -> np.ndarray:
 
 
 def shard_column(data: pa.Table | pa.RecordBatch, name: str) -> np.ndarray:
-    """A shard's column as numpy [rows, *shape] (zero-copy if it can): the shape from the
-    field's metadata (schema_version 2) or its tensor type (1)."""
-    values = tensor_column_to_numpy(data.column(name))
+    """A shard's scalar or array column as numpy [rows, *shape] (zero-copy if it can): the
+    shape from the field's metadata (schema_version 2) or its tensor type (1)."""
+    column = data.column(name)
+    if not (pa.types.is_fixed_size_list(column.type) or isinstance(column.type, pa.FixedShapeTensorType)):
+        return column.to_numpy()
+    values = tensor_column_to_numpy(column)
     metadata = data.schema.field(name).metadata or {}
     return values.reshape(-1, *json.loads(metadata[SHAPE_KEY])) if SHAPE_KEY in metadata else values

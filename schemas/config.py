@@ -11,11 +11,12 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from schemas.shard_columns import ShardDims, row_bytes
 from schemas.stage_config import (
     CorpusConfig,
     DecontaminationConfig,
@@ -24,6 +25,15 @@ from schemas.stage_config import (
     StrictModel,
     parse_size,
 )
+from schemas.stage_tags import Hashed, NotHashed, Stage, stage_settings
+
+# Stage tags (schemas/stage_tags.py). The shards hash pins the index by its manifest's sha256,
+# so settings tagged embed or index reach the shards too.
+_EMBED = Hashed(Stage.EMBED)
+_SHARDS = Hashed(Stage.SHARDS)
+# shard_rows and shard_bytes decide the rows per shard together: it is hashed, not they
+_ROWS_PER_SHARD = Hashed(Stage.SHARDS, via="rows_per_shard")
+_DECONTAMINATION = Hashed(Stage.DECONTAMINATION)
 
 
 class ConfigError(ValueError):
@@ -33,20 +43,24 @@ class ConfigError(ValueError):
 class PipelineConfig(StrictModel):
     """One pipeline run: corpora, tokenisation, retrieval and output (docs/design.md §3)."""
 
-    output: str = Field(description="Output directory or gs:// prefix (docs/design.md §4).")
-    retrieval_corpus: CorpusConfig
-    training_corpus: Literal["same"] | CorpusConfig = Field(
+    output: Annotated[str, NotHashed("where the outputs are written, not what they hold")] = Field(
+        description="Output directory or gs:// prefix (docs/design.md §4)."
+    )
+    retrieval_corpus: Annotated[CorpusConfig, _EMBED]
+    training_corpus: Annotated[Literal["same"] | CorpusConfig, _SHARDS] = Field(
         "same",
         description="'same' packs training sequences from the retrieval corpus's chunks "
         "(their embeddings are reused); otherwise a corpus of its own.",
     )
-    tokenizer: str | None = Field(
+    tokenizer: Annotated[str | None, _EMBED] = Field(
         None, description="Path of a HF tokenizer.json; default: the default encoder's tokenizer."
     )
-    chunk_tokens: int = Field(64, ge=2, le=8192, description="m: tokens per chunk.")
-    sequence_tokens: int = Field(2048, ge=2, description="n: tokens per training sequence, a multiple of chunk_tokens.")
-    neighbours: int = Field(2, ge=1, le=256, description="k: neighbours kept per chunk.")
-    neighbour_candidates: int = Field(
+    chunk_tokens: Annotated[int, _EMBED] = Field(64, ge=2, le=8192, description="m: tokens per chunk.")
+    sequence_tokens: Annotated[int, _SHARDS] = Field(
+        2048, ge=2, description="n: tokens per training sequence, a multiple of chunk_tokens."
+    )
+    neighbours: Annotated[int, _SHARDS] = Field(2, ge=1, le=256, description="k: neighbours kept per chunk.")
+    neighbour_candidates: Annotated[int, _SHARDS] = Field(
         20,
         ge=1,
         le=4096,
@@ -55,7 +69,7 @@ class PipelineConfig(StrictModel):
         "tokens are kept. (The search itself skips the sequence's own "
         "documents, so without deduplication exactly k are searched.)",
     )
-    neighbour_recall_sample: int = Field(
+    neighbour_recall_sample: Annotated[int, _SHARDS] = Field(
         200,
         ge=0,
         le=100_000,
@@ -63,7 +77,7 @@ class PipelineConfig(StrictModel):
         "neighbours build-shards checks against an exact search "
         "(one scan of the embedding files); 0 skips the check.",
     )
-    recall_below_target: Literal["deepen", "warn", "fail"] = Field(
+    recall_below_target: Annotated[Literal["deepen", "warn", "fail"], _SHARDS] = Field(
         "deepen",
         description="What build-shards does when the neighbour recall of its sampled training "
         "chunks (own documents excluded, measured before the search) is below "
@@ -71,13 +85,13 @@ class PipelineConfig(StrictModel):
         "is met or stops improving; 'warn' searches at the index's depth and warns; 'fail' "
         "commits nothing and names the depth that meets it.",
     )
-    dedupe_neighbours: bool = Field(
+    dedupe_neighbours: Annotated[bool, _SHARDS] = Field(
         False,
         description="Drop a candidate whose m tokens equal "
         "those of a neighbour already kept for the same chunk "
         "(boilerplate repeated across documents).",
     )
-    max_rejected_fraction: float = Field(
+    max_rejected_fraction: Annotated[float, NotHashed("whether a stage commits, not what it writes")] = Field(
         0.5,
         ge=0,
         le=1,
@@ -85,24 +99,24 @@ class PipelineConfig(StrictModel):
         "nothing) when more than this share of its input records "
         "is rejected: most often a wrong text_field or format.",
     )
-    shard_rows: int = Field(1024, ge=1, description="Training sequences per Arrow shard.")
-    shard_bytes: int | None = Field(
+    shard_rows: Annotated[int, _ROWS_PER_SHARD] = Field(1024, ge=1, description="Training sequences per Arrow shard.")
+    shard_bytes: Annotated[int | None, _ROWS_PER_SHARD] = Field(
         None,
         gt=0,
         description="Target bytes per Arrow shard "
         "(e.g. '256MB'); when set it decides the rows per shard "
         "(rows have a fixed size) instead of shard_rows.",
     )
-    chunk_file_rows: int = Field(65536, ge=1, description="Rows per chunks/embeddings Parquet file.")
-    embedding: EmbeddingConfig = EmbeddingConfig()
-    index: IndexConfig = IndexConfig()
-    evaluation_corpus: list[CorpusConfig] = Field(
+    chunk_file_rows: Annotated[int, _EMBED] = Field(65536, ge=1, description="Rows per chunks/embeddings Parquet file.")
+    embedding: Annotated[EmbeddingConfig, _EMBED] = EmbeddingConfig()
+    index: Annotated[IndexConfig, Hashed(Stage.INDEX)] = IndexConfig()
+    evaluation_corpus: Annotated[list[CorpusConfig], _DECONTAMINATION] = Field(
         [],
         description="Evaluation documents (one corpus or several): documents of the corpora in "
         "decontamination.apply_to that are near-duplicates of one are removed (rejected/, reason "
         "near_duplicate_of_evaluation). Empty: no decontamination.",
     )
-    decontamination: DecontaminationConfig = DecontaminationConfig()
+    decontamination: Annotated[DecontaminationConfig, _DECONTAMINATION] = DecontaminationConfig()
 
     @field_validator("evaluation_corpus", mode="before")
     @classmethod
@@ -135,14 +149,16 @@ class PipelineConfig(StrictModel):
     def chunks_per_sequence(self) -> int:
         return self.sequence_tokens // self.chunk_tokens
 
+    @property
+    def shard_dims(self) -> ShardDims:
+        return ShardDims(n=self.sequence_tokens, m=self.chunk_tokens, k=self.neighbours)
+
     def rows_per_shard(self) -> int:
-        """shard_rows, or the rows that fill shard_bytes: a row holds seq_id, n + 1 tokens,
-        L·k neighbours of 2m tokens with an id and a score each, and a few doc ids."""
+        """shard_rows, or the rows that fill shard_bytes (rows have a fixed size but for their
+        doc ids: `row_bytes`)."""
         if self.shard_bytes is None:
             return self.shard_rows
-        slots = self.chunks_per_sequence * self.neighbours
-        row = 8 + 4 * (self.sequence_tokens + 1) + slots * (4 * 2 * self.chunk_tokens + 8 + 4) + 32
-        return max(1, self.shard_bytes // row)
+        return max(1, self.shard_bytes // row_bytes(self.shard_dims))
 
     def training(self) -> CorpusConfig:
         return self.retrieval_corpus if self.training_corpus == "same" else self.training_corpus
@@ -158,31 +174,23 @@ class PipelineConfig(StrictModel):
         """What decontaminating `corpus` adds to its stage's hash: nothing when it is not."""
         if not self.decontaminates(corpus):
             return {}
-        settings = self.decontamination.model_dump(exclude={"apply_to"})
-        return {"decontamination": {**settings, "evaluation_corpus": [c.model_dump() for c in self.evaluation_corpus]}}
+        settings = stage_settings(self, Stage.DECONTAMINATION)
+        # laid out as it was first hashed: the section's settings beside the evaluation corpora
+        return {"decontamination": {**settings.pop("decontamination"), **settings}}
 
-    def _embed_settings(self, corpus: dict) -> str:
-        # backend and quantize are left out at torch/none, so outputs built before these keys
-        # existed keep their hash
-        backend = (self.embedding.backend, self.embedding.quantize)
-        default_backend = {"backend", "quantize"} if backend == ("torch", "none") else set()
-        return stable_hash(
-            {
-                "retrieval_corpus": corpus,
-                **self.model_dump(include={"tokenizer", "chunk_tokens", "chunk_file_rows"}),
-                "embedding": self.embedding.model_dump(exclude=set(EmbeddingConfig.PLACEMENT) | default_backend),
-                **self._decontamination_hash("retrieval"),
-            }
-        )
+    def _embed_settings(self) -> dict:
+        return {**stage_settings(self, Stage.EMBED), **self._decontamination_hash("retrieval")}
 
     def embed_hash(self) -> str:
-        """Hash of what the chunks and embeddings depend on (not `output`, not `index`)."""
-        return self._embed_settings(self.retrieval_corpus.model_dump())
+        """Hash of what the chunks and embeddings depend on: the settings tagged embed."""
+        return stable_hash(self._embed_settings())
 
     def encoding_hash(self) -> str:
         """`embed_hash` without the retrieval corpus's paths: how any document becomes chunks
         and embeddings. An index directory can take more files (an append) only while it holds."""
-        return self._embed_settings(self.retrieval_corpus.model_dump(exclude={"paths"}))
+        settings = self._embed_settings()
+        del settings["retrieval_corpus"]["paths"]
+        return stable_hash(settings)
 
     def index_hash(self) -> str:
         """Hash of everything the index directory depends on: embeddings and the faiss index."""
@@ -190,27 +198,12 @@ class PipelineConfig(StrictModel):
 
     def index_hash_over(self, embed_hash: str) -> str:
         """The index hash of these index settings over embeddings of `embed_hash`."""
-        return stable_hash({"embed": embed_hash, "index": self.index.model_dump(exclude=set(IndexConfig.PLACEMENT))})
+        return stable_hash({"embed": embed_hash, **stage_settings(self, Stage.INDEX)})
 
     def shards_hash(self) -> str:
-        """Hash of the shard stage's own settings (the index is pinned by its manifest hash)."""
-        return stable_hash(
-            {
-                **self.model_dump(
-                    include={
-                        "training_corpus",
-                        "sequence_tokens",
-                        "neighbours",
-                        "neighbour_candidates",
-                        "dedupe_neighbours",
-                        "neighbour_recall_sample",
-                        "recall_below_target",
-                    }
-                ),
-                "rows_per_shard": self.rows_per_shard(),
-                **self._decontamination_hash("training"),
-            }
-        )
+        """Hash of the shard stage's own settings, those tagged shards (the index is pinned by
+        its manifest hash)."""
+        return stable_hash({**stage_settings(self, Stage.SHARDS), **self._decontamination_hash("training")})
 
 
 def stable_hash(obj) -> str:

@@ -55,7 +55,7 @@ class RetrievalGain:
     low_overlap: float | None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Evaluation:
     checkpoint: str
     step: int | None  # the optimizer step the checkpoint was written at

@@ -144,6 +144,7 @@ def entry_columns(
     manifest,
     directory: str,
     columns: list[str],
+    *,
     open_file: Opener = _open_local,
     error: Callable[[str], Exception] = ManifestError,
     hashed: bool = False,

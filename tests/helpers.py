@@ -85,28 +85,18 @@ def rewrite_shard(shards_dir: Path, change, name: str | None = None, version: in
 
     from pipeline.common.fileio import sha256_bytes
     from schemas.arrow import read_shard_table, shard_column, shard_ipc_bytes, shard_table
+    from schemas.shard_columns import ShardDims, array_columns
 
     manifest_path = shards_dir / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
     entry = next(e for e in manifest["shards"] if name is None or e["path"] == name)
     table = read_shard_table(pa.memory_map(str(shards_dir / entry["path"])))
-    columns = {
-        column: shard_column(table, column).copy()
-        for column in ("tokens", "neighbours", "neighbour_ids", "neighbour_scores")
-    }
+    arrays = {column.name for column in array_columns()}
+    columns = {c: shard_column(table, c).copy() if c in arrays else table[c].to_pylist() for c in table.column_names}
     change(columns)
-    data = shard_ipc_bytes(
-        shard_table(
-            table["seq_id"].to_numpy(),
-            columns["tokens"],
-            columns["neighbours"],
-            columns["neighbour_ids"],
-            columns["neighbour_scores"],
-            table["doc_ids"].to_pylist(),
-            pad_id=manifest["pad_id"],
-            **({} if version is None else {"version": version}),
-        )
-    )
+    dims = ShardDims(manifest["sequence_tokens"], manifest["chunk_tokens"], manifest["neighbours"])
+    version_arg = {} if version is None else {"version": version}
+    data = shard_ipc_bytes(shard_table(columns, dims=dims, pad_id=manifest["pad_id"], **version_arg))
     (shards_dir / entry["path"]).write_bytes(data)
     entry.update(bytes=len(data), sha256=sha256_bytes(data))
     manifest_path.write_text(json.dumps(manifest))
@@ -329,8 +319,8 @@ def write_chunk_files(directory: Path, chunks: list, rows_per_file: int = 5, vec
     `directory`, file NNNNN holding ids NNNNN·rows_per_file ... (several files, so lookups
     cross them), and with `vectors` (row = chunk id) `embeddings/embeddings-NNNNN.parquet`
     holding the same ids; its `ChunkFileRanges`."""
-    from pipeline.chunks.chunk_files import ChunkFileRanges
-    from pipeline.common.writers import chunks_table, embeddings_table, parquet_bytes
+    from pipeline.chunks.chunk_files import ChunkFileRanges, chunks_table
+    from pipeline.common.writers import embeddings_table, parquet_bytes
     from schemas.manifest import FileEntry
 
     (directory / "chunks").mkdir(parents=True)

@@ -16,6 +16,7 @@ from pipeline.shards.rows import OVERLAP_BUCKETS, chunk_overlap, overlap_bucket
 from schemas.arrow import SCHEMA_VERSION, read_shard_table, shard_ipc_bytes, shard_table
 from schemas.file_table import split_entries
 from schemas.manifest import FILE_TABLE, INLINE_FILE_ENTRIES, MANIFEST_FILE, ShardEntry, ShardsManifest
+from schemas.shard_columns import ShardDims
 
 
 def synthetic_rows(
@@ -111,12 +112,12 @@ def write_shard_dir(
     for i, count in enumerate(shard_rows):
         part = slice(start, start + count)
         table = shard_table(
-            seq_ids[part],
-            rows["tokens"][part],
-            rows["neighbours"][part],
-            rows["neighbour_ids"][part],
-            rows["neighbour_scores"][part],
-            [[s] for s in seq_ids[part]],
+            {
+                "seq_id": seq_ids[part],
+                **{name: values[part] for name, values in rows.items()},
+                "doc_ids": [[s] for s in seq_ids[part]],
+            },
+            dims=ShardDims(sequence_tokens, chunk_tokens, neighbours),
             pad_id=pad_id,
             version=schema_version,
         )

@@ -1,4 +1,5 @@
-"""Lean RETRO trainer: streams shard directories, imports neither Beam nor faiss."""
+"""Lean RETRO trainer: streams shard directories, imports neither Beam nor faiss. Its modules, one
+line each: docs/design.md §2."""
 
 from trainer.dataset import ShardDataset
 

@@ -58,8 +58,9 @@ def to_tensors(rows: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
 
 
 class ShardDataset(IterableDataset):
-    """Samples of a shard directory for one rank: dicts of seq_id, tokens [n+1],
-    neighbours [n/m, k, 2m], neighbour_ids [n/m, k], neighbour_scores [n/m, k].
+    """Samples of a shard directory for one rank: dicts of the shard spec's array columns
+    (`schemas/shard_columns.py`): seq_id, tokens [n+1], neighbours [n/m, k, 2m],
+    neighbour_ids [n/m, k], neighbour_scores [n/m, k].
 
     batch_size: the DataLoader's batch size (None batching = 1). Workers own blocks of this
     many samples; with num_workers > 1 it must match the DataLoader's for the trainer to see
@@ -132,7 +133,7 @@ class ShardDataset(IterableDataset):
         # per shard: each is checked when opened); sha256 only when verified.
         columns = ["path", "rows", "bytes"] + (["sha256"] if self.verify else [])
         self._entries = entry_columns(
-            manifest, self.source, columns, self._files.open_random, ShardDataError, hashed=self.verify
+            manifest, self.source, columns, open_file=self._files.open_random, error=ShardDataError, hashed=self.verify
         )
         self._shard_rows = self._entries.column("rows").to_numpy()
         total = int(self._shard_rows.sum())

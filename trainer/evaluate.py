@@ -68,7 +68,7 @@ class EvaluateError(ValueError):
     """Shards the checkpoint's model cannot score; main prints it as one line."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TokenScores:
     """Scores of a batch per position p, whose target is tokens[:, p + 1]; all [b, n], on the CPU."""
 

@@ -90,6 +90,7 @@ def generate(
     model: Retro,
     retriever,
     prompt: list[int],
+    *,
     max_tokens: int,
     top_p: float | None = None,
     temperature: float = 1.0,
@@ -160,7 +161,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from pipeline.jobs.commit import StageError
+    from pipeline.common.errors import StageError
     from pipeline.retrieve.online import IndexNotUsable, Retriever
 
     args = parse_args(argv)
@@ -172,10 +173,10 @@ def main(argv: list[str] | None = None) -> None:
             model,
             retriever,
             prompt,
-            args.max_tokens,
-            args.top_p,
-            1.0 if args.temperature is None else args.temperature,
-            0 if args.seed is None else args.seed,
+            max_tokens=args.max_tokens,
+            top_p=args.top_p,
+            temperature=1.0 if args.temperature is None else args.temperature,
+            seed=0 if args.seed is None else args.seed,
         )
     except (CheckpointError, GenerateError, IndexNotUsable, StageError) as err:
         sys.exit(f"ratrain-generate: error: {err}")

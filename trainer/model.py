@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RetroConfig:
     vocab_size: int = 30522  # token ids are < vocab_size (30522: the BERT/MiniLM tokenizer)
     sequence_tokens: int = 2048  # n: longest input; sizes the position embedding

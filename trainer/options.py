@@ -31,7 +31,7 @@ def int_list(text: str) -> tuple[int, ...]:
     return tuple(int(i) for i in text.split(",") if i)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TrainConfig:
     shards: str = option(help="shard directory (manifest.json + *.arrow), local or gs://")
     steps: int = option(help="train until this optimizer step (counting the steps before --resume)", minimum=1)

@@ -12,8 +12,8 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from schemas.arrow import shard_column
+from schemas.shard_columns import array_columns
 
-_TENSOR_COLUMNS = ("tokens", "neighbours", "neighbour_ids", "neighbour_scores")
 _WIDENED = ("seq_id", "tokens", "neighbours")  # int32 in the shard, int64 for torch embeddings
 
 
@@ -100,16 +100,15 @@ def files_for(source: str):
 
 
 class OpenShard:
-    """One shard's record batches as numpy views of the mapped (or fetched) file."""
+    """One shard's record batches as numpy views of the mapped (or fetched) file: every column
+    of one shape per row (`schemas/shard_columns.py`; not doc_ids)."""
 
     def __init__(self, file: pa.NativeFile, batches: list[pa.RecordBatch], row_order: np.ndarray):
         self._file = file
         self._batches = []  # per record batch: column name -> numpy [rows, ...] (zero-copy view)
         batch_rows = []
         for batch in batches:
-            columns = {"seq_id": batch.column("seq_id").to_numpy()}
-            columns.update({name: shard_column(batch, name) for name in _TENSOR_COLUMNS})
-            self._batches.append(columns)
+            self._batches.append({column.name: shard_column(batch, column.name) for column in array_columns()})
             batch_rows.append(batch.num_rows)
         self._batch_starts = np.concatenate([[0], np.cumsum(batch_rows)])
         self.row_order = row_order

@@ -133,7 +133,7 @@ def accumulate_gradients(
 
 @torch.no_grad()
 def validation_loss(
-    model: Retro, loader: DataLoader, device: torch.device, precision: str, pad_id: int, max_batches: int | None
+    model: Retro, loader: DataLoader, *, device: torch.device, precision: str, pad_id: int, max_batches: int | None
 ) -> float:
     """Mean next-token loss over the held-out shards (every non-pad target counts once)."""
     model.eval()
@@ -207,7 +207,16 @@ def train_process(config: TrainConfig, process: Process) -> Retro:
     )
     scaler = torch.amp.GradScaler(device.type, enabled=config.precision == "fp16")  # bf16 needs no scaling
     step = (
-        restore(checkpoint, config.resume, process, retro, optimizer, scheduler, scaler, dataset)
+        restore(
+            checkpoint,
+            config.resume,
+            process=process,
+            retro=retro,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            scaler=scaler,
+            dataset=dataset,
+        )
         if checkpoint is not None and config.resume
         else 0
     )
@@ -284,7 +293,12 @@ def train_process(config: TrainConfig, process: Process) -> Retro:
                     "step": step,
                     **record,
                     "val_loss": validation_loss(
-                        retro, val_loader, device, config.precision, dataset.pad_id, config.val_batches
+                        retro,
+                        val_loader,
+                        device=device,
+                        precision=config.precision,
+                        pad_id=dataset.pad_id,
+                        max_batches=config.val_batches,
                     ),
                 }
                 report.line(f"step={step} val_loss={record['val_loss']:.4f}")
@@ -329,7 +343,15 @@ def validation_loader(source: str, config: TrainConfig, dataset: ShardDataset) -
 
 
 def restore(
-    checkpoint: dict, path: str, process: Process, retro: Retro, optimizer, scheduler, scaler, dataset: ShardDataset
+    checkpoint: dict,
+    path: str,
+    *,
+    process: Process,
+    retro: Retro,
+    optimizer,
+    scheduler,
+    scaler,
+    dataset: ShardDataset,
 ) -> int:
     """Load a checkpoint's states, this rank's data position and RNG among them; the step it was taken at."""
     # Checkpoints from before multi-rank training held one rank's state at the top level.

@@ -3,7 +3,7 @@ with the template's parameters and the pipeline options as flags. It lives outsi
 `pipeline` package on purpose: a file run as a script puts its own directory first on
 sys.path, and inside the package `pipeline/check/inspect.py` would shadow the standard library."""
 
-from pipeline.jobs.flex_template import main
+from pipeline.flex_template import main
 
 if __name__ == "__main__":
     main()

@@ -1,3 +1,4 @@
-"""Looking at outputs: `validate` (rules in `rules`, facts in `facts`, sampling in `plan`, the
-Beam job in `validate_beam`), `inspect`, and `report` (`figures`, `html`).
+"""Looking at committed outputs: `validate` (in-process and as a Beam job), `inspect`, `report`.
+
+Its modules, one line each: docs/design.md §2.
 """

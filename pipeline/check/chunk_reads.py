@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.check.problems import ValidationFailed, _parquet, _require
+from pipeline.check.problems import ValidationFailed, checked_parquet, require
 from pipeline.chunks.chunk_files import ChunkRows
 from pipeline.common import fileio
 from schemas.manifest import FileEntry
@@ -28,7 +28,7 @@ class ChunkRowsRead:
 
 
 def read_whole(directory: str, entry: FileEntry) -> ChunkRowsRead:
-    rows = ChunkRows.of(_parquet(directory, entry))
+    rows = ChunkRows.of(checked_parquet(directory, entry))
     every = np.arange(len(rows.chunk_id))
     return ChunkRowsRead(rows, every, every, entry.bytes)
 
@@ -61,9 +61,9 @@ def _footer(f, path: str, size: int) -> pq.FileMetaData:
     """The Parquet footer alone (pyarrow on its own reads the last 64 KiB)."""
     f.seek(size - 8)
     tail = f.read(8)
-    _require(tail[4:] == PARQUET_MAGIC, f"{path}: not a Parquet file", "file")
+    require(tail[4:] == PARQUET_MAGIC, f"{path}: not a Parquet file", "file")
     (length,) = struct.unpack("<I", tail[:4])
-    _require(length <= size - 12, f"{path}: not a Parquet file", "file")
+    require(length <= size - 12, f"{path}: not a Parquet file", "file")
     f.seek(size - 8 - length)
     return pq.read_metadata(pa.BufferReader(PARQUET_MAGIC + f.read(length) + tail))
 
@@ -74,7 +74,7 @@ def read_row_groups(directory: str, entry: FileEntry, local_rows: np.ndarray) ->
     the file as a listed file; a shards directory validated alone hashes none of the index's
     files (docs/pipeline.md, "Checking an output")."""
     path = fileio.join(directory, entry.path)
-    _require(fileio.exists(path), f"{path}: listed in the manifest but missing", "file")
+    require(fileio.exists(path), f"{path}: listed in the manifest but missing", "file")
     try:
         return _read_row_groups(path, entry, local_rows)
     except (pa.ArrowException, OSError) as err:  # what its sha256 check reports too
@@ -85,11 +85,11 @@ def _read_row_groups(path: str, entry: FileEntry, local_rows: np.ndarray) -> Chu
     with fileio.open_read(path) as raw:
         counting = _CountingReader(raw)
         size = raw.seek(0, 2)
-        _require(size == entry.bytes, f"{path}: {size} bytes, manifest says {entry.bytes}", "file")
+        require(size == entry.bytes, f"{path}: {size} bytes, manifest says {entry.bytes}", "file")
         meta = _footer(counting, path, size)
         parquet = pq.ParquetFile(counting, metadata=meta)
         sizes = np.array([meta.row_group(g).num_rows for g in range(meta.num_row_groups)], np.int64)
-        _require(sizes.sum() == entry.rows, f"{path}: {sizes.sum()} rows, manifest says {entry.rows}", "file")
+        require(sizes.sum() == entry.rows, f"{path}: {sizes.sum()} rows, manifest says {entry.rows}", "file")
         starts = np.cumsum(sizes) - sizes
         group = np.searchsorted(starts, local_rows, side="right") - 1
         chosen = np.unique(group)

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipeline.check.problems import _require
+from pipeline.check.problems import require
+from pipeline.chunks.deleted import DeletedRanges
 from pipeline.common import fileio
-from pipeline.corpus.records import NEAR_DUPLICATE
-from pipeline.index.deleted import DeletedRanges
+from pipeline.common.rejected import NEAR_DUPLICATE
 from pipeline.index.files import LIST_OWNERS_FILE, QUANTIZER_FILE, searched_files
 from schemas.manifest import FileEntry
 
@@ -32,7 +32,7 @@ class ChunkFiles:
     @classmethod
     def of(cls, directory: str, entries: list[FileEntry]) -> ChunkFiles:
         """From the chunk files' entries, in file order."""
-        _require(entries, f"{directory}: manifest lists no chunk files", "manifest")
+        require(entries, f"{directory}: manifest lists no chunk files", "manifest")
         return cls(directory, np.cumsum([0] + [e.rows for e in entries], dtype=np.int64))
 
     @property
@@ -64,7 +64,7 @@ class EmbeddingFileUnit:
     start: int  # its first chunk id
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class IndexFacts:
     directory: str
     chunk_tokens: int
@@ -77,7 +77,7 @@ class IndexFacts:
     generation_starts: tuple[int, ...] = ()  # each generation's first chunk id
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ShardsFacts:
     directory: str
     sequence_tokens: int
@@ -95,7 +95,7 @@ class ShardsFacts:
         return self.sequence_tokens // self.chunk_tokens
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class FaissFacts:
     directory: str
     nprobe: int | None
@@ -121,18 +121,18 @@ class FaissFacts:
         quantizer, owners = (f"faiss/{QUANTIZER_FILE}", f"faiss/{LIST_OWNERS_FILE}")
         routing = (quantizer, owners) if {quantizer, owners} <= set(faiss_entries) else None
         return cls(
-            directory,
-            manifest.nprobe,
-            num_vectors,
-            manifest.dim,
-            files,
-            manifest.slice_bytes,
-            routing,
-            deleted,
+            directory=directory,
+            nprobe=manifest.nprobe,
+            num_vectors=num_vectors,
+            dim=manifest.dim,
+            files=files,
+            slice_bytes=manifest.slice_bytes,
+            routing=routing,
+            deleted=deleted,
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ChunkFileEnds:
     """The first and last rows of a chunk file: what the check across its boundaries needs."""
 
@@ -178,7 +178,7 @@ def removed_documents(stage_directory: str, stage: str, counted: int) -> tuple[i
         if posixpath.basename(path).startswith(f"{stage}-"):
             with fileio.open_read(path) as f:
                 found += [r["doc_id"] for r in map(json.loads, f) if r["reason"] == NEAR_DUPLICATE]
-    _require(
+    require(
         len(found) == counted,
         f"{stage_directory}: {len(found)} rejected records of near-duplicates of evaluation documents in "
         f"{rejected}, the manifest counts {counted}",

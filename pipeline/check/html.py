@@ -27,13 +27,17 @@ from schemas.measures import SearchDepth
 
 STYLE = """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; max-width: 1100px; margin: 1.5em auto;
-       padding: 0 1em; color: #222; line-height: 1.4; }
+       padding: 0 1em; color: #222; line-height: 1.4; overflow-wrap: break-word; }
 h1 { font-size: 1.5em; margin-bottom: 0.2em; } h2 { border-bottom: 1px solid #ccc; padding-bottom: 0.2em; }
 nav a { margin-right: 1em; } .muted { color: #666; } img { max-width: 100%; }
 table { border-collapse: collapse; margin: 0.5em 0 1em; font-size: 0.92em; }
 th, td { border: 1px solid #ddd; padding: 0.25em 0.6em; text-align: left; vertical-align: top; }
 th { background: #f4f4f4; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
-.columns { display: flex; gap: 2em; flex-wrap: wrap; } .columns > div { flex: 1; min-width: 320px; }
+/* A value column (a model path, an excerpt) breaks anywhere, so its table fits the width it is given; a column
+   of .columns keeps min-width auto, never narrower than its table: a wider one moves the next column below. */
+td:last-child:not(.num) { overflow-wrap: anywhere; }
+.columns { display: flex; gap: 0 2em; flex-wrap: wrap; } .columns > div { flex: 1 1 22em; }
+@media (max-width: 45em) { body { padding: 0 0.5em; } table { font-size: 0.85em; } th, td { padding: 0.2em 0.35em; } }
 .sample { font-family: ui-monospace, monospace; font-size: 0.85em; white-space: pre-wrap; word-break: break-word; }
 .sample .sequence { font-weight: bold; margin-top: 0.8em; } .sample .chunk { margin-top: 0.4em; }
 .sample .neighbour { padding-left: 2em; color: #444; }
@@ -123,7 +127,7 @@ def _rejected_example(record: dict) -> str:
     )
 
 
-def _rejected_body(rejected: list[RejectedReason]) -> str:
+def rejected_body(rejected: list[RejectedReason]) -> str:
     if not rejected:
         return "<p>No input record was rejected.</p>"
     rows = [
@@ -281,7 +285,7 @@ def render(report: Report) -> str:
             ),
         )
     )
-    sections.append(("rejected", "Rejected records", _rejected_body(report.rejected)))
+    sections.append(("rejected", "Rejected records", rejected_body(report.rejected)))
     if report.shards is not None:
         sections.append(
             (

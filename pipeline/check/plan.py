@@ -21,12 +21,12 @@ from pipeline.check.facts import (
     ShardsFacts,
     removed_documents,
 )
-from pipeline.check.problems import _manifest_problem, _require
+from pipeline.check.problems import manifest_problem, require
 from pipeline.check.rules import check_generations
 from pipeline.chunks.chunk_files import in_file_order
+from pipeline.chunks.deleted import DeletedRanges, deleted_files, read_deleted
 from pipeline.common import fileio
-from pipeline.corpus.records import NEAR_DUPLICATE
-from pipeline.index.deleted import DeletedRanges, deleted_files, read_deleted
+from pipeline.common.rejected import NEAR_DUPLICATE
 from schemas.arrow import (
     SHARD_METADATA_KEYS,
 )
@@ -62,7 +62,7 @@ def sampled(entries: list, fraction: float, path_of=lambda entry: entry.path) ->
     return [entry for i, entry in enumerate(entries) if i in chosen]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ValidationPlan:
     """What a validation reads, decided from the manifests (whose own checks it runs): the
     facts every check needs (small), and the units, one a file (`facts()` leaves them out)."""
@@ -98,18 +98,18 @@ def _sample_note(sample: float, parts: list[str], listed: int) -> str:
 
 
 def _plan_index(plan: ValidationPlan, directory: str) -> None:
-    manifest = fileio.committed_manifest(directory, IndexManifest, error=_manifest_problem)
+    manifest = fileio.committed_manifest(directory, IndexManifest, error=manifest_problem)
     entries = _entries(manifest)
     chunk_entries = in_file_order(entries, "chunks")
     chunks = ChunkFiles.of(directory, chunk_entries)
-    _require(
+    require(
         chunks.num_chunks == manifest.num_chunks,
         f"{directory}: {chunks.num_chunks} chunk rows, manifest says {manifest.num_chunks}",
         "manifest",
     )
     embeddings = in_file_order(entries, "embeddings")
     embedded = int(sum(entry.rows for entry in embeddings))
-    _require(
+    require(
         embedded == manifest.num_chunks,
         f"{directory}: {embedded} embeddings for {manifest.num_chunks} chunks",
         "manifest",
@@ -117,7 +117,7 @@ def _plan_index(plan: ValidationPlan, directory: str) -> None:
     check_generations(directory, manifest.generations, chunks, manifest.num_documents)
     plan.chunks = chunks
     plan.deleted = deleted = read_deleted(deleted_files(directory, entries))
-    _require(
+    require(
         (len(deleted), deleted.num_chunks) == (manifest.deleted_documents, manifest.deleted_chunks),
         f"{directory}: {len(deleted)} deleted documents of {deleted.num_chunks} chunks listed in deleted/, "
         f"manifest says {manifest.deleted_documents} of {manifest.deleted_chunks}",
@@ -125,15 +125,15 @@ def _plan_index(plan: ValidationPlan, directory: str) -> None:
     )
     removed = removed_documents(directory, "build-index", manifest.counters.get(f"rejected_{NEAR_DUPLICATE}", 0))
     plan.index = IndexFacts(
-        directory,
-        manifest.chunk_tokens,
-        manifest.pad_id,
-        manifest.num_documents - manifest.deleted_documents,
-        chunks,
-        manifest.dim,
-        removed,
-        deleted,
-        tuple(g.first_chunk_id for g in manifest.generations),
+        directory=directory,
+        chunk_tokens=manifest.chunk_tokens,
+        pad_id=manifest.pad_id,
+        num_documents=manifest.num_documents - manifest.deleted_documents,
+        chunks=chunks,
+        dim=manifest.dim,
+        removed_doc_ids=removed,
+        deleted=deleted,
+        generation_starts=tuple(g.first_chunk_id for g in manifest.generations),
     )
     plan.faiss_index = FaissFacts.of(
         directory, manifest, entries, manifest.num_chunks - manifest.deleted_chunks, deleted
@@ -174,7 +174,7 @@ def _check_shard_totals(directory: str, manifest: ShardsManifest, entries: list,
     """The manifest's totals against the sums of its shard entries (which `check_shard` holds
     each shard to)."""
     rows = sum(entry.rows for entry in entries)
-    _require(
+    require(
         rows == manifest.num_sequences,
         f"{directory}: {rows} rows in the shards, manifest says {manifest.num_sequences}",
         "manifest",
@@ -183,7 +183,7 @@ def _check_shard_totals(directory: str, manifest: ShardsManifest, entries: list,
     if manifest.neighbour_fill is None or len(counts) < len(entries):
         return
     filled, slots = sum(counts), rows * chunks_per_sequence * manifest.neighbours
-    _require(
+    require(
         abs(manifest.neighbour_fill - (filled / slots if slots else 1.0)) < 1e-9,
         f"{directory}: neighbour_fill {manifest.neighbour_fill} disagrees with the shards ({filled}/{slots})",
         "manifest",
@@ -191,39 +191,41 @@ def _check_shard_totals(directory: str, manifest: ShardsManifest, entries: list,
 
 
 def _plan_shards(plan: ValidationPlan, directory: str, index_directory: str) -> None:
-    manifest = fileio.committed_manifest(directory, ShardsManifest, error=_manifest_problem)
+    manifest = fileio.committed_manifest(directory, ShardsManifest, error=manifest_problem)
     index_path = fileio.join(index_directory, MANIFEST_FILE)
     index_bytes = fileio.read_bytes(index_path) if fileio.exists(index_path) else None
     if plan.chunks is None or index_bytes is None:  # else the index was planned (and its manifest read) here
         index_manifest = fileio.whole(
-            read_manifest(index_bytes, index_path, IndexManifest, error=_manifest_problem),
+            read_manifest(index_bytes, index_path, IndexManifest, error=manifest_problem),
             index_directory,
-            error=_manifest_problem,
+            error=manifest_problem,
         )
         assert index_bytes is not None  # read_manifest raises for a missing manifest
-    _require(
+    require(
         fileio.sha256_bytes(index_bytes) == manifest.index_manifest_sha256,
         f"{directory}: built against a different index than {index_directory}",
         "manifest",
     )
     m = manifest.chunk_tokens
-    _require(manifest.neighbour_tokens == 2 * m, f"{directory}: neighbour_tokens != 2 x chunk_tokens", "manifest")
+    require(manifest.neighbour_tokens == 2 * m, f"{directory}: neighbour_tokens != 2 x chunk_tokens", "manifest")
     if plan.chunks is None:  # the index is not validated here: its chunk files only read for the references
         chunk_entries = in_file_order(_entries(index_manifest), "chunks")
         plan.chunks = ChunkFiles.of(index_directory, chunk_entries)
         plan.chunk_files = [ChunkFileUnit(i, entry, plan.complete) for i, entry in enumerate(chunk_entries)]
         plan.deleted = read_deleted(deleted_files(index_directory, _entries(index_manifest)))
     plan.shards = ShardsFacts(
-        directory,
-        manifest.sequence_tokens,
-        m,
-        manifest.neighbours,
-        manifest.pad_id,
-        manifest.training_corpus == "same",
-        tuple((key, str(getattr(manifest, key))) for key in SHARD_METADATA_KEYS),
-        plan.chunks,
-        removed_documents(directory, "build-shards", manifest.counters.get(f"rejected_{NEAR_DUPLICATE}", 0)),
-        plan.deleted if plan.deleted is not None else DeletedRanges.none(),
+        directory=directory,
+        sequence_tokens=manifest.sequence_tokens,
+        chunk_tokens=m,
+        neighbours=manifest.neighbours,
+        pad_id=manifest.pad_id,
+        same_corpus=manifest.training_corpus == "same",
+        metadata=tuple((key, str(getattr(manifest, key))) for key in SHARD_METADATA_KEYS),
+        chunks=plan.chunks,
+        removed_doc_ids=removed_documents(
+            directory, "build-shards", manifest.counters.get(f"rejected_{NEAR_DUPLICATE}", 0)
+        ),
+        deleted=plan.deleted if plan.deleted is not None else DeletedRanges.none(),
     )
     entries = _entries(manifest)
     _check_shard_totals(directory, manifest, entries, plan.shards.chunks_per_sequence)
@@ -249,7 +251,7 @@ def _plan_shards(plan: ValidationPlan, directory: str, index_directory: str) -> 
 
 
 def _plan_vector_index(plan: ValidationPlan, directory: str) -> None:
-    manifest = fileio.committed_manifest(directory, VectorIndexManifest, error=_manifest_problem)
+    manifest = fileio.committed_manifest(directory, VectorIndexManifest, error=manifest_problem)
     entries = _entries(manifest)
     plan.listed_files += [(directory, entry) for entry in entries]
     plan.faiss_index = FaissFacts.of(directory, manifest, entries, manifest.num_vectors, DeletedRanges.none())
@@ -264,10 +266,10 @@ def plan_validation(path: str, sample: float = 1.0, index_directory: str | None 
     `index` beside it), or an output dir holding both; `sample` in (0, 1]."""
     if not 0 < sample <= 1:
         raise ValueError(f"sample {sample}: must be in (0, 1]")
-    plan = ValidationPlan(path, sample, index_directory)
+    plan = ValidationPlan(path=path, sample=sample, index_directory=index_directory)
     manifest_path = fileio.join(path, MANIFEST_FILE)
     if fileio.exists(manifest_path):
-        raw = fileio.committed_manifest(path, error=_manifest_problem)
+        raw = fileio.committed_manifest(path, error=manifest_problem)
         if "shards" in raw:
             index_directory = index_directory or posixpath.join(posixpath.dirname(path.rstrip("/")), "index")
             _plan_shards(plan, path, index_directory)
@@ -278,7 +280,7 @@ def plan_validation(path: str, sample: float = 1.0, index_directory: str | None 
         return plan
     index, shards = fileio.join(path, "index"), fileio.join(path, "shards")
     found = [d for d in (index, shards) if fileio.exists(fileio.join(d, MANIFEST_FILE))]
-    _require(found, f"{path}: no manifest.json here, nor in {path}/index or {path}/shards", "manifest")
+    require(found, f"{path}: no manifest.json here, nor in {path}/index or {path}/shards", "manifest")
     if index in found:
         _plan_index(plan, index)
     if shards in found:

@@ -27,12 +27,12 @@ class ValidationFailed(ValueError):
         self.kind = kind
 
 
-def _require(condition, message: str, kind: str | None = None) -> None:
+def require(condition, message: str, kind: str | None = None) -> None:
     if not condition:
         raise ValidationFailed(message, kind)
 
 
-def _kind(kind: str):
+def of_kind(kind: str):
     """Problems a check raises are of this kind unless a step inside it named another."""
 
     def wrap(check):
@@ -51,34 +51,34 @@ def _kind(kind: str):
     return wrap
 
 
-def _manifest_problem(message: str) -> ValidationFailed:
+def manifest_problem(message: str) -> ValidationFailed:
     """What a missing, non-JSON or invalid manifest raises here (`read_manifest`'s `error`)."""
     return ValidationFailed(message, "manifest")
 
 
-def _read_checked(directory: str, entry: FileEntry) -> bytes:
+def read_checked(directory: str, entry: FileEntry) -> bytes:
     """A listed file's bytes, after checking its size and sha256 against the manifest."""
     path = fileio.join(directory, entry.path)
-    _require(fileio.exists(path), f"{path}: listed in the manifest but missing", "file")
+    require(fileio.exists(path), f"{path}: listed in the manifest but missing", "file")
     data = fileio.read_bytes(path)
-    _require(len(data) == entry.bytes, f"{path}: {len(data)} bytes, manifest says {entry.bytes}", "file")
-    _require(fileio.sha256_bytes(data) == entry.sha256, f"{path}: sha256 differs from the manifest", "file")
+    require(len(data) == entry.bytes, f"{path}: {len(data)} bytes, manifest says {entry.bytes}", "file")
+    require(fileio.sha256_bytes(data) == entry.sha256, f"{path}: sha256 differs from the manifest", "file")
     return data
 
 
-@_kind("file")
+@of_kind("file")
 def check_listed_file(directory: str, entry: FileEntry) -> None:
     """Size and sha256 of a listed file, read block by block (never held whole)."""
     path = fileio.join(directory, entry.path)
-    _require(fileio.exists(path), f"{path}: listed in the manifest but missing")
+    require(fileio.exists(path), f"{path}: listed in the manifest but missing")
     digest, size = fileio.sha256_file(path)
-    _require(size == entry.bytes, f"{path}: {size} bytes, manifest says {entry.bytes}")
-    _require(digest == entry.sha256, f"{path}: sha256 differs from the manifest")
+    require(size == entry.bytes, f"{path}: {size} bytes, manifest says {entry.bytes}")
+    require(digest == entry.sha256, f"{path}: sha256 differs from the manifest")
 
 
-def _parquet(directory: str, entry: FileEntry) -> pa.Table:
-    table = pq.read_table(pa.BufferReader(_read_checked(directory, entry)))
-    _require(
+def checked_parquet(directory: str, entry: FileEntry) -> pa.Table:
+    table = pq.read_table(pa.BufferReader(read_checked(directory, entry)))
+    require(
         table.num_rows == entry.rows,
         f"{directory}/{entry.path}: {table.num_rows} rows, manifest says {entry.rows}",
         "file",

@@ -96,7 +96,7 @@ class ShardFiles:
 
     @classmethod
     def read(cls, directory: str, manifest: ShardsManifest) -> ShardFiles:
-        table = entry_columns(manifest, directory, ["bytes", "neighbour_slots_filled"], fileio.open_read)
+        table = entry_columns(manifest, directory, ["bytes", "neighbour_slots_filled"], open_file=fileio.open_read)
         filled = table["neighbour_slots_filled"]
         return cls(
             table.num_rows,
@@ -209,7 +209,7 @@ def generation_rows(manifest: IndexManifest) -> list[tuple[str, ...]]:
     return rows
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Report:
     path: str
     index: IndexManifest | VectorIndexManifest | None
@@ -256,13 +256,13 @@ def gather(path: str, evaluations: Sequence[str] = ()) -> Report:
             note = f"No index beside the shards ({beside}) to decode their tokens with."
         scores = gather_scores(sources.shards, shards)
     return Report(
-        sources.path,
-        index,
-        shards,
-        shard_files,
-        scores,
-        gather_rejected(sources, counters),
-        samples,
-        note,
-        read_evaluations(evaluations),
+        path=sources.path,
+        index=index,
+        shards=shards,
+        shard_files=shard_files,
+        scores=scores,
+        rejected=gather_rejected(sources, counters),
+        samples=samples,
+        samples_note=note,
+        evaluations=read_evaluations(evaluations),
     )

@@ -23,7 +23,7 @@ EXAMPLES_PER_REASON = 3
 EXCERPT_CHARS = 160
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ScoreSample:
     """Histograms of the filled slots' scores by neighbour rank, over a sample of the shards."""
 
@@ -59,7 +59,14 @@ def gather_scores(directory: str, manifest: ShardsManifest, max_sequences: int =
                     present = np.clip(scores[ids[:, rank] >= 0, rank], SCORE_EDGES[0], SCORE_EDGES[-1])
                     counts[rank] += np.histogram(present, SCORE_EDGES)[0]
                     sums[rank] += float(present.sum(dtype=np.float64))
-    return ScoreSample(SCORE_EDGES, counts, sums, len(chosen), len(paths), sequences)
+    return ScoreSample(
+        edges=SCORE_EDGES,
+        counts=counts,
+        sums=sums,
+        shards_read=len(chosen),
+        shards_total=len(paths),
+        sequences=sequences,
+    )
 
 
 def score_table(sample: ScoreSample) -> list[tuple[str, ...]]:

@@ -13,12 +13,13 @@ import pyarrow as pa
 
 from pipeline.check.chunk_reads import ChunkRowsRead, read_row_groups, read_whole
 from pipeline.check.facts import ChunkFileChecked, ChunkFiles, ChunkFileUnit, IndexFacts, ShardsFacts
-from pipeline.check.problems import ValidationFailed, _kind, _read_checked, _require
+from pipeline.check.problems import ValidationFailed, of_kind, read_checked, require
 from pipeline.check.rules import check_chunk_rules
 from pipeline.common import fileio
 from pipeline.common.arrays import ranges_of
-from schemas.arrow import check_schema_version, read_shard_table, shard_column
+from schemas.arrow import check_schema_version, read_shard_table, shard_column, shard_column_problems
 from schemas.manifest import ShardEntry
+from schemas.shard_columns import ShardDims
 
 REFERENCE = np.dtype(
     [("chunk_id", "<i8"), ("seq_id", "<i8"), ("own", "?"), ("docs_start", "<i8"), ("docs_count", "<i4")]
@@ -53,6 +54,7 @@ def _contains(docs: np.ndarray, starts: np.ndarray, counts: np.ndarray, wanted: 
 def _shard_references(
     shards: ShardsFacts,
     table: pa.Table,
+    *,
     present: np.ndarray,
     ids: np.ndarray,
     neighbours: np.ndarray,
@@ -88,7 +90,7 @@ def _shard_references(
     return blocks
 
 
-@_kind("shard")
+@of_kind("shard")
 def check_shard(shards: ShardsFacts, entry: ShardEntry) -> ShardResult:
     """One shard: its bytes, schema metadata, rows, shapes, sequence ids, absent neighbours;
     returns its references for the chunk files to check."""
@@ -100,63 +102,64 @@ def check_shard(shards: ShardsFacts, entry: ShardEntry) -> ShardResult:
         shards.chunks_per_sequence,
     )
     path = fileio.join(shards.directory, entry.path)
-    table = read_shard_table(pa.BufferReader(_read_checked(shards.directory, entry)))
+    table = read_shard_table(pa.BufferReader(read_checked(shards.directory, entry)))
     meta = {key.decode(): value.decode() for key, value in (table.schema.metadata or {}).items()}
-    check_schema_version(meta.get("schema_version"), path)
+    version = check_schema_version(meta.get("schema_version"), path)
     for key, value in shards.metadata:
-        _require(meta.get(key) == value, f"{path}: metadata {key}={meta.get(key)} disagrees with the manifest")
-    _require(table.num_rows == entry.rows, f"{path}: {table.num_rows} rows, manifest says {entry.rows}")
+        require(meta.get(key) == value, f"{path}: metadata {key}={meta.get(key)} disagrees with the manifest")
+    require(table.num_rows == entry.rows, f"{path}: {table.num_rows} rows, manifest says {entry.rows}")
+    columns = shard_column_problems(table.schema, ShardDims(n, m, k), version)
+    require(not columns, f"{path}: with n={n} m={m} k={k}, {'; '.join(columns)}")
     seq_ids = table["seq_id"].to_numpy()
     tokens = shard_column(table, "tokens")
     neighbours = shard_column(table, "neighbours")
     ids = shard_column(table, "neighbour_ids")
     scores = shard_column(table, "neighbour_scores")
-    _require(
-        tokens.shape[1:] == (n + 1,) and neighbours.shape[1:] == (L, k, 2 * m) and ids.shape[1:] == (L, k),
-        f"{path}: column shapes disagree with n={n} m={m} k={k}",
-    )
-    _require(len(seq_ids) > 0 and (np.diff(seq_ids) > 0).all(), f"{path}: seq_ids are not sorted and unique")
-    _require(
+    require(len(seq_ids) > 0 and (np.diff(seq_ids) > 0).all(), f"{path}: seq_ids are not sorted and unique")
+    require(
         not shards.same_corpus or (seq_ids[0] >= 0 and (seq_ids[-1] + 1) * L <= shards.chunks.num_chunks),
         f"{path}: seq_ids point outside the chunk database (training_corpus: same)",
     )
     row_docs = table["doc_ids"].combine_chunks().flatten().to_numpy()
     removed = row_docs[np.isin(row_docs, np.array(shards.removed_doc_ids, np.int64))]
-    _require(
+    require(
         not len(removed),
         f"{path}: a sequence holds document {removed[:1].tolist()}, removed as a near-duplicate of an evaluation "
         "document",
     )
     present = ids >= 0
-    _require(
+    require(
         (ids < shards.chunks.num_chunks).all() and (present | (ids == -1)).all(),
         f"{path}: neighbour_ids point outside the chunk database",
     )
-    _require(
+    require(
         not shards.deleted.contains(ids[present]).any(),
         f"{path}: a neighbour is a chunk of a document deleted from the index",
     )
     if shards.same_corpus:
         own = (seq_ids[:, None] * L + np.arange(L)).ravel()
-        _require(
+        require(
             not shards.deleted.contains(own).any(),
             f"{path}: a sequence holds a chunk of a document deleted from the index (training_corpus: same)",
         )
-    _require(
+    require(
         (neighbours[~present] == pad).all() and (scores[~present] == 0).all(),
         f"{path}: an absent neighbour (id -1) is not padding",
     )
     filled = int(present.sum())
-    _require(
+    require(
         entry.neighbour_slots_filled in (None, filled),
         f"{path}: {filled} neighbour slots filled, manifest says {entry.neighbour_slots_filled}",
     )
     return ShardResult(
-        path, int(seq_ids[0]), int(seq_ids[-1]), _shard_references(shards, table, present, ids, neighbours, tokens)
+        path,
+        int(seq_ids[0]),
+        int(seq_ids[-1]),
+        _shard_references(shards, table, present=present, ids=ids, neighbours=neighbours, tokens=tokens),
     )
 
 
-@_kind("reference")
+@of_kind("reference")
 def check_references(chunks: ChunkFiles, unit: ChunkFileUnit, read: ChunkRowsRead, block: ReferenceBlock) -> None:
     """References into a chunk file (`read`: its rows they point at): a neighbour's tokens are
     the chunk and its continuation and it is from none of the sequence's documents; a
@@ -165,7 +168,7 @@ def check_references(chunks: ChunkFiles, unit: ChunkFileUnit, read: ChunkRowsRea
     m = rows.tokens.shape[1]
     local = read.at[np.searchsorted(read.asked, refs["chunk_id"] - int(chunks.starts[unit.number]))]
     path = fileio.join(chunks.directory, unit.entry.path)
-    _require(
+    require(
         np.array_equal(rows.chunk_id[local], refs["chunk_id"]),
         f"{path} does not hold the chunk ids its manifest implies",
         "chunk file",
@@ -205,7 +208,7 @@ def check_chunk_file(chunks: ChunkFiles, unit: ChunkFileUnit, blocks, index: Ind
     elif blocks:
         start = int(chunks.starts[unit.number])
         local = np.unique(np.concatenate([block.refs["chunk_id"] for block in blocks]) - start)
-        _require(
+        require(
             local[0] >= 0 and local[-1] < unit.entry.rows,
             f"{fileio.join(chunks.directory, unit.entry.path)}: references outside the file",
             "reference",
@@ -220,9 +223,9 @@ def check_chunk_file(chunks: ChunkFiles, unit: ChunkFileUnit, blocks, index: Ind
         check_references(chunks, unit, read, block)
 
 
-@_kind("shard")
+@of_kind("shard")
 def check_seq_ranges(ranges: list[tuple[int, int, str]]) -> None:
     """No sequence in two shards: (first seq_id, last seq_id, path) of each shard checked."""
     ranges = sorted(ranges)
     for (_, last, a), (first, _, b) in zip(ranges, ranges[1:]):
-        _require(first > last, f"{a} and {b}: seq_id ranges overlap (a duplicate sequence?)")
+        require(first > last, f"{a} and {b}: seq_id ranges overlap (a duplicate sequence?)")

@@ -1,5 +1,4 @@
-"""Stage 2, chunk: tokenise documents into chunks with dense, stable chunk ids.
+"""Stage 2, chunk: tokenise documents into chunks with dense, stable chunk ids; the chunk files.
 
-`chunking` (tokeniser, cutting, chunk-id buckets, without Beam), `beam` (`ChunkDocuments`),
-`chunk_files` (which chunk file holds a chunk id, and reading its rows).
+Its modules, one line each: docs/design.md §2.
 """

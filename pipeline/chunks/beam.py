@@ -20,7 +20,8 @@ from pipeline.chunks.chunking import (
     num_chunks,
     tokenize_batch,
 )
-from pipeline.corpus.records import METRICS_NAMESPACE, Document, Rejected
+from pipeline.common.rejected import Rejected
+from pipeline.corpus.records import METRICS_NAMESPACE, Document
 
 
 class _Tokenize(beam.DoFn):

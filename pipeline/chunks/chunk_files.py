@@ -1,6 +1,6 @@
-"""The chunk database as files: which file holds a chunk id, and reading one file's columns
-(`chunk_arrays`: the one reader of chunk rows, for the lookups here, `validate` and the
-build-shards job).
+"""The chunk database as files: one file's rows as a table (`chunks_table`, what the index job
+writes), which file holds a chunk id, and reading one file's columns (`chunk_arrays`: the one
+reader of chunk rows, for the lookups here, `validate` and the build-shards job).
 
 Chunk ids are dense and `chunks-NNNNN.parquet` holds the ids NNNNN·R ... in order
 (`validate_index` checks both), so the manifest's row counts say where every id lives. A
@@ -14,13 +14,14 @@ import functools
 from dataclasses import dataclass, fields
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.chunks.chunking import Chunk
+from pipeline.chunks.deleted import DeletedRanges
 from pipeline.common import fileio
 from pipeline.common.names import file_name, file_number
-from pipeline.index.deleted import DeletedRanges
-from schemas.arrow import tensor_column_to_numpy
+from schemas.arrow import chunk_schema, fixed_size_list, tensor_column_to_numpy
 
 CHUNK_COLUMNS = ("chunk_id", "doc_id", "position", "tokens", "continuation")  # schemas.arrow.chunk_schema
 TENSOR_COLUMNS = ("tokens", "continuation")
@@ -29,6 +30,19 @@ EMBEDDINGS_DIR = "embeddings"  # beside chunks/: embeddings/embeddings-NNNNN.par
 # references point into. Smaller groups cost bytes (each repeats its dictionary pages): +15%
 # at 1,024 rows against one group for a 65,536-row file of m = 64 Zipf-like tokens.
 CHUNK_ROW_GROUP_ROWS = 1024
+
+
+def chunks_table(chunks: list[Chunk], m: int) -> pa.Table:
+    return pa.Table.from_arrays(
+        [
+            pa.array([c.chunk_id for c in chunks], pa.int64()),
+            pa.array([c.doc_id for c in chunks], pa.int64()),
+            pa.array([c.position for c in chunks], pa.int32()),
+            fixed_size_list(np.stack([c.tokens for c in chunks]), m),
+            fixed_size_list(np.stack([c.continuation for c in chunks]), m),
+        ],
+        schema=chunk_schema(m),
+    )
 
 
 def chunk_arrays(table, columns=CHUNK_COLUMNS) -> dict[str, np.ndarray]:

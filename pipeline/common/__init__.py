@@ -1,4 +1,5 @@
-"""Shared by every stage: file access (`fileio`), counts as data (`tally`), progress logs,
-encoder and tokenizer locations (`models`), deterministic file writers (`writers`), numbered
-file names and their order (`names`).
+"""Shared by every stage: file access, rejected records, counts as data, progress, encoder and
+tokenizer locations, deterministic file writers, numbered file names, samples, array idioms.
+
+Its modules, one line each: docs/design.md §2.
 """

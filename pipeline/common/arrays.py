@@ -1,5 +1,6 @@
 """Numpy idioms the block-wise steps share: rows grouped by a key, ids looked up in a sorted
-id array, and runs of consecutive integers laid end to end."""
+id array, and runs of consecutive integers laid end to end; and [start, end) ranges merged
+(`widest_span`, one document's partial chunk-id spans; `merge_ranges`)."""
 
 from __future__ import annotations
 
@@ -29,3 +30,20 @@ def ranges_of(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     counts = np.asarray(counts, np.int64)
     within = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
     return np.repeat(np.asarray(starts, np.int64), counts) + within
+
+
+def widest_span(spans) -> tuple[int, int]:
+    """Merge partial spans of one document (associative, so Beam can combine it anywhere)."""
+    spans = list(spans)
+    return min(a for a, _ in spans), max(b for _, b in spans)
+
+
+def merge_ranges(ranges) -> list[tuple[int, int]]:
+    """Sorted [start, end) ranges with overlapping and adjacent ones joined."""
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(ranges):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged

@@ -12,12 +12,16 @@ import json
 import os
 import posixpath
 import uuid
+from typing import TypeVar
 
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
+from pydantic import BaseModel
 
 from schemas.file_table import entry_columns, whole_manifest
 from schemas.manifest import MANIFEST_FILE, ManifestError, read_manifest
+
+Model = TypeVar("Model", bound=BaseModel)
 
 
 def use_anonymous_gcs_for_emulator() -> None:
@@ -106,6 +110,15 @@ def committed_manifest(directory: str, model=None, *, error=ManifestError):
     return manifest if model is None else whole(manifest, directory, error=error)
 
 
+def committed(directory: str, model: type[Model]) -> Model | None:
+    """The committed manifest of `directory`, or None: none there, or an older or foreign one
+    (which nothing can be reused from)."""
+    try:
+        return committed_manifest(directory, model)
+    except ValueError:
+        return None
+
+
 def committed_summary(directory: str, model=None, *, error=ManifestError):
     """`committed_manifest` without reading a file table: a manifest whose entries are in one
     lists none inline, so read them with `entry_paths_and_rows`, never from the model."""
@@ -116,7 +129,7 @@ def committed_summary(directory: str, model=None, *, error=ManifestError):
 def entry_paths_and_rows(manifest, directory: str, prefix: str | None = None) -> tuple[list[str], list[int]]:
     """(paths, rows) of the manifest's entries (those under `prefix/`), in manifest order, from
     the two columns alone (`schemas.file_table.entry_columns`): no object per entry."""
-    table = entry_columns(manifest, directory, ["path", "rows"], open_read)
+    table = entry_columns(manifest, directory, ["path", "rows"], open_file=open_read)
     pairs = zip(table["path"].to_pylist(), table["rows"].to_pylist())
     kept = [(p, r) for p, r in pairs if prefix is None or p.startswith(prefix + "/")]
     return [p for p, _ in kept], [r for _, r in kept]

@@ -3,9 +3,7 @@ names, so a file's bytes never depend on bundling or on the number of workers.""
 
 from __future__ import annotations
 
-import hashlib
 import io
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -15,25 +13,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.chunks.chunking import Chunk
 from pipeline.common import fileio
 from pipeline.common.names import file_name
-from pipeline.corpus.records import Rejected
-from schemas.arrow import chunk_schema, embedding_schema, fixed_size_list
+from schemas.arrow import embedding_schema, fixed_size_list
 from schemas.manifest import FileEntry
-
-
-def chunks_table(chunks: list[Chunk], m: int) -> pa.Table:
-    return pa.Table.from_arrays(
-        [
-            pa.array([c.chunk_id for c in chunks], pa.int64()),
-            pa.array([c.doc_id for c in chunks], pa.int64()),
-            pa.array([c.position for c in chunks], pa.int32()),
-            fixed_size_list(np.stack([c.tokens for c in chunks]), m),
-            fixed_size_list(np.stack([c.continuation for c in chunks]), m),
-        ],
-        schema=chunk_schema(m),
-    )
 
 
 def embeddings_table(rows: list[tuple[int, np.ndarray]]) -> pa.Table:
@@ -76,6 +59,7 @@ class WriteGroupedFiles(beam.PTransform):
     def __init__(
         self,
         directory: str,
+        *,
         relative_to: str,
         prefix: str,
         extension: str,
@@ -136,50 +120,3 @@ class WriteGroupedFiles(beam.PTransform):
             else rows | "KeyByFile" >> beam.Map(lambda row: (key(row) // per_file, row))
         )
         return keyed | "GroupByFile" >> beam.GroupByKey() | "WriteFile" >> beam.Map(write)
-
-
-def rejected_jsonl(records: list[Rejected]) -> bytes:
-    ordered = sorted(records, key=lambda r: (r.source, r.position, r.reason))
-    return "".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in ordered).encode()
-
-
-REJECTED_FILES = 256  # rejected records spread over this many files
-REJECTED_BLOCK = 65_536  # positions of one source that go to the same file
-
-
-def rejected_file_of(record: Rejected) -> int:
-    """The file a rejected record goes to: a stable hash of its source file, plus one for each
-    block of `REJECTED_BLOCK` positions, modulo `REJECTED_FILES`. A source's rejects stay in
-    few files, and one bad input file of millions of records spreads over up to all of them
-    (consecutive blocks, consecutive files) instead of gathering on one worker."""
-    digest = hashlib.blake2b(record.source.encode(), digest_size=8).digest()
-    block = max(record.position, 0) // REJECTED_BLOCK  # a whole-file reject (-1) is in block 0
-    return (int.from_bytes(digest, "little") + block) % REJECTED_FILES
-
-
-class WriteRejected(beam.PTransform):
-    """Rejected records -> `<directory>/<name>-NNNNN.jsonl`, NNNNN chosen by `rejected_file_of`,
-    each sorted by (source, position, reason); written by whichever workers hold them."""
-
-    def __init__(self, directory: str, name: str):
-        super().__init__()
-        self.directory, self.name = directory, name
-
-    def expand(self, rejected):
-        def write(group):
-            number, records = group
-            records = list(records)
-            return write_file(
-                self.directory,
-                file_name(self.name, number, "jsonl"),
-                rejected_jsonl(records),
-                len(records),
-                self.directory,
-            )
-
-        return (
-            rejected
-            | "KeyByRejectedFile" >> beam.Map(lambda r: (rejected_file_of(r), r))
-            | "GroupRejected" >> beam.GroupByKey()
-            | "WriteRejectedFile" >> beam.Map(write)
-        )

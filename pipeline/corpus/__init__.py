@@ -1,5 +1,4 @@
-"""Stage 1, read: list, split and parse the corpus into `Document`s and `Rejected` records.
+"""Stage 1, read: list, split and parse the corpus into `Document`s and rejected records.
 
-`records` (the row types), `parse` (files and byte ranges into records, without Beam), `read`
-(`ReadCorpus`, the Beam transform).
+Its modules, one line each: docs/design.md §2.
 """

@@ -24,7 +24,8 @@ import pyarrow.parquet as pq
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 
-from pipeline.corpus.records import EXCERPT_CHARS, Document, FileRange, Record, Rejected, _excerpt, doc_id_for
+from pipeline.common.rejected import EXCERPT_CHARS, Rejected, excerpt
+from pipeline.corpus.records import Document, FileRange, Record, doc_id_for
 from schemas.stage_config import CorpusConfig
 
 SPLIT_BYTES = 64 << 20  # an uncompressed JSONL or Parquet file larger than this is read in ranges
@@ -52,9 +53,9 @@ def glob_base(pattern: str) -> str:
 def _document(text, identity: str, source: str, position: int, raw) -> Record:
     if not isinstance(text, str):
         reason = "missing_text" if text is None else "text_not_a_string"
-        return Rejected(source, position, reason, _excerpt(raw))
+        return Rejected(source, position, reason, excerpt(raw))
     if not text.strip():
-        return Rejected(source, position, "empty_text", _excerpt(raw))
+        return Rejected(source, position, "empty_text", excerpt(raw))
     return Document(doc_id_for(identity), identity, text, source, position)
 
 
@@ -67,14 +68,14 @@ def _identity(record: dict, id_field: str | None, relative: str, position: int) 
     return str(value)
 
 
-def _fields(record: dict, cfg: CorpusConfig, source: str, relative: str, position: int, raw) -> Record:
+def _fields(record: dict, cfg: CorpusConfig, source: str, relative: str, *, position: int, raw) -> Record:
     """One parsed JSON object or Parquet row -> its Document, or why it is refused. An empty or
     blank id is refused: every such record would share one doc id (one group, one worker)."""
     identity = _identity(record, cfg.id_field, relative, position)
     if identity is None:
-        return Rejected(source, position, "missing_id", _excerpt(raw))
+        return Rejected(source, position, "missing_id", excerpt(raw))
     if not identity.strip():
-        return Rejected(source, position, "empty_id", _excerpt(raw))
+        return Rejected(source, position, "empty_id", excerpt(raw))
     return _document(record.get(cfg.text_field), identity, source, position, raw)
 
 
@@ -89,17 +90,17 @@ def parse_jsonl(
         try:
             text = line.decode("utf-8")
         except UnicodeDecodeError:
-            yield Rejected(source, number, "invalid_utf8", _excerpt(line[:EXCERPT_CHARS]))
+            yield Rejected(source, number, "invalid_utf8", excerpt(line[:EXCERPT_CHARS]))
             continue
         try:
             record = json.loads(text)
         except json.JSONDecodeError:
-            yield Rejected(source, number, "malformed_json", _excerpt(text))
+            yield Rejected(source, number, "malformed_json", excerpt(text))
             continue
         if not isinstance(record, dict):
-            yield Rejected(source, number, "not_an_object", _excerpt(text))
+            yield Rejected(source, number, "not_an_object", excerpt(text))
             continue
-        yield _fields(record, cfg, source, relative, number, text)
+        yield _fields(record, cfg, source, relative, position=number, raw=text)
 
 
 def _schema_problem(schema: pa.Schema, cfg: CorpusConfig) -> str | None:
@@ -121,6 +122,7 @@ def parse_parquet(
     cfg: CorpusConfig,
     source: str,
     relative: str,
+    *,
     row_groups: range | None = None,
     first_row: int = 0,
 ) -> Iterator[Record]:
@@ -136,7 +138,7 @@ def parse_parquet(
     row = first_row
     for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns, row_groups=row_groups):
         for record in batch.to_pylist():
-            yield _fields(record, cfg, source, relative, row, record)
+            yield _fields(record, cfg, source, relative, position=row, raw=record)
             row += 1
 
 
@@ -145,7 +147,7 @@ def parse_text(data: bytes, cfg: CorpusConfig, source: str, relative: str) -> It
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
-        yield Rejected(source, 0, "invalid_utf8", _excerpt(data[:EXCERPT_CHARS]))
+        yield Rejected(source, 0, "invalid_utf8", excerpt(data[:EXCERPT_CHARS]))
         return
     yield _document(text, relative, source, 0, text)
 
@@ -207,7 +209,7 @@ def _records(r: FileRange, cfg: CorpusConfig, f: ByteStream) -> Iterator[Record]
     elif cfg.format == "parquet":
         parquet = pq.ParquetFile(f)
         groups = None if r.end is None else range(r.start, r.end)
-        yield from parse_parquet(parquet, cfg, r.path, r.relative, groups, before)
+        yield from parse_parquet(parquet, cfg, r.path, r.relative, row_groups=groups, first_row=before)
     else:
         yield from parse_text(f.read(), cfg, r.path, r.relative)
 

@@ -12,6 +12,7 @@ from typing import Final, Literal, Protocol
 import apache_beam as beam
 from apache_beam.metrics import Metrics
 
+from pipeline.common.rejected import Rejected
 from pipeline.corpus.parse import (
     SPLIT_BYTES,
     ListedFile,
@@ -23,7 +24,7 @@ from pipeline.corpus.parse import (
     parse_range,
     split_file,
 )
-from pipeline.corpus.records import METRICS_NAMESPACE, DocRef, Document, FileRange, Rejected
+from pipeline.corpus.records import METRICS_NAMESPACE, DocRef, Document, FileRange
 from schemas.manifest import InputFile
 from schemas.stage_config import CorpusConfig
 

@@ -1,6 +1,6 @@
-"""The records reading produces: `Document`, `DocRef` (where one was read), `Rejected` (with its
-reason and an excerpt), `FileRange` (the part of one input file a worker parses), and the
-rejected-share rule.
+"""The records reading produces: `Document`, `DocRef` (where one was read), `FileRange` (the part
+of one input file a worker parses); a `Record` is a document or a rejected record
+(`pipeline.common.rejected`).
 """
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ import hashlib
 import posixpath
 from dataclasses import dataclass
 
+from pipeline.common.rejected import Rejected
+
 METRICS_NAMESPACE = "ratrain"
-EXCERPT_CHARS = 200
 
 
 @dataclass(frozen=True)
@@ -40,19 +41,6 @@ class DocRef:
         return self.source, self.position
 
 
-@dataclass(frozen=True)
-class Rejected:
-    source: str
-    position: int
-    reason: str
-    excerpt: str
-    details: tuple[tuple[str, object], ...] = ()  # (key, JSON value) pairs a reason adds
-
-    def to_json(self) -> dict:
-        record = {"source": self.source, "position": self.position, "reason": self.reason, "excerpt": self.excerpt}
-        return {**record, **dict(self.details)}
-
-
 Record = Document | Rejected
 
 
@@ -80,23 +68,3 @@ def doc_id_for(identity: str) -> int:
     """Stable non-negative 64-bit id (fits int64) of a document identity."""
     digest = hashlib.blake2b(identity.encode("utf-8"), digest_size=8).digest()
     return int.from_bytes(digest, "big") & 0x7FFF_FFFF_FFFF_FFFF
-
-
-def _excerpt(value) -> str:
-    text = value if isinstance(value, str) else repr(value)
-    return text[:EXCERPT_CHARS]
-
-
-def rejected_share(counters: dict[str, int]) -> tuple[int, int]:
-    """(records rejected, input records) of a job, from its counters."""
-    rejected = sum(v for k, v in counters.items() if k.startswith("rejected_"))
-    refused_unread = rejected - sum(counters.get(k, 0) for k in AFTER_PARSING)
-    return rejected, counters.get("documents_read", 0) + refused_unread
-
-
-NEAR_DUPLICATE = "near_duplicate_of_evaluation"  # the reason decontamination removes a document for
-AFTER_PARSING = (  # of documents already read
-    "rejected_duplicate_id",
-    "rejected_no_tokens",
-    f"rejected_{NEAR_DUPLICATE}",
-)

@@ -22,9 +22,10 @@ from typing import Literal
 import apache_beam as beam
 import numpy as np
 
+from pipeline.common.rejected import NEAR_DUPLICATE, Rejected, excerpt
 from pipeline.corpus.parse import parse_range
 from pipeline.corpus.read import ReadCorpus
-from pipeline.corpus.records import NEAR_DUPLICATE, DocRef, Document, Rejected, _excerpt
+from pipeline.corpus.records import DocRef, Document
 from pipeline.decontaminate.minhash import LshBands, Signer, jaccard, shingles
 from schemas.config import PipelineConfig
 from schemas.stage_config import CorpusConfig, DecontaminationConfig
@@ -290,7 +291,7 @@ class Decontaminate:
         if verdict is None:
             return None
         details = (("doc_id", doc.doc_id), ("jaccard", verdict.jaccard), ("evaluation_id", verdict.evaluation_id))
-        return Rejected(doc.source, doc.position, NEAR_DUPLICATE, _excerpt(doc.text), details)
+        return Rejected(doc.source, doc.position, NEAR_DUPLICATE, excerpt(doc.text), details)
 
 
 class ReadEvaluation(beam.PTransform):

@@ -1,6 +1,7 @@
 """The encoder exported to ONNX and run on a CPU by ONNX Runtime (`embedding.backend: onnx`)
-or OpenVINO (`openvino`), in float32, bfloat16 (OpenVINO) or with int8 weight products; the
-export's cache; and the one entry point the embed stage and its check use for every backend.
+or OpenVINO (`openvino`), in float32, bfloat16 (OpenVINO) or with int8 weight products, and
+the export's cache: the loaders of those two backends (`load_onnx`, `load_openvino`; their
+records are in schemas/backends.py).
 
 The export (`encoder.export_onnx`, torch's exporter) runs once per model, quantisation and
 calibration set, on the worker, from the local model directory, into a cache beside it (or
@@ -19,7 +20,8 @@ import hashlib
 import importlib
 import importlib.metadata
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -29,13 +31,11 @@ from pipeline.common.models import fingerprint_path, resolve_model
 from pipeline.embed.encoder import (
     Tokenized,
     cpu_summary,
-    encode_texts,
     export_onnx,
     has_bfloat16_units,
     load_encoder,
     no_embeddings,
-    resolve_precision,
-    torch_threads,
+    resolved_precision,
 )
 from schemas.stage_config import EmbeddingConfig
 
@@ -53,16 +53,6 @@ class ExportedModelUnusable(RuntimeError):
     """An exported model file that is corrupt or that the runtime cannot load (removed)."""
 
 
-def resolved_precision(cfg: EmbeddingConfig) -> str:
-    """`embedding.precision` as the backend runs it: ONNX Runtime only in float32."""
-    return "float32" if cfg.backend == "onnx" else resolve_precision(cfg.precision, cfg.device)
-
-
-def needs_calibration(cfg: EmbeddingConfig) -> bool:
-    """Static int8 (OpenVINO) is calibrated on texts of the corpus being embedded."""
-    return cfg.backend == "openvino" and cfg.quantize == "int8"
-
-
 def exports_root(model_dir: Path) -> Path:
     beside = model_dir.parent / f"{model_dir.name}.exports"
     if os.access(beside if beside.exists() else model_dir.parent, os.W_OK):
@@ -70,7 +60,7 @@ def exports_root(model_dir: Path) -> Path:
     return Path.home() / ".cache" / "ratrain-pipeline" / "exports"
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     return sha256_file(str(path))[0]
 
 
@@ -79,7 +69,7 @@ def _write_verified(path: Path, write) -> None:
     temporary = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     try:
         write(str(temporary))
-        digest = _sha256(temporary)
+        digest = file_sha256(temporary)
         os.replace(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)
@@ -105,7 +95,7 @@ def _verified(path: Path) -> bool:
     digest_file = path.with_name(path.name + ".sha256")
     if not path.exists() or not digest_file.exists():
         return False
-    expected, found = digest_file.read_text().strip(), _sha256(path)
+    expected, found = digest_file.read_text().strip(), file_sha256(path)
     if found != expected:
         raise unusable(path, f"sha256 {found[:12]}..., written as {expected[:12]}...")
     return True
@@ -144,15 +134,49 @@ def _quantize(source: str, target: str, calibration: Sequence[str], model) -> No
     quantize_static(source, target, Reader(), quant_format=QuantFormat.QDQ, activation_type=QuantType.QUInt8, **common)
 
 
-def _runtime(backend: str):
-    """The runtime module of `backend` (onnxruntime or openvino), or an error naming the extra."""
-    module = "onnxruntime" if backend == "onnx" else "openvino"
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise ValueError(
-            f"embedding.backend {backend} needs {module}: pip install -e '.[{backend}]' (or make install)"
-        ) from None
+# What a runtime runs: a batch's inputs by name -> the sentence embeddings [batch, d].
+RunBatch = Callable[[dict[str, np.ndarray]], np.ndarray]
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """A CPU runtime of the exported model: the backend it serves, its Python module (installed
+    by the extra of the backend's name) and how it opens a file (`opener(module, path,
+    precision, threads)`)."""
+
+    backend: str
+    module: str
+    opener: Callable[..., RunBatch]
+
+    def imported(self):
+        """The runtime's module, or an error naming the extra."""
+        try:
+            return importlib.import_module(self.module)
+        except ImportError:
+            raise ValueError(
+                f"embedding.backend {self.backend} needs {self.module}: pip install -e '.[{self.backend}]' "
+                "(or make install)"
+            ) from None
+
+
+def _open_onnx(runtime, path: Path, precision: str, threads: int | None) -> RunBatch:
+    options = runtime.SessionOptions()
+    if threads is not None:
+        options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+    session = runtime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return lambda features: session.run(None, features)[0]
+
+
+def _open_openvino(runtime, path: Path, precision: str, threads: int | None) -> RunBatch:
+    config: dict = {"INFERENCE_PRECISION_HINT": "bf16" if precision == "bfloat16" else "f32"}
+    if threads is not None:
+        config["INFERENCE_NUM_THREADS"] = threads
+    request = runtime.Core().compile_model(str(path), "CPU", config).create_infer_request()
+    return lambda features: request.infer(features)[0].copy()
+
+
+ONNX_RUNTIME = Runtime("onnx", "onnxruntime", _open_onnx)
+OPENVINO = Runtime("openvino", "openvino", _open_openvino)
 
 
 @functools.lru_cache(maxsize=8)
@@ -194,27 +218,17 @@ def _features(tokenized: Tokenized, rows: np.ndarray) -> dict[str, np.ndarray]:
 
 
 class ExportedEncoder:
-    """The exported model in ONNX Runtime or OpenVINO with a fixed thread count; tokenises with
-    the torch model's tokenizer, batches as `encode_texts` does."""
+    """The exported model in its runtime with a fixed thread count (an `Embedder`); tokenises
+    with the torch model's tokenizer, batches as `encode_texts` does."""
 
-    def __init__(self, model, path: Path, backend: str, precision: str, threads: int | None):
-        self.model, self.path, self.backend = model, path, backend
-        runtime = _runtime(backend)
+    def __init__(self, model, path: Path, *, runtime: Runtime, precision: str, quantize: str, threads: int | None):
+        self.model, self.backend, self.precision, self.quantize = model, runtime.backend, precision, quantize
+        module = runtime.imported()
         try:
-            if backend == "onnx":
-                options = runtime.SessionOptions()
-                if threads is not None:
-                    options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
-                session = runtime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-                self._run = lambda features: session.run(None, features)[0]
-            else:
-                config: dict = {"INFERENCE_PRECISION_HINT": "bf16" if precision == "bfloat16" else "f32"}
-                if threads is not None:
-                    config["INFERENCE_NUM_THREADS"] = threads
-                request = runtime.Core().compile_model(str(path), "CPU", config).create_infer_request()
-                self._run = lambda features: request.infer(features)[0].copy()
+            self._run = runtime.opener(module, path, precision, threads)
         except Exception as err:  # whatever the runtime says of a bad file
-            raise unusable(path, f"{backend} cannot load it: {str(err).strip().splitlines()[0][:200]}") from None
+            reason = str(err).strip().splitlines()[0][:200]
+            raise unusable(path, f"{runtime.backend} cannot load it: {reason}") from None
 
     def encode(self, texts: Sequence[str], batch_size: int) -> np.ndarray:
         """L2-normalised float32 embeddings [len(texts), d], in the batches of `encode_texts`."""
@@ -230,31 +244,28 @@ class ExportedEncoder:
 
 
 @functools.lru_cache(maxsize=4)
-def _loaded(cfg: EmbeddingConfig, threads: int | None, calibration: tuple[str, ...]) -> ExportedEncoder:
-    _runtime(cfg.backend)  # before exporting: a missing extra is named first
+def loaded_exported(cfg: EmbeddingConfig, threads: int | None, calibration: tuple[str, ...], runtime: Runtime):
+    runtime.imported()  # before exporting: a missing extra is named first
     precision = resolved_precision(cfg)
     if precision == "bfloat16" and not has_bfloat16_units():
         raise ValueError(
-            f"embedding.backend openvino with precision bfloat16: this CPU ({cpu_summary()}) has no "
+            f"embedding.backend {cfg.backend} with precision bfloat16: this CPU ({cpu_summary()}) has no "
             "bfloat16 units; use precision: auto or float32"
         )
     model = resolve_model(cfg.model)
     path = exported_model(model, cfg.quantize, calibration)
-    return ExportedEncoder(load_encoder(cfg), path, cfg.backend, precision, threads)
+    return ExportedEncoder(
+        load_encoder(cfg), path, runtime=runtime, precision=precision, quantize=cfg.quantize, threads=threads
+    )
 
 
-def load_embedder(cfg: EmbeddingConfig, threads: int | None, calibration: Sequence[str] = ()):
-    """The encoder the embed stage runs, loaded once per process: the torch model itself, or
-    the exported model in its runtime (`calibration`: texts for static int8)."""
-    if cfg.backend == "torch":
-        return load_encoder(cfg)
-    return _loaded(cfg, threads, tuple(calibration))
+def load_onnx(cfg: EmbeddingConfig, threads: int | None, calibration: Sequence[str] = ()) -> ExportedEncoder:
+    """The onnx backend's loader, once per process: int8 is dynamic, or static when given
+    calibration texts."""
+    return loaded_exported(cfg, threads, tuple(calibration), ONNX_RUNTIME)
 
 
-def embed_texts(cfg: EmbeddingConfig, model, texts: Sequence[str], threads: int | None) -> np.ndarray:
-    """L2-normalised float32 embeddings of `texts` by `model` (from `load_embedder`), with
-    `threads` intra-op threads."""
-    if cfg.backend == "torch":
-        with torch_threads(threads):
-            return encode_texts(model, texts, cfg.batch_size, resolved_precision(cfg))
-    return model.encode(texts, cfg.batch_size)
+def load_openvino(cfg: EmbeddingConfig, threads: int | None, calibration: Sequence[str] = ()) -> ExportedEncoder:
+    """The openvino backend's loader, once per process: its int8 is static, calibrated on texts
+    of the corpus (schemas/backends.py: `calibrated`)."""
+    return loaded_exported(cfg, threads, tuple(calibration), OPENVINO)

@@ -20,7 +20,8 @@ from apache_beam.ml.inference.base import ModelHandler, RunInference
 
 from pipeline.chunks.chunking import load_tokenizer
 from pipeline.corpus.records import METRICS_NAMESPACE
-from pipeline.embed.backends import CALIBRATION_CHUNKS, CALIBRATION_SALT, embed_texts, load_embedder, needs_calibration
+from pipeline.embed.backends import CALIBRATION_CHUNKS, CALIBRATION_SALT
+from pipeline.embed.embedder import embed_texts, load_embedder, needs_calibration
 from pipeline.embed.encoder import EmbeddedChunks, chunk_texts
 from pipeline.embed.precision import PRECISION_SALT, check_precision
 from schemas.stage_config import EmbeddingConfig
@@ -82,7 +83,7 @@ class _EncodeCalibrated(beam.DoFn):
 def _group_sample(keyed, salt: int, size: int) -> list:
     """A group's `size` chunks with the smallest hashes of their ids under `salt`, as
     (hash, chunk id, chunk): the sample's candidates from this group, keyed in one numpy call."""
-    from pipeline.index.sampling import sample_keys
+    from pipeline.common.sampling import sample_keys
 
     chunks = list(keyed[1])
     ids = np.array([c.chunk_id for c in chunks], dtype=np.int64)

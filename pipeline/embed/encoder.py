@@ -1,5 +1,6 @@
 """Loading the encoder, choosing its precision for this CPU, and encoding texts: the only
-module that imports torch.
+module that imports torch. The torch backend (`load_torch`, registered in schemas/backends.py)
+is the encoder itself.
 
 On a CPU the encoder's output depends on the number of intra-op threads (matrix kernels split
 their sums by thread count), so every call runs with the job's fixed thread count
@@ -13,11 +14,13 @@ import os
 from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from pipeline.chunks.chunking import Chunk
 from pipeline.common.models import resolve_model
+from schemas.backends import REFERENCE_BACKEND, get_backend
 from schemas.stage_config import EmbeddingConfig
 
 
@@ -75,6 +78,13 @@ def resolve_precision(precision: str, device: str) -> str:
 
         return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
     return "bfloat16" if has_bfloat16_units() else "float32"
+
+
+def resolved_precision(cfg: EmbeddingConfig) -> str:
+    """`embedding.precision` as its backend runs it on this worker: the device's choice
+    (`resolve_precision`) where the backend runs that, else float32 (ONNX Runtime's auto)."""
+    precision = resolve_precision(cfg.precision, cfg.device)
+    return precision if precision in get_backend(cfg.backend).precisions else "float32"
 
 
 @contextmanager
@@ -182,6 +192,26 @@ def encode_texts(model, texts: Sequence[str], batch_size: int, precision: str = 
             for batch in batches
         ]
     return np.concatenate(encoded)[np.argsort(np.concatenate(batches))]
+
+
+@dataclass(frozen=True)
+class TorchEmbedder:
+    """The torch backend's `Embedder`: the SentenceTransformer itself (`load_encoder`, so the
+    precision check's float32 reference is the same object), run in `precision` by `encode_texts`."""
+
+    model: Any
+    precision: str
+    backend: str = REFERENCE_BACKEND
+    quantize: str = "none"
+
+    def encode(self, texts: Sequence[str], batch_size: int) -> np.ndarray:
+        return encode_texts(self.model, texts, batch_size, self.precision)
+
+
+def load_torch(cfg: EmbeddingConfig, threads: int | None, calibration: Sequence[str] = ()) -> TorchEmbedder:
+    """The torch backend's loader (schemas/backends.py). Its threads are set around each call
+    (`embedder.embed_texts`), and it takes no calibration."""
+    return TorchEmbedder(load_encoder(cfg), resolved_precision(cfg))
 
 
 @contextmanager

@@ -10,10 +10,9 @@ import math
 import numpy as np
 
 from pipeline.chunks.chunking import load_tokenizer
-from pipeline.embed.backends import resolved_precision
-from pipeline.embed.encoder import chunk_texts, encode_texts, load_encoder, torch_threads
-from pipeline.index.recall import TIE_TOLERANCE  # a neighbour as similar as float32's within this agrees
-from schemas.measures import setting_name
+from pipeline.embed.encoder import chunk_texts, encode_texts, load_encoder, resolved_precision, torch_threads
+from schemas.backends import REFERENCE_BACKEND, REFERENCE_PRECISION
+from schemas.measures import TIE_TOLERANCE, setting_name
 from schemas.stage_config import EmbeddingConfig
 
 
@@ -58,11 +57,11 @@ def agreement_upper_bound(agreeing: int, slots: int, z: float = AGREEMENT_CONFID
 
 def safer_setting(cfg: EmbeddingConfig, precision: str) -> str:
     """The change a failed check advises: drop int8 first, then reduced precision, then the backend."""
-    if cfg.quantize == "int8":
+    if cfg.quantize != "none":
         return "set embedding.quantize: none"
-    if precision != "float32":
-        return "set embedding.precision: float32"
-    return "set embedding.backend: torch"
+    if precision != REFERENCE_PRECISION:
+        return f"set embedding.precision: {REFERENCE_PRECISION}"
+    return f"set embedding.backend: {REFERENCE_BACKEND}"
 
 
 def check_precision(sample, stored, cfg: EmbeddingConfig, tokenizer_path: str, threads: int | None) -> dict:
@@ -82,7 +81,7 @@ def check_precision(sample, stored, cfg: EmbeddingConfig, tokenizer_path: str, t
         "min_cosine": 1.0,
         "min_agreement": cfg.min_agreement,
     }
-    if (cfg.backend, precision) == ("torch", "float32") or not chunks:
+    if (cfg.backend, precision) == (REFERENCE_BACKEND, REFERENCE_PRECISION) or not chunks:
         return report
     stored = dict(stored)
     reduced = np.stack([stored[c.chunk_id] for c in chunks])

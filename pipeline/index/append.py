@@ -17,12 +17,12 @@ from dataclasses import dataclass
 import faiss
 import numpy as np
 
-from pipeline.index.deleted import DeletedRanges
+from pipeline.chunks.deleted import DeletedRanges
+from pipeline.common.sampling import QUERY_SALT, in_sample
 from pipeline.index.exact import exact_nearest_other, merge_nearest
 from pipeline.index.files import read_embeddings
 from pipeline.index.recall import RECALL_K, one_recall_at_k
 from pipeline.index.routing import ListBlock, add_list_blocks, list_blocks, list_owners, list_sizes, slice_count
-from pipeline.index.sampling import QUERY_SALT, in_sample
 from pipeline.index.slices import merge_slice_results
 
 
@@ -100,7 +100,7 @@ def new_vectors_by_slice(trained, embedding_paths: list[str], owner: np.ndarray)
     return NewVectors({block.index_slice: block for block in list_blocks(part, owner)}, owner, added)
 
 
-def cut_slice(index_slice, trained, owner: np.ndarray, number: int, first_new: int, fits: int):
+def cut_slice(index_slice, trained, *, owner: np.ndarray, number: int, first_new: int, fits: int):
     """Slice `number`, holding more than `fits` vectors, cut into as many as its lists need
     (`slice_count`, `list_owners` over its lists, as the build cuts an index): the first keeps
     its number, the others are numbered from `first_new`. -> ([(number, slice)], owners)."""

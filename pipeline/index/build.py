@@ -32,24 +32,29 @@ import numpy as np
 from apache_beam.metrics import Metrics
 
 from pipeline.common import fileio
+from pipeline.common.arrays import widest_span
 from pipeline.common.names import file_number
+from pipeline.common.sampling import QUERY_SALT, in_sample
 from pipeline.corpus.records import METRICS_NAMESPACE
 from pipeline.index.build_info import write_build_info
 from pipeline.index.build_slices import FilledPart, SumListSizes, assemble_slice, plan_slices, split_part, tune_slices
 from pipeline.index.exact import exact_nearest_other, exact_nearest_outside, truth_depth
 from pipeline.index.factory import IndexPlan, plan_index
-from pipeline.index.files import embedding_file_info, read_embeddings, read_index, write_index
+from pipeline.index.files import INDEX_FILE, embedding_file_info, read_embeddings, read_index, write_index
 from pipeline.index.recall import RECALL_K, one_recall_at_k, recall_of
 from pipeline.index.routing import list_sizes
-from pipeline.index.sampling import QUERY_SALT, in_sample
 from pipeline.index.search import query_rate, search_depth_range, search_each_excluding, set_search_depth
 from pipeline.index.train import build_index, merge_part, write_part
-from pipeline.index.train_beam import TrainIndex, _file_stem, _sample_rows, _stack, _Stats, _write_sample
+from pipeline.index.train_beam import (
+    EmbeddingFileStats,
+    TrainIndex,
+    file_stem,
+    query_sample_of,
+    sampled_rows,
+    write_sample,
+)
 from pipeline.index.tuning import QuerySample, Truth, tune_index_depth
-from pipeline.retrieve.sequences import widest_span
 from schemas.stage_config import IndexConfig
-
-INDEX_FILE = "index.faiss"
 
 
 def _truth_of(queries: QuerySample, ids, vectors, k: int) -> Truth:
@@ -76,7 +81,7 @@ class _FillPart(beam.DoFn):
             found = _truth_of(queries, ids, vectors, self.neighbours)
             truth = found if truth is None else truth.merge(found)
             Metrics.counter(METRICS_NAMESPACE, "index_vectors_added").inc(len(ids))
-        part_path = fileio.join(self.out_dir, "parts", f"part-{_file_stem(path)}.faiss")
+        part_path = fileio.join(self.out_dir, "parts", f"part-{file_stem(path)}.faiss")
         write_part(index, part_path)
         if truth is not None:
             yield beam.pvalue.TaggedOutput("truth", truth)
@@ -101,18 +106,29 @@ class _MergeTruth(beam.CombineFn):
         return acc
 
 
-def _merge_and_tune(parts, trained_path, plan: IndexPlan, queries, truth, cfg: IndexConfig, out_dir, neighbours: int):
+def _merge_and_tune(
+    parts, trained_path, *, plan: IndexPlan, queries, truth, cfg: IndexConfig, out_dir, neighbours: int
+):
     """One worker: merge the parts into the trained index in input-file order, tune, write."""
     index = read_index(trained_path)
     part_paths = [part.path for part in sorted(parts, key=lambda p: file_number(p.embeddings))]  # chunk-id order
     for path in part_paths:
         merge_part(index, read_index(path))
-    info = _finish(index, plan, queries, truth, cfg, out_dir, len(part_paths), neighbours)
+    info = _finish(
+        index,
+        plan=plan,
+        queries=queries,
+        truth=truth,
+        cfg=cfg,
+        out_dir=out_dir,
+        parts=len(part_paths),
+        neighbours=neighbours,
+    )
     beam.io.filesystems.FileSystems.delete(part_paths + [trained_path])  # only once it is written
     return info
 
 
-def _build_in_one(paths, plan: IndexPlan, queries: QuerySample, cfg: IndexConfig, out_dir, neighbours: int):
+def _build_in_one(paths, *, plan: IndexPlan, queries: QuerySample, cfg: IndexConfig, out_dir, neighbours: int):
     """Flat and graph indexes: one worker adds everything (they cannot be merged)."""
     batches = [batch for path in sorted(paths, key=file_number) for batch in read_embeddings(path)]
     ids = np.concatenate([b[0] for b in batches])
@@ -121,11 +137,28 @@ def _build_in_one(paths, plan: IndexPlan, queries: QuerySample, cfg: IndexConfig
         order = np.argsort(ids, kind="stable")
         ids, vectors = ids[order], vectors[order]
     index = build_index(ids, vectors, plan.factory)
-    return _finish(index, plan, queries, _truth_of(queries, ids, vectors, neighbours), cfg, out_dir, 1, neighbours)
+    return _finish(
+        index,
+        plan=plan,
+        queries=queries,
+        truth=_truth_of(queries, ids, vectors, neighbours),
+        cfg=cfg,
+        out_dir=out_dir,
+        parts=1,
+        neighbours=neighbours,
+    )
 
 
 def _finish(
-    index, plan: IndexPlan, queries: QuerySample, truth: Truth, cfg: IndexConfig, out_dir, parts: int, neighbours: int
+    index,
+    *,
+    plan: IndexPlan,
+    queries: QuerySample,
+    truth: Truth,
+    cfg: IndexConfig,
+    out_dir,
+    parts: int,
+    neighbours: int,
 ):
     def plain_at(depth):
         if depth is not None:
@@ -148,13 +181,13 @@ def _finish(
     return write_build_info(
         plan,
         cfg,
-        out_dir,
-        parts,
-        files,
-        (*tuned, len(queries.ids)),
-        query_rate(index, queries.vectors),
-        curve,
-        own,
+        out_dir=out_dir,
+        parts=parts,
+        files=files,
+        tuned=(*tuned, len(queries.ids)),
+        rate=query_rate(index, queries.vectors),
+        curve=curve,
+        own=own,
     )
 
 
@@ -207,16 +240,16 @@ class BuildIndex(beam.PTransform):
         paths = paths | "SpreadFiles" >> beam.Reshuffle()
         footers = paths | "ReadFooters" >> beam.Map(embedding_file_info)
         plan = beam.pvalue.AsSingleton(
-            footers | "Stats" >> beam.CombineGlobally(_Stats()) | "Plan" >> beam.Map(plan_index, cfg)
+            footers | "Stats" >> beam.CombineGlobally(EmbeddingFileStats()) | "Plan" >> beam.Map(plan_index, cfg)
         )
         query_documents = self._query_documents(plan)
         queries = beam.pvalue.AsSingleton(
             paths
-            | "QuerySample" >> beam.FlatMap(lambda path, p: _sample_rows(path, p.queries, p.count, QUERY_SALT), plan)
+            | "QuerySample" >> beam.FlatMap(lambda path, p: sampled_rows(path, p.queries, p.count, QUERY_SALT), plan)
             | "GatherQueries" >> beam.combiners.ToList()
             | "StackQueries"
             >> beam.Map(
-                lambda rows, p, spans=None: _stack(rows, p.dim, spans),
+                lambda rows, p, spans=None: query_sample_of(rows, p.dim, spans),
                 plan,
                 *([query_documents] if query_documents is not None else []),
             )
@@ -226,7 +259,7 @@ class BuildIndex(beam.PTransform):
         trained = (
             paths
             | "TrainSample"
-            >> beam.FlatMap(lambda path, p: [_write_sample(path, p, out_dir)] if p.mergeable else [], plan)
+            >> beam.FlatMap(lambda path, p: [write_sample(path, p, out_dir)] if p.mergeable else [], plan)
             | "TrainIndex" >> TrainIndex(plan, out_dir, cfg.accelerator)
         )
         trained_path = beam.pvalue.AsSingleton(trained, default_value=None)
@@ -250,7 +283,11 @@ class BuildIndex(beam.PTransform):
             | "MergeAndTune"
             >> beam.FlatMap(
                 lambda parts, trained, p, q, t, slices: (
-                    [_merge_and_tune(parts, trained, p, q, t, cfg, out_dir, k)]
+                    [
+                        _merge_and_tune(
+                            parts, trained, plan=p, queries=q, truth=t, cfg=cfg, out_dir=out_dir, neighbours=k
+                        )
+                    ]
                     if p.mergeable and slices is None
                     else []
                 ),
@@ -265,12 +302,29 @@ class BuildIndex(beam.PTransform):
             filled.parts
             | "ListsBySlice" >> beam.FlatMap(split_part, slicing)
             | "GroupSlices" >> beam.GroupByKey()
-            | "AssembleSlices" >> beam.Map(assemble_slice, trained_path, queries, cfg, out_dir, k)
+            | "AssembleSlices"
+            >> beam.Map(
+                assemble_slice, trained_path=trained_path, queries=queries, cfg=cfg, out_dir=out_dir, neighbours=k
+            )
             | "GatherSlices" >> beam.combiners.ToList()
             | "TuneSlices"
             >> beam.FlatMap(
                 lambda slices, trained, s, p, q, t: (
-                    [tune_slices(slices, trained, s, p, q, t, cfg, out_dir, k)] if slices else []
+                    [
+                        tune_slices(
+                            slices,
+                            trained_path=trained,
+                            slicing=s,
+                            plan=p,
+                            queries=q,
+                            truth=t,
+                            cfg=cfg,
+                            out_dir=out_dir,
+                            k=k,
+                        )
+                    ]
+                    if slices
+                    else []
                 ),
                 trained_path,
                 slicing,
@@ -286,7 +340,11 @@ class BuildIndex(beam.PTransform):
             | "GatherPaths" >> beam.combiners.ToList()
             | "BuildInOne"
             >> beam.FlatMap(
-                lambda all_paths, p, q: [] if p.mergeable else [_build_in_one(all_paths, p, q, cfg, out_dir, k)],
+                lambda all_paths, p, q: (
+                    []
+                    if p.mergeable
+                    else [_build_in_one(all_paths, plan=p, queries=q, cfg=cfg, out_dir=out_dir, neighbours=k)]
+                ),
                 plan,
                 queries,
             )

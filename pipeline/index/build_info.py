@@ -31,6 +31,7 @@ class BuildInfo(VectorIndex):
 def write_build_info(
     plan: IndexPlan,
     cfg: IndexConfig,
+    *,
     out_dir: str,
     parts: int,
     files: list[dict],

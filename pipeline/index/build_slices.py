@@ -115,7 +115,7 @@ class AssembledSlice:
 
 
 def assemble_slice(
-    keyed, trained_path, queries: QuerySample, cfg: IndexConfig, out_dir, neighbours: int
+    keyed, *, trained_path, queries: QuerySample, cfg: IndexConfig, out_dir, neighbours: int
 ) -> AssembledSlice:
     """One worker per slice: the ListBlocks of its lists added to a copy of the trained index,
     written as slice-NNNNN.faiss; then the query sample searched at every depth the tuning may
@@ -154,6 +154,7 @@ def _routing_files(trained_path, slicing: ListSlicing, out_dir) -> list[dict]:
 
 def tune_slices(
     slices,
+    *,
     trained_path,
     slicing: ListSlicing,
     plan: IndexPlan,
@@ -181,13 +182,13 @@ def tune_slices(
     info = write_build_info(
         plan,
         cfg,
-        out_dir,
-        slicing.parts,
-        [s.file for s in slices] + _routing_files(trained_path, slicing, out_dir),
-        (*tuned, len(queries.ids)),
-        len(queries.ids) / seconds if seconds else 0.0,
-        curve,
-        own,
+        out_dir=out_dir,
+        parts=slicing.parts,
+        files=[s.file for s in slices] + _routing_files(trained_path, slicing, out_dir),
+        tuned=(*tuned, len(queries.ids)),
+        rate=len(queries.ids) / seconds if seconds else 0.0,
+        curve=curve,
+        own=own,
     )
     # only once every slice is written: the parts are found by name, no list of them travels
     parts = [

@@ -200,7 +200,7 @@ class EmbeddingStats:
     dims: tuple[int, ...]  # every vector width seen, sorted (one, for a usable index)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class IndexPlan:
     """What the index stage builds, decided once from the embeddings' stats and the config."""
 

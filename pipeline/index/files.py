@@ -20,6 +20,7 @@ from schemas.arrow import tensor_column_to_numpy
 
 IO_BLOCK = 1 << 22  # bytes per read / write call when streaming an index
 # An index in slices by inverted lists also writes, beside slice-NNNNN.faiss:
+INDEX_FILE = "index.faiss"  # the index in one file
 QUANTIZER_FILE = "quantizer.faiss"  # the trained index without vectors: the coarse assignment
 LIST_OWNERS_FILE = "list_owners.npy"  # int32 [nlist]: the slice of each list (-1: an empty list)
 

@@ -9,8 +9,8 @@ import math
 import faiss
 import numpy as np
 
+from pipeline.common.sampling import TRAIN_SALT, in_sample
 from pipeline.index.factory import IndexBuildError, encoder_size, new_index, required_ivf_lists, training_size
-from pipeline.index.sampling import TRAIN_SALT, in_sample
 
 # Two-level k-means (faiss.contrib.clustering's scheme, split into steps that can run on
 # different workers): √nlist first-level clusters trained on a bounded subsample, every training

@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 
 from pipeline.index.exact import exact_scores_of
+from schemas.measures import TIE_TOLERANCE
 
 RECALL_K = 10
-TIE_TOLERANCE = 1e-3  # ann-benchmarks' epsilon: similarities this close are a tie
 # Share of queries for which one of the index's top 10 (the query excluded) is as similar as
 # the exact nearest other vector, within TIE_TOLERANCE: near-duplicates are interchangeable.
 RECALL_MEASURE = f"1-recall@{RECALL_K} with ties within {TIE_TOLERANCE:g}"

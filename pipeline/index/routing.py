@@ -173,7 +173,7 @@ def assign_lists(quantized, queries: np.ndarray, depth: int) -> tuple[np.ndarray
     return quantizer.search(np.ascontiguousarray(queries, dtype=np.float32), depth, params=params)
 
 
-def search_assigned(index_slice, queries: np.ndarray, k: int, lists: np.ndarray, list_scores: np.ndarray, selector):
+def search_assigned(index_slice, queries: np.ndarray, *, k: int, lists: np.ndarray, list_scores: np.ndarray, selector):
     """One slice scanning only `lists` [q, w] (-1: not this slice's) of each query, with the
     ids `selector` rejects skipped: (scores, ids) [q, k]. (faiss's Python wrapper of
     search_preassigned takes no search parameters, so the C function is called.)"""
@@ -227,7 +227,7 @@ def selector_groups(rows: np.ndarray, excluded_each):
 
 
 def search_routed(
-    quantized, slices, owner: np.ndarray, queries: np.ndarray, k: int, excluded_each=None, depth: int | None = None
+    quantized, slices, owner: np.ndarray, queries: np.ndarray, *, k: int, excluded_each=None, depth: int | None = None
 ):
     """The slices searched as one index: one coarse assignment per query at `depth` (default:
     `quantized`'s nprobe) on `quantized` (the trained index, or any slice), each query sent to
@@ -254,7 +254,12 @@ def search_routed(
                 sent_rows = reached[positions]
                 found.append(
                     search_assigned(
-                        slices[number], queries[rows[sent_rows]], k, mine[positions], list_scores[sent_rows], selector
+                        slices[number],
+                        queries[rows[sent_rows]],
+                        k=k,
+                        lists=mine[positions],
+                        list_scores=list_scores[sent_rows],
+                        selector=selector,
                     )
                 )
                 reached_rows.append(sent_rows)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import faiss
 import numpy as np
 
+from pipeline.common.sampling import TRAIN_SALT, in_sample
 from pipeline.index.factory import IndexBuildError, is_ivf, new_index, resolve_clustering, training_size
 from pipeline.index.files import write_index
 from pipeline.index.kmeans import train_two_level
-from pipeline.index.sampling import TRAIN_SALT, in_sample
 
 
 def train_index(

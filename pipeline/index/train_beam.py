@@ -13,6 +13,7 @@ import numpy as np
 from apache_beam.metrics import Metrics
 
 from pipeline.common import fileio
+from pipeline.common.sampling import TRAIN_SALT, in_sample
 from pipeline.corpus.records import METRICS_NAMESPACE
 from pipeline.index.factory import EmbeddingStats, IndexPlan, encoder_size, required_ivf_lists
 from pipeline.index.files import EmbeddingFile, read_embeddings, write_index
@@ -22,7 +23,6 @@ from pipeline.index.kmeans import (
     first_level_size,
     lists_per_cluster,
 )
-from pipeline.index.sampling import TRAIN_SALT, in_sample
 from pipeline.index.train import train_index
 from pipeline.index.tuning import QuerySample
 from pipeline.index.two_level import (
@@ -47,7 +47,7 @@ from pipeline.index.two_level import (
 TRAINED_FILE = "trained.faiss"
 
 
-class _Stats(beam.CombineFn):
+class EmbeddingFileStats(beam.CombineFn):
     """(count, dims) over the files' footers."""
 
     def create_accumulator(self):
@@ -64,14 +64,14 @@ class _Stats(beam.CombineFn):
         return EmbeddingStats(acc[0], tuple(sorted(acc[1])))
 
 
-def _sample_rows(path: str, size: int, count: int, salt: int):
+def sampled_rows(path: str, size: int, count: int, salt: int):
     """The rows of one embeddings file in the sample of `size` of `count` vectors salted so."""
     for ids, vectors in read_embeddings(path):
         keep = in_sample(ids, size, count, salt)
         yield from zip(ids[keep].tolist(), vectors[keep])
 
 
-def _stack(rows, dim: int, spans: dict | None) -> QuerySample:
+def query_sample_of(rows, dim: int, spans: dict | None) -> QuerySample:
     rows = sorted(rows, key=lambda r: r[0])
     if not rows:
         return QuerySample(np.zeros(0, np.int64), np.zeros((0, dim), np.float32), [] if spans is not None else None)
@@ -80,11 +80,11 @@ def _stack(rows, dim: int, spans: dict | None) -> QuerySample:
     return QuerySample(ids, np.stack([r[1] for r in rows]).astype(np.float32), documents)
 
 
-def _file_stem(path: str) -> str:
+def file_stem(path: str) -> str:
     return posixpath.basename(path).rsplit(".", 1)[0]
 
 
-def _write_sample(path: str, plan: IndexPlan, out_dir: str) -> str:
+def write_sample(path: str, plan: IndexPlan, out_dir: str) -> str:
     """One embeddings file's share of the training sample, written as sample/<file>.ids.npy and
     .vectors.npy: the sample travels as files, not as Beam rows, so it is held once, by the
     trainer. Yields the path prefix."""
@@ -93,7 +93,7 @@ def _write_sample(path: str, plan: IndexPlan, out_dir: str) -> str:
         keep = in_sample(batch_ids, plan.train_size, plan.count, TRAIN_SALT)
         ids.append(batch_ids[keep])
         vectors.append(batch_vectors[keep])
-    prefix = fileio.join(out_dir, "sample", _file_stem(path))
+    prefix = fileio.join(out_dir, "sample", file_stem(path))
     write_sample_part(prefix, np.concatenate(ids), np.concatenate(vectors))
     return prefix
 

@@ -119,7 +119,9 @@ def tune_depth(
     return depth, recall, False
 
 
-def tune_search_depth(index, query_ids, queries, truth, target: float, curve: list[DepthRecall] | None = None) -> Tuned:
+def tune_search_depth(
+    index, query_ids, queries, truth, *, target: float, curve: list[DepthRecall] | None = None
+) -> Tuned:
     """Smallest search depth of `index` reaching `target` (`tune_depth`, which fills `curve`),
     set on it: (depth, recall, plateaued); depth None for an index without a depth knob."""
     depths = search_depth_range(index)

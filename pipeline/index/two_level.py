@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeline.common import fileio
+from pipeline.common.sampling import TRAIN_SALT, in_sample
 from pipeline.index.factory import IndexBuildError
 from pipeline.index.files import write_index
 from pipeline.index.kmeans import (
@@ -24,7 +25,6 @@ from pipeline.index.kmeans import (
     second_level_centroids,
     spherical_kmeans,
 )
-from pipeline.index.sampling import TRAIN_SALT, in_sample
 
 # Lists per centroid block: the unit a Lloyd step combines and moves on one worker (6 MB of
 # 384-d centroids, 12 MB of their int64 sums), so no worker holds every list's sums.

@@ -14,7 +14,17 @@ import apache_beam as beam
 import numpy as np
 
 from pipeline.chunks.chunk_files import ChunkFileRanges
+from pipeline.chunks.deleted import (
+    DELETE_REQUESTED,
+    NOT_IN_ITS_FILE,
+    REPLACED,
+    DeletedDocument,
+    DeletedRanges,
+    deleted_files,
+    read_deleted,
+)
 from pipeline.common import fileio
+from pipeline.common.arrays import widest_span
 from pipeline.common.names import file_name, file_number
 from pipeline.index.append import (
     MergedSearch,
@@ -26,21 +36,18 @@ from pipeline.index.append import (
     remove_deleted,
     sampled_vectors,
 )
-from pipeline.index.build import INDEX_FILE
-from pipeline.index.deleted import (
-    DELETE_REQUESTED,
-    NOT_IN_ITS_FILE,
-    REPLACED,
-    DeletedDocument,
-    DeletedRanges,
-    deleted_files,
-    read_deleted,
+from pipeline.index.files import (
+    INDEX_FILE,
+    LIST_OWNERS_FILE,
+    QUANTIZER_FILE,
+    read_index,
+    read_owners,
+    write_index,
+    write_owners,
 )
-from pipeline.index.files import LIST_OWNERS_FILE, QUANTIZER_FILE, read_index, read_owners, write_index, write_owners
 from pipeline.index.routing import add_list_blocks
 from pipeline.index.search import set_search_depth
 from pipeline.index.slices import vectors_per_slice
-from pipeline.retrieve.sequences import widest_span
 from schemas.manifest import FileEntry, IndexManifest
 
 RUN, DELETE = "run", "delete"  # CoGroupByKey tags: a document's chunk-id run; a request to delete it
@@ -105,6 +112,7 @@ class Changed:
 
 def rewrite_index(
     _,
+    *,
     new_entries: list[FileEntry],
     deleted_now: list[DeletedDocument],
     previous: IndexManifest,
@@ -124,7 +132,16 @@ def rewrite_index(
     now = DeletedRanges.of(deleted_now)
     deleted = DeletedRanges.concatenate([read_deleted(deleted_files(directory, previous.files)), now])
     if any(e.path == f"faiss/{QUANTIZER_FILE}" for e in previous.files):
-        return _change_slices(previous, directory, staging, new_paths, old_paths, now, deleted, sample)
+        return _change_slices(
+            previous,
+            directory=directory,
+            staging=staging,
+            new_paths=new_paths,
+            old_paths=old_paths,
+            now=now,
+            deleted=deleted,
+            sample=sample,
+        )
     index = read_index(fileio.join(directory, "faiss", INDEX_FILE))
     removed = remove_deleted(index, now)
     added = add_in_file_order(index, new_paths)
@@ -138,7 +155,7 @@ def rewrite_index(
 
 
 def _change_slices(
-    previous: IndexManifest, directory, staging, new_paths, old_paths, now: DeletedRanges, deleted, sample
+    previous: IndexManifest, *, directory, staging, new_paths, old_paths, now: DeletedRanges, deleted, sample
 ) -> Changed:
     """The new vectors encoded once on the trained index (quantizer.faiss) and cut by list
     owner; then each slice in turn read, its deleted vectors removed and its new ones added,
@@ -165,7 +182,9 @@ def _change_slices(
         if removed_here or number in blocks:
             add_list_blocks(index_slice, [blocks.pop(number)] if number in blocks else [])
             if fits is not None and index_slice.ntotal > fits:
-                pieces, owner = cut_slice(index_slice, trained, owner, number, next_number, fits)
+                pieces, owner = cut_slice(
+                    index_slice, trained, owner=owner, number=number, first_new=next_number, fits=fits
+                )
                 next_number += len(pieces) - 1
             for piece_number, piece in pieces:
                 path = f"faiss/{file_name('slice', piece_number, 'faiss')}"

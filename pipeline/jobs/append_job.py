@@ -14,12 +14,7 @@ import logging
 import apache_beam as beam
 
 from pipeline.chunks.chunk_files import ChunkFileRanges
-from pipeline.common import fileio
-from pipeline.common.names import file_name, file_number
-from pipeline.common.writers import WriteRejected, parquet_bytes, write_file
-from pipeline.corpus.records import doc_id_for
-from pipeline.decontaminate.beam import ReadCorpusKeptClean
-from pipeline.index.deleted import (
+from pipeline.chunks.deleted import (
     DELETE_REQUESTED,
     DELETED_DIR,
     NOT_IN_ITS_FILE,
@@ -29,31 +24,35 @@ from pipeline.index.deleted import (
     deleted_table,
     read_deleted,
 )
+from pipeline.common import fileio
+from pipeline.common.errors import StageError
+from pipeline.common.names import file_name, file_number
+from pipeline.common.rejected import WriteRejected
+from pipeline.common.writers import parquet_bytes, write_file
+from pipeline.corpus.records import doc_id_for
+from pipeline.decontaminate.beam import ReadCorpusKeptClean
 from pipeline.index.sources import documents_of, sources_files
 from pipeline.jobs.append_changes import (
     DELETE,
     NOT_FOUND,
     REPLACED_TAG,
     RUN,
-    Changed,
     deletions,
     document_runs,
     replacing,
     rewrite_index,
 )
-from pipeline.jobs.commit import REJECTED_STAGING, StageError
-from pipeline.jobs.index_files import _index_staged
-from pipeline.jobs.index_job import chunk_and_embed, stage_tallies, write_sources
-from pipeline.jobs.job import Job, Submitted, Tokenization, _sorted_entries, index_dir
+from pipeline.jobs.commit import REJECTED_STAGING
+from pipeline.jobs.index_files import index_staged
+from pipeline.jobs.index_manifest import NEWEST_GENERATION_CHUNKS, next_generation_manifest
+from pipeline.jobs.index_steps import chunk_and_embed, stage_tallies, write_sources
+from pipeline.jobs.job import Job, Submitted, Tokenization, index_dir
 from pipeline.jobs.options import encoder_threads
 from pipeline.jobs.reuse import CorpusChanges
 from schemas.config import PipelineConfig
-from schemas.manifest import FileEntry, Generation, IndexManifest
-from schemas.measures import PrecisionCheck
+from schemas.manifest import FileEntry, IndexManifest
 
 log = logging.getLogger("ratrain")
-
-NEWEST_GENERATION_CHUNKS = "newest_generation_chunks"  # a counter: the chunks the last change added
 
 
 def _write_deleted(documents: list[DeletedDocument], staging: str, number: int) -> list[FileEntry]:
@@ -68,60 +67,10 @@ def _write_deleted(documents: list[DeletedDocument], staging: str, number: int) 
     ]
 
 
-def _changed_manifest(
-    new_entries,
-    changed: Changed,
-    deleted_now: list[DeletedDocument],
-    tallies: dict[str, int],
-    precision: PrecisionCheck,
-    previous: IndexManifest,
-    changes: CorpusChanges,
-    cfg: PipelineConfig,
-) -> IndexManifest:
-    rewritten = {e.path for e in changed.files}
-    kept = [e for e in previous.files if e.path not in rewritten]
-    num_chunks = sum(e.rows for e in new_entries if e.path.startswith("chunks/"))
-    deleted_chunks = sum(d.num_chunks for d in deleted_now)
-    generation = Generation(
-        number=len(previous.generations),
-        inputs=changes.to_read,
-        removed_inputs=changes.gone,
-        first_chunk_id=previous.num_chunks,
-        num_chunks=num_chunks,
-        num_documents=tallies.get("documents_chunked", 0),
-        deleted_documents=len(deleted_now),
-        deleted_chunks=deleted_chunks,
-        new_vector_recall=changed.recall.value if changed.recall.sample_size else None,
-        embedding_precision=precision if num_chunks else None,
-    )
-    earlier = [*previous.generations[:-1], previous.generations[-1].model_copy(update={"timings": previous.timings})]
-    counters = dict(previous.counters)
-    this_job = {
-        **tallies,
-        "index_vectors_added": changed.vectors + changed.removed - (previous.num_chunks - previous.deleted_chunks),
-    }
-    for name, count in this_job.items():
-        counters[name] = counters.get(name, 0) + count
-    counters[NEWEST_GENERATION_CHUNKS] = num_chunks  # what this job's throughput counts
-    return previous.model_copy(
-        update={
-            "config_hash": cfg.index_hash(),
-            "embed_config_hash": cfg.embed_hash(),
-            "generations": [*earlier, generation],
-            "num_chunks": previous.num_chunks + num_chunks,
-            "num_documents": previous.num_documents + generation.num_documents,
-            "deleted_documents": previous.deleted_documents + len(deleted_now),
-            "deleted_chunks": previous.deleted_chunks + deleted_chunks,
-            "files": _sorted_entries(kept + list(new_entries) + changed.files),
-            "counters": dict(sorted(counters.items())),
-            "timings": None,
-        }
-    )
-
-
 def change_index(
     cfg: PipelineConfig,
     previous: IndexManifest,
+    *,
     previous_sha256: str,
     changes: CorpusChanges,
     beam_args: list[str],
@@ -152,11 +101,11 @@ def change_index(
     tok = Tokenization.of(cfg)
     job = Job(
         "build-index (append)",
-        NEWEST_GENERATION_CHUNKS,
-        cfg.output,
-        directory,
-        IndexManifest,
-        beam_args,
+        records=NEWEST_GENERATION_CHUNKS,
+        output=cfg.output,
+        directory=directory,
+        model=IndexManifest,
+        beam_args=beam_args,
         staging="index",
         detach=detach,
         max_rejected_fraction=cfg.max_rejected_fraction,
@@ -199,7 +148,15 @@ def change_index(
     )
     deleted_now = beam.pvalue.AsList(deleted.deleted)
     first_file = max(file_number(path) for path in ranges.paths) + 1 if ranges.paths else 0
-    written = chunk_and_embed(fresh.documents, cfg, tok, staging, threads, previous.num_chunks, first_file)
+    written = chunk_and_embed(
+        fresh.documents,
+        cfg,
+        tok,
+        staging=staging,
+        threads=threads,
+        first_chunk_id=previous.num_chunks,
+        first_file=first_file,
+    )
     all_rejected = (corpus.rejected, written.unusable) | "MergeRejected" >> beam.Flatten()
     rejected_files = all_rejected | "WriteRejected" >> WriteRejected(
         fileio.join(staging, REJECTED_STAGING), f"build-index-g{number:05d}"
@@ -214,12 +171,12 @@ def change_index(
         | "ChangeIndex"
         >> beam.Map(
             rewrite_index,
-            beam.pvalue.AsList(written.embedding_files),
-            deleted_now,
-            previous,
-            directory,
-            staging,
-            cfg.index.recall_sample,
+            new_entries=beam.pvalue.AsList(written.embedding_files),
+            deleted_now=deleted_now,
+            previous=previous,
+            directory=directory,
+            staging=staging,
+            sample=cfg.index.recall_sample,
         )
     )
     deleted_files_written = (
@@ -239,17 +196,17 @@ def change_index(
         | "GatherEntries" >> beam.combiners.ToList()
         | "ChangedManifest"
         >> beam.Map(
-            _changed_manifest,
+            next_generation_manifest,
             beam.pvalue.AsSingleton(changed),
-            deleted_now,
-            beam.pvalue.AsDict(tallies | "SumTallies" >> beam.CombinePerKey(sum)),
-            beam.pvalue.AsSingleton(written.precision),
-            previous,
-            changes,
-            cfg,
+            deleted_now=deleted_now,
+            tallies=beam.pvalue.AsDict(tallies | "SumTallies" >> beam.CombinePerKey(sum)),
+            precision=beam.pvalue.AsSingleton(written.precision),
+            previous=previous,
+            changes=changes,
+            cfg=cfg,
         )
     )
-    in_place = _index_staged(previous) + [e.path for e in previous.files if not e.path.startswith("faiss/")]
+    in_place = index_staged(previous) + [e.path for e in previous.files if not e.path.startswith("faiss/")]
     # every file the new manifest lists is staged or in place (slices cut anew are staged)
     job.commit(
         manifest,

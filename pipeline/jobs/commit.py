@@ -18,16 +18,12 @@ from apache_beam.io.filesystems import FileSystems
 from pydantic import BaseModel
 
 from pipeline.common import fileio
-from pipeline.corpus.records import rejected_share
+from pipeline.common.errors import StageError
+from pipeline.common.rejected import rejected_share
 from schemas.file_table import split_entries
 from schemas.manifest import FILE_TABLE, INLINE_FILE_ENTRIES, MANIFEST_FILE
 
 REJECTED_STAGING = "_rejected"
-
-
-class StageError(RuntimeError):
-    """A stage that cannot run on what it was given (e.g. no committed index), or whose job
-    rejected more of its input than it may (nothing is committed)."""
 
 
 def new_staging_dir(output: str, stage: str, dry_run: bool = False) -> str:
@@ -62,6 +58,7 @@ def _without_timings(manifest: dict) -> dict:
 
 def commit_stage(
     manifest: BaseModel,
+    *,
     staging: str,
     output: str,
     final: str,
@@ -105,7 +102,13 @@ def commit_stage(
             f"{max_rejected_fraction:.0%}; see {fileio.join(output, 'rejected')}"
         )
     commit_directory(
-        staging, final, {**data, "timings": clock.timings(data["counters"])}, staged, replace, table, replaces
+        staging,
+        final,
+        {**data, "timings": clock.timings(data["counters"])},
+        staged,
+        replace=replace,
+        table=table,
+        replaces=replaces,
     )
 
 
@@ -114,6 +117,7 @@ def commit_directory(
     final: str,
     manifest: dict,
     staged: list[str],
+    *,
     replace: tuple[str, ...] | None = None,
     table: bytes | None = None,
     replaces: str | None = None,

@@ -25,12 +25,13 @@ from pydantic import BaseModel
 
 from pipeline.chunks.chunking import load_tokenizer, pad_id_of
 from pipeline.common import fileio
+from pipeline.common.errors import StageError
 from pipeline.common.models import (
     DEFAULT_MODEL_NAMES,
     resolve_tokenizer,
 )
 from pipeline.common.progress import StageTimer
-from pipeline.jobs.commit import StageError, commit_stage, new_staging_dir
+from pipeline.jobs.commit import commit_stage, new_staging_dir
 from pipeline.jobs.flink import job_server_is_a_child, listed_jobs, name_the_job, rest_address, wait_until_flink_has
 from pipeline.jobs.options import check_detachable, new_pipeline
 from schemas.config import PipelineConfig
@@ -110,12 +111,12 @@ class Job:
     def __init__(
         self,
         name: str,
+        *,
         records: str,
         output: str,
         directory: str,
         model: type[BaseModel] | None,
         beam_args: list[str],
-        *,
         staging: str | None,
         dry_run: bool = False,
         detach: bool = False,
@@ -141,7 +142,9 @@ class Job:
     @classmethod
     def reading(cls, name: str, directory: str, beam_args: list[str]) -> Job:
         """A job that reads `directory` and writes nothing: `run()` waits for it."""
-        return cls(name, "", directory, directory, None, beam_args, staging=None)
+        return cls(
+            name, records="", output=directory, directory=directory, model=None, beam_args=beam_args, staging=None
+        )
 
     def commit(
         self,
@@ -166,13 +169,13 @@ class Job:
             extra = staged_of(manifest) if staged_of is not None else []
             commit_stage(
                 manifest,
-                staging,
-                output,
-                directory,
-                clock,
-                sorted(paths) + extra,
-                fraction,
-                replace,
+                staging=staging,
+                output=output,
+                final=directory,
+                clock=clock,
+                staged=sorted(paths) + extra,
+                max_rejected_fraction=fraction,
+                replace=replace,
                 replaces=replaces,
                 reads=reads,
             )
@@ -208,7 +211,7 @@ def shards_dir(cfg: PipelineConfig) -> str:
     return fileio.join(cfg.output, "shards")
 
 
-def _sorted_entries(entries: Iterable[Entry]) -> list[Entry]:
+def sorted_entries(entries: Iterable[Entry]) -> list[Entry]:
     """Manifest entries by path; a path written twice (two elements wrote one file: the last
     write would hide the other's rows) fails the job."""
     ordered = sorted(entries, key=lambda e: e.path)

@@ -27,15 +27,13 @@ from pipeline.index.kmeans import first_level_clusters, first_level_size
 from pipeline.index.slices import vectors_per_slice
 from pipeline.index.two_level import LIST_BLOCK
 from pipeline.retrieve.search import CANDIDATE, SEQUENCES_PER_SEARCH
+from schemas.backends import get_backend
 from schemas.config import PipelineConfig
+from schemas.shard_columns import row_bytes
 
 MB = 2**20
 SDK_PROCESS = 400 * MB  # a Beam SDK process with pyarrow, numpy and tokenizers (210-440 MB measured)
 ENCODER = 600 * MB  # torch and a MiniLM-sized encoder on top of it, batches included
-# The exported encoder in ONNX Runtime or OpenVINO beside the torch one the check keeps:
-# 280-410 MB more than torch alone measured with MiniLM (Intel Xeon, 1,024 chunks, batch 64);
-# a static int8 export's calibration in that process took 1.1 GB more, once per model.
-EXPORTED_ENCODER = 450 * MB
 ROW_OVERHEAD = 250  # bytes of Python objects around one row held as a Python object
 PARQUET_ROW_GROUP = 128 * MB  # what pyarrow decodes at once from a Parquet input (writers' usual row group)
 BYTES_PER_TOKEN = 4  # of English text, for a corpus size given in bytes
@@ -72,6 +70,13 @@ def _slice_planning(factory: str, dim: int, sliced: bool, auto_grows: list[int])
     ]
 
 
+def _runtime_held(backend: str) -> dict[str, int]:
+    """The backend's runtime beside the torch encoder the check keeps (schemas/backends.py;
+    nothing for torch itself)."""
+    held = get_backend(backend).runtime_bytes
+    return {f"{backend} runtime": held} if held else {}
+
+
 def stage_memory(cfg: PipelineConfig, corpus: Corpus, dim: int = 384) -> list[dict]:
     """[{stage, bytes, terms: {what: bytes}, grows: [terms that grow with the corpus]}], one entry
     per step, for one worker process."""
@@ -89,8 +94,7 @@ def stage_memory(cfg: PipelineConfig, corpus: Corpus, dim: int = 384) -> list[di
     else:
         held, held_bytes, held_grows = f"the whole index ({C:,} vectors)", index_bytes, [0]
     per_vector = estimated_bytes(factory, 1, dim) - estimated_bytes(factory, 0, dim)
-    L, k = cfg.sequence_tokens // m, cfg.neighbours
-    shard_row = (cfg.sequence_tokens + 1 + L * k * 2 * m) * 4 + L * k * 12 + ROW_OVERHEAD
+    shard_row = row_bytes(cfg.shard_dims) + ROW_OVERHEAD
     stages = [
         ("read", {"one record, or a Parquet row group": PARQUET_ROW_GROUP}, []),
         (
@@ -106,13 +110,19 @@ def stage_memory(cfg: PipelineConfig, corpus: Corpus, dim: int = 384) -> list[di
             "embed",
             {
                 "encoder": ENCODER,
-                **({f"{cfg.embedding.backend} runtime": EXPORTED_ENCODER} if cfg.embedding.backend != "torch" else {}),
+                **_runtime_held(cfg.embedding.backend),
                 f"one file: {rows:,} embeddings and their Parquet bytes": rows * (dim * 4 + ROW_OVERHEAD) * 2,
             },
             [],
         ),
         *_training_steps(
-            factory, C, dim, cfg.index.clustering, cfg.index.accelerator is not None, cfg.index.type == "auto", rows
+            factory,
+            C=C,
+            dim=dim,
+            clustering=cfg.index.clustering,
+            accelerator=cfg.index.accelerator is not None,
+            auto=cfg.index.type == "auto",
+            file_rows=rows,
         ),
         (
             "index: fill one embeddings file",
@@ -186,7 +196,7 @@ def stage_memory(cfg: PipelineConfig, corpus: Corpus, dim: int = 384) -> list[di
 
 
 def _training_steps(
-    factory: str, C: int, dim: int, clustering: str, accelerator: bool, auto: bool, file_rows: int
+    factory: str, *, C: int, dim: int, clustering: str, accelerator: bool, auto: bool, file_rows: int
 ) -> list[tuple]:
     """The index training steps: one worker with the whole sample ('flat'), or the two-level
     steps, none of which holds the sample. With index.type auto every term follows the corpus

@@ -18,8 +18,7 @@ from pydantic import BaseModel
 
 from pipeline.common import fileio
 from pipeline.corpus.parse import match_corpus
-from pipeline.index.build import INDEX_FILE
-from pipeline.index.files import QUANTIZER_FILE
+from pipeline.index.files import INDEX_FILE, QUANTIZER_FILE
 from pipeline.index.sources import SOURCES_DIR
 from schemas.config import PipelineConfig
 from schemas.manifest import MANIFEST_FILE, IndexManifest, InputFile, ShardsManifest, read_manifest
@@ -27,15 +26,6 @@ from schemas.manifest import MANIFEST_FILE, IndexManifest, InputFile, ShardsMani
 log = logging.getLogger("ratrain")
 Model = TypeVar("Model", bound=BaseModel)
 IndexAction = Literal["reuse", "append", "rebuild_faiss", "build"]
-
-
-def committed(directory: str, model: type[Model]) -> Model | None:
-    """The committed manifest of `directory`, or None: none there, or an older or foreign one
-    (which nothing can be reused from)."""
-    try:
-        return fileio.committed_manifest(directory, model)
-    except ValueError:
-        return None
 
 
 def committed_index(directory: str) -> tuple[IndexManifest | None, str | None]:

@@ -19,23 +19,24 @@ from pipeline.chunks.chunk_files import (
     chunk_arrays,
 )
 from pipeline.chunks.chunking import Chunk
+from pipeline.chunks.deleted import DeletedRanges
 from pipeline.common import fileio
+from pipeline.common.errors import StageError
 from pipeline.common.progress import ReportProgress
+from pipeline.common.rejected import WriteRejected
 from pipeline.common.tally import Tally, counted
-from pipeline.common.writers import WriteRejected
 from pipeline.decontaminate.beam import ReadCorpusKeptClean
-from pipeline.index.build import INDEX_FILE
-from pipeline.index.deleted import DeletedRanges
+from pipeline.index.files import INDEX_FILE
 from pipeline.index.recall import PLATEAU_GAIN
-from pipeline.jobs.commit import REJECTED_STAGING, StageError
-from pipeline.jobs.index_files import CommittedIndex, _documents_read_tally, _rejected_tally, load_committed_index
+from pipeline.jobs.commit import REJECTED_STAGING
+from pipeline.jobs.index_files import documents_read_tally, load_committed_index, rejected_tally
 from pipeline.jobs.job import (
     Job,
     Submitted,
     Tokenization,
-    _sorted_entries,
     index_dir,
     shards_dir,
+    sorted_entries,
 )
 from pipeline.jobs.options import encoder_threads
 from pipeline.retrieve.beam import (
@@ -44,6 +45,7 @@ from pipeline.retrieve.beam import (
     RetrieveNeighbours,
     SpansOfTrainingChunks,
 )
+from pipeline.retrieve.committed import CommittedIndex
 from pipeline.retrieve.recall import MeasureNeighbourRecall
 from pipeline.retrieve.search import LOST_DATA, QueryBlock, Retrieval
 from pipeline.shards.rows import overlap_histogram, overlap_tally
@@ -60,7 +62,7 @@ MIN_FILL = 0.99  # below this share of filled neighbour slots, the stage warns
 CHUNKS_PER_BLOCK = 1024  # a separate training corpus's chunks travel in blocks of up to this many
 
 
-def _chunks_from_table(table) -> list[Chunk]:
+def chunks_from_table(table) -> list[Chunk]:
     rows = chunk_arrays(table)
     return [
         Chunk(int(i), int(d), int(p), t, c)
@@ -80,6 +82,7 @@ def _row_tally(batch, m: int, pad_id: int):
 
 def _shards_manifest(
     entries,
+    *,
     tallies,
     recall,
     search_depth: SearchDepth,
@@ -90,7 +93,7 @@ def _shards_manifest(
     threads,
     pad_id: int,
 ) -> ShardsManifest:
-    shards = _sorted_entries(entries)
+    shards = sorted_entries(entries)
     L, k = cfg.chunks_per_sequence, cfg.neighbours
     num_sequences = sum(s.rows for s in shards)
     slots = num_sequences * L * k
@@ -157,11 +160,11 @@ def _build_shards(
     tok = Tokenization.of(cfg)
     job = Job(
         "build-shards",
-        "sequences",
-        cfg.output,
-        shards_dir(cfg),
-        ShardsManifest,
-        beam_args,
+        records="sequences",
+        output=cfg.output,
+        directory=shards_dir(cfg),
+        model=ShardsManifest,
+        beam_args=beam_args,
         staging="shards",
         dry_run=dry_run,
         detach=detach,
@@ -209,9 +212,9 @@ def _build_shards(
         queries = embedded | "QueryBlocks" >> beam.Map(lambda group: QueryBlock(group.chunk_ids, group.vectors))
         rejected = (corpus.rejected, unusable) | "MergeRejected" >> beam.Flatten()
         read_tallies = (
-            *_documents_read_tally(corpus.documents, rejected, "Training"),
+            *documents_read_tally(corpus.documents, rejected, "Training"),
             corpus.tallies,
-            _rejected_tally(rejected, "TallyRejected"),
+            rejected_tally(rejected, "TallyRejected"),
         )
         precision = beam.pvalue.AsSingleton(precision_used)
         spans = pipeline | "DocumentSpans" >> DocumentSpans(database_chunks, validate=not dry_run)
@@ -219,21 +222,21 @@ def _build_shards(
     # a dry run without a committed index builds the graph of one index file
     index_path, routing = index.searched() if index is not None else (fileio.join(idx, "faiss", INDEX_FILE), None)
     spec = Retrieval(
-        index_path,
-        None if index is None else index.nprobe,
-        chunk_files,
-        L,
-        m,
-        k,
-        cfg.neighbour_candidates,
-        tok.pad_id,
-        cfg.dedupe_neighbours,
-        cfg.neighbour_recall_sample,
-        database_embeddings,
-        cfg.index.target_recall,
-        cfg.recall_below_target,
-        routing,
-        deleted if len(deleted) else None,
+        index_path=index_path,
+        depth=None if index is None else index.nprobe,
+        chunk_files=chunk_files,
+        chunks_per_seq=L,
+        chunk_tokens=m,
+        neighbours=k,
+        candidates=cfg.neighbour_candidates,
+        pad_id=tok.pad_id,
+        dedupe=cfg.dedupe_neighbours,
+        probes=cfg.neighbour_recall_sample,
+        embeddings=database_embeddings,
+        target_recall=cfg.index.target_recall,
+        recall_below_target=cfg.recall_below_target,
+        routing=routing,
+        deleted=deleted if len(deleted) else None,
     )
     inputs = (sequences, spans) if queries is None else (sequences, queries, spans)
     retrieved = inputs | "RetrieveNeighbours" >> RetrieveNeighbours(
@@ -258,17 +261,17 @@ def _build_shards(
         | "Once" >> beam.Create([None])  # the manifest is made once, when every side input is complete
         | "ShardsManifest"
         >> beam.Map(
-            lambda _, *facts: _shards_manifest(*facts),
-            beam.pvalue.AsList(shard_files),
-            beam.pvalue.AsDict(tallies),
-            beam.pvalue.AsSingleton(recall),
-            beam.pvalue.AsSingleton(retrieved.search_depth),
-            precision,
-            cfg,
-            None if index is None else index.manifest_sha256,
-            None if index is None else index.generation,
-            threads,
-            tok.pad_id,
+            lambda _, **facts: _shards_manifest(**facts),
+            entries=beam.pvalue.AsList(shard_files),
+            tallies=beam.pvalue.AsDict(tallies),
+            recall=beam.pvalue.AsSingleton(recall),
+            search_depth=beam.pvalue.AsSingleton(retrieved.search_depth),
+            precision=precision,
+            cfg=cfg,
+            index_sha=None if index is None else index.manifest_sha256,
+            index_generation=None if index is None else index.generation,
+            threads=threads,
+            pad_id=tok.pad_id,
         )
     )
     job.commit(manifest, staged=shard_files, after=rejected_files)

@@ -23,8 +23,8 @@ import numpy as np
 from apache_beam.io.parquetio import ReadFromParquetBatched
 
 from pipeline.chunks.chunk_files import ChunkFileRanges, CommittedChunkFiles
-from pipeline.common.arrays import positions_of
-from pipeline.index.deleted import DeletedRanges
+from pipeline.chunks.deleted import DeletedRanges
+from pipeline.common.arrays import positions_of, widest_span
 from pipeline.index.exact import truth_depth
 from pipeline.retrieve.depth import tune_retrieval_depth
 from pipeline.retrieve.recall import ExactTruth, SmallestProbes
@@ -38,16 +38,16 @@ from pipeline.retrieve.search import (
     QueryBlock,
     Retrieval,
     SentCounts,
-    _excluded_ranges,
     batch_documents,
     batch_probes,
+    excluded_ranges,
     received_by,
     search_batch_of,
     select_distinct,
     with_file_queries,
 )
 from pipeline.retrieve.search_beam import SENT, TALLY, SearchIndex, by_chunk_file
-from pipeline.retrieve.sequences import batch_parts, document_spans, pack_batch, widest_span
+from pipeline.retrieve.sequences import batch_parts, document_spans, pack_batch
 from pipeline.shards.rows import RowBatch, SequenceBatch, ShardRow, sequences_neighbour_arrays
 
 
@@ -214,9 +214,19 @@ def _to_rows(keyed, chunks_per_seq: int, k: int, m: int, pad_id: int):
     _all_arrived("neighbours", seq_ids, picks, list(grouped["sent"]))
     row, owned = positions_of(seq_ids, picks["seq_id"])
     neighbours, ids, scores = sequences_neighbour_arrays(
-        row[owned], len(sequences), picks[owned], values[owned], chunks_per_seq, k, m, pad_id
+        row[owned], len(sequences), picks[owned], values[owned], chunks_per_seq=chunks_per_seq, k=k, m=m, pad_id=pad_id
     )
-    rows = [ShardRow(s.seq_id, s.tokens, neighbours[i], ids[i], scores[i], s.doc_ids) for i, s in enumerate(sequences)]
+    rows = [
+        ShardRow(
+            seq_id=s.seq_id,
+            tokens=s.tokens,
+            neighbours=neighbours[i],
+            neighbour_ids=ids[i],
+            neighbour_scores=scores[i],
+            doc_ids=s.doc_ids,
+        )
+        for i, s in enumerate(sequences)
+    ]
     if rows:
         yield RowBatch(rows)
 
@@ -266,7 +276,7 @@ class RetrieveNeighbours(beam.PTransform):
         excluded = (
             {"span": doc_spans, "batch": by_batch | "BatchDocuments" >> beam.FlatMap(batch_documents)}
             | "JoinDocumentSpans" >> beam.CoGroupByKey()
-            | "ExcludedRanges" >> beam.FlatMap(_excluded_ranges)
+            | "ExcludedRanges" >> beam.FlatMap(excluded_ranges)
         )
         if embeddings is None:  # the training chunks are the database's: their rows are in its embedding files
             by_file = {

@@ -67,7 +67,7 @@ class _SlicesInTurn:
 
 
 def search_slices(
-    routing: Routing, queries: np.ndarray, k: int, excluded_each, depth: int | None, chunk_files=None
+    routing: Routing, queries: np.ndarray, *, k: int, excluded_each, depth: int | None, chunk_files=None
 ) -> tuple[np.ndarray, np.ndarray]:
     """`search_routed` over the slices `routing` names, loaded one at a time (`_SlicesInTurn`),
     each query with its own excluded chunk-id ranges: (scores, ids) [q, k], -1 = none. With
@@ -77,9 +77,9 @@ def search_slices(
         _SlicesInTurn([routing.slice_path(n) for n in range(routing.slices)], chunk_files),
         read_owners(routing.owners),
         queries,
-        k,
-        excluded_each,
-        depth,
+        k=k,
+        excluded_each=excluded_each,
+        depth=depth,
     )
     return found[0], found[1]
 
@@ -88,9 +88,14 @@ def search_probes_routed(spec: Retrieval, probes: list[Probe], depth: int | None
     """`search_probes` over slices by inverted lists, routed as build-shards searches them."""
     assert spec.routing is not None
     queries = np.stack([p.query for p in probes])
-    return search_slices(spec.routing, queries, spec.neighbours, [p.excluded for p in probes], depth, spec.chunk_files)[
-        1
-    ]
+    return search_slices(
+        spec.routing,
+        queries,
+        k=spec.neighbours,
+        excluded_each=[p.excluded for p in probes],
+        depth=depth,
+        chunk_files=spec.chunk_files,
+    )[1]
 
 
 def tune_retrieval_depth(spec: Retrieval, probes: list[Probe], truth) -> SearchDepth:

@@ -27,12 +27,12 @@ import numpy as np
 from pipeline.chunks.chunk_files import CommittedChunkFiles
 from pipeline.chunks.chunking import chunk_document, load_tokenizer, tokenize_batch
 from pipeline.common import fileio
-from pipeline.common.arrays import groups
+from pipeline.common.arrays import groups, merge_ranges, widest_span
+from pipeline.common.fileio import committed
 from pipeline.common.models import fingerprint_path, resolve_model, resolve_tokenizer
 from pipeline.index.files import load_index
 from pipeline.index.search import search_each_excluding
-from pipeline.jobs.index_files import read_committed_index
-from pipeline.jobs.reuse import committed
+from pipeline.retrieve.committed import read_committed_index
 from pipeline.retrieve.depth import search_slices
 from pipeline.retrieve.search import (
     FileTokens,
@@ -41,8 +41,8 @@ from pipeline.retrieve.search import (
     picks_of,
     select_distinct,
 )
-from pipeline.retrieve.sequences import merge_ranges, widest_span
 from pipeline.shards.rows import neighbour_arrays
+from schemas.backends import backend_names
 from schemas.config import PipelineConfig
 from schemas.manifest import IndexManifest, ShardsManifest
 from schemas.stage_config import EmbeddingConfig
@@ -104,6 +104,9 @@ class Retriever:
         setting comes from). IndexNotUsable when its tokenizer or encoder cannot be loaded."""
         index, manifest = read_committed_index(index_dir)
         tokenizer = _tokenizer_of(index_dir, manifest)
+        check = manifest.embedding_precision
+        if check is not None and check.backend not in backend_names():
+            raise IndexNotUsable(f"{index_dir}: embedded by backend {check.backend}, not registered in this process")
         embedding = embedding_of(manifest, device)
         encoder = _encoder_of(index_dir, manifest, embedding)
         shards = committed(fileio.join(os.path.dirname(index_dir.rstrip("/")), "shards"), ShardsManifest)
@@ -157,7 +160,7 @@ class Retriever:
     def embed(self, tokens: np.ndarray) -> np.ndarray:
         """The query embeddings [L, d] of the chunks of `tokens`, from their texts, by the
         backend, in the precision and with the encoder threads the index was embedded with."""
-        from pipeline.embed.backends import embed_texts
+        from pipeline.embed.embedder import embed_texts
         from pipeline.embed.encoder import chunk_texts
 
         texts = chunk_texts(self.tokenizer, self.chunks(tokens))
@@ -224,7 +227,7 @@ class Retriever:
         L, k = len(queries), self.neighbours
         width = self.candidates if self.dedupe else k
         if self.routing is not None:
-            scores, ids = search_slices(self.routing, queries, width, [excluded] * L, self.depth)
+            scores, ids = search_slices(self.routing, queries, k=width, excluded_each=[excluded] * L, depth=self.depth)
         else:
             found = search_each_excluding(self.index, queries, width, [excluded] * L)
             scores, ids = found.scores, found.ids
@@ -232,7 +235,9 @@ class Retriever:
         check_in_database(hits, self.chunk_files.num_chunks)
         picks = select_distinct(self._with_token_keys(hits), k)[0] if self.dedupe else picks_of(hits)
         values = self._values(picks["chunk_id"])
-        return Neighbours(*neighbour_arrays(picks, values, L, k, self.chunk_tokens, self.pad_id))
+        return Neighbours(
+            *neighbour_arrays(picks, values, chunks_per_seq=L, k=k, m=self.chunk_tokens, pad_id=self.pad_id)
+        )
 
     def _each_file(self, chunk_ids: np.ndarray):
         """(where in `chunk_ids`, the chunk file holding them) for each file holding some,
@@ -279,12 +284,13 @@ def embedding_of(manifest: IndexManifest, device: str) -> EmbeddingConfig:
 def _encoder_of(index_dir: str, manifest: IndexManifest, embedding: EmbeddingConfig):
     """The encoder the index was embedded with (its directory, or a hub name loaded offline),
     in its backend, or IndexNotUsable."""
-    from pipeline.embed.backends import load_embedder, needs_calibration
+    from pipeline.embed.embedder import load_embedder, needs_calibration
 
     if needs_calibration(embedding):
         raise IndexNotUsable(
-            f"{index_dir}: built with embedding.backend openvino and quantize int8, calibrated on its corpus; "
-            "the retriever does not recalibrate it: rebuild with quantize: none to retrieve from it"
+            f"{index_dir}: built with embedding.backend {embedding.backend} and quantize {embedding.quantize}, "
+            "calibrated on its corpus; the retriever does not recalibrate it: rebuild with quantize: none to "
+            "retrieve from it"
         )
     name = manifest.embedding_model.name
     path = resolve_model(name)

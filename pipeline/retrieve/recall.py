@@ -22,7 +22,8 @@ import apache_beam as beam
 import numpy as np
 
 from pipeline.index.exact import exact_nearest_outside, exact_scores_of, merge_top
-from pipeline.index.recall import NEIGHBOUR_MEASURE, TIE_TOLERANCE, recall_with_ties
+from pipeline.index.recall import NEIGHBOUR_MEASURE, recall_with_ties
+from schemas.measures import TIE_TOLERANCE
 
 
 class Probe(NamedTuple):

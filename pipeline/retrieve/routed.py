@@ -42,7 +42,7 @@ def batch_of(keyed, chunks_per_seq: int) -> BatchQueries:
     return BatchQueries(batch, np.array(seq_ids, np.int64), stacked, excluded)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SliceQueries:
     """The rows of one search batch that one round sends to one slice."""
 
@@ -66,7 +66,7 @@ class SliceFound:
     ids: np.ndarray  # [r, width], -1 = none
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RoutedBatch:
     """A search batch between rounds: its queries, the best hits so far, and what the round
     in flight sent where."""
@@ -92,20 +92,30 @@ def route_rows(
     for number, (reached, mine) in sorted(route(lists, owner).items()):
         rows = state.rows[reached]
         excluded = [batch.excluded[row // chunks_per_seq] for row in rows.tolist()]
-        sent.append(SliceQueries(batch.batch, number, rows, queries[reached], mine, list_scores[reached], excluded))
+        sent.append(
+            SliceQueries(
+                batch=batch.batch,
+                index_slice=number,
+                rows=rows,
+                queries=queries[reached],
+                lists=mine,
+                list_scores=list_scores[reached],
+                excluded=excluded,
+            )
+        )
     return replace(state, sent=tuple(s.index_slice for s in sent)), sent
 
 
-def first_round(batch: BatchQueries, depth: int, width: int, quantized, owner, chunks_per_seq: int):
+def first_round(batch: BatchQueries, *, depth: int, width: int, quantized, owner, chunks_per_seq: int):
     """Every query of a batch routed at the tuned depth: (RoutedBatch, [SliceQueries])."""
     n = len(batch.queries)
     state = RoutedBatch(
-        batch,
-        depth,
-        np.arange(n),
-        (),
-        np.full((n, width), np.finfo(np.float32).min, np.float32),
-        np.full((n, width), -1, np.int64),
+        queries=batch,
+        depth=depth,
+        rows=np.arange(n),
+        sent=(),
+        scores=np.full((n, width), np.finfo(np.float32).min, np.float32),
+        ids=np.full((n, width), -1, np.int64),
     )
     return route_rows(state, quantized, owner, chunks_per_seq)
 
@@ -117,7 +127,12 @@ def search_slice(index_slice, sent: SliceQueries, width: int) -> SliceFound:
     ids = np.empty((len(sent.rows), width), np.int64)
     for group, selector, _keep in selector_groups(np.arange(len(sent.rows)), sent.excluded):
         scores[group], ids[group] = search_assigned(
-            index_slice, sent.queries[group], width, sent.lists[group], sent.list_scores[group], selector
+            index_slice,
+            sent.queries[group],
+            k=width,
+            lists=sent.lists[group],
+            list_scores=sent.list_scores[group],
+            selector=selector,
         )
     return SliceFound(sent.batch, sent.index_slice, sent.rows, scores, ids)
 

@@ -12,15 +12,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeline.chunks.chunk_files import ChunkFileRanges, CommittedChunkFiles
+from pipeline.chunks.deleted import DeletedRanges
 from pipeline.common import fileio
-from pipeline.common.arrays import groups, positions_of
+from pipeline.common.arrays import groups, merge_ranges, positions_of
 from pipeline.common.names import file_name
-from pipeline.index.deleted import DeletedRanges
+from pipeline.common.sampling import sample_keys
 from pipeline.index.files import LIST_OWNERS_FILE, QUANTIZER_FILE
-from pipeline.index.sampling import sample_keys
 from pipeline.index.search import search_each_excluding
 from pipeline.retrieve.recall import Probe
-from pipeline.retrieve.sequences import merge_ranges
 from pipeline.shards.rows import SequenceBatch
 from schemas.arrow import tensor_column_to_numpy
 
@@ -172,7 +171,7 @@ class Routing:
         return fileio.join(self.directory, file_name("slice", number, "faiss"))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Retrieval:
     """What `RetrieveNeighbours` needs (small and picklable: it travels with the transforms)."""
 
@@ -207,7 +206,7 @@ def batch_documents(keyed):
         yield doc_id, batch
 
 
-def _excluded_ranges(keyed):
+def excluded_ranges(keyed):
     """(doc_id, its span and the search batches holding it) -> (batch, (doc_id, span)) per
     batch, span None for a document not in the database (a separate training corpus: it
     excludes nothing), so every sequence can check that each of its documents answered."""

@@ -47,7 +47,7 @@ SENT = "sent"  # tagged output: (search batch, SentCounts: what each sequence se
 TALLY = "tally"  # tagged output: (name, count) pairs, counted as data (pipeline.common.tally)
 
 
-def emit_hits(spec: Retrieval, batch: int, seq_ids: list[int], hits: np.ndarray, deeper_seqs, searched_alone: int):
+def emit_hits(spec: Retrieval, batch: int, *, seq_ids: list[int], hits: np.ndarray, deeper_seqs, searched_alone: int):
     """What a searched batch sends on: tallies, the count each of its sequences will receive
     (one `SentCounts`, keyed by the batch), and the hits in blocks keyed by the chunk file
     holding them: the k neighbours as PICK rows, or (deduplicating) the CANDIDATE rows.
@@ -97,7 +97,14 @@ class _Search(beam.DoFn):
         index = _loaded_index(self._shared_index, self.spec.index_path, tuned.depth, self.spec.chunk_files).index
         sequences, hits, deeper, alone = search_batch(index, grouped, self.spec)
         if sequences:  # none: only the embeddings of chunks left over after the last sequence
-            yield from emit_hits(self.spec, keyed[0], [s.seq_id for s in sequences], hits, deeper, alone)
+            yield from emit_hits(
+                self.spec,
+                keyed[0],
+                seq_ids=[s.seq_id for s in sequences],
+                hits=hits,
+                deeper_seqs=deeper,
+                searched_alone=alone,
+            )
 
 
 BATCHES_PER_SEARCH_GROUP = 256  # search batches a (slice, group) key holds: the slice is loaded once per group
@@ -139,12 +146,19 @@ class _RouteQueries(beam.DoFn):
             return
         quantized, owner = _router(self._shared_quantizer, self.spec, self.routing)
         depth = tuned.depth or faiss.extract_index_ivf(quantized).nprobe
-        state, sent = first_round(batch, depth, _width(self.spec), quantized, owner, self.spec.chunks_per_seq)
+        state, sent = first_round(
+            batch,
+            depth=depth,
+            width=_width(self.spec),
+            quantized=quantized,
+            owner=owner,
+            chunks_per_seq=self.spec.chunks_per_seq,
+        )
         yield beam.pvalue.TaggedOutput(STATE, (batch.batch, state))
         yield from map(_search_key, sent)
 
 
-class _SearchRouted(beam.DoFn):
+class SearchRouted(beam.DoFn):
     """((slice, group), SliceQueries) -> (batch, SliceFound): each process loads the slice of
     the group it is given and searches every batch's rows sent to it, only their lists."""
 
@@ -179,7 +193,14 @@ class _MergeRound(beam.DoFn):
         L = self.spec.chunks_per_seq
         state, deeper = merge_round(states[0], list(grouped["found"]), _width(self.spec), self.routing.nlist, L)
         if not deeper:
-            yield from emit_hits(self.spec, batch, state.queries.seq_ids.tolist(), hits_of(state, L), state.deeper, 0)
+            yield from emit_hits(
+                self.spec,
+                batch,
+                seq_ids=state.queries.seq_ids.tolist(),
+                hits=hits_of(state, L),
+                deeper_seqs=state.deeper,
+                searched_alone=0,
+            )
             return
         state, sent = route_rows(state, *_router(self._shared_quantizer, self.spec, self.routing), L)
         yield beam.pvalue.TaggedOutput(STATE, (batch, state))
@@ -229,7 +250,7 @@ class SearchIndex(beam.PTransform):
                     "found": (
                         sent
                         | f"GroupBySlice{number}" >> beam.GroupByKey()
-                        | f"SearchSlices{number}" >> beam.ParDo(_SearchRouted(spec, routing))
+                        | f"SearchSlices{number}" >> beam.ParDo(SearchRouted(spec, routing))
                     ),
                 }
                 | f"JoinSliceHits{number}" >> beam.CoGroupByKey()

@@ -12,7 +12,7 @@ from pipeline.shards.rows import Sequence
 
 
 def pack_sequence(
-    seq_id: int, tokens: np.ndarray, doc_ids: np.ndarray, next_token: int | None, next_doc: int | None, pad_id: int
+    seq_id: int, tokens: np.ndarray, doc_ids: np.ndarray, *, next_token: int | None, next_doc: int | None, pad_id: int
 ) -> Sequence:
     """The tokens [L, m] and documents [L] of L consecutive chunks + the first token of the
     chunk after them (and its document)."""
@@ -46,7 +46,9 @@ def pack_batch(batch: int, parts: list[TrainingChunks], chunks_per_seq: int, seq
         if not present[:L].all():
             continue
         next_token, next_doc = (int(rows.tokens[at[L], 0]), int(rows.doc_id[at[L]])) if present[L] else (None, None)
-        yield pack_sequence(seq_id, rows.tokens[at[:L]], rows.doc_id[at[:L]], next_token, next_doc, pad_id)
+        yield pack_sequence(
+            seq_id, rows.tokens[at[:L]], rows.doc_id[at[:L]], next_token=next_token, next_doc=next_doc, pad_id=pad_id
+        )
 
 
 def document_spans(chunk_ids: np.ndarray, doc_ids: np.ndarray) -> list[tuple[int, tuple[int, int]]]:
@@ -60,20 +62,3 @@ def document_spans(chunk_ids: np.ndarray, doc_ids: np.ndarray) -> list[tuple[int
     starts = np.flatnonzero(np.r_[True, docs[1:] != docs[:-1]])
     ends = np.r_[starts[1:], len(ids)]
     return [(int(docs[a]), (int(ids[a]), int(ids[b - 1]) + 1)) for a, b in zip(starts, ends)]
-
-
-def widest_span(spans) -> tuple[int, int]:
-    """Merge partial spans of one document (associative, so Beam can combine it anywhere)."""
-    spans = list(spans)
-    return min(a for a, _ in spans), max(b for _, b in spans)
-
-
-def merge_ranges(ranges) -> list[tuple[int, int]]:
-    """Sorted [start, end) ranges with overlapping and adjacent ones joined."""
-    merged: list[tuple[int, int]] = []
-    for start, end in sorted(ranges):
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((start, end))
-    return merged

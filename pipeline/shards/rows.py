@@ -3,8 +3,8 @@
 `Sequence` (a packed training sequence) and `ShardRow` (a sequence with its neighbours: one
 row of a shard) are what the retrieve and shards transforms pass on; the audit measures r(C) for each
 chunk of a row (docs/design.md §4, `overlap`). `inspect`, `report` and the tests' shard
-fixtures need these without a Beam job, so this module imports numpy only (no Beam, faiss
-or torch).
+fixtures need these without a Beam job, so this module imports numpy and the shard spec only
+(no Beam, faiss or torch).
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 import numpy as np
+
+from schemas.shard_columns import ShardDims
 
 
 @dataclass(frozen=True)
@@ -21,14 +23,23 @@ class Sequence:
     doc_ids: tuple  # sorted ids of every document whose tokens it holds
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ShardRow:
+    """A sequence with its neighbours: what a shard row's columns are taken from
+    (`schemas/shard_columns.py`)."""
+
     seq_id: int
     tokens: np.ndarray  # [n + 1]
     neighbours: np.ndarray  # [n/m, k, 2m]
     neighbour_ids: np.ndarray  # [n/m, k]
     neighbour_scores: np.ndarray  # [n/m, k]
     doc_ids: tuple
+
+    @property
+    def dims(self) -> ShardDims:
+        """n, m and k as this row's arrays hold them."""
+        _, k, width = self.neighbours.shape
+        return ShardDims(n=len(self.tokens) - 1, m=width // 2, k=k)
 
 
 @dataclass(frozen=True)
@@ -82,15 +93,18 @@ def _by_column(batch_type, record_type, records: list):
 
 
 def _from_columns(batch_type, record_type, seq_ids: np.ndarray, *columns):
-    return batch_type([record_type(*values) for values in zip(seq_ids.tolist(), *columns)])
+    names = [field.name for field in fields(record_type)]
+    return batch_type([record_type(**dict(zip(names, values))) for values in zip(seq_ids.tolist(), *columns)])
 
 
-def neighbour_arrays(picks: np.ndarray, values: np.ndarray, chunks_per_seq: int, k: int, m: int, pad_id: int):
+def neighbour_arrays(picks: np.ndarray, values: np.ndarray, *, chunks_per_seq: int, k: int, m: int, pad_id: int):
     """One sequence's kept neighbours (records with j, slot, chunk_id, score) and their values
     [n, 2m] -> neighbours [L, k, 2m], ids [L, k] (-1 = absent), scores [L, k]; absent slots
     hold pad_id and score 0."""
     row = np.zeros(len(picks), np.int64)
-    tokens, ids, scores = sequences_neighbour_arrays(row, 1, picks, values, chunks_per_seq, k, m, pad_id)
+    tokens, ids, scores = sequences_neighbour_arrays(
+        row, 1, picks, values, chunks_per_seq=chunks_per_seq, k=k, m=m, pad_id=pad_id
+    )
     return tokens[0], ids[0], scores[0]
 
 
@@ -99,6 +113,7 @@ def sequences_neighbour_arrays(
     sequences: int,
     picks: np.ndarray,
     values: np.ndarray,
+    *,
     chunks_per_seq: int,
     k: int,
     m: int,

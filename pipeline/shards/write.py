@@ -3,25 +3,18 @@
 from __future__ import annotations
 
 import apache_beam as beam
-import numpy as np
 
 from pipeline.common.writers import WriteGroupedFiles
 from pipeline.shards.rows import ShardRow
 from schemas.arrow import shard_ipc_bytes, shard_table
 from schemas.manifest import ShardEntry
+from schemas.shard_columns import columns_of
 
 
 def rows_to_ipc(rows: list[ShardRow], pad_id: int) -> bytes:
-    table = shard_table(
-        np.array([r.seq_id for r in rows], dtype=np.int64),
-        np.stack([r.tokens for r in rows]),
-        np.stack([r.neighbours for r in rows]),
-        np.stack([r.neighbour_ids for r in rows]),
-        np.stack([r.neighbour_scores for r in rows]),
-        [r.doc_ids for r in rows],
-        pad_id=pad_id,
-    )
-    return shard_ipc_bytes(table)
+    """One shard's rows (at least one) -> its file, each column taken from the rows as the spec
+    (`schemas/shard_columns.py`) says."""
+    return shard_ipc_bytes(shard_table(columns_of(rows), dims=rows[0].dims, pad_id=pad_id))
 
 
 class WriteShards(beam.PTransform):
@@ -38,9 +31,9 @@ class WriteShards(beam.PTransform):
         pad_id = self.pad_id
         return rows | "WriteShardFiles" >> WriteGroupedFiles(
             self.directory,
-            self.directory,
-            "shard",
-            "arrow",
+            relative_to=self.directory,
+            prefix="shard",
+            extension="arrow",
             key=lambda r: r.seq_id,
             rows_per_file=self.shard_rows,
             to_bytes=lambda rs: rows_to_ipc(rs, pad_id),

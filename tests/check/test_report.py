@@ -346,13 +346,13 @@ def test_a_report_on_shards_in_a_file_table_reads_columns_not_entries(tmp_path, 
 
 @pytest.mark.unit
 def test_a_rejected_example_shows_what_its_reason_adds():
-    from pipeline.check.html import _rejected_body
+    from pipeline.check.html import rejected_body
     from pipeline.check.report_samples import RejectedReason
 
     near = {"source": "a.jsonl", "position": 3, "reason": "near_duplicate_of_evaluation", "excerpt": "Some text"}
     near.update(doc_id=7, jaccard=0.9312, evaluation_id="eval-1")
     plain = {"source": "b.jsonl", "position": 0, "reason": "empty_text", "excerpt": "{}"}
-    body = _rejected_body(
+    body = rejected_body(
         [RejectedReason("near_duplicate_of_evaluation", 1, (near,)), RejectedReason("empty_text", 1, (plain,))]
     )
     assert "a.jsonl:3: [doc_id 7, jaccard 0.9312, evaluation_id eval-1] Some text" in body

@@ -22,8 +22,8 @@ def test_positions_of_finds_present_ids_and_flags_missing_ones():
 
 @pytest.mark.unit
 def test_ranges_of_lays_runs_end_to_end_as_a_loop_would():
+    from pipeline.chunks.deleted import DeletedDocument, DeletedRanges
     from pipeline.common.arrays import ranges_of
-    from pipeline.index.deleted import DeletedDocument, DeletedRanges
 
     starts, counts = np.array([5, 0, 40, 9]), np.array([3, 0, 2, 1])
     loop = [i for s, c in zip(starts.tolist(), counts.tolist()) for i in range(s, s + c)]

@@ -4,8 +4,7 @@ import apache_beam as beam
 import pytest
 from apache_beam.testing.util import assert_that, equal_to
 
-from pipeline.common.writers import REJECTED_BLOCK, REJECTED_FILES, WriteRejected, rejected_file_of
-from pipeline.corpus.records import Rejected
+from pipeline.common.rejected import REJECTED_BLOCK, REJECTED_FILES, Rejected, WriteRejected, rejected_file_of
 from tests.helpers import local_pipeline, read_rejected
 
 

@@ -11,6 +11,7 @@ import pytest
 from apache_beam.pipeline import PipelineVisitor
 from apache_beam.testing.util import assert_that, equal_to
 
+from pipeline.common.rejected import Rejected
 from pipeline.corpus.parse import (
     count_lines,
     glob_base,
@@ -22,7 +23,7 @@ from pipeline.corpus.parse import (
     split_file,
 )
 from pipeline.corpus.read import ReadCorpus
-from pipeline.corpus.records import Document, Rejected, doc_id_for
+from pipeline.corpus.records import Document, doc_id_for
 from schemas.stage_config import CorpusConfig
 from tests.helpers import REPO, local_pipeline
 

@@ -10,7 +10,8 @@ import pytest
 from apache_beam.testing.util import assert_that, equal_to
 
 from benchmarks.synthetic import words_replaced
-from pipeline.corpus.records import NEAR_DUPLICATE, Document, doc_id_for
+from pipeline.common.rejected import NEAR_DUPLICATE
+from pipeline.corpus.records import Document, doc_id_for
 from pipeline.decontaminate.beam import ReadCorpusKeptClean
 from pipeline.decontaminate.minhash import jaccard, shingles
 from schemas.config import config_from_dict

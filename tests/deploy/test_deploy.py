@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from pipeline.cli import main
-from pipeline.jobs.flex_template import split_args
+from pipeline.flex_template import split_args
 from pipeline.jobs.options import pipeline_options
 from tests.helpers import REPO, small_config, write_config
 

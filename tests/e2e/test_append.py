@@ -17,15 +17,16 @@ from pipeline.check.html import write_report
 from pipeline.check.problems import ValidationFailed
 from pipeline.check.validate import validate_path
 from pipeline.chunks.chunk_files import ChunkFileRanges
+from pipeline.chunks.deleted import read_deleted
+from pipeline.common.errors import StageError
+from pipeline.common.fileio import committed
 from pipeline.corpus.records import doc_id_for
-from pipeline.index.deleted import read_deleted
 from pipeline.index.files import read_embeddings, read_index, read_owners
 from pipeline.index.routing import list_blocks
 from pipeline.index.search import set_search_depth
 from pipeline.jobs.append_job import change_index
-from pipeline.jobs.commit import StageError
 from pipeline.jobs.index_job import build_index
-from pipeline.jobs.reuse import committed, committed_index, corpus_changes, index_action, listed_corpus_files
+from pipeline.jobs.reuse import committed_index, corpus_changes, index_action, listed_corpus_files
 from pipeline.jobs.run import run_all
 from pipeline.jobs.shards_job import build_shards
 from schemas.config import config_from_dict
@@ -225,7 +226,7 @@ def test_of_two_changes_built_on_one_manifest_the_second_commits_nothing(tmp_pat
     write_jsonl(tmp_path / "corpus" / "c.jsonl", sample_documents(6, start=18))
     changes = corpus_changes(base, listed_corpus_files(cfg))
     with pytest.raises(StageError, match="changed while this job ran"):
-        change_index(cfg, base, base_sha, changes, [])
+        change_index(cfg, base, previous_sha256=base_sha, changes=changes, beam_args=[])
     assert committed(str(out / "index"), IndexManifest) == first  # the first change stands, whole
     assert all(line.startswith("OK") for line in validate_path(str(out / "index")))
     assert not (out / ".staging").exists()

@@ -13,7 +13,8 @@ import pytest
 from benchmarks.synthetic import words_replaced
 from pipeline.check.problems import ValidationFailed
 from pipeline.check.validate import validate_path
-from pipeline.corpus.records import NEAR_DUPLICATE, doc_id_for
+from pipeline.common.rejected import NEAR_DUPLICATE
+from pipeline.corpus.records import doc_id_for
 from pipeline.decontaminate.minhash import jaccard, shingles
 from pipeline.jobs.run import run_all
 from schemas.config import config_from_dict

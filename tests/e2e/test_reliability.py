@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.jobs.commit import StageError
+from pipeline.common.errors import StageError
 from pipeline.jobs.index_job import build_index
 from schemas.config import config_from_dict
 from tests.helpers import read_rejected, sample_documents, small_config

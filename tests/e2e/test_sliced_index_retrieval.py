@@ -67,7 +67,7 @@ def test_build_shards_over_a_sliced_index_finds_the_neighbours_of_one_index(slic
 def test_build_shards_fails_uncommitted_when_an_index_slices_results_are_lost(sliced, tmp_path, monkeypatch):
     root, config, _, _ = sliced
     shutil.copytree(root / "out" / "index", tmp_path / "out" / "index")
-    search = search_beam._SearchRouted.process
+    search = search_beam.SearchRouted.process
 
     def without_slice_1(self, keyed):  # as if the runner dropped what slice 1 sent
         (index_slice, _), _ = keyed
@@ -75,7 +75,7 @@ def test_build_shards_fails_uncommitted_when_an_index_slices_results_are_lost(sl
             yield from search(self, keyed)
 
     # the search step's DoFn is the one place to drop a slice's results from inside the job
-    monkeypatch.setattr(search_beam._SearchRouted, "process", without_slice_1)
+    monkeypatch.setattr(search_beam.SearchRouted, "process", without_slice_1)
     with pytest.raises(Exception, match=rf"index slices \[0, 2.*answered.*{LOST_DATA}"):
         build_shards(config_from_dict({**config, "output": str(tmp_path / "out")}), [])
     assert not (tmp_path / "out" / "shards" / "manifest.json").exists()

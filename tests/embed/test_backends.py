@@ -10,13 +10,14 @@ import pytest
 from apache_beam.testing.util import assert_that
 
 from pipeline.common.models import resolve_model, resolve_tokenizer
+from pipeline.common.sampling import sample_keys
 from pipeline.console import error_line
 from pipeline.embed import backends
-from pipeline.embed.backends import ExportedModelUnusable, embed_texts, exported_model, load_embedder
+from pipeline.embed.backends import ExportedModelUnusable, exported_model
 from pipeline.embed.beam import EmbedChunks
+from pipeline.embed.embedder import embed_texts, load_embedder
 from pipeline.embed.encoder import chunk_texts, encode_texts, has_bfloat16_units, load_encoder
 from pipeline.embed.precision import PrecisionTooLow, check_precision, top2_agreement
-from pipeline.index.sampling import sample_keys
 from schemas.config import ConfigError, config_from_dict, stable_hash
 from schemas.stage_config import EmbeddingConfig
 from tests.embed.test_embed import _chunks
@@ -52,7 +53,7 @@ def test_the_backend_and_quantisation_are_part_of_the_embed_hash():
     cfg = _config()
     before = {
         **cfg.model_dump(include={"retrieval_corpus", "tokenizer", "chunk_tokens", "chunk_file_rows"}),
-        "embedding": cfg.embedding.model_dump(exclude=set(EmbeddingConfig.PLACEMENT) | {"backend", "quantize"}),
+        "embedding": cfg.embedding.model_dump(include={"model", "batch_size", "device", "precision"}),
     }
     assert cfg.embed_hash() == stable_hash(before)
 
@@ -140,7 +141,7 @@ def test_a_corrupt_export_fails_the_build_in_one_line_and_is_exported_again(mode
     path = exported_model(model_copy, "int8")
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # cut short after it was written
     exported_model.cache_clear()  # a new worker process
-    backends._loaded.cache_clear()
+    backends.loaded_exported.cache_clear()
     with pytest.raises(Exception) as failed:
         with local_pipeline() as p:
             _ = p | beam.Create(chunks) | EmbedChunks(cfg, resolve_tokenizer(None), 1)
@@ -155,8 +156,8 @@ def test_a_corrupt_export_fails_the_build_in_one_line_and_is_exported_again(mode
     assert exported_model(model_copy, "int8") == path and not stale.exists()
     # a file whose recorded sha256 matches but that the runtime cannot read: the same
     path.write_bytes(b"not an onnx model")
-    path.with_name(path.name + ".sha256").write_text(backends._sha256(path))
-    backends._loaded.cache_clear()
+    path.with_name(path.name + ".sha256").write_text(backends.file_sha256(path))
+    backends.loaded_exported.cache_clear()
     with pytest.raises(ExportedModelUnusable, match="onnx cannot load it"):
         load_embedder(cfg, 1)
     assert not path.exists()

@@ -8,6 +8,7 @@ import pytest
 from apache_beam.metrics.metric import MetricsFilter
 from apache_beam.testing.util import assert_that, equal_to
 
+from pipeline.common.sampling import TRAIN_SALT, in_sample
 from pipeline.index.build import BuildIndex
 from pipeline.index.build_slices import FilledPart, SumListSizes, plan_slices
 from pipeline.index.exact import exact_nearest_other
@@ -26,7 +27,6 @@ from pipeline.index.files import load_index, write_index
 from pipeline.index.kmeans import REFINE_ITERATIONS, list_assigner, list_sums, moved_centroids
 from pipeline.index.recall import one_recall_at_k
 from pipeline.index.routing import list_sizes
-from pipeline.index.sampling import TRAIN_SALT, in_sample
 from pipeline.index.search import EXCLUSION_MARGIN_CAP, search_each_excluding, search_excluding, set_search_depth
 from pipeline.index.slices import vectors_per_slice
 from pipeline.index.train import build_index, merge_part, train_index
@@ -198,7 +198,7 @@ def test_ivf_depth_is_tuned_to_the_target_recall():
     index = build_index(ids, vectors, "IVF64,Flat")
     query_ids = ids[::40]
     truth = exact_nearest_other(query_ids, vectors[query_ids], ids, vectors)
-    depth, recall, plateau = tune_search_depth(index, query_ids, vectors[query_ids], truth, 0.9)
+    depth, recall, plateau = tune_search_depth(index, query_ids, vectors[query_ids], truth, target=0.9)
     assert recall >= 0.9 and 1 <= depth <= 64 and not plateau
     if depth > 1:  # one step shallower misses the target: the smallest depth was chosen
         faiss.extract_index_ivf(index).nprobe = depth // 2
@@ -234,7 +234,7 @@ def test_tuning_stops_at_a_plateau_below_an_unreachable_target():
     index = build_index(ids, vectors, "IVF64,PQ4x4np")  # 2 bytes a vector: recall is capped
     query_ids = ids[::40]
     truth = exact_nearest_other(query_ids, vectors[query_ids], ids, vectors)
-    depth, recall, plateau = tune_search_depth(index, query_ids, vectors[query_ids], truth, 0.999)
+    depth, recall, plateau = tune_search_depth(index, query_ids, vectors[query_ids], truth, target=0.999)
     assert plateau and recall < 0.999 and depth < 64  # never the exhaustive nlist
     faiss.extract_index_ivf(index).nprobe = 2 * depth
     assert one_recall_at_k(index, query_ids, vectors[query_ids], truth) - recall < 0.005
@@ -483,7 +483,9 @@ def test_lists_are_shared_out_among_slices_only_when_there_are_several(tmp_path,
     )
     sizes = np.sum([part.list_sizes for part in parts], axis=0)
     assert (totals[0] == sizes).all() and totals[1] == 3
-    plan = IndexPlan(factory, dim, len(kept), 3000, "flat", mergeable=True, queries=100)
+    plan = IndexPlan(
+        factory=factory, dim=dim, count=len(kept), train_size=3000, clustering="flat", mergeable=True, queries=100
+    )
     trained_path = str(tmp_path / "trained.faiss")
     third = estimated_bytes(factory, len(kept) // 3, dim)
 

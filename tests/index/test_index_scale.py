@@ -132,7 +132,7 @@ def test_a_sliced_index_is_slices_within_the_size_that_search_as_the_single_inde
     slices = [load_index(str(directory / p), manifest["nprobe"]) for p in slice_paths]
     index = load_index(str(root / "idx" / "faiss" / "index.faiss"), single["nprobe"])
     rows = np.random.default_rng(7).choice(N, 1000, replace=False)
-    ours = outside_recall(lambda q, k: search_routed(quantizer, slices, owner, q, k)[1], ids, vectors, rows)
+    ours = outside_recall(lambda q, k: search_routed(quantizer, slices, owner, q, k=k)[1], ids, vectors, rows)
     one = outside_recall(lambda q, k: index.search(q, k)[1], ids, vectors, rows)
     assert ours >= 0.95 and abs(ours - one) <= 0.01
     assert abs(manifest["recall_at_k"]["value"] - single["recall_at_k"]["value"]) <= 0.01

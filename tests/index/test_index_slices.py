@@ -74,11 +74,11 @@ def test_exact_ties_come_back_as_the_single_index_gives_them(factory):
         set_search_depth(index, 4)
     for k in (2, 3, 4, 6, 8):
         expected_scores, expected = single.search(vectors[:1], k)
-        scores, found, _, _ = search_routed(single, slices, owner, vectors[:1], k)
+        scores, found, _, _ = search_routed(single, slices, owner, vectors[:1], k=k)
         plain_scores, plain = merge_slice_results([s.search(vectors[:1], k) for s in slices], k)
         assert found.tolist() == plain.tolist() == expected.tolist()
         assert np.array_equal(scores, expected_scores) and np.array_equal(plain_scores, expected_scores)
-    assert search_routed(single, slices, owner, vectors[:1], 3)[1][0].tolist() == [17, 5, 0]
+    assert search_routed(single, slices, owner, vectors[:1], k=3)[1][0].tolist() == [17, 5, 0]
 
 
 # --- a small SQ8 index in slices, read back from their files --------------------------------
@@ -133,7 +133,7 @@ def test_slices_fit_their_size_and_hold_only_their_lists(built):
 def _routed_at(built, depth):
     """The slices as one index's `search`, routed at `depth`."""
     return types.SimpleNamespace(
-        search=lambda q, k: search_routed(built.single, built.slices, built.owner, q, k, depth=depth)[:2]
+        search=lambda q, k: search_routed(built.single, built.slices, built.owner, q, k=k, depth=depth)[:2]
     )
 
 
@@ -141,7 +141,7 @@ def _routed_at(built, depth):
 def test_slices_answer_what_the_single_index_answers(built, depth):
     set_search_depth(built.single, depth)
     expected_scores, expected = built.single.search(built.queries, 10)
-    scores, found, deeper, _ = search_routed(built.single, built.slices, built.owner, built.queries, 10, depth=depth)
+    scores, found, deeper, _ = search_routed(built.single, built.slices, built.owner, built.queries, k=10, depth=depth)
     assert deeper == 0 and np.mean(found == expected) >= 0.995
     assert np.allclose(scores[found == expected], expected_scores[found == expected], rtol=0, atol=1e-6)
     # build-index tunes on each slice searched plainly at the depth, merged
@@ -154,7 +154,7 @@ def test_slices_answer_what_the_single_index_answers(built, depth):
 
 def test_tuning_over_slices_finds_the_single_index_depth(built):
     args = built.query_ids, built.queries, built.truth
-    expected = tune_search_depth(built.single, *args, 0.9)
+    expected = tune_search_depth(built.single, *args, target=0.9)
     depths = search_depth_range(built.slices[0])
     depth, recall, _ = tune_depth(depths, lambda d: one_recall_at_k(_routed_at(built, d), *args), 0.9)
     assert (depth, recall) == (expected[0], expected[1]) and depth > 1
@@ -172,7 +172,7 @@ def test_excluded_ranges_as_one_index_excludes_them(built):
         excluded_each += [excluded] * 32
         rows.append(np.arange(start, start + 32))
     queries = built.vectors[np.concatenate(rows)]
-    _, found, _, _ = search_routed(built.single, built.slices, built.owner, queries, 10, excluded_each)
+    _, found, _, _ = search_routed(built.single, built.slices, built.owner, queries, k=10, excluded_each=excluded_each)
     assert (found >= 0).all()
     for ranges, row in zip(excluded_each, found):
         assert not any(((row >= start) & (row < end)).any() for start, end in ranges)

@@ -53,7 +53,7 @@ def test_routed_slices_return_one_indexs_neighbours(count):
     index, _, queries = _index("IVF256,Flat")
     want_scores, want_ids = index.search(queries, K)
     slices, owner, _ = _slices(index, count)
-    scores, ids, deeper, sent = search_routed(index, slices, owner, queries, K)
+    scores, ids, deeper, sent = search_routed(index, slices, owner, queries, k=K)
     assert _same_slots(ids, scores, want_ids, want_scores) >= 0.999
     assert deeper == 0
     if count > 1:  # a query's 8 probed lists are neighbours, so it reaches few of the slices
@@ -76,7 +76,7 @@ def test_deepening_is_decided_on_the_merged_result(factory):
     excluded = [(0, 1_000), (1_001, 3_000), (3_001, 5_999)]
     want_scores, want_ids, _ = search_excluding(index, queries[:20], 3, excluded)
     slices, owner, _ = _slices(index, 8)
-    scores, ids, deeper, _ = search_routed(index, slices, owner, queries[:20], 3, [excluded] * 20)
+    scores, ids, deeper, _ = search_routed(index, slices, owner, queries[:20], k=3, excluded_each=[excluded] * 20)
     assert deeper > 0
     assert (np.sort(ids, axis=1) == [1_000, 3_000, 5_999]).all()
     assert _same_slots(ids, scores, want_ids, want_scores) == 1.0
@@ -127,7 +127,7 @@ def test_an_exact_tie_across_slices_keeps_the_lowest_id_where_one_index_keeps_th
     query = np.array([[1.0, 0.0]], np.float32)
     _, one = index.search(query, 1)
     owner = np.array([0, 1], np.int32)
-    _, routed, _, _ = search_routed(index, slice_by_lists(index, owner), owner, query, 1)
+    _, routed, _, _ = search_routed(index, slice_by_lists(index, owner), owner, query, k=1)
     assert one.tolist() == [[5]] and routed.tolist() == [[3]]
 
 
@@ -166,7 +166,9 @@ def test_a_grown_slice_is_cut_and_a_list_empty_at_the_build_gets_the_owner_of_it
         add_list_blocks(index_slice, [appended.blocks[number]] if number in appended.blocks else [])
         pieces = [(number, index_slice)]
         if index_slice.ntotal > fits:
-            pieces, owner = cut_slice(index_slice, trained, owner, number, len(slices) + len(grown), fits)
+            pieces, owner = cut_slice(
+                index_slice, trained, owner=owner, number=number, first_new=len(slices) + len(grown), fits=fits
+            )
             grown += pieces[1:]
         slices[number] = pieces[0][1]
     slices += [piece for _, piece in grown]
@@ -175,5 +177,5 @@ def test_a_grown_slice_is_cut_and_a_list_empty_at_the_build_gets_the_owner_of_it
         held = np.flatnonzero(list_sizes(index_slice))
         assert (owner[held] == number).all()
     want_scores, want_ids = everything.search(queries, K)
-    scores, found, _, _ = search_routed(everything, slices, owner, queries, K)
+    scores, found, _, _ = search_routed(everything, slices, owner, queries, k=K)
     assert _same_slots(found, scores, want_ids, want_scores) >= 0.999

@@ -12,11 +12,11 @@ import pytest
 from apache_beam.testing.util import assert_that
 
 from benchmarks.synthetic import long_documents
+from pipeline.common.sampling import QUERY_SALT, in_sample
 from pipeline.index.build import BuildIndex
 from pipeline.index.exact import exact_nearest_other, exact_nearest_outside
 from pipeline.index.files import searched_files
 from pipeline.index.recall import one_recall_at_k, recall_of
-from pipeline.index.sampling import QUERY_SALT, in_sample
 from pipeline.index.search import search_depth_range, search_each_excluding, set_search_depth
 from pipeline.index.train import build_index
 from pipeline.index.tuning import tune_index_depth

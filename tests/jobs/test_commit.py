@@ -8,7 +8,8 @@ from apache_beam.io.filesystems import FileSystems
 from pydantic import BaseModel
 
 from pipeline.common import fileio
-from pipeline.jobs.commit import StageError, commit_directory, new_staging_dir, publish_rejected
+from pipeline.common.errors import StageError
+from pipeline.jobs.commit import commit_directory, new_staging_dir, publish_rejected
 
 pytestmark = pytest.mark.unit
 
@@ -135,11 +136,11 @@ def test_a_job_whose_input_changed_while_it_ran_commits_nothing_but_a_retry_afte
         staging = _stage(tmp_path, ["shard-00000.arrow"])
         commit_stage(
             written,
-            staging,
-            str(tmp_path),
-            str(tmp_path / "shards"),
-            clock,
-            ["shard-00000.arrow"],
+            staging=staging,
+            output=str(tmp_path),
+            final=str(tmp_path / "shards"),
+            clock=clock,
+            staged=["shard-00000.arrow"],
             reads=((str(index), read_then),),
         )
 

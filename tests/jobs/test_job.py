@@ -2,7 +2,7 @@
 
 import pytest
 
-from pipeline.jobs.job import _sorted_entries, stage_timings
+from pipeline.jobs.job import sorted_entries, stage_timings
 
 pytestmark = pytest.mark.unit
 
@@ -26,6 +26,6 @@ def test_manifest_entries_come_sorted_by_path_and_a_path_written_twice_fails():
     def entry(path, rows):
         return FileEntry(path=path, rows=rows, bytes=0, sha256="")
 
-    assert [e.path for e in _sorted_entries([entry("b", 1), entry("a", 2)])] == ["a", "b"]
+    assert [e.path for e in sorted_entries([entry("b", 1), entry("a", 2)])] == ["a", "b"]
     with pytest.raises(RuntimeError, match="a was written twice"):
-        _sorted_entries([entry("a", 1), entry("b", 1), entry("a", 2)])
+        sorted_entries([entry("a", 1), entry("b", 1), entry("a", 2)])

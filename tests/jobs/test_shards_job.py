@@ -36,7 +36,7 @@ def test_an_index_in_slices_by_chunk_id_range_is_refused_with_what_to_do(tmp_pat
     """Slices without the quantizer and list owners (an index built before slices owned lists)
     cannot be routed to: build-shards says to rebuild it rather than search a missing file."""
     from benchmarks.scale_sim import CHUNK_FILE_ROWS, config, index_manifest, write_manifest
-    from pipeline.jobs.commit import StageError
+    from pipeline.common.errors import StageError
     from pipeline.jobs.index_files import load_committed_index
 
     cfg = config(tmp_path)

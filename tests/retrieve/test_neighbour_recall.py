@@ -3,14 +3,15 @@ import numpy as np
 import pytest
 from apache_beam.testing.util import assert_that
 
+from pipeline.chunks.deleted import DELETE_REQUESTED, REPLACED, DeletedDocument, DeletedRanges
 from pipeline.common.writers import embeddings_table, parquet_bytes
 from pipeline.index import exact
-from pipeline.index.deleted import DELETE_REQUESTED, REPLACED, DeletedDocument, DeletedRanges
 from pipeline.index.exact import exact_scores_of, exact_top, merge_top
-from pipeline.index.recall import TIE_TOLERANCE, recall_of, recall_with_ties
+from pipeline.index.recall import recall_of, recall_with_ties
 from pipeline.retrieve.beam import ReadQueryBlocks
 from pipeline.retrieve.recall import ExactTruth, MeasureNeighbourRecall, Probe, SmallestProbes, scan_batch
 from pipeline.shards.rows import RowBatch, ShardRow
+from schemas.measures import TIE_TOLERANCE
 from tests.helpers import local_pipeline
 
 L, K, D = 2, 3, 16
@@ -136,7 +137,14 @@ def test_measure_neighbour_recall_against_exact_search(tmp_path):
             best, _ = _exact(vectors, query, own, K + 1)
             ids[j] = best[:K] if s % 2 == 0 else best[1:]
         shard_rows.append(
-            ShardRow(s, np.zeros(5, np.int32), np.zeros((L, K, 4), np.int32), ids, np.zeros((L, K), np.float32), (s,))
+            ShardRow(
+                seq_id=s,
+                tokens=np.zeros(5, np.int32),
+                neighbours=np.zeros((L, K, 4), np.int32),
+                neighbour_ids=ids,
+                neighbour_scores=np.zeros((L, K), np.float32),
+                doc_ids=(s,),
+            )
         )
     sampled = sorted(probes, key=lambda p: p[:3])[:30]  # keys are the chunk ids here
 

@@ -11,11 +11,11 @@ import pytest
 from apache_beam.testing.util import assert_that
 
 from benchmarks.synthetic import long_documents
-from pipeline.chunks.chunk_files import ChunkFileRanges, TrainingChunks
+from pipeline.chunks.chunk_files import ChunkFileRanges, TrainingChunks, chunks_table
 from pipeline.chunks.chunking import Chunk
-from pipeline.common.writers import chunks_table, parquet_bytes
+from pipeline.common.sampling import TRAIN_SALT, in_sample
+from pipeline.common.writers import parquet_bytes
 from pipeline.index.factory import training_size
-from pipeline.index.sampling import TRAIN_SALT, in_sample
 from pipeline.index.search import set_search_depth
 from pipeline.index.train import train_index
 from pipeline.retrieve.beam import DocumentSpans, PackSequences, RetrieveNeighbours
@@ -70,14 +70,14 @@ def _retrieve(tmp_path, corpus, policy: str, slices: int, check_depth, check_rec
     write_embedding_files(tmp_path / "index" / "embeddings", ids, vectors, files=len(ids) // 800)
     index_path, routing = _index_files(tmp_path / "index", vectors, ids, slices)
     spec = Retrieval(
-        index_path,
-        1,
-        chunk_files,
-        L,
-        M,
-        K,
-        K,
-        PAD,
+        index_path=index_path,
+        depth=1,
+        chunk_files=chunk_files,
+        chunks_per_seq=L,
+        chunk_tokens=M,
+        neighbours=K,
+        candidates=K,
+        pad_id=PAD,
         probes=200,
         embeddings=str(tmp_path / "index" / "embeddings" / "*.parquet"),
         target_recall=TARGET,
@@ -140,4 +140,15 @@ def test_recall_below_target_warn_keeps_the_index_depth_and_fail_names_the_depth
 @pytest.mark.unit
 def test_a_probe_sample_without_embedding_files_is_refused():
     with pytest.raises(ValueError, match="probes needs Retrieval.embeddings"):
-        RetrieveNeighbours(Retrieval("index.faiss", 1, None, L, M, K, K, PAD, probes=10), shard_rows=16)
+        spec = Retrieval(
+            index_path="index.faiss",
+            depth=1,
+            chunk_files=None,
+            chunks_per_seq=L,
+            chunk_tokens=M,
+            neighbours=K,
+            candidates=K,
+            pad_id=PAD,
+            probes=10,
+        )
+        RetrieveNeighbours(spec, shard_rows=16)

@@ -2,6 +2,7 @@
 and `RetrieveNeighbours` as build-shards wires it (own documents excluded, dedupe, batches,
 a shuffle that loses data)."""
 
+import dataclasses
 import pickle
 
 import apache_beam as beam
@@ -14,6 +15,7 @@ import pipeline.retrieve.beam as retrieve_beam
 import pipeline.retrieve.search_beam as search_beam
 from pipeline.chunks.chunk_files import TrainingChunks
 from pipeline.chunks.chunking import chunk_document
+from pipeline.common.arrays import merge_ranges, widest_span
 from pipeline.index.train import build_index
 from pipeline.retrieve.beam import (
     LOST_DATA,
@@ -33,14 +35,7 @@ from pipeline.retrieve.search import (
     select_distinct,
     token_key,
 )
-from pipeline.retrieve.sequences import (
-    batch_parts,
-    document_spans,
-    merge_ranges,
-    pack_batch,
-    pack_sequence,
-    widest_span,
-)
+from pipeline.retrieve.sequences import batch_parts, document_spans, pack_batch, pack_sequence
 from pipeline.shards.rows import Sequence, SequenceBatch
 from tests.helpers import local_pipeline, write_chunk_files, write_list_slices
 
@@ -53,7 +48,7 @@ def test_pack_sequence_adds_the_next_token_and_its_document():
     seq = pack_sequence(0, rows.tokens, rows.doc_id, next_token=42, next_doc=8, pad_id=PAD)
     assert seq.tokens.tolist() == list(range(1, 9)) + [42]
     assert seq.doc_ids == (7, 8)
-    assert pack_sequence(0, rows.tokens, rows.doc_id, None, None, PAD).tokens[-1] == PAD
+    assert pack_sequence(0, rows.tokens, rows.doc_id, next_token=None, next_doc=None, pad_id=PAD).tokens[-1] == PAD
 
 
 @pytest.mark.unit
@@ -193,7 +188,17 @@ def retrieve(
     rows (`each_row`) or its RowBatches."""
     sequences = p | "Chunks" >> beam.Create([TrainingChunks.of_chunks(chunks)]) | PackSequences(L, PAD)
     spans = p | DocumentSpans(f"{chunk_files.directory}/chunks/*.parquet")
-    spec = Retrieval(index_path, None, chunk_files, L, M, K, candidates, PAD, dedupe)
+    spec = Retrieval(
+        index_path=index_path,
+        depth=None,
+        chunk_files=chunk_files,
+        chunks_per_seq=L,
+        chunk_tokens=M,
+        neighbours=K,
+        candidates=candidates,
+        pad_id=PAD,
+        dedupe=dedupe,
+    )
     if queries_from_files:
         batches = ((sequences, spans) | RetrieveNeighbours(spec, shard_rows)).rows
     else:
@@ -406,7 +411,9 @@ def test_a_sequence_whose_documents_did_not_all_answer_fails_rather_than_search_
 def _routed_batch(rows: int, width: int, sent: tuple[int, ...]) -> RoutedBatch:
     queries = BatchQueries(7, np.array([3]), np.zeros((rows, 4), np.float32), [()])
     empty = np.full((rows, width), np.finfo(np.float32).min, np.float32)
-    return RoutedBatch(queries, 1, np.arange(rows), sent, empty, np.full((rows, width), -1))
+    return RoutedBatch(
+        queries=queries, depth=1, rows=np.arange(rows), sent=sent, scores=empty, ids=np.full((rows, width), -1)
+    )
 
 
 @pytest.mark.unit
@@ -455,13 +462,13 @@ def test_routed_search_over_list_slices_finds_one_indexs_neighbours_and_sends_no
     faiss.write_index(index, one)
     routing = write_list_slices(tmp_path, index, 3)
     received = []
-    search = search_beam._SearchRouted.process
+    search = search_beam.SearchRouted.process
 
     def recording(self, keyed):
         received.extend(keyed[1])
         yield from search(self, keyed)
 
-    monkeypatch.setattr(search_beam._SearchRouted, "process", recording)
+    monkeypatch.setattr(search_beam.SearchRouted, "process", recording)
 
     def neighbours_of(spec):
         _ROWS.clear()
@@ -473,8 +480,18 @@ def test_routed_search_over_list_slices_finds_one_indexs_neighbours_and_sends_no
             _ = batches | beam.Map(lambda batch: batch.rows) | beam.FlatMap(_collect)
         return {row.seq_id: row.neighbour_ids.tolist() for row in _ROWS}
 
-    want = neighbours_of(Retrieval(one, 1, chunk_files, L, M, K, 8, PAD))
-    got = neighbours_of(Retrieval(None, 1, chunk_files, L, M, K, 8, PAD, routing=routing))
+    spec = Retrieval(
+        index_path=one,
+        depth=1,
+        chunk_files=chunk_files,
+        chunks_per_seq=L,
+        chunk_tokens=M,
+        neighbours=K,
+        candidates=8,
+        pad_id=PAD,
+    )
+    want = neighbours_of(spec)
+    got = neighbours_of(dataclasses.replace(spec, index_path=None, routing=routing))
     assert got == want and len(got) == 6 and all(i >= 0 for row in got.values() for j in row for i in j)
     rounds = {(sent.batch, tuple(sent.rows.tolist()), sent.index_slice) for sent in received}
     assert len(received) > 1 and len(rounds) == len(received)  # each row goes to a slice once a round

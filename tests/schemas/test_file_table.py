@@ -103,12 +103,12 @@ def test_the_commit_writes_the_table_over_the_limit_and_drops_it_under(tmp_path)
         staging = new_staging_dir(str(tmp_path), "shards")
         commit_stage(
             manifest(shards),
-            staging,
-            str(tmp_path),
-            str(final),
-            StageClock("s", "sequences"),
-            [],
-            1.0,
+            staging=staging,
+            output=str(tmp_path),
+            final=str(final),
+            clock=StageClock("s", "sequences"),
+            staged=[],
+            max_rejected_fraction=1.0,
             inline_entries=5,
         )
         assert (final / FILE_TABLE).exists() == has_table

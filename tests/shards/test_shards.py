@@ -36,7 +36,7 @@ M, L, K, PAD = 4, 2, 2, 0
 def test_neighbour_arrays_pad_the_slots_without_a_neighbour():
     picks = np.array([(0, 0, 1, 12, 0.25), (0, 0, 0, 11, 0.5)], PICK)  # any order
     values = np.repeat(picks["chunk_id"][:, None], 2 * M, axis=1).astype(np.int32)
-    tokens, ids, scores = neighbour_arrays(picks, values, L, K, M, PAD)
+    tokens, ids, scores = neighbour_arrays(picks, values, chunks_per_seq=L, k=K, m=M, pad_id=PAD)
     assert ids.tolist() == [[11, 12], [-1, -1]]
     assert scores.tolist() == [[0.5, 0.25], [0, 0]]
     assert (tokens[0, 0] == 11).all() and (tokens[1] == PAD).all()
@@ -48,9 +48,16 @@ def test_many_sequences_neighbour_arrays_are_each_sequence_alone():
     values = np.repeat(picks["chunk_id"][:, None], 2 * M, axis=1).astype(np.int32)
     seq_ids = np.array([5, 6, 7])
     row = np.searchsorted(seq_ids, picks["seq_id"])
-    together = sequences_neighbour_arrays(row, len(seq_ids), picks, values, L, K, M, PAD)
+    together = sequences_neighbour_arrays(row, len(seq_ids), picks, values, chunks_per_seq=L, k=K, m=M, pad_id=PAD)
     for at, seq_id in enumerate(seq_ids):
-        alone = neighbour_arrays(picks[picks["seq_id"] == seq_id], values[picks["seq_id"] == seq_id], L, K, M, PAD)
+        alone = neighbour_arrays(
+            picks[picks["seq_id"] == seq_id],
+            values[picks["seq_id"] == seq_id],
+            chunks_per_seq=L,
+            k=K,
+            m=M,
+            pad_id=PAD,
+        )
         for many, one in zip(together, alone, strict=True):
             assert many.dtype == one.dtype and np.array_equal(many[at], one)
     assert together[1][1].tolist() == [[-1, -1], [-1, -1]]  # sequence 6 has no neighbour
@@ -115,7 +122,16 @@ def test_overlap_tally_of_a_batch_counts_each_chunk_in_its_bucket():
         tokens = rng.integers(1, 4, 3 * m + 1).astype(np.int32)
         neighbours = rng.integers(0, 4, (3, 2, 2 * m)).astype(np.int32)
         neighbours[seq_id % 3, 0, :m] = tokens[(seq_id % 3) * m : (seq_id % 3 + 1) * m]  # one whole copy
-        rows.append(ShardRow(seq_id, tokens, neighbours, np.zeros((3, 2), np.int64), np.zeros((3, 2)), (0,)))
+        rows.append(
+            ShardRow(
+                seq_id=seq_id,
+                tokens=tokens,
+                neighbours=neighbours,
+                neighbour_ids=np.zeros((3, 2), np.int64),
+                neighbour_scores=np.zeros((3, 2)),
+                doc_ids=(0,),
+            )
+        )
     expected: dict[str, int] = {}
     for row in rows:
         for ratio in chunk_overlap(row.tokens[: 3 * m].reshape(3, m), row.neighbours, 0):
@@ -130,12 +146,12 @@ def test_batches_pickle_by_column_and_come_back_equal():
     sequences = [Sequence(i, rng.integers(0, 99, 9).astype(np.int32), (i, i + 1)) for i in (3, 4, 7)]
     rows = [
         ShardRow(
-            s.seq_id,
-            s.tokens,
-            rng.integers(0, 99, (2, 2, 8), np.int32),
-            np.arange(4).reshape(2, 2),
-            rng.random((2, 2), np.float32),
-            s.doc_ids,
+            seq_id=s.seq_id,
+            tokens=s.tokens,
+            neighbours=rng.integers(0, 99, (2, 2, 8), np.int32),
+            neighbour_ids=np.arange(4).reshape(2, 2),
+            neighbour_scores=rng.random((2, 2), np.float32),
+            doc_ids=s.doc_ids,
         )
         for s in sequences
     ]
@@ -171,12 +187,12 @@ def test_row_types_and_the_overlap_audit_import_neither_beam_nor_faiss_nor_torch
 def test_write_shards_is_sorted_split_by_seq_id_and_counts_filled_slots(tmp_path):
     rows = [
         ShardRow(
-            s,
-            np.full(L * M + 1, s, np.int32),
-            np.full((L, K, 2 * M), s, np.int32),
-            np.full((L, K), -1 if s == 3 else s, np.int64),  # sequence 3: every slot empty
-            np.full((L, K), 0.5, np.float32),
-            (s,),
+            seq_id=s,
+            tokens=np.full(L * M + 1, s, np.int32),
+            neighbours=np.full((L, K, 2 * M), s, np.int32),
+            neighbour_ids=np.full((L, K), -1 if s == 3 else s, np.int64),  # sequence 3: every slot empty
+            neighbour_scores=np.full((L, K), 0.5, np.float32),
+            doc_ids=(s,),
         )
         for s in (4, 0, 3, 1, 2)
     ]
@@ -205,12 +221,12 @@ def test_write_shards_refuses_a_batch_holding_rows_of_two_shards(tmp_path):
     have one of them overwrite the other's file, so it fails the job."""
     rows = [
         ShardRow(
-            s,
-            np.zeros(L * M + 1, np.int32),
-            np.zeros((L, K, 2 * M), np.int32),
-            np.zeros((L, K), np.int64),
-            np.zeros((L, K), np.float32),
-            (s,),
+            seq_id=s,
+            tokens=np.zeros(L * M + 1, np.int32),
+            neighbours=np.zeros((L, K, 2 * M), np.int32),
+            neighbour_ids=np.zeros((L, K), np.int64),
+            neighbour_scores=np.zeros((L, K), np.float32),
+            doc_ids=(s,),
         )
         for s in (1, 2)
     ]

@@ -75,7 +75,7 @@ def test_generation_retrieves_each_completed_chunk_and_feeds_its_neighbours(retr
     model = load_model(str(tiny_checkpoint(tmp_path / "ckpt.pt", retriever, retriever.chunk_tokens)))
     prompt = retriever.tokenize(prompt_text())[:PROMPT_TOKENS].tolist()
     assert len(prompt) == PROMPT_TOKENS
-    generation = generate(model, retriever, prompt, MAX_TOKENS)
+    generation = generate(model, retriever, prompt, max_tokens=MAX_TOKENS)
     text = prompt + generation.continuation
     m = retriever.chunk_tokens
     assert len(generation.continuation) == MAX_TOKENS and retriever.pad_id not in generation.continuation
@@ -88,13 +88,14 @@ def test_generation_retrieves_each_completed_chunk_and_feeds_its_neighbours(retr
     assert generation.continuation[0] == by_hand(model, retriever, prompt)
     assert window_start(len(text) - 1, model.config.sequence_tokens, m) == m  # the last token came from a slid window
     assert generation.continuation[-1] == by_hand(model, retriever, text[:-1])
-    assert generate(model, retriever, prompt, MAX_TOKENS).continuation == generation.continuation  # greedy repeats
+    again = generate(model, retriever, prompt, max_tokens=MAX_TOKENS)
+    assert again.continuation == generation.continuation  # greedy repeats
 
 
 def test_a_model_of_other_chunks_than_the_index_is_refused(retriever, tmp_path):
     model = load_model(str(tiny_checkpoint(tmp_path / "ckpt.pt", retriever, retriever.chunk_tokens // 2)))
     with pytest.raises(GenerateError, match=rf"chunks of {retriever.chunk_tokens // 2} tokens.*chunks of 32"):
-        generate(model, retriever, [1, 2, 3], 4)
+        generate(model, retriever, [1, 2, 3], max_tokens=4)
 
 
 def test_ratrain_generate_prints_the_continuation_and_the_neighbours_it_used(retriever, built_output, tmp_path, capsys):
@@ -104,7 +105,7 @@ def test_ratrain_generate_prints_the_continuation_and_the_neighbours_it_used(ret
     main([*argv, "--prompt", prompt_text(), "--max-tokens", "6", "--show-neighbours"])
     lines = capsys.readouterr().out.splitlines()
     prompt = retriever.tokenize(prompt_text()).tolist()
-    expected = generate(load_model(str(checkpoint)), retriever, prompt, 6)
+    expected = generate(load_model(str(checkpoint)), retriever, prompt, max_tokens=6)
     assert lines[0] == retriever.decode(expected.continuation)
     m, first = retriever.chunk_tokens, retriever.retrieve(np.array(prompt[: retriever.chunk_tokens]))
     assert lines[1] == f"chunk 0: {retriever.decode(prompt[:m])}"

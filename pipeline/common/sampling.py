@@ -1,5 +1,5 @@
-"""The deterministic samples of the index stage: a chunk id is in the training or query sample
-by a salted hash, so every worker agrees without coordination.
+"""The deterministic samples of the embed and index stages: a chunk id is in the training or query
+sample by a salted hash, so every worker agrees without coordination.
 """
 
 from __future__ import annotations

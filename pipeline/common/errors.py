@@ -1,0 +1,7 @@
+"""The error every stage and job raises for a run that cannot go on; the commands print it as one
+line."""
+
+
+class StageError(RuntimeError):
+    """A stage that cannot run on what it was given (e.g. no committed index), or whose job
+    rejected more of its input than it may (nothing is committed)."""

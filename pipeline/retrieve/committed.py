@@ -1,0 +1,78 @@
+"""A committed index directory as retrieval reads it (`read_committed_index`): its faiss files,
+routing files and deleted documents, without its file entries; for build-shards and for the
+online `Retriever`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.chunks.deleted import DELETED_DIR, DeletedRanges, read_deleted
+from pipeline.common import fileio
+from pipeline.common.errors import StageError
+from pipeline.index.factory import ivf_lists
+from pipeline.index.files import INDEX_FILE, LIST_OWNERS_FILE, QUANTIZER_FILE, searched_files
+from pipeline.retrieve.search import Routing
+from schemas.manifest import MANIFEST_FILE, IndexManifest, read_manifest
+
+
+def faiss_files(paths: list[str]) -> list[str]:
+    """Of an index manifest's file paths, the faiss files (index.faiss, or its shards in
+    chunk-id order)."""
+    return [path for path in paths if path.startswith("faiss/")]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommittedIndex:
+    """What build-shards needs of a committed index, read without its file entries (only the
+    faiss files' paths, from the path column of a file table of however many entries)."""
+
+    directory: str
+    manifest_sha256: str
+    num_chunks: int
+    nprobe: int | None  # the depth the index stage tuned
+    faiss_paths: list[str]  # index.faiss, or its slices in number order, relative to the directory
+    routing_paths: tuple[str, str] | None  # slices: quantizer.faiss and list_owners.npy, relative
+    nlist: int | None  # inverted lists (IVF)
+    deleted_paths: tuple[str, ...] = ()  # deleted/*.parquet, relative to the directory
+    generation: int | None = None  # its newest generation (None: a manifest without generations)
+
+    def deleted(self) -> DeletedRanges:
+        """The documents deleted from it (their chunks are in no search)."""
+        return read_deleted([fileio.join(self.directory, path) for path in self.deleted_paths])
+
+    def searched(self) -> tuple[str | None, Routing | None]:
+        """What a search reads: (index.faiss, None), or (None, the Routing of its slices by lists)."""
+        faiss_dir = fileio.join(self.directory, "faiss")
+        if self.routing_paths is not None and self.nlist is not None:
+            return None, Routing(faiss_dir, len(self.faiss_paths), self.nlist)
+        return fileio.join(faiss_dir, INDEX_FILE), None
+
+
+def read_committed_index(directory: str) -> tuple[CommittedIndex, IndexManifest]:
+    """The committed index in `directory` and its manifest, or a clear error (StageError): none
+    there, or in slices by chunk-id range (which nothing searches any more)."""
+    path = fileio.join(directory, MANIFEST_FILE)
+    if not fileio.exists(path):
+        raise StageError(f"no committed index at {directory}: run build-index first")
+    data = fileio.read_bytes(path)
+    manifest = read_manifest(data, path, IndexManifest)
+    paths, _ = fileio.entry_paths_and_rows(manifest, directory, "faiss")
+    routing = (f"faiss/{QUANTIZER_FILE}", f"faiss/{LIST_OWNERS_FILE}")
+    if len(searched_files(faiss_files(paths))) > 1 and not set(routing) <= set(paths):
+        raise StageError(
+            f"index at {directory} is in slices by chunk-id range, which build-shards no longer searches: "
+            "rebuild it (delete its manifest.json and run build-index)"
+        )
+    index = CommittedIndex(
+        directory=directory,
+        manifest_sha256=fileio.sha256_bytes(data),
+        num_chunks=manifest.num_chunks,
+        nprobe=manifest.nprobe,
+        faiss_paths=searched_files(faiss_files(paths)),
+        routing_paths=routing if set(routing) <= set(paths) else None,
+        nlist=ivf_lists(manifest.index_factory),
+        deleted_paths=tuple(fileio.entry_paths_and_rows(manifest, directory, DELETED_DIR)[0]),
+        generation=manifest.generations[-1].number if manifest.generations else None,
+    )
+    return index, manifest
