@@ -41,9 +41,9 @@ import pyarrow.parquet as pq
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 from benchmarks.report import read_into_page_cache, timed, write_results  # noqa: E402
 from examples.long_documents import long_documents  # noqa: E402
-from pipeline.jobs.index_job import build_index  # noqa: E402
+from pipeline.build_index.job import build_index  # noqa: E402
+from pipeline.build_shards.job import build_shards  # noqa: E402
 from pipeline.jobs.job import Tokenization  # noqa: E402
-from pipeline.jobs.shards_job import build_shards  # noqa: E402
 from schemas.arrow import read_shard_table, shard_column, shard_ipc_bytes, shard_table, tensor_column_to_numpy  # noqa: E402
 from schemas.config import PipelineConfig, load_config  # noqa: E402
 from schemas.measures import TIE_TOLERANCE

@@ -24,12 +24,12 @@ import pyarrow.parquet as pq
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 from benchmarks.embed_vs_encoder import raw_encode  # noqa: E402
 from benchmarks.report import timed, write_results  # noqa: E402
+from pipeline.build_index.job import build_index  # noqa: E402
+from pipeline.build_shards.job import chunks_from_table  # noqa: E402
 from pipeline.chunks.chunking import load_tokenizer  # noqa: E402
 from pipeline.common.models import resolve_tokenizer  # noqa: E402
 from pipeline.embed.beam import BATCHES_PER_GROUP  # noqa: E402
 from pipeline.embed.encoder import chunk_texts, encode_texts, load_encoder, torch_threads  # noqa: E402
-from pipeline.jobs.index_job import build_index  # noqa: E402
-from pipeline.jobs.shards_job import chunks_from_table  # noqa: E402
 from schemas.config import load_config  # noqa: E402
 
 

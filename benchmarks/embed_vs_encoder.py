@@ -59,6 +59,8 @@ from apache_beam.io.parquetio import ReadAllFromParquetBatched
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 from benchmarks.report import timed, timed_in_process, write_results  # noqa: E402
+from pipeline.build_index.job import build_index
+from pipeline.build_shards.job import build_shards, chunks_from_table
 from pipeline.chunks.chunking import load_tokenizer
 from pipeline.common.models import resolve_model, resolve_tokenizer
 from pipeline.common.sampling import sample_keys
@@ -76,9 +78,7 @@ from pipeline.embed.encoder import (
     torch_threads,
 )
 from pipeline.embed.precision import PRECISION_SALT, agreement_upper_bound, setting_name, top2_agreement
-from pipeline.jobs.index_job import build_index
 from pipeline.jobs.options import new_pipeline
-from pipeline.jobs.shards_job import build_shards, chunks_from_table
 from schemas.config import load_config
 
 

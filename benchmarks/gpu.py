@@ -34,13 +34,13 @@ from benchmarks.report import (
     timed,  # noqa: E402
     write_results,  # noqa: E402
 )
+from pipeline.build_index.job import build_index  # noqa: E402
+from pipeline.build_shards.job import build_shards, chunks_from_table  # noqa: E402
 from pipeline.chunks.chunking import load_tokenizer  # noqa: E402
 from pipeline.common.models import resolve_tokenizer  # noqa: E402
 from pipeline.embed.encoder import chunk_texts, load_encoder, torch_threads  # noqa: E402
 from pipeline.index.files import load_index  # noqa: E402
 from pipeline.index.search import query_rate  # noqa: E402
-from pipeline.jobs.index_job import build_index  # noqa: E402
-from pipeline.jobs.shards_job import build_shards, chunks_from_table  # noqa: E402
 from schemas.arrow import tensor_column_to_numpy  # noqa: E402
 from schemas.config import load_config  # noqa: E402
 

@@ -412,7 +412,7 @@ def autofaiss_ids(ids_path: str, n: int) -> np.ndarray:
 def import_baseline(workdir: Path) -> float:
     """Peak RSS of a process that only imports the index stage and its CLI."""
     result = measured(
-        [sys.executable, "-c", "import pipeline.cli, pipeline.jobs.index_job, pipeline.index.build"],
+        [sys.executable, "-c", "import pipeline.cli, pipeline.build_index.job, pipeline.index.build"],
         workdir / "import-baseline.log",
     )
     return result["peak_rss_mb"]

@@ -42,7 +42,7 @@ from benchmarks.report import write_results  # noqa: E402
 from examples.long_documents import long_documents  # noqa: E402
 from pipeline.embed.encoder import cpu_summary  # noqa: E402
 from pipeline.index.factory import estimated_bytes  # noqa: E402
-from pipeline.jobs.run import run_all  # noqa: E402
+from pipeline.run import run_all  # noqa: E402
 from schemas.config import config_from_dict  # noqa: E402
 
 TARGET = 0.95

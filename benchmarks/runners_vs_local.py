@@ -34,7 +34,7 @@ from benchmarks.report import timed, write_results  # noqa: E402
 from pipeline.check.validate import validate_path  # noqa: E402
 from pipeline.common import fileio  # noqa: E402
 from pipeline.embed.encoder import cpu_summary  # noqa: E402
-from pipeline.jobs.run import run_all  # noqa: E402
+from pipeline.run import run_all  # noqa: E402
 from schemas.config import load_config  # noqa: E402
 from tests.helpers import DATA_STAGES, LocalFlinkCluster, local_runners  # noqa: E402
 

@@ -32,13 +32,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from pipeline.build_index.job import build_index  # noqa: E402
+from pipeline.build_shards.job import build_shards  # noqa: E402
 from pipeline.check.validate_beam import validate_job_graph_bytes  # noqa: E402
 from pipeline.common import fileio  # noqa: E402
 from pipeline.common.names import file_name  # noqa: E402
 from pipeline.index.factory import estimated_bytes, ivf_lists  # noqa: E402
 from pipeline.index.files import LIST_OWNERS_FILE, QUANTIZER_FILE, searched_files  # noqa: E402
 from pipeline.index.slices import vectors_per_slice  # noqa: E402
-from pipeline.jobs import index_job, shards_job  # noqa: E402
 from pipeline.jobs.memory_model import Corpus, largest, stage_memory  # noqa: E402
 from schemas.config import PipelineConfig  # noqa: E402
 from schemas.manifest import (
@@ -185,8 +186,8 @@ def graph_bytes(cfg: PipelineConfig) -> dict[str, int]:
     """Serialised size of each job's graph, built as `--dry-run` builds it (validate: as
     `validate DIR -- --runner=...` builds it, without running it)."""
     return {
-        "build-index": index_job.build_index(cfg, [], dry_run=True)["graph_bytes"],
-        "build-shards": shards_job.build_shards(cfg, [], dry_run=True)["graph_bytes"],
+        "build-index": build_index(cfg, [], dry_run=True)["graph_bytes"],
+        "build-shards": build_shards(cfg, [], dry_run=True)["graph_bytes"],
         "validate": validate_job_graph_bytes(cfg.output),
     }
 

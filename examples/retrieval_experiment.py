@@ -226,11 +226,11 @@ def build(output: Path, retrieval: list[Path], training: Path, index_from: Path 
     """Shards of `training` against the index over the `retrieval` files (built in `output`;
     with `index_from`, its committed index copied there first, and only the files it has not
     read appended)."""
+    from pipeline.build_index.job import build_index
+    from pipeline.build_shards.job import build_shards
     from pipeline.common.fileio import committed
-    from pipeline.jobs.index_job import build_index
     from pipeline.jobs.job import index_dir
     from pipeline.jobs.reuse import index_action, listed_corpus_files
-    from pipeline.jobs.shards_job import build_shards
     from schemas.config import config_from_dict
     from schemas.manifest import IndexManifest
 

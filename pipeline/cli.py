@@ -124,8 +124,8 @@ DETACH = click.option(
 def build_index_cmd(config_path, beam_args, *, force, delete_path, dry_run, corpus_chunks, corpus_documents, detach):
     """Stages 1-3: chunk, embed and index the retrieval corpus -> <output>/index/. A committed
     index whose corpus gained files gets them appended; --delete removes documents from it."""
+    from pipeline.build_index.job import build_index
     from pipeline.common import fileio
-    from pipeline.jobs.index_job import build_index
 
     beam_args = _beam_args(beam_args, detach=detach and not dry_run)
     cfg = _config(config_path)
@@ -165,7 +165,7 @@ def index_cmd(embeddings, output, *, index_type, memory_budget, target_recall, n
     """Build a faiss index over embeddings you already have (the index stage alone)."""
     from pydantic import ValidationError
 
-    from pipeline.jobs.vector_index_job import build_vector_index
+    from pipeline.build_index.faiss_only import build_vector_index
     from schemas.config import ConfigError, format_validation_error
     from schemas.stage_config import IndexConfig
 
@@ -224,8 +224,8 @@ def build_shards_cmd(
     poll_every,
 ):
     """Stages 4-5: retrieve neighbours for the training corpus -> <output>/shards/."""
-    from pipeline.jobs.index_files import wait_for_index as wait
-    from pipeline.jobs.shards_job import build_shards
+    from pipeline.build_index.files import wait_for_index as wait
+    from pipeline.build_shards.job import build_shards
 
     beam_args = _beam_args(beam_args, detach=detach and not dry_run)
     cfg = _config(config_path)
@@ -250,9 +250,9 @@ def run_cmd(config_path, *, force, beam_args, dry_run, corpus_chunks, corpus_doc
     """Both stages; a stage whose committed manifest matches the config is skipped. With
     --detach, the first stage to build is submitted and the command exits (follow a detached
     build-index with `build-shards --wait-for-index`)."""
-    from pipeline.jobs.index_job import build_index
-    from pipeline.jobs.run import run_all
-    from pipeline.jobs.shards_job import build_shards
+    from pipeline.build_index.job import build_index
+    from pipeline.build_shards.job import build_shards
+    from pipeline.run import run_all
 
     beam_args = _beam_args(beam_args, detach=detach and not dry_run)
     if dry_run:

@@ -88,7 +88,7 @@ def pytest_report_header(config):
 def built_output(tmp_path_factory):
     """A committed index + shards built by `run` from 16 real documents (~500 chunks) plus one
     bad record of each kind."""
-    from pipeline.jobs.run import run_all
+    from pipeline.run import run_all
     from schemas.config import config_from_dict
 
     root = tmp_path_factory.mktemp("built")
@@ -113,7 +113,7 @@ def six_documents_built_locally(tmp_path_factory):
     """Six sample documents (their glob) and what an in-process run of `small_config` writes
     from them: the bytes every runner must write for that corpus (the output directory is no
     part of the config hash)."""
-    from pipeline.jobs.run import run_all
+    from pipeline.run import run_all
     from schemas.config import config_from_dict
 
     root = tmp_path_factory.mktemp("six-local")
@@ -145,7 +145,7 @@ def long_documents_built_locally(tmp_path_factory):
     runner writes from them with an IVF index in slices (7 of ~400 KB): (config for an output
     directory, the local output), the reference for other runners."""
     from examples.long_documents import long_documents
-    from pipeline.jobs.run import run_all
+    from pipeline.run import run_all
     from schemas.config import config_from_dict
 
     root = tmp_path_factory.mktemp("long-local")

@@ -13,13 +13,13 @@ import pyarrow as pa
 import pyarrow.parquet  # noqa: F401  # pa.parquet
 import pytest
 
+from pipeline.build_index.faiss_only import build_vector_index
 from pipeline.check.figures import recall_curves
 from pipeline.check.html import write_report
 from pipeline.check.report import overlap_bars
 from pipeline.check.report_samples import gather_scores
 from pipeline.check.report_sources import read_shards_manifest
 from pipeline.cli import main
-from pipeline.jobs.vector_index_job import build_vector_index
 from schemas.arrow import read_shard_table, shard_column
 from schemas.evaluation import evaluation_json, score_rows
 from schemas.manifest import IndexManifest, ShardsManifest

@@ -13,6 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pipeline.build_index.append import change_index
+from pipeline.build_index.job import build_index
+from pipeline.build_shards.job import build_shards
 from pipeline.check.html import write_report
 from pipeline.check.problems import ValidationFailed
 from pipeline.check.validate import validate_path
@@ -24,11 +27,8 @@ from pipeline.corpus.records import doc_id_for
 from pipeline.index.files import read_embeddings, read_index, read_owners
 from pipeline.index.routing import list_blocks
 from pipeline.index.search import set_search_depth
-from pipeline.jobs.append_job import change_index
-from pipeline.jobs.index_job import build_index
 from pipeline.jobs.reuse import committed_index, corpus_changes, index_action, listed_corpus_files
-from pipeline.jobs.run import run_all
-from pipeline.jobs.shards_job import build_shards
+from pipeline.run import run_all
 from schemas.config import config_from_dict
 from schemas.manifest import IndexManifest, ShardsManifest
 from tests.helpers import REPO, rewrite_shard, sample_documents, small_config, write_config, write_jsonl
@@ -253,8 +253,8 @@ def test_a_change_committed_while_build_shards_runs_fails_it_and_leaves_no_mixed
     build_index(cfg, [])
     write_jsonl(tmp_path / "corpus" / "b.jsonl", sample_documents(8, start=16))  # the change to come
 
+    import pipeline.build_shards.job as shards_module
     import pipeline.jobs.job as job_module
-    import pipeline.jobs.shards_job as shards_module
 
     # the change commits at a point build-shards reaches: after it read the index manifest and
     # built its job on it (its workers then load the index), or once every read is done

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.check.validate import validate_index, validate_shards
-from pipeline.jobs.run import run_all
+from pipeline.run import run_all
 from schemas.config import config_from_dict
 from tests.helpers import BAD_RECORDS, sample_documents, small_config, write_config, write_jsonl
 

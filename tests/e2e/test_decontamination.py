@@ -16,7 +16,7 @@ from pipeline.check.validate import validate_path
 from pipeline.common.rejected import NEAR_DUPLICATE
 from pipeline.corpus.records import doc_id_for
 from pipeline.decontaminate.minhash import jaccard, shingles
-from pipeline.jobs.run import run_all
+from pipeline.run import run_all
 from schemas.config import config_from_dict
 from tests.helpers import sample_documents, small_config, write_jsonl
 

@@ -8,15 +8,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from pipeline.build_shards.job import build_shards
 from pipeline.check.problems import ValidationFailed
 from pipeline.check.validate import validate_index, validate_path, validate_shards
 from pipeline.cli import main
 from pipeline.common.fileio import sha256_bytes
 from pipeline.common.writers import parquet_bytes
 from pipeline.jobs import job, options
-from pipeline.jobs.run import run_all
-from pipeline.jobs.shards_job import build_shards
 from pipeline.retrieve.online import Retriever
+from pipeline.run import run_all
 from schemas.arrow import fixed_size_list, read_shard_table, shard_column, tensor_column_to_numpy
 from schemas.config import config_from_dict
 from schemas.manifest import ShardsManifest

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.check.validate import validate_path
-from pipeline.jobs.run import run_all
+from pipeline.run import run_all
 from schemas.config import config_from_dict
 from tests.helpers import (
     LocalFlinkCluster,

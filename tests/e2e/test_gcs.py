@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.check.validate import validate_path
-from pipeline.jobs.run import run_all
+from pipeline.run import run_all
 from schemas.config import config_from_dict
 from tests.helpers import BAD_RECORDS, read_rejected, sample_documents, small_config, write_jsonl
 from trainer import ShardDataset

@@ -13,10 +13,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from examples.long_documents import long_documents
+from pipeline.build_shards.job import build_shards
 from pipeline.check.validate import validate_path
 from pipeline.corpus.records import doc_id_for
-from pipeline.jobs.run import run_all
-from pipeline.jobs.shards_job import build_shards
+from pipeline.run import run_all
 from schemas.arrow import read_shard_table, shard_column, tensor_column_to_numpy
 from schemas.config import config_from_dict
 from tests.helpers import small_config, write_jsonl

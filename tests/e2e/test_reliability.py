@@ -9,8 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from pipeline.build_index.job import build_index
 from pipeline.common.errors import StageError
-from pipeline.jobs.index_job import build_index
 from schemas.config import config_from_dict
 from tests.helpers import read_rejected, sample_documents, small_config
 
@@ -142,7 +142,7 @@ def test_manifest_facts_come_from_the_data_not_from_metrics(tmp_path, monkeypatc
     from apache_beam.metrics import Metrics
 
     from pipeline.check.validate import validate_path
-    from pipeline.jobs.run import run_all
+    from pipeline.run import run_all
     from tests.helpers import write_jsonl
 
     counter = Metrics.counter
@@ -175,7 +175,7 @@ def test_build_shards_runs_once_more_when_the_runner_loses_shuffle_data(built_ou
     import shutil
 
     import pipeline.retrieve.beam as shards
-    from pipeline.jobs.shards_job import build_shards
+    from pipeline.build_shards.job import build_shards
 
     root, config, _ = built_output
     out = tmp_path / "out"

@@ -11,7 +11,7 @@ import pytest
 
 from pipeline.check.validate import validate_path
 from pipeline.check.validate_beam import validate_with_beam
-from pipeline.jobs.run import run_all
+from pipeline.run import run_all
 from schemas.config import config_from_dict
 from tests.helpers import assert_same_data_files, small_config, write_config
 

@@ -13,11 +13,11 @@ import pytest
 
 import pipeline.retrieve.depth as retrieve_depth
 import pipeline.retrieve.search_beam as search_beam
+from pipeline.build_shards.job import build_shards
 from pipeline.check.validate import validate_path
-from pipeline.jobs.run import run_all
-from pipeline.jobs.shards_job import build_shards
 from pipeline.retrieve.online import Retriever
 from pipeline.retrieve.search import LOST_DATA
+from pipeline.run import run_all
 from schemas.arrow import read_shard_table
 from schemas.config import config_from_dict
 from tests.helpers import sample_documents, shard_rows, small_config, tie_tolerance, write_jsonl

@@ -4,7 +4,7 @@ it writes is compared byte for byte with the local runner's output of the same c
 
 import pytest
 
-from pipeline.jobs.run import run_all
+from pipeline.run import run_all
 from schemas.config import config_from_dict
 from tests.helpers import assert_matches_the_local_run
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from pipeline.jobs.index_job import build_index
+from pipeline.build_index.job import build_index
 from pipeline.jobs.memory_model import Corpus, stage_memory
 from pipeline.retrieve.online import IndexNotUsable, Retriever
 from schemas.backends import Backend, backend_names, register_backend, unregister_backend

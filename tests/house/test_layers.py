@@ -12,7 +12,8 @@ from tests.house.imports import PACKAGES, SOURCES, Import, cycles, graph, module
 pytestmark = pytest.mark.unit
 
 # Lowest first: schemas, what every stage shares, the stages in the order data flows (shards
-# before retrieve: the retrieve stage makes shard rows), the jobs that wire them, the checks
+# before retrieve: the retrieve stage makes shard rows), what every job shares, the jobs that
+# wire the stages (build-shards reads the index build-index commits; run does both), the checks
 # over a committed output, and the commands.
 LAYERS = (
     ("schemas",),
@@ -25,6 +26,9 @@ LAYERS = (
     ("pipeline.shards",),
     ("pipeline.retrieve",),
     ("pipeline.jobs",),
+    ("pipeline.build_index",),
+    ("pipeline.build_shards",),
+    ("pipeline.run",),
     ("pipeline.check",),
     ("pipeline.console",),
     ("pipeline.cli",),

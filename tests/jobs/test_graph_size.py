@@ -4,8 +4,8 @@ refuses over 20 MB) stays the same however many files the inputs and the index h
 import pytest
 
 from benchmarks.scale_sim import CHUNK_FILE_ROWS, config, index_manifest, write_manifest
+from pipeline.build_shards.job import build_shards
 from pipeline.corpus.read import ReadCorpus
-from pipeline.jobs import shards_job
 from pipeline.jobs.job import graph_bytes
 from schemas.stage_config import CorpusConfig
 from tests.helpers import local_pipeline
@@ -18,7 +18,7 @@ def _build_shards_graph(tmp_path, chunk_files: int) -> int:
     chunk files (and as many embedding files: twice as many manifest entries)."""
     cfg = config(tmp_path / f"{chunk_files:06d}")  # paths of one length: graphs differ only by the index
     write_manifest(tmp_path / f"{chunk_files:06d}" / "index", index_manifest(chunk_files * CHUNK_FILE_ROWS, cfg))
-    return shards_job.build_shards(cfg, [], dry_run=True)["graph_bytes"]
+    return build_shards(cfg, [], dry_run=True)["graph_bytes"]
 
 
 def test_build_shards_graph_does_not_grow_with_chunk_files(tmp_path):

@@ -12,10 +12,10 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from pipeline.build_shards.job import build_shards
 from pipeline.chunks.chunk_files import ChunkRows, chunks_table
 from pipeline.chunks.chunking import Chunk
 from pipeline.common.writers import parquet_bytes
-from pipeline.jobs.shards_job import build_shards
 from pipeline.retrieve.online import IndexNotUsable, Retriever
 from pipeline.retrieve.sequences import document_spans
 from schemas.config import config_from_dict

@@ -109,8 +109,8 @@ def test_the_default_encoder_width_is_read_without_loading_it():
 
 
 def test_an_unbuildable_index_type_fails_before_reading_anything(tmp_path):
+    from pipeline.build_index.job import build_index
     from pipeline.index.factory import IndexBuildError
-    from pipeline.jobs.index_job import build_index
 
     cfg = config_from_dict(
         small_config(tmp_path / "out", str(tmp_path / "no-such-corpus-*.jsonl"), index={"type": "IVF64,PQ7"})

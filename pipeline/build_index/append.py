@@ -13,6 +13,19 @@ import logging
 
 import apache_beam as beam
 
+from pipeline.build_index.append_changes import (
+    DELETE,
+    NOT_FOUND,
+    REPLACED_TAG,
+    RUN,
+    deletions,
+    document_runs,
+    replacing,
+    rewrite_index,
+)
+from pipeline.build_index.files import index_staged
+from pipeline.build_index.manifest import NEWEST_GENERATION_CHUNKS, next_generation_manifest
+from pipeline.build_index.steps import chunk_and_embed, stage_tallies, write_sources
 from pipeline.chunks.chunk_files import ChunkFileRanges
 from pipeline.chunks.deleted import (
     DELETE_REQUESTED,
@@ -32,20 +45,7 @@ from pipeline.common.writers import parquet_bytes, write_file
 from pipeline.corpus.records import doc_id_for
 from pipeline.decontaminate.beam import ReadCorpusKeptClean
 from pipeline.index.sources import documents_of, sources_files
-from pipeline.jobs.append_changes import (
-    DELETE,
-    NOT_FOUND,
-    REPLACED_TAG,
-    RUN,
-    deletions,
-    document_runs,
-    replacing,
-    rewrite_index,
-)
 from pipeline.jobs.commit import REJECTED_STAGING
-from pipeline.jobs.index_files import index_staged
-from pipeline.jobs.index_manifest import NEWEST_GENERATION_CHUNKS, next_generation_manifest
-from pipeline.jobs.index_steps import chunk_and_embed, stage_tallies, write_sources
 from pipeline.jobs.job import Job, Submitted, Tokenization, index_dir
 from pipeline.jobs.options import encoder_threads
 from pipeline.jobs.reuse import CorpusChanges

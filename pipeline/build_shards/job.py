@@ -10,6 +10,7 @@ import logging
 import apache_beam as beam
 from apache_beam.io.parquetio import ReadFromParquetBatched
 
+from pipeline.build_index.files import documents_read_tally, load_committed_index, rejected_tally
 from pipeline.chunks.beam import ChunkDocuments
 from pipeline.chunks.chunk_files import (
     EMBEDDINGS_DIR,
@@ -29,7 +30,6 @@ from pipeline.decontaminate.beam import ReadCorpusKeptClean
 from pipeline.index.files import INDEX_FILE
 from pipeline.index.recall import PLATEAU_GAIN
 from pipeline.jobs.commit import REJECTED_STAGING
-from pipeline.jobs.index_files import documents_read_tally, load_committed_index, rejected_tally
 from pipeline.jobs.job import (
     Job,
     Submitted,

@@ -6,11 +6,11 @@ embeddings (`faiss_rebuilt_manifest`), or a next generation appended and deleted
 
 from __future__ import annotations
 
+from pipeline.build_index.append_changes import Changed
+from pipeline.build_index.files import index_counters, index_entries
 from pipeline.chunks.deleted import DeletedDocument
 from pipeline.common.models import fingerprint_path, resolve_model
 from pipeline.index.build_info import BuildInfo
-from pipeline.jobs.append_changes import Changed
-from pipeline.jobs.index_files import index_counters, index_entries
 from pipeline.jobs.job import Tokenization, sorted_entries
 from pipeline.jobs.reuse import CorpusChanges
 from schemas.config import PipelineConfig

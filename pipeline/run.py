@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 
+from pipeline.build_index.files import load_committed_index
+from pipeline.build_index.job import build_index
+from pipeline.build_shards.job import build_shards
 from pipeline.common.errors import StageError
 from pipeline.common.fileio import committed
-from pipeline.jobs.index_files import load_committed_index
-from pipeline.jobs.index_job import build_index
 from pipeline.jobs.job import Submitted, index_dir, shards_dir
 from pipeline.jobs.reuse import index_action, listed_corpus_files, shards_reusable
-from pipeline.jobs.shards_job import build_shards
 from schemas.config import PipelineConfig
 from schemas.manifest import IndexManifest, ShardsManifest
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import apache_beam as beam
 import numpy as np
 
+from pipeline.build_index.files import documents_read_tally, rejected_tally
 from pipeline.chunks.beam import ChunkDocuments
 from pipeline.chunks.chunk_files import CHUNK_ROW_GROUP_ROWS, EMBEDDINGS_DIR, chunks_table
 from pipeline.chunks.chunking import Chunk
@@ -19,7 +20,6 @@ from pipeline.common.tally import Tally, counted
 from pipeline.common.writers import WriteGroupedFiles, embeddings_table, parquet_bytes
 from pipeline.decontaminate.beam import CorpusRead
 from pipeline.index.sources import SOURCES_DIR, bucket_of_source, sources_prefix, sources_table
-from pipeline.jobs.index_files import documents_read_tally, rejected_tally
 from pipeline.jobs.job import Tokenization
 from schemas.config import PipelineConfig
 

@@ -3,7 +3,7 @@ slots, repeated tokens dropped, neighbour recall below target) say so, with the 
 
 import pytest
 
-from pipeline.jobs.shards_job import neighbour_warnings
+from pipeline.build_shards.job import neighbour_warnings
 from schemas.config import config_from_dict
 from schemas.measures import NeighbourRecall
 from tests.helpers import shards_manifest, small_config
@@ -36,8 +36,8 @@ def test_an_index_in_slices_by_chunk_id_range_is_refused_with_what_to_do(tmp_pat
     """Slices without the quantizer and list owners (an index built before slices owned lists)
     cannot be routed to: build-shards says to rebuild it rather than search a missing file."""
     from benchmarks.scale_sim import CHUNK_FILE_ROWS, config, index_manifest, write_manifest
+    from pipeline.build_index.files import load_committed_index
     from pipeline.common.errors import StageError
-    from pipeline.jobs.index_files import load_committed_index
 
     cfg = config(tmp_path)
     manifest = index_manifest(10_000 * CHUNK_FILE_ROWS, cfg)

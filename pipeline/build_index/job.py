@@ -8,20 +8,21 @@ import logging
 
 import apache_beam as beam
 
+from pipeline.build_index.append import change_index
+from pipeline.build_index.faiss_only import rebuild_faiss
+from pipeline.build_index.files import (
+    check_index_type,
+    index_staged,
+    log_index,
+)
+from pipeline.build_index.manifest import built_manifest
+from pipeline.build_index.steps import chunk_and_embed, stage_tallies, write_sources
 from pipeline.common import fileio
 from pipeline.common.errors import StageError
 from pipeline.common.rejected import WriteRejected
 from pipeline.decontaminate.beam import ReadCorpusKeptClean
 from pipeline.index.build import BuildIndex
-from pipeline.jobs.append_job import change_index
 from pipeline.jobs.commit import REJECTED_STAGING
-from pipeline.jobs.index_files import (
-    check_index_type,
-    index_staged,
-    log_index,
-)
-from pipeline.jobs.index_manifest import built_manifest
-from pipeline.jobs.index_steps import chunk_and_embed, stage_tallies, write_sources
 from pipeline.jobs.job import (
     Job,
     Submitted,
@@ -30,7 +31,6 @@ from pipeline.jobs.job import (
 )
 from pipeline.jobs.options import encoder_threads
 from pipeline.jobs.reuse import committed_index, corpus_changes, index_action, listed_corpus_files
-from pipeline.jobs.vector_index_job import rebuild_faiss
 from schemas.config import PipelineConfig
 from schemas.manifest import (
     IndexManifest,

@@ -11,13 +11,13 @@ import apache_beam as beam
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.io.parquetio import ReadFromParquetBatched
 
+from pipeline.build_index.files import index_counters, index_entries, index_staged, log_index, nonempty
+from pipeline.build_index.manifest import faiss_rebuilt_manifest
 from pipeline.common import fileio
 from pipeline.common.errors import StageError
 from pipeline.index.build import BuildIndex
 from pipeline.index.build_info import BuildInfo
 from pipeline.index.recall import RECALL_K
-from pipeline.jobs.index_files import index_counters, index_entries, index_staged, log_index, nonempty
-from pipeline.jobs.index_manifest import faiss_rebuilt_manifest
 from pipeline.jobs.job import Job, Submitted, index_dir
 from schemas.config import PipelineConfig, stable_hash
 from schemas.manifest import (

@@ -3,7 +3,7 @@
 of its id; `deletions`: a `DeletedDocument` per document replaced, asked for, or no longer in
 its file), and the faiss files changed on the one worker that holds the index (`rewrite_index`:
 deleted vectors removed, new ones added, a `Changed`). `change_index`
-(`pipeline.jobs.append_job`) wires them.
+(`pipeline.build_index.append`) wires them.
 """
 
 from __future__ import annotations
