@@ -46,7 +46,7 @@ from pipeline.corpus.records import doc_id_for
 from pipeline.decontaminate.beam import ReadCorpusKeptClean
 from pipeline.index.sources import documents_of, sources_files
 from pipeline.jobs.commit import REJECTED_STAGING
-from pipeline.jobs.job import Job, Submitted, Tokenization, index_dir
+from pipeline.jobs.job import Committed, Job, Submitted, Tokenization, index_dir
 from pipeline.jobs.options import encoder_threads
 from pipeline.jobs.reuse import CorpusChanges
 from schemas.config import PipelineConfig
@@ -112,109 +112,111 @@ def change_index(
         replace=("faiss",),
         replaces=previous_sha256,
     )
-    pipeline, staging = job.pipeline, job.staging
-    threads = encoder_threads(cfg.embedding.cpu_threads, cfg.embedding.device, pipeline.options)
-    ranges = ChunkFileRanges.from_entries(directory, previous.files)
-    corpus = pipeline | "ReadNewFiles" >> ReadCorpusKeptClean(
-        cfg, "retrieval", only=frozenset(f.path for f in changes.to_read)
-    )
-    already = read_deleted(deleted_files(directory, previous.files))
-    runs = (
-        pipeline
-        | "ChunkFiles" >> beam.Create(range(len(ranges.paths)))
-        | "SpreadChunkFiles" >> beam.Reshuffle()
-        | "DocumentRuns" >> beam.FlatMap(lambda n: document_runs(ranges, n, already))
-    )
-    fresh = (
-        {"document": corpus.documents | "ById" >> beam.Map(lambda d: (d.doc_id, d)), RUN: runs}
-        | "JoinIndexed" >> beam.CoGroupByKey()
-        | "Replacing" >> beam.FlatMap(replacing).with_outputs(REPLACED_TAG, main="documents")
-    )
-    stale_files = frozenset([f.path for f in changes.changed] + changes.gone)
-    requests = (
-        pipeline
-        | "DeleteRequests" >> beam.Create(sorted({doc_id_for(identity) for identity in delete}))
-        | "Requested" >> beam.Map(lambda doc_id: (doc_id, DELETE_REQUESTED)),
-        fresh[REPLACED_TAG] | "Replaced" >> beam.Map(lambda doc_id: (doc_id, REPLACED)),
-        pipeline
-        | "SourcesFiles" >> beam.Create(sources_files(directory, previous.files) if stale_files else [])
-        | "DocumentsOfStaleFiles" >> beam.FlatMap(documents_of, stale_files)
-        | "NotInItsFile" >> beam.MapTuple(lambda doc_id, _source: (doc_id, NOT_IN_ITS_FILE)),
-    )
-    deleted = (
-        {RUN: runs, DELETE: requests | "AllRequests" >> beam.Flatten()}
-        | "JoinRequests" >> beam.CoGroupByKey()
-        | "Deletions" >> beam.FlatMap(deletions).with_outputs(NOT_FOUND, main="deleted")
-    )
-    deleted_now = beam.pvalue.AsList(deleted.deleted)
-    first_file = max(file_number(path) for path in ranges.paths) + 1 if ranges.paths else 0
-    written = chunk_and_embed(
-        fresh.documents,
-        cfg,
-        tok,
-        staging=staging,
-        threads=threads,
-        first_chunk_id=previous.num_chunks,
-        first_file=first_file,
-    )
-    all_rejected = (corpus.rejected, written.unusable) | "MergeRejected" >> beam.Flatten()
-    rejected_files = all_rejected | "WriteRejected" >> WriteRejected(
-        fileio.join(staging, REJECTED_STAGING), f"build-index-g{number:05d}"
-    )
-    tallies = (
-        stage_tallies(corpus, all_rejected, written, tok.pad_id),
-        deleted[NOT_FOUND] | "TallyNotFound" >> beam.Map(lambda _: ("delete_ids_not_found", 1)),
-    ) | "AllTallies" >> beam.Flatten()
-    changed = (
-        pipeline
-        | "OneWorker" >> beam.Create([None])
-        | "ChangeIndex"
-        >> beam.Map(
-            rewrite_index,
-            new_entries=beam.pvalue.AsList(written.embedding_files),
-            deleted_now=deleted_now,
-            previous=previous,
-            directory=directory,
+
+    def graph(pipeline, staging) -> Committed:
+        threads = encoder_threads(cfg.embedding.cpu_threads, cfg.embedding.device, pipeline.options)
+        ranges = ChunkFileRanges.from_entries(directory, previous.files)
+        corpus = pipeline | "ReadNewFiles" >> ReadCorpusKeptClean(
+            cfg, "retrieval", only=frozenset(f.path for f in changes.to_read)
+        )
+        already = read_deleted(deleted_files(directory, previous.files))
+        runs = (
+            pipeline
+            | "ChunkFiles" >> beam.Create(range(len(ranges.paths)))
+            | "SpreadChunkFiles" >> beam.Reshuffle()
+            | "DocumentRuns" >> beam.FlatMap(lambda n: document_runs(ranges, n, already))
+        )
+        fresh = (
+            {"document": corpus.documents | "ById" >> beam.Map(lambda d: (d.doc_id, d)), RUN: runs}
+            | "JoinIndexed" >> beam.CoGroupByKey()
+            | "Replacing" >> beam.FlatMap(replacing).with_outputs(REPLACED_TAG, main="documents")
+        )
+        stale_files = frozenset([f.path for f in changes.changed] + changes.gone)
+        requests = (
+            pipeline
+            | "DeleteRequests" >> beam.Create(sorted({doc_id_for(identity) for identity in delete}))
+            | "Requested" >> beam.Map(lambda doc_id: (doc_id, DELETE_REQUESTED)),
+            fresh[REPLACED_TAG] | "Replaced" >> beam.Map(lambda doc_id: (doc_id, REPLACED)),
+            pipeline
+            | "SourcesFiles" >> beam.Create(sources_files(directory, previous.files) if stale_files else [])
+            | "DocumentsOfStaleFiles" >> beam.FlatMap(documents_of, stale_files)
+            | "NotInItsFile" >> beam.MapTuple(lambda doc_id, _source: (doc_id, NOT_IN_ITS_FILE)),
+        )
+        deleted = (
+            {RUN: runs, DELETE: requests | "AllRequests" >> beam.Flatten()}
+            | "JoinRequests" >> beam.CoGroupByKey()
+            | "Deletions" >> beam.FlatMap(deletions).with_outputs(NOT_FOUND, main="deleted")
+        )
+        deleted_now = beam.pvalue.AsList(deleted.deleted)
+        first_file = max(file_number(path) for path in ranges.paths) + 1 if ranges.paths else 0
+        written = chunk_and_embed(
+            fresh.documents,
+            cfg,
+            tok,
             staging=staging,
-            sample=cfg.index.recall_sample,
+            threads=threads,
+            first_chunk_id=previous.num_chunks,
+            first_file=first_file,
         )
-    )
-    deleted_files_written = (
-        pipeline
-        | "OneWriter" >> beam.Create([None])
-        | "WriteDeleted" >> beam.FlatMap(lambda _, docs: _write_deleted(docs, staging, number), deleted_now)
-    )
-    sources = corpus.documents | "WriteSources" >> write_sources(staging, number)
-    entries = (
-        written.chunk_files,
-        written.embedding_files,
-        deleted_files_written,
-        sources,
-    ) | "FileEntries" >> beam.Flatten()
-    manifest = (
-        entries
-        | "GatherEntries" >> beam.combiners.ToList()
-        | "ChangedManifest"
-        >> beam.Map(
-            next_generation_manifest,
-            beam.pvalue.AsSingleton(changed),
-            deleted_now=deleted_now,
-            tallies=beam.pvalue.AsDict(tallies | "SumTallies" >> beam.CombinePerKey(sum)),
-            precision=beam.pvalue.AsSingleton(written.precision),
-            previous=previous,
-            changes=changes,
-            cfg=cfg,
+        all_rejected = (corpus.rejected, written.unusable) | "MergeRejected" >> beam.Flatten()
+        rejected_files = all_rejected | "WriteRejected" >> WriteRejected(
+            fileio.join(staging, REJECTED_STAGING), f"build-index-g{number:05d}"
         )
-    )
-    in_place = index_staged(previous) + [e.path for e in previous.files if not e.path.startswith("faiss/")]
-    # every file the new manifest lists is staged or in place (slices cut anew are staged)
-    job.commit(
-        manifest,
-        staged=entries,
-        staged_of=lambda m: sorted({*in_place, *(e.path for e in m.files)}),
-        after=(rejected_files,),
-    )
-    manifest = job.run()
+        tallies = (
+            stage_tallies(corpus, all_rejected, written, tok.pad_id),
+            deleted[NOT_FOUND] | "TallyNotFound" >> beam.Map(lambda _: ("delete_ids_not_found", 1)),
+        ) | "AllTallies" >> beam.Flatten()
+        changed = (
+            pipeline
+            | "OneWorker" >> beam.Create([None])
+            | "ChangeIndex"
+            >> beam.Map(
+                rewrite_index,
+                new_entries=beam.pvalue.AsList(written.embedding_files),
+                deleted_now=deleted_now,
+                previous=previous,
+                directory=directory,
+                staging=staging,
+                sample=cfg.index.recall_sample,
+            )
+        )
+        deleted_files_written = (
+            pipeline
+            | "OneWriter" >> beam.Create([None])
+            | "WriteDeleted" >> beam.FlatMap(lambda _, docs: _write_deleted(docs, staging, number), deleted_now)
+        )
+        sources = corpus.documents | "WriteSources" >> write_sources(staging, number)
+        entries = (
+            written.chunk_files,
+            written.embedding_files,
+            deleted_files_written,
+            sources,
+        ) | "FileEntries" >> beam.Flatten()
+        manifest = (
+            entries
+            | "GatherEntries" >> beam.combiners.ToList()
+            | "ChangedManifest"
+            >> beam.Map(
+                next_generation_manifest,
+                beam.pvalue.AsSingleton(changed),
+                deleted_now=deleted_now,
+                tallies=beam.pvalue.AsDict(tallies | "SumTallies" >> beam.CombinePerKey(sum)),
+                precision=beam.pvalue.AsSingleton(written.precision),
+                previous=previous,
+                changes=changes,
+                cfg=cfg,
+            )
+        )
+        in_place = index_staged(previous) + [e.path for e in previous.files if not e.path.startswith("faiss/")]
+        # every file the new manifest lists is staged or in place (slices cut anew are staged)
+        return Committed(
+            manifest=manifest,
+            staged=entries,
+            staged_of=lambda m: sorted({*in_place, *(e.path for e in m.files)}),
+            after=(rejected_files,),
+        )
+
+    manifest = job.run(graph)
     if isinstance(manifest, IndexManifest):
         latest = manifest.generations[-1]
         recall = (

@@ -11,17 +11,15 @@ import apache_beam as beam
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.io.parquetio import ReadFromParquetBatched
 
-from pipeline.build_index.files import index_counters, index_entries, index_staged, log_index, nonempty
-from pipeline.build_index.manifest import faiss_rebuilt_manifest
+from pipeline.build_index.files import index_staged, log_index, nonempty
+from pipeline.build_index.manifest import faiss_rebuilt_manifest, vector_index_manifest
 from pipeline.common import fileio
 from pipeline.common.errors import StageError
 from pipeline.index.build import BuildIndex
-from pipeline.index.build_info import BuildInfo
 from pipeline.index.recall import RECALL_K
-from pipeline.jobs.job import Job, Submitted, index_dir
+from pipeline.jobs.job import Committed, Job, Submitted, index_dir
 from schemas.config import PipelineConfig, stable_hash
 from schemas.manifest import (
-    CREATED_BY,
     IndexManifest,
     VectorIndexManifest,
 )
@@ -29,25 +27,27 @@ from schemas.manifest import (
 log = logging.getLogger("ratrain")
 
 
-def _index_only_job(job: Job, paths: list[str], *, cfg_index, to_manifest, chunk_files: str | None, neighbours: int):
+def _index_only_graph(
+    pipeline, staging: str, *, paths: list[str], cfg_index, to_manifest, chunk_files: str | None, neighbours: int
+) -> Committed:
     """The graph of a job that builds a faiss index from embedding files and commits it into
-    `<job.directory>/faiss/` (the rest of the directory stays): `to_manifest(info)` makes the
+    `faiss/` of its directory (the rest of the directory stays): `to_manifest(info)` makes the
     manifest. `chunk_files` (a glob; None: unknown): where the vectors' documents are read from."""
     documents = None
     if chunk_files is not None:
         documents = (
-            job.pipeline
+            pipeline
             | "ReadDocumentIds" >> ReadFromParquetBatched(chunk_files, columns=["chunk_id", "doc_id"])
             | "DocumentOfChunk"
             >> beam.FlatMap(lambda t: zip(t["chunk_id"].to_numpy().tolist(), t["doc_id"].to_numpy().tolist()))
         )
     manifest = (
-        job.pipeline
+        pipeline
         | "EmbeddingFiles" >> beam.Create(paths)
-        | "BuildIndex" >> BuildIndex(cfg_index, fileio.join(job.staging, "faiss"), documents, neighbours)
+        | "BuildIndex" >> BuildIndex(cfg_index, fileio.join(staging, "faiss"), documents, neighbours)
         | "Manifest" >> beam.Map(to_manifest)
     )
-    job.commit(manifest, staged_of=index_staged)
+    return Committed(manifest=manifest, staged_of=index_staged)
 
 
 def rebuild_faiss(
@@ -71,15 +71,15 @@ def rebuild_faiss(
         detach=detach,
         replace=("faiss",),
     )
-    _index_only_job(
-        job,
-        paths,
+    graph = functools.partial(
+        _index_only_graph,
+        paths=paths,
         cfg_index=cfg.index,
         to_manifest=to_manifest,
         chunk_files=fileio.join(directory, "chunks", "*.parquet"),
         neighbours=cfg.neighbours,
     )
-    manifest = job.run()
+    manifest = job.run(graph)
     if isinstance(manifest, IndexManifest):
         log_index(directory, manifest)
     return manifest
@@ -98,17 +98,7 @@ def build_vector_index(embeddings: list[str], output: str, cfg_index, beam_args:
     sizes = {m.path: m.size_in_bytes for r in FileSystems.match(paths) for m in r.metadata_list}
     inputs = [{"path": p, "bytes": sizes[p]} for p in paths]
     config_hash = stable_hash({"index": cfg_index.model_dump(), "inputs": inputs})
-
-    def to_manifest(info: BuildInfo) -> VectorIndexManifest:
-        return VectorIndexManifest(
-            config_hash=config_hash,
-            num_vectors=info.num_vectors,
-            inputs=inputs,
-            files=index_entries(info),
-            counters=index_counters(info),
-            created_by=CREATED_BY,
-            **info.vector_index(),
-        )
+    to_manifest = functools.partial(vector_index_manifest, config_hash=config_hash, inputs=inputs)
 
     job = Job(
         "index",
@@ -120,8 +110,15 @@ def build_vector_index(embeddings: list[str], output: str, cfg_index, beam_args:
         staging="faiss",
         replace=("faiss",),
     )
-    _index_only_job(job, paths, cfg_index=cfg_index, to_manifest=to_manifest, chunk_files=None, neighbours=RECALL_K)
-    manifest = job.run()
+    graph = functools.partial(
+        _index_only_graph,
+        paths=paths,
+        cfg_index=cfg_index,
+        to_manifest=to_manifest,
+        chunk_files=None,
+        neighbours=RECALL_K,
+    )
+    manifest = job.run(graph)
     if not isinstance(manifest, VectorIndexManifest):
         raise StageError(f"index: expected the committed manifest of {output}, got {manifest!r}")
     log_index(output, manifest)

@@ -24,6 +24,7 @@ from pipeline.decontaminate.beam import ReadCorpusKeptClean
 from pipeline.index.build import BuildIndex
 from pipeline.jobs.commit import REJECTED_STAGING
 from pipeline.jobs.job import (
+    Committed,
     Job,
     Submitted,
     Tokenization,
@@ -110,46 +111,48 @@ def build_index(
         detach=detach,
         max_rejected_fraction=cfg.max_rejected_fraction,
     )
-    pipeline, staging = job.pipeline, job.staging
-    threads = encoder_threads(cfg.embedding.cpu_threads, cfg.embedding.device, pipeline.options)
-    corpus = pipeline | "ReadRetrievalCorpus" >> ReadCorpusKeptClean(cfg, "retrieval", match=not dry_run)
-    written = chunk_and_embed(corpus.documents, cfg, tok, staging=staging, threads=threads)
-    chunks = written.chunks
-    info = (
-        written.embedding_files
-        | "EmbeddingPaths" >> beam.Map(lambda entry: fileio.join(staging, entry.path))
-        | "BuildIndex"
-        >> BuildIndex(
-            cfg.index,
-            fileio.join(staging, "faiss"),
-            chunks | "DocumentOfChunk" >> beam.Map(lambda c: (c.chunk_id, c.doc_id)),
-            cfg.neighbours,
+
+    def graph(pipeline, staging) -> Committed:
+        threads = encoder_threads(cfg.embedding.cpu_threads, cfg.embedding.device, pipeline.options)
+        corpus = pipeline | "ReadRetrievalCorpus" >> ReadCorpusKeptClean(cfg, "retrieval", match=not dry_run)
+        written = chunk_and_embed(corpus.documents, cfg, tok, staging=staging, threads=threads)
+        chunks = written.chunks
+        info = (
+            written.embedding_files
+            | "EmbeddingPaths" >> beam.Map(lambda entry: fileio.join(staging, entry.path))
+            | "BuildIndex"
+            >> BuildIndex(
+                cfg.index,
+                fileio.join(staging, "faiss"),
+                chunks | "DocumentOfChunk" >> beam.Map(lambda c: (c.chunk_id, c.doc_id)),
+                cfg.neighbours,
+            )
         )
-    )
-    all_rejected = (corpus.rejected, written.unusable) | "MergeRejected" >> beam.Flatten()
-    rejected_files = all_rejected | "WriteRejected" >> WriteRejected(
-        fileio.join(staging, REJECTED_STAGING), "build-index"
-    )
-    tallies = stage_tallies(corpus, all_rejected, written, tok.pad_id)
-    sources = corpus.documents | "WriteSources" >> write_sources(staging, 0)
-    entries = (written.chunk_files, written.embedding_files, sources) | "FileEntries" >> beam.Flatten()
-    manifest = (
-        entries
-        | "GatherEntries" >> beam.combiners.ToList()
-        | "IndexManifest"
-        >> beam.Map(
-            built_manifest,
-            beam.pvalue.AsSingleton(info),
-            tallies=beam.pvalue.AsDict(tallies),
-            precision=beam.pvalue.AsSingleton(written.precision),
-            files_read=beam.pvalue.AsList(corpus.files),
-            cfg=cfg,
-            tok=tok,
-            threads=threads,
+        all_rejected = (corpus.rejected, written.unusable) | "MergeRejected" >> beam.Flatten()
+        rejected_files = all_rejected | "WriteRejected" >> WriteRejected(
+            fileio.join(staging, REJECTED_STAGING), "build-index"
         )
-    )
-    job.commit(manifest, staged=entries, staged_of=index_staged, after=(rejected_files,))
-    manifest = job.run()
+        tallies = stage_tallies(corpus, all_rejected, written, tok.pad_id)
+        sources = corpus.documents | "WriteSources" >> write_sources(staging, 0)
+        entries = (written.chunk_files, written.embedding_files, sources) | "FileEntries" >> beam.Flatten()
+        manifest = (
+            entries
+            | "GatherEntries" >> beam.combiners.ToList()
+            | "IndexManifest"
+            >> beam.Map(
+                built_manifest,
+                beam.pvalue.AsSingleton(info),
+                tallies=beam.pvalue.AsDict(tallies),
+                precision=beam.pvalue.AsSingleton(written.precision),
+                files_read=beam.pvalue.AsList(corpus.files),
+                cfg=cfg,
+                tok=tok,
+                threads=threads,
+            )
+        )
+        return Committed(manifest=manifest, staged=entries, staged_of=index_staged, after=(rejected_files,))
+
+    manifest = job.run(graph)
     if isinstance(manifest, IndexManifest):
         log_index(index_dir(cfg), manifest)
     return manifest

@@ -1,7 +1,8 @@
 """The one place an index's manifest is made, for each way a job changes an index directory:
 built from scratch (`built_manifest`, generation 0), its faiss files rebuilt from the committed
 embeddings (`faiss_rebuilt_manifest`), or a next generation appended and deleted
-(`next_generation_manifest`). Each runs in the job's last step, from what the job wrote.
+(`next_generation_manifest`); and the `index` command's (`vector_index_manifest`). Each runs in
+the job's last step, from what the job wrote.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pipeline.index.build_info import BuildInfo
 from pipeline.jobs.job import Tokenization, sorted_entries
 from pipeline.jobs.reuse import CorpusChanges
 from schemas.config import PipelineConfig
-from schemas.manifest import CREATED_BY, Fingerprint, Generation, IndexManifest
+from schemas.manifest import CREATED_BY, Fingerprint, Generation, IndexManifest, VectorIndexManifest
 from schemas.measures import PrecisionCheck
 
 NEWEST_GENERATION_CHUNKS = "newest_generation_chunks"  # a counter: the chunks the last change added
@@ -70,6 +71,19 @@ def faiss_rebuilt_manifest(info: BuildInfo, *, previous: IndexManifest, index_ha
             "created_by": CREATED_BY,
             **info.vector_index(),
         }
+    )
+
+
+def vector_index_manifest(info: BuildInfo, *, config_hash: str, inputs: list[dict]) -> VectorIndexManifest:
+    """The `index` command's: a faiss index over embedding files `inputs` (path and bytes)."""
+    return VectorIndexManifest(
+        config_hash=config_hash,
+        num_vectors=info.num_vectors,
+        inputs=inputs,
+        files=index_entries(info),
+        counters=index_counters(info),
+        created_by=CREATED_BY,
+        **info.vector_index(),
     )
 
 

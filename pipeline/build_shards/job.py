@@ -31,6 +31,7 @@ from pipeline.index.files import INDEX_FILE
 from pipeline.index.recall import PLATEAU_GAIN
 from pipeline.jobs.commit import REJECTED_STAGING
 from pipeline.jobs.job import (
+    Committed,
     Job,
     Submitted,
     Tokenization,
@@ -175,107 +176,111 @@ def _build_shards(
         # does), so Beam's type inference would only cost time
         type_check=cfg.training_corpus != "same",
     )
-    pipeline, staging = job.pipeline, job.staging
-    L, m, k = cfg.chunks_per_sequence, cfg.chunk_tokens, cfg.neighbours
-    idx = index_dir(cfg)
-    threads = None
-    chunk_files = CommittedChunkFiles(
-        idx, 0 if index is None else index.num_chunks, "" if index is None else index.manifest_sha256
-    )
-    deleted = index.deleted() if index is not None else DeletedRanges.none()
-    database_chunks = fileio.join(idx, "chunks", "*.parquet")
-    database_embeddings = fileio.join(idx, EMBEDDINGS_DIR, "*.parquet")
-    if cfg.training_corpus == "same":
-        # a deleted document's chunks are in no sequence: the sequences they would be in are not made
-        training_chunks = (
-            pipeline
-            | "ReadChunkDatabase"
-            >> ReadFromParquetBatched(database_chunks, columns=list(TRAINING_COLUMNS), validate=not dry_run)
-            | "TrainingChunks" >> beam.Map(TrainingChunks.of, deleted)
-        )
-        spans = training_chunks | "DocumentSpans" >> SpansOfTrainingChunks()
-        queries = None  # the search reads them from the database's embedding files
-        # nothing is read that could be rejected, nothing is embedded: no steps for them
-        rejected, precision, read_tallies = None, None, ()
-    else:
-        corpus = pipeline | "ReadTrainingCorpus" >> ReadCorpusKeptClean(cfg, "training", match=not dry_run)
-        chunks, unusable = corpus.documents | "ChunkTrainingDocuments" >> ChunkDocuments(tok.path, m, tok.pad_id)
-        from pipeline.embed.beam import EmbedChunks
 
-        threads = encoder_threads(cfg.embedding.cpu_threads, cfg.embedding.device, pipeline.options)
-        training_chunks = (
-            chunks
-            | "BatchChunks" >> beam.BatchElements(max_batch_size=CHUNKS_PER_BLOCK)
-            | "ChunkBlocks" >> beam.Map(TrainingChunks.of_chunks)
+    def graph(pipeline, staging) -> Committed:
+        L, m, k = cfg.chunks_per_sequence, cfg.chunk_tokens, cfg.neighbours
+        idx = index_dir(cfg)
+        threads = None
+        chunk_files = CommittedChunkFiles(
+            idx, 0 if index is None else index.num_chunks, "" if index is None else index.manifest_sha256
         )
-        embedded, precision_used = chunks | "EmbedTrainingChunks" >> EmbedChunks(cfg.embedding, tok.path, threads)
-        queries = embedded | "QueryBlocks" >> beam.Map(lambda group: QueryBlock(group.chunk_ids, group.vectors))
-        rejected = (corpus.rejected, unusable) | "MergeRejected" >> beam.Flatten()
-        read_tallies = (
-            *documents_read_tally(corpus.documents, rejected, "Training"),
-            corpus.tallies,
-            rejected_tally(rejected, "TallyRejected"),
-        )
-        precision = beam.pvalue.AsSingleton(precision_used)
-        spans = pipeline | "DocumentSpans" >> DocumentSpans(database_chunks, validate=not dry_run)
-    sequences = training_chunks | "PackSequences" >> PackSequences(L, tok.pad_id)
-    # a dry run without a committed index builds the graph of one index file
-    index_path, routing = index.searched() if index is not None else (fileio.join(idx, "faiss", INDEX_FILE), None)
-    spec = Retrieval(
-        index_path=index_path,
-        depth=None if index is None else index.nprobe,
-        chunk_files=chunk_files,
-        chunks_per_seq=L,
-        chunk_tokens=m,
-        neighbours=k,
-        candidates=cfg.neighbour_candidates,
-        pad_id=tok.pad_id,
-        dedupe=cfg.dedupe_neighbours,
-        probes=cfg.neighbour_recall_sample,
-        embeddings=database_embeddings,
-        target_recall=cfg.index.target_recall,
-        recall_below_target=cfg.recall_below_target,
-        routing=routing,
-        deleted=deleted if len(deleted) else None,
-    )
-    inputs = (sequences, spans) if queries is None else (sequences, queries, spans)
-    retrieved = inputs | "RetrieveNeighbours" >> RetrieveNeighbours(
-        spec, cfg.rows_per_shard(), cfg.index.min_ram, validate=not dry_run
-    )
-    rows = retrieved.rows | "ShardProgress" >> ReportProgress("retrieve", "sequences", lambda batch: len(batch.rows))
-    shard_files = rows | "WriteShards" >> WriteShards(staging, cfg.rows_per_shard(), tok.pad_id)
-    rejected_files = (
-        ()
-        if rejected is None
-        else (rejected | "WriteRejected" >> WriteRejected(fileio.join(staging, REJECTED_STAGING), "build-shards"),)
-    )
-    recall = (retrieved.probes, retrieved.truth, rows) | "MeasureNeighbourRecall" >> MeasureNeighbourRecall(k)
-    tallies = (
-        *read_tallies,
-        retrieved.tallies,
-        counted("training_chunks", training_chunks, len),
-        rows | "TallyRows" >> beam.FlatMap(_row_tally, m, tok.pad_id),
-    ) | "Tallies" >> Tally()
-    manifest = (
-        pipeline
-        | "Once" >> beam.Create([None])  # the manifest is made once, when every side input is complete
-        | "ShardsManifest"
-        >> beam.Map(
-            lambda _, **facts: _shards_manifest(**facts),
-            entries=beam.pvalue.AsList(shard_files),
-            tallies=beam.pvalue.AsDict(tallies),
-            recall=beam.pvalue.AsSingleton(recall),
-            search_depth=beam.pvalue.AsSingleton(retrieved.search_depth),
-            precision=precision,
-            cfg=cfg,
-            index_sha=None if index is None else index.manifest_sha256,
-            index_generation=None if index is None else index.generation,
-            threads=threads,
+        deleted = index.deleted() if index is not None else DeletedRanges.none()
+        database_chunks = fileio.join(idx, "chunks", "*.parquet")
+        database_embeddings = fileio.join(idx, EMBEDDINGS_DIR, "*.parquet")
+        if cfg.training_corpus == "same":
+            # a deleted document's chunks are in no sequence: the sequences they would be in are not made
+            training_chunks = (
+                pipeline
+                | "ReadChunkDatabase"
+                >> ReadFromParquetBatched(database_chunks, columns=list(TRAINING_COLUMNS), validate=not dry_run)
+                | "TrainingChunks" >> beam.Map(TrainingChunks.of, deleted)
+            )
+            spans = training_chunks | "DocumentSpans" >> SpansOfTrainingChunks()
+            queries = None  # the search reads them from the database's embedding files
+            # nothing is read that could be rejected, nothing is embedded: no steps for them
+            rejected, precision, read_tallies = None, None, ()
+        else:
+            corpus = pipeline | "ReadTrainingCorpus" >> ReadCorpusKeptClean(cfg, "training", match=not dry_run)
+            chunks, unusable = corpus.documents | "ChunkTrainingDocuments" >> ChunkDocuments(tok.path, m, tok.pad_id)
+            from pipeline.embed.beam import EmbedChunks
+
+            threads = encoder_threads(cfg.embedding.cpu_threads, cfg.embedding.device, pipeline.options)
+            training_chunks = (
+                chunks
+                | "BatchChunks" >> beam.BatchElements(max_batch_size=CHUNKS_PER_BLOCK)
+                | "ChunkBlocks" >> beam.Map(TrainingChunks.of_chunks)
+            )
+            embedded, precision_used = chunks | "EmbedTrainingChunks" >> EmbedChunks(cfg.embedding, tok.path, threads)
+            queries = embedded | "QueryBlocks" >> beam.Map(lambda group: QueryBlock(group.chunk_ids, group.vectors))
+            rejected = (corpus.rejected, unusable) | "MergeRejected" >> beam.Flatten()
+            read_tallies = (
+                *documents_read_tally(corpus.documents, rejected, "Training"),
+                corpus.tallies,
+                rejected_tally(rejected, "TallyRejected"),
+            )
+            precision = beam.pvalue.AsSingleton(precision_used)
+            spans = pipeline | "DocumentSpans" >> DocumentSpans(database_chunks, validate=not dry_run)
+        sequences = training_chunks | "PackSequences" >> PackSequences(L, tok.pad_id)
+        # a dry run without a committed index builds the graph of one index file
+        index_path, routing = index.searched() if index is not None else (fileio.join(idx, "faiss", INDEX_FILE), None)
+        spec = Retrieval(
+            index_path=index_path,
+            depth=None if index is None else index.nprobe,
+            chunk_files=chunk_files,
+            chunks_per_seq=L,
+            chunk_tokens=m,
+            neighbours=k,
+            candidates=cfg.neighbour_candidates,
             pad_id=tok.pad_id,
+            dedupe=cfg.dedupe_neighbours,
+            probes=cfg.neighbour_recall_sample,
+            embeddings=database_embeddings,
+            target_recall=cfg.index.target_recall,
+            recall_below_target=cfg.recall_below_target,
+            routing=routing,
+            deleted=deleted if len(deleted) else None,
         )
-    )
-    job.commit(manifest, staged=shard_files, after=rejected_files)
-    manifest = job.run()
+        inputs = (sequences, spans) if queries is None else (sequences, queries, spans)
+        retrieved = inputs | "RetrieveNeighbours" >> RetrieveNeighbours(
+            spec, cfg.rows_per_shard(), cfg.index.min_ram, validate=not dry_run
+        )
+        rows = retrieved.rows | "ShardProgress" >> ReportProgress(
+            "retrieve", "sequences", lambda batch: len(batch.rows)
+        )
+        shard_files = rows | "WriteShards" >> WriteShards(staging, cfg.rows_per_shard(), tok.pad_id)
+        rejected_files = (
+            ()
+            if rejected is None
+            else (rejected | "WriteRejected" >> WriteRejected(fileio.join(staging, REJECTED_STAGING), "build-shards"),)
+        )
+        recall = (retrieved.probes, retrieved.truth, rows) | "MeasureNeighbourRecall" >> MeasureNeighbourRecall(k)
+        tallies = (
+            *read_tallies,
+            retrieved.tallies,
+            counted("training_chunks", training_chunks, len),
+            rows | "TallyRows" >> beam.FlatMap(_row_tally, m, tok.pad_id),
+        ) | "Tallies" >> Tally()
+        manifest = (
+            pipeline
+            | "Once" >> beam.Create([None])  # the manifest is made once, when every side input is complete
+            | "ShardsManifest"
+            >> beam.Map(
+                lambda _, **facts: _shards_manifest(**facts),
+                entries=beam.pvalue.AsList(shard_files),
+                tallies=beam.pvalue.AsDict(tallies),
+                recall=beam.pvalue.AsSingleton(recall),
+                search_depth=beam.pvalue.AsSingleton(retrieved.search_depth),
+                precision=precision,
+                cfg=cfg,
+                index_sha=None if index is None else index.manifest_sha256,
+                index_generation=None if index is None else index.generation,
+                threads=threads,
+                pad_id=tok.pad_id,
+            )
+        )
+        return Committed(manifest=manifest, staged=shard_files, after=rejected_files)
+
+    manifest = job.run(graph)
     if isinstance(manifest, ShardsManifest):
         log.info(
             "committed %s (%d sequences in %d shards, %s)",

@@ -224,9 +224,8 @@ def validate_with_beam(path: str, beam_args: list[str], sample: float = 1.0) -> 
     before anything is submitted) only decides which parts the job has."""
     plan = plan_validation(path, sample)
     job = Job.reading("validate", path, beam_args)
-    _build(job.pipeline, plan)
     try:
-        job.run()
+        job.run(lambda pipeline, _: _build(pipeline, plan))
     except ValidationFailed as failed:  # in-process runners re-raise it with the step appended
         raise ValidationFailed(re.sub(r" \[while running '[^']*'\]$", "", str(failed))) from None
     return plan.lines

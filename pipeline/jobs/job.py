@@ -1,5 +1,5 @@
-"""What every job shares: `Job` (staging, the pipeline, the one commit step, running), the
-clock its manifest's timings come from, and where its directories are.
+"""What every job shares: `Job`, the template each runs as (its graph, then the one commit step,
+running), the clock its manifest's timings come from, and where its directories are.
 
 Each job (build-index, build-shards, `index`) writes into a staging directory under
 `<output>/.staging/`; its last step, on a worker, builds the manifest from the data the job
@@ -102,11 +102,25 @@ class StageClock:
         return stage_timings(self.stage, self.started, time.time(), counters, self.records)
 
 
+@dataclass(frozen=True, kw_only=True)
+class Committed:
+    """What a job's graph hands its commit step: the manifest (one `model` instance, built from
+    the data written), the staged files (file entries in `staged`, and those `staged_of(manifest)`
+    names), and what must be written before the commit (`after`)."""
+
+    manifest: beam.PCollection
+    staged: beam.PCollection | None = None
+    staged_of: Callable[[Any], list[str]] | None = None
+    after: tuple[beam.PCollection, ...] = ()
+
+
 class Job:
-    """One Beam job. A job function makes one, resolves its inputs (or, for a dry run, stands
-    them in), builds its graph on `pipeline` writing into `staging`, builds its manifest (a
-    `model` instance) from the data written, hands it to `commit`, and returns `run()`. A job
-    that writes nothing (`validate`: `Job.reading`) has no staging, manifest or commit."""
+    """One Beam job, run as a template: a job function makes one with its settings, resolves its
+    inputs (or, for a dry run, stands them in), and calls `run(graph)`, where `graph(pipeline,
+    staging)` builds the job's steps writing into `staging` and returns what it `Committed`; the
+    commit step, running and reading back the committed manifest are here. A job that writes
+    nothing (`validate`: `Job.reading`) has no staging, manifest or commit: its graph returns
+    None."""
 
     def __init__(
         self,
@@ -141,27 +155,19 @@ class Job:
 
     @classmethod
     def reading(cls, name: str, directory: str, beam_args: list[str]) -> Job:
-        """A job that reads `directory` and writes nothing: `run()` waits for it."""
+        """A job that reads `directory` and writes nothing: `run(graph)` waits for it (its graph returns None)."""
         return cls(
             name, records="", output=directory, directory=directory, model=None, beam_args=beam_args, staging=None
         )
 
-    def commit(
-        self,
-        manifest: beam.PCollection,
-        staged: beam.PCollection | None = None,
-        staged_of: Callable[[Any], list[str]] | None = None,
-        after: tuple[beam.PCollection, ...] = (),
-    ) -> None:
-        """The job's last step (`commit_stage`), once `manifest` (one model) exists and every
-        PCollection in `after` is written: the staged files are the paths in `staged` (file
-        entries) and those `staged_of(manifest)` names."""
-        if self.model is None:
-            raise TypeError(f"{self.clock.stage}: a job that writes nothing has nothing to commit")
+    def _commit(self, committed: Committed) -> None:
+        """The job's last step (`commit_stage`), once the manifest exists and every PCollection in
+        `committed.after` is written."""
+        staged_of = committed.staged_of
         staging, output, directory, clock = self.staging, self.output, self.directory, self.clock
         fraction, replace, replaces, reads = self.max_rejected_fraction, self.replace, self.replaces, self.reads
         paths = beam.pvalue.AsList(
-            (staged if staged is not None else self.pipeline | "NothingStaged" >> beam.Create([]))
+            (committed.staged if committed.staged is not None else self.pipeline | "NothingStaged" >> beam.Create([]))
             | "StagedPaths" >> beam.Map(lambda entry: entry.path)
         )
 
@@ -180,11 +186,17 @@ class Job:
                 reads=reads,
             )
 
-        _ = manifest | "Commit" >> beam.Map(commit, paths, *(beam.pvalue.AsList(pc) for pc in after))
+        after = (beam.pvalue.AsList(pc) for pc in committed.after)
+        _ = committed.manifest | "Commit" >> beam.Map(commit, paths, *after)
 
-    def run(self):
-        """Dry run: `describe(pipeline)`. Detached: `Submitted` once the runner has the job.
-        Attached: the committed manifest."""
+    def run(self, graph: Callable[[beam.Pipeline, str], Committed | None]):
+        """The job: its `graph` built, then its commit step; run. Dry run: `describe(pipeline)`.
+        Detached: `Submitted` once the runner has the job. Attached: the committed manifest."""
+        committed = graph(self.pipeline, self.staging)
+        if (committed is None) != (self.model is None):
+            raise TypeError(f"{self.clock.stage}: a job commits a manifest exactly when it writes one")
+        if committed is not None:
+            self._commit(committed)
         if self.dry_run:
             return describe(self.pipeline)
         if self.model is None:
