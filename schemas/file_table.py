@@ -17,17 +17,21 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from pydantic import TypeAdapter, ValidationError
 
 from schemas.manifest import (
     FILE_TABLE,
     INLINE_FILE_ENTRIES,
+    INSIDE_PATH,
+    INSIDE_PATH_RULE,
     FileEntry,
     FileTable,
     ManifestError,
     ShardEntry,
     ShardsManifest,
+    first_problem,
 )
 
 #: Entries per row group: a reader of one entry decodes at most this many.
@@ -134,9 +138,7 @@ def whole_manifest(
     try:  # validated in pydantic's core: faster than constructing each entry in Python
         entries = TypeAdapter(list[model]).validate_python(parquet.read(columns=names).to_pylist())  # type: ignore[valid-type]
     except ValidationError as err:
-        raise error(
-            f"{path}: entries not as a manifest's ({err.errors()[0]['loc']} {err.errors()[0]['msg']})"
-        ) from None
+        raise error(f"{path}: entries not as a manifest's ({first_problem(err)})") from None
     return manifest.model_copy(update={entries_field(manifest): entries, "file_table": None})  # type: ignore[attr-defined]
 
 
@@ -165,8 +167,14 @@ def entry_columns(
     try:
         parquet = pq.ParquetFile(f)
         _checked(parquet, reference, path, columns, error)
-        return parquet.read(columns=columns).combine_chunks()
+        table = parquet.read(columns=columns).combine_chunks()
     except pa.ArrowInvalid as err:
         raise error(f"{path}: not a Parquet file table ({err})") from None
     finally:
         f.close()
+    if "path" in columns:  # read without the entry model, so checked here as it checks them
+        inside = pc.match_substring_regex(table["path"], INSIDE_PATH)
+        if not pc.all(inside).as_py():
+            outside = table["path"].filter(pc.invert(inside))[0].as_py()
+            raise error(f"{path}: entry path {outside!r} is not {INSIDE_PATH_RULE}")
+    return table

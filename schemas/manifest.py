@@ -25,10 +25,19 @@ CREATED_BY = f"ratrain-pipeline {__version__}"
 INLINE_FILE_ENTRIES = 10_000
 #: The file table's name, beside manifest.json (schemas/file_table.py writes and reads it).
 FILE_TABLE = "files.parquet"
+#: What a path a manifest lists must be: relative to the manifest's directory and inside it
+#: (segments joined by "/", none of them "", "." or "..", no "\\" or ":"), so a manifest read
+#: from elsewhere cannot point a reader outside the output. One pattern for pydantic's check of
+#: an entry and Arrow's of a file table's path column (neither regex engine has lookarounds).
+_SEGMENT = r"(?:[^/\\:.][^/\\:]*|\.[^/\\:.][^/\\:]*|\.\.[^/\\:]+)"
+INSIDE_PATH = rf"^{_SEGMENT}(?:/{_SEGMENT})*$"
+INSIDE_PATH_RULE = "a path inside the output (relative, no '..', '.', empty segment, '\\' or ':')"
 
 
 class FileEntry(ManifestModel):
-    path: str = Field(description="Path relative to the manifest's directory.")
+    path: str = Field(
+        pattern=INSIDE_PATH, description=f"Path relative to the manifest's directory: {INSIDE_PATH_RULE}."
+    )
     rows: int
     bytes: int
     sha256: str
@@ -43,7 +52,10 @@ class ShardEntry(FileEntry):
 class FileTable(ManifestModel):
     """Where a manifest's file entries are when there are more than INLINE_FILE_ENTRIES."""
 
-    path: str = Field(description="A Parquet file beside the manifest, one row per entry, in the manifest's order.")
+    path: str = Field(
+        pattern=INSIDE_PATH,
+        description="A Parquet file beside the manifest, one row per entry, in the manifest's order.",
+    )
     sha256: str
     entries: int
     bytes: int
@@ -311,5 +323,13 @@ def read_manifest(source, where: str, model=None, *, error: Callable[[str], Exce
         return model.model_validate(raw)
     except ValidationError as err:
         kind = _KINDS[model][0] if model in _KINDS else f"a {model.__name__}"
-        first = err.errors()[0]
-        raise error(f"{where}: not {kind} ({err.error_count()} problems: {first['loc']} {first['msg']})") from None
+        raise error(f"{where}: not {kind} ({err.error_count()} problems: {first_problem(err)})") from None
+
+
+def first_problem(err: ValidationError) -> str:
+    """Where and what the first problem of a manifest's validation is, a path outside the output
+    named as such (not as the pattern it fails)."""
+    first = err.errors()[0]
+    if first["type"] == "string_pattern_mismatch" and first["loc"][-1] == "path":
+        return f"{first['loc']} {first['input']!r} is not {INSIDE_PATH_RULE}"
+    return f"{first['loc']} {first['msg']}"
