@@ -14,8 +14,6 @@ import pyarrow.fs as pafs
 from schemas.arrow import shard_column
 from schemas.shard_columns import array_columns
 
-_WIDENED = ("seq_id", "tokens", "neighbours")  # int32 in the shard, int64 for torch embeddings
-
 
 class LocalFiles:
     """Local files, shards memory-mapped."""
@@ -120,8 +118,8 @@ class OpenShard:
         rows = self.row_order[offsets]
         which = np.searchsorted(self._batch_starts, rows, side="right") - 1
         local = rows - self._batch_starts[which]
-        out = {
-            name: np.empty((len(rows), *column.shape[1:]), np.int64 if name in _WIDENED else column.dtype)
+        out = {  # integer columns as int64, what torch's embeddings take
+            name: np.empty((len(rows), *column.shape[1:]), np.int64 if column.dtype.kind in "iu" else column.dtype)
             for name, column in self._batches[0].items()
         }
         for b in np.unique(which).tolist():

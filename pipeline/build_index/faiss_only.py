@@ -13,6 +13,7 @@ from apache_beam.io.parquetio import ReadFromParquetBatched
 
 from pipeline.build_index.files import index_staged, log_index, nonempty
 from pipeline.build_index.manifest import faiss_rebuilt_manifest, vector_index_manifest
+from pipeline.chunks.chunk_files import EMBEDDINGS_DIR
 from pipeline.common import fileio
 from pipeline.common.errors import StageError
 from pipeline.index.build import BuildIndex
@@ -56,8 +57,7 @@ def rebuild_faiss(
     """Only `index.*` changed: a new faiss index from the committed embeddings."""
     log.info("build-index: chunks and embeddings match the config; rebuilding the faiss index only")
     directory = index_dir(cfg)
-    kept = [f for f in previous.files if not f.path.startswith("faiss/")]
-    paths = [fileio.join(directory, f.path) for f in kept if f.path.startswith("embeddings/")]
+    paths = [fileio.join(directory, f.path) for f in previous.files if f.path.startswith(f"{EMBEDDINGS_DIR}/")]
     to_manifest = functools.partial(faiss_rebuilt_manifest, previous=previous, index_hash=cfg.index_hash())
 
     job = Job(

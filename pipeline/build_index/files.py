@@ -15,7 +15,7 @@ from pipeline.common.fileio import committed
 from pipeline.common.models import (
     embedding_dim,
 )
-from pipeline.common.rejected import NEAR_DUPLICATE
+from pipeline.common.rejected import REFUSED_AFTER_PARSING
 from pipeline.common.tally import counted
 from pipeline.index.build_info import BUILD_INFO_FILE, BuildInfo
 from pipeline.index.factory import new_index, resolve_clustering
@@ -64,9 +64,6 @@ def rejected_tally(rejected, label: str):
     return rejected | label >> beam.Map(lambda r: (f"rejected_{r.reason}", 1))
 
 
-_REFUSED_AFTER_PARSING = ("duplicate_id", NEAR_DUPLICATE)
-
-
 def documents_read_tally(documents, rejected, prefix: str):
     """Documents parsed: those kept, plus those refused after parsing (a duplicate id, a
     near-duplicate of an evaluation document)."""
@@ -74,7 +71,7 @@ def documents_read_tally(documents, rejected, prefix: str):
         counted("documents_read", documents, label=f"{prefix}DocumentsKept"),
         rejected
         | f"{prefix}DuplicatesRead"
-        >> beam.FlatMap(lambda r: [("documents_read", 1)] if r.reason in _REFUSED_AFTER_PARSING else []),
+        >> beam.FlatMap(lambda r: [("documents_read", 1)] if r.reason in REFUSED_AFTER_PARSING else []),
     )
 
 

@@ -20,7 +20,7 @@ from pipeline.chunks.chunking import (
     num_chunks,
     tokenize_batch,
 )
-from pipeline.common.rejected import Rejected
+from pipeline.common.rejected import Rejected, excerpt
 from pipeline.corpus.records import METRICS_NAMESPACE, Document
 
 
@@ -39,7 +39,7 @@ class _Tokenize(beam.DoFn):
             if len(tokens) == 0:
                 Metrics.counter(METRICS_NAMESPACE, "rejected_no_tokens").inc()
                 yield beam.pvalue.TaggedOutput(
-                    "rejected", Rejected(doc.source, doc.position, "no_tokens", doc.text[:200])
+                    "rejected", Rejected(doc.source, doc.position, "no_tokens", excerpt(doc.text))
                 )
                 continue
             self.tokens.inc(len(tokens))

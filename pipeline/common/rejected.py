@@ -43,11 +43,10 @@ def rejected_share(counters: dict[str, int]) -> tuple[int, int]:
 
 
 NEAR_DUPLICATE = "near_duplicate_of_evaluation"  # the reason decontamination removes a document for
-AFTER_PARSING = (  # of documents already read
-    "rejected_duplicate_id",
-    "rejected_no_tokens",
-    f"rejected_{NEAR_DUPLICATE}",
-)
+# reasons a parsed document is refused before it is chunked (the read counts it as read)
+REFUSED_AFTER_PARSING = ("duplicate_id", NEAR_DUPLICATE)
+# the counters of every document already read when refused: those, and one with no tokens
+AFTER_PARSING = tuple(f"rejected_{reason}" for reason in ("duplicate_id", "no_tokens", NEAR_DUPLICATE))
 
 
 def rejected_jsonl(records: list[Rejected]) -> bytes:

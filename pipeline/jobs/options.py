@@ -26,6 +26,7 @@ from apache_beam.options.pipeline_options import (
     TypeOptions,
     _BeamArgumentParser,
 )
+from apache_beam.runners.portability.flink_runner import MAGIC_HOST_NAMES
 from apache_beam.runners.portability.spark_runner import LOCAL_MASTER_PATTERN
 
 from pipeline.jobs.worker_pool import serve_loopback_workers_by_caller
@@ -36,7 +37,6 @@ IN_PROCESS_RUNNERS = {None, "fnapi", "direct", "bundlebaseddirect", "switchingdi
 # Runners that take a job through Beam's portable Job API; with LOOPBACK workers, the workers are
 # threads of the process that submits (Beam's runner starts a worker pool in it).
 PORTABLE_RUNNERS = {"portable", "flink", "spark"}
-FLINK_IN_THE_JOB_SERVER = ("[auto]", "[local]")  # --flink_master values that run Flink inside Beam's job server
 
 
 def runner_kind(runner: str | None) -> str | None:
@@ -53,7 +53,7 @@ def _engine_in_the_job_server(options: PipelineOptions) -> bool:
     with --flink_master=[auto] or [local]; SparkRunner with a local[...] master)."""
     kind = runner_kind(options.view_as(StandardOptions).runner)
     if kind == "flink":
-        return options.view_as(FlinkRunnerOptions).flink_master in FLINK_IN_THE_JOB_SERVER
+        return options.view_as(FlinkRunnerOptions).flink_master in MAGIC_HOST_NAMES  # Flink inside Beam's job server
     master = options.view_as(SparkRunnerOptions).spark_master_url
     return kind == "spark" and re.match(LOCAL_MASTER_PATTERN, master) is not None
 

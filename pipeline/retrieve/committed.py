@@ -57,9 +57,11 @@ def read_committed_index(directory: str) -> tuple[CommittedIndex, IndexManifest]
         raise StageError(f"no committed index at {directory}: run build-index first")
     data = fileio.read_bytes(path)
     manifest = read_manifest(data, path, IndexManifest)
-    paths, _ = fileio.entry_paths_and_rows(manifest, directory, "faiss")
+    paths, _ = fileio.entry_paths_and_rows(manifest, directory)  # one read of a file table
     routing = (f"faiss/{QUANTIZER_FILE}", f"faiss/{LIST_OWNERS_FILE}")
-    if len(searched_files(faiss_files(paths))) > 1 and not set(routing) <= set(paths):
+    searched = searched_files(faiss_files(paths))
+    routed = set(routing) <= set(paths)
+    if len(searched) > 1 and not routed:
         raise StageError(
             f"index at {directory} is in slices by chunk-id range, which build-shards no longer searches: "
             "rebuild it (delete its manifest.json and run build-index)"
@@ -69,10 +71,10 @@ def read_committed_index(directory: str) -> tuple[CommittedIndex, IndexManifest]
         manifest_sha256=fileio.sha256_bytes(data),
         num_chunks=manifest.num_chunks,
         nprobe=manifest.nprobe,
-        faiss_paths=searched_files(faiss_files(paths)),
-        routing_paths=routing if set(routing) <= set(paths) else None,
+        faiss_paths=searched,
+        routing_paths=routing if routed else None,
         nlist=ivf_lists(manifest.index_factory),
-        deleted_paths=tuple(fileio.entry_paths_and_rows(manifest, directory, DELETED_DIR)[0]),
+        deleted_paths=tuple(path for path in paths if path.startswith(f"{DELETED_DIR}/")),
         generation=manifest.generations[-1].number if manifest.generations else None,
     )
     return index, manifest

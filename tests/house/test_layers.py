@@ -96,13 +96,14 @@ def test_the_import_graph_has_no_cycle():
 
 def test_no_module_imports_another_modules_underscore_names():
     found = []
+    sources = modules(SOURCES)
     for importer, imports in graph(SOURCES).items():
         found += [
             f"{importer}:{i.line} imports {i.module}.{i.name}"
             for i in imports
             if i.name and i.name.startswith("_") and not i.name.startswith("__") and i.module != importer
         ]
-        tree = ast.parse(modules(SOURCES)[importer].read_text())
+        tree = ast.parse(sources[importer].read_text())
         aliases = {i.module.split(".")[-1]: i.module for i in imports if i.name is None}
         found += [
             f"{importer}:{node.lineno} uses {aliases[node.value.id]}.{node.attr}"

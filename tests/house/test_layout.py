@@ -36,7 +36,8 @@ def unlisted(section: str) -> list[str]:
         if path.name == "__init__.py":
             continue
         name = module.split(".")[-1]
-        if f"`{name}`" not in where_listed(section, module) and f"{name}.py" not in where_listed(section, module):
+        listed = where_listed(section, module)
+        if f"`{name}`" not in listed and f"{name}.py" not in listed:
             missing.append(module)
     return missing
 
