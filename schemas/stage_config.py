@@ -54,6 +54,8 @@ _DECONTAMINATION = Hashed(Stage.DECONTAMINATION)
 # backend and quantize are left out at torch and none: outputs built before these keys existed
 # keep their hash
 _BACKEND = Hashed(Stage.EMBED, left_out_at_default="backend")
+# the input bounds are left out at their defaults: outputs built before they existed keep their hash
+_INPUT_BOUND = Hashed(Stage.EMBED, Stage.SHARDS, Stage.DECONTAMINATION, left_out_at_default="input_bounds")
 _RESOURCE_HINT = NotHashed("a Beam resource hint: where the step runs, not what it computes")
 
 
@@ -72,11 +74,28 @@ class CorpusConfig(StrictModel):
         description="Field holding the document identity; a stable 64-bit doc id is derived "
         "from it. Without it the identity is the file path (relative to the glob's base) and line.",
     )
+    max_record_bytes: Annotated[int, _INPUT_BOUND] = Field(
+        64 * 2**20,
+        ge=1,
+        description="A JSONL line longer than this (bytes after decompression, e.g. 64MiB) is read past without "
+        "being held and rejected as too_long, with its size.",
+    )
+    max_document_bytes: Annotated[int, _INPUT_BOUND] = Field(
+        16 * 2**20,
+        ge=1,
+        description="A document whose text is longer than this (UTF-8 bytes; format text: the decompressed file) "
+        "is rejected as too_long, with its size; a text file over it is read past without being held.",
+    )
 
     @field_validator("paths", mode="before")
     @classmethod
     def _one_glob_is_a_list(cls, v):
         return [v] if isinstance(v, str) else v
+
+    @field_validator("max_record_bytes", "max_document_bytes", mode="before")
+    @classmethod
+    def _size(cls, value):
+        return parse_size(value)
 
 
 class EmbeddingConfig(StrictModel):

@@ -12,7 +12,7 @@ from apache_beam.metrics import Metrics
 
 from pipeline.chunks.chunking import (
     BUCKET_BITS,
-    TOKENIZE_BATCH,
+    TOKENIZE_BATCH_CHARS,
     bucket_of,
     chunk_document,
     chunk_offsets,
@@ -75,7 +75,10 @@ class ChunkDocuments(beam.PTransform):
     def expand(self, documents):
         tokenized = (
             documents
-            | "BatchDocuments" >> beam.BatchElements(min_batch_size=1, max_batch_size=TOKENIZE_BATCH)
+            | "BatchDocuments"
+            >> beam.BatchElements(
+                min_batch_size=1, max_batch_size=TOKENIZE_BATCH_CHARS, element_size_fn=lambda d: len(d.text)
+            )
             | "Tokenize" >> beam.ParDo(_Tokenize(self.tokenizer_path)).with_outputs("rejected", main="tokens")
         )
         m, bits, first = self.m, self.bucket_bits, self.first_chunk_id

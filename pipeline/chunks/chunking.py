@@ -13,13 +13,17 @@ document (docs/design.md §5). (Training sequences are packed in `pipeline.retri
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 from tokenizers import Tokenizer
 
-TOKENIZE_BATCH = 256
+TOKENIZE_BATCH_CHARS = 1 << 20  # text tokenized in one batched call, at most (one longer document alone)
+TOKENIZE_PIECE_CHARS = 1 << 16  # a longer text is tokenized a piece at a time: the tokenizer holds
+# ~128 bytes per byte of text it is given (2 GB for a 16 MiB text, measured with the bundled tokenizer)
+_WORD_END = re.compile(r"(?<=\S)\s")  # where whitespace begins after a word: a cut that changes no token
 BUCKET_BITS = 16  # doc-id buckets of the chunk-id prefix sum: 65,536 offsets at most
 
 
@@ -49,10 +53,36 @@ def pad_id_of(tokenizer: Tokenizer) -> int:
     return 0
 
 
+def text_pieces(text: str, piece_chars: int = TOKENIZE_PIECE_CHARS) -> list[str]:
+    """`text` cut into pieces of at most `piece_chars` characters, each cut where whitespace
+    begins after a word, so that tokenizers that split at whitespace give the same tokens
+    piece by piece. A stretch of `piece_chars` with no such place is cut where it ends."""
+    pieces, start = [], 0
+    while len(text) - start > piece_chars:
+        end = start + piece_chars
+        cuts = [m.start() for m in _WORD_END.finditer(text, start + 1, end + 1)]
+        cut = cuts[-1] if cuts else end
+        pieces.append(text[start:cut])
+        start = cut
+    pieces.append(text[start:])
+    return pieces
+
+
 def tokenize_batch(tokenizer: Tokenizer, texts: list[str]) -> list[np.ndarray]:
-    """Token ids of each text, without special tokens (one batched call)."""
-    encodings = tokenizer.encode_batch(texts, add_special_tokens=False)
-    return [np.asarray(e.ids, dtype=np.int32) for e in encodings]
+    """Token ids of each text, without special tokens. The texts' pieces (`text_pieces`) go to
+    the tokenizer in batched calls of at most `TOKENIZE_BATCH_CHARS`, so its memory is bounded
+    by that, not by the longest text."""
+    pieces = [text_pieces(text) for text in texts]
+    flat = [piece for text in pieces for piece in text]
+    ids: list[np.ndarray] = []
+    call: list[str] = []
+    for i, piece in enumerate(flat):
+        call.append(piece)
+        if i + 1 == len(flat) or sum(map(len, call)) + len(flat[i + 1]) > TOKENIZE_BATCH_CHARS:
+            ids += [np.asarray(e.ids, dtype=np.int32) for e in tokenizer.encode_batch(call, add_special_tokens=False)]
+            call = []
+    numbered = iter(ids)
+    return [np.concatenate([next(numbered) for _ in text]) if text else np.zeros(0, np.int32) for text in pieces]
 
 
 def num_chunks(num_tokens: int, m: int) -> int:

@@ -1,46 +1,36 @@
 """Read corpora (JSONL, Parquet, plain text; plain or gzip) into documents.
 
 Files are read as streams, record by record, so a worker's memory does not grow with a file's
-size; an uncompressed JSONL or Parquet file larger than `SPLIT_BYTES` is cut into ranges that
-several workers parse (`FileRange`). Pure functions turn one range into `Document`s or
+size; a line or a text file longer than the config's bounds is read past a block at a time,
+never held, and becomes a `too_long` record (`max_record_bytes`, `max_document_bytes`); an
+uncompressed JSONL or Parquet file larger than `SPLIT_BYTES` is cut into ranges that several
+workers parse (`FileRange`). Pure functions turn one range into `Document`s or
 `Rejected` records; `ReadCorpus` only lists, splits and fans out. A record that cannot be used is
 never dropped silently: it becomes a `Rejected` with its source, position and reason.
 """
 
 from __future__ import annotations
 
-import contextlib
-import gzip
 import json
 import posixpath
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
-from typing import Protocol
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 
 from pipeline.common.rejected import EXCERPT_CHARS, Rejected, excerpt
+from pipeline.corpus.lines import ByteStream, LongLine, lines_in_range, open_input, read_past
 from pipeline.corpus.records import Document, FileRange, Record, doc_id_for
 from schemas.stage_config import CorpusConfig
 
 SPLIT_BYTES = 64 << 20  # an uncompressed JSONL or Parquet file larger than this is read in ranges
 PARQUET_BATCH_ROWS = 1024  # rows decoded at a time: bounds memory for long documents
-COUNT_BLOCK_BYTES = 1 << 20  # read size when counting the lines before a range
-
-
-class ByteStream(Protocol):
-    """What readers use of an input file: a Beam channel or, for a .gz file, a GzipFile (which
-    typing.BinaryIO, a nominal type, does not cover)."""
-
-    def read(self, size: int = -1, /) -> bytes: ...
-    def readline(self, size: int = -1, /) -> bytes: ...
-    def seek(self, offset: int, whence: int = 0, /) -> int: ...
-    def __iter__(self) -> Iterator[bytes]: ...
+TOO_LONG = "too_long"
 
 
 def glob_base(pattern: str) -> str:
@@ -50,10 +40,22 @@ def glob_base(pattern: str) -> str:
     return head if head.endswith("/") else posixpath.dirname(head) + "/"
 
 
-def _document(text, identity: str, source: str, position: int, raw) -> Record:
+def too_long(source: str, position: int, size: int, *, limit: str, cfg: CorpusConfig, raw) -> Rejected:
+    """A record or document over one of the corpus's bounds (`limit`: which), with its size."""
+    bound = getattr(cfg, limit)
+    return Rejected(
+        source, position, TOO_LONG, excerpt(raw), details=(("bytes", size), ("limit", limit), ("limit_bytes", bound))
+    )
+
+
+def _document(text, identity: str, source: str, position: int, *, raw, cfg: CorpusConfig) -> Record:
     if not isinstance(text, str):
         reason = "missing_text" if text is None else "text_not_a_string"
         return Rejected(source, position, reason, excerpt(raw))
+    if len(text) > cfg.max_document_bytes // 4:  # a str's UTF-8 is at most 4 bytes a character
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if size > cfg.max_document_bytes:
+            return too_long(source, position, size, limit="max_document_bytes", cfg=cfg, raw=text[:EXCERPT_CHARS])
     if not text.strip():
         return Rejected(source, position, "empty_text", excerpt(raw))
     return Document(doc_id_for(identity), identity, text, source, position)
@@ -76,14 +78,17 @@ def _fields(record: dict, cfg: CorpusConfig, source: str, relative: str, *, posi
         return Rejected(source, position, "missing_id", excerpt(raw))
     if not identity.strip():
         return Rejected(source, position, "empty_id", excerpt(raw))
-    return _document(record.get(cfg.text_field), identity, source, position, raw)
+    return _document(record.get(cfg.text_field), identity, source, position, raw=raw, cfg=cfg)
 
 
 def parse_jsonl(
-    lines: Iterable[bytes], cfg: CorpusConfig, source: str, relative: str, first_line: int = 1
+    lines: Iterable[bytes | LongLine], cfg: CorpusConfig, source: str, relative: str, first_line: int = 1
 ) -> Iterator[Record]:
     """One JSON object per line (lines end in \\n); `first_line` numbers the first one."""
     for number, line in enumerate(lines, start=first_line):
+        if isinstance(line, LongLine):
+            yield too_long(source, number, line.size, limit="max_record_bytes", cfg=cfg, raw=line.excerpt)
+            continue
         line = line.rstrip(b"\r\n")
         if not line.strip():
             continue
@@ -117,6 +122,22 @@ def _schema_problem(schema: pa.Schema, cfg: CorpusConfig) -> str | None:
     return None
 
 
+def _plain_text(batch: pa.RecordBatch, cfg: CorpusConfig) -> pa.RecordBatch:
+    """The batch with its text column as plain strings (a dictionary or string view decoded),
+    which Arrow's string kernels take."""
+    column = batch.schema.get_field_index(cfg.text_field)
+    texts = batch.column(column)
+    if pa.types.is_string(texts.type) or pa.types.is_large_string(texts.type):
+        return batch
+    return batch.set_column(column, cfg.text_field, texts.cast(pa.large_string()))
+
+
+def _long_texts(batch: pa.RecordBatch, cfg: CorpusConfig) -> set[int]:
+    """The rows of a Parquet batch whose text is over `max_document_bytes` (UTF-8)."""
+    sizes = pc.binary_length(batch.column(cfg.text_field))
+    return set(np.flatnonzero(pc.fill_null(pc.greater(sizes, cfg.max_document_bytes), False)).tolist())
+
+
 def parse_parquet(
     parquet: pq.ParquetFile,
     cfg: CorpusConfig,
@@ -137,66 +158,39 @@ def parse_parquet(
     columns = [c for c in (cfg.text_field, cfg.id_field) if c]
     row = first_row
     for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns, row_groups=row_groups):
-        for record in batch.to_pylist():
-            yield _fields(record, cfg, source, relative, position=row, raw=record)
+        batch = _plain_text(batch, cfg)
+        long = _long_texts(batch, cfg)
+        if long:  # refused before they become Python strings
+            texts = batch.column(cfg.text_field)
+            sizes = pc.binary_length(texts).to_pylist()
+            starts = pc.utf8_slice_codeunits(pc.take(texts, sorted(long)), 0, EXCERPT_CHARS).to_pylist()
+            excerpts = dict(zip(sorted(long), starts))
+            column = batch.schema.get_field_index(cfg.text_field)
+            mask = pa.array([i in long for i in range(batch.num_rows)])
+            batch = batch.set_column(column, cfg.text_field, pc.if_else(mask, pa.scalar(None, texts.type), texts))
+        for i, record in enumerate(batch.to_pylist()):
+            if i in long:
+                yield too_long(source, row, sizes[i], limit="max_document_bytes", cfg=cfg, raw=excerpts[i])
+            else:
+                yield _fields(record, cfg, source, relative, position=row, raw=record)
             row += 1
 
 
-def parse_text(data: bytes, cfg: CorpusConfig, source: str, relative: str) -> Iterator[Record]:
-    """A whole file is one document; its identity is its relative path."""
+def parse_text(f: ByteStream, cfg: CorpusConfig, source: str, relative: str) -> Iterator[Record]:
+    """A whole file is one document; its identity is its relative path. A file (decompressed)
+    over `max_document_bytes` is read past, not held."""
+    data = f.read(cfg.max_document_bytes + 1)
+    if len(data) > cfg.max_document_bytes:
+        size = len(data) + read_past(f)
+        start = data[:EXCERPT_CHARS].decode("utf-8", "replace")
+        yield too_long(source, 0, size, limit="max_document_bytes", cfg=cfg, raw=start)
+        return
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         yield Rejected(source, 0, "invalid_utf8", excerpt(data[:EXCERPT_CHARS]))
         return
-    yield _document(text, relative, source, 0, text)
-
-
-@contextlib.contextmanager
-def open_input(path: str) -> Iterator[ByteStream]:
-    """A stream of the file's bytes, gunzipped as they are read when its name ends in .gz."""
-    with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as raw:
-        if not path.endswith(".gz"):
-            yield raw
-            return
-        with gzip.GzipFile(fileobj=raw, mode="rb") as unzipped:
-            yield unzipped
-
-
-def lines_in_range(f: ByteStream, start: int, end: int | None) -> tuple[bool, Iterator[bytes]]:
-    """(whether a line that began before `start` was skipped, the lines whose first byte lies in
-    [start, end)). A stream that cannot seek is read from its start (start must be 0)."""
-    skipped = False
-    if start > 0:
-        f.seek(start - 1)
-        if f.read(1) != b"\n":
-            start += len(f.readline())
-            skipped = True
-
-    def lines():
-        offset = start
-        for line in f:
-            if end is not None and offset >= end:
-                return
-            yield line
-            offset += len(line)
-
-    return skipped, lines()
-
-
-def count_lines(path: str, start: int, end: int) -> int:
-    """The number of line ends in bytes [start, end) of an uncompressed file."""
-    count = 0
-    with open_input(path) as f:
-        f.seek(start)
-        remaining = end - start
-        while remaining > 0:
-            block = f.read(min(COUNT_BLOCK_BYTES, remaining))
-            if not block:
-                break
-            count += block.count(b"\n")
-            remaining -= len(block)
-    return count
+    yield _document(text, relative, source, 0, raw=text, cfg=cfg)
 
 
 def _records(r: FileRange, cfg: CorpusConfig, f: ByteStream) -> Iterator[Record]:
@@ -204,14 +198,14 @@ def _records(r: FileRange, cfg: CorpusConfig, f: ByteStream) -> Iterator[Record]
     if before is None:  # a bug, not a bad file: RuntimeError is not caught as unreadable_file
         raise RuntimeError(f"{r.path} [{r.start}, {r.end}): parsed before the records before it were counted")
     if cfg.format == "jsonl":
-        skipped, lines = lines_in_range(f, r.start, r.end)
+        skipped, lines = lines_in_range(f, r.start, r.end, cfg.max_record_bytes)
         yield from parse_jsonl(lines, cfg, r.path, r.relative, before + 1 + skipped)
     elif cfg.format == "parquet":
         parquet = pq.ParquetFile(f)
         groups = None if r.end is None else range(r.start, r.end)
         yield from parse_parquet(parquet, cfg, r.path, r.relative, row_groups=groups, first_row=before)
     else:
-        yield from parse_text(f.read(), cfg, r.path, r.relative)
+        yield from parse_text(f, cfg, r.path, r.relative)
 
 
 def parse_range(r: FileRange, cfg: CorpusConfig) -> Iterator[Record]:

@@ -13,11 +13,11 @@ import apache_beam as beam
 from apache_beam.metrics import Metrics
 
 from pipeline.common.rejected import Rejected
+from pipeline.corpus.lines import count_lines
 from pipeline.corpus.parse import (
     SPLIT_BYTES,
     ListedFile,
     check_globs_match,
-    count_lines,
     first_glob,
     match_pattern,
     number_ranges,

@@ -114,3 +114,28 @@ def test_bucketed_ids_equal_one_global_table_with_full_and_empty_buckets():
     with local_pipeline() as p:
         chunks, _ = p | beam.Create(docs) | ChunkDocuments(resolve_tokenizer(None), 2, PAD, bucket_bits=2)
         assert_that(chunks | beam.Map(lambda c: (c.chunk_id, c.doc_id, c.position)), equal_to(expected))
+
+
+@pytest.mark.unit
+def test_a_long_text_is_tokenized_in_pieces_with_the_tokens_of_the_whole():
+    import random
+
+    from pipeline.chunks.chunking import text_pieces
+
+    tokenizer = load_tokenizer(resolve_tokenizer(None))
+    words = ["alpha", "Beta,", "gämma", "delta.", "\n\n", "neighbour", "chunk-ing", "日本語", "of", "x" * 40]
+    rng = random.Random(0)
+    cut_at_words = 0
+    for _ in range(300):
+        text = "".join(rng.choice(words) + rng.choice([" ", "", "\t", "  "]) for _ in range(rng.randint(0, 300)))
+        size = rng.randint(3, 200)
+        pieces = text_pieces(text, size)
+        assert "".join(pieces) == text and all(len(p) <= size for p in pieces)
+        if all(p[:1].isspace() for p in pieces[1:]):  # every cut where whitespace begins after a word
+            cut_at_words += len(pieces) > 1
+            got = [i for p in pieces for i in tokenizer.encode(p, add_special_tokens=False).ids]
+            assert got == tokenizer.encode(text, add_special_tokens=False).ids
+    assert cut_at_words > 100
+    long = " ".join(rng.choice(words) for _ in range(40_000))  # several 64 Ki-character pieces
+    (tokens,) = tokenize_batch(tokenizer, [long])
+    assert tokens.tolist() == tokenizer.encode(long, add_special_tokens=False).ids

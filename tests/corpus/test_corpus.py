@@ -12,8 +12,8 @@ from apache_beam.pipeline import PipelineVisitor
 from apache_beam.testing.util import assert_that, equal_to
 
 from pipeline.common.rejected import Rejected
+from pipeline.corpus.lines import count_lines
 from pipeline.corpus.parse import (
-    count_lines,
     glob_base,
     match_corpus,
     number_ranges,
