@@ -105,7 +105,7 @@ def main() -> None:
 
         t_stage = time_embed_stage(cfg, chunks, manifest.encoder_threads)
         precision = manifest.embedding_precision.precision
-        index = load_index(str(workdir / "out" / "index" / "faiss" / "index.faiss"), manifest.nprobe)
+        index = load_index(str(workdir / "out" / "index" / "faiss" / "index.faiss"), manifest.nprobe, sha256=None)
         vectors = np.concatenate(
             [
                 tensor_column_to_numpy(pq.read_table(f)["embedding"])

@@ -142,7 +142,8 @@ def rewrite_index(
             deleted=deleted,
             sample=sample,
         )
-    index = read_index(fileio.join(directory, "faiss", INDEX_FILE))
+    signed = {e.path: e.sha256 for e in previous.files}
+    index = read_index(fileio.join(directory, "faiss", INDEX_FILE), sha256=signed[f"faiss/{INDEX_FILE}"])
     removed = remove_deleted(index, now)
     added = add_in_file_order(index, new_paths)
     query_ids, queries = sampled_vectors(new_paths, sample, added)
@@ -163,7 +164,8 @@ def _change_slices(
     for the sampled new vectors at the index's depth, merged as the index build measures
     slices. The list owners are written anew when they changed."""
     faiss_dir = fileio.join(directory, "faiss")
-    trained = read_index(fileio.join(faiss_dir, QUANTIZER_FILE))
+    signed = {e.path: e.sha256 for e in previous.files}
+    trained = read_index(fileio.join(faiss_dir, QUANTIZER_FILE), sha256=signed[f"faiss/{QUANTIZER_FILE}"])
     owners_before = read_owners(fileio.join(faiss_dir, LIST_OWNERS_FILE))
     new = new_vectors_by_slice(trained, new_paths, owners_before)
     owner, blocks = new.owner, dict(new.blocks)
@@ -175,7 +177,7 @@ def _change_slices(
     slices = sorted((e for e in previous.files if e.path.startswith("faiss/slice-")), key=lambda e: file_number(e.path))
     written, removed, vectors, next_number = [], 0, 0, len(slices)
     for number, entry in enumerate(slices):
-        index_slice = read_index(fileio.join(directory, entry.path))
+        index_slice = read_index(fileio.join(directory, entry.path), sha256=entry.sha256)
         removed_here = remove_deleted(index_slice, now)
         removed += removed_here
         pieces = [(number, index_slice)]

@@ -102,6 +102,7 @@ class FaissFacts:
     num_vectors: int
     dim: int
     files: tuple  # (path, vectors, bytes) of index.faiss or of each slice, in number order
+    sha256: dict[str, str]  # {path: sha256} of every faiss file, as the manifest signs it
     slice_bytes: int | None
     routing: tuple[str, str] | None  # slices by lists: quantizer.faiss and list_owners.npy
     deleted: DeletedRanges = field(default_factory=DeletedRanges.none)  # ids removed: never returned
@@ -126,6 +127,7 @@ class FaissFacts:
             num_vectors=num_vectors,
             dim=manifest.dim,
             files=files,
+            sha256={path: entry.sha256 for path, entry in faiss_entries.items()},
             slice_bytes=manifest.slice_bytes,
             routing=routing,
             deleted=deleted,

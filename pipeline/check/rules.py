@@ -20,6 +20,7 @@ from pipeline.check.facts import (
 from pipeline.check.problems import ValidationFailed, checked_parquet, of_kind, require
 from pipeline.chunks.chunk_files import ChunkRows
 from pipeline.common import fileio
+from pipeline.common.errors import ChecksumMismatch
 from pipeline.common.names import file_number
 from pipeline.index.files import load_index, read_owners
 from pipeline.index.routing import list_sizes
@@ -197,7 +198,9 @@ def check_faiss_index(faiss_index: FaissFacts, probes: list[Probes]) -> None:
     for relative, rows, size in faiss_index.files:  # size: checked against the file with every hash
         path = fileio.join(directory, relative)
         try:
-            index = load_index(path, faiss_index.nprobe)
+            index = load_index(path, faiss_index.nprobe, sha256=faiss_index.sha256[relative])
+        except ChecksumMismatch as err:
+            raise ValidationFailed(str(err)) from None
         except RuntimeError as err:
             raise ValidationFailed(f"{path}: faiss cannot read it: {err}") from None
         require(
@@ -231,8 +234,10 @@ def _check_list_owners(faiss_index: FaissFacts) -> None:
     """Slices by inverted lists: the quantizer holds no vectors, the owners name a slice for
     each of its lists, and every slice holds vectors only in the lists it owns (a query is
     sent only to the owner of each list it probes)."""
-    quantizer_path, owners_path = (fileio.join(faiss_index.directory, p) for p in faiss_index.routing or ())
-    quantizer, owner = load_index(quantizer_path), read_owners(owners_path)
+    quantizer_relative, owners_relative = faiss_index.routing or ("", "")
+    quantizer_path, owners_path = (fileio.join(faiss_index.directory, p) for p in (quantizer_relative, owners_relative))
+    quantizer = load_index(quantizer_path, sha256=faiss_index.sha256[quantizer_relative])
+    owner = read_owners(owners_path)
     nlist = faiss.extract_index_ivf(quantizer).nlist
     require(quantizer.ntotal == 0, f"{quantizer_path}: holds {quantizer.ntotal} vectors, should hold none")
     require(
@@ -245,6 +250,7 @@ def _check_list_owners(faiss_index: FaissFacts) -> None:
         numbers == list(range(len(numbers))), f"{faiss_index.directory}: slices numbered {numbers[:5]}…, not 0 … S-1"
     )
     for number, (relative, _, _) in enumerate(faiss_index.files):
-        held = np.flatnonzero(list_sizes(load_index(fileio.join(faiss_index.directory, relative))))
+        path = fileio.join(faiss_index.directory, relative)
+        held = np.flatnonzero(list_sizes(load_index(path, sha256=faiss_index.sha256[relative])))
         strays = held[owner[held] != number]
         require(not len(strays), f"{relative}: holds vectors in lists {strays[:5].tolist()} it does not own")

@@ -211,6 +211,15 @@ class CommittedChunkFiles:
     def read_embeddings(self, number: int) -> np.ndarray:
         return self.ranges.read_embeddings(number)
 
+    def sha256_of(self, path: str) -> str:
+        """The sha256 the index manifest signs the faiss file at `path` (in `directory`) with:
+        what it is checked against before faiss reads it."""
+        relative = path[len(self.directory.rstrip("/")) + 1 :]
+        signed = _committed_faiss_sha256(self.directory, self.manifest_sha256)
+        if relative not in signed:
+            raise ValueError(f"{path}: not a faiss file of the index manifest in {self.directory}")
+        return signed[relative]
+
     def check_unchanged(self) -> None:
         """Read the index manifest again: an error if it is no longer the one the job was built
         against. A change's commit deletes the manifest before it replaces any index file, so a
@@ -228,13 +237,26 @@ def _changed(directory: str) -> ValueError:
     )
 
 
-@functools.lru_cache(maxsize=2)
-def _committed_ranges(directory: str, manifest_sha256: str) -> ChunkFileRanges:
+def _committed_manifest(directory: str, manifest_sha256: str):
+    """The index manifest in `directory`, if it is still the one of this sha256 (else an error)."""
     from schemas.manifest import MANIFEST_FILE, IndexManifest, read_manifest
 
     path = fileio.join(directory, MANIFEST_FILE)
     data = fileio.read_bytes(path) if fileio.exists(path) else b""
     if fileio.sha256_bytes(data) != manifest_sha256:
         raise _changed(directory)
-    paths, rows = fileio.entry_paths_and_rows(read_manifest(data, path, IndexManifest), directory, "chunks")
+    return read_manifest(data, path, IndexManifest)
+
+
+@functools.lru_cache(maxsize=2)
+def _committed_ranges(directory: str, manifest_sha256: str) -> ChunkFileRanges:
+    manifest = _committed_manifest(directory, manifest_sha256)
+    paths, rows = fileio.entry_paths_and_rows(manifest, directory, "chunks")
     return ChunkFileRanges.from_paths(directory, paths, rows)
+
+
+@functools.lru_cache(maxsize=2)
+def _committed_faiss_sha256(directory: str, manifest_sha256: str) -> dict[str, str]:
+    """{path: sha256} of the index's faiss files (only those: a file table may list millions)."""
+    manifest = _committed_manifest(directory, manifest_sha256)
+    return dict(fileio.entry_paths_and_sha256(manifest, directory, "faiss"))

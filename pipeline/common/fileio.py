@@ -135,6 +135,14 @@ def entry_paths_and_rows(manifest, directory: str, prefix: str | None = None) ->
     return [p for p, _ in kept], [r for _, r in kept]
 
 
+def entry_paths_and_sha256(manifest, directory: str, prefix: str) -> list[tuple[str, str]]:
+    """(path, sha256) of the manifest's entries under `prefix/`, from those two columns alone."""
+    table = entry_columns(manifest, directory, ["path", "sha256"], open_file=open_read)
+    return [
+        (p, h) for p, h in zip(table["path"].to_pylist(), table["sha256"].to_pylist()) if p.startswith(prefix + "/")
+    ]
+
+
 def whole(manifest, directory: str, *, error=ManifestError):
     """A manifest read from `directory` with every file entry inline, read from its file table
     where it has one (`schemas.file_table.whole_manifest`, through Beam's file systems)."""
@@ -147,6 +155,14 @@ def list_files(directory: str) -> list[str]:
     pattern = join(directory, "**") if "://" in directory else directory.rstrip("/") + "/**"
     result = FileSystems.match([pattern])[0]
     return sorted(m.path for m in result.metadata_list)
+
+
+def delete_existing(paths: list[str]) -> None:
+    """Delete those of `paths` that exist (FileSystems.delete fails on a missing one): a
+    deletion run again after it died half-way finishes it."""
+    there = [path for path in paths if exists(path)]
+    if there:
+        FileSystems.delete(there)
 
 
 def delete_tree(directory: str) -> None:

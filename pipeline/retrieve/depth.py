@@ -43,12 +43,14 @@ def index_version(chunk_files: ChunkFileRanges | CommittedChunkFiles | None) -> 
 
 
 def load_searched(chunk_files: ChunkFileRanges | CommittedChunkFiles | None, path: str, depth: int | None = None):
-    """`load_index`, then, for a committed index, its manifest checked to be still the one the
+    """`load_index` (a committed index's file checked against its manifest's sha256 first), then,
+    for a committed index, its manifest checked to be still the one the
     job was built against: a change committed meanwhile fails the job (run it again) rather
     than mixing one generation's index file with another's chunk lookups."""
-    index = load_index(path, depth)
-    if isinstance(chunk_files, CommittedChunkFiles):
-        chunk_files.check_unchanged()
+    if not isinstance(chunk_files, CommittedChunkFiles):
+        return load_index(path, depth, sha256=None)  # files given directly: no manifest to check them by
+    index = load_index(path, depth, sha256=chunk_files.sha256_of(path))
+    chunk_files.check_unchanged()
     return index
 
 

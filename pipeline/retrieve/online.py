@@ -30,10 +30,9 @@ from pipeline.common import fileio
 from pipeline.common.arrays import groups, merge_ranges, widest_span
 from pipeline.common.fileio import committed
 from pipeline.common.models import fingerprint_path, resolve_model, resolve_tokenizer
-from pipeline.index.files import load_index
 from pipeline.index.search import search_each_excluding
 from pipeline.retrieve.committed import read_committed_index
-from pipeline.retrieve.depth import search_slices
+from pipeline.retrieve.depth import load_searched, search_slices
 from pipeline.retrieve.search import (
     FileTokens,
     candidate_rows,
@@ -119,9 +118,10 @@ class Retriever:
         if candidates is None:
             candidates = max(neighbours, PipelineConfig.model_fields["neighbour_candidates"].default)
         index_path, routing = index.searched()
+        chunk_files = CommittedChunkFiles(index_dir, index.num_chunks, index.manifest_sha256)
         return cls(
             manifest,
-            CommittedChunkFiles(index_dir, index.num_chunks, index.manifest_sha256),
+            chunk_files,
             tokenizer,
             encoder,
             embedding=embedding,
@@ -129,7 +129,7 @@ class Retriever:
             depth=depth,
             dedupe=dedupe,
             candidates=candidates,
-            index=None if index_path is None else load_index(index_path, depth),
+            index=None if index_path is None else load_searched(chunk_files, index_path, depth),
             routing=routing,
         )
 

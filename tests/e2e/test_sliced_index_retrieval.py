@@ -88,8 +88,8 @@ def test_the_retriever_searches_the_slices_one_at_a_time_and_finds_the_one_index
     loaded, held, most_held = [], set(), []
     load_index = retrieve_depth.load_index
 
-    def load_and_count(path, depth=None):  # the real load, counted, and each slice watched until freed
-        index = load_index(path, depth)
+    def load_and_count(path, depth=None, *, sha256):  # the real load, counted, and each slice watched until freed
+        index = load_index(path, depth, sha256=sha256)
         if "/slice-" in path:
             loaded.append(path)
             held.add(len(loaded))

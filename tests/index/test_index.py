@@ -166,7 +166,7 @@ def test_a_local_ivf_file_is_memory_mapped_and_searched_without_reading_ahead(tm
     vectors = clustered(2000)
     index = build_index(np.arange(2000, dtype=np.int64), vectors, "IVF16,PQ8x8np")
     faiss.write_index(index, str(tmp_path / "index.faiss"))
-    loaded = load_index(str(tmp_path / "index.faiss"), depth=4)
+    loaded = load_index(str(tmp_path / "index.faiss"), depth=4, sha256=None)
     lists = faiss.downcast_InvertedLists(faiss.extract_index_ivf(loaded).invlists)
     assert isinstance(lists, faiss.OnDiskInvertedLists) and lists.prefetch_nthread == 0
     set_search_depth(index, 4)
@@ -326,7 +326,7 @@ def test_build_index_transform_flat(tmp_path):
     with local_pipeline() as p:
         info = p | beam.Create(paths) | BuildIndex(IndexConfig(), str(tmp_path / "faiss"))
         assert_that(info | beam.Map(lambda i: (i.index_factory, i.num_vectors)), equal_to([("Flat", 300)]))
-    assert load_index(str(tmp_path / "faiss" / "index.faiss")).ntotal == 300
+    assert load_index(str(tmp_path / "faiss" / "index.faiss"), sha256=None).ntotal == 300
     assert json.loads((tmp_path / "faiss" / "build_info.json").read_text())["recall_at_k"]["value"] == 1.0
 
 
@@ -343,8 +343,8 @@ def test_build_index_transform_ivf_in_parts(tmp_path, clustering):
     )
     assert info["parts"] == 4 and info["num_vectors"] == 10_000 and info["clustering"] == clustering
     assert info["recall_at_k"]["value"] >= 0.9 and info["recall_at_k"]["sample_size"] > 150
-    assert not any((tmp_path / "faiss" / "parts").iterdir())
-    index = load_index(str(tmp_path / "faiss" / "index.faiss"), info["nprobe"])
+    assert any((tmp_path / "faiss" / "parts").iterdir())  # kept for a retry: the commit discards the staging
+    index = load_index(str(tmp_path / "faiss" / "index.faiss"), info["nprobe"], sha256=None)
     _, found = index.search(vectors[:20], 1)
     assert found[:, 0].tolist() == ids[:20].tolist()  # chunk ids survive as faiss ids
 
@@ -373,7 +373,7 @@ def test_two_level_k_means_in_one_process_finds_the_centroids_the_workers_find(t
     def centroids(index):
         return faiss.extract_index_ivf(index).quantizer.reconstruct_n(0, 64)
 
-    assert np.array_equal(centroids(load_index(str(tmp_path / "faiss" / "index.faiss"))), centroids(alone))
+    assert np.array_equal(centroids(load_index(str(tmp_path / "faiss" / "index.faiss"), sha256=None)), centroids(alone))
 
 
 @pytest.mark.parametrize("clustering", ["flat", "two_level"])
@@ -388,7 +388,7 @@ def test_one_and_two_workers_build_the_same_index(tmp_path, monkeypatch, cluster
     assert {k: v for k, v in one.items() if k != "queries_per_second"} == {
         k: v for k, v in two.items() if k != "queries_per_second"
     }
-    a, b = (load_index(str(tmp_path / d / "index.faiss"), one["nprobe"]) for d in ("one", "two"))
+    a, b = (load_index(str(tmp_path / d / "index.faiss"), one["nprobe"], sha256=None) for d in ("one", "two"))
     assert np.array_equal(a.search(vectors[::60], 10)[1], b.search(vectors[::60], 10)[1])
 
 
@@ -455,7 +455,7 @@ def test_slice_bytes_on_an_index_that_cannot_be_sliced_builds_one_file_and_says_
     with caplog.at_level("WARNING", logger="ratrain"):
         info = _build(paths, IndexConfig(type="Flat", slice_bytes=10_000), tmp_path / "faiss")
     assert [f["path"] for f in info["files"]] == ["index.faiss"] and info["slice_bytes"] is None
-    assert load_index(str(tmp_path / "faiss" / "index.faiss")).ntotal == 300
+    assert load_index(str(tmp_path / "faiss" / "index.faiss"), sha256=None).ntotal == 300
     assert "applies to IVF indexes" in caplog.text
 
 
@@ -537,3 +537,24 @@ def test_an_hnsw_coarse_quantizer_walks_deep_enough_for_every_list_a_deepened_se
     set_search_depth(index, 16)
     _, found, deeper = search_excluding(index, vectors[:4], 3, [(0, 5), (6, 30_000), (30_001, 59_999)])
     assert deeper > 0 and [sorted(row) for row in found.tolist()] == [[5, 30_000, 59_999]] * 4
+
+
+@pytest.mark.unit
+def test_an_index_file_is_checked_against_its_sha256_before_faiss_parses_it(tmp_path):
+    import hashlib
+
+    from pipeline.common.errors import ChecksumMismatch
+    from pipeline.index.files import read_index
+
+    path = str(tmp_path / "index.faiss")
+    _, sha256 = write_index(faiss.IndexFlatIP(8), path)
+    assert load_index(path, sha256=sha256).d == read_index(path, sha256=sha256).d == 8
+    (tmp_path / "index.faiss").write_bytes(b"not an index at all")  # faiss itself would raise RuntimeError
+    with pytest.raises(ChecksumMismatch, match="of its 19 bytes is not the manifest's"):
+        load_index(path, sha256=sha256)
+    with pytest.raises(ChecksumMismatch):
+        read_index(path, sha256=sha256)
+    right = hashlib.sha256(b"not an index at all").hexdigest()
+    with pytest.raises(RuntimeError) as parsed:  # what the check spares a reader: faiss's own failure
+        read_index(path, sha256=right)
+    assert not isinstance(parsed.value, ChecksumMismatch)

@@ -50,7 +50,7 @@ def test_index_fits_the_budget_and_reaches_the_recall(built):
 
 def test_manifest_recall_agrees_with_an_outside_measurement(built):
     root, ids, vectors, manifest = built
-    index = load_index(str(root / "idx" / "faiss" / "index.faiss"), manifest["nprobe"])
+    index = load_index(str(root / "idx" / "faiss" / "index.faiss"), manifest["nprobe"], sha256=None)
     rng = np.random.default_rng(7)
     rows = rng.choice(N, 1000, replace=False)  # queries the build never sampled as such
     exact = faiss.IndexFlatIP(D)
@@ -64,7 +64,7 @@ def test_manifest_recall_agrees_with_an_outside_measurement(built):
 
 def test_chunk_ids_survive_as_faiss_ids(built):
     root, ids, vectors, manifest = built
-    index = load_index(str(root / "idx" / "faiss" / "index.faiss"), manifest["nprobe"])
+    index = load_index(str(root / "idx" / "faiss" / "index.faiss"), manifest["nprobe"], sha256=None)
     _, found = index.search(vectors[:200:10], 1)
     assert set(found[:, 0].tolist()) <= set(ids.tolist())
     assert np.mean(found[:, 0] == ids[:200:10]) >= 0.9
@@ -126,11 +126,11 @@ def test_a_sliced_index_is_slices_within_the_size_that_search_as_the_single_inde
     assert all((directory / p).stat().st_size <= SLICE_BYTES for p in slice_paths)
     assert sum(files[p]["rows"] for p in slice_paths) == N and manifest["slice_bytes"] == SLICE_BYTES
     assert manifest["index_factory"] == single["index_factory"] and manifest["nprobe"] == single["nprobe"]
-    quantizer = load_index(str(directory / "faiss" / QUANTIZER_FILE), manifest["nprobe"])
+    quantizer = load_index(str(directory / "faiss" / QUANTIZER_FILE), manifest["nprobe"], sha256=None)
     owner = read_owners(str(directory / "faiss" / LIST_OWNERS_FILE))
     assert set(owner[owner >= 0].tolist()) == set(range(len(slice_paths)))
-    slices = [load_index(str(directory / p), manifest["nprobe"]) for p in slice_paths]
-    index = load_index(str(root / "idx" / "faiss" / "index.faiss"), single["nprobe"])
+    slices = [load_index(str(directory / p), manifest["nprobe"], sha256=None) for p in slice_paths]
+    index = load_index(str(root / "idx" / "faiss" / "index.faiss"), single["nprobe"], sha256=None)
     rows = np.random.default_rng(7).choice(N, 1000, replace=False)
     ours = outside_recall(lambda q, k: search_routed(quantizer, slices, owner, q, k=k)[1], ids, vectors, rows)
     one = outside_recall(lambda q, k: index.search(q, k)[1], ids, vectors, rows)

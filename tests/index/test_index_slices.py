@@ -104,7 +104,7 @@ def built(tmp_path_factory):
     paths = [root / f"slice-{n:05d}.faiss" for n in range(int(owner.max()) + 1)]
     for path, index_slice in zip(paths, slice_by_lists(single, owner)):
         write_index(index_slice, str(path))
-    slices = [load_index(str(path), depth=1) for path in paths]
+    slices = [load_index(str(path), depth=1, sha256=None) for path in paths]
     query_ids = np.arange(len(queries), dtype=np.int64) + 10**9
     truth = exact_nearest_other(query_ids, queries, ids, vectors)
     return types.SimpleNamespace(
@@ -197,7 +197,7 @@ def test_a_part_is_written_without_the_coarse_quantizer_and_merges_as_a_whole_on
     full, _ = write_index(part, str(tmp_path / "full.faiss"))
     assert full - stripped >= 256 * 32 * 4  # the quantizer's centroids stayed behind
     merged = faiss.clone_index(trained)
-    merge_part(merged, read_index(str(tmp_path / "part.faiss")))
+    merge_part(merged, read_index(str(tmp_path / "part.faiss"), sha256=None))
     for index in (merged, whole):
         set_search_depth(index, 8)
     assert np.array_equal(merged.search(vectors[:100], 10)[1], whole.search(vectors[:100], 10)[1])

@@ -113,3 +113,27 @@ def test_retriever_refuses_an_index_whose_encoder_directory_is_gone(built_output
     (index / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(IndexNotUsable, match=rf"^{index}: its encoder model directory {missing} is missing$"):
         Retriever.open(str(index))
+
+
+def damage_faiss_file(index: Path) -> Path:
+    """Overwrite index.faiss with bytes faiss cannot parse, of the same size."""
+    path = index / "faiss" / "index.faiss"
+    path.write_bytes(b"\x00garbage" * (path.stat().st_size // 8) + b"\x00" * (path.stat().st_size % 8))
+    return path
+
+
+REFUSED_UNREAD = r"the file changed since \(a run committed over it: run again\) or is damaged; faiss did not read it"
+
+
+def test_a_faiss_file_whose_sha256_differs_is_refused_before_faiss_reads_it(built_output, tmp_path):
+    from pipeline.common.errors import ChecksumMismatch
+
+    _, config, _ = built_output
+    out = tmp_path / "out"
+    shutil.copytree(Path(config["output"]), out)
+    path = damage_faiss_file(out / "index")
+    with pytest.raises(ChecksumMismatch, match=f"^{path}: sha256 .* {REFUSED_UNREAD}$"):
+        Retriever.open(str(out / "index"))
+    shutil.rmtree(out / "shards")  # else the committed shards are reused and nothing is searched
+    with pytest.raises(RuntimeError, match=REFUSED_UNREAD):  # the job's error, as the runner reraises it
+        build_shards(config_from_dict({**config, "output": str(out)}), [])
