@@ -88,7 +88,7 @@ def plan_slices(summed, trained_path, plan: IndexPlan, slice_bytes: int | None) 
     count = slice_count(sizes, vectors_per_slice(plan.factory, plan.dim, slice_bytes))
     if count == 1:
         return None
-    trained = read_index(trained_path)
+    trained = read_index(trained_path, sha256=None)
     ivf = faiss.extract_index_ivf(trained)  # a view: `trained` keeps it alive
     owner = list_owners(ivf.quantizer.reconstruct_n(0, ivf.nlist), sizes, count)
     owner[sizes == 0] = -1  # nothing to search: no slice holds it
@@ -100,7 +100,7 @@ def split_part(part: FilledPart, slicing: ListSlicing | None):
     """A filled part -> (slice, ListBlock) for each slice owning some of its lists."""
     if slicing is None:
         return
-    for block in list_blocks(read_index(part.path), slicing.owner):
+    for block in list_blocks(read_index(part.path, sha256=None), slicing.owner):
         yield block.index_slice, block
 
 
@@ -123,7 +123,7 @@ def assemble_slice(
     decides that), for the merge step to combine with the other slices' results. A slice
     searched at depth d probes the d lists one index probes, its own holding vectors."""
     number, blocks = keyed
-    index_slice = assemble_list_slice(read_index(trained_path), blocks)
+    index_slice = assemble_list_slice(read_index(trained_path, sha256=None), blocks)
     name = file_name("slice", number, "faiss")
     slice_bytes, sha256 = write_index(index_slice, fileio.join(out_dir, name))
     depths = [cfg.nprobe] if cfg.nprobe is not None else search_depth_range(index_slice)
@@ -144,7 +144,9 @@ def assemble_slice(
 
 def _routing_files(trained_path, slicing: ListSlicing, out_dir) -> list[dict]:
     """quantizer.faiss (the trained index) and list_owners.npy written beside the slices."""
-    quantizer_bytes, quantizer_sha = write_index(read_index(trained_path), fileio.join(out_dir, QUANTIZER_FILE))
+    quantizer_bytes, quantizer_sha = write_index(
+        read_index(trained_path, sha256=None), fileio.join(out_dir, QUANTIZER_FILE)
+    )
     owners_bytes, owners_sha = write_owners(slicing.owner, fileio.join(out_dir, LIST_OWNERS_FILE))
     return [
         {"path": QUANTIZER_FILE, "rows": 0, "bytes": quantizer_bytes, "sha256": quantizer_sha},
@@ -190,10 +192,4 @@ def tune_slices(
         curve=curve,
         own=own,
     )
-    # only once every slice is written: the parts are found by name, no list of them travels
-    parts = [
-        m.path
-        for m in beam.io.filesystems.FileSystems.match([fileio.join(out_dir, "parts", "part-*")])[0].metadata_list
-    ]
-    beam.io.filesystems.FileSystems.delete(parts + [trained_path])
-    return info
+    return info  # the parts and the trained index stay for a retry: the commit discards them with the staging

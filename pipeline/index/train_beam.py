@@ -26,7 +26,6 @@ from pipeline.index.kmeans import (
 from pipeline.index.train import train_index
 from pipeline.index.tuning import QuerySample
 from pipeline.index.two_level import (
-    CENTROIDS_DIR,
     CentroidBlocks,
     add_block_sums,
     assemble,
@@ -168,10 +167,10 @@ def _lists_per_cluster(sizes, plan: IndexPlan) -> np.ndarray:
 
 
 def _assemble(final: CentroidBlocks, encoder_parts, plan: IndexPlan, out_dir: str) -> str:
-    """One worker: the quantizer and the encoder; the centroid blocks deleted after."""
+    """One worker: the quantizer and the encoder. The centroid blocks stay for a retry of this
+    step: the commit discards them with the staging."""
     path = assemble(final, encoder_parts, plan.factory, plan.dim, fileio.join(out_dir, TRAINED_FILE))
     Metrics.counter(METRICS_NAMESPACE, "index_training_vectors").inc(plan.train_size)
-    fileio.delete_tree(fileio.join(out_dir, CENTROIDS_DIR))
     return path
 
 
@@ -281,8 +280,8 @@ class TrainIndex(beam.PTransform):
             plan,
         )
         trained = (one_level, two_level) | "Trained" >> beam.Flatten()
+        # the sample's disk back once training is done; a retried deletion deletes what is left
         _ = prefixes | "DeleteSample" >> beam.Map(
-            lambda prefix, _path: beam.io.filesystems.FileSystems.delete(sample_paths(prefix)),
-            beam.pvalue.AsSingleton(trained),
+            lambda prefix, _path: fileio.delete_existing(sample_paths(prefix)), beam.pvalue.AsSingleton(trained)
         )
         return trained
