@@ -10,6 +10,7 @@ from pipeline.build_shards.job import build_shards
 from pipeline.common.errors import StageError
 from pipeline.common.fileio import committed
 from pipeline.jobs.job import Submitted, index_dir, shards_dir
+from pipeline.jobs.lease import ATTACHED_SECONDS, Lease
 from pipeline.jobs.reuse import index_action, listed_corpus_files, shards_reusable
 from schemas.config import PipelineConfig
 from schemas.manifest import IndexManifest, ShardsManifest
@@ -19,7 +20,15 @@ log = logging.getLogger("ratrain")
 
 def run_all(cfg: PipelineConfig, beam_args: list[str], force: bool = False, detach: bool = False) -> dict:
     """{stage: (built|skipped, counters) or (submitted, Submitted)}. Detached, the first stage
-    that needs building is submitted and nothing after it (build-shards needs the index)."""
+    that needs building is submitted and nothing after it (build-shards needs the index).
+    Attached, the output's lease is held across both stages: no other run slips in between."""
+    if detach:  # the submitted job holds the lease until it commits
+        return _run_stages(cfg, beam_args, force=force, detach=True)
+    with Lease.take(cfg.output, "run", seconds=ATTACHED_SECONDS):
+        return _run_stages(cfg, beam_args, force=force, detach=False)
+
+
+def _run_stages(cfg: PipelineConfig, beam_args: list[str], *, force: bool, detach: bool) -> dict:
     report: dict[str, tuple[str, dict[str, int] | Submitted]] = {}
     index = None if force else committed(index_dir(cfg), IndexManifest)
     if index is not None and index_action(cfg, index, listed_corpus_files(cfg)) == "reuse":

@@ -20,6 +20,7 @@ from pydantic import BaseModel
 from pipeline.common import fileio
 from pipeline.common.errors import StageError
 from pipeline.common.rejected import rejected_share
+from pipeline.jobs.lease import Claim, check_held, release
 from schemas.file_table import split_entries
 from schemas.manifest import FILE_TABLE, INLINE_FILE_ENTRIES, MANIFEST_FILE
 
@@ -69,6 +70,7 @@ def commit_stage(
     inline_entries: int = INLINE_FILE_ENTRIES,
     replaces: str | None = None,
     reads: tuple[tuple[str, str], ...] = (),
+    claim: Claim | None = None,
 ) -> None:
     """A job's last step: refuse a job whose inputs changed under it (`reads`: the committed
     directories it read, with the sha256 of their manifests then), publish its rejected
@@ -77,8 +79,11 @@ def commit_stage(
     `clock` names the stage (`stage`) and reads the commit's own clock (`timings(counters)`:
     `pipeline.jobs.job.StageClock`). The manifest stays a model until here, where it is
     written: with more than `inline_entries` file entries, they go to its file table
-    (schemas/file_table.py)."""
+    (schemas/file_table.py). `claim`: the output's lease the job took, checked to be still its
+    own before anything moves, and released once committed where the claim says so."""
     data, table = split_entries(manifest, inline_entries)
+    if claim is not None and not _in_place(final, data, staging, None):  # a retry after the commit: no check
+        check_held(claim.output, claim.token)
     already = bool(reads) and _in_place(final, data, staging, None)  # a retry after the commit: nothing to refuse
     for directory, sha256 in reads if not already else ():
         if fileio.manifest_sha256(directory) != sha256:
@@ -110,6 +115,8 @@ def commit_stage(
         table=table,
         replaces=replaces,
     )
+    if claim is not None and claim.released_by_commit:
+        release(claim.output, claim.token)
 
 
 def commit_directory(
@@ -138,18 +145,20 @@ def commit_directory(
     manifest_path = fileio.join(final, MANIFEST_FILE)
     if _in_place(final, manifest, staging, replaces):
         return  # an earlier attempt of this commit finished (its timings stand)
-    if fileio.exists(manifest_path):
-        FileSystems.delete([manifest_path])
     wanted = set(staged)
-    scopes = [final] if replace is None else [fileio.join(final, sub) for sub in replace]
-    kept = wanted | {FILE_TABLE}  # rewritten or deleted below
-    stale = [path for scope in scopes for path in fileio.list_files(scope) if _relative(path, final) not in kept]
+    # one listing of each directory, not one request per file: an append keeps ~10^6 files in place
+    in_place = {_relative(path, final) for path in fileio.list_files(final)}
+    waiting = {_relative(path, staging) for path in fileio.list_files(staging)} & wanted
+    missing = sorted(wanted - waiting - in_place)
+    if missing:
+        raise FileNotFoundError(f"commit of {final}: {len(missing)} file(s) neither staged nor in place: {missing[:3]}")
+    if MANIFEST_FILE in in_place:
+        FileSystems.delete([manifest_path])
+    kept = wanted | {FILE_TABLE, MANIFEST_FILE}  # rewritten or deleted below
+    scopes = None if replace is None else tuple(f"{sub}/" for sub in replace)
+    stale = [fileio.join(final, p) for p in sorted(in_place - kept) if scopes is None or p.startswith(scopes)]
     if stale:
         FileSystems.delete(stale)
-    waiting = {_relative(path, staging) for path in fileio.list_files(staging)} & wanted
-    for path in sorted(wanted - waiting):
-        if not fileio.exists(fileio.join(final, path)):
-            raise FileNotFoundError(f"commit of {final}: {path} is neither staged nor in place")
     sources = [fileio.join(staging, path) for path in sorted(waiting)]
     targets = [fileio.join(final, path) for path in sorted(waiting)]
     for target in targets:
@@ -160,7 +169,7 @@ def commit_directory(
     table_path = fileio.join(final, FILE_TABLE)
     if table is not None:
         fileio.write_bytes(table_path, table)
-    elif fileio.exists(table_path):
+    elif FILE_TABLE in in_place:
         FileSystems.delete([table_path])
     fileio.write_json_atomic(manifest_path, manifest)
 

@@ -31,8 +31,9 @@ from pipeline.common.models import (
     resolve_tokenizer,
 )
 from pipeline.common.progress import StageTimer
-from pipeline.jobs.commit import commit_stage, new_staging_dir
+from pipeline.jobs.commit import commit_stage, discard_staging, new_staging_dir
 from pipeline.jobs.flink import job_server_is_a_child, listed_jobs, name_the_job, rest_address, wait_until_flink_has
+from pipeline.jobs.lease import ATTACHED_SECONDS, DETACHED_SECONDS, Claim, Lease
 from pipeline.jobs.options import check_detachable, new_pipeline
 from schemas.config import PipelineConfig
 from schemas.manifest import (
@@ -147,7 +148,8 @@ class Job:
         self.pipeline = new_pipeline(beam_args, dry_run, type_check)
         if detach and not dry_run:  # before the staging directory replaces an earlier one
             check_detachable(self.pipeline.options)
-        self.staging = "" if staging is None else new_staging_dir(output, staging, dry_run)
+        self.staging_stage, self.staging = staging, ""  # made in `run`, once the output's lease is held
+        self.claim: Claim | None = None
         # where the job server ends with this process, a detached run waits until Flink lists the job
         wait_for_flink = detach and not dry_run and job_server_is_a_child(self.pipeline.options)
         self.flink_job_name = name_the_job(self.pipeline.options, name) if wait_for_flink else None
@@ -163,7 +165,7 @@ class Job:
     def _commit(self, committed: Committed) -> None:
         """The job's last step (`commit_stage`), once the manifest exists and every PCollection in
         `committed.after` is written."""
-        staged_of = committed.staged_of
+        staged_of, claim = committed.staged_of, self.claim
         staging, output, directory, clock = self.staging, self.output, self.directory, self.clock
         fraction, replace, replaces, reads = self.max_rejected_fraction, self.replace, self.replaces, self.reads
         paths = beam.pvalue.AsList(
@@ -184,14 +186,46 @@ class Job:
                 replace=replace,
                 replaces=replaces,
                 reads=reads,
+                claim=claim,
             )
 
         after = (beam.pvalue.AsList(pc) for pc in committed.after)
         _ = committed.manifest | "Commit" >> beam.Map(commit, paths, *after)
 
     def run(self, graph: Callable[[beam.Pipeline, str], Committed | None]):
-        """The job: its `graph` built, then its commit step; run. Dry run: `describe(pipeline)`.
-        Detached: `Submitted` once the runner has the job. Attached: the committed manifest."""
+        """The job: the output's lease taken (a job that writes, not a dry run), its staging
+        directory made, its `graph` built, then its commit step; run. Dry run:
+        `describe(pipeline)`. Detached: `Submitted` once the runner has the job (its commit
+        releases the lease). Attached: the committed manifest (the lease released here); a job
+        that fails leaves no staging behind."""
+        lease = None
+        if self.staging_stage is not None and not self.dry_run:
+            outer = Lease.held_here(self.output)  # `run` holds it across its jobs
+            if outer is not None:
+                self.claim = Claim(self.output, outer.holder.token, released_by_commit=False)
+            else:
+                seconds = DETACHED_SECONDS if self.detach else ATTACHED_SECONDS
+                lease = Lease.take(self.output, self.clock.stage, seconds=seconds)
+                self.claim = Claim(self.output, lease.holder.token, released_by_commit=self.detach)
+                if not self.detach:
+                    lease.keep()
+        try:
+            result = self._run(graph)
+        except BaseException:
+            if (
+                self.staging and not self.dry_run and not self.detach
+            ):  # ours (we hold the lease): nothing half-done stays
+                discard_staging(self.staging)
+            if lease is not None:
+                lease.release()
+            raise
+        if lease is not None and not self.detach:
+            lease.release()
+        return result
+
+    def _run(self, graph: Callable[[beam.Pipeline, str], Committed | None]):
+        if self.staging_stage is not None:
+            self.staging = new_staging_dir(self.output, self.staging_stage, self.dry_run)
         committed = graph(self.pipeline, self.staging)
         if (committed is None) != (self.model is None):
             raise TypeError(f"{self.clock.stage}: a job commits a manifest exactly when it writes one")

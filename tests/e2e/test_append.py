@@ -83,14 +83,14 @@ def test_an_append_reads_only_the_new_files_and_keeps_what_was_written(tmp_path)
 
     # the index holds every chunk once, by its id, and answers as one filled from scratch with
     # the same trained lists would
-    index = read_index(str(out / "index" / "faiss" / "index.faiss"))
+    index = read_index(str(out / "index" / "faiss" / "index.faiss"), sha256=None)
     assert index.ntotal == grown.num_chunks - grown.deleted_chunks
     batches = [b for p in sorted((out / "index" / "embeddings").glob("*.parquet")) for b in read_embeddings(str(p))]
     ids = np.concatenate([b[0] for b in batches])
     vectors = np.concatenate([b[1] for b in batches])
     assert np.array_equal(np.sort(ids), np.arange(grown.num_chunks))
     live = ~old_run.contains(ids)
-    refilled = read_index(str(out / "index" / "faiss" / "index.faiss"))
+    refilled = read_index(str(out / "index" / "faiss" / "index.faiss"), sha256=None)
     refilled.reset()
     refilled.add_with_ids(vectors[live], ids[live])
     for searched in (index, refilled):
@@ -225,26 +225,25 @@ def test_of_two_changes_built_on_one_manifest_the_second_commits_nothing(tmp_pat
     assert isinstance(first, IndexManifest) and len(first.generations) == 2
     write_jsonl(tmp_path / "corpus" / "c.jsonl", sample_documents(6, start=18))
     changes = corpus_changes(base, listed_corpus_files(cfg))
-    with pytest.raises(StageError, match="changed while this job ran"):
+    # refused at the commit, or already where it reads the index file the first change replaced
+    with pytest.raises(StageError, match="changed while this job ran|a run committed over it: run again"):
         change_index(cfg, base, previous_sha256=base_sha, changes=changes, beam_args=[])
     assert committed(str(out / "index"), IndexManifest) == first  # the first change stands, whole
     assert all(line.startswith("OK") for line in validate_path(str(out / "index")))
     assert not (out / ".staging").exists()
 
 
-def _commit_a_change_in_another_process(config_path: Path) -> None:
-    """What a second user does meanwhile: `build-index` over the grown corpus, to its commit."""
-    done = subprocess.run(
+def _change_in_another_process(config_path: Path) -> subprocess.CompletedProcess:
+    """What a second user does meanwhile: `build-index` over the grown corpus."""
+    return subprocess.run(
         [sys.executable, "-m", "pipeline.cli", "build-index", "--config", str(config_path)],
         capture_output=True,
         text=True,
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )
-    assert done.returncode == 0, done.stderr[-2000:]
 
 
-@pytest.mark.parametrize("when", ["before its search", "before its commit"])
-def test_a_change_committed_while_build_shards_runs_fails_it_and_leaves_no_mixed_shards(tmp_path, monkeypatch, when):
+def _built_with_a_change_to_come(tmp_path):
     write_jsonl(tmp_path / "corpus" / "a.jsonl", sample_documents(16))
     out = tmp_path / "out"
     config = small_config(out, str(tmp_path / "corpus" / "*.jsonl"), index={"type": "IVF4,Flat", "nprobe": 2})
@@ -252,29 +251,27 @@ def test_a_change_committed_while_build_shards_runs_fails_it_and_leaves_no_mixed
     cfg = config_from_dict(config)
     build_index(cfg, [])
     write_jsonl(tmp_path / "corpus" / "b.jsonl", sample_documents(8, start=16))  # the change to come
+    return out, config_path, cfg
 
+
+def test_a_change_committed_after_build_shards_read_the_index_fails_it_and_leaves_no_mixed_shards(
+    tmp_path, monkeypatch
+):
+    """build-shards reads the index manifest before its job takes the output's lease: a change
+    committed then (generation 1) fails the job where it next reads the index, not mixing
+    generations."""
+    out, config_path, cfg = _built_with_a_change_to_come(tmp_path)
     import pipeline.build_shards.job as shards_module
-    import pipeline.jobs.job as job_module
 
-    # the change commits at a point build-shards reaches: after it read the index manifest and
-    # built its job on it (its workers then load the index), or once every read is done
-    hooked = (shards_module, "load_committed_index") if when == "before its search" else (job_module, "commit_stage")
-    original = getattr(*hooked)
-    changes_made = []  # (the commit step runs a pickled copy of the hook: the index shows the change)
+    original = shards_module.load_committed_index
 
     def with_a_change(*args, **kwargs):
-        if when == "before its search":  # build-shards has read generation 0's manifest
-            result = original(*args, **kwargs)
-            _commit_a_change_in_another_process(config_path)
-            changes_made.append(True)
-            return result
-        if not changes_made:  # the job has read everything, all of generation 0
-            assert committed(str(out / "index"), IndexManifest).generations[-1].number == 0  # type: ignore[union-attr]
-            _commit_a_change_in_another_process(config_path)
-            changes_made.append(True)
-        return original(*args, **kwargs)
+        result = original(*args, **kwargs)  # generation 0's manifest read
+        done = _change_in_another_process(config_path)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return result
 
-    monkeypatch.setattr(*hooked, with_a_change)
+    monkeypatch.setattr(shards_module, "load_committed_index", with_a_change)
     with pytest.raises(Exception, match="changed while"):
         build_shards(cfg, [])
     assert committed(str(out / "shards"), ShardsManifest) is None  # nothing of it committed
@@ -284,6 +281,26 @@ def test_a_change_committed_while_build_shards_runs_fails_it_and_leaves_no_mixed
     monkeypatch.undo()  # run again, it builds on the change
     shards = build_shards(cfg, [])
     assert isinstance(shards, ShardsManifest) and shards.index_generation == 1
+    assert all(line.startswith("OK") for line in validate_path(str(out)))
+
+
+def test_a_change_tried_while_build_shards_runs_is_refused_by_its_lease(tmp_path, monkeypatch):
+    """Once its job runs, build-shards holds the output's lease: a change tried before its
+    commit fails at once, naming it, and build-shards commits over generation 0."""
+    out, config_path, cfg = _built_with_a_change_to_come(tmp_path)
+    import pipeline.jobs.job as job_module
+
+    original = job_module.commit_stage
+
+    def with_a_change_tried(*args, **kwargs):  # the commit step runs a pickled copy: it asserts here
+        done = _change_in_another_process(config_path)
+        assert done.returncode != 0 and "is being written by build-shards" in done.stderr, done.stderr[-2000:]
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(job_module, "commit_stage", with_a_change_tried)
+    shards = build_shards(cfg, [])
+    assert isinstance(shards, ShardsManifest) and shards.index_generation == 0
+    assert len(committed(str(out / "index"), IndexManifest).generations) == 1  # type: ignore[union-attr]
     assert all(line.startswith("OK") for line in validate_path(str(out)))
 
 
@@ -310,7 +327,7 @@ def test_an_index_in_slices_takes_appended_and_deleted_documents_slice_by_slice(
     # trained lists holds there, deleted chunks left out, in chunk-id order
     faiss_dir = out / "index" / "faiss"
     owner = read_owners(str(faiss_dir / "list_owners.npy"))
-    reference = read_index(str(faiss_dir / "quantizer.faiss"))
+    reference = read_index(str(faiss_dir / "quantizer.faiss"), sha256=None)
     deleted = read_deleted([str(p) for p in sorted((out / "index" / "deleted").glob("*.parquet"))])
     for path in sorted((out / "index" / "embeddings").glob("*.parquet")):
         for ids, vectors in read_embeddings(str(path)):
@@ -318,7 +335,7 @@ def test_an_index_in_slices_takes_appended_and_deleted_documents_slice_by_slice(
             reference.add_with_ids(vectors[kept], ids[kept])
     expected = {block.index_slice: block for block in list_blocks(reference, owner)}
     for number in range(int(owner.max()) + 1):
-        held = list_blocks(read_index(str(faiss_dir / f"slice-{number:05d}.faiss")), owner)
+        held = list_blocks(read_index(str(faiss_dir / f"slice-{number:05d}.faiss"), sha256=None), owner)
         assert len(held) == 1 and held[0].index_slice == number
         for field in ("lists", "sizes", "ids"):
             assert np.array_equal(getattr(held[0], field), getattr(expected[number], field))

@@ -77,7 +77,7 @@ def test_a_commit_run_again_after_dying_half_way_ends_as_an_uninterrupted_one(tm
 
 def test_a_listed_file_neither_staged_nor_in_place_fails_the_commit(tmp_path):
     staging = _stage(tmp_path, FILES[:2])
-    with pytest.raises(FileNotFoundError, match="faiss/index.faiss is neither staged nor in place"):
+    with pytest.raises(FileNotFoundError, match=r"1 file\(s\) neither staged nor in place: \['faiss/index.faiss'\]"):
         commit_directory(staging, str(tmp_path / "index"), {"version": "new"}, FILES)
     assert not (tmp_path / "index" / "manifest.json").exists()
 
@@ -155,3 +155,44 @@ def test_a_job_whose_input_changed_while_it_ran_commits_nothing_but_a_retry_afte
     (index / "manifest.json").write_text(json.dumps({"version": "a later change"}))
     commit()  # the runner retries a commit that had finished: it stands
     assert json.loads((tmp_path / "shards" / "manifest.json").read_text())["version"] == "shards"
+
+
+class CountingFileSystems:
+    """Every request the commit makes through Beam's FileSystems, counted per file (an exists,
+    a read, a create, each path renamed or deleted) or per call (a listing)."""
+
+    COUNTED = ("exists", "open", "create", "rename", "delete", "match", "mkdirs")
+
+    def __init__(self, monkeypatch):
+        self.requests = dict.fromkeys(self.COUNTED, 0)
+        for name in self.COUNTED:
+            monkeypatch.setattr(FileSystems, name, self._counted(name, getattr(FileSystems, name)))
+
+    def _counted(self, name, call):
+        def counted(first, *args, **kwargs):
+            self.requests[name] += len(first) if name in ("rename", "delete") else 1
+            return call(first, *args, **kwargs)
+
+        return counted
+
+    @property
+    def total(self) -> int:
+        return sum(self.requests.values())
+
+
+def test_an_append_to_100000_files_costs_requests_for_what_changed_not_for_what_stayed(tmp_path, monkeypatch):
+    final, kept = tmp_path / "index", [f"chunks/chunks-{i:06d}.parquet" for i in range(100_000)]
+    (final / "chunks").mkdir(parents=True)
+    (final / "faiss").mkdir()
+    for path in kept:
+        (final / path).touch()
+    (final / "faiss" / "index.faiss").write_text("generation 0")
+    (final / "manifest.json").write_text(json.dumps({"generation": 0}))
+    appended = [f"chunks/chunks-{i:06d}.parquet" for i in range(100_000, 100_010)] + ["faiss/index.faiss"]
+    staging = _stage(tmp_path, appended)
+    counting = CountingFileSystems(monkeypatch)
+    commit_directory(staging, str(final), {"generation": 1}, kept + appended, replace=("faiss",))
+    assert (final / "faiss" / "index.faiss").read_text() == "new faiss/index.faiss"
+    assert len(list((final / "chunks").iterdir())) == 100_010
+    assert counting.requests["match"] <= 6, counting.requests  # listings, not one request per kept file
+    assert counting.total < 20 * len(appended), counting.requests
