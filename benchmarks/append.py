@@ -134,27 +134,31 @@ def compare_neighbours(appended: Path, rebuilt: Path, tolerance: float) -> dict:
     index's trained lists at its depth."""
     import faiss
 
+    from pipeline.common.names import file_number
     from pipeline.common.sampling import QUERY_SALT, in_sample
     from pipeline.index.files import LIST_OWNERS_FILE, QUANTIZER_FILE, read_owners
     from pipeline.index.routing import search_routed
     from pipeline.index.search import set_search_depth
+    from schemas.manifest import unversioned
 
-    faiss_dir = appended / "index" / "faiss"
-    sliced = (faiss_dir / QUANTIZER_FILE).exists()
-    refilled = faiss.read_index(str(faiss_dir / (QUANTIZER_FILE if sliced else "index.faiss")))
+    # the faiss files by name, wherever the appended index's commits stored them
+    stored = {unversioned(e.path): appended / "index" / e.path for e in manifest(appended).files}
+    sliced = f"faiss/{QUANTIZER_FILE}" in stored
+    refilled = faiss.read_index(str(stored[f"faiss/{QUANTIZER_FILE}" if sliced else "faiss/index.faiss"]))
     refilled.reset()
     ids, vectors = vectors_of(rebuilt)
     refilled.add_with_ids(vectors, ids)
     depth = manifest(appended).nprobe
     set_search_depth(refilled, depth)
     if sliced:
-        slices = [faiss.read_index(str(p)) for p in sorted(faiss_dir.glob("slice-*.faiss"))]
-        owner = read_owners(str(faiss_dir / LIST_OWNERS_FILE))
+        slice_names = sorted((n for n in stored if n.startswith("faiss/slice-")), key=file_number)
+        slices = [faiss.read_index(str(stored[n])) for n in slice_names]
+        owner = read_owners(str(stored[f"faiss/{LIST_OWNERS_FILE}"]))
 
         def search_grown(queries, k):
             return search_routed(refilled, slices, owner, queries, k=k, depth=depth)[:2]
     else:
-        grown = faiss.read_index(str(faiss_dir / "index.faiss"))
+        grown = faiss.read_index(str(stored["faiss/index.faiss"]))
         set_search_depth(grown, depth)
         search_grown = grown.search
     chosen = in_sample(ids, QUERIES, len(ids), QUERY_SALT)

@@ -342,6 +342,18 @@ def report_cmd(directory, evaluations):
     click.echo(write_report(directory, evaluations))
 
 
+@cli.command("gc")
+@click.argument("directory")
+@click.option("--keep", default=1, show_default=True, type=click.IntRange(min=1), help="Newest commits kept.")
+def gc_cmd(directory, keep):
+    """Delete the commits of an output's index/ and shards/ (or of one committed directory) but
+    the newest KEEP, with every file only they list (under the output's lease)."""
+    from pipeline.jobs.commits import collect
+
+    for path, left in collect(directory, keep):
+        click.echo(f"{path}: {left} commit{'s' if left != 1 else ''} kept")
+
+
 def main(argv=None) -> None:
     args = argv if argv is not None else sys.argv[1:]
     debug = "--debug" in args[: next((i for i, a in enumerate(args) if not a.startswith("-")), len(args))]

@@ -9,6 +9,7 @@ from pipeline.build_index.job import build_index
 from pipeline.build_shards.job import build_shards
 from pipeline.common.errors import StageError
 from pipeline.common.fileio import committed
+from pipeline.jobs.commits import finish_output
 from pipeline.jobs.job import Submitted, index_dir, shards_dir
 from pipeline.jobs.lease import ATTACHED_SECONDS, Lease
 from pipeline.jobs.reuse import index_action, listed_corpus_files, shards_reusable
@@ -22,9 +23,11 @@ def run_all(cfg: PipelineConfig, beam_args: list[str], force: bool = False, deta
     """{stage: (built|skipped, counters) or (submitted, Submitted)}. Detached, the first stage
     that needs building is submitted and nothing after it (build-shards needs the index).
     Attached, the output's lease is held across both stages: no other run slips in between."""
-    if detach:  # the submitted job holds the lease until it commits
-        return _run_stages(cfg, beam_args, force=force, detach=True)
-    with Lease.take(cfg.output, "run", seconds=ATTACHED_SECONDS):
+    with Lease.take(cfg.output, "run", seconds=ATTACHED_SECONDS) as lease:
+        finish_output(cfg.output, cfg.keep_commits)  # a commit that died after its put, in a stage run may skip
+        if detach:  # the submitted job takes the lease and holds it until it commits
+            lease.release()
+            return _run_stages(cfg, beam_args, force=force, detach=True)
         return _run_stages(cfg, beam_args, force=force, detach=False)
 
 

@@ -91,6 +91,12 @@ class PipelineConfig(StrictModel):
         "those of a neighbour already kept for the same chunk "
         "(boilerplate repeated across documents).",
     )
+    keep_commits: Annotated[int, NotHashed("how many earlier commits stay readable, not what a commit writes")] = Field(
+        1,
+        ge=1,
+        description="Commits of a directory kept once a new one is complete (1: only the new one). A kept "
+        "commit can still be read (validate --commit N), and its files stay; gc deletes older ones.",
+    )
     max_rejected_fraction: Annotated[float, NotHashed("whether a stage commits, not what it writes")] = Field(
         0.5,
         ge=0,

@@ -64,9 +64,18 @@ def _entries_table(manifest) -> pa.Table:
     return pa.table({name: [getattr(e, name) for e in entries] for name in schema.names}, schema=schema)
 
 
-def split_entries(manifest, inline_limit: int = INLINE_FILE_ENTRIES) -> tuple[dict, bytes | None]:
-    """The manifest as written (a JSON object) and its file table's bytes; None when its
-    entries, at most `inline_limit`, stay inline."""
+def with_entry_paths(manifest, names: dict[str, str]):
+    """The manifest with each entry whose path is a key of `names` at its value instead."""
+    field = entries_field(manifest)
+    entries = [e.model_copy(update={"path": names.get(e.path, e.path)}) for e in getattr(manifest, field)]
+    return manifest.model_copy(update={field: entries})
+
+
+def split_entries(
+    manifest, inline_limit: int = INLINE_FILE_ENTRIES, *, table_path: str = FILE_TABLE
+) -> tuple[dict, bytes | None]:
+    """The manifest as written (a JSON object) and the bytes of its file table, to be written
+    at `table_path`; None when its entries, at most `inline_limit`, stay inline."""
     field = entries_field(manifest)
     if len(getattr(manifest, field)) <= inline_limit:
         return manifest.model_copy(update={"file_table": None}).model_dump(mode="json"), None
@@ -75,7 +84,7 @@ def split_entries(manifest, inline_limit: int = INLINE_FILE_ENTRIES) -> tuple[di
     pq.write_table(table, sink, compression="zstd", row_group_size=TABLE_ROW_GROUP)
     data = sink.getvalue()
     reference = FileTable(
-        path=FILE_TABLE, sha256=hashlib.sha256(data).hexdigest(), entries=table.num_rows, bytes=len(data)
+        path=table_path, sha256=hashlib.sha256(data).hexdigest(), entries=table.num_rows, bytes=len(data)
     )
     return manifest.model_copy(update={field: [], "file_table": reference}).model_dump(mode="json"), data
 

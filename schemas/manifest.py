@@ -9,6 +9,7 @@ measurements they record (recall, the precision check, the search depth) are in
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 
 from pydantic import AliasChoices, Field, ValidationError
@@ -17,8 +18,15 @@ from schemas import __version__
 from schemas.arrow import SCHEMA_VERSION, check_schema_version
 from schemas.measures import ManifestModel, NeighbourRecall, PrecisionCheck, Recall, SearchDepth
 
-#: The file that commits a directory: written last, and readers refuse a directory without it.
+#: A copy of the newest commit's manifest, for people and outside tools (no reader needs it;
+#: an output from before commits were numbered has only this).
 MANIFEST_FILE = "manifest.json"
+#: Each commit of a directory writes its manifest once, as manifest-NNNNNN.json, with a
+#: put-if-absent; the newest complete one is the directory's current commit.
+COMMIT_MANIFEST = re.compile(r"manifest-(\d{6,})\.json")
+#: A file a commit adds under a name an earlier commit's manifest still lists gets the commit's
+#: number before its extension (`versioned`): no committed file is ever overwritten.
+_VERSION = re.compile(r"\.c(\d{6,})(?=\.[^./]+$|$)")
 #: Every manifest's `created_by`.
 CREATED_BY = f"ratrain-pipeline {__version__}"
 #: A manifest lists at most this many file entries inline; above it they go to its file table.
@@ -32,6 +40,29 @@ FILE_TABLE = "files.parquet"
 _SEGMENT = r"(?:[^/\\:.][^/\\:]*|\.[^/\\:.][^/\\:]*|\.\.[^/\\:]+)"
 INSIDE_PATH = rf"^{_SEGMENT}(?:/{_SEGMENT})*$"
 INSIDE_PATH_RULE = "a path inside the output (relative, no '..', '.', empty segment, '\\' or ':')"
+
+
+def commit_manifest(number: int) -> str:
+    """The manifest file of commit `number` of a directory."""
+    return f"manifest-{number:06d}.json"
+
+
+def commit_table(number: int) -> str:
+    """The file table of commit `number` (when its entries are not inline)."""
+    return f"files-{number:06d}.parquet"
+
+
+def versioned(path: str, number: int) -> str:
+    """`path` as commit `number` writes it when an earlier commit lists the plain name:
+    chunks/chunks-00000.parquet -> chunks/chunks-00000.c000002.parquet."""
+    plain = unversioned(path)
+    stem, dot, extension = plain.rpartition(".")
+    return f"{stem}.c{number:06d}.{extension}" if dot and "/" not in extension else f"{plain}.c{number:06d}"
+
+
+def unversioned(path: str) -> str:
+    """The name a file has whatever commit wrote it: what a reader looks a file up by."""
+    return _VERSION.sub("", path)
 
 
 class FileEntry(ManifestModel):
@@ -110,6 +141,9 @@ class StageTimings(ManifestModel):
     records: str = Field(description="The counter the throughput counts (e.g. chunks, sequences).")
     records_per_second: float | None = Field(
         description="None: the two clocks disagree so far that the wall time is not positive."
+    )
+    job: str | None = Field(
+        None, description="The job that committed it (its staging directory): a retried commit knows its own."
     )
 
 

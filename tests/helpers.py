@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -77,6 +78,26 @@ def write_config(path: Path, config: dict) -> Path:
     return path
 
 
+def is_manifest(name: str) -> bool:
+    """A commit manifest's file name, or its manifest.json copy: what holds a run's timings."""
+    return name == "manifest.json" or re.fullmatch(r"manifest-\d{6,}\.json", name) is not None
+
+
+def current_manifest(directory: Path) -> Path:
+    """The manifest readers read: the directory's newest commit manifest (or, in an output from
+    before numbered commits, manifest.json)."""
+    numbered = sorted(directory.glob("manifest-*.json"))
+    return numbered[-1] if numbered else directory / "manifest.json"
+
+
+def rewrite_manifest(directory: Path, text: str | bytes) -> None:
+    """Replace the current commit's manifest, and its manifest.json copy, with `text`: a
+    change made behind the pipeline's back, where its readers look."""
+    data = text.encode() if isinstance(text, str) else text
+    for path in {current_manifest(directory), directory / "manifest.json"}:
+        path.write_bytes(data)
+
+
 def rewrite_shard(shards_dir: Path, change, name: str | None = None, version: int | None = None) -> None:
     """Apply `change(columns)` to one shard (`name`, default the first) and re-sign it in the
     manifest, so only the content checks can notice. `version`: write that shard layout
@@ -87,8 +108,7 @@ def rewrite_shard(shards_dir: Path, change, name: str | None = None, version: in
     from schemas.arrow import read_shard_table, shard_column, shard_ipc_bytes, shard_table
     from schemas.shard_columns import ShardDims, array_columns
 
-    manifest_path = shards_dir / "manifest.json"
-    manifest = json.loads(manifest_path.read_text())
+    manifest = json.loads(current_manifest(shards_dir).read_text())
     entry = next(e for e in manifest["shards"] if name is None or e["path"] == name)
     table = read_shard_table(pa.memory_map(str(shards_dir / entry["path"])))
     arrays = {column.name for column in array_columns()}
@@ -99,17 +119,17 @@ def rewrite_shard(shards_dir: Path, change, name: str | None = None, version: in
     data = shard_ipc_bytes(shard_table(columns, dims=dims, pad_id=manifest["pad_id"], **version_arg))
     (shards_dir / entry["path"]).write_bytes(data)
     entry.update(bytes=len(data), sha256=sha256_bytes(data))
-    manifest_path.write_text(json.dumps(manifest))
+    rewrite_manifest(shards_dir, json.dumps(manifest))
 
 
 def rewrite_shards_as_schema_version_1(shards_dir: Path) -> None:
     """Rewrite every shard in the old layout (IPC file, tensor extension columns) under a
     manifest that says schema_version 1."""
-    manifest = json.loads((shards_dir / "manifest.json").read_text())
+    manifest = json.loads(current_manifest(shards_dir).read_text())
     for entry in manifest["shards"]:
         rewrite_shard(shards_dir, lambda columns: None, entry["path"], version=1)
-    manifest = json.loads((shards_dir / "manifest.json").read_text())
-    (shards_dir / "manifest.json").write_text(json.dumps({**manifest, "schema_version": 1}))
+    manifest = json.loads(current_manifest(shards_dir).read_text())
+    rewrite_manifest(shards_dir, json.dumps({**manifest, "schema_version": 1}))
 
 
 def shard_rows(shards_dir: Path):

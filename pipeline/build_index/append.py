@@ -109,7 +109,7 @@ def change_index(
         staging="index",
         detach=detach,
         max_rejected_fraction=cfg.max_rejected_fraction,
-        replace=("faiss",),
+        keep_commits=cfg.keep_commits,
         replaces=previous_sha256,
     )
 

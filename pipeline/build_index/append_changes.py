@@ -48,7 +48,7 @@ from pipeline.index.files import (
 from pipeline.index.routing import add_list_blocks
 from pipeline.index.search import set_search_depth
 from pipeline.index.slices import vectors_per_slice
-from schemas.manifest import FileEntry, IndexManifest
+from schemas.manifest import FileEntry, IndexManifest, unversioned
 
 RUN, DELETE = "run", "delete"  # CoGroupByKey tags: a document's chunk-id run; a request to delete it
 REPLACED_TAG, NOT_FOUND = "replaced", "not_found"
@@ -131,7 +131,8 @@ def rewrite_index(
     ]
     now = DeletedRanges.of(deleted_now)
     deleted = DeletedRanges.concatenate([read_deleted(deleted_files(directory, previous.files)), now])
-    if any(e.path == f"faiss/{QUANTIZER_FILE}" for e in previous.files):
+    named = {unversioned(e.path): e for e in previous.files}  # faiss files by name: a commit may have numbered them
+    if f"faiss/{QUANTIZER_FILE}" in named:
         return _change_slices(
             previous,
             directory=directory,
@@ -142,8 +143,8 @@ def rewrite_index(
             deleted=deleted,
             sample=sample,
         )
-    signed = {e.path: e.sha256 for e in previous.files}
-    index = read_index(fileio.join(directory, "faiss", INDEX_FILE), sha256=signed[f"faiss/{INDEX_FILE}"])
+    stored = named[f"faiss/{INDEX_FILE}"]
+    index = read_index(fileio.join(directory, stored.path), sha256=stored.sha256)
     removed = remove_deleted(index, now)
     added = add_in_file_order(index, new_paths)
     query_ids, queries = sampled_vectors(new_paths, sample, added)
@@ -163,10 +164,10 @@ def _change_slices(
     cut in two or more if it outgrew the slice size, written anew if it changed, and searched
     for the sampled new vectors at the index's depth, merged as the index build measures
     slices. The list owners are written anew when they changed."""
-    faiss_dir = fileio.join(directory, "faiss")
-    signed = {e.path: e.sha256 for e in previous.files}
-    trained = read_index(fileio.join(faiss_dir, QUANTIZER_FILE), sha256=signed[f"faiss/{QUANTIZER_FILE}"])
-    owners_before = read_owners(fileio.join(faiss_dir, LIST_OWNERS_FILE))
+    named = {unversioned(e.path): e for e in previous.files}
+    quantizer, owners = named[f"faiss/{QUANTIZER_FILE}"], named[f"faiss/{LIST_OWNERS_FILE}"]
+    trained = read_index(fileio.join(directory, quantizer.path), sha256=quantizer.sha256)
+    owners_before = read_owners(fileio.join(directory, owners.path))
     new = new_vectors_by_slice(trained, new_paths, owners_before)
     owner, blocks = new.owner, dict(new.blocks)
     fits = None

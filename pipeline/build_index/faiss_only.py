@@ -9,11 +9,11 @@ import logging
 
 import apache_beam as beam
 from apache_beam.io.filesystems import FileSystems
-from apache_beam.io.parquetio import ReadFromParquetBatched
 
 from pipeline.build_index.files import index_staged, log_index, nonempty
 from pipeline.build_index.manifest import faiss_rebuilt_manifest, vector_index_manifest
-from pipeline.chunks.chunk_files import EMBEDDINGS_DIR
+from pipeline.chunks.beam import ReadParquetFiles
+from pipeline.chunks.chunk_files import EMBEDDINGS_DIR, CommittedFiles
 from pipeline.common import fileio
 from pipeline.common.errors import StageError
 from pipeline.index.build import BuildIndex
@@ -29,16 +29,23 @@ log = logging.getLogger("ratrain")
 
 
 def _index_only_graph(
-    pipeline, staging: str, *, paths: list[str], cfg_index, to_manifest, chunk_files: str | None, neighbours: int
+    pipeline,
+    staging: str,
+    *,
+    paths: list[str],
+    cfg_index,
+    to_manifest,
+    chunk_files: CommittedFiles | None,
+    neighbours: int,
 ) -> Committed:
     """The graph of a job that builds a faiss index from embedding files and commits it into
     `faiss/` of its directory (the rest of the directory stays): `to_manifest(info)` makes the
-    manifest. `chunk_files` (a glob; None: unknown): where the vectors' documents are read from."""
+    manifest. `chunk_files` (None: unknown): where the vectors' documents are read from."""
     documents = None
     if chunk_files is not None:
         documents = (
             pipeline
-            | "ReadDocumentIds" >> ReadFromParquetBatched(chunk_files, columns=["chunk_id", "doc_id"])
+            | "ReadDocumentIds" >> ReadParquetFiles(chunk_files, columns=["chunk_id", "doc_id"])
             | "DocumentOfChunk"
             >> beam.FlatMap(lambda t: zip(t["chunk_id"].to_numpy().tolist(), t["doc_id"].to_numpy().tolist()))
         )
@@ -52,9 +59,10 @@ def _index_only_graph(
 
 
 def rebuild_faiss(
-    cfg: PipelineConfig, previous: IndexManifest, beam_args: list[str], detach: bool = False
+    cfg: PipelineConfig, previous: IndexManifest, beam_args: list[str], detach: bool = False, *, previous_sha256: str
 ) -> IndexManifest | Submitted:
-    """Only `index.*` changed: a new faiss index from the committed embeddings."""
+    """Only `index.*` changed: a new faiss index from the committed embeddings (`previous`, the
+    manifest of sha256 `previous_sha256`)."""
     log.info("build-index: chunks and embeddings match the config; rebuilding the faiss index only")
     directory = index_dir(cfg)
     paths = [fileio.join(directory, f.path) for f in previous.files if f.path.startswith(f"{EMBEDDINGS_DIR}/")]
@@ -69,14 +77,14 @@ def rebuild_faiss(
         beam_args=beam_args,
         staging="faiss",
         detach=detach,
-        replace=("faiss",),
+        keep_commits=cfg.keep_commits,
     )
     graph = functools.partial(
         _index_only_graph,
         paths=paths,
         cfg_index=cfg.index,
         to_manifest=to_manifest,
-        chunk_files=fileio.join(directory, "chunks", "*.parquet"),
+        chunk_files=CommittedFiles(directory, previous_sha256, "chunks"),
         neighbours=cfg.neighbours,
     )
     manifest = job.run(graph)
@@ -108,7 +116,6 @@ def build_vector_index(embeddings: list[str], output: str, cfg_index, beam_args:
         model=VectorIndexManifest,
         beam_args=beam_args,
         staging="faiss",
-        replace=("faiss",),
     )
     graph = functools.partial(
         _index_only_graph,

@@ -97,7 +97,8 @@ def build_index(
                 "remove them from the corpus files, then run build-index --force"
             )
         if action != "build":  # asked to build: at least the faiss files
-            return rebuild_faiss(cfg, previous, beam_args, detach)
+            assert previous_sha is not None  # read with the manifest
+            return rebuild_faiss(cfg, previous, beam_args, detach, previous_sha256=previous_sha)
     tok = Tokenization.of(cfg)
     job = Job(
         "build-index",
@@ -110,6 +111,7 @@ def build_index(
         dry_run=dry_run,
         detach=detach,
         max_rejected_fraction=cfg.max_rejected_fraction,
+        keep_commits=cfg.keep_commits,
     )
 
     def graph(pipeline, staging) -> Committed:

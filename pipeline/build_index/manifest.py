@@ -15,7 +15,7 @@ from pipeline.index.build_info import BuildInfo
 from pipeline.jobs.job import Tokenization, sorted_entries
 from pipeline.jobs.reuse import CorpusChanges
 from schemas.config import PipelineConfig
-from schemas.manifest import CREATED_BY, Fingerprint, Generation, IndexManifest, VectorIndexManifest
+from schemas.manifest import CREATED_BY, Fingerprint, Generation, IndexManifest, VectorIndexManifest, unversioned
 from schemas.measures import PrecisionCheck
 
 NEWEST_GENERATION_CHUNKS = "newest_generation_chunks"  # a counter: the chunks the last change added
@@ -100,8 +100,8 @@ def next_generation_manifest(
 ) -> IndexManifest:
     """The next generation of `previous`: its files kept but those rewritten, the new ones added,
     the generation's documents, chunks and deletions counted, counters summed."""
-    rewritten = {e.path for e in changed.files}
-    kept = [e for e in previous.files if e.path not in rewritten]
+    rewritten = {unversioned(e.path) for e in changed.files}  # by name: a commit may have numbered it
+    kept = [e for e in previous.files if unversioned(e.path) not in rewritten]
     num_chunks = sum(e.rows for e in new_entries if e.path.startswith("chunks/"))
     deleted_chunks = sum(d.num_chunks for d in deleted_now)
     generation = Generation(

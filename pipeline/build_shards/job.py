@@ -8,14 +8,14 @@ from __future__ import annotations
 import logging
 
 import apache_beam as beam
-from apache_beam.io.parquetio import ReadFromParquetBatched
 
 from pipeline.build_index.files import documents_read_tally, load_committed_index, rejected_tally
-from pipeline.chunks.beam import ChunkDocuments
+from pipeline.chunks.beam import ChunkDocuments, ReadParquetFiles
 from pipeline.chunks.chunk_files import (
     EMBEDDINGS_DIR,
     TRAINING_COLUMNS,
     CommittedChunkFiles,
+    CommittedFiles,
     TrainingChunks,
     chunk_arrays,
 )
@@ -170,6 +170,7 @@ def _build_shards(
         dry_run=dry_run,
         detach=detach,
         max_rejected_fraction=cfg.max_rejected_fraction,
+        keep_commits=cfg.keep_commits,
         # a change of the index committed while this job runs fails it, rather than mixing generations
         reads=() if index is None else ((index.directory, index.manifest_sha256),),
         # over its own chunk database nothing it shuffles has a registered coder (decontamination's
@@ -185,14 +186,18 @@ def _build_shards(
             idx, 0 if index is None else index.num_chunks, "" if index is None else index.manifest_sha256
         )
         deleted = index.deleted() if index is not None else DeletedRanges.none()
-        database_chunks = fileio.join(idx, "chunks", "*.parquet")
-        database_embeddings = fileio.join(idx, EMBEDDINGS_DIR, "*.parquet")
+        # the files the index manifest lists (a dry run without an index: a glob, never read)
+        database_chunks: str | CommittedFiles = fileio.join(idx, "chunks", "*.parquet")
+        database_embeddings: str | CommittedFiles = fileio.join(idx, EMBEDDINGS_DIR, "*.parquet")
+        if index is not None:
+            database_chunks = CommittedFiles(idx, index.manifest_sha256, "chunks")
+            database_embeddings = CommittedFiles(idx, index.manifest_sha256, EMBEDDINGS_DIR)
         if cfg.training_corpus == "same":
             # a deleted document's chunks are in no sequence: the sequences they would be in are not made
             training_chunks = (
                 pipeline
                 | "ReadChunkDatabase"
-                >> ReadFromParquetBatched(database_chunks, columns=list(TRAINING_COLUMNS), validate=not dry_run)
+                >> ReadParquetFiles(database_chunks, columns=list(TRAINING_COLUMNS), validate=not dry_run)
                 | "TrainingChunks" >> beam.Map(TrainingChunks.of, deleted)
             )
             spans = training_chunks | "DocumentSpans" >> SpansOfTrainingChunks()

@@ -16,7 +16,7 @@ from pipeline.chunks.deleted import DeletedRanges
 from pipeline.common import fileio
 from pipeline.common.rejected import NEAR_DUPLICATE
 from pipeline.index.files import LIST_OWNERS_FILE, QUANTIZER_FILE, searched_files
-from schemas.manifest import FileEntry
+from schemas.manifest import FileEntry, unversioned
 
 
 @dataclass(frozen=True)
@@ -119,8 +119,9 @@ class FaissFacts:
         faiss_entries = {f.path: f for f in entries if f.path.startswith("faiss/")}
         searched = searched_files(list(faiss_entries))
         files = tuple((path, faiss_entries[path].rows, faiss_entries[path].bytes) for path in searched)
+        named = {unversioned(path): path for path in faiss_entries}  # a commit may have numbered them
         quantizer, owners = (f"faiss/{QUANTIZER_FILE}", f"faiss/{LIST_OWNERS_FILE}")
-        routing = (quantizer, owners) if {quantizer, owners} <= set(faiss_entries) else None
+        routing = (named[quantizer], named[owners]) if {quantizer, owners} <= set(named) else None
         return cls(
             directory=directory,
             nprobe=manifest.nprobe,

@@ -192,8 +192,8 @@ def _check_shard_totals(directory: str, manifest: ShardsManifest, entries: list,
 
 def _plan_shards(plan: ValidationPlan, directory: str, index_directory: str) -> None:
     manifest = fileio.committed_manifest(directory, ShardsManifest, error=manifest_problem)
-    index_path = fileio.join(index_directory, MANIFEST_FILE)
-    index_bytes = fileio.read_bytes(index_path) if fileio.exists(index_path) else None
+    found = fileio.current_manifest(index_directory)
+    index_path, index_bytes = found if found is not None else (fileio.join(index_directory, MANIFEST_FILE), None)
     if plan.chunks is None or index_bytes is None:  # else the index was planned (and its manifest read) here
         index_manifest = fileio.whole(
             read_manifest(index_bytes, index_path, IndexManifest, error=manifest_problem),
@@ -267,8 +267,7 @@ def plan_validation(path: str, sample: float = 1.0, index_directory: str | None 
     if not 0 < sample <= 1:
         raise ValueError(f"sample {sample}: must be in (0, 1]")
     plan = ValidationPlan(path=path, sample=sample, index_directory=index_directory)
-    manifest_path = fileio.join(path, MANIFEST_FILE)
-    if fileio.exists(manifest_path):
+    if fileio.current_manifest(path) is not None:
         raw = fileio.committed_manifest(path, error=manifest_problem)
         if "shards" in raw:
             index_directory = index_directory or posixpath.join(posixpath.dirname(path.rstrip("/")), "index")
@@ -279,7 +278,7 @@ def plan_validation(path: str, sample: float = 1.0, index_directory: str | None 
             _plan_index(plan, path)
         return plan
     index, shards = fileio.join(path, "index"), fileio.join(path, "shards")
-    found = [d for d in (index, shards) if fileio.exists(fileio.join(d, MANIFEST_FILE))]
+    found = [d for d in (index, shards) if fileio.current_manifest(d) is not None]
     require(found, f"{path}: no manifest.json here, nor in {path}/index or {path}/shards", "manifest")
     if index in found:
         _plan_index(plan, index)

@@ -28,7 +28,7 @@ from pipeline.common import fileio
 from pipeline.shards.rows import overlap_ranges
 from schemas.evaluation import Evaluation, read_evaluation
 from schemas.file_table import entry_columns
-from schemas.manifest import MANIFEST_FILE, IndexManifest, ShardsManifest, VectorIndexManifest
+from schemas.manifest import IndexManifest, ShardsManifest, VectorIndexManifest
 
 SAMPLE_CHUNKS = 3  # chunks shown per sample sequence
 REPORT_FILE = "report.html"
@@ -250,7 +250,7 @@ def gather(path: str, evaluations: Sequence[str] = ()) -> Report:
     if sources.shards is not None and shards is not None:  # shards is read iff sources.shards is set
         shard_files = ShardFiles.read(sources.shards, shards)
         beside = posixpath.join(posixpath.dirname(sources.shards.rstrip("/")), "index")
-        if fileio.exists(fileio.join(beside, MANIFEST_FILE)):
+        if fileio.current_manifest(beside) is not None:
             samples = inspect_shards(sources.shards, SAMPLE_SEQUENCES, SAMPLE_CHUNKS)
         else:
             note = f"No index beside the shards ({beside}) to decode their tokens with."

@@ -8,7 +8,7 @@ import posixpath
 from dataclasses import dataclass
 
 from pipeline.common import fileio
-from schemas.manifest import MANIFEST_FILE, IndexManifest, ShardsManifest, VectorIndexManifest
+from schemas.manifest import IndexManifest, ShardsManifest, VectorIndexManifest
 
 
 class ReportError(ValueError):
@@ -31,14 +31,14 @@ def find_sources(path: str) -> Sources:
     """An output directory (index/ and/or shards/ with manifests), an index or a shards
     directory; else a ReportError."""
     path = path.rstrip("/")
-    if fileio.exists(fileio.join(path, MANIFEST_FILE)):
+    if fileio.current_manifest(path) is not None:
         raw = fileio.committed_manifest(path)
         rejected = fileio.join(posixpath.dirname(path) or ".", "rejected")
         if "shards" in raw:
             return Sources(path, None, path, rejected, ("build-shards",))
         return Sources(path, path, None, rejected, ("build-index",))
     index, shards = (fileio.join(path, name) for name in ("index", "shards"))
-    found = {d: fileio.exists(fileio.join(d, MANIFEST_FILE)) for d in (index, shards)}
+    found = {d: fileio.current_manifest(d) is not None for d in (index, shards)}
     if not any(found.values()):
         raise ReportError(
             f"{path}: not an output, index or shards directory (no manifest.json here, nor in {index} or {shards})"

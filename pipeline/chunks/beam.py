@@ -8,8 +8,10 @@ order, so no step holds a table of all documents.
 from __future__ import annotations
 
 import apache_beam as beam
+from apache_beam.io.parquetio import ReadAllFromParquetBatched, ReadFromParquetBatched
 from apache_beam.metrics import Metrics
 
+from pipeline.chunks.chunk_files import CommittedFiles
 from pipeline.chunks.chunking import (
     BUCKET_BITS,
     TOKENIZE_BATCH_CHARS,
@@ -97,3 +99,25 @@ class ChunkDocuments(beam.PTransform):
             >> beam.FlatMap(_cut_bucket, offsets=beam.pvalue.AsSingleton(offsets), m=m, pad_id=self.pad_id)
         )
         return chunks, tokenized.rejected
+
+
+class ReadParquetFiles(beam.PTransform):
+    """Parquet files -> Arrow record batches of `columns` (None: all): a glob (files given
+    directly), or the files a committed manifest lists (`CommittedFiles`), listed on a worker."""
+
+    def __init__(self, files: str | CommittedFiles, columns: list[str] | None = None, validate: bool = True):
+        super().__init__()
+        self.files, self.columns, self.validate = files, columns, validate
+
+    def expand(self, pbegin):
+        if isinstance(self.files, str):
+            return pbegin | "ReadGlob" >> ReadFromParquetBatched(
+                self.files, columns=self.columns, validate=self.validate
+            )
+        return (
+            pbegin
+            | "Listed" >> beam.Create([self.files])
+            | "ListedPaths" >> beam.FlatMap(lambda files: files.paths())
+            | "SpreadPaths" >> beam.Reshuffle()
+            | "ReadListed" >> ReadAllFromParquetBatched(columns=self.columns)
+        )

@@ -123,19 +123,27 @@ class ChunkFileRanges:
     directory: str  # the index directory
     paths: tuple[str, ...]  # chunk files relative to it, in chunk-id order
     starts: tuple[int, ...]  # file f holds ids starts[f] ... starts[f + 1] - 1
+    # the embedding file of each chunk file, where a manifest lists them (a commit may have
+    # numbered their names); () for files given directly: embeddings/embeddings-NNNNN.parquet
+    embedding_paths: tuple[str, ...] = ()
 
     @classmethod
     def from_entries(cls, directory: str, entries) -> ChunkFileRanges:
         """From an index manifest's file entries (anything with .path and .rows)."""
         chunks = [e for e in entries if e.path.startswith("chunks/")]
-        return cls.from_paths(directory, [e.path for e in chunks], [e.rows for e in chunks])
+        embeddings = [e.path for e in entries if e.path.startswith(f"{EMBEDDINGS_DIR}/")]
+        return cls.from_paths(directory, [e.path for e in chunks], [e.rows for e in chunks], embeddings)
 
     @classmethod
-    def from_paths(cls, directory: str, paths: list[str], rows: list[int]) -> ChunkFileRanges:
-        """From the paths of the chunk files and their row counts, in any order."""
+    def from_paths(
+        cls, directory: str, paths: list[str], rows: list[int], embedding_paths: list[str] | None = None
+    ) -> ChunkFileRanges:
+        """From the paths of the chunk files and their row counts (and of the embedding files),
+        in any order."""
         order = sorted(range(len(paths)), key=lambda i: file_number(paths[i]))
         starts = np.cumsum([0] + [rows[i] for i in order]).tolist()
-        return cls(directory, tuple(paths[i] for i in order), tuple(starts))
+        embeddings = tuple(sorted(embedding_paths or (), key=file_number))
+        return cls(directory, tuple(paths[i] for i in order), tuple(starts), embeddings)
 
     @property
     def num_chunks(self) -> int:
@@ -162,7 +170,12 @@ class ChunkFileRanges:
         """The embeddings of file `number`'s chunks, float32 [rows, d]: the embedding file of
         the same number (the index stage writes both from one chunk-id bucketing), checked
         to hold the same ids."""
-        path = fileio.join(EMBEDDINGS_DIR, file_name(EMBEDDINGS_DIR, file_number(self.paths[number]), "parquet"))
+        number_of_file = file_number(self.paths[number])
+        path = (
+            self.embedding_paths[number]
+            if self.embedding_paths
+            else fileio.join(EMBEDDINGS_DIR, file_name(EMBEDDINGS_DIR, number_of_file, "parquet"))
+        )
         vectors = tensor_column_to_numpy(self._read_checked(number, path, ["embedding"])["embedding"])
         return np.ascontiguousarray(vectors, np.float32)
 
@@ -211,14 +224,16 @@ class CommittedChunkFiles:
     def read_embeddings(self, number: int) -> np.ndarray:
         return self.ranges.read_embeddings(number)
 
-    def sha256_of(self, path: str) -> str:
-        """The sha256 the index manifest signs the faiss file at `path` (in `directory`) with:
-        what it is checked against before faiss reads it."""
+    def stored(self, path: str) -> tuple[str, str]:
+        """The faiss file the index manifest lists as `path` (in `directory`, by the name it has
+        whatever commit wrote it: `schemas.manifest.unversioned`): (where it is stored, the
+        sha256 the manifest signs it with, which it is checked against before faiss reads it)."""
         relative = path[len(self.directory.rstrip("/")) + 1 :]
-        signed = _committed_faiss_sha256(self.directory, self.manifest_sha256)
-        if relative not in signed:
+        listed = _committed_faiss_files(self.directory, self.manifest_sha256)
+        if relative not in listed:
             raise ValueError(f"{path}: not a faiss file of the index manifest in {self.directory}")
-        return signed[relative]
+        stored, sha256 = listed[relative]
+        return fileio.join(self.directory, stored), sha256
 
     def check_unchanged(self) -> None:
         """Read the index manifest again: an error if it is no longer the one the job was built
@@ -226,6 +241,22 @@ class CommittedChunkFiles:
         file loaded before this check passes is the one this manifest describes."""
         if fileio.manifest_sha256(self.directory) != self.manifest_sha256:
             raise _changed(self.directory)
+
+
+@dataclass(frozen=True)
+class CommittedFiles:
+    """The files a committed index manifest lists under one directory of it (`prefix`), named by
+    the manifest alone: a job reads them by the paths the manifest gives (a glob would also
+    find files of another commit), listed on a worker, so the job graph does not grow with them."""
+
+    directory: str
+    manifest_sha256: str
+    prefix: str  # chunks, embeddings
+
+    def paths(self) -> list[str]:
+        manifest = _committed_manifest(self.directory, self.manifest_sha256)
+        listed, _ = fileio.entry_paths_and_rows(manifest, self.directory, self.prefix)
+        return [fileio.join(self.directory, path) for path in listed]
 
 
 def _changed(directory: str) -> ValueError:
@@ -241,8 +272,8 @@ def _committed_manifest(directory: str, manifest_sha256: str):
     """The index manifest in `directory`, if it is still the one of this sha256 (else an error)."""
     from schemas.manifest import MANIFEST_FILE, IndexManifest, read_manifest
 
-    path = fileio.join(directory, MANIFEST_FILE)
-    data = fileio.read_bytes(path) if fileio.exists(path) else b""
+    found = fileio.current_manifest(directory)
+    path, data = found if found is not None else (fileio.join(directory, MANIFEST_FILE), b"")
     if fileio.sha256_bytes(data) != manifest_sha256:
         raise _changed(directory)
     return read_manifest(data, path, IndexManifest)
@@ -252,11 +283,15 @@ def _committed_manifest(directory: str, manifest_sha256: str):
 def _committed_ranges(directory: str, manifest_sha256: str) -> ChunkFileRanges:
     manifest = _committed_manifest(directory, manifest_sha256)
     paths, rows = fileio.entry_paths_and_rows(manifest, directory, "chunks")
-    return ChunkFileRanges.from_paths(directory, paths, rows)
+    embeddings, _ = fileio.entry_paths_and_rows(manifest, directory, EMBEDDINGS_DIR)
+    return ChunkFileRanges.from_paths(directory, paths, rows, embeddings)
 
 
 @functools.lru_cache(maxsize=2)
-def _committed_faiss_sha256(directory: str, manifest_sha256: str) -> dict[str, str]:
-    """{path: sha256} of the index's faiss files (only those: a file table may list millions)."""
+def _committed_faiss_files(directory: str, manifest_sha256: str) -> dict[str, tuple[str, str]]:
+    """{name: (stored path, sha256)} of the index's faiss files (only those: a file table may
+    list millions), by the name they have whatever commit wrote them."""
+    from schemas.manifest import unversioned
+
     manifest = _committed_manifest(directory, manifest_sha256)
-    return dict(fileio.entry_paths_and_sha256(manifest, directory, "faiss"))
+    return {unversioned(p): (p, h) for p, h in fileio.entry_paths_and_sha256(manifest, directory, "faiss")}

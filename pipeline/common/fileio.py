@@ -19,7 +19,7 @@ from apache_beam.io.filesystems import FileSystems
 from pydantic import BaseModel
 
 from schemas.file_table import entry_columns, whole_manifest
-from schemas.manifest import MANIFEST_FILE, ManifestError, read_manifest
+from schemas.manifest import COMMIT_MANIFEST, MANIFEST_FILE, ManifestError, read_manifest
 
 Model = TypeVar("Model", bound=BaseModel)
 
@@ -69,8 +69,14 @@ def write_bytes(path: str, data: bytes) -> None:
 
 def write_json_atomic(path: str, obj) -> None:
     """Write JSON to a temporary name, then rename it: readers see all of it or nothing."""
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    write_bytes(tmp, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+    write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def write_bytes_atomic(path: str, data: bytes, temporary: str | None = None) -> None:
+    """Write to a temporary name (`temporary`, default a random one), then rename it: readers
+    see all of it or nothing."""
+    tmp = temporary or f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    write_bytes(tmp, data)
     FileSystems.rename([tmp], [path])
 
 
@@ -94,12 +100,40 @@ def sha256_file(path: str, digest=None) -> tuple[str, int]:
     return digest.hexdigest(), size
 
 
-def manifest_sha256(directory: str) -> str | None:
-    """The sha256 of `directory/manifest.json` as it is now (None: there is none): a job that
-    read a committed stage checks it again before it relies on what it read, since a change's
-    commit deletes the manifest before it moves any file."""
+def commits(directory: str) -> list[tuple[int, str]]:
+    """(number, path) of every commit manifest in `directory` (`manifest-NNNNNN.json`), oldest
+    first: one listing of that name's prefix."""
+    found = FileSystems.match([join(directory, "manifest-*.json")])[0].metadata_list
+    numbered = [(COMMIT_MANIFEST.fullmatch(posixpath.basename(m.path)), m.path) for m in found]
+    return sorted((int(match.group(1)), path) for match, path in numbered if match)
+
+
+def current_manifest(directory: str, number: int | None = None) -> tuple[str, bytes] | None:
+    """(path, bytes) of the manifest of the directory's current commit, its newest (or of
+    commit `number`); an output from before commits were numbered: its manifest.json. None:
+    nothing committed (or no such commit)."""
+    numbered = commits(directory)
+    if number is not None:
+        numbered = [(n, path) for n, path in numbered if n == number]
+        if not numbered:
+            return None
+    if numbered:
+        path = numbered[-1][1]
+        try:
+            return path, read_bytes(path)
+        except (OSError, FileNotFoundError):
+            if number is not None:
+                return None
+            return current_manifest(directory)  # deleted as superseded between listing and read: look again
     path = join(directory, MANIFEST_FILE)
-    return sha256_bytes(read_bytes(path)) if exists(path) else None
+    return (path, read_bytes(path)) if number in (None, 0) and exists(path) else None
+
+
+def manifest_sha256(directory: str) -> str | None:
+    """The sha256 of the current commit's manifest (None: nothing committed): a job that read a
+    committed stage checks it again before it relies on what it read."""
+    found = current_manifest(directory)
+    return sha256_bytes(found[1]) if found is not None else None
 
 
 def committed_manifest(directory: str, model=None, *, error=ManifestError):
@@ -122,8 +156,9 @@ def committed(directory: str, model: type[Model]) -> Model | None:
 def committed_summary(directory: str, model=None, *, error=ManifestError):
     """`committed_manifest` without reading a file table: a manifest whose entries are in one
     lists none inline, so read them with `entry_paths_and_rows`, never from the model."""
-    path = join(directory, MANIFEST_FILE)
-    return read_manifest(read_bytes(path) if exists(path) else None, path, model, error=error)
+    found = current_manifest(directory)
+    path, data = found if found is not None else (join(directory, MANIFEST_FILE), None)
+    return read_manifest(data, path, model, error=error)
 
 
 def entry_paths_and_rows(manifest, directory: str, prefix: str | None = None) -> tuple[list[str], list[int]]:

@@ -18,6 +18,7 @@ from pipeline.common.names import file_number
 from pipeline.index.factory import IndexBuildError, is_ivf
 from pipeline.index.search import set_search_depth
 from schemas.arrow import tensor_column_to_numpy
+from schemas.manifest import unversioned
 
 IO_BLOCK = 1 << 22  # bytes per read / write call when streaming an index
 # An index in slices by inverted lists also writes, beside slice-NNNNN.faiss:
@@ -30,7 +31,7 @@ def searched_files(paths: list[str]) -> list[str]:
     """Of an index's faiss file paths, those searched (index.faiss, or its slices in number
     order): not the quantizer and list owners of slices."""
     routing = (QUANTIZER_FILE, LIST_OWNERS_FILE)
-    return sorted((p for p in paths if not p.endswith(routing)), key=file_number)
+    return sorted((p for p in paths if not unversioned(p).endswith(routing)), key=file_number)
 
 
 def write_owners(owner: np.ndarray, path: str) -> tuple[int, str]:
@@ -77,7 +78,12 @@ def check_sha256(path: str, sha256: str | None) -> None:
 
     if sha256 is None:
         return
-    found, size = fileio.sha256_file(path)
+    try:
+        found, size = fileio.sha256_file(path)
+    except FileNotFoundError:
+        raise ChecksumMismatch(
+            f"{path}: missing, though its manifest lists it (a run committed over it: run again)"
+        ) from None
     if found != sha256:
         raise ChecksumMismatch(
             f"{path}: sha256 {found[:12]}… of its {size:,} bytes is not the manifest's {sha256[:12]}…: "

@@ -1,6 +1,8 @@
-"""The commit protocol (docs/design.md §8): a stage writes into `<output>/.staging/<stage>-<id>/`; the
-commit moves the staged files into place and writes `manifest.json` last, so a directory with a
-manifest is whole.
+"""The commit protocol (docs/design.md §8): a stage writes into `<output>/.staging/<stage>-<id>/`;
+the commit moves the staged files into place, under names no earlier commit's manifest lists,
+and puts its manifest, `manifest-NNNNNN.json`, once, last; then it is finished
+(`pipeline.jobs.commits`). Readers see the previous commit whole until the put, the new one
+after it.
 
 The commit runs as the last step of the stage's own pipeline, on a worker, so a job submitted
 to a cluster commits itself with no driver waiting for it. Runners retry a failed step, so
@@ -20,9 +22,10 @@ from pydantic import BaseModel
 from pipeline.common import fileio
 from pipeline.common.errors import StageError
 from pipeline.common.rejected import rejected_share
+from pipeline.jobs import commits
 from pipeline.jobs.lease import Claim, check_held, release
-from schemas.file_table import split_entries
-from schemas.manifest import FILE_TABLE, INLINE_FILE_ENTRIES, MANIFEST_FILE
+from schemas.file_table import entries_field, split_entries, with_entry_paths
+from schemas.manifest import INLINE_FILE_ENTRIES, commit_table, versioned
 
 REJECTED_STAGING = "_rejected"
 
@@ -52,11 +55,6 @@ def publish_rejected(staging: str, output: str) -> None:
         fileio.move(source, fileio.join(output, "rejected", posixpath.basename(source)))
 
 
-def _without_timings(manifest: dict) -> dict:
-    """A manifest less its `timings`: a retried commit step reads its clock again."""
-    return {key: value for key, value in manifest.items() if key != "timings"}
-
-
 def commit_stage(
     manifest: BaseModel,
     *,
@@ -66,55 +64,63 @@ def commit_stage(
     clock,
     staged: list[str],
     max_rejected_fraction: float = 1.0,
-    replace: tuple[str, ...] | None = None,
     inline_entries: int = INLINE_FILE_ENTRIES,
     replaces: str | None = None,
     reads: tuple[tuple[str, str], ...] = (),
     claim: Claim | None = None,
+    keep_commits: int = commits.KEPT_COMMITS,
 ) -> None:
-    """A job's last step: refuse a job whose inputs changed under it (`reads`: the committed
-    directories it read, with the sha256 of their manifests then), publish its rejected
-    records, refuse a job that rejected too much (staging discarded, nothing committed), else
-    move the staged files into `final` and write the manifest, with the job's timings, last.
-    `clock` names the stage (`stage`) and reads the commit's own clock (`timings(counters)`:
-    `pipeline.jobs.job.StageClock`). The manifest stays a model until here, where it is
-    written: with more than `inline_entries` file entries, they go to its file table
-    (schemas/file_table.py). `claim`: the output's lease the job took, checked to be still its
-    own before anything moves, and released once committed where the claim says so."""
-    data, table = split_entries(manifest, inline_entries)
-    if claim is not None and not _in_place(final, data, staging, None):  # a retry after the commit: no check
-        check_held(claim.output, claim.token)
-    already = bool(reads) and _in_place(final, data, staging, None)  # a retry after the commit: nothing to refuse
-    for directory, sha256 in reads if not already else ():
-        if fileio.manifest_sha256(directory) != sha256:
+    """A job's last step. A retry of a commit whose put was done only finishes it. Otherwise:
+    refuse a job whose inputs changed under it (`reads`: the committed directories it read,
+    with the sha256 of their manifests then), one whose base changed (`replaces`: the sha256
+    of the manifest an append built on) and one that lost the output's lease (`claim`);
+    publish its rejected records; refuse a job that rejected too much (staging discarded,
+    nothing committed); else commit the staged files (`commit_directory`). `clock` names the
+    stage (`stage`) and reads the commit's own clock (`timings(counters)`:
+    `pipeline.jobs.job.StageClock`). With more than `inline_entries` file entries, they go to
+    the commit's file table (schemas/file_table.py). A claim that says so is released once
+    committed."""
+    job = posixpath.basename(staging.rstrip("/"))
+    current = fileio.current_manifest(final)
+    if current is None or commits.job_of(current[1]) != job:  # not a retry after this job's put
+        if claim is not None:
+            check_held(claim.output, claim.token)
+        for directory, sha256 in reads:
+            if fileio.manifest_sha256(directory) != sha256:
+                discard_staging(staging)
+                raise StageError(
+                    f"{clock.stage}: the manifest of {directory} changed while this job read it (a change "
+                    "was committed there); nothing was committed: run again"
+                )
+        if replaces is not None and (current is None or fileio.sha256_bytes(current[1]) != replaces):
             discard_staging(staging)
             raise StageError(
-                f"{clock.stage}: {fileio.join(directory, MANIFEST_FILE)} changed while this job read it (a change "
-                "was committed there); nothing was committed: run again"
+                f"commit of {final}: its manifest changed while this job ran (another job committed there); "
+                "nothing was committed: run again"
             )
-    if replaces is not None:  # before anything moves: not even its rejected records
-        _in_place(final, data, staging, replaces)
-    publish_rejected(staging, output)
-    rejected, records = rejected_share(data["counters"])
-    if records and rejected / records > max_rejected_fraction:
-        discard_staging(staging)
-        reasons = ", ".join(
-            f"{k[len('rejected_') :]} {v:,}" for k, v in data["counters"].items() if k.startswith("rejected_") and v
+        publish_rejected(staging, output)
+        counters = manifest.counters  # type: ignore[attr-defined]
+        rejected, records = rejected_share(counters)
+        if records and rejected / records > max_rejected_fraction:
+            discard_staging(staging)
+            reasons = ", ".join(
+                f"{k[len('rejected_') :]} {v:,}" for k, v in counters.items() if k.startswith("rejected_") and v
+            )
+            raise StageError(
+                f"{clock.stage}: {rejected:,} of {records:,} input records rejected "
+                f"({rejected / records:.0%}: {reasons}), more than max_rejected_fraction "
+                f"{max_rejected_fraction:.0%}; see {fileio.join(output, 'rejected')}"
+            )
+        commit_directory(
+            staging,
+            final,
+            manifest,
+            staged,
+            timings=lambda counters: {**clock.timings(counters), "job": job},
+            inline_entries=inline_entries,
         )
-        raise StageError(
-            f"{clock.stage}: {rejected:,} of {records:,} input records rejected "
-            f"({rejected / records:.0%}: {reasons}), more than max_rejected_fraction "
-            f"{max_rejected_fraction:.0%}; see {fileio.join(output, 'rejected')}"
-        )
-    commit_directory(
-        staging,
-        final,
-        {**data, "timings": clock.timings(data["counters"])},
-        staged,
-        replace=replace,
-        table=table,
-        replaces=replaces,
-    )
+    commits.finish(final, type(manifest), keep_commits)
+    discard_staging(staging)
     if claim is not None and claim.released_by_commit:
         release(claim.output, claim.token)
 
@@ -122,74 +128,45 @@ def commit_stage(
 def commit_directory(
     staging: str,
     final: str,
-    manifest: dict,
+    manifest: BaseModel,
     staged: list[str],
     *,
-    replace: tuple[str, ...] | None = None,
-    table: bytes | None = None,
-    replaces: str | None = None,
+    timings,
+    inline_entries: int = INLINE_FILE_ENTRIES,
 ) -> None:
-    """Move the files `staged` (paths relative to both directories) from `staging` into
-    `final`, then write the manifest's file table `table` (None: its entries are inline, and
-    no table stays) and `final/manifest.json` last.
-
-    replace=None: `final` is the stage's own directory and keeps nothing else. Otherwise only
-    these subdirectories of `final` are cleared of what the new manifest does not list (the
-    rest, e.g. reused chunks, stays). The old manifest goes first, so a crash in between
-    leaves a directory without a manifest (rebuilt on the next run), never a manifest over
-    mixed content. Run again after a crash, it moves what is still staged, checks that the
-    rest arrived, and writes the same manifest; after a finished commit it changes nothing.
-    `replaces`: the sha256 of the manifest the job built on (an append); another manifest in
-    its place fails the commit, staging discarded, so two jobs never mix their files.
-    """
-    manifest_path = fileio.join(final, MANIFEST_FILE)
-    if _in_place(final, manifest, staging, replaces):
-        return  # an earlier attempt of this commit finished (its timings stand)
-    wanted = set(staged)
-    # one listing of each directory, not one request per file: an append keeps ~10^6 files in place
+    """Commit the files `staged` (paths relative to both directories) into `final` as its next
+    commit: each moved from `staging` to its name in `final`, the commit's number added to the
+    name of one an existing commit lists (never overwritten); the file table written (more
+    than `inline_entries` entries); then the commit's manifest put, once (`commits.put`), with
+    `timings(counters)`. The directory is listed once, not probed per file. Run again after
+    dying before the put, it makes the same names, moves what is still staged and checks that
+    the rest arrived; until the put, readers see the previous commit whole."""
+    numbered = commits.numbered_commits(final)
+    number = numbered[-1][0] + 1 if numbered else 1
+    listed = commits.listed_by_commits(final, numbered, type(manifest))
+    signed = {e.path: e.sha256 for e in getattr(manifest, entries_field(manifest))}
+    # a new file under a name an existing commit lists for other bytes gets this commit's
+    # number: decided by the manifests alone, so a retry after dying half-way decides the same
+    names = {p: versioned(p, number) if p in listed and signed.get(p, listed[p]) != listed[p] else p for p in staged}
+    manifest = with_entry_paths(manifest, names)
+    data, table = split_entries(manifest, inline_entries, table_path=commit_table(number))
+    wanted = {names[path]: path for path in staged}  # final name -> staged name
     in_place = {_relative(path, final) for path in fileio.list_files(final)}
-    waiting = {_relative(path, staging) for path in fileio.list_files(staging)} & wanted
-    missing = sorted(wanted - waiting - in_place)
+    waiting = {_relative(path, staging) for path in fileio.list_files(staging)}
+    moving = sorted(name for name, path in wanted.items() if path in waiting)
+    missing = sorted(set(wanted) - set(moving) - in_place)
     if missing:
         raise FileNotFoundError(f"commit of {final}: {len(missing)} file(s) neither staged nor in place: {missing[:3]}")
-    if MANIFEST_FILE in in_place:
-        FileSystems.delete([manifest_path])
-    kept = wanted | {FILE_TABLE, MANIFEST_FILE}  # rewritten or deleted below
-    scopes = None if replace is None else tuple(f"{sub}/" for sub in replace)
-    stale = [fileio.join(final, p) for p in sorted(in_place - kept) if scopes is None or p.startswith(scopes)]
-    if stale:
-        FileSystems.delete(stale)
-    sources = [fileio.join(staging, path) for path in sorted(waiting)]
-    targets = [fileio.join(final, path) for path in sorted(waiting)]
+    targets = [fileio.join(final, name) for name in moving]
     for target in targets:
         fileio.ensure_parent(target)
-    if sources:
-        FileSystems.rename(sources, targets)
-    discard_staging(staging)
-    table_path = fileio.join(final, FILE_TABLE)
+    if targets:
+        FileSystems.rename([fileio.join(staging, wanted[name]) for name in moving], targets)
     if table is not None:
-        fileio.write_bytes(table_path, table)
-    elif FILE_TABLE in in_place:
-        FileSystems.delete([table_path])
-    fileio.write_json_atomic(manifest_path, manifest)
-
-
-def _in_place(final: str, manifest: dict, staging: str, replaces: str | None) -> bool:
-    """Whether `final` holds this manifest already (an earlier attempt committed it); a
-    StageError, staging discarded, when it holds one other than `replaces` (if given)."""
-    path = fileio.join(final, MANIFEST_FILE)
-    if not fileio.exists(path):
-        return False
-    current = fileio.read_bytes(path)
-    if _without_timings(json.loads(current)) == _without_timings(manifest):
-        return True
-    if replaces is not None and fileio.sha256_bytes(current) != replaces:
-        discard_staging(staging)
-        raise StageError(
-            f"commit of {final}: its manifest changed while this job ran (another job committed there); "
-            "nothing was committed: run again"
-        )
-    return False
+        fileio.write_bytes(fileio.join(final, commit_table(number)), table)
+    text = (json.dumps({**data, "timings": timings(data["counters"])}, indent=2, sort_keys=True) + "\n").encode()
+    if not commits.put(final, number, text):
+        raise StageError(f"commit of {final}: commit {number} was made by another job meanwhile; nothing was committed")
 
 
 def discard_staging(staging: str) -> None:

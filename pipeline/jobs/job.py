@@ -31,7 +31,9 @@ from pipeline.common.models import (
     resolve_tokenizer,
 )
 from pipeline.common.progress import StageTimer
+from pipeline.jobs import commits
 from pipeline.jobs.commit import commit_stage, discard_staging, new_staging_dir
+from pipeline.jobs.commits import KEPT_COMMITS
 from pipeline.jobs.flink import job_server_is_a_child, listed_jobs, name_the_job, rest_address, wait_until_flink_has
 from pipeline.jobs.lease import ATTACHED_SECONDS, DETACHED_SECONDS, Claim, Lease
 from pipeline.jobs.options import check_detachable, new_pipeline
@@ -136,15 +138,15 @@ class Job:
         dry_run: bool = False,
         detach: bool = False,
         max_rejected_fraction: float = 1.0,
-        replace: tuple[str, ...] | None = None,
         replaces: str | None = None,
         reads: tuple[tuple[str, str], ...] = (),
+        keep_commits: int = KEPT_COMMITS,
         type_check: bool = True,
     ):
         self.output, self.directory, self.model = output, directory, model
         self.reads = reads
         self.dry_run, self.detach = dry_run, detach
-        self.max_rejected_fraction, self.replace, self.replaces = max_rejected_fraction, replace, replaces
+        self.max_rejected_fraction, self.replaces, self.keep_commits = max_rejected_fraction, replaces, keep_commits
         self.pipeline = new_pipeline(beam_args, dry_run, type_check)
         if detach and not dry_run:  # before the staging directory replaces an earlier one
             check_detachable(self.pipeline.options)
@@ -167,7 +169,7 @@ class Job:
         `committed.after` is written."""
         staged_of, claim = committed.staged_of, self.claim
         staging, output, directory, clock = self.staging, self.output, self.directory, self.clock
-        fraction, replace, replaces, reads = self.max_rejected_fraction, self.replace, self.replaces, self.reads
+        fraction, replaces, reads, keep = self.max_rejected_fraction, self.replaces, self.reads, self.keep_commits
         paths = beam.pvalue.AsList(
             (committed.staged if committed.staged is not None else self.pipeline | "NothingStaged" >> beam.Create([]))
             | "StagedPaths" >> beam.Map(lambda entry: entry.path)
@@ -183,10 +185,10 @@ class Job:
                 clock=clock,
                 staged=sorted(paths) + extra,
                 max_rejected_fraction=fraction,
-                replace=replace,
                 replaces=replaces,
                 reads=reads,
                 claim=claim,
+                keep_commits=keep,
             )
 
         after = (beam.pvalue.AsList(pc) for pc in committed.after)
@@ -225,6 +227,8 @@ class Job:
 
     def _run(self, graph: Callable[[beam.Pipeline, str], Committed | None]):
         if self.staging_stage is not None:
+            if not self.dry_run and self.model is not None:  # a commit that died after its put: finished now
+                commits.finish(self.directory, self.model, self.keep_commits)
             self.staging = new_staging_dir(self.output, self.staging_stage, self.dry_run)
         committed = graph(self.pipeline, self.staging)
         if (committed is None) != (self.model is None):

@@ -21,7 +21,7 @@ from pipeline.corpus.parse import match_corpus
 from pipeline.index.files import INDEX_FILE, QUANTIZER_FILE
 from pipeline.index.sources import SOURCES_DIR
 from schemas.config import PipelineConfig
-from schemas.manifest import MANIFEST_FILE, IndexManifest, InputFile, ShardsManifest, read_manifest
+from schemas.manifest import IndexManifest, InputFile, ShardsManifest, read_manifest, unversioned
 
 log = logging.getLogger("ratrain")
 Model = TypeVar("Model", bound=BaseModel)
@@ -29,12 +29,12 @@ IndexAction = Literal["reuse", "append", "rebuild_faiss", "build"]
 
 
 def committed_index(directory: str) -> tuple[IndexManifest | None, str | None]:
-    """`committed(directory, IndexManifest)` and the sha256 of the manifest.json it was read
+    """`committed(directory, IndexManifest)` and the sha256 of the commit manifest it was read
     from (one read): what a change of the index builds on, and checks at its commit."""
-    path = fileio.join(directory, MANIFEST_FILE)
-    if not fileio.exists(path):
+    found = fileio.current_manifest(directory)
+    if found is None:
         return None, None
-    data = fileio.read_bytes(path)
+    path, data = found
     try:
         manifest = fileio.whole(read_manifest(data, path, IndexManifest), directory)
     except ValueError:
@@ -110,7 +110,7 @@ def appendable(cfg: PipelineConfig, previous: IndexManifest, changes: CorpusChan
     if previous.config_hash != cfg.index_hash_over(previous.embed_config_hash):
         log.info("build-index: the corpus grew, but index.* changed since the index was built")
         return False
-    faiss_paths = {f.path for f in previous.files if f.path.startswith("faiss/")}
+    faiss_paths = {unversioned(f.path) for f in previous.files if f.path.startswith("faiss/")}
     if f"faiss/{INDEX_FILE}" not in faiss_paths and f"faiss/{QUANTIZER_FILE}" not in faiss_paths:
         log.warning("build-index: the corpus changed; an index in slices by chunk-id range is rebuilt")
         return False

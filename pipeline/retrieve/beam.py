@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import apache_beam as beam
 import numpy as np
-from apache_beam.io.parquetio import ReadFromParquetBatched
 
-from pipeline.chunks.chunk_files import ChunkFileRanges, CommittedChunkFiles
+from pipeline.chunks.beam import ReadParquetFiles
+from pipeline.chunks.chunk_files import ChunkFileRanges, CommittedChunkFiles, CommittedFiles
 from pipeline.chunks.deleted import DeletedRanges
 from pipeline.common.arrays import positions_of, widest_span
 from pipeline.index.exact import truth_depth
@@ -76,35 +76,35 @@ class PackSequences(beam.PTransform):
 
 
 class DocumentSpans(beam.PTransform):
-    """Chunk files (a glob) -> (doc_id, (first chunk id, last + 1)) per database document: a
-    document's chunks are one contiguous id range, so excluding it is excluding a range."""
+    """Chunk files (a glob, or those a committed manifest lists) -> (doc_id, (first chunk id,
+    last + 1)) per database document: a document's chunks are one contiguous id range, so
+    excluding it is excluding a range."""
 
-    def __init__(self, pattern: str, validate: bool = True):
+    def __init__(self, files: str | CommittedFiles, validate: bool = True):
         super().__init__()
-        self.pattern, self.validate = pattern, validate
+        self.files, self.validate = files, validate
 
     def expand(self, pbegin):
         return (
             pbegin
-            | "ReadDocumentIds"
-            >> ReadFromParquetBatched(self.pattern, columns=["chunk_id", "doc_id"], validate=self.validate)
+            | "ReadDocumentIds" >> ReadParquetFiles(self.files, columns=["chunk_id", "doc_id"], validate=self.validate)
             | "SpansInBatch" >> beam.FlatMap(lambda t: document_spans(t["chunk_id"].to_numpy(), t["doc_id"].to_numpy()))
             | "WidestSpan" >> beam.CombinePerKey(widest_span)
         )
 
 
 class ReadQueryBlocks(beam.PTransform):
-    """Embedding files (a glob) -> a `QueryBlock` per record batch, the `deleted` documents'
-    chunks left out."""
+    """Embedding files (a glob, or those a committed manifest lists) -> a `QueryBlock` per
+    record batch, the `deleted` documents' chunks left out."""
 
-    def __init__(self, pattern: str, deleted: DeletedRanges | None = None, validate: bool = True):
+    def __init__(self, files: str | CommittedFiles, deleted: DeletedRanges | None = None, validate: bool = True):
         super().__init__()
-        self.pattern, self.deleted, self.validate = pattern, deleted, validate
+        self.files, self.deleted, self.validate = files, deleted, validate
 
     def expand(self, pbegin):
         return (
             pbegin
-            | "Read" >> ReadFromParquetBatched(self.pattern, validate=self.validate)
+            | "Read" >> ReadParquetFiles(self.files, validate=self.validate)
             | "QueryBlocks" >> beam.Map(QueryBlock.of_table, self.deleted)
         )
 

@@ -13,7 +13,7 @@ from pipeline.common.errors import StageError
 from pipeline.index.factory import ivf_lists
 from pipeline.index.files import INDEX_FILE, LIST_OWNERS_FILE, QUANTIZER_FILE, searched_files
 from pipeline.retrieve.search import Routing
-from schemas.manifest import MANIFEST_FILE, IndexManifest, read_manifest
+from schemas.manifest import IndexManifest, read_manifest, unversioned
 
 
 def faiss_files(paths: list[str]) -> list[str]:
@@ -31,7 +31,7 @@ class CommittedIndex:
     manifest_sha256: str
     num_chunks: int
     nprobe: int | None  # the depth the index stage tuned
-    faiss_paths: list[str]  # index.faiss, or its slices in number order, relative to the directory
+    faiss_paths: list[str]  # index.faiss, or its slices in number order, relative, by name (`unversioned`)
     routing_paths: tuple[str, str] | None  # slices: quantizer.faiss and list_owners.npy, relative
     nlist: int | None  # inverted lists (IVF)
     deleted_paths: tuple[str, ...] = ()  # deleted/*.parquet, relative to the directory
@@ -52,15 +52,16 @@ class CommittedIndex:
 def read_committed_index(directory: str) -> tuple[CommittedIndex, IndexManifest]:
     """The committed index in `directory` and its manifest, or a clear error (StageError): none
     there, or in slices by chunk-id range (which nothing searches any more)."""
-    path = fileio.join(directory, MANIFEST_FILE)
-    if not fileio.exists(path):
+    found = fileio.current_manifest(directory)
+    if found is None:
         raise StageError(f"no committed index at {directory}: run build-index first")
-    data = fileio.read_bytes(path)
+    path, data = found
     manifest = read_manifest(data, path, IndexManifest)
     paths, _ = fileio.entry_paths_and_rows(manifest, directory)  # one read of a file table
+    names = [unversioned(path) for path in paths]  # faiss files are looked up by name
     routing = (f"faiss/{QUANTIZER_FILE}", f"faiss/{LIST_OWNERS_FILE}")
-    searched = searched_files(faiss_files(paths))
-    routed = set(routing) <= set(paths)
+    searched = searched_files(faiss_files(names))
+    routed = set(routing) <= set(names)
     if len(searched) > 1 and not routed:
         raise StageError(
             f"index at {directory} is in slices by chunk-id range, which build-shards no longer searches: "

@@ -49,9 +49,17 @@ def load_searched(chunk_files: ChunkFileRanges | CommittedChunkFiles | None, pat
     than mixing one generation's index file with another's chunk lookups."""
     if not isinstance(chunk_files, CommittedChunkFiles):
         return load_index(path, depth, sha256=None)  # files given directly: no manifest to check them by
-    index = load_index(path, depth, sha256=chunk_files.sha256_of(path))
+    stored, sha256 = chunk_files.stored(path)
+    index = load_index(stored, depth, sha256=sha256)
     chunk_files.check_unchanged()
     return index
+
+
+def stored_path(chunk_files: ChunkFileRanges | CommittedChunkFiles | None, path: str) -> str:
+    """Where the committed index's file `path` is stored (its name plus the number of the
+    commit that wrote it, if an earlier commit listed the plain name); a file given directly
+    is where it is named."""
+    return chunk_files.stored(path)[0] if isinstance(chunk_files, CommittedChunkFiles) else path
 
 
 class _SlicesInTurn:
@@ -77,7 +85,7 @@ def search_slices(
     found = search_routed(
         load_searched(chunk_files, routing.quantizer),
         _SlicesInTurn([routing.slice_path(n) for n in range(routing.slices)], chunk_files),
-        read_owners(routing.owners),
+        read_owners(stored_path(chunk_files, routing.owners)),
         queries,
         k=k,
         excluded_each=excluded_each,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.chunks.chunk_files import ChunkFileRanges, CommittedChunkFiles
+from pipeline.chunks.chunk_files import ChunkFileRanges, CommittedChunkFiles, CommittedFiles
 from pipeline.chunks.deleted import DeletedRanges
 from pipeline.common import fileio
 from pipeline.common.arrays import groups, merge_ranges, positions_of
@@ -185,7 +185,7 @@ class Retrieval:
     pad_id: int
     dedupe: bool = False
     probes: int = 0  # training chunks sampled for the neighbour-recall check and the depth tuning
-    embeddings: str = ""  # the embedding files (a glob): the probes' exact search
+    embeddings: str | CommittedFiles = ""  # the embedding files (a glob, or as listed): the probes' exact search
     target_recall: float = 0.95  # index.target_recall: what the depth is tuned to
     recall_below_target: str = "deepen"  # deepen | warn | fail (PipelineConfig.recall_below_target)
     routing: Routing | None = None  # an index in slices by inverted lists: how queries reach them

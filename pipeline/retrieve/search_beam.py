@@ -22,7 +22,7 @@ from apache_beam.utils import shared
 
 from pipeline.common.arrays import groups
 from pipeline.index.files import read_owners
-from pipeline.retrieve.depth import index_version, load_searched
+from pipeline.retrieve.depth import index_version, load_searched, stored_path
 from pipeline.retrieve.routed import (
     SliceQueries,
     batch_of,
@@ -126,7 +126,7 @@ def _owners(path: str, _version: str) -> np.ndarray:
 def _router(holder: shared.Shared, spec: Retrieval, routing: Routing):
     """(quantizer index, list owners) of a sliced index, loaded once per process."""
     return _loaded_index(holder, routing.quantizer, None, spec.chunk_files).index, _owners(
-        routing.owners, index_version(spec.chunk_files)
+        stored_path(spec.chunk_files, routing.owners), index_version(spec.chunk_files)
     )
 
 

@@ -25,7 +25,7 @@ from schemas.evaluation import evaluation_json, score_rows
 from schemas.manifest import IndexManifest, ShardsManifest
 from schemas.measures import OwnDocumentRecall, Recall, SearchDepth
 from schemas.stage_config import IndexConfig
-from tests.helpers import BAD_REASONS, rewrite_shards_as_schema_version_1
+from tests.helpers import BAD_REASONS, current_manifest, rewrite_manifest, rewrite_shards_as_schema_version_1
 from tests.trainer_fixtures import write_checkpoint
 
 INLINE_PNG = re.compile(r'<img alt="[^"]+" src="data:image/png;base64,[A-Za-z0-9+/]+=*">')
@@ -118,10 +118,9 @@ def test_the_report_reads_schema_version_1_shards(output):
 @pytest.mark.e2e
 def test_manifests_from_before_timings_and_curves_are_reported_as_not_recorded(output):
     for name in ("index", "shards"):
-        path = output / name / "manifest.json"
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(current_manifest(output / name).read_text())
         del manifest["timings"]
-        path.write_text(json.dumps(manifest))
+        rewrite_manifest(output / name, json.dumps(manifest))
     assert IndexManifest.model_validate_json((output / "index" / "manifest.json").read_text()).timings is None
     timings = _section(_report(output), "timings")
     assert timings.count("not recorded") == 4  # started and wall time of both stages
@@ -309,13 +308,12 @@ def test_the_recall_section_draws_the_curves_without_and_with_own_documents_excl
     """The built output's manifests as an IVF index tuned both ways and a build-shards run that
     searched deeper record them: the report's recall section says so and draws one figure."""
     recall, depth = _tuned_ivf_recall()
-    index_path, shards_path = output / "index" / "manifest.json", output / "shards" / "manifest.json"
-    index = json.loads(index_path.read_text())
+    index = json.loads(current_manifest(output / "index").read_text())
     index.update(index_factory="IVF64,Flat", nprobe=8, recall_at_k=recall.model_dump(mode="json"))
-    index_path.write_text(json.dumps(index))
-    shards = json.loads(shards_path.read_text())
+    rewrite_manifest(output / "index", json.dumps(index))
+    shards = json.loads(current_manifest(output / "shards").read_text())
     shards["search_depth"] = depth.model_dump(mode="json")
-    shards_path.write_text(json.dumps(shards))
+    rewrite_manifest(output / "shards", json.dumps(shards))
     section = _section(_report(output), "recall")
     assert "recall@2 0.960 at the chosen depth" in section and "searched at 16" in section
     assert len(INLINE_PNG.findall(section)) == 1

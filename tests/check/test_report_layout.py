@@ -18,6 +18,7 @@ import pytest
 
 from pipeline.check.report_sources import read_shards_manifest
 from pipeline.cli import main
+from tests.helpers import current_manifest, rewrite_manifest
 from tests.trainer_fixtures import write_checkpoint
 
 WIDTHS = (600, 900, 1200, 1600)
@@ -114,10 +115,9 @@ def long_paths_output(built_output, tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("long-paths")
     output = tmp_path / "out"
     shutil.copytree(root / "out", output)
-    manifest_path = output / "index" / "manifest.json"
-    manifest = json.loads(manifest_path.read_text())
+    manifest = json.loads(current_manifest(output / "index").read_text())
     manifest["embedding_model"]["name"] = LONG_MODEL
-    manifest_path.write_text(json.dumps(manifest))
+    rewrite_manifest(output / "index", json.dumps(manifest))
     shards = read_shards_manifest(str(output / "shards"))
     checkpoint = write_checkpoint(
         tmp_path / "retro.pt",

@@ -30,7 +30,7 @@ from pipeline.index.search import set_search_depth
 from pipeline.jobs.reuse import committed_index, corpus_changes, index_action, listed_corpus_files
 from pipeline.run import run_all
 from schemas.config import config_from_dict
-from schemas.manifest import IndexManifest, ShardsManifest
+from schemas.manifest import IndexManifest, ShardsManifest, unversioned
 from tests.helpers import REPO, rewrite_shard, sample_documents, small_config, write_config, write_jsonl
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -70,11 +70,15 @@ def test_an_append_reads_only_the_new_files_and_keeps_what_was_written(tmp_path)
     assert latest.new_vector_recall is not None and 0.0 < latest.new_vector_recall <= 1.0
 
     after = _entries(out)
+    (index_file,) = [p for p in after if unversioned(p) == "faiss/index.faiss"]
     for path, entry in before.items():  # every chunk and embedding file stays as it was
         if not path.startswith("faiss/"):
             assert after[path] == entry
     added = sorted(set(after) - set(before))
-    assert added and all(p.startswith(("chunks/", "embeddings/", "deleted/", "sources/")) for p in added)
+    assert added and all(
+        p.startswith(("chunks/", "embeddings/", "deleted/", "sources/")) for p in added if p != index_file
+    )
+    assert index_file == "faiss/index.c000002.faiss"  # written anew, under the commit's number: the first stays whole
 
     # the repeated document replaces the indexed one: its old chunks are deleted
     assert (latest.deleted_documents, grown.deleted_documents) == (1, 1)
@@ -83,14 +87,14 @@ def test_an_append_reads_only_the_new_files_and_keeps_what_was_written(tmp_path)
 
     # the index holds every chunk once, by its id, and answers as one filled from scratch with
     # the same trained lists would
-    index = read_index(str(out / "index" / "faiss" / "index.faiss"), sha256=None)
+    index = read_index(str(out / "index" / index_file), sha256=None)
     assert index.ntotal == grown.num_chunks - grown.deleted_chunks
     batches = [b for p in sorted((out / "index" / "embeddings").glob("*.parquet")) for b in read_embeddings(str(p))]
     ids = np.concatenate([b[0] for b in batches])
     vectors = np.concatenate([b[1] for b in batches])
     assert np.array_equal(np.sort(ids), np.arange(grown.num_chunks))
     live = ~old_run.contains(ids)
-    refilled = read_index(str(out / "index" / "faiss" / "index.faiss"), sha256=None)
+    refilled = read_index(str(out / "index" / index_file), sha256=None)
     refilled.reset()
     refilled.add_with_ids(vectors[live], ids[live])
     for searched in (index, refilled):
@@ -318,16 +322,17 @@ def test_an_index_in_slices_takes_appended_and_deleted_documents_slice_by_slice(
     grown = build_index(cfg, [], delete=(docs[0]["id"],))  # an append and a delete in one generation
     assert isinstance(grown, IndexManifest) and [g.number for g in grown.generations] == [0, 1]
     assert grown.deleted_documents == 1 and grown.generations[1].new_vector_recall is not None
-    before, after = ({e.path: e for e in m.files if e.path.startswith("faiss/")} for m in (base, grown))
+    # by name: a slice written anew takes the commit's number in its file name
+    before, after = ({unversioned(e.path): e for e in m.files if e.path.startswith("faiss/")} for m in (base, grown))
     assert after["faiss/quantizer.faiss"] == before["faiss/quantizer.faiss"]  # the trained lists stay
     # a third more vectors: slices outgrow 400 KB and are cut, the new ones numbered after the last
     assert set(after) > set(before) and all(e.bytes <= 400_000 for e in after.values())
 
     # each slice holds in each of its lists what one index refilled from scratch with the same
     # trained lists holds there, deleted chunks left out, in chunk-id order
-    faiss_dir = out / "index" / "faiss"
-    owner = read_owners(str(faiss_dir / "list_owners.npy"))
-    reference = read_index(str(faiss_dir / "quantizer.faiss"), sha256=None)
+    stored = {name: out / "index" / entry.path for name, entry in after.items()}
+    owner = read_owners(str(stored["faiss/list_owners.npy"]))
+    reference = read_index(str(stored["faiss/quantizer.faiss"]), sha256=None)
     deleted = read_deleted([str(p) for p in sorted((out / "index" / "deleted").glob("*.parquet"))])
     for path in sorted((out / "index" / "embeddings").glob("*.parquet")):
         for ids, vectors in read_embeddings(str(path)):
@@ -335,7 +340,7 @@ def test_an_index_in_slices_takes_appended_and_deleted_documents_slice_by_slice(
             reference.add_with_ids(vectors[kept], ids[kept])
     expected = {block.index_slice: block for block in list_blocks(reference, owner)}
     for number in range(int(owner.max()) + 1):
-        held = list_blocks(read_index(str(faiss_dir / f"slice-{number:05d}.faiss"), sha256=None), owner)
+        held = list_blocks(read_index(str(stored[f"faiss/slice-{number:05d}.faiss"]), sha256=None), owner)
         assert len(held) == 1 and held[0].index_slice == number
         for field in ("lists", "sizes", "ids"):
             assert np.array_equal(getattr(held[0], field), getattr(expected[number], field))
@@ -343,3 +348,23 @@ def test_an_index_in_slices_takes_appended_and_deleted_documents_slice_by_slice(
     run_all(cfg, [])  # build-shards over the changed slices
     assert not deleted.contains(_neighbour_ids(out)).any()
     assert all(line.startswith("OK") for line in validate_path(str(out)))
+
+
+def test_commits_kept_by_keep_commits_are_readable_until_gc_deletes_them(tmp_path, capsys):
+    from pipeline.cli import main
+
+    write_jsonl(tmp_path / "corpus" / "a.jsonl", sample_documents(8))
+    out = tmp_path / "out"
+    cfg = config_from_dict(small_config(out, str(tmp_path / "corpus" / "*.jsonl"), keep_commits=2))
+    build_index(cfg, [])
+    write_jsonl(tmp_path / "corpus" / "b.jsonl", sample_documents(4, start=8))
+    build_index(cfg, [])  # an append: commit 2, and commit 1 kept whole beside it
+    index = out / "index"
+    assert sorted(p.name for p in index.glob("manifest-*.json")) == ["manifest-000001.json", "manifest-000002.json"]
+    assert (index / "faiss" / "index.faiss").exists() and (index / "faiss" / "index.c000002.faiss").exists()
+    main(["gc", str(out), "--keep", "1"])
+    assert f"{index}: 1 commit kept" in capsys.readouterr().out
+    assert sorted(p.name for p in index.glob("manifest-*.json")) == ["manifest-000002.json"]
+    assert not (index / "faiss" / "index.faiss").exists()  # only commit 1 listed it
+    assert all(line.startswith("OK") for line in validate_path(str(index)))
+    assert not (out / ".lease.json").exists()

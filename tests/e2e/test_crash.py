@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 
 from pipeline.check.validate import validate_index, validate_shards
+from pipeline.common.fileio import committed
 from pipeline.run import run_all
 from schemas.config import config_from_dict
+from schemas.manifest import IndexManifest
 from tests.helpers import BAD_RECORDS, sample_documents, small_config, write_config, write_jsonl
 
 pytestmark = pytest.mark.e2e
@@ -64,15 +66,17 @@ def _data_files(out: Path) -> dict:
 
 
 # Kill points inside a commit, too short to hit by polling: the run kills itself there.
-# "moving files": half of the stage's files have been moved into place; "manifest unwritten":
-# all of them have, and the manifest's temporary file is written but not yet renamed.
+# "moving files" (before the put): half of the stage's files have been moved into place;
+# "manifest unwritten" (after the put): the commit's manifest is put, its manifest.json copy
+# not yet renamed into place; "cleaning up": what only the previous commit lists is deleted,
+# the previous commit's manifest not yet.
 COMMIT_KILLER = """
 import os, signal, sys
 from apache_beam.io.filesystems import FileSystems
 from pipeline.cli import main
 
 final, point = sys.argv[1].rstrip("/") + "/", sys.argv[2]
-rename = FileSystems.rename
+rename, delete = FileSystems.rename, FileSystems.delete
 
 def rename_then_die(sources, targets, *args, **kwargs):
     if point == "moving files" and len(targets) > 1 and targets[0].startswith(final):
@@ -82,7 +86,12 @@ def rename_then_die(sources, targets, *args, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
     return rename(sources, targets, *args, **kwargs)
 
-FileSystems.rename = rename_then_die
+def delete_then_die(paths, *args, **kwargs):
+    if point == "cleaning up" and paths == [final + "manifest-000001.json"]:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return delete(paths, *args, **kwargs)
+
+FileSystems.rename, FileSystems.delete = rename_then_die, delete_then_die
 sys.exit(main(sys.argv[3:]))
 """
 COMMIT_POINTS = [(stage, point) for stage in ("index", "shards") for point in ("moving files", "manifest unwritten")]
@@ -157,3 +166,32 @@ def test_run_killed_inside_a_commit_is_finished_by_the_next_run(stage, point, un
     assert killed.returncode == -signal.SIGKILL, f"the run was not killed {point} of {stage}"
     assert not (out / stage / "manifest.json").exists()
     _nothing_half_committed_and_rerun_matches(config, out, uninterrupted[0], stage)
+
+
+@pytest.mark.parametrize("point", ["moving files", "manifest unwritten", "cleaning up"])
+def test_an_append_killed_inside_its_commit_leaves_a_whole_commit_and_its_rerun_embeds_only_the_new_files(
+    point, tmp_path
+):
+    """Before the put the index is the first build, whole; after it, the append, whole; the
+    rerun appends (or finishes) rather than rebuilding: its last generation holds only the new
+    file's documents."""
+    first, added = sample_documents(8), sample_documents(4, start=8)
+    write_jsonl(tmp_path / "corpus" / "a.jsonl", first)
+    out = tmp_path / "out"
+    config = write_config(tmp_path / "c.yaml", small_config(out, str(tmp_path / "corpus" / "*.jsonl")))
+    subprocess.run([CLI, "build-index", "--config", str(config)], check=True, capture_output=True)
+    write_jsonl(tmp_path / "corpus" / "b.jsonl", added)
+    killed = subprocess.run(
+        [sys.executable, "-c", COMMIT_KILLER, str(out / "index"), point, "build-index", "--config", str(config)],
+        capture_output=True,
+    )
+    assert killed.returncode == -signal.SIGKILL, f"the append was not killed {point}"
+    validate_index(str(out / "index"))  # the commit a reader finds now is whole (else ValidationFailed)
+    generations = len(committed(str(out / "index"), IndexManifest).generations)  # type: ignore[union-attr]
+    assert generations == (1 if point == "moving files" else 2)
+    subprocess.run([CLI, "build-index", "--config", str(config)], check=True, capture_output=True)
+    index = committed(str(out / "index"), IndexManifest)
+    assert index is not None and [g.number for g in index.generations] == [0, 1]
+    assert index.generations[1].num_documents == len(added) and index.num_documents == len(first) + len(added)
+    validate_index(str(out / "index"))
+    assert not (out / ".staging").exists() and len(list((out / "index").glob("manifest-*.json"))) == 1

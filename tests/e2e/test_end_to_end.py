@@ -22,7 +22,10 @@ from schemas.config import config_from_dict
 from schemas.manifest import ShardsManifest
 from tests.helpers import (
     BAD_REASONS,
+    current_manifest,
+    is_manifest,
     read_rejected,
+    rewrite_manifest,
     rewrite_shard,
     sample_documents,
     shard_rows,
@@ -240,14 +243,15 @@ def test_two_worker_processes_write_byte_identical_outputs(built_output, tmp_pat
         ["--direct_num_workers=2", "--direct_running_mode=multi_processing"],
     )
 
-    timed = {"manifest.json", "build_info.json"}
+    def timed(name):
+        return is_manifest(name) or name == "build_info.json"
 
     def files(out):
-        return {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name not in timed}
+        return {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file() and not timed(p.name)}
 
     assert files(tmp_path / "out") == files(root / "out")
     for path in (root / "out").rglob("*.json"):
-        if path.name in timed:
+        if timed(path.name):
             assert _without_timings(tmp_path / "out" / path.relative_to(root / "out")) == _without_timings(path)
 
 
@@ -270,7 +274,7 @@ def test_beam_type_inference_changes_no_byte_of_the_shards(built_output, tmp_pat
     written = sorted(p.relative_to(shards) for p in shards.rglob("*") if p.is_file())
     assert written == sorted(p.relative_to(ours) for p in ours.rglob("*") if p.is_file())
     for path in written:
-        if path.name == "manifest.json":
+        if is_manifest(path.name):
             assert _without_timings(ours / path) == _without_timings(shards / path)
         else:
             assert (ours / path).read_bytes() == (shards / path).read_bytes(), path
@@ -398,8 +402,7 @@ def test_validate_catches_own_tokens_that_differ_from_the_chunks(tampered):
 
 
 def test_validate_catches_a_continuation_across_chunk_files(tampered):
-    manifest_path = tampered / "index" / "manifest.json"
-    manifest = json.loads(manifest_path.read_text())
+    manifest = json.loads(current_manifest(tampered / "index").read_text())
     entry = next(e for e in manifest["files"] if e["path"] == "chunks/chunks-00000.parquet")
     table = pq.read_table(tampered / "index" / entry["path"])
     continuations = tensor_column_to_numpy(table["continuation"]).copy()
@@ -412,7 +415,7 @@ def test_validate_catches_a_continuation_across_chunk_files(tampered):
     data = parquet_bytes(table)
     (tampered / "index" / entry["path"]).write_bytes(data)
     entry.update(bytes=len(data), sha256=sha256_bytes(data))
-    manifest_path.write_text(json.dumps(manifest))
+    rewrite_manifest(tampered / "index", json.dumps(manifest))
     with pytest.raises(ValidationFailed, match="chunk 199 continuation"):
         validate_index(str(tampered / "index"))
 

@@ -11,7 +11,7 @@ import pytest
 from pipeline.check.validate import validate_path
 from pipeline.run import run_all
 from schemas.config import config_from_dict
-from tests.helpers import BAD_RECORDS, read_rejected, sample_documents, small_config, write_jsonl
+from tests.helpers import BAD_RECORDS, is_manifest, read_rejected, sample_documents, small_config, write_jsonl
 from trainer import ShardDataset
 
 pytestmark = pytest.mark.e2e
@@ -39,7 +39,9 @@ def test_run_on_gcs_gives_the_local_bytes_and_streams_to_the_trainer(gcs, built_
 
     def same(key):  # query speed is measured per run; rejected records and sources files name their source
         return not (
-            key.endswith(("manifest.json", "build_info.json")) or key.startswith(("rejected/", "index/sources/"))
+            is_manifest(key.rsplit("/", 1)[-1])
+            or key.endswith("build_info.json")
+            or key.startswith(("rejected/", "index/sources/"))
         )
 
     assert not any(k.startswith(".staging/") for k in remote)

@@ -16,6 +16,7 @@ def test_stage_timings_are_the_wall_time_between_the_two_clocks():
         "wall_seconds": 12.5,
         "records": "sequences",
         "records_per_second": 4.0,
+        "job": None,  # the commit names its job
     }
     assert stage_timings("build-shards", 1_000.0, 999.0, {"sequences": 50}, "sequences")["records_per_second"] is None
 

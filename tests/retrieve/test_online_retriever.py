@@ -19,7 +19,7 @@ from pipeline.common.writers import parquet_bytes
 from pipeline.retrieve.online import IndexNotUsable, Retriever
 from pipeline.retrieve.sequences import document_spans
 from schemas.config import config_from_dict
-from tests.helpers import shard_rows, tie_tolerance
+from tests.helpers import rewrite_manifest, shard_rows, tie_tolerance
 
 pytestmark = pytest.mark.e2e
 
@@ -110,7 +110,7 @@ def test_retriever_refuses_an_index_whose_encoder_directory_is_gone(built_output
     manifest = json.loads((index / "manifest.json").read_text())
     missing = tmp_path / "models" / "encoder"
     manifest["embedding_model"]["name"] = str(missing)
-    (index / "manifest.json").write_text(json.dumps(manifest))
+    rewrite_manifest(index, json.dumps(manifest))
     with pytest.raises(IndexNotUsable, match=rf"^{index}: its encoder model directory {missing} is missing$"):
         Retriever.open(str(index))
 

@@ -1,0 +1,148 @@
+"""A directory's numbered commits (docs/design.md §8): each commit writes its manifest once, as
+`manifest-NNNNNN.json`, with a put-if-absent; the newest is current. What an older commit lists
+stays in place, never overwritten (a file the new commit writes under a name an older commit
+lists gets the new commit's number: `schemas.manifest.versioned`), until the new commit is
+complete; then `finish` copies the current manifest to `manifest.json` (for people and
+outside tools) and deletes what only older commits list, their file tables and manifests. It
+is idempotent, so a commit that died after its put is finished by a retry or by the next job
+on the directory.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+
+from pydantic import BaseModel
+
+from pipeline.common import conditional, fileio
+from pipeline.common.errors import StageError
+from schemas.file_table import entry_columns
+from schemas.manifest import (
+    MANIFEST_FILE,
+    IndexManifest,
+    ShardsManifest,
+    VectorIndexManifest,
+    commit_manifest,
+    read_manifest,
+)
+
+#: The newest commits a finished commit keeps: the previous one stays readable until its
+#: successor is complete, and no longer (an outside check that globs a directory sees one commit).
+KEPT_COMMITS = 1
+
+
+def _parsed(path: str, data: bytes, model: type[BaseModel]):
+    try:
+        return read_manifest(data, path, model)
+    except ValueError as err:
+        raise StageError(
+            f"cannot read {path} to commit beside it ({err}): move the directory away, build again"
+        ) from None
+
+
+def listed_files(directory: str, path: str, data: bytes, model: type[BaseModel]) -> dict[str, str]:
+    """{path: sha256} of every file the commit manifest `data` (at `path`) lists, its file
+    table included."""
+    manifest = _parsed(path, data, model)
+    columns = entry_columns(manifest, directory, ["path", "sha256"], open_file=fileio.open_read)
+    listed = dict(zip(columns["path"].to_pylist(), columns["sha256"].to_pylist()))
+    table = getattr(manifest, "file_table", None)
+    return {**listed, **({table.path: table.sha256} if table is not None else {})}
+
+
+def numbered_commits(directory: str) -> list[tuple[int, str]]:
+    """(number, manifest path) of the directory's commits, oldest first. An output from before
+    commits were numbered has its manifest.json kept as commit 0 first (once), so that what it
+    lists is kept like any older commit's."""
+    numbered = fileio.commits(directory)
+    legacy = fileio.join(directory, MANIFEST_FILE)
+    if not numbered and fileio.exists(legacy):
+        _create(fileio.join(directory, commit_manifest(0)), fileio.read_bytes(legacy))
+        numbered = fileio.commits(directory)
+    return numbered
+
+
+def listed_by_commits(directory: str, numbered: list[tuple[int, str]], model: type[BaseModel]) -> dict[str, str]:
+    """{path: sha256} of every file the commits `numbered` list."""
+    listed: dict[str, str] = {}
+    for _, path in numbered:
+        listed.update(listed_files(directory, path, fileio.read_bytes(path), model))
+    return listed
+
+
+def put(directory: str, number: int, data: bytes) -> bool:
+    """Write commit `number`'s manifest once: True if this call wrote it (False: it was there)."""
+    return _create(fileio.join(directory, commit_manifest(number)), data)
+
+
+def job_of(data: bytes) -> str | None:
+    """The job that wrote a commit manifest (its timings' `job`)."""
+    timings = json.loads(data).get("timings") or {}
+    return timings.get("job")
+
+
+def finish(directory: str, model: type[BaseModel], keep: int = KEPT_COMMITS) -> None:
+    """After a commit's put: `manifest.json` made a copy of the current manifest, then what
+    only commits older than the newest `keep` list deleted, then their manifests. Run again
+    at any point, it ends in the same state."""
+    numbered = fileio.commits(directory)
+    if not numbered:
+        return
+    _, current = numbered[-1]
+    data = fileio.read_bytes(current)
+    copy = fileio.join(directory, MANIFEST_FILE)
+    if not fileio.exists(copy) or fileio.read_bytes(copy) != data:
+        fileio.write_bytes_atomic(copy, data, temporary=f"{copy}.tmp-copy")  # one name: a killed write's is reused
+    kept, expired = numbered[-keep:], numbered[:-keep]
+    if not expired:
+        return
+    still_listed = listed_by_commits(directory, kept, model)
+    for _, path in expired:
+        gone = set(listed_files(directory, path, fileio.read_bytes(path), model)) - set(still_listed)
+        fileio.delete_existing(sorted(fileio.join(directory, p) for p in gone))
+        fileio.delete_existing([path])  # last: until then, a retry finds what to delete
+
+
+def _create(path: str, data: bytes) -> bool:
+    if "://" not in path:
+        fileio.ensure_parent(path)
+    return conditional.create_exclusive(path, data)
+
+
+def manifest_model(raw: dict) -> type[BaseModel]:
+    """The model of a committed manifest, from its JSON: shards, a vector index (`index`) or an index."""
+    if "shards" in raw:
+        return ShardsManifest
+    return VectorIndexManifest if "inputs" in raw else IndexManifest
+
+
+def finish_output(output: str, keep: int) -> None:
+    """`finish` the output's index/ and shards/ (a commit that died after its put, in a directory
+    this run may reuse without a job on it); the caller holds the output's lease."""
+    for directory in (fileio.join(output, "index"), fileio.join(output, "shards")):
+        numbered = fileio.commits(directory)
+        if numbered:
+            finish(directory, manifest_model(json.loads(fileio.read_bytes(numbered[-1][1]))), keep)
+    fileio.delete_tree(fileio.join(output, ".staging"))  # a killed job's: no other job writes here now
+
+
+def collect(path: str, keep: int) -> list[tuple[str, int]]:
+    """`gc`: in `path` (an output, or one committed directory of it), each committed directory's
+    commits but the newest `keep` deleted with what only they list, under the output's lease:
+    [(directory, commits left)]."""
+    from pipeline.jobs.lease import ATTACHED_SECONDS, Lease
+
+    found = [d for d in (path, fileio.join(path, "index"), fileio.join(path, "shards")) if fileio.commits(d)]
+    if not found:
+        raise StageError(f"{path}: no numbered commits here, nor in its index/ or shards/")
+    done = []
+    for directory in found:
+        _, current = fileio.commits(directory)[-1]
+        model = manifest_model(json.loads(fileio.read_bytes(current)))
+        own_output = directory == path and model is VectorIndexManifest  # the `index` command's output
+        output = directory if own_output else posixpath.dirname(directory.rstrip("/"))
+        with Lease.take(output, "gc", seconds=ATTACHED_SECONDS):
+            finish(directory, model, keep)
+        done.append((directory, len(fileio.commits(directory))))
+    return done
