@@ -15,7 +15,7 @@ from pipeline.check.validate import validate_index, validate_shards
 from pipeline.common.fileio import committed
 from pipeline.run import run_all
 from schemas.config import config_from_dict
-from schemas.manifest import IndexManifest
+from schemas.manifest import IndexManifest, ShardsManifest
 from tests.helpers import BAD_RECORDS, sample_documents, small_config, write_config, write_jsonl
 
 pytestmark = pytest.mark.e2e
@@ -195,3 +195,28 @@ def test_an_append_killed_inside_its_commit_leaves_a_whole_commit_and_its_rerun_
     assert index.generations[1].num_documents == len(added) and index.num_documents == len(first) + len(added)
     validate_index(str(out / "index"))
     assert not (out / ".staging").exists() and len(list((out / "index").glob("manifest-*.json"))) == 1
+
+
+@pytest.mark.parametrize("point", ["moving files", "manifest unwritten", "cleaning up"])
+def test_a_shards_rebuild_killed_inside_its_commit_leaves_whole_shards(point, tmp_path):
+    """Shards rebuilt over committed ones (another neighbour count): killed before the put, the
+    first shards are whole; after it or while cleaning up, the rebuilt ones; the rerun ends
+    with the rebuilt ones and one commit."""
+    write_jsonl(tmp_path / "corpus" / "a.jsonl", sample_documents(8))
+    out = tmp_path / "out"
+    first = small_config(out, str(tmp_path / "corpus" / "*.jsonl"))
+    subprocess.run([CLI, "run", "--config", str(write_config(tmp_path / "a.yaml", first))], check=True)
+    rebuilt = write_config(tmp_path / "b.yaml", {**first, "neighbours": 1})
+    killed = subprocess.run(
+        [sys.executable, "-c", COMMIT_KILLER, str(out / "shards"), point, "build-shards", "--config", str(rebuilt)],
+        capture_output=True,
+    )
+    assert killed.returncode == -signal.SIGKILL, f"the rebuild was not killed {point}"
+    validate_shards(str(out / "shards"))  # the commit a reader finds now is whole (else ValidationFailed)
+    current = committed(str(out / "shards"), ShardsManifest)
+    assert current is not None and current.neighbours == (2 if point == "moving files" else 1)
+    subprocess.run([CLI, "run", "--config", str(rebuilt)], check=True, capture_output=True)
+    assert committed(str(out / "shards"), ShardsManifest).neighbours == 1  # type: ignore[union-attr]
+    validate_shards(str(out / "shards"))
+    assert [p.name for p in (out / "shards").glob("manifest-*.json")] == ["manifest-000002.json"]
+    assert not (out / ".staging").exists()
