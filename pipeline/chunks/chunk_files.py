@@ -170,11 +170,10 @@ class ChunkFileRanges:
         """The embeddings of file `number`'s chunks, float32 [rows, d]: the embedding file of
         the same number (the index stage writes both from one chunk-id bucketing), checked
         to hold the same ids."""
-        number_of_file = file_number(self.paths[number])
         path = (
             self.embedding_paths[number]
             if self.embedding_paths
-            else fileio.join(EMBEDDINGS_DIR, file_name(EMBEDDINGS_DIR, number_of_file, "parquet"))
+            else fileio.join(EMBEDDINGS_DIR, file_name(EMBEDDINGS_DIR, file_number(self.paths[number]), "parquet"))
         )
         vectors = tensor_column_to_numpy(self._read_checked(number, path, ["embedding"])["embedding"])
         return np.ascontiguousarray(vectors, np.float32)

@@ -76,13 +76,15 @@ def tokenize_batch(tokenizer: Tokenizer, texts: list[str]) -> list[np.ndarray]:
     flat = [piece for text in pieces for piece in text]
     ids: list[np.ndarray] = []
     call: list[str] = []
+    chars = 0  # in `call`
     for i, piece in enumerate(flat):
         call.append(piece)
-        if i + 1 == len(flat) or sum(map(len, call)) + len(flat[i + 1]) > TOKENIZE_BATCH_CHARS:
+        chars += len(piece)
+        if i + 1 == len(flat) or chars + len(flat[i + 1]) > TOKENIZE_BATCH_CHARS:
             ids += [np.asarray(e.ids, dtype=np.int32) for e in tokenizer.encode_batch(call, add_special_tokens=False)]
-            call = []
+            call, chars = [], 0
     numbered = iter(ids)
-    return [np.concatenate([next(numbered) for _ in text]) if text else np.zeros(0, np.int32) for text in pieces]
+    return [np.concatenate([next(numbered) for _ in text]) for text in pieces]  # every text has a piece
 
 
 def num_chunks(num_tokens: int, m: int) -> int:

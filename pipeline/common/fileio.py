@@ -121,7 +121,7 @@ def current_manifest(directory: str, number: int | None = None) -> tuple[str, by
         path = numbered[-1][1]
         try:
             return path, read_bytes(path)
-        except (OSError, FileNotFoundError):
+        except OSError:
             if number is not None:
                 return None
             return current_manifest(directory)  # deleted as superseded between listing and read: look again
@@ -170,12 +170,12 @@ def entry_paths_and_rows(manifest, directory: str, prefix: str | None = None) ->
     return [p for p, _ in kept], [r for _, r in kept]
 
 
-def entry_paths_and_sha256(manifest, directory: str, prefix: str) -> list[tuple[str, str]]:
-    """(path, sha256) of the manifest's entries under `prefix/`, from those two columns alone."""
-    table = entry_columns(manifest, directory, ["path", "sha256"], open_file=open_read)
-    return [
-        (p, h) for p, h in zip(table["path"].to_pylist(), table["sha256"].to_pylist()) if p.startswith(prefix + "/")
-    ]
+def entry_paths_and_sha256(manifest, directory: str, prefix: str | None = None) -> list[tuple[str, str]]:
+    """(path, sha256) of the manifest's entries (those under `prefix/`), from those two columns
+    alone, the file table checked against the manifest first (what files are checked against)."""
+    table = entry_columns(manifest, directory, ["path", "sha256"], open_file=open_read, hashed=True)
+    pairs = zip(table["path"].to_pylist(), table["sha256"].to_pylist())
+    return [(p, h) for p, h in pairs if prefix is None or p.startswith(prefix + "/")]
 
 
 def whole(manifest, directory: str, *, error=ManifestError):

@@ -12,6 +12,7 @@ import faiss
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from apache_beam.io.filesystems import FileSystems
 
 from pipeline.common.errors import ChecksumMismatch
 from pipeline.common.names import file_number
@@ -70,25 +71,32 @@ def write_index(index, path: str) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
+_CHECKED: set[tuple] = set()  # (path, sha256, size, modified) checked in this process
+
+
 def check_sha256(path: str, sha256: str | None) -> None:
     """Refuse the file at `path` unless its sha256 is `sha256`, before faiss parses it (faiss
     trusts what it reads: a tampered file is a crash or worse). None: a file the running job
-    wrote itself, in no manifest yet. Costs one read of the file (1.26 GB/s, AMD EPYC)."""
+    wrote itself, in no manifest yet. Costs one read of the file (1.26 GB/s, AMD EPYC), once per
+    process while the file is as it was listed then (its size and time): a searcher that loads
+    slices in turn reads each again, but hashes it once."""
     from pipeline.common import fileio
 
     if sha256 is None:
         return
-    try:
-        found, size = fileio.sha256_file(path)
-    except FileNotFoundError:
-        raise ChecksumMismatch(
-            f"{path}: missing, though its manifest lists it (a run committed over it: run again)"
-        ) from None
+    listed = FileSystems.match([path])[0].metadata_list
+    if not listed:
+        raise ChecksumMismatch(f"{path}: missing, though its manifest lists it (a run committed over it: run again)")
+    seen = (path, sha256, listed[0].size_in_bytes, listed[0].last_updated_in_seconds)
+    if seen in _CHECKED:  # as it was when its bytes were checked
+        return
+    found, size = fileio.sha256_file(path)
     if found != sha256:
         raise ChecksumMismatch(
             f"{path}: sha256 {found[:12]}… of its {size:,} bytes is not the manifest's {sha256[:12]}…: "
             "the file changed since (a run committed over it: run again) or is damaged; faiss did not read it"
         )
+    _CHECKED.add(seen)
 
 
 def read_index(path: str, *, sha256: str | None):

@@ -17,10 +17,10 @@ from pydantic import BaseModel
 
 from pipeline.common import conditional, fileio
 from pipeline.common.errors import StageError
-from schemas.file_table import entry_columns
 from schemas.manifest import (
     MANIFEST_FILE,
     IndexManifest,
+    ManifestError,
     ShardsManifest,
     VectorIndexManifest,
     commit_manifest,
@@ -45,8 +45,7 @@ def listed_files(directory: str, path: str, data: bytes, model: type[BaseModel])
     """{path: sha256} of every file the commit manifest `data` (at `path`) lists, its file
     table included."""
     manifest = _parsed(path, data, model)
-    columns = entry_columns(manifest, directory, ["path", "sha256"], open_file=fileio.open_read)
-    listed = dict(zip(columns["path"].to_pylist(), columns["sha256"].to_pylist()))
+    listed = dict(fileio.entry_paths_and_sha256(manifest, directory))
     table = getattr(manifest, "file_table", None)
     return {**listed, **({table.path: table.sha256} if table is not None else {})}
 
@@ -58,7 +57,7 @@ def numbered_commits(directory: str) -> list[tuple[int, str]]:
     numbered = fileio.commits(directory)
     legacy = fileio.join(directory, MANIFEST_FILE)
     if not numbered and fileio.exists(legacy):
-        _create(fileio.join(directory, commit_manifest(0)), fileio.read_bytes(legacy))
+        conditional.create_exclusive(fileio.join(directory, commit_manifest(0)), fileio.read_bytes(legacy))
         numbered = fileio.commits(directory)
     return numbered
 
@@ -73,7 +72,7 @@ def listed_by_commits(directory: str, numbered: list[tuple[int, str]], model: ty
 
 def put(directory: str, number: int, data: bytes) -> bool:
     """Write commit `number`'s manifest once: True if this call wrote it (False: it was there)."""
-    return _create(fileio.join(directory, commit_manifest(number)), data)
+    return conditional.create_exclusive(fileio.join(directory, commit_manifest(number)), data)
 
 
 def job_of(data: bytes) -> str | None:
@@ -99,15 +98,12 @@ def finish(directory: str, model: type[BaseModel], keep: int = KEPT_COMMITS) -> 
         return
     still_listed = listed_by_commits(directory, kept, model)
     for _, path in expired:
-        gone = set(listed_files(directory, path, fileio.read_bytes(path), model)) - set(still_listed)
+        try:
+            gone = set(listed_files(directory, path, fileio.read_bytes(path), model)) - set(still_listed)
+        except ManifestError:  # its file table went already: a cleanup that died before this manifest
+            gone = set()
         fileio.delete_existing(sorted(fileio.join(directory, p) for p in gone))
         fileio.delete_existing([path])  # last: until then, a retry finds what to delete
-
-
-def _create(path: str, data: bytes) -> bool:
-    if "://" not in path:
-        fileio.ensure_parent(path)
-    return conditional.create_exclusive(path, data)
 
 
 def manifest_model(raw: dict) -> type[BaseModel]:

@@ -207,7 +207,7 @@ class Job:
                 self.claim = Claim(self.output, outer.holder.token, released_by_commit=False)
             else:
                 seconds = DETACHED_SECONDS if self.detach else ATTACHED_SECONDS
-                lease = Lease.take(self.output, self.clock.stage, seconds=seconds)
+                lease = Lease.take(self.output, self.clock.stage, seconds=seconds, detached=self.detach)
                 self.claim = Claim(self.output, lease.holder.token, released_by_commit=self.detach)
                 if not self.detach:
                     lease.keep()
@@ -221,7 +221,9 @@ class Job:
             if lease is not None:
                 lease.release()
             raise
-        if lease is not None and not self.detach:
+        if lease is not None and self.detach:
+            lease.hand_over()
+        elif lease is not None:
             lease.release()
         return result
 

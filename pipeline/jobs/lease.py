@@ -60,9 +60,10 @@ class Holder:
     token: str  # this taking of the lease: what its renewals, commit and release check
     started: float  # seconds since the epoch
     expires: float
+    detached: bool = False  # a submitted job's: its submitting process ends at once, the job goes on
 
     @classmethod
-    def new(cls, job: str, seconds: float) -> Holder:
+    def new(cls, job: str, seconds: float, detached: bool = False) -> Holder:
         now = time.time()
         return cls(
             job=job,
@@ -72,6 +73,7 @@ class Holder:
             token=uuid.uuid4().hex,
             started=now,
             expires=now + seconds,
+            detached=detached,
         )
 
     @classmethod
@@ -89,7 +91,7 @@ class Holder:
         """Why this lease may be taken over (expired, or its process on this host has ended), or None."""
         if self.expires <= now:
             return f"expired at {_utc(self.expires)}"
-        if self.host == socket.gethostname() and not _running(self.pid):
+        if not self.detached and self.host == socket.gethostname() and not _running(self.pid):
             return f"process {self.pid} on this host has ended"
         return None
 
@@ -114,10 +116,11 @@ class Lease:
         self._renewer: threading.Thread | None = None
 
     @classmethod
-    def take(cls, output: str, job: str, *, seconds: float) -> Lease:
-        """The lease of `output` for `job`; LeaseHeld, naming the holder, when another run has it."""
+    def take(cls, output: str, job: str, *, seconds: float, detached: bool = False) -> Lease:
+        """The lease of `output` for `job`; LeaseHeld, naming the holder, when another run has it.
+        `detached`: for a submitted job, which holds it past this process, until it expires."""
         path = lease_path(output)
-        mine = Holder.new(job, seconds)
+        mine = Holder.new(job, seconds, detached)
         for _ in range(5):  # the lease changing hands between our reads: look again
             if conditional.create_exclusive(path, mine.to_bytes()):
                 return cls._held(output, mine, seconds)
@@ -177,6 +180,10 @@ class Lease:
             return False
         self.holder = renewed
         return True
+
+    def hand_over(self) -> None:
+        """Leave the lease to the submitted job (its commit releases it): no longer this process's."""
+        _HELD_HERE.pop(self.output, None)
 
     def release(self) -> None:
         """Stop renewing and delete the lease, if it is still this run's."""

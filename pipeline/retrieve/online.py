@@ -227,7 +227,14 @@ class Retriever:
         L, k = len(queries), self.neighbours
         width = self.candidates if self.dedupe else k
         if self.routing is not None:
-            scores, ids = search_slices(self.routing, queries, k=width, excluded_each=[excluded] * L, depth=self.depth)
+            scores, ids = search_slices(
+                self.routing,
+                queries,
+                k=width,
+                excluded_each=[excluded] * L,
+                depth=self.depth,
+                chunk_files=self.chunk_files,
+            )
         else:
             found = search_each_excluding(self.index, queries, width, [excluded] * L)
             scores, ids = found.scores, found.ids

@@ -15,7 +15,7 @@ from pipeline.common.errors import StageError
 from pipeline.jobs import commits
 from pipeline.jobs.commit import commit_stage, new_staging_dir, publish_rejected
 from schemas.arrow import SCHEMA_VERSION
-from schemas.manifest import FileEntry, FileTable
+from schemas.manifest import FileEntry, FileTable, versioned
 
 pytestmark = pytest.mark.unit
 
@@ -297,3 +297,18 @@ def test_kept_commits_stay_readable_until_collected(tmp_path):
     commits.finish(str(final), Written, keep=1)  # what gc does
     assert [n for n, _ in fileio.commits(str(final))] == [3] and fileio.current_manifest(str(final), 2) is None
     assert _readable(final) == {f"{p.rsplit('.', 1)[0]}.c000003.{p.rsplit('.', 1)[1]}": f"third {p}" for p in FILES}
+
+
+def test_a_cleanup_that_died_after_deleting_an_old_file_table_is_finished(tmp_path):
+    for version in ("first", "second"):
+        _commit(
+            tmp_path, _stage(tmp_path, version=version), _written(version=version), keep_commits=2, inline_entries=1
+        )
+    final = tmp_path / "index"
+    (final / "files-000001.parquet").unlink()  # deleted, then the cleanup died before commit 1's manifest
+    commits.finish(str(final), Written, keep=1)
+    assert [n for n, _ in fileio.commits(str(final))] == [2]
+    path, data = fileio.current_manifest(str(final))
+    listed = commits.listed_files(str(final), path, data, Written)  # commit 2, whole, its table included
+    assert {p for p in listed if not p.startswith("files-")} == {versioned(p, 2) for p in FILES}
+    assert all((final / p).exists() for p in listed)

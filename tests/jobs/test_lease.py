@@ -120,3 +120,10 @@ def test_a_commit_for_a_job_that_lost_its_lease_commits_nothing(tmp_path):
     with pytest.raises(StageError):
         check_held(str(output), lease.holder.token)
     assert conditional.read_versioned(str(output / LEASE_FILE)) is not None
+
+
+def test_a_detached_jobs_lease_outlives_the_process_that_submitted_it(tmp_path):
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    _write_holder(tmp_path / LEASE_FILE, pid=int(ended.stdout), detached=True)
+    with pytest.raises(LeaseHeld, match=f"pid {int(ended.stdout)} on "):
+        Lease.take(str(tmp_path), "build-shards", seconds=60)
