@@ -16,6 +16,14 @@ import click
 from pipeline.console import error_line, report, setup_logging, summary
 
 BEAM_ARGS = dict(context_settings={"ignore_unknown_options": True})
+#: A reader's choice of an older commit of the directory it reads (docs/design.md §8).
+COMMIT_OPTION = click.option(
+    "--commit",
+    type=click.IntRange(min=0),
+    metavar="N",
+    help="Read commit N of DIRECTORY (an index or shards directory), while it is kept (keep_commits); "
+    "default: its newest.",
+)
 
 
 def _beam_args(beam_args, detach: bool = False) -> list[str]:
@@ -288,21 +296,23 @@ def run_cmd(config_path, *, force, beam_args, dry_run, corpus_chunks, corpus_doc
     "the chunk rows they reference, and the same share of chunk and embedding files; "
     "sizes and sha256 of every listed file are checked whatever the share.",
 )
+@COMMIT_OPTION
 @click.argument("beam_args", nargs=-1, type=click.UNPROCESSED)
-def validate_cmd(directory, sample, beam_args):
+def validate_cmd(directory, sample, commit, beam_args):
     """Check an index, shards or output directory end to end; exit 0 only if sound. In this
     process, or as a Beam job when pipeline options follow `--`."""
     from pipeline.check.problems import ValidationFailed
     from pipeline.check.validate import validate_path
 
     beam_args = _beam_args(beam_args)
+    commits = None if commit is None else {directory: commit}
     try:
         if beam_args:
             from pipeline.check.validate_beam import validate_with_beam
 
-            lines = validate_with_beam(directory, beam_args, sample)
+            lines = validate_with_beam(directory, beam_args, sample, commits)
         else:
-            lines = validate_path(directory, sample)
+            lines = validate_path(directory, sample, commits)
     except ValidationFailed as failed:  # a Beam job's report holds a line per problem
         click.echo(f"error: {failed}", err=True)
         sys.exit(1)
@@ -314,11 +324,12 @@ def validate_cmd(directory, sample, beam_args):
 @click.argument("directory")
 @click.option("--n", "count", default=1, show_default=True, help="Sequences to print.")
 @click.option("--chunks", "max_chunks", default=4, show_default=True, help="Chunks per sequence to print (0: all).")
-def inspect_cmd(directory, count, max_chunks):
+@COMMIT_OPTION
+def inspect_cmd(directory, count, max_chunks, commit):
     """Print sequences with their decoded neighbours and scores."""
     from pipeline.check.inspect import inspect_shards
 
-    for line in inspect_shards(directory, count, max_chunks):
+    for line in inspect_shards(directory, count, max_chunks, commit):
         click.echo(line)
 
 
@@ -345,13 +356,22 @@ def report_cmd(directory, evaluations):
 @cli.command("gc")
 @click.argument("directory")
 @click.option("--keep", default=1, show_default=True, type=click.IntRange(min=1), help="Newest commits kept.")
-def gc_cmd(directory, keep):
+@click.option("--orphans", is_flag=True, help="Also delete the files no kept commit lists (else they are counted).")
+def gc_cmd(directory, keep, orphans):
     """Delete the commits of an output's index/ and shards/ (or of one committed directory) but
     the newest KEEP, with every file only they list (under the output's lease)."""
     from pipeline.jobs.commits import collect
 
-    for path, left in collect(directory, keep):
-        click.echo(f"{path}: {left} commit{'s' if left != 1 else ''} kept")
+    for done in collect(directory, keep, orphans=orphans):
+        line = f"{done.directory}: {done.commits} commit{'s' if done.commits != 1 else ''} kept"
+        if done.orphans:
+            count = f"{len(done.orphans)} file{'s' if len(done.orphans) != 1 else ''} listed by no commit"
+            line += (
+                f"; {count} deleted"
+                if orphans
+                else f"; {count} (a commit that died before its put): --orphans deletes them"
+            )
+        click.echo(line)
 
 
 def main(argv=None) -> None:

@@ -47,6 +47,25 @@ def commit_manifest(number: int) -> str:
     return f"manifest-{number:06d}.json"
 
 
+def chosen_manifest(names, number: int | None = None) -> tuple[int, str] | None:
+    """(commit number, name) of the manifest a reader reads among a directory's file `names`:
+    commit `number`'s, or with None the newest; an output from before commits were numbered
+    has only manifest.json, read as commit 0. None: no such commit."""
+    numbered = sorted((int(m.group(1)), name) for name in names if (m := COMMIT_MANIFEST.fullmatch(name)))
+    if number is not None:
+        numbered = [(n, name) for n, name in numbered if n == number]
+    if numbered:
+        return numbered[-1]
+    return (0, MANIFEST_FILE) if number in (None, 0) and MANIFEST_FILE in names else None
+
+
+def commit_number(path: str) -> int:
+    """The commit a manifest's path names (manifest.json of an output from before commits were
+    numbered: 0)."""
+    found = COMMIT_MANIFEST.fullmatch(path.rstrip("/").rsplit("/", 1)[-1])
+    return int(found.group(1)) if found else 0
+
+
 def commit_table(number: int) -> str:
     """The file table of commit `number` (when its entries are not inline)."""
     return f"files-{number:06d}.parquet"
@@ -158,6 +177,11 @@ class _Committed(ManifestModel):
         None,
         description="The job's wall time and throughput (None: "
         "an older manifest). Differs between runs of the same config.",
+    )
+    commit: int | None = Field(
+        None,
+        description="The number of the commit that wrote it (manifest-NNNNNN.json): manifest.json, its "
+        "copy, says which commit it is. None: from before commits were numbered.",
     )
 
 

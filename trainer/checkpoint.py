@@ -20,6 +20,12 @@ class TrainedModel:
     step: int | None  # the optimizer step it was written at (None: a checkpoint that does not say)
 
 
+def rank_states(checkpoint: dict) -> list[dict]:
+    """Each rank's "dataset" (data position) and "rng" state in a `ratrain-train` checkpoint;
+    one from before multi-rank training held one rank's at the top level."""
+    return checkpoint.get("ranks") or [{"dataset": checkpoint["dataset"], "rng": checkpoint["rng"]}]
+
+
 def read_checkpoint(path: str, device: str | torch.device = "cpu") -> TrainedModel:
     """The model a checkpoint holds (its shape from the checkpoint's `model_config`), in eval
     mode, and the step it was written at."""

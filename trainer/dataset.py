@@ -33,6 +33,7 @@ result is exact with any num_workers before and after (and any batch size after)
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import posixpath
 import warnings
@@ -44,7 +45,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from schemas.arrow import SHARD_METADATA_KEYS, check_schema_version, read_shard, shard_schema
 from schemas.file_table import entry_columns
-from schemas.manifest import MANIFEST_FILE, FileEntry, ShardsManifest, read_manifest
+from schemas.manifest import MANIFEST_FILE, FileEntry, ShardsManifest, commit_manifest, read_manifest
 from trainer.shard_files import OpenShard, files_for
 
 
@@ -78,6 +79,10 @@ class ShardDataset(IterableDataset):
     batched: yield each block as one batch (dicts of [b, ...] tensors, gathered with array
     indexing: several times faster than per-sample reads and collation); use it with
     `DataLoader(dataset, batch_size=None)`. Same order, same partition, same state.
+    commit: the shard directory's commit to read (`manifest-NNNNNN.json`; default its newest,
+    read once here: a commit made while the dataset is read is not seen). `self.commit` is the
+    one read; a state saved from it resumes only on the same commit. A commit's shards stay
+    while it is kept (the pipeline's keep_commits).
     """
 
     def __init__(
@@ -92,6 +97,7 @@ class ShardDataset(IterableDataset):
         batched: bool = False,
         verify: bool = False,
         skip_bad_shards: bool = False,
+        commit: int | None = None,
     ):
         super().__init__()
         if not 0 <= rank < world_size:
@@ -105,7 +111,7 @@ class ShardDataset(IterableDataset):
         self.epoch = 0
         self.position = 0
         self._files = files_for(self.source)
-        self.manifest = self._read_manifest()
+        self.manifest = self._read_manifest(commit)
         self.sequence_tokens = self.manifest.sequence_tokens
         self.chunk_tokens = self.manifest.chunk_tokens
         self.neighbours = self.manifest.neighbours
@@ -121,9 +127,37 @@ class ShardDataset(IterableDataset):
     def _path(self, relative: str) -> str:
         return posixpath.join(self.source, relative) if "://" in self.source else os.path.join(self.source, relative)
 
-    def _read_manifest(self) -> ShardsManifest:
-        path = self._path(MANIFEST_FILE)
-        manifest = read_manifest(lambda: self._files.read_text(path), path, ShardsManifest, error=ShardDataError)
+    def _read_text(self, name: str) -> str | None:
+        try:
+            return self._files.read_text(self._path(name))
+        except FileNotFoundError:
+            return None
+
+    def _current(self) -> tuple[int | None, str, str | None]:
+        """(commit, name, text) of the newest commit's manifest, by reads alone (an object store
+        lists a shard directory only whole): manifest.json, the copy made after each commit,
+        names its commit (None: from before commits were numbered); commits after it, if any,
+        are read next in turn."""
+        text = self._read_text(MANIFEST_FILE)
+        try:
+            number = int(json.loads(text).get("commit") or 0) if text is not None else 0
+        except (ValueError, AttributeError, TypeError):  # not a manifest: read_manifest names the problem
+            number = 0
+        commit, name = number or None, MANIFEST_FILE
+        while (newer := self._read_text(commit_manifest(number + 1))) is not None:
+            number += 1
+            commit, name, text = number, commit_manifest(number), newer
+        return commit, name, text
+
+    def _read_manifest(self, commit: int | None) -> ShardsManifest:
+        if commit is None:
+            self.commit, name, text = self._current()
+        else:
+            self.commit, name, text = commit, commit_manifest(commit), self._read_text(commit_manifest(commit))
+            if text is None:
+                raise ShardDataError(f"{self._path(name)}: no commit {commit} of the shards (not made, or not kept)")
+        path = self._path(name)
+        manifest = read_manifest(text, path, ShardsManifest, error=ShardDataError)
         n, m = manifest.sequence_tokens, manifest.chunk_tokens
         if m < 1 or n % m:
             raise ShardDataError(f"{path}: sequence_tokens {n} is not a multiple of chunk_tokens {m}")
@@ -152,7 +186,12 @@ class ShardDataset(IterableDataset):
         try:
             file = self._files.open(path)
         except FileNotFoundError:
-            raise ShardDataError(f"{path}: shard listed in the manifest is missing") from None
+            kept = (
+                ""
+                if self.commit is None
+                else " (a later commit deletes what only older ones list: keep_commits keeps more)"
+            )
+            raise ShardDataError(f"{path}: shard listed in the manifest is missing{kept}") from None
         try:
             if file.size() != entry.bytes:  # the mapping's or the fetched object's size: no request
                 raise ShardDataError(f"{path}: {file.size()} bytes on disk, the manifest says {entry.bytes}")
@@ -296,13 +335,14 @@ class ShardDataset(IterableDataset):
             "rank": self.rank,
             "world_size": self.world_size,
             "num_sequences": self.manifest.num_sequences,
+            "commit": self.commit,
         }
 
     def load_state_dict(self, state: dict) -> None:
         """Continue where `state` left off; the stream's shape (data, ranks, shuffle) must match."""
         current = self.state_dict()
-        for key in ("world_size", "num_sequences", "shuffle"):
-            if state[key] != current[key]:
+        for key in ("world_size", "num_sequences", "shuffle", "commit"):
+            if key in state and state[key] != current[key]:  # states from before commits lack "commit"
                 raise ValueError(f"cannot resume: state has {key}={state[key]!r}, this dataset {current[key]!r}")
         if not 0 <= state["position"] <= len(self):
             raise ValueError(f"cannot resume: position {state['position']} is outside an epoch of {len(self)} samples")

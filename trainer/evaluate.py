@@ -243,11 +243,13 @@ def evaluate(
     batch_size: int = 8,
     max_sequences: int | None = None,
     device: str = "cpu",
+    shards_commit: int | None = None,
 ) -> Evaluation:
-    """Score the checkpoint's model on the shards (in manifest order; the first `max_sequences`)."""
+    """Score the checkpoint's model on the shards (their newest commit, or `shards_commit`) in
+    manifest order; the first `max_sequences`."""
     trained = read_checkpoint(checkpoint, device)
     model = trained.model
-    dataset = ShardDataset(shards, shuffle=False, batch_size=batch_size, batched=True)
+    dataset = ShardDataset(shards, shuffle=False, batch_size=batch_size, batched=True, commit=shards_commit)
     _check_fits(model, dataset)
     retrieval = model.config.uses_retrieval
     with_tally = VariantTally()
@@ -318,6 +320,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--shards", required=True, metavar="DIR", help="shard directory (manifest.json + *.arrow), local or gs://"
     )
+    parser.add_argument(
+        "--shards-commit",
+        type=int,
+        metavar="N",
+        help="read commit N of --shards, while it is kept (default: its newest)",
+    )
     parser.add_argument("--json", metavar="OUT", help="also write the scores here as JSON (schemas/evaluation.py)")
     parser.add_argument("--batch-size", type=int, default=8, metavar="B", help="sequences per forward pass (default 8)")
     parser.add_argument("--max-sequences", type=int, metavar="N", help="score the first N sequences (default: all)")
@@ -338,6 +346,7 @@ def main(argv: list[str] | None = None) -> None:
             batch_size=args.batch_size,
             max_sequences=args.max_sequences,
             device=args.device,
+            shards_commit=args.shards_commit,
         )
     except (CheckpointError, ShardDataError, SchemaVersionError, EvaluateError) as err:
         sys.exit(f"ratrain-eval: error: {err}")

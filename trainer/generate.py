@@ -141,6 +141,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="ratrain-generate", description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", required=True, help="a ratrain-train checkpoint")
     parser.add_argument("--index", required=True, help="a committed index directory (<output>/index)")
+    parser.add_argument(
+        "--index-commit", type=int, metavar="N", help="read commit N of --index, while it is kept (default: its newest)"
+    )
     parser.add_argument("--prompt", required=True, help="the text to continue")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default: 64)")
     parser.add_argument("--top-p", type=float, default=None, help="sample from this top-p mass (default: greedy)")
@@ -167,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
         model = load_model(args.checkpoint, args.device)
-        retriever = Retriever.open(args.index, device=args.device)
+        retriever = Retriever.open(args.index, device=args.device, commit=args.index_commit)
         prompt = retriever.tokenize(args.prompt).tolist()
         generation = generate(
             model,

@@ -34,6 +34,9 @@ def int_list(text: str) -> tuple[int, ...]:
 @dataclass(kw_only=True)
 class TrainConfig:
     shards: str = option(help="shard directory (manifest.json + *.arrow), local or gs://")
+    shards_commit: int | None = option(
+        None, "commit of --shards to read (default: a resumed run's own, else the newest)", minimum=0
+    )
     steps: int = option(help="train until this optimizer step (counting the steps before --resume)", minimum=1)
     decay_steps: int | None = option(None, "length of the LR schedule (default: --steps)", minimum=1)
     batch_size: int = option(8, "sequences per micro-batch on each rank", minimum=1)

@@ -33,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from schemas.arrow import SchemaVersionError
+from trainer.checkpoint import rank_states
 from trainer.dataset import ShardDataError, ShardDataset
 from trainer.distributed import Process, gather_to_main, start_process, sum_over_ranks
 from trainer.model import Retro, RetroConfig
@@ -162,6 +163,12 @@ def train(config: TrainConfig) -> Retro:
 def train_process(config: TrainConfig, process: Process) -> Retro:
     device = process.device
     torch.manual_seed(config.seed)  # every rank builds the same model
+    if config.resume and not os.path.isfile(config.resume):
+        raise TrainError(f"--resume {config.resume}: no such checkpoint")
+    checkpoint = torch.load(config.resume, map_location="cpu", weights_only=True) if config.resume else None
+    commit = config.shards_commit  # a resumed run reads the commit its data position counts in, unless told
+    if commit is None and checkpoint is not None:
+        commit = rank_states(checkpoint)[0]["dataset"].get("commit")
     dataset = ShardDataset(
         config.shards,
         rank=process.rank,
@@ -172,12 +179,10 @@ def train_process(config: TrainConfig, process: Process) -> Retro:
         batched=True,
         verify=config.verify_shards,
         skip_bad_shards=config.skip_bad_shards,
+        commit=commit,
     )
     if len(dataset) == 0:
         raise TrainError(f"{config.shards}: no sequences for rank {process.rank} of {process.world_size}")
-    if config.resume and not os.path.isfile(config.resume):
-        raise TrainError(f"--resume {config.resume}: no such checkpoint")
-    checkpoint = torch.load(config.resume, map_location="cpu", weights_only=True) if config.resume else None
     if checkpoint is not None:
         model_config = RetroConfig(**checkpoint["model_config"])
     else:
@@ -354,8 +359,7 @@ def restore(
     dataset: ShardDataset,
 ) -> int:
     """Load a checkpoint's states, this rank's data position and RNG among them; the step it was taken at."""
-    # Checkpoints from before multi-rank training held one rank's state at the top level.
-    ranks = checkpoint.get("ranks") or [{"dataset": checkpoint["dataset"], "rng": checkpoint["rng"]}]
+    ranks = rank_states(checkpoint)
     if len(ranks) != process.world_size:
         raise TrainError(
             f"--resume {path}: written by {len(ranks)} ranks, this run has {process.world_size}: launch as many"

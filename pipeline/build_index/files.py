@@ -17,7 +17,7 @@ from pipeline.common.models import (
 )
 from pipeline.common.rejected import REFUSED_AFTER_PARSING
 from pipeline.common.tally import counted
-from pipeline.index.build_info import BUILD_INFO_FILE, BuildInfo
+from pipeline.index.build_info import BuildInfo
 from pipeline.index.factory import new_index, resolve_clustering
 from pipeline.index.recall import PLATEAU_GAIN
 from pipeline.jobs.job import (
@@ -52,8 +52,9 @@ def index_entries(info: BuildInfo) -> list[FileEntry]:
 
 
 def index_staged(manifest: IndexManifest | VectorIndexManifest) -> list[str]:
-    """What BuildIndex staged: the faiss files the manifest lists, and the build info."""
-    return faiss_files([e.path for e in manifest.files]) + [f"faiss/{BUILD_INFO_FILE}"]
+    """What BuildIndex staged for the commit: the faiss files the manifest lists (its build info
+    only handed their facts to the manifest, and goes with the staging)."""
+    return faiss_files([e.path for e in manifest.files])
 
 
 def index_counters(info: BuildInfo) -> dict[str, int]:

@@ -22,9 +22,11 @@ def _text(tokenizer, ids) -> str:
     return textwrap.shorten(" ".join(text.split()), TEXT_CHARS, placeholder=" …")
 
 
-def inspect_shards(directory: str, count: int, max_chunks: int = 4) -> list[str]:
+def inspect_shards(directory: str, count: int, max_chunks: int = 4, commit: int | None = None) -> list[str]:
+    """The first `count` sequences of the shards (their current commit, or `commit`) with their
+    neighbours decoded."""
     # summaries only: the shards' paths come from one column (10^6 entries at 3e10 chunks)
-    manifest = fileio.committed_summary(directory, ShardsManifest)
+    manifest = fileio.committed_summary(directory, ShardsManifest, number=commit)
     index = fileio.committed_summary(posixpath.join(posixpath.dirname(directory.rstrip("/")), "index"), IndexManifest)
     tokenizer = load_tokenizer(resolve_tokenizer(index.tokenizer.name))
     m = manifest.chunk_tokens

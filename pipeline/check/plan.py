@@ -36,6 +36,7 @@ from schemas.manifest import (
     IndexManifest,
     ShardsManifest,
     VectorIndexManifest,
+    commit_number,
     read_manifest,
 )
 
@@ -70,6 +71,7 @@ class ValidationPlan:
     path: str
     sample: float
     index_directory: str | None = None  # as given to `plan_validation`
+    commits: dict[str, int] = field(default_factory=dict)  # directory -> the commit read there (pinned)
     index: IndexFacts | None = None  # the index whose chunk files are checked by the rules
     shards: ShardsFacts | None = None
     faiss_index: FaissFacts | None = None
@@ -97,8 +99,26 @@ def _sample_note(sample: float, parts: list[str], listed: int) -> str:
     return f" (a sample: {', '.join(parts)}; sizes and sha256 of all {listed} files)"
 
 
+def _read(plan: ValidationPlan, directory: str) -> tuple[str, bytes | None]:
+    """(path, bytes) of the manifest of `directory`'s pinned commit (`plan.commits`), or of its
+    current one, which is then pinned; bytes None: nothing committed there."""
+    number = plan.commits.get(directory)
+    found = fileio.current_manifest(directory, number)
+    if found is None:
+        if number is not None:
+            raise manifest_problem(fileio.no_commit(directory, number))
+        return fileio.join(directory, MANIFEST_FILE), None
+    plan.commits[directory] = commit_number(found[0])
+    return found
+
+
+def _manifest(plan: ValidationPlan, directory: str, model):
+    path, data = _read(plan, directory)
+    return fileio.whole(read_manifest(data, path, model, error=manifest_problem), directory, error=manifest_problem)
+
+
 def _plan_index(plan: ValidationPlan, directory: str) -> None:
-    manifest = fileio.committed_manifest(directory, IndexManifest, error=manifest_problem)
+    manifest = _manifest(plan, directory, IndexManifest)
     entries = _entries(manifest)
     chunk_entries = in_file_order(entries, "chunks")
     chunks = ChunkFiles.of(directory, chunk_entries)
@@ -191,19 +211,22 @@ def _check_shard_totals(directory: str, manifest: ShardsManifest, entries: list,
 
 
 def _plan_shards(plan: ValidationPlan, directory: str, index_directory: str) -> None:
-    manifest = fileio.committed_manifest(directory, ShardsManifest, error=manifest_problem)
-    found = fileio.current_manifest(index_directory)
-    index_path, index_bytes = found if found is not None else (fileio.join(index_directory, MANIFEST_FILE), None)
-    if plan.chunks is None or index_bytes is None:  # else the index was planned (and its manifest read) here
+    manifest = _manifest(plan, directory, ShardsManifest)
+    if plan.chunks is None and index_directory not in plan.commits:
+        built_against = _built_against(index_directory, manifest.index_manifest_sha256)
+        if built_against is not None:
+            plan.commits[index_directory] = built_against
+    index_path, index_bytes = _read(plan, index_directory)
+    if plan.chunks is None:  # else the index was planned (and its manifest read) here
         index_manifest = fileio.whole(
             read_manifest(index_bytes, index_path, IndexManifest, error=manifest_problem),
             index_directory,
             error=manifest_problem,
         )
-        assert index_bytes is not None  # read_manifest raises for a missing manifest
+    assert index_bytes is not None  # read_manifest raised for a missing one, or the index was planned here
     require(
         fileio.sha256_bytes(index_bytes) == manifest.index_manifest_sha256,
-        f"{directory}: built against a different index than {index_directory}",
+        f"{directory}: built against a different index than {index_path}",
         "manifest",
     )
     m = manifest.chunk_tokens
@@ -250,8 +273,18 @@ def _plan_shards(plan: ValidationPlan, directory: str, index_directory: str) -> 
     )
 
 
+def _built_against(index_directory: str, index_manifest_sha256: str) -> int | None:
+    """The commit of the index whose manifest shards were built against, the newest such that
+    is kept (shards built before an append are checked against the index they read); None:
+    none kept, so the current one (whose mismatch is then the problem named)."""
+    for number, path in reversed(fileio.commits(index_directory)):
+        if fileio.sha256_bytes(fileio.read_bytes(path)) == index_manifest_sha256:
+            return number
+    return None
+
+
 def _plan_vector_index(plan: ValidationPlan, directory: str) -> None:
-    manifest = fileio.committed_manifest(directory, VectorIndexManifest, error=manifest_problem)
+    manifest = _manifest(plan, directory, VectorIndexManifest)
     entries = _entries(manifest)
     plan.listed_files += [(directory, entry) for entry in entries]
     plan.faiss_index = FaissFacts.of(directory, manifest, entries, manifest.num_vectors, DeletedRanges.none())
@@ -261,14 +294,20 @@ def _plan_vector_index(plan: ValidationPlan, directory: str) -> None:
     )
 
 
-def plan_validation(path: str, sample: float = 1.0, index_directory: str | None = None) -> ValidationPlan:
+def plan_validation(
+    path: str, sample: float = 1.0, index_directory: str | None = None, commits: dict[str, int] | None = None
+) -> ValidationPlan:
     """The plan for an index dir, a shards dir (its index: `index_directory`, by default the
-    `index` beside it), or an output dir holding both; `sample` in (0, 1]."""
+    `index` beside it), or an output dir holding both; `sample` in (0, 1]. `commits`: directory
+    -> the commit to read there (default: the current one; shards: the index commit they were
+    built against while it is kept). The plan's `commits` are those it read: planning again
+    with them reads the same manifests whatever was committed since."""
     if not 0 < sample <= 1:
         raise ValueError(f"sample {sample}: must be in (0, 1]")
-    plan = ValidationPlan(path=path, sample=sample, index_directory=index_directory)
-    if fileio.current_manifest(path) is not None:
-        raw = fileio.committed_manifest(path, error=manifest_problem)
+    plan = ValidationPlan(path=path, sample=sample, index_directory=index_directory, commits=dict(commits or {}))
+    found_path, data = _read(plan, path)
+    if data is not None:
+        raw = read_manifest(data, found_path, error=manifest_problem)
         if "shards" in raw:
             index_directory = index_directory or posixpath.join(posixpath.dirname(path.rstrip("/")), "index")
             _plan_shards(plan, path, index_directory)
@@ -278,8 +317,8 @@ def plan_validation(path: str, sample: float = 1.0, index_directory: str | None 
             _plan_index(plan, path)
         return plan
     index, shards = fileio.join(path, "index"), fileio.join(path, "shards")
-    found = [d for d in (index, shards) if fileio.current_manifest(d) is not None]
-    require(found, f"{path}: no manifest.json here, nor in {path}/index or {path}/shards", "manifest")
+    found = [d for d in (index, shards) if _read(plan, d)[1] is not None]
+    require(found, f"{path}: no manifest here, nor in {path}/index or {path}/shards", "manifest")
     if index in found:
         _plan_index(plan, index)
     if shards in found:

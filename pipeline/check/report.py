@@ -240,8 +240,8 @@ def read_evaluations(paths: Sequence[str]) -> tuple[Evaluation, ...]:
 
 def gather(path: str, evaluations: Sequence[str] = ()) -> Report:
     sources = find_sources(path)
-    index = None if sources.index is None else read_index_manifest(sources.index)
-    shards = None if sources.shards is None else read_shards_manifest(sources.shards)
+    index = None if sources.index is None else read_index_manifest(sources.index, sources.index_commit)
+    shards = None if sources.shards is None else read_shards_manifest(sources.shards, sources.shards_commit)
     counters: dict[str, int] = {}
     for manifest in (index, shards):
         for name, value in ({} if manifest is None else manifest.counters).items():
@@ -251,7 +251,7 @@ def gather(path: str, evaluations: Sequence[str] = ()) -> Report:
         shard_files = ShardFiles.read(sources.shards, shards)
         beside = posixpath.join(posixpath.dirname(sources.shards.rstrip("/")), "index")
         if fileio.current_manifest(beside) is not None:
-            samples = inspect_shards(sources.shards, SAMPLE_SEQUENCES, SAMPLE_CHUNKS)
+            samples = inspect_shards(sources.shards, SAMPLE_SEQUENCES, SAMPLE_CHUNKS, sources.shards_commit)
         else:
             note = f"No index beside the shards ({beside}) to decode their tokens with."
         scores = gather_scores(sources.shards, shards)

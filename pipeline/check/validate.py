@@ -180,9 +180,10 @@ def validate_shards(directory: str, index_directory: str | None = None) -> str:
     return check_in_process(plan_validation(directory, index_directory=index_directory))[0]
 
 
-def validate_path(path: str, sample: float = 1.0) -> list[str]:
-    """Validate an index dir, a shards dir, or an output dir holding both, in this process."""
-    return check_in_process(plan_validation(path, sample))
+def validate_path(path: str, sample: float = 1.0, commits: dict[str, int] | None = None) -> list[str]:
+    """Validate an index dir, a shards dir, or an output dir holding both, in this process
+    (`commits`: as `plan_validation`'s)."""
+    return check_in_process(plan_validation(path, sample, commits=commits))
 
 
 @dataclass

@@ -109,17 +109,20 @@ class OutputParts:
 class ValidateOutput(beam.PTransform):
     """The checks of the output at `path`; outputs one `Verdict`: passed with the plan's lines,
     or failed with the problems' report. The graph holds the path, the sample and the parts
-    (`OutputParts`) only, whatever the number of files: the job plans from the manifests on a
-    worker, the units become elements and the plan's facts (`ValidationPlan.facts`: sizes
-    per chunk file, 8 bytes each) a side input."""
+    (`OutputParts`) and the commits planned from only, whatever the number of files: the job
+    plans again from those commits' manifests on a worker, the units become elements and the
+    plan's facts (`ValidationPlan.facts`: sizes per chunk file, 8 bytes each) a side input."""
 
-    def __init__(self, path: str, sample: float, index_directory: str | None, parts: OutputParts):
+    def __init__(
+        self, path: str, sample: float, index_directory: str | None, commits: dict[str, int], parts: OutputParts
+    ):
         super().__init__()
         self.path, self.sample, self.index_directory, self.parts = path, sample, index_directory, parts
+        self.commits = commits
 
     @classmethod
     def of(cls, plan: ValidationPlan) -> ValidateOutput:
-        return cls(plan.path, plan.sample, plan.index_directory, OutputParts.of(plan))
+        return cls(plan.path, plan.sample, plan.index_directory, plan.commits, OutputParts.of(plan))
 
     def expand(self, pipeline):
         problems, parts = [], self.parts
@@ -131,7 +134,7 @@ class ValidateOutput(beam.PTransform):
 
         plans = (
             pipeline
-            | "Manifests" >> beam.Create([(self.path, self.sample, self.index_directory)])
+            | "Manifests" >> beam.Create([(self.path, self.sample, self.index_directory, self.commits)])
             | "Plan" >> beam.MapTuple(plan_validation)
         )
         facts = beam.pvalue.AsSingleton(plans | "Facts" >> beam.Map(lambda plan: plan.facts()))
@@ -218,11 +221,14 @@ def validate_job_graph_bytes(path: str, beam_args: list[str] | None = None, samp
     return graph_bytes(pipeline)
 
 
-def validate_with_beam(path: str, beam_args: list[str], sample: float = 1.0) -> list[str]:
+def validate_with_beam(
+    path: str, beam_args: list[str], sample: float = 1.0, commits: dict[str, int] | None = None
+) -> list[str]:
     """Run the validation of `path` as a Beam job with these pipeline options; its lines, or
     ValidationFailed with the job's report. The plan made here (the manifests' own checks run
-    before anything is submitted) only decides which parts the job has."""
-    plan = plan_validation(path, sample)
+    before anything is submitted) decides which parts the job has and pins the commits it
+    reads (`commits`: as `plan_validation`'s)."""
+    plan = plan_validation(path, sample, commits=commits)
     job = Job.reading("validate", path, beam_args)
     try:
         job.run(lambda pipeline, _: _build(pipeline, plan))

@@ -234,12 +234,11 @@ class CommittedChunkFiles:
         stored, sha256 = listed[relative]
         return fileio.join(self.directory, stored), sha256
 
-    def check_unchanged(self) -> None:
-        """Read the index manifest again: an error if it is no longer the one the job was built
-        against. A change's commit deletes the manifest before it replaces any index file, so a
+    def check_kept(self) -> None:
+        """Look for the index manifest again: an error if its commit is no longer kept. No commit
+        overwrites a file an earlier one lists, and their deletion ends with the manifest, so a
         file loaded before this check passes is the one this manifest describes."""
-        if fileio.manifest_sha256(self.directory) != self.manifest_sha256:
-            raise _changed(self.directory)
+        _committed_manifest(self.directory, self.manifest_sha256)
 
 
 @dataclass(frozen=True)
@@ -258,24 +257,25 @@ class CommittedFiles:
         return [fileio.join(self.directory, path) for path in listed]
 
 
-def _changed(directory: str) -> ValueError:
-    from schemas.manifest import MANIFEST_FILE
-
+def _no_longer_kept(directory: str) -> ValueError:
     return ValueError(
-        f"{fileio.join(directory, MANIFEST_FILE)} changed while a job was reading the index it describes: "
-        "run the job again"
+        f"{directory}: the commit of the index a job was reading is no longer kept (a later commit "
+        "replaced it; keep_commits keeps more): run the job again"
     )
 
 
 def _committed_manifest(directory: str, manifest_sha256: str):
-    """The index manifest in `directory`, if it is still the one of this sha256 (else an error)."""
-    from schemas.manifest import MANIFEST_FILE, IndexManifest, read_manifest
+    """The index manifest in `directory` of this sha256: the current commit's, or an older one
+    while it is kept (what a reader that started from it pins); else an error."""
+    from schemas.manifest import IndexManifest, read_manifest
 
     found = fileio.current_manifest(directory)
-    path, data = found if found is not None else (fileio.join(directory, MANIFEST_FILE), b"")
-    if fileio.sha256_bytes(data) != manifest_sha256:
-        raise _changed(directory)
-    return read_manifest(data, path, IndexManifest)
+    if found is None or fileio.sha256_bytes(found[1]) != manifest_sha256:
+        older = (fileio.current_manifest(directory, number) for number, _ in reversed(fileio.commits(directory)))
+        found = next((f for f in older if f is not None and fileio.sha256_bytes(f[1]) == manifest_sha256), None)
+    if found is None:
+        raise _no_longer_kept(directory)
+    return read_manifest(found[1], found[0], IndexManifest)
 
 
 @functools.lru_cache(maxsize=2)

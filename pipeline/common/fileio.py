@@ -19,7 +19,7 @@ from apache_beam.io.filesystems import FileSystems
 from pydantic import BaseModel
 
 from schemas.file_table import entry_columns, whole_manifest
-from schemas.manifest import COMMIT_MANIFEST, MANIFEST_FILE, ManifestError, read_manifest
+from schemas.manifest import COMMIT_MANIFEST, MANIFEST_FILE, ManifestError, chosen_manifest, read_manifest
 
 Model = TypeVar("Model", bound=BaseModel)
 
@@ -108,25 +108,32 @@ def commits(directory: str) -> list[tuple[int, str]]:
     return sorted((int(match.group(1)), path) for match, path in numbered if match)
 
 
-def current_manifest(directory: str, number: int | None = None) -> tuple[str, bytes] | None:
+def current_manifest(directory: str, number: int | None = None, *, look_again: bool = True) -> tuple[str, bytes] | None:
     """(path, bytes) of the manifest of the directory's current commit, its newest (or of
-    commit `number`); an output from before commits were numbered: its manifest.json. None:
-    nothing committed (or no such commit)."""
-    numbered = commits(directory)
-    if number is not None:
-        numbered = [(n, path) for n, path in numbered if n == number]
-        if not numbered:
+    commit `number`; `schemas.manifest.chosen_manifest`), found with one listing. None: nothing
+    committed (or no such commit). `look_again`: the newest replaced or deleted between the
+    listing and the read is looked for again, once."""
+    found = FileSystems.match([join(directory, "manifest*.json")])[0].metadata_list
+    chosen = chosen_manifest([posixpath.basename(m.path) for m in found], number)
+    if chosen is None:
+        return None
+    path = join(directory, chosen[1])
+    try:
+        return path, read_bytes(path)
+    except OSError:
+        if number is not None:
             return None
-    if numbered:
-        path = numbered[-1][1]
-        try:
-            return path, read_bytes(path)
-        except OSError:
-            if number is not None:
-                return None
-            return current_manifest(directory)  # deleted as superseded between listing and read: look again
-    path = join(directory, MANIFEST_FILE)
-    return (path, read_bytes(path)) if number in (None, 0) and exists(path) else None
+        if not look_again:
+            raise
+        return current_manifest(directory, look_again=False)
+
+
+def no_commit(directory: str, number: int) -> str:
+    """What a reader asked for commit `number` of `directory`, which is not there, says."""
+    kept = ", ".join(str(n) for n, _ in commits(directory))
+    if not kept:
+        return f"{directory}: no commit {number}, no commits here (an output's are in its index/ and shards/)"
+    return f"{directory}: no commit {number} (commits kept: {kept})"
 
 
 def manifest_sha256(directory: str) -> str | None:
@@ -136,11 +143,11 @@ def manifest_sha256(directory: str) -> str | None:
     return sha256_bytes(found[1]) if found is not None else None
 
 
-def committed_manifest(directory: str, model=None, *, error=ManifestError):
-    """The manifest of a committed directory (local or gs://): `directory/manifest.json` read
-    here, parsed and checked by `schemas.manifest.read_manifest` (`model`, `error`: as there),
-    with its file entries (`whole`)."""
-    manifest = committed_summary(directory, model, error=error)
+def committed_manifest(directory: str, model=None, *, number: int | None = None, error=ManifestError):
+    """The manifest of a committed directory (local or gs://), of its current commit or of
+    commit `number`, parsed and checked by `schemas.manifest.read_manifest` (`model`, `error`:
+    as there), with its file entries (`whole`)."""
+    manifest = committed_summary(directory, model, number=number, error=error)
     return manifest if model is None else whole(manifest, directory, error=error)
 
 
@@ -153,10 +160,12 @@ def committed(directory: str, model: type[Model]) -> Model | None:
         return None
 
 
-def committed_summary(directory: str, model=None, *, error=ManifestError):
+def committed_summary(directory: str, model=None, *, number: int | None = None, error=ManifestError):
     """`committed_manifest` without reading a file table: a manifest whose entries are in one
     lists none inline, so read them with `entry_paths_and_rows`, never from the model."""
-    found = current_manifest(directory)
+    found = current_manifest(directory, number)
+    if found is None and number is not None:
+        raise error(no_commit(directory, number))
     path, data = found if found is not None else (join(directory, MANIFEST_FILE), None)
     return read_manifest(data, path, model, error=error)
 

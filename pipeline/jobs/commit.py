@@ -164,7 +164,8 @@ def commit_directory(
         FileSystems.rename([fileio.join(staging, wanted[name]) for name in moving], targets)
     if table is not None:
         fileio.write_bytes(fileio.join(final, commit_table(number)), table)
-    text = (json.dumps({**data, "timings": timings(data["counters"])}, indent=2, sort_keys=True) + "\n").encode()
+    stamped = {**data, "commit": number, "timings": timings(data["counters"])}
+    text = (json.dumps(stamped, indent=2, sort_keys=True) + "\n").encode()
     if not commits.put(final, number, text):
         raise StageError(f"commit of {final}: commit {number} was made by another job meanwhile; nothing was committed")
 

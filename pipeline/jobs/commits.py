@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import json
 import posixpath
+from dataclasses import dataclass
 
 from pydantic import BaseModel
 
 from pipeline.common import conditional, fileio
 from pipeline.common.errors import StageError
 from schemas.manifest import (
+    COMMIT_MANIFEST,
     MANIFEST_FILE,
     IndexManifest,
     ManifestError,
@@ -123,10 +125,33 @@ def finish_output(output: str, keep: int) -> None:
     fileio.delete_tree(fileio.join(output, ".staging"))  # a killed job's: no other job writes here now
 
 
-def collect(path: str, keep: int) -> list[tuple[str, int]]:
+@dataclass(frozen=True)
+class Collected:
+    """What `gc` left in one committed directory."""
+
+    directory: str
+    commits: int  # kept
+    orphans: list[str]  # files no kept commit lists (deleted with `orphans`)
+
+
+def _orphans(directory: str, model: type[BaseModel]) -> list[str]:
+    """Files in `directory` that no commit lists, besides its manifests: what a commit that died
+    before its put moved into place, where the next commit of other settings wrote other names."""
+    listed = listed_by_commits(directory, fileio.commits(directory), model)
+    start = len(directory.rstrip("/")) + 1
+    return [
+        path
+        for path in fileio.list_files(directory)
+        if (relative := path[start:]) not in listed
+        and relative != MANIFEST_FILE
+        and not COMMIT_MANIFEST.fullmatch(relative)
+    ]
+
+
+def collect(path: str, keep: int, *, orphans: bool = False) -> list[Collected]:
     """`gc`: in `path` (an output, or one committed directory of it), each committed directory's
-    commits but the newest `keep` deleted with what only they list, under the output's lease:
-    [(directory, commits left)]."""
+    commits but the newest `keep` deleted with what only they list, under the output's lease;
+    the files no kept commit lists found, and deleted with `orphans`."""
     from pipeline.jobs.lease import ATTACHED_SECONDS, Lease
 
     found = [d for d in (path, fileio.join(path, "index"), fileio.join(path, "shards")) if fileio.commits(d)]
@@ -138,7 +163,10 @@ def collect(path: str, keep: int) -> list[tuple[str, int]]:
         model = manifest_model(json.loads(fileio.read_bytes(current)))
         own_output = directory == path and model is VectorIndexManifest  # the `index` command's output
         output = directory if own_output else posixpath.dirname(directory.rstrip("/"))
-        with Lease.take(output, "gc", seconds=ATTACHED_SECONDS):
+        with Lease.take(output, "gc", seconds=ATTACHED_SECONDS):  # no commit under way: its files are no orphans
             finish(directory, model, keep)
-        done.append((directory, len(fileio.commits(directory))))
+            unlisted = _orphans(directory, model)
+            if orphans:
+                fileio.delete_existing(unlisted)
+        done.append(Collected(directory, len(fileio.commits(directory)), unlisted))
     return done

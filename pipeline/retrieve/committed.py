@@ -49,11 +49,14 @@ class CommittedIndex:
         return fileio.join(faiss_dir, INDEX_FILE), None
 
 
-def read_committed_index(directory: str) -> tuple[CommittedIndex, IndexManifest]:
-    """The committed index in `directory` and its manifest, or a clear error (StageError): none
-    there, or in slices by chunk-id range (which nothing searches any more)."""
-    found = fileio.current_manifest(directory)
+def read_committed_index(directory: str, commit: int | None = None) -> tuple[CommittedIndex, IndexManifest]:
+    """The committed index in `directory` (its current commit, or commit `commit` while it is
+    kept) and its manifest, or a clear error (StageError): none there, or in slices by chunk-id
+    range (which nothing searches any more)."""
+    found = fileio.current_manifest(directory, commit)
     if found is None:
+        if commit is not None:
+            raise StageError(fileio.no_commit(directory, commit))
         raise StageError(f"no committed index at {directory}: run build-index first")
     path, data = found
     manifest = read_manifest(data, path, IndexManifest)
@@ -65,7 +68,7 @@ def read_committed_index(directory: str) -> tuple[CommittedIndex, IndexManifest]
     if len(searched) > 1 and not routed:
         raise StageError(
             f"index at {directory} is in slices by chunk-id range, which build-shards no longer searches: "
-            "rebuild it (delete its manifest.json and run build-index)"
+            "rebuild it with build-index into a new output directory"
         )
     index = CommittedIndex(
         directory=directory,

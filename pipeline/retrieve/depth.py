@@ -44,14 +44,14 @@ def index_version(chunk_files: ChunkFileRanges | CommittedChunkFiles | None) -> 
 
 def load_searched(chunk_files: ChunkFileRanges | CommittedChunkFiles | None, path: str, depth: int | None = None):
     """`load_index` (a committed index's file checked against its manifest's sha256 first), then,
-    for a committed index, its manifest checked to be still the one the
-    job was built against: a change committed meanwhile fails the job (run it again) rather
-    than mixing one generation's index file with another's chunk lookups."""
+    for a committed index, the commit the job was built against checked to be still kept: one
+    deleted meanwhile fails the job (run it again) rather than leave its chunk lookups to fail
+    later."""
     if not isinstance(chunk_files, CommittedChunkFiles):
         return load_index(path, depth, sha256=None)  # files given directly: no manifest to check them by
     stored, sha256 = chunk_files.stored(path)
     index = load_index(stored, depth, sha256=sha256)
-    chunk_files.check_unchanged()
+    chunk_files.check_kept()
     return index
 
 

@@ -98,10 +98,13 @@ class Retriever:
         dedupe: bool = False,
         candidates: int | None = None,
         device: str = "cpu",
+        commit: int | None = None,
     ) -> Retriever:
-        """The retriever of the committed index in `index_dir` (module docstring: where each
-        setting comes from). IndexNotUsable when its tokenizer or encoder cannot be loaded."""
-        index, manifest = read_committed_index(index_dir)
+        """The retriever of the committed index in `index_dir`, its current commit or `commit`
+        (module docstring: where each setting comes from). It reads that commit while it is
+        kept, whatever is committed after it. IndexNotUsable when its tokenizer or encoder
+        cannot be loaded."""
+        index, manifest = read_committed_index(index_dir, commit)
         tokenizer = _tokenizer_of(index_dir, manifest)
         check = manifest.embedding_precision
         if check is not None and check.backend not in backend_names():

@@ -134,7 +134,7 @@ def test_report_of_a_directory_that_is_no_output_fails_with_one_line(tmp_path, c
     assert exit_.value.code == 1
     err = capsys.readouterr().err.strip()
     assert err == (
-        f"error: {tmp_path}/something: not an output, index or shards directory (no manifest.json "
+        f"error: {tmp_path}/something: not an output, index or shards directory (no manifest "
         f"here, nor in {tmp_path}/something/index or {tmp_path}/something/shards)"
     )
     assert not (tmp_path / "something" / "report.html").exists()

@@ -46,15 +46,16 @@ def test_committed_chunk_files_read_the_ranges_from_the_file_table(tmp_path):
     ids = np.array([0, CHUNK_FILE_ROWS - 1, CHUNK_FILE_ROWS, chunks - 1])
     assert files.files_of(ids).tolist() == [0, 0, 1, 5_999]
     assert files.file_of(chunks - 1) == 5_999 and files.starts[-1] == chunks
-    with pytest.raises(ValueError, match="changed while a job was reading"):
+    with pytest.raises(ValueError, match="no longer kept"):
         CommittedChunkFiles(str(tmp_path), chunks, "0" * 64).file_of(0)
-    # a process that looked chunks up before a change was committed still refuses, where it
-    # loads an index file after it, to search a file of another generation
-    files.file_of(0)  # the ranges are read, and kept for the process
-    (tmp_path / "manifest.json").write_bytes((tmp_path / "manifest.json").read_bytes() + b"\n")
+    # a later commit: a process that read the first keeps reading it while it is kept, and
+    # refuses once it is not (where it loads an index file after it, to search another commit's)
+    manifest = (tmp_path / "manifest.json").read_bytes()
+    (tmp_path / "manifest-000001.json").write_bytes(manifest)
+    (tmp_path / "manifest-000002.json").write_bytes(manifest + b"\n")
+    files.check_kept()
+    assert CommittedChunkFiles(str(tmp_path), chunks, sha).file_of(chunks - 1) == 5_999
+    (tmp_path / "manifest-000001.json").unlink()
     assert files.file_of(0) == 0  # lookups use the ranges read
-    with pytest.raises(ValueError, match="changed while a job was reading"):
-        files.check_unchanged()
-    (tmp_path / "manifest.json").unlink()  # the commit of a change deletes it first
-    with pytest.raises(ValueError, match="changed while a job was reading"):
-        files.check_unchanged()
+    with pytest.raises(ValueError, match="no longer kept"):
+        files.check_kept()

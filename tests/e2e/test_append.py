@@ -262,8 +262,8 @@ def test_a_change_committed_after_build_shards_read_the_index_fails_it_and_leave
     tmp_path, monkeypatch
 ):
     """build-shards reads the index manifest before its job takes the output's lease: a change
-    committed then (generation 1) fails the job where it next reads the index, not mixing
-    generations."""
+    committed then (generation 1) fails the job where it next reads the index (its commit no
+    longer kept) or at its commit, not mixing generations."""
     out, config_path, cfg = _built_with_a_change_to_come(tmp_path)
     import pipeline.build_shards.job as shards_module
 
@@ -276,7 +276,7 @@ def test_a_change_committed_after_build_shards_read_the_index_fails_it_and_leave
         return result
 
     monkeypatch.setattr(shards_module, "load_committed_index", with_a_change)
-    with pytest.raises(Exception, match="changed while"):
+    with pytest.raises(Exception, match="no longer kept|changed while"):
         build_shards(cfg, [])
     assert committed(str(out / "shards"), ShardsManifest) is None  # nothing of it committed
     assert not (out / ".staging").exists() or not any((out / ".staging").iterdir())
@@ -362,9 +362,15 @@ def test_commits_kept_by_keep_commits_are_readable_until_gc_deletes_them(tmp_pat
     index = out / "index"
     assert sorted(p.name for p in index.glob("manifest-*.json")) == ["manifest-000001.json", "manifest-000002.json"]
     assert (index / "faiss" / "index.faiss").exists() and (index / "faiss" / "index.c000002.faiss").exists()
+    orphan = index / "chunks" / "chunks-00099.parquet"  # moved into place by a commit that died before its put
+    orphan.write_bytes(b"PAR1")
     main(["gc", str(out), "--keep", "1"])
-    assert f"{index}: 1 commit kept" in capsys.readouterr().out
+    assert f"{index}: 1 commit kept; 1 file listed by no commit" in capsys.readouterr().out
     assert sorted(p.name for p in index.glob("manifest-*.json")) == ["manifest-000002.json"]
     assert not (index / "faiss" / "index.faiss").exists()  # only commit 1 listed it
+    assert orphan.exists()  # counted, kept until asked
+    main(["gc", str(out), "--orphans"])
+    assert f"{index}: 1 commit kept; 1 file listed by no commit deleted" in capsys.readouterr().out
+    assert not orphan.exists()
     assert all(line.startswith("OK") for line in validate_path(str(index)))
     assert not (out / ".lease.json").exists()

@@ -440,7 +440,7 @@ def test_gcs_reads_ahead_one_shard(gcs_shards, monkeypatch):
     gcs_filesystem = shard_files.gcs_filesystem
     monkeypatch.setattr(shard_files, "gcs_filesystem", lambda: RecordingGcs(gcs_filesystem()))
     dataset = ShardDataset(gcs_shards, seed=4)
-    assert fetched == ["manifest.json"]  # building reads the manifest only
+    assert fetched == ["manifest.json", "manifest-000001.json"]  # the manifest, and a look for a newer commit
     fetched.clear()
     order = []  # the shards in the order the epoch reads them
     for sample in dataset:
@@ -1010,3 +1010,27 @@ def test_compiled_model_trains_as_the_eager_one(train_dir, capsys):
     compiled = losses(capsys.readouterr().out)
     assert sorted(compiled) == [1, 2]
     assert all(compiled[s] == pytest.approx(eager[s], abs=1e-4) for s in eager), (compiled, eager)
+
+
+@pytest.mark.e2e
+def test_a_resumed_run_reads_the_shards_commit_its_checkpoint_counts_in(tmp_path, capsys):
+    """Commit 2 of the shards lands between a checkpoint and its resume: the resumed run reads
+    commit 1 (its data position counts there) unless told another, which it refuses."""
+    shards = tmp_path / "shards"
+    write_shard_dir(shards, shard_rows=[16, 16], vocab_size=64)
+    manifest = json.loads((shards / "manifest.json").read_text())
+    for number in (1, 2):
+        (shards / f"manifest-{number:06d}.json").write_text(json.dumps({**manifest, "commit": number}))
+    (shards / "manifest-000002.json").rename(shards / "later.json")  # made after the checkpoint
+    (shards / "manifest.json").write_text(json.dumps({**manifest, "commit": 1}))  # its copy
+    checkpoint = tmp_path / "ckpt.pt"
+    common = ["--shards", str(shards), "--batch-size", "4", "--log-every", "1", *TINY_MODEL]
+    main([*common, "--steps", "2", "--checkpoint", str(checkpoint)])
+    assert torch.load(checkpoint)["ranks"][0]["dataset"]["commit"] == 1
+    (shards / "later.json").rename(shards / "manifest-000002.json")
+    assert ShardDataset(shards).commit == 2  # the newest, found past the copy
+    capsys.readouterr()
+    main([*common, "--steps", "3", "--resume", str(checkpoint)])
+    assert sorted(losses(capsys.readouterr().out)) == [3]
+    with pytest.raises(SystemExit, match="cannot resume: state has commit=1, this dataset 2"):
+        main([*common, "--steps", "3", "--resume", str(checkpoint), "--shards-commit", "2"])
