@@ -16,7 +16,8 @@ For each count, with the files in the page cache (just written):
 - `plan`: reading the manifests and choosing the sample;
 - `hashes`: size and sha256 of the listed files no content check reads (the unsampled
   shards and embedding files, the faiss index), timed on their own;
-- `total`: `validate_path(DIR, sample)` end to end (its hashes included), best of 5;
+- `total`: `validate_path(DIR, sample, hash_all=True)` end to end (`--hash-all`: its hashes
+  included; without it a sample checks those files by size, from one listing), best of 5;
 - the same at the fraction that checks as many shards as the smallest count does;
 - `full`: the whole check (`--sample 1`), for counts up to --full-up-to;
 - `read`: the chunk-file bytes read to check rows (sampled files whole, of the others the row
@@ -216,7 +217,7 @@ def measure(output: Path, sample: float) -> dict:
     plan = plan_validation(str(output), sample)
     planned = time.perf_counter() - start
     hashes = _best_seconds(lambda: [check_listed_file(d, e) for d, e in plan.listed_files])
-    total = _best_seconds(lambda: validate_path(str(output), sample))
+    total = _best_seconds(lambda: validate_path(str(output), sample, hash_all=True))
     read, chunk_bytes = chunk_bytes_read(output, sample)
     return {
         "chunk_bytes_read": read,

@@ -293,12 +293,15 @@ def run_cmd(config_path, *, force, beam_args, dry_run, corpus_chunks, corpus_doc
     show_default=True,
     type=click.FloatRange(0, 1, min_open=True),
     help="Check this share of the shards (the same ones every run, chosen by file name) against "
-    "the chunk rows they reference, and the same share of chunk and embedding files; "
-    "sizes and sha256 of every listed file are checked whatever the share.",
+    "the chunk rows they reference, and the same share of chunk and embedding files, reading "
+    "only those and the chunk row groups they reference; every other listed file by its size.",
+)
+@click.option(
+    "--hash-all", is_flag=True, help="With --sample: also check every other listed file's sha256 (reads them all)."
 )
 @COMMIT_OPTION
 @click.argument("beam_args", nargs=-1, type=click.UNPROCESSED)
-def validate_cmd(directory, sample, commit, beam_args):
+def validate_cmd(directory, sample, hash_all, commit, beam_args):
     """Check an index, shards or output directory end to end; exit 0 only if sound. In this
     process, or as a Beam job when pipeline options follow `--`."""
     from pipeline.check.problems import ValidationFailed
@@ -310,9 +313,9 @@ def validate_cmd(directory, sample, commit, beam_args):
         if beam_args:
             from pipeline.check.validate_beam import validate_with_beam
 
-            lines = validate_with_beam(directory, beam_args, sample, commits)
+            lines = validate_with_beam(directory, beam_args, sample, commits, hash_all=hash_all)
         else:
-            lines = validate_path(directory, sample, commits)
+            lines = validate_path(directory, sample, commits, hash_all=hash_all)
     except ValidationFailed as failed:  # a Beam job's report holds a line per problem
         click.echo(f"error: {failed}", err=True)
         sys.exit(1)

@@ -72,6 +72,8 @@ class ValidationPlan:
     sample: float
     index_directory: str | None = None  # as given to `plan_validation`
     commits: dict[str, int] = field(default_factory=dict)  # directory -> the commit read there (pinned)
+    hash_all: bool = False  # a sample also hashes every listed file it does not read
+    manifests_read: dict = field(default_factory=dict, repr=False)  # directory -> (path, bytes), while planning
     index: IndexFacts | None = None  # the index whose chunk files are checked by the rules
     shards: ShardsFacts | None = None
     faiss_index: FaissFacts | None = None
@@ -82,26 +84,37 @@ class ValidationPlan:
     shard_entries: list = field(default_factory=list)  # shards checked
     chunk_files: list[ChunkFileUnit] = field(default_factory=list)  # every chunk file, in chunk-id order
     embedding_files: list[EmbeddingFileUnit] = field(default_factory=list)  # checked
-    listed_files: list = field(default_factory=list)  # (directory, entry) checked by size and sha256 only
+    listed_files: list = field(default_factory=list)  # (directory, entry) checked by size (and sha256: `hashed`)
 
     @property
     def complete(self) -> bool:
         return self.sample >= 1
+
+    @property
+    def hashed(self) -> bool:
+        """Whether the listed files no check reads are hashed (else their sizes are checked)."""
+        return self.complete or self.hash_all
 
     def facts(self) -> ValidationPlan:
         """The plan without its units: what a check of one unit needs besides the unit."""
         return dataclasses.replace(self, shard_entries=[], chunk_files=[], embedding_files=[], listed_files=[])
 
 
-def _sample_note(sample: float, parts: list[str], listed: int) -> str:
-    if sample >= 1:
+def _listed_note(plan: ValidationPlan, listed: int, files: str = "files") -> str:
+    return f"{'sizes and sha256' if plan.hashed else 'sizes'} of all {listed} {files}"
+
+
+def _sample_note(plan: ValidationPlan, parts: list[str], listed: int) -> str:
+    if plan.complete:
         return ""
-    return f" (a sample: {', '.join(parts)}; sizes and sha256 of all {listed} files)"
+    return f" (a sample: {', '.join(parts)}; {_listed_note(plan, listed)})"
 
 
 def _read(plan: ValidationPlan, directory: str) -> tuple[str, bytes | None]:
     """(path, bytes) of the manifest of `directory`'s pinned commit (`plan.commits`), or of its
     current one, which is then pinned; bytes None: nothing committed there."""
+    if directory in plan.manifests_read:
+        return plan.manifests_read[directory]
     number = plan.commits.get(directory)
     found = fileio.current_manifest(directory, number)
     if found is None:
@@ -109,6 +122,7 @@ def _read(plan: ValidationPlan, directory: str) -> tuple[str, bytes | None]:
             raise manifest_problem(fileio.no_commit(directory, number))
         return fileio.join(directory, MANIFEST_FILE), None
     plan.commits[directory] = commit_number(found[0])
+    plan.manifests_read[directory] = found
     return found
 
 
@@ -155,9 +169,10 @@ def _plan_index(plan: ValidationPlan, directory: str) -> None:
         deleted=deleted,
         generation_starts=tuple(g.first_chunk_id for g in manifest.generations),
     )
-    plan.faiss_index = FaissFacts.of(
-        directory, manifest, entries, manifest.num_chunks - manifest.deleted_chunks, deleted
-    )
+    if plan.complete:  # a sample does not search it: loading it reads it whole (or every slice probed)
+        plan.faiss_index = FaissFacts.of(
+            directory, manifest, entries, manifest.num_chunks - manifest.deleted_chunks, deleted
+        )
     chosen = {entry.path for entry in sampled(chunk_entries, plan.sample)}
     plan.chunk_files = [ChunkFileUnit(i, entry, entry.path in chosen) for i, entry in enumerate(chunk_entries)]
     read = set(chosen)  # read whole, their sha256 checked on the bytes read
@@ -170,11 +185,12 @@ def _plan_index(plan: ValidationPlan, directory: str) -> None:
     read |= chosen
     plan.listed_files += [(directory, entry) for entry in entries if entry.path not in read]
     note = _sample_note(
-        plan.sample,
+        plan,
         [
             f"{sum(unit.sampled for unit in plan.chunk_files)} of {len(chunk_entries)} chunk files "
             "(and the row groups of others that sampled shards reference)",
             f"{len(plan.embedding_files)} of {len(embeddings)} embedding files",
+            "no search of the faiss index",
         ],
         len(entries),
     )
@@ -265,7 +281,7 @@ def _plan_shards(plan: ValidationPlan, directory: str, index_directory: str) -> 
     else:
         head = (
             f"OK shards {directory} (a sample: {len(plan.shard_entries)} of {total} shards and the chunk "
-            f"rows they reference; sizes and sha256 of all {total} shards): {rows} sequences in the sample"
+            f"rows they reference; {_listed_note(plan, total, 'shards')}): {rows} sequences in the sample"
         )
     plan.lines.append(
         f"{head}, {filled}no same-document neighbour, neighbour tokens equal the chunk "
@@ -295,16 +311,30 @@ def _plan_vector_index(plan: ValidationPlan, directory: str) -> None:
 
 
 def plan_validation(
-    path: str, sample: float = 1.0, index_directory: str | None = None, commits: dict[str, int] | None = None
+    path: str,
+    sample: float = 1.0,
+    index_directory: str | None = None,
+    *,
+    commits: dict[str, int] | None = None,
+    hash_all: bool = False,
 ) -> ValidationPlan:
     """The plan for an index dir, a shards dir (its index: `index_directory`, by default the
-    `index` beside it), or an output dir holding both; `sample` in (0, 1]. `commits`: directory
+    `index` beside it), or an output dir holding both; `sample` in (0, 1]: the files a sample
+    does not read are checked by size, and with `hash_all` by sha256 too. `commits`: directory
     -> the commit to read there (default: the current one; shards: the index commit they were
     built against while it is kept). The plan's `commits` are those it read: planning again
     with them reads the same manifests whatever was committed since."""
     if not 0 < sample <= 1:
         raise ValueError(f"sample {sample}: must be in (0, 1]")
-    plan = ValidationPlan(path=path, sample=sample, index_directory=index_directory, commits=dict(commits or {}))
+    plan = ValidationPlan(
+        path=path, sample=sample, index_directory=index_directory, commits=dict(commits or {}), hash_all=hash_all
+    )
+    _plan_path(plan, path, index_directory)
+    plan.manifests_read.clear()  # read once each while planning; not carried to the checks
+    return plan
+
+
+def _plan_path(plan: ValidationPlan, path: str, index_directory: str | None) -> None:
     found_path, data = _read(plan, path)
     if data is not None:
         raw = read_manifest(data, found_path, error=manifest_problem)
@@ -315,7 +345,7 @@ def plan_validation(
             _plan_vector_index(plan, path)
         else:
             _plan_index(plan, path)
-        return plan
+        return
     index, shards = fileio.join(path, "index"), fileio.join(path, "shards")
     found = [d for d in (index, shards) if _read(plan, d)[1] is not None]
     require(found, f"{path}: no manifest here, nor in {path}/index or {path}/shards", "manifest")
@@ -323,4 +353,3 @@ def plan_validation(
         _plan_index(plan, index)
     if shards in found:
         _plan_shards(plan, shards, index)
-    return plan

@@ -76,6 +76,25 @@ def check_listed_file(directory: str, entry: FileEntry) -> None:
     require(digest == entry.sha256, f"{path}: sha256 differs from the manifest")
 
 
+@of_kind("file")
+def check_listed_sizes(directory: str, entries: list[FileEntry]) -> None:
+    """The sizes of listed files, from one listing of their directory (no file read)."""
+    start = len(directory.rstrip("/")) + 1
+    sizes = {m.path[start:]: m.size_in_bytes for m in fileio.list_metadata(directory)}
+    for entry in entries:
+        path = fileio.join(directory, entry.path)
+        require(entry.path in sizes, f"{path}: listed in the manifest but missing")
+        require(sizes[entry.path] == entry.bytes, f"{path}: {sizes[entry.path]} bytes, manifest says {entry.bytes}")
+
+
+def by_directory(listed: list[tuple[str, FileEntry]]) -> list[tuple[str, list[FileEntry]]]:
+    """(directory, entries) of listed files, a pair per directory, in the order first listed."""
+    grouped: dict[str, list[FileEntry]] = {}
+    for directory, entry in listed:
+        grouped.setdefault(directory, []).append(entry)
+    return list(grouped.items())
+
+
 def checked_parquet(directory: str, entry: FileEntry) -> pa.Table:
     table = pq.read_table(pa.BufferReader(read_checked(directory, entry)))
     require(

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pipeline.check.plan import ValidationPlan, plan_validation
-from pipeline.check.problems import check_listed_file
+from pipeline.check.problems import by_directory, check_listed_file, check_listed_sizes
 from pipeline.check.rules import (
     check_chunk_boundaries,
     check_document_runs,
@@ -125,8 +125,12 @@ def run_in_process(plan: ValidationPlan) -> InProcessRun:
     """Run the plan in this process, one unit at a time: references and document starts on
     local disk, of the chunk files only the last one's boundary rows held. Raises
     ValidationFailed at the first problem."""
-    for directory, entry in plan.listed_files:
-        check_listed_file(directory, entry)
+    if plan.hashed:
+        for directory, entry in plan.listed_files:
+            check_listed_file(directory, entry)
+    else:
+        for directory, entries in by_directory(plan.listed_files):
+            check_listed_sizes(directory, entries)
     with tempfile.TemporaryDirectory(prefix="ratrain-validate-") as scratch:
         references = _References(scratch, 2 * plan.shards.chunk_tokens if plan.shards else 0)
         starts = _DocumentStarts(scratch, plan.index.num_documents if plan.index else 0)
@@ -180,10 +184,12 @@ def validate_shards(directory: str, index_directory: str | None = None) -> str:
     return check_in_process(plan_validation(directory, index_directory=index_directory))[0]
 
 
-def validate_path(path: str, sample: float = 1.0, commits: dict[str, int] | None = None) -> list[str]:
+def validate_path(
+    path: str, sample: float = 1.0, commits: dict[str, int] | None = None, *, hash_all: bool = False
+) -> list[str]:
     """Validate an index dir, a shards dir, or an output dir holding both, in this process
-    (`commits`: as `plan_validation`'s)."""
-    return check_in_process(plan_validation(path, sample, commits=commits))
+    (`commits`, `hash_all`: as `plan_validation`'s)."""
+    return check_in_process(plan_validation(path, sample, commits=commits, hash_all=hash_all))
 
 
 @dataclass

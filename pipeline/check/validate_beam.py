@@ -19,7 +19,7 @@ import apache_beam as beam
 
 from pipeline.check.facts import ChunkFileUnit
 from pipeline.check.plan import ValidationPlan, plan_validation
-from pipeline.check.problems import ValidationFailed, check_listed_file
+from pipeline.check.problems import ValidationFailed, by_directory, check_listed_file, check_listed_sizes
 from pipeline.check.rules import (
     check_chunk_boundaries,
     check_document_runs,
@@ -113,16 +113,14 @@ class ValidateOutput(beam.PTransform):
     plans again from those commits' manifests on a worker, the units become elements and the
     plan's facts (`ValidationPlan.facts`: sizes per chunk file, 8 bytes each) a side input."""
 
-    def __init__(
-        self, path: str, sample: float, index_directory: str | None, commits: dict[str, int], parts: OutputParts
-    ):
+    def __init__(self, plan: ValidationPlan, parts: OutputParts):
         super().__init__()
-        self.path, self.sample, self.index_directory, self.parts = path, sample, index_directory, parts
-        self.commits = commits
+        self.path, self.sample, self.index_directory, self.parts = plan.path, plan.sample, plan.index_directory, parts
+        self.commits, self.hash_all = plan.commits, plan.hash_all
 
     @classmethod
     def of(cls, plan: ValidationPlan) -> ValidateOutput:
-        return cls(plan.path, plan.sample, plan.index_directory, plan.commits, OutputParts.of(plan))
+        return cls(plan, OutputParts.of(plan))
 
     def expand(self, pipeline):
         problems, parts = [], self.parts
@@ -134,16 +132,18 @@ class ValidateOutput(beam.PTransform):
 
         plans = (
             pipeline
-            | "Manifests" >> beam.Create([(self.path, self.sample, self.index_directory, self.commits)])
-            | "Plan" >> beam.MapTuple(plan_validation)
+            | "Manifests" >> beam.Create([(self.path, self.sample, self.index_directory)])
+            | "Plan" >> beam.MapTuple(plan_validation, commits=self.commits, hash_all=self.hash_all)
         )
         facts = beam.pvalue.AsSingleton(plans | "Facts" >> beam.Map(lambda plan: plan.facts()))
 
         def spread(label, units_of):  # one unit an element, spread over the workers
             return plans | label >> beam.FlatMap(units_of) | f"Spread{label}" >> beam.Reshuffle()
 
-        listed = spread("ListedFiles", lambda p: p.listed_files)
+        listed = spread("ListedFiles", lambda p: p.listed_files if p.hashed else [])
         checked("CheckListedFiles", listed, lambda file: check_listed_file(*file))
+        sized = spread("ListedSizes", lambda p: [] if p.hashed else by_directory(p.listed_files))
+        checked("CheckListedSizes", sized, lambda directory_entries: check_listed_sizes(*directory_entries))
         shards = checked(
             "CheckShards", spread("Shards", lambda p: p.shard_entries), lambda e, f: check_shard(f.shards, e), facts
         )
@@ -222,13 +222,18 @@ def validate_job_graph_bytes(path: str, beam_args: list[str] | None = None, samp
 
 
 def validate_with_beam(
-    path: str, beam_args: list[str], sample: float = 1.0, commits: dict[str, int] | None = None
+    path: str,
+    beam_args: list[str],
+    sample: float = 1.0,
+    commits: dict[str, int] | None = None,
+    *,
+    hash_all: bool = False,
 ) -> list[str]:
     """Run the validation of `path` as a Beam job with these pipeline options; its lines, or
     ValidationFailed with the job's report. The plan made here (the manifests' own checks run
     before anything is submitted) decides which parts the job has and pins the commits it
-    reads (`commits`: as `plan_validation`'s)."""
-    plan = plan_validation(path, sample, commits=commits)
+    reads (`commits`, `hash_all`: as `plan_validation`'s)."""
+    plan = plan_validation(path, sample, commits=commits, hash_all=hash_all)
     job = Job.reading("validate", path, beam_args)
     try:
         job.run(lambda pipeline, _: _build(pipeline, plan))

@@ -193,12 +193,17 @@ def whole(manifest, directory: str, *, error=ManifestError):
     return whole_manifest(manifest, directory, open_read, error)
 
 
-def list_files(directory: str) -> list[str]:
-    """Every file below `directory` (recursively), sorted; [] when there is none (an object
-    store has no directories, only names under a prefix)."""
+def list_metadata(directory: str) -> list:
+    """Beam's FileMetadata (path, size_in_bytes) of every file below `directory` (recursively),
+    from one listing; [] when there is none (an object store has no directories, only names
+    under a prefix)."""
     pattern = join(directory, "**") if "://" in directory else directory.rstrip("/") + "/**"
-    result = FileSystems.match([pattern])[0]
-    return sorted(m.path for m in result.metadata_list)
+    return FileSystems.match([pattern])[0].metadata_list
+
+
+def list_files(directory: str) -> list[str]:
+    """Every file below `directory` (recursively), sorted."""
+    return sorted(m.path for m in list_metadata(directory))
 
 
 def delete_existing(paths: list[str]) -> None:

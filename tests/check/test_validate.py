@@ -90,9 +90,11 @@ def test_a_sample_says_what_it_checked(output, capsys):
     listed = len(json.loads((output / "index" / "manifest.json").read_text())["files"])  # faiss and sources too
     assert (
         "a sample: 1 of 2 chunk files (and the row groups of others that sampled shards reference), "
-        f"1 of 2 embedding files; sizes and sha256 of all {listed} files" in index_line
+        f"1 of 2 embedding files, no search of the faiss index; sizes of all {listed} files" in index_line
     )
-    assert "a sample: 2 of 6 shards and the chunk rows they reference; sizes and sha256 of all 6 shards" in shards_line
+    assert "a sample: 2 of 6 shards and the chunk rows they reference; sizes of all 6 shards" in shards_line
+    main(["validate", str(output), "--sample", str(SAMPLE), "--hash-all"])
+    assert f"; sizes and sha256 of all {listed} files" in capsys.readouterr().out
     assert len(_shard_names(output, SAMPLE)) == 2 and _shard_names(output, SAMPLE) == _shard_names(output, SAMPLE)
 
 
@@ -133,7 +135,7 @@ def test_a_shard_in_another_layout_than_its_manifest_says_fails(output):
 
 @pytest.mark.parametrize("damaged", ["unsampled shard", "faiss/index.faiss", "embedding file"])
 @pytest.mark.e2e
-def test_a_sample_still_checks_every_files_hash(output, damaged, capsys):
+def test_a_sample_checks_every_files_size_and_with_hash_all_its_sha256(output, damaged, capsys):
     plan = plan_validation(str(output), SAMPLE)
     if damaged == "unsampled shard":
         name = next(name for name in _shard_names(output, 1.0) if name not in _shard_names(output, SAMPLE))
@@ -150,10 +152,15 @@ def test_a_sample_still_checks_every_files_hash(output, damaged, capsys):
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 1
     path.write_bytes(bytes(data))
+    assert all(line.startswith("OK") for line in validate_path(str(output), SAMPLE))  # its bytes are not read
     with pytest.raises(SystemExit) as exit_info:
-        main(["validate", str(output), "--sample", str(SAMPLE)])
+        main(["validate", str(output), "--sample", str(SAMPLE), "--hash-all"])
     assert exit_info.value.code == 1
     assert f"{path.name}: sha256 differs from the manifest" in capsys.readouterr().err
+    path.write_bytes(bytes(data) + b"\0")
+    with pytest.raises(SystemExit):
+        main(["validate", str(output), "--sample", str(SAMPLE)])
+    assert f"{path.name}: {len(data) + 1} bytes, manifest says {len(data)}" in capsys.readouterr().err
 
 
 def _passed_and_lines(verdict):

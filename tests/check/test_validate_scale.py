@@ -56,6 +56,33 @@ def _output(root):
     return root
 
 
+def _bytes_read(check) -> int:
+    """The bytes this process reads while `check` runs (/proc/self/io rchar: files, hashing
+    included, whether from disk or the page cache)."""
+
+    def rchar():
+        with open("/proc/self/io") as io:
+            return int(next(line for line in io if line.startswith("rchar")).split()[1])
+
+    before = rchar()
+    check()
+    return rchar() - before
+
+
+@pytest.mark.unit
+def test_a_sample_reads_a_twentieth_of_what_a_full_check_reads_unless_told_to_hash_all(tmp_path):
+    """`validate --sample 0.01` reads the sampled shards, chunk and embedding files, the chunk
+    row groups the shards reference and the manifests, and lists the rest for their sizes; a
+    full check (or --hash-all) reads every file."""
+    output = str(_output(tmp_path))
+    validate_path(output, 0.01), validate_path(output)  # lazy imports done before counting
+    sampled = _bytes_read(lambda: validate_path(output, 0.01))
+    full = _bytes_read(lambda: validate_path(output))
+    hashed = _bytes_read(lambda: validate_path(output, 0.01, hash_all=True))
+    assert sampled <= 0.05 * full, (sampled, full)
+    assert hashed >= 0.8 * full, (hashed, full)  # every file hashed; the faiss index not searched
+
+
 @pytest.mark.unit
 def test_a_sample_reads_only_the_chunk_rows_it_checks_and_finds_a_wrong_neighbour(tmp_path):
     output = _output(tmp_path)
@@ -70,3 +97,8 @@ def test_a_sample_reads_only_the_chunk_rows_it_checks_and_finds_a_wrong_neighbou
     rewrite_shard(output / "shards", wrong_token, plan.shard_entries[0].path)
     with pytest.raises(ValidationFailed, match="neighbour tokens differ from the chunk database"):
         validate_path(str(output), 0.01)
+
+    unsampled = next(e.path for e in plan_validation(str(output)).shard_entries if e != plan.shard_entries[0])
+    (output / "shards" / unsampled).write_bytes(b"short")  # not read by a sample: its size is checked
+    with pytest.raises(ValidationFailed, match=f"{unsampled}: 5 bytes, manifest says"):
+        validate_path(str(output / "shards"), 0.01)
