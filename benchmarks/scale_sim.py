@@ -9,9 +9,10 @@ Sizes follow docs/scale.md's defaults: m = 64, n = 2,048 (L = 32), k = 2, `chunk
 
 - a committed index directory (its manifest: chunk files, embedding files and index slices) and
   a shards directory (its manifest: one entry per training shard, `training_corpus: same`);
-- the job graph of build-index, build-shards and validate, built as the CLI builds them (a dry
-  run; build-shards and validate read the synthetic manifests) and serialised as a runner is
-  sent it: Dataflow refuses a request over 20 MB;
+- the job graph of build-index, build-shards, validate and an append (one new corpus file and
+  three documents deleted), built as the CLI builds them (a dry run; build-shards, validate and
+  the append read the synthetic manifests) and serialised as a runner is sent it: Dataflow
+  refuses a request over 20 MB;
 - each manifest's bytes and the time to read and check it as the pipeline does;
 - the memory model's largest step (`pipeline/jobs/memory_model.py`): what one worker process
   holds at once, the largest element and group included.
@@ -32,6 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from pipeline.build_index.append import change_index  # noqa: E402
 from pipeline.build_index.job import build_index  # noqa: E402
 from pipeline.build_shards.job import build_shards  # noqa: E402
 from pipeline.check.validate_beam import validate_job_graph_bytes  # noqa: E402
@@ -41,6 +43,7 @@ from pipeline.index.factory import estimated_bytes, ivf_lists  # noqa: E402
 from pipeline.index.files import LIST_OWNERS_FILE, QUANTIZER_FILE, searched_files  # noqa: E402
 from pipeline.index.slices import vectors_per_slice  # noqa: E402
 from pipeline.jobs.memory_model import Corpus, largest, stage_memory  # noqa: E402
+from pipeline.jobs.reuse import CorpusChanges  # noqa: E402
 from schemas.config import PipelineConfig  # noqa: E402
 from schemas.manifest import (
     CREATED_BY,
@@ -49,6 +52,7 @@ from schemas.manifest import (
     FileEntry,
     Fingerprint,
     IndexManifest,
+    InputFile,
     ShardEntry,
     ShardsManifest,
     read_manifest,
@@ -182,6 +186,24 @@ def read_seconds(directory: Path, model) -> dict[str, float]:
     return {"manifest": read - started, "every_entry": time.perf_counter() - read}
 
 
+def append_graph_bytes(cfg: PipelineConfig) -> int:
+    """The graph of an append of one corpus file, with three documents to delete, to the index
+    committed under `cfg.output` (as build-index builds it, not run)."""
+    directory = fileio.join(cfg.output, "index")
+    previous = fileio.committed(directory, IndexManifest)
+    assert previous is not None, f"no committed index in {directory}"
+    new = InputFile(path=fileio.join(cfg.output, "corpus", "new.jsonl"), bytes=100)
+    return change_index(
+        cfg,
+        previous,
+        previous_sha256=fileio.manifest_sha256(directory) or "",
+        changes=CorpusChanges(new=[new], changed=[], gone=[]),
+        beam_args=[],
+        delete=("a", "b", "c"),
+        dry_run=True,
+    )["graph_bytes"]
+
+
 def graph_bytes(cfg: PipelineConfig) -> dict[str, int]:
     """Serialised size of each job's graph, built as `--dry-run` builds it (validate: as
     `validate DIR -- --runner=...` builds it, without running it)."""
@@ -189,6 +211,7 @@ def graph_bytes(cfg: PipelineConfig) -> dict[str, int]:
         "build-index": build_index(cfg, [], dry_run=True)["graph_bytes"],
         "build-shards": build_shards(cfg, [], dry_run=True)["graph_bytes"],
         "validate": validate_job_graph_bytes(cfg.output),
+        "append (with deletes)": append_graph_bytes(cfg),
     }
 
 

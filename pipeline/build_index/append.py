@@ -26,16 +26,14 @@ from pipeline.build_index.append_changes import (
 from pipeline.build_index.files import index_staged
 from pipeline.build_index.manifest import NEWEST_GENERATION_CHUNKS, next_generation_manifest
 from pipeline.build_index.steps import chunk_and_embed, stage_tallies, write_sources
-from pipeline.chunks.chunk_files import ChunkFileRanges
+from pipeline.chunks.chunk_files import CommittedIndexManifest
 from pipeline.chunks.deleted import (
     DELETE_REQUESTED,
     DELETED_DIR,
     NOT_IN_ITS_FILE,
     REPLACED,
     DeletedDocument,
-    deleted_files,
     deleted_table,
-    read_deleted,
 )
 from pipeline.common import fileio
 from pipeline.common.errors import StageError
@@ -67,6 +65,11 @@ def _write_deleted(documents: list[DeletedDocument], staging: str, number: int) 
     ]
 
 
+def _in_place(previous: IndexManifest) -> list[str]:
+    """The files of the committed index a change keeps where they are."""
+    return index_staged(previous) + [e.path for e in previous.files if not e.path.startswith("faiss/")]
+
+
 def change_index(
     cfg: PipelineConfig,
     previous: IndexManifest,
@@ -76,13 +79,17 @@ def change_index(
     beam_args: list[str],
     delete: tuple[str, ...] = (),
     detach: bool = False,
-) -> IndexManifest | Submitted:
+    dry_run: bool = False,
+) -> IndexManifest | Submitted | dict:
     """The committed index's next generation: the documents of the new and changed corpus files
     (`changes`) appended (chunk ids from `previous.num_chunks`, chunk and embedding files
     numbered after the last, vectors added to the trained index), each replacing the indexed
     document of its id; the documents of changed and gone files that they no longer hold, and
     those whose identities `delete` names, deleted. Its commit fails if the committed manifest
-    is no longer the one `previous_sha256` names."""
+    is no longer the one `previous_sha256` names. The job's graph carries the committed index as
+    its directory and manifest sha256 (`CommittedIndexManifest`), read on the workers, so its
+    size grows with the change, not with the index. dry_run: build the graph, read and write
+    nothing, return `describe(pipeline)`."""
     directory = index_dir(cfg)
     number = len(previous.generations)
     if delete and "HNSW" in previous.index_factory and "IVF" not in previous.index_factory:
@@ -108,23 +115,24 @@ def change_index(
         beam_args=beam_args,
         staging="index",
         detach=detach,
+        dry_run=dry_run,
         max_rejected_fraction=cfg.max_rejected_fraction,
         keep_commits=cfg.keep_commits,
         replaces=previous_sha256,
     )
+    committed = CommittedIndexManifest(directory, previous_sha256)
 
     def graph(pipeline, staging) -> Committed:
         threads = encoder_threads(cfg.embedding.cpu_threads, cfg.embedding.device, pipeline.options)
-        ranges = ChunkFileRanges.from_entries(directory, previous.files)
         corpus = pipeline | "ReadNewFiles" >> ReadCorpusKeptClean(
-            cfg, "retrieval", only=frozenset(f.path for f in changes.to_read)
+            cfg, "retrieval", only=frozenset(f.path for f in changes.to_read), match=not dry_run
         )
-        already = read_deleted(deleted_files(directory, previous.files))
         runs = (
             pipeline
-            | "ChunkFiles" >> beam.Create(range(len(ranges.paths)))
+            | "Index" >> beam.Create([committed])
+            | "ChunkFiles" >> beam.FlatMap(lambda index: range(len(index.chunk_files().ranges.paths)))
             | "SpreadChunkFiles" >> beam.Reshuffle()
-            | "DocumentRuns" >> beam.FlatMap(lambda n: document_runs(ranges, n, already))
+            | "DocumentRuns" >> beam.FlatMap(lambda n: document_runs(committed.chunk_files(), n, committed.deleted()))
         )
         fresh = (
             {"document": corpus.documents | "ById" >> beam.Map(lambda d: (d.doc_id, d)), RUN: runs}
@@ -138,7 +146,8 @@ def change_index(
             | "Requested" >> beam.Map(lambda doc_id: (doc_id, DELETE_REQUESTED)),
             fresh[REPLACED_TAG] | "Replaced" >> beam.Map(lambda doc_id: (doc_id, REPLACED)),
             pipeline
-            | "SourcesFiles" >> beam.Create(sources_files(directory, previous.files) if stale_files else [])
+            | "IndexSources" >> beam.Create([committed] if stale_files else [])
+            | "SourcesFiles" >> beam.FlatMap(lambda index: sources_files(directory, index.read().files))
             | "DocumentsOfStaleFiles" >> beam.FlatMap(documents_of, stale_files)
             | "NotInItsFile" >> beam.MapTuple(lambda doc_id, _source: (doc_id, NOT_IN_ITS_FILE)),
         )
@@ -148,7 +157,8 @@ def change_index(
             | "Deletions" >> beam.FlatMap(deletions).with_outputs(NOT_FOUND, main="deleted")
         )
         deleted_now = beam.pvalue.AsList(deleted.deleted)
-        first_file = max(file_number(path) for path in ranges.paths) + 1 if ranges.paths else 0
+        chunk_files = [e.path for e in previous.files if e.path.startswith("chunks/")]
+        first_file = max(file_number(path) for path in chunk_files) + 1 if chunk_files else 0
         written = chunk_and_embed(
             fresh.documents,
             cfg,
@@ -174,7 +184,7 @@ def change_index(
                 rewrite_index,
                 new_entries=beam.pvalue.AsList(written.embedding_files),
                 deleted_now=deleted_now,
-                previous=previous,
+                committed=committed,
                 directory=directory,
                 staging=staging,
                 sample=cfg.index.recall_sample,
@@ -197,22 +207,22 @@ def change_index(
             | "GatherEntries" >> beam.combiners.ToList()
             | "ChangedManifest"
             >> beam.Map(
-                next_generation_manifest,
+                lambda entries, changed, **kw: next_generation_manifest(
+                    entries, changed, previous=committed.read(), **kw
+                ),
                 beam.pvalue.AsSingleton(changed),
                 deleted_now=deleted_now,
                 tallies=beam.pvalue.AsDict(tallies | "SumTallies" >> beam.CombinePerKey(sum)),
                 precision=beam.pvalue.AsSingleton(written.precision),
-                previous=previous,
                 changes=changes,
                 cfg=cfg,
             )
         )
-        in_place = index_staged(previous) + [e.path for e in previous.files if not e.path.startswith("faiss/")]
         # every file the new manifest lists is staged or in place (slices cut anew are staged)
         return Committed(
             manifest=manifest,
             staged=entries,
-            staged_of=lambda m: sorted({*in_place, *(e.path for e in m.files)}),
+            staged_of=lambda m: sorted({*_in_place(committed.read()), *(e.path for e in m.files)}),
             after=(rejected_files,),
         )
 

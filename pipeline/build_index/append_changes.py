@@ -13,15 +13,13 @@ from dataclasses import dataclass
 import apache_beam as beam
 import numpy as np
 
-from pipeline.chunks.chunk_files import ChunkFileRanges
+from pipeline.chunks.chunk_files import ChunkFileRanges, CommittedChunkFiles, CommittedIndexManifest
 from pipeline.chunks.deleted import (
     DELETE_REQUESTED,
     NOT_IN_ITS_FILE,
     REPLACED,
     DeletedDocument,
     DeletedRanges,
-    deleted_files,
-    read_deleted,
 )
 from pipeline.common import fileio
 from pipeline.common.arrays import widest_span
@@ -54,7 +52,7 @@ RUN, DELETE = "run", "delete"  # CoGroupByKey tags: a document's chunk-id run; a
 REPLACED_TAG, NOT_FOUND = "replaced", "not_found"
 
 
-def document_runs(ranges: ChunkFileRanges, number: int, deleted: DeletedRanges):
+def document_runs(ranges: ChunkFileRanges | CommittedChunkFiles, number: int, deleted: DeletedRanges):
     """(doc id, (first chunk id, end)) of each document with chunks in chunk file `number`,
     but those already deleted (a document's run may go on in the next file: `widest_span`
     joins the parts)."""
@@ -115,7 +113,7 @@ def rewrite_index(
     *,
     new_entries: list[FileEntry],
     deleted_now: list[DeletedDocument],
-    previous: IndexManifest,
+    committed: CommittedIndexManifest,
     directory,
     staging,
     sample,
@@ -123,6 +121,7 @@ def rewrite_index(
     """One worker: the committed index read, the deleted documents' vectors removed, the new
     ones added in chunk-id order, written to staging; the new vectors' recall at the index's
     depth measured among the vectors left. An index in slices is changed a slice at a time."""
+    previous = committed.read()
     new_paths = [fileio.join(staging, e.path) for e in sorted(new_entries, key=lambda e: file_number(e.path))]
     old_paths = [
         fileio.join(directory, e.path)
@@ -130,7 +129,7 @@ def rewrite_index(
         if e.path.startswith("embeddings/")
     ]
     now = DeletedRanges.of(deleted_now)
-    deleted = DeletedRanges.concatenate([read_deleted(deleted_files(directory, previous.files)), now])
+    deleted = DeletedRanges.concatenate([committed.deleted(), now])
     named = {unversioned(e.path): e for e in previous.files}  # faiss files by name: a commit may have numbered them
     if f"faiss/{QUANTIZER_FILE}" in named:
         return _change_slices(

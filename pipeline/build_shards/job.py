@@ -20,7 +20,7 @@ from pipeline.chunks.chunk_files import (
     chunk_arrays,
 )
 from pipeline.chunks.chunking import Chunk
-from pipeline.chunks.deleted import DeletedRanges
+from pipeline.chunks.deleted import DeletedFiles
 from pipeline.common import fileio
 from pipeline.common.errors import StageError
 from pipeline.common.progress import ReportProgress
@@ -185,7 +185,7 @@ def _build_shards(
         chunk_files = CommittedChunkFiles(
             idx, 0 if index is None else index.num_chunks, "" if index is None else index.manifest_sha256
         )
-        deleted = index.deleted() if index is not None else DeletedRanges.none()
+        deleted = index.deleted() if index is not None else DeletedFiles(())
         # the files the index manifest lists (a dry run without an index: a glob, never read)
         database_chunks: str | CommittedFiles = fileio.join(idx, "chunks", "*.parquet")
         database_embeddings: str | CommittedFiles = fileio.join(idx, EMBEDDINGS_DIR, "*.parquet")
@@ -198,7 +198,7 @@ def _build_shards(
                 pipeline
                 | "ReadChunkDatabase"
                 >> ReadParquetFiles(database_chunks, columns=list(TRAINING_COLUMNS), validate=not dry_run)
-                | "TrainingChunks" >> beam.Map(TrainingChunks.of, deleted)
+                | "TrainingChunks" >> beam.Map(lambda batch: TrainingChunks.of(batch, deleted.ranges()))
             )
             spans = training_chunks | "DocumentSpans" >> SpansOfTrainingChunks()
             queries = None  # the search reads them from the database's embedding files
@@ -243,7 +243,7 @@ def _build_shards(
             target_recall=cfg.index.target_recall,
             recall_below_target=cfg.recall_below_target,
             routing=routing,
-            deleted=deleted if len(deleted) else None,
+            deleted=deleted if deleted else None,
         )
         inputs = (sequences, spans) if queries is None else (sequences, queries, spans)
         retrieved = inputs | "RetrieveNeighbours" >> RetrieveNeighbours(

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.chunks.chunking import Chunk
-from pipeline.chunks.deleted import DeletedRanges
+from pipeline.chunks.deleted import DeletedFiles, DeletedRanges, deleted_files
 from pipeline.common import fileio
 from pipeline.common.names import file_name, file_number
 from schemas.arrow import chunk_schema, fixed_size_list, tensor_column_to_numpy
@@ -189,6 +189,32 @@ class ChunkFileRanges:
                 "implies: run `ratrain-pipeline validate` on the index"
             )
         return table
+
+
+@dataclass(frozen=True)
+class CommittedIndexManifest:
+    """A committed index manifest named by its directory and sha256 alone: what a job graph
+    carries instead of the manifest (138 MB pickled at 3e10 chunks, in every step given it).
+    Each process reads it whole once, from the current commit or a kept older one."""
+
+    directory: str
+    manifest_sha256: str
+
+    def read(self):
+        """The manifest with its file entries (IndexManifest); shared in the process: not to be changed."""
+        return _whole_manifest(self.directory, self.manifest_sha256)
+
+    def deleted(self) -> DeletedRanges:
+        """The documents deleted from the index by its earlier generations."""
+        return DeletedFiles(tuple(deleted_files(self.directory, self.read().files))).ranges()
+
+    def chunk_files(self) -> CommittedChunkFiles:
+        return CommittedChunkFiles(self.directory, self.read().num_chunks, self.manifest_sha256)
+
+
+@functools.lru_cache(maxsize=2)
+def _whole_manifest(directory: str, manifest_sha256: str):
+    return fileio.whole(_committed_manifest(directory, manifest_sha256), directory)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ database (exact search, validate, sequences of `training_corpus: same`) leaves t
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -110,6 +111,26 @@ def read_deleted(paths: list[str]) -> DeletedRanges:
         starts = table["first_chunk_id"].to_numpy()
         parts.append(DeletedRanges(starts, starts + table["num_chunks"].to_numpy(), table["doc_id"].to_numpy()))
     return DeletedRanges.concatenate(parts)
+
+
+@dataclass(frozen=True)
+class DeletedFiles:
+    """A committed index's deleted-document files, named by their paths alone: what a job graph
+    carries (24 bytes a deleted document otherwise, in every step given them); each process
+    reads them once, when a step first asks (`ranges`)."""
+
+    paths: tuple[str, ...]
+
+    def ranges(self) -> DeletedRanges:
+        return _read_once(self.paths)
+
+    def __bool__(self) -> bool:
+        return bool(self.paths)
+
+
+@functools.lru_cache(maxsize=2)
+def _read_once(paths: tuple[str, ...]) -> DeletedRanges:
+    return read_deleted(list(paths))
 
 
 def deleted_files(directory: str, entries) -> list[str]:

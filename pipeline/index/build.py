@@ -27,6 +27,8 @@ Chunk ids are the faiss ids, so a search answers chunk ids.
 
 from __future__ import annotations
 
+from typing import Any
+
 import apache_beam as beam
 import numpy as np
 from apache_beam.metrics import Metrics
@@ -65,16 +67,27 @@ def _truth_of(queries: QuerySample, ids, vectors, k: int) -> Truth:
 
 
 class _FillPart(beam.DoFn):
-    """One embeddings file = one part: its vectors added (chunk ids as faiss ids) to a copy of
-    the trained index, streamed batch by batch, written as part-<file>.faiss without the coarse
+    """One embeddings file = one part: its vectors added (chunk ids as faiss ids) to the
+    trained index, streamed batch by batch, written as part-<file>.faiss without the coarse
     quantizer (only its lists and codes travel); plus the part's exact nearest neighbour of
-    every query of the recall sample."""
+    every query of the recall sample. The trained index is read once per DoFn instance (at
+    2^20 lists it is 2-3.7 GB, and there is a part per embedding file) and emptied before each
+    part."""
 
     def __init__(self, out_dir, neighbours: int):
         self.out_dir, self.neighbours = out_dir, neighbours
+        self._trained: tuple[str, Any] | None = None  # (path, index) read in this process
+
+    def _emptied(self, trained_path: str):
+        if self._trained is None or self._trained[0] != trained_path:
+            self._trained = None  # the previous one freed before the next is read
+            self._trained = (trained_path, read_index(trained_path, sha256=None))
+        index = self._trained[1]
+        index.reset()  # a part's lists only (a failed bundle may have left some): the trained tables stay
+        return index
 
     def process(self, path, trained_path, queries):
-        index = read_index(trained_path, sha256=None)
+        index = self._emptied(trained_path)
         truth = None
         for ids, vectors in read_embeddings(path):
             index.add_with_ids(vectors, ids)
@@ -109,9 +122,10 @@ class _MergeTruth(beam.CombineFn):
 def _merge_and_tune(
     parts, trained_path, *, plan: IndexPlan, queries, truth, cfg: IndexConfig, out_dir, neighbours: int
 ):
-    """One worker: merge the parts into the trained index in input-file order, tune, write."""
+    """One worker: merge the parts ((embedding file number, part path)) into the trained index
+    in input-file order, tune, write."""
     index = read_index(trained_path, sha256=None)
-    part_paths = [part.path for part in sorted(parts, key=lambda p: file_number(p.embeddings))]  # chunk-id order
+    part_paths = [path for _, path in sorted(parts)]  # chunk-id order
     for path in part_paths:
         merge_part(index, read_index(path, sha256=None))
     info = _finish(
@@ -276,8 +290,12 @@ class BuildIndex(beam.PTransform):
             | "SumListSizes" >> beam.CombineGlobally(SumListSizes())
             | "PlanSlices" >> beam.Map(plan_slices, trained_path, plan, cfg.slice_bytes)
         )
-        merged = (
+        merged = (  # one index file: the parts gathered as paths (their list sizes went to the slicing plan)
             filled.parts
+            | "ForOneFile"
+            >> beam.FlatMap(
+                lambda part, slices: [(file_number(part.embeddings), part.path)] if slices is None else [], slicing
+            )
             | "GatherParts" >> beam.combiners.ToList()
             | "MergeAndTune"
             >> beam.FlatMap(

@@ -154,6 +154,15 @@ def stage_memory(cfg: PipelineConfig, corpus: Corpus, dim: int = 384) -> list[di
             "build-shards: search",
             {
                 f"{held}, one copy per process": held_bytes,
+                # a sliced index routes queries by its quantizer: one copy per process, shared by every round
+                **(
+                    {
+                        "the quantizer and list owners, one copy per process": estimated_bytes(factory, 0, dim)
+                        + 4 * (ivf_lists(factory) or 0)
+                    }
+                    if not held_grows
+                    else {}
+                ),
                 f"{SEARCH_BATCH:,} queries and candidates": SEARCH_BATCH * (dim * 4 + 64 * 12),
                 # over its own chunks, the search reads its queries' embeddings file (`FileQueries`)
                 **(
@@ -166,7 +175,7 @@ def stage_memory(cfg: PipelineConfig, corpus: Corpus, dim: int = 384) -> list[di
                     else {}
                 ),
             },
-            held_grows,
+            held_grows or auto_grows[1:],  # sliced: the quantizer follows the lists `auto` picks
         ),
         *_candidate_step(cfg),
         ("build-shards: join one chunk file", {f"tokens and continuations of {rows:,} chunks": rows * chunk_row}, []),

@@ -23,7 +23,7 @@ import numpy as np
 
 from pipeline.chunks.beam import ReadParquetFiles
 from pipeline.chunks.chunk_files import ChunkFileRanges, CommittedChunkFiles, CommittedFiles
-from pipeline.chunks.deleted import DeletedRanges
+from pipeline.chunks.deleted import DeletedFiles
 from pipeline.common.arrays import positions_of, widest_span
 from pipeline.index.exact import truth_depth
 from pipeline.retrieve.depth import tune_retrieval_depth
@@ -97,15 +97,16 @@ class ReadQueryBlocks(beam.PTransform):
     """Embedding files (a glob, or those a committed manifest lists) -> a `QueryBlock` per
     record batch, the `deleted` documents' chunks left out."""
 
-    def __init__(self, files: str | CommittedFiles, deleted: DeletedRanges | None = None, validate: bool = True):
+    def __init__(self, files: str | CommittedFiles, deleted: DeletedFiles | None = None, validate: bool = True):
         super().__init__()
         self.files, self.deleted, self.validate = files, deleted, validate
 
     def expand(self, pbegin):
+        deleted = self.deleted
         return (
             pbegin
             | "Read" >> ReadParquetFiles(self.files, validate=self.validate)
-            | "QueryBlocks" >> beam.Map(QueryBlock.of_table, self.deleted)
+            | "QueryBlocks" >> beam.Map(lambda table: QueryBlock.of_table(table, deleted.ranges() if deleted else None))
         )
 
 

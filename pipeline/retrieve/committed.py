@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.chunks.deleted import DELETED_DIR, DeletedRanges, read_deleted
+from pipeline.chunks.deleted import DELETED_DIR, DeletedFiles
 from pipeline.common import fileio
 from pipeline.common.errors import StageError
 from pipeline.index.factory import ivf_lists
@@ -37,9 +37,9 @@ class CommittedIndex:
     deleted_paths: tuple[str, ...] = ()  # deleted/*.parquet, relative to the directory
     generation: int | None = None  # its newest generation (None: a manifest without generations)
 
-    def deleted(self) -> DeletedRanges:
-        """The documents deleted from it (their chunks are in no search)."""
-        return read_deleted([fileio.join(self.directory, path) for path in self.deleted_paths])
+    def deleted(self) -> DeletedFiles:
+        """The documents deleted from it (their chunks are in no search), as their files."""
+        return DeletedFiles(tuple(fileio.join(self.directory, path) for path in self.deleted_paths))
 
     def searched(self) -> tuple[str | None, Routing | None]:
         """What a search reads: (index.faiss, None), or (None, the Routing of its slices by lists)."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeline.chunks.chunk_files import ChunkFileRanges, CommittedChunkFiles, CommittedFiles
-from pipeline.chunks.deleted import DeletedRanges
+from pipeline.chunks.deleted import DeletedFiles, DeletedRanges
 from pipeline.common import fileio
 from pipeline.common.arrays import groups, merge_ranges, positions_of
 from pipeline.common.names import file_name
@@ -189,7 +189,7 @@ class Retrieval:
     target_recall: float = 0.95  # index.target_recall: what the depth is tuned to
     recall_below_target: str = "deepen"  # deepen | warn | fail (PipelineConfig.recall_below_target)
     routing: Routing | None = None  # an index in slices by inverted lists: how queries reach them
-    deleted: DeletedRanges | None = None  # documents deleted from the index: not in the probes' exact search
+    deleted: DeletedFiles | None = None  # documents deleted from the index: not in the probes' exact search
 
     def __post_init__(self):
         if (self.index_path is None) == (self.routing is None):

@@ -123,9 +123,14 @@ def _owners(path: str, _version: str) -> np.ndarray:
     return read_owners(path)
 
 
-def _router(holder: shared.Shared, spec: Retrieval, routing: Routing):
+#: The quantizer of a sliced index, held once per process by every step that routes queries
+#: (the first round's and each later round's: one Shared each would hold it twice).
+_QUANTIZER = shared.Shared()
+
+
+def _router(spec: Retrieval, routing: Routing):
     """(quantizer index, list owners) of a sliced index, loaded once per process."""
-    return _loaded_index(holder, routing.quantizer, None, spec.chunk_files).index, _owners(
+    return _loaded_index(_QUANTIZER, routing.quantizer, None, spec.chunk_files).index, _owners(
         stored_path(spec.chunk_files, routing.owners), index_version(spec.chunk_files)
     )
 
@@ -135,8 +140,6 @@ class _RouteQueries(beam.DoFn):
     tuned depth: the batch's RoutedBatch (tagged STATE) and one SliceQueries per slice owning
     a probed list, keyed for the search (the quantizer loaded once per process)."""
 
-    _shared_quantizer = shared.Shared()
-
     def __init__(self, spec: Retrieval, routing: Routing):
         self.spec, self.routing = spec, routing  # routing: spec.routing, known to be set
 
@@ -144,7 +147,7 @@ class _RouteQueries(beam.DoFn):
         batch = batch_of(keyed, self.spec.chunks_per_seq)
         if not len(batch.seq_ids):  # only the embeddings of chunks left over after the last sequence
             return
-        quantized, owner = _router(self._shared_quantizer, self.spec, self.routing)
+        quantized, owner = _router(self.spec, self.routing)
         depth = tuned.depth or faiss.extract_index_ivf(quantized).nprobe
         state, sent = first_round(
             batch,
@@ -180,8 +183,6 @@ class _MergeRound(beam.DoFn):
     ranks them; a batch with rows still short routes them again at twice the depth (tagged
     STATE and NEXT), a finished one sends its hits on as one index's search would."""
 
-    _shared_quantizer = shared.Shared()
-
     def __init__(self, spec: Retrieval, routing: Routing):
         self.spec, self.routing = spec, routing  # routing: spec.routing, known to be set
 
@@ -202,7 +203,7 @@ class _MergeRound(beam.DoFn):
                 searched_alone=0,
             )
             return
-        state, sent = route_rows(state, *_router(self._shared_quantizer, self.spec, self.routing), L)
+        state, sent = route_rows(state, *_router(self.spec, self.routing), L)
         yield beam.pvalue.TaggedOutput(STATE, (batch, state))
         for keyed_rows in map(_search_key, sent):
             yield beam.pvalue.TaggedOutput(NEXT, keyed_rows)

@@ -1,5 +1,6 @@
 import dataclasses
 import json
+import os
 
 import apache_beam as beam
 import faiss
@@ -347,6 +348,30 @@ def test_build_index_transform_ivf_in_parts(tmp_path, clustering):
     index = load_index(str(tmp_path / "faiss" / "index.faiss"), info["nprobe"], sha256=None)
     _, found = index.search(vectors[:20], 1)
     assert found[:, 0].tolist() == ids[:20].tolist()  # chunk ids survive as faiss ids
+
+
+@pytest.mark.beam
+def test_the_fill_reads_the_trained_index_once_per_process_and_fills_each_part_alone(tmp_path, monkeypatch):
+    """Each embedding file's part starts from the trained index read once (not once a file),
+    emptied: the merged index holds each vector once, found under its chunk id."""
+    import pipeline.index.build as build_module
+
+    reads, original = [], build_module.read_index
+    monkeypatch.setattr(
+        build_module,
+        "read_index",
+        lambda path, *a, **kw: reads.append(os.path.basename(path)) or original(path, *a, **kw),
+    )
+    vectors = clustered(4_000, clusters=50)
+    ids = np.arange(4_000, dtype=np.int64) * 2 + 1
+    paths = write_embedding_files(tmp_path / "emb", ids, vectors, files=6)
+    info = _build(paths, IndexConfig(type="IVF32,Flat", nprobe=32, recall_sample=100), tmp_path / "faiss")
+    assert info["parts"] == 6
+    assert reads.count("trained.faiss") == 2  # once by the fill (6 parts), once by the merge
+    index = load_index(str(tmp_path / "faiss" / "index.faiss"), 32, sha256=None)
+    assert index.ntotal == 4_000
+    _, found = index.search(vectors[::400], 1)
+    assert found[:, 0].tolist() == ids[::400].tolist()
 
 
 @pytest.mark.beam

@@ -3,7 +3,7 @@ refuses over 20 MB) stays the same however many files the inputs and the index h
 
 import pytest
 
-from benchmarks.scale_sim import CHUNK_FILE_ROWS, config, index_manifest, write_manifest
+from benchmarks.scale_sim import CHUNK_FILE_ROWS, append_graph_bytes, config, index_manifest, write_manifest
 from pipeline.build_shards.job import build_shards
 from pipeline.corpus.read import ReadCorpus
 from pipeline.jobs.job import graph_bytes
@@ -31,6 +31,20 @@ def test_build_shards_graph_does_not_grow_with_chunk_files(tmp_path):
     # the dry run built the graph a run would, against the committed index: its slices add the
     # routed search's steps
     assert small > one_file + 2_000
+
+
+def _append_graph(tmp_path, chunk_files: int) -> int:
+    root = tmp_path / f"append-{chunk_files:06d}"
+    cfg = config(root)
+    write_manifest(root / "index", index_manifest(chunk_files * CHUNK_FILE_ROWS, cfg))
+    return append_graph_bytes(cfg)
+
+
+def test_an_append_graph_does_not_grow_with_the_index(tmp_path):
+    """Before, an append's graph held the committed manifest twice and every chunk file's range
+    (~2 x 138 MB at 3e10 chunks); it holds the index's directory and manifest sha256 now."""
+    small, large = _append_graph(tmp_path, 1_000), _append_graph(tmp_path, 20_000)
+    assert abs(large - small) <= 0.02 * small, (small, large)
 
 
 def test_reading_a_corpus_lists_its_files_inside_the_job(tmp_path):

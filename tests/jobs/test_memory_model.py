@@ -126,8 +126,14 @@ def test_dry_run_prints_the_estimate_for_a_given_size_and_for_the_input_files(tm
 def test_with_index_slices_a_worker_holds_one_slice_whatever_the_corpus():
     small, large = (stage_memory(model_config(index={"slice_bytes": "4GiB"}), Corpus.of(c)) for c in (1e8, 3e10))
     for a, b in zip(small, large):
-        if a["stage"] in ("index: merge", "build-shards: search"):
+        if a["stage"] == "index: merge":
             assert not b["grows_with_corpus"] and a["bytes"] == b["bytes"] < 5 * 2**30, a["stage"]
+        if a["stage"] == "build-shards: search":  # one slice, and the quantizer of the lists `auto` picks
+            slice_term = "one index slice"
+            assert [t for t in a["terms"] if t.startswith(slice_term)] and all(
+                a["terms"][t] == 4 * 2**30 for t in a["terms"] if t.startswith(slice_term)
+            )
+            assert b["grows_with_corpus"] == ["the quantizer and list owners, one copy per process"]
         if a["stage"] == "index: change (append, delete)":  # what grows is the append's new vectors
             assert len(b["grows_with_corpus"]) == 1 and "new vectors" in b["grows_with_corpus"][0]
 

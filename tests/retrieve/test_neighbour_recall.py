@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 from apache_beam.testing.util import assert_that
 
-from pipeline.chunks.deleted import DELETE_REQUESTED, REPLACED, DeletedDocument, DeletedRanges
+from pipeline.chunks.deleted import DELETE_REQUESTED, REPLACED, DeletedDocument, DeletedFiles, deleted_table
 from pipeline.common.writers import embeddings_table, parquet_bytes
 from pipeline.index import exact
 from pipeline.index.exact import exact_scores_of, exact_top, merge_top
@@ -175,7 +175,11 @@ def test_query_blocks_leave_out_deleted_documents(tmp_path):
         (tmp_path / "embeddings" / f"embeddings-{number:05d}.parquet").write_bytes(
             parquet_bytes(embeddings_table(rows))
         )
-    deleted = DeletedRanges.of([DeletedDocument(7, 60, 10, DELETE_REQUESTED), DeletedDocument(9, 150, 1, REPLACED)])
+    deleted_path = tmp_path / "deleted" / "deleted-00001.parquet"  # as a commit lists it: read by each process
+    deleted_path.parent.mkdir()
+    documents = [DeletedDocument(7, 60, 10, DELETE_REQUESTED), DeletedDocument(9, 150, 1, REPLACED)]
+    deleted_path.write_bytes(parquet_bytes(deleted_table(documents)))
+    deleted = DeletedFiles((str(deleted_path),))
     kept = [i for i in range(len(vectors)) if not (60 <= i < 70 or i == 150)]
 
     def check(blocks):
