@@ -98,7 +98,7 @@ class _FillPart(beam.DoFn):
         write_part(index, part_path)
         if truth is not None:
             yield beam.pvalue.TaggedOutput("truth", truth)
-        yield FilledPart(path, part_path, list_sizes(index))
+        yield FilledPart.of(path, part_path, list_sizes(index))
 
 
 class _MergeTruth(beam.CombineFn):

@@ -35,11 +35,21 @@ log = logging.getLogger("ratrain")
 
 @dataclass(frozen=True)
 class FilledPart:
-    """One embeddings file's vectors added to a copy of the trained index, written as a part."""
+    """One embeddings file's vectors added to a copy of the trained index, written as a part;
+    the sizes of the lists it fills, sparse: a file of 65,536 vectors fills at most as many of
+    2^20 lists (768 KB, where a dense array of every list's size is 8 MiB)."""
 
     embeddings: str  # the embeddings file it was filled from
     path: str  # its part-<file>.faiss
-    list_sizes: np.ndarray  # [nlist] vectors it holds in each inverted list
+    nlist: int  # the index's inverted lists
+    lists: np.ndarray  # int64 [filled] the lists it holds vectors in, ascending
+    counts: np.ndarray  # int64 [filled] how many in each
+
+    @classmethod
+    def of(cls, embeddings: str, path: str, list_sizes: np.ndarray) -> FilledPart:
+        """From the part's dense list sizes [nlist]."""
+        lists = np.flatnonzero(list_sizes)
+        return cls(embeddings, path, len(list_sizes), lists, list_sizes[lists])
 
 
 @dataclass(frozen=True)
@@ -59,7 +69,10 @@ class SumListSizes(beam.CombineFn):
 
     def add_input(self, acc, part: FilledPart):
         sizes, parts = acc
-        return (part.list_sizes.copy() if sizes is None else sizes + part.list_sizes), parts + 1
+        if sizes is None:
+            sizes = np.zeros(part.nlist, np.int64)
+        sizes[part.lists] += part.counts  # each list once in a part
+        return sizes, parts + 1
 
     def merge_accumulators(self, accs):
         total, parts = None, 0

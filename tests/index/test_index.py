@@ -495,18 +495,20 @@ def test_lists_are_shared_out_among_slices_only_when_there_are_several(tmp_path,
     write_index(trained, str(tmp_path / "trained.faiss"))
     _, listed = faiss.extract_index_ivf(trained).quantizer.search(vectors, 1)
     kept = np.flatnonzero(listed[:, 0] >= 3)  # lists 0, 1 and 2 stay empty
-    parts = []
+    parts, dense = [], []
     for number, rows in enumerate(np.array_split(kept, 3)):
         part = faiss.clone_index(trained)
         part.add_with_ids(vectors[rows], rows.astype(np.int64))
-        parts.append(FilledPart(f"embeddings-{number:05d}.parquet", f"part-{number:05d}.faiss", list_sizes(part)))
+        dense.append(list_sizes(part))
+        parts.append(FilledPart.of(f"embeddings-{number:05d}.parquet", f"part-{number:05d}.faiss", dense[-1]))
+    assert all((part.counts > 0).all() and len(part.lists) < part.nlist for part in parts)  # only the lists filled
     summed = SumListSizes()
     totals = summed.extract_output(
         summed.merge_accumulators(
             [summed.add_input(summed.create_accumulator(), part) for part in parts] + [summed.create_accumulator()]
         )
     )
-    sizes = np.sum([part.list_sizes for part in parts], axis=0)
+    sizes = np.sum(dense, axis=0)
     assert (totals[0] == sizes).all() and totals[1] == 3
     plan = IndexPlan(
         factory=factory, dim=dim, count=len(kept), train_size=3000, clustering="flat", mergeable=True, queries=100
