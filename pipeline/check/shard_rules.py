@@ -6,6 +6,7 @@ sampled, against `pipeline.check.rules`), and that no sequence is in two shards
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,17 +23,40 @@ from schemas.manifest import ShardEntry
 from schemas.shard_columns import ShardDims
 
 REFERENCE = np.dtype(
-    [("chunk_id", "<i8"), ("seq_id", "<i8"), ("own", "?"), ("docs_start", "<i8"), ("docs_count", "<i4")]
+    [
+        ("chunk_id", "<i8"),
+        ("seq_id", "<i8"),
+        ("own", "?"),
+        ("docs_start", "<i8"),
+        ("docs_count", "<i4"),
+        ("tokens_hash", "<u8"),  # `token_hash` of its tokens (an own chunk: its m; a neighbour: its 2m)
+    ]
 )
+
+
+@functools.lru_cache(maxsize=4)
+def _weights(width: int) -> np.ndarray:
+    return np.random.default_rng(0x5EED).integers(0, 2**63, width, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+
+
+def token_hash(tokens: np.ndarray) -> np.ndarray:
+    """8 bytes per row of tokens [r, w], what a reference carries instead of its tokens (512
+    bytes at m = 64): each token times an odd weight of its position, summed mod 2^64, so rows
+    that differ in one token always differ in hash (odd weights are invertible mod 2^64)."""
+    return (tokens.astype(np.uint64) * _weights(tokens.shape[1])).sum(axis=1, dtype=np.uint64)
+
+
+def _reference_hash(tokens: np.ndarray, own: np.ndarray, m: int) -> np.ndarray:
+    """A reference's `tokens_hash` from its row [r, 2m]: an own chunk's m tokens, a neighbour's 2m."""
+    return np.where(own, token_hash(tokens[:, :m]), token_hash(tokens))
 
 
 @dataclass(frozen=True)
 class ReferenceBlock:
     """References into one chunk file: which chunk, which sequence, neighbour or the
-    sequence's own chunk, where its doc ids are in `docs`; their tokens [r, 2m]; the doc ids."""
+    sequence's own chunk, where its doc ids are in `docs`, the hash of its tokens; the doc ids."""
 
     refs: np.ndarray
-    values: np.ndarray
     docs: np.ndarray
 
 
@@ -86,7 +110,8 @@ def _shard_references(
         refs = np.zeros(int(here.sum()), REFERENCE)
         refs["chunk_id"], refs["seq_id"], refs["own"] = chunk_id[here], seq_ids[row[here]], own[here]
         refs["docs_start"], refs["docs_count"] = local_start[where], counts[where]
-        blocks[int(number)] = ReferenceBlock(refs, value[here].astype(np.int32), docs.astype(np.int64))
+        refs["tokens_hash"] = _reference_hash(value[here], own[here], m)
+        blocks[int(number)] = ReferenceBlock(refs, docs.astype(np.int64))
     return blocks
 
 
@@ -164,7 +189,7 @@ def check_references(chunks: ChunkFiles, unit: ChunkFileUnit, read: ChunkRowsRea
     """References into a chunk file (`read`: its rows they point at): a neighbour's tokens are
     the chunk and its continuation and it is from none of the sequence's documents; a
     sequence's own chunks hold its tokens and their documents are among its doc_ids."""
-    refs, values, docs, rows = block.refs, block.values, block.docs, read.rows
+    refs, docs, rows = block.refs, block.docs, read.rows
     m = rows.tokens.shape[1]
     local = read.at[np.searchsorted(read.asked, refs["chunk_id"] - int(chunks.starts[unit.number]))]
     path = fileio.join(chunks.directory, unit.entry.path)
@@ -175,7 +200,7 @@ def check_references(chunks: ChunkFiles, unit: ChunkFileUnit, read: ChunkRowsRea
     )
     expected = np.concatenate([rows.tokens[local], rows.continuation[local]], axis=1)
     own = refs["own"]
-    wrong = np.where(own, (values[:, :m] != expected[:, :m]).any(axis=1), (values != expected).any(axis=1))
+    wrong = _reference_hash(expected, own, m) != refs["tokens_hash"]
     if wrong.any():
         first = np.flatnonzero(wrong)[0]
         what = "tokens differ from its chunks" if own[first] else "neighbour tokens differ from the chunk database"

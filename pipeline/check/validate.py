@@ -46,10 +46,10 @@ DOCUMENTS_PER_BUCKET = 1 << 22  # document starts made unique at a time (32 MB o
 
 class _References:
     """Per chunk file, on local disk: the reference blocks of every shard checked, appended
-    (refs, their tokens [r, 2m], the doc ids), read back in blocks of REFERENCE_BLOCK."""
+    (refs, the doc ids), read back in blocks of REFERENCE_BLOCK."""
 
-    def __init__(self, root: str, width: int):
-        self.root, self.width = root, width
+    def __init__(self, root: str):
+        self.root = root
         self.docs_written: dict[int, int] = {}  # chunk file number -> doc ids appended
 
     def _path(self, number: int, kind: str) -> str:
@@ -58,7 +58,7 @@ class _References:
     def add(self, number: int, block: ReferenceBlock) -> None:
         refs = block.refs.copy()
         refs["docs_start"] += self.docs_written.get(number, 0)
-        for kind, array in (("refs", refs), ("values", block.values), ("docs", block.docs)):
+        for kind, array in (("refs", refs), ("docs", block.docs)):
             with open(self._path(number, kind), "ab") as f:
                 f.write(np.ascontiguousarray(array).tobytes())
         self.docs_written[number] = self.docs_written.get(number, 0) + len(block.docs)
@@ -68,12 +68,9 @@ class _References:
 
     def blocks(self, number: int):
         refs = np.memmap(self._path(number, "refs"), REFERENCE, "r")
-        values = np.memmap(self._path(number, "values"), np.int32, "r").reshape(-1, self.width)
         docs = np.memmap(self._path(number, "docs"), np.int64, "r")
         for begin in range(0, len(refs), REFERENCE_BLOCK):
-            yield ReferenceBlock(
-                np.array(refs[begin : begin + REFERENCE_BLOCK]), np.array(values[begin : begin + REFERENCE_BLOCK]), docs
-            )
+            yield ReferenceBlock(np.array(refs[begin : begin + REFERENCE_BLOCK]), docs)
 
 
 @dataclass(frozen=True)
@@ -132,7 +129,7 @@ def run_in_process(plan: ValidationPlan) -> InProcessRun:
         for directory, entries in by_directory(plan.listed_files):
             check_listed_sizes(directory, entries)
     with tempfile.TemporaryDirectory(prefix="ratrain-validate-") as scratch:
-        references = _References(scratch, 2 * plan.shards.chunk_tokens if plan.shards else 0)
+        references = _References(scratch)
         starts = _DocumentStarts(scratch, plan.index.num_documents if plan.index else 0)
         try:
             bytes_read = _check_chunk_files(plan, references, starts)

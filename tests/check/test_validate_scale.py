@@ -102,3 +102,23 @@ def test_a_sample_reads_only_the_chunk_rows_it_checks_and_finds_a_wrong_neighbou
     (output / "shards" / unsampled).write_bytes(b"short")  # not read by a sample: its size is checked
     with pytest.raises(ValidationFailed, match=f"{unsampled}: 5 bytes, manifest says"):
         validate_path(str(output / "shards"), 0.01)
+
+
+@pytest.mark.unit
+def test_a_reference_carries_a_hash_of_its_tokens_that_any_one_changed_token_changes():
+    """A reference travels to its chunk file with 8 bytes for its tokens, not 2m tokens (512
+    bytes at m = 64); a row that differs in any one token, by any amount, hashes differently."""
+    from pipeline.check.shard_rules import REFERENCE, token_hash
+
+    assert REFERENCE.itemsize == 8 + 8 + 1 + 8 + 4 + 8
+    rng = np.random.default_rng(3)
+    rows = rng.integers(0, 50_000, (2_000, 128)).astype(np.int32)
+    changed = rows.copy()
+    at = rng.integers(0, 128, len(rows))
+    changed[np.arange(len(rows)), at] += rng.integers(1, 2**20, len(rows)).astype(np.int32)
+    assert (token_hash(changed) != token_hash(rows)).all()
+    swapped = rows.copy()
+    swapped[:, [0, 1]] = swapped[:, [1, 0]]  # the same tokens in another order
+    moved = rows[:, 0] != rows[:, 1]
+    assert (token_hash(swapped)[moved] != token_hash(rows)[moved]).all()
+    assert (token_hash(rows.copy()) == token_hash(rows)).all()
