@@ -84,6 +84,12 @@ def unversioned(path: str) -> str:
     return _VERSION.sub("", path)
 
 
+def by_name(entries) -> dict:
+    """File entries (anything with a `.path`) by the name a reader looks them up by, whatever
+    commit numbered them (`unversioned`)."""
+    return {unversioned(e.path): e for e in entries}
+
+
 class FileEntry(ManifestModel):
     path: str = Field(
         pattern=INSIDE_PATH, description=f"Path relative to the manifest's directory: {INSIDE_PATH_RULE}."

@@ -46,7 +46,7 @@ from pipeline.index.files import (
 from pipeline.index.routing import add_list_blocks
 from pipeline.index.search import set_search_depth
 from pipeline.index.slices import vectors_per_slice
-from schemas.manifest import FileEntry, IndexManifest, unversioned
+from schemas.manifest import FileEntry, IndexManifest, by_name
 
 RUN, DELETE = "run", "delete"  # CoGroupByKey tags: a document's chunk-id run; a request to delete it
 REPLACED_TAG, NOT_FOUND = "replaced", "not_found"
@@ -130,7 +130,7 @@ def rewrite_index(
     ]
     now = DeletedRanges.of(deleted_now)
     deleted = DeletedRanges.concatenate([committed.deleted(), now])
-    named = {unversioned(e.path): e for e in previous.files}  # faiss files by name: a commit may have numbered them
+    named = by_name(previous.files)
     if f"faiss/{QUANTIZER_FILE}" in named:
         return _change_slices(
             previous,
@@ -163,7 +163,7 @@ def _change_slices(
     cut in two or more if it outgrew the slice size, written anew if it changed, and searched
     for the sampled new vectors at the index's depth, merged as the index build measures
     slices. The list owners are written anew when they changed."""
-    named = {unversioned(e.path): e for e in previous.files}
+    named = by_name(previous.files)
     quantizer, owners = named[f"faiss/{QUANTIZER_FILE}"], named[f"faiss/{LIST_OWNERS_FILE}"]
     trained = read_index(fileio.join(directory, quantizer.path), sha256=quantizer.sha256)
     owners_before = read_owners(fileio.join(directory, owners.path))
