@@ -18,8 +18,9 @@ from schemas import __version__
 from schemas.arrow import SCHEMA_VERSION, check_schema_version
 from schemas.measures import ManifestModel, NeighbourRecall, PrecisionCheck, Recall, SearchDepth
 
-#: A copy of the newest commit's manifest, for people and outside tools (no reader needs it;
-#: an output from before commits were numbered has only this).
+#: A copy of the newest commit's manifest, for people and outside tools, and where the trainer
+#: starts looking for the newest commit (its `commit` names it); an output from before commits
+#: were numbered has only this.
 MANIFEST_FILE = "manifest.json"
 #: Each commit of a directory writes its manifest once, as manifest-NNNNNN.json, with a
 #: put-if-absent; the newest complete one is the directory's current commit.
@@ -52,11 +53,10 @@ def chosen_manifest(names, number: int | None = None) -> tuple[int, str] | None:
     commit `number`'s, or with None the newest; an output from before commits were numbered
     has only manifest.json, read as commit 0. None: no such commit."""
     numbered = sorted((int(m.group(1)), name) for name in names if (m := COMMIT_MANIFEST.fullmatch(name)))
-    if number is not None:
-        numbered = [(n, name) for n, name in numbered if n == number]
-    if numbered:
-        return numbered[-1]
-    return (0, MANIFEST_FILE) if number in (None, 0) and MANIFEST_FILE in names else None
+    if not numbered:
+        return (0, MANIFEST_FILE) if number in (None, 0) and MANIFEST_FILE in names else None
+    chosen = [(n, name) for n, name in numbered if number is None or n == number]
+    return chosen[-1] if chosen else None
 
 
 def commit_number(path: str) -> int:

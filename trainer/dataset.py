@@ -133,16 +133,25 @@ class ShardDataset(IterableDataset):
         except FileNotFoundError:
             return None
 
+    @staticmethod
+    def _commit_named(text: str | None) -> int:
+        """The `commit` a manifest's text records (0: none, or no manifest)."""
+        try:
+            return int(json.loads(text).get("commit") or 0) if text is not None else 0
+        except (ValueError, AttributeError, TypeError):  # not a manifest: read_manifest names the problem
+            return 0
+
+    def _copy_commit(self) -> int:
+        """The commit manifest.json, the copy of the newest, says it is."""
+        return self._commit_named(self._read_text(MANIFEST_FILE))
+
     def _current(self) -> tuple[int | None, str, str | None]:
         """(commit, name, text) of the newest commit's manifest, by reads alone (an object store
         lists a shard directory only whole): manifest.json, the copy made after each commit,
         names its commit (None: from before commits were numbered); commits after it, if any,
         are read next in turn."""
         text = self._read_text(MANIFEST_FILE)
-        try:
-            number = int(json.loads(text).get("commit") or 0) if text is not None else 0
-        except (ValueError, AttributeError, TypeError):  # not a manifest: read_manifest names the problem
-            number = 0
+        number = self._commit_named(text)
         commit, name = number or None, MANIFEST_FILE
         while (newer := self._read_text(commit_manifest(number + 1))) is not None:
             number += 1
@@ -154,6 +163,8 @@ class ShardDataset(IterableDataset):
             self.commit, name, text = self._current()
         else:
             self.commit, name, text = commit, commit_manifest(commit), self._read_text(commit_manifest(commit))
+            if text is None and self._copy_commit() == commit:  # a directory copied as manifest.json + shards
+                name, text = MANIFEST_FILE, self._read_text(MANIFEST_FILE)
             if text is None:
                 raise ShardDataError(f"{self._path(name)}: no commit {commit} of the shards (not made, or not kept)")
         path = self._path(name)
@@ -342,7 +353,9 @@ class ShardDataset(IterableDataset):
         """Continue where `state` left off; the stream's shape (data, ranks, shuffle) must match."""
         current = self.state_dict()
         for key in ("world_size", "num_sequences", "shuffle", "commit"):
-            if key in state and state[key] != current[key]:  # states from before commits lack "commit"
+            if state.get(key) is None or current[key] is None:  # a state or manifest from before commits
+                continue
+            if state[key] != current[key]:
                 raise ValueError(f"cannot resume: state has {key}={state[key]!r}, this dataset {current[key]!r}")
         if not 0 <= state["position"] <= len(self):
             raise ValueError(f"cannot resume: position {state['position']} is outside an epoch of {len(self)} samples")

@@ -120,7 +120,7 @@ def change_index(
         keep_commits=cfg.keep_commits,
         replaces=previous_sha256,
     )
-    committed = CommittedIndexManifest(directory, previous_sha256)
+    committed = CommittedIndexManifest(directory, previous_sha256, previous.num_chunks)
 
     def graph(pipeline, staging) -> Committed:
         threads = encoder_threads(cfg.embedding.cpu_threads, cfg.embedding.device, pipeline.options)

@@ -303,7 +303,8 @@ def _plan_vector_index(plan: ValidationPlan, directory: str) -> None:
     manifest = _manifest(plan, directory, VectorIndexManifest)
     entries = _entries(manifest)
     plan.listed_files += [(directory, entry) for entry in entries]
-    plan.faiss_index = FaissFacts.of(directory, manifest, entries, manifest.num_vectors, DeletedRanges.none())
+    if plan.complete:  # a sample does not search it, as for a pipeline's index
+        plan.faiss_index = FaissFacts.of(directory, manifest, entries, manifest.num_vectors, DeletedRanges.none())
     plan.lines.append(
         f"OK vector index {directory}: {manifest.num_vectors} vectors, {manifest.index_factory}, "
         f"{manifest.recall_at_k.measure} = {manifest.recall_at_k.value:.3f} at depth {manifest.nprobe}"

@@ -78,13 +78,22 @@ def check_listed_file(directory: str, entry: FileEntry) -> None:
 
 @of_kind("file")
 def check_listed_sizes(directory: str, entries: list[FileEntry]) -> None:
-    """The sizes of listed files, from one listing of their directory (no file read)."""
+    """The sizes of listed files, from one listing of their directory (no file read); one
+    problem naming every file missing or of another size (the first ten)."""
     start = len(directory.rstrip("/")) + 1
     sizes = {m.path[start:]: m.size_in_bytes for m in fileio.list_metadata(directory)}
-    for entry in entries:
-        path = fileio.join(directory, entry.path)
-        require(entry.path in sizes, f"{path}: listed in the manifest but missing")
-        require(sizes[entry.path] == entry.bytes, f"{path}: {sizes[entry.path]} bytes, manifest says {entry.bytes}")
+    wrong = [
+        f"{fileio.join(directory, e.path)}: "
+        + (
+            f"{sizes[e.path]} bytes, manifest says {e.bytes}"
+            if e.path in sizes
+            else "listed in the manifest but missing"
+        )
+        for e in entries
+        if sizes.get(e.path) != e.bytes
+    ]
+    more = f" (and {len(wrong) - 10} more files)" if len(wrong) > 10 else ""
+    require(not wrong, "; ".join(wrong[:10]) + more)
 
 
 def by_directory(listed: list[tuple[str, FileEntry]]) -> list[tuple[str, list[FileEntry]]]:

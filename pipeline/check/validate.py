@@ -10,14 +10,16 @@ same functions, each holding one unit at a time:
   files (continuations), the document runs, each embedding file, then the faiss index
   against probes taken from the embedding files checked;
 - shards: each shard; its neighbours (and, for `training_corpus: same`, the sequence's own
-  chunks) become references grouped by the chunk file holding their chunk (on local disk
-  here, a GroupByKey in the job), and each chunk file is read once to check them: tokens
-  equal the chunk database, no neighbour from the sequence's documents.
+  chunks) become references (each with an 8-byte hash of its tokens) grouped by the chunk
+  file holding their chunk (on local disk here, a GroupByKey in the job), and each chunk file
+  is read once to check them: tokens equal the chunk database, no neighbour from the
+  sequence's documents.
 
 With `sample` < 1, ceil(sample x count) shards, chunk files and embedding files are checked,
 chosen by a hash of their file names (the same ones every time, at least one of each), plus
-the references of the sampled shards against the Parquet row groups they fall in; sizes and
-sha256 are still checked for every listed file.
+the references of the sampled shards against the Parquet row groups they fall in; every other
+listed file by its size, from one listing per directory (with `hash_all`, by its sha256 too);
+the faiss index is not searched.
 """
 
 from __future__ import annotations

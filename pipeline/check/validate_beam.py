@@ -2,7 +2,8 @@
 runners the pipeline runs on, so no process holds the whole output.
 
 `ValidateOutput` plans from the manifests on a worker and runs the plan's units as ParDos:
-listed files hashed, one per element, one shard per element (its references keyed by chunk
+listed files hashed, one per element (a sample: their sizes, a directory per element), one
+shard per element (its references keyed by chunk
 file number), a GroupByKey that brings each chunk file its unit and references so each group
 reads only that file (or the row groups the references fall in), embedding files, then the
 cross-file checks over small summaries (each chunk-file boundary, document runs counted per doc

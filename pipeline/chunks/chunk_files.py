@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.chunks.chunking import Chunk
-from pipeline.chunks.deleted import DeletedFiles, DeletedRanges, deleted_files
+from pipeline.chunks.deleted import DELETED_DIR, DeletedFiles, DeletedRanges
 from pipeline.common import fileio
 from pipeline.common.names import file_name, file_number
 from schemas.arrow import chunk_schema, fixed_size_list, tensor_column_to_numpy
@@ -193,12 +193,15 @@ class ChunkFileRanges:
 
 @dataclass(frozen=True)
 class CommittedIndexManifest:
-    """A committed index manifest named by its directory and sha256 alone: what a job graph
-    carries instead of the manifest (138 MB pickled at 3e10 chunks, in every step given it).
-    Each process reads it whole once, from the current commit or a kept older one."""
+    """A committed index manifest named by its directory and sha256 alone (and its chunk count):
+    what a job graph carries instead of the manifest (138 MB pickled at 3e10 chunks, in every
+    step given it). Each process reads what it asks for once, from the current commit or a kept
+    older one: the manifest whole (`read`: the steps that rewrite it, one worker each), or only
+    its deleted documents (`deleted`: from the path column of its file table)."""
 
     directory: str
     manifest_sha256: str
+    num_chunks: int
 
     def read(self):
         """The manifest with its file entries (IndexManifest); shared in the process: not to be changed."""
@@ -206,15 +209,21 @@ class CommittedIndexManifest:
 
     def deleted(self) -> DeletedRanges:
         """The documents deleted from the index by its earlier generations."""
-        return DeletedFiles(tuple(deleted_files(self.directory, self.read().files))).ranges()
+        return _deleted_of(self.directory, self.manifest_sha256)
 
     def chunk_files(self) -> CommittedChunkFiles:
-        return CommittedChunkFiles(self.directory, self.read().num_chunks, self.manifest_sha256)
+        return CommittedChunkFiles(self.directory, self.num_chunks, self.manifest_sha256)
 
 
 @functools.lru_cache(maxsize=2)
 def _whole_manifest(directory: str, manifest_sha256: str):
     return fileio.whole(_committed_manifest(directory, manifest_sha256), directory)
+
+
+@functools.lru_cache(maxsize=2)
+def _deleted_of(directory: str, manifest_sha256: str) -> DeletedRanges:
+    paths, _ = fileio.entry_paths_and_rows(_committed_manifest(directory, manifest_sha256), directory, DELETED_DIR)
+    return DeletedFiles(tuple(fileio.join(directory, path) for path in paths)).ranges()
 
 
 @dataclass(frozen=True)
@@ -223,7 +232,8 @@ class CommittedChunkFiles:
     carries them stays the same size however many chunk files there are (a `ChunkFileRanges`
     holds a path and a start per file: ~15 MB pickled at 457k files, copied into every transform
     that looks chunks up). Each process reads the ranges from the index manifest the first time
-    it looks a chunk up, and refuses a manifest that changed since the job was built."""
+    it looks a chunk up: the commit the job was built against (its sha256), current or still
+    kept; a commit no longer kept is refused."""
 
     directory: str
     num_chunks: int
@@ -297,8 +307,15 @@ def _committed_manifest(directory: str, manifest_sha256: str):
 
     found = fileio.current_manifest(directory)
     if found is None or fileio.sha256_bytes(found[1]) != manifest_sha256:
-        older = (fileio.current_manifest(directory, number) for number, _ in reversed(fileio.commits(directory)))
-        found = next((f for f in older if f is not None and fileio.sha256_bytes(f[1]) == manifest_sha256), None)
+        found = None
+        for _, path in reversed(fileio.commits(directory)):  # the kept commits, from one listing
+            try:
+                data = fileio.read_bytes(path)
+            except OSError:  # deleted as no longer kept since the listing
+                continue
+            if fileio.sha256_bytes(data) == manifest_sha256:
+                found = path, data
+                break
     if found is None:
         raise _no_longer_kept(directory)
     return read_manifest(found[1], found[0], IndexManifest)

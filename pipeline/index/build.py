@@ -70,13 +70,16 @@ class _FillPart(beam.DoFn):
     """One embeddings file = one part: its vectors added (chunk ids as faiss ids) to the
     trained index, streamed batch by batch, written as part-<file>.faiss without the coarse
     quantizer (only its lists and codes travel); plus the part's exact nearest neighbour of
-    every query of the recall sample. The trained index is read once per DoFn instance (at
-    2^20 lists it is 2-3.7 GB, and there is a part per embedding file) and emptied before each
-    part."""
+    every query of the recall sample. The trained index is read once per DoFn instance (a
+    worker thread; at 2^20 lists it is 2-3.7 GB, and there is a part per embedding file),
+    emptied before each part and dropped when the instance is torn down."""
 
     def __init__(self, out_dir, neighbours: int):
         self.out_dir, self.neighbours = out_dir, neighbours
         self._trained: tuple[str, Any] | None = None  # (path, index) read in this process
+
+    def teardown(self):
+        self._trained = None
 
     def _emptied(self, trained_path: str):
         if self._trained is None or self._trained[0] != trained_path:

@@ -37,19 +37,19 @@ log = logging.getLogger("ratrain")
 class FilledPart:
     """One embeddings file's vectors added to a copy of the trained index, written as a part;
     the sizes of the lists it fills, sparse: a file of 65,536 vectors fills at most as many of
-    2^20 lists (768 KB, where a dense array of every list's size is 8 MiB)."""
+    2^20 lists (512 KB, where a dense array of every list's size is 8 MiB)."""
 
     embeddings: str  # the embeddings file it was filled from
     path: str  # its part-<file>.faiss
     nlist: int  # the index's inverted lists
-    lists: np.ndarray  # int64 [filled] the lists it holds vectors in, ascending
-    counts: np.ndarray  # int64 [filled] how many in each
+    lists: np.ndarray  # int32 [filled] the lists it holds vectors in, ascending
+    counts: np.ndarray  # int32 [filled] how many in each
 
     @classmethod
     def of(cls, embeddings: str, path: str, list_sizes: np.ndarray) -> FilledPart:
         """From the part's dense list sizes [nlist]."""
         lists = np.flatnonzero(list_sizes)
-        return cls(embeddings, path, len(list_sizes), lists, list_sizes[lists])
+        return cls(embeddings, path, len(list_sizes), lists.astype(np.int32), list_sizes[lists].astype(np.int32))
 
 
 @dataclass(frozen=True)

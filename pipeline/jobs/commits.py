@@ -19,7 +19,6 @@ from pydantic import BaseModel
 from pipeline.common import conditional, fileio
 from pipeline.common.errors import StageError
 from schemas.manifest import (
-    COMMIT_MANIFEST,
     MANIFEST_FILE,
     IndexManifest,
     ManifestError,
@@ -135,16 +134,21 @@ class Collected:
 
 
 def _orphans(directory: str, model: type[BaseModel]) -> list[str]:
-    """Files in `directory` that no commit lists, besides its manifests: what a commit that died
-    before its put moved into place, where the next commit of other settings wrote other names."""
+    """Files in `directory` that no commit lists, of the kind commits write (in a folder where
+    they list files, with an extension they list, not hidden): what a commit that died before
+    its put moved into place, where the next commit of other settings wrote other names. The
+    lease, staging, rejected records and anything else kept beside them are not its."""
     listed = listed_by_commits(directory, fileio.commits(directory), model)
+    folders = {posixpath.dirname(path) for path in listed}
+    extensions = {posixpath.splitext(path)[1] for path in listed}
     start = len(directory.rstrip("/")) + 1
     return [
         path
         for path in fileio.list_files(directory)
         if (relative := path[start:]) not in listed
-        and relative != MANIFEST_FILE
-        and not COMMIT_MANIFEST.fullmatch(relative)
+        and posixpath.dirname(relative) in folders
+        and posixpath.splitext(relative)[1] in extensions
+        and not posixpath.basename(relative).startswith(".")
     ]
 
 

@@ -364,6 +364,10 @@ def test_commits_kept_by_keep_commits_are_readable_until_gc_deletes_them(tmp_pat
     assert (index / "faiss" / "index.faiss").exists() and (index / "faiss" / "index.c000002.faiss").exists()
     orphan = index / "chunks" / "chunks-00099.parquet"  # moved into place by a commit that died before its put
     orphan.write_bytes(b"PAR1")
+    mine = [index / "notes.txt", index / "chunks" / ".partial.parquet", out / "rejected" / "kept.jsonl"]
+    for path in mine:  # of no kind a commit writes, or not in the index: no orphans
+        path.parent.mkdir(exist_ok=True)
+        path.write_text("mine")
     main(["gc", str(out), "--keep", "1"])
     assert f"{index}: 1 commit kept; 1 file listed by no commit" in capsys.readouterr().out
     assert sorted(p.name for p in index.glob("manifest-*.json")) == ["manifest-000002.json"]
@@ -371,6 +375,6 @@ def test_commits_kept_by_keep_commits_are_readable_until_gc_deletes_them(tmp_pat
     assert orphan.exists()  # counted, kept until asked
     main(["gc", str(out), "--orphans"])
     assert f"{index}: 1 commit kept; 1 file listed by no commit deleted" in capsys.readouterr().out
-    assert not orphan.exists()
+    assert not orphan.exists() and all(path.read_text() == "mine" for path in mine)
     assert all(line.startswith("OK") for line in validate_path(str(index)))
     assert not (out / ".lease.json").exists()

@@ -1034,3 +1034,10 @@ def test_a_resumed_run_reads_the_shards_commit_its_checkpoint_counts_in(tmp_path
     assert sorted(losses(capsys.readouterr().out)) == [3]
     with pytest.raises(SystemExit, match="cannot resume: state has commit=1, this dataset 2"):
         main([*common, "--steps", "3", "--resume", str(checkpoint), "--shards-commit", "2"])
+    copied = tmp_path / "copied"  # copied as manifest.json and the shards: its copy names commit 1
+    copied.mkdir()
+    for path in [shards / "manifest.json", *shards.glob("*.arrow")]:
+        (copied / path.name).write_bytes(path.read_bytes())
+    assert ShardDataset(copied, commit=1).commit == 1 and ShardDataset(copied).commit == 1
+    with pytest.raises(ShardDataError, match="no commit 2"):
+        ShardDataset(copied, commit=2)
