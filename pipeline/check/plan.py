@@ -293,10 +293,8 @@ def _built_against(index_directory: str, index_manifest_sha256: str) -> int | No
     """The commit of the index whose manifest shards were built against, the newest such that
     is kept (shards built before an append are checked against the index they read); None:
     none kept, so the current one (whose mismatch is then the problem named)."""
-    for number, path in reversed(fileio.commits(index_directory)):
-        if fileio.sha256_bytes(fileio.read_bytes(path)) == index_manifest_sha256:
-            return number
-    return None
+    found = fileio.kept_commit_of(index_directory, index_manifest_sha256)
+    return None if found is None else commit_number(found[0])
 
 
 def _plan_vector_index(plan: ValidationPlan, directory: str) -> None:

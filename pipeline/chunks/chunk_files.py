@@ -305,17 +305,7 @@ def _committed_manifest(directory: str, manifest_sha256: str):
     while it is kept (what a reader that started from it pins); else an error."""
     from schemas.manifest import IndexManifest, read_manifest
 
-    found = fileio.current_manifest(directory)
-    if found is None or fileio.sha256_bytes(found[1]) != manifest_sha256:
-        found = None
-        for _, path in reversed(fileio.commits(directory)):  # the kept commits, from one listing
-            try:
-                data = fileio.read_bytes(path)
-            except OSError:  # deleted as no longer kept since the listing
-                continue
-            if fileio.sha256_bytes(data) == manifest_sha256:
-                found = path, data
-                break
+    found = fileio.kept_commit_of(directory, manifest_sha256)
     if found is None:
         raise _no_longer_kept(directory)
     return read_manifest(found[1], found[0], IndexManifest)

@@ -128,6 +128,23 @@ def current_manifest(directory: str, number: int | None = None, *, look_again: b
         return current_manifest(directory, look_again=False)
 
 
+def kept_commit_of(directory: str, sha256: str) -> tuple[str, bytes] | None:
+    """(path, bytes) of the commit manifest in `directory` whose sha256 this is: the current
+    one, or an older one while it is kept (what a reader that started from it pins). None:
+    no such commit is kept."""
+    found = current_manifest(directory)
+    if found is not None and sha256_bytes(found[1]) == sha256:
+        return found
+    for _, path in reversed(commits(directory)):  # the kept commits, from one listing
+        try:
+            data = read_bytes(path)
+        except OSError:  # deleted as no longer kept since the listing
+            continue
+        if sha256_bytes(data) == sha256:
+            return path, data
+    return None
+
+
 def no_commit(directory: str, number: int) -> str:
     """What a reader asked for commit `number` of `directory`, which is not there, says."""
     kept = ", ".join(str(n) for n, _ in commits(directory))
