@@ -1,13 +1,24 @@
 """Imported at the start of every Python process whose PYTHONPATH holds this directory. While
-BUNDLE_PEAKS_DIR is set (`benchmarks/decontamination.py --bundles` sets it for a job, and
-Beam's worker processes inherit it), every bundle a process runs is recorded in
-BUNDLE_PEAKS_DIR/<pid>.jsonl: its transforms' names and how far it raised the process's
-resident memory (VmHWM, reset through /proc/self/clear_refs as the bundle starts, less VmRSS
-then). A process runs one bundle at a time while recording, so the resets do not overlap."""
+BUNDLE_PEAKS_DIR is set (`benchmarks/decontamination.py --bundles` and
+`benchmarks/scale_rehearsal.py` set it for a job, and Beam's worker processes inherit it):
 
+- every bundle a process runs is recorded in BUNDLE_PEAKS_DIR/<pid>.jsonl: its transforms'
+  names, how far it raised the process's resident memory (VmHWM, reset through
+  /proc/self/clear_refs as the bundle starts, less VmRSS then), the bytes the process read
+  meanwhile (`rchar` of /proc/self/io: files and pipes, page cache or not) and its wall time.
+  A process runs one bundle at a time while recording, so the resets do not overlap;
+- the runner process (Beam's local FnApiRunner, which groups every shuffle itself) counts the
+  encoded bytes each GroupByKey receives, by the transform's name, and writes them at exit to
+  BUNDLE_PEAKS_DIR/shuffles-<pid>.json. Reshuffle and CoGroupByKey are GroupByKeys underneath,
+  so every shuffle of a job is counted; side inputs and a stage's plain outputs are not
+  shuffles and are not."""
+
+import atexit
 import json
 import os
 import threading
+import time
+from collections import Counter
 from pathlib import Path
 
 
@@ -16,6 +27,13 @@ def _status_kb(field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1])
     raise KeyError(field)
+
+
+def _bytes_read() -> int:
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise KeyError("rchar")
 
 
 def _record_bundles(directory: Path) -> None:
@@ -28,17 +46,52 @@ def _record_bundles(directory: Path) -> None:
     def process_bundle(self, *args, **kwargs):
         with one_at_a_time:
             Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-            start = _status_kb("VmRSS")
+            start, read, began = _status_kb("VmRSS"), _bytes_read(), time.perf_counter()
             try:
                 return original(self, *args, **kwargs)
             finally:
                 names = sorted(t.unique_name for t in self.process_bundle_descriptor.transforms.values())
-                rise = _status_kb("VmHWM") - start
+                record = {
+                    "rss_kb": start,
+                    "rise_kb": _status_kb("VmHWM") - start,
+                    "read_bytes": _bytes_read() - read,
+                    "seconds": round(time.perf_counter() - began, 3),
+                    "transforms": names,
+                }
                 with log.open("a") as f:
-                    f.write(json.dumps({"rss_kb": start, "rise_kb": rise, "transforms": names}) + "\n")
+                    f.write(json.dumps(record) + "\n")
 
     bundle_processor.BundleProcessor.process_bundle = process_bundle
 
 
+def _count_shuffles(directory: Path) -> None:
+    from apache_beam.runners.portability.fn_api_runner import execution
+
+    shuffled: Counter = Counter()
+    names: dict[int, str] = {}
+    get_buffer = execution.BundleContextManager.get_buffer
+    append = execution.GroupingBuffer.append
+
+    def named_get_buffer(self, buffer_id, transform_id):
+        buffer = get_buffer(self, buffer_id, transform_id)
+        kind, name = execution.split_buffer_id(buffer_id)
+        if kind == "group":
+            names[id(buffer)] = self.execution_context.pipeline_components.transforms[name].unique_name
+        return buffer
+
+    def counted_append(self, elements_data):
+        shuffled[names.get(id(self), "?")] += len(elements_data)
+        return append(self, elements_data)
+
+    def write():
+        if shuffled:
+            (directory / f"shuffles-{os.getpid()}.json").write_text(json.dumps(dict(shuffled)))
+
+    execution.BundleContextManager.get_buffer = named_get_buffer
+    execution.GroupingBuffer.append = counted_append
+    atexit.register(write)
+
+
 if os.environ.get("BUNDLE_PEAKS_DIR"):
     _record_bundles(Path(os.environ["BUNDLE_PEAKS_DIR"]))
+    _count_shuffles(Path(os.environ["BUNDLE_PEAKS_DIR"]))

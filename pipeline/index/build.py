@@ -357,6 +357,7 @@ class BuildIndex(beam.PTransform):
         # Flat / HNSW: one worker.
         whole = (
             paths
+            | "ForOneWorker" >> beam.Filter(lambda path, p: not p.mergeable, plan)
             | "GatherPaths" >> beam.combiners.ToList()
             | "BuildInOne"
             >> beam.FlatMap(

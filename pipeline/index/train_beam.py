@@ -213,6 +213,8 @@ class TrainIndex(beam.PTransform):
 
         one_level = (
             prefixes
+            # only where one worker trains on the whole sample: a list per file gathered otherwise is waste
+            | "ForOneLevel" >> beam.Filter(lambda prefix, p: picked(p, "flat"), plan)
             | "GatherSample" >> beam.combiners.ToList()
             | "Train"
             >> beam.FlatMap(

@@ -39,6 +39,7 @@ PARQUET_ROW_GROUP = 128 * MB  # what pyarrow decodes at once from a Parquet inpu
 BYTES_PER_TOKEN = 4  # of English text, for a corpus size given in bytes
 GZIP_RATIO = 3.5  # text compresses about this much
 SEARCH_BATCH = 4096  # queries searched at once, with their candidates
+PART_PATH = 200  # a filled part as gathered for the merge: (file number, path) as Python objects
 APPEND_SHARE = 0.1  # an append of this share of the corpus, for the change step's new vectors
 
 
@@ -134,9 +135,27 @@ def stage_memory(cfg: PipelineConfig, corpus: Corpus, dim: int = 384) -> list[di
             auto_grows,
         ),
         (
-            "index: merge" if held_grows else "index: assemble one slice from its lists' blocks",
-            {held: held_bytes},
-            held_grows,
+            ("index: merge", {held: held_bytes}, held_grows)
+            if held_grows
+            # the slice and the blocks of its lists, all read before they are added (measured:
+            # benchmarks/scale_rehearsal.py)
+            else (
+                "index: assemble one slice from its lists' blocks",
+                {held: held_bytes, "its lists' blocks": held_bytes},
+                [],
+            )
+        ),
+        # one index file: the merge is given every part's path (never its codes or list sizes)
+        *(
+            [
+                (
+                    "index: gather the filled parts (one index file)",
+                    {f"(file number, path) of {math.ceil(C / rows):,} filled parts": math.ceil(C / rows) * PART_PATH},
+                    [0],
+                )
+            ]
+            if held_grows
+            else []
         ),
         *_slice_planning(factory, dim, not held_grows, auto_grows),
         (

@@ -139,6 +139,19 @@ def test_with_index_slices_a_worker_holds_one_slice_whatever_the_corpus():
 
 
 @pytest.mark.unit
+def test_the_merge_is_given_a_path_per_part_and_only_for_one_index_file():
+    def gather(cfg, chunks):
+        rows = {s["stage"]: s for s in stage_memory(cfg, Corpus.of(chunks))}
+        return rows.get("index: gather the filled parts (one index file)")
+
+    small, large = gather(model_config(), 1e8), gather(model_config(), 4e8)
+    # 4x the chunk files, 4x the paths (never their codes or list sizes)
+    assert large["bytes"] - small["bytes"] == pytest.approx(3 * (small["bytes"] - 400 * 2**20), rel=0.01)
+    assert small["grows_with_corpus"] == [next(iter(small["terms"]))]
+    assert gather(model_config(index={"slice_bytes": "4GiB"}), 1e8) is None  # slices are assembled from their lists
+
+
+@pytest.mark.unit
 def test_with_dedupe_the_candidate_step_holds_one_file_and_one_search_batch_whatever_the_corpus():
     """The candidates of one chunk file arrive a search batch at a time: a fixed bound, set by
     chunk_file_rows and neighbour_candidates, not by the corpus or how often a chunk is hit."""

@@ -1,0 +1,531 @@
+"""Scale rehearsal: every step of the index stage and of build-shards measured at N and 4N
+chunks over many files, each compared with its memory-model row, and every shuffle's bytes
+counted, so that what grows with the corpus shows before a cluster pays for it.
+
+    .venv/bin/python benchmarks/scale_rehearsal.py [--n 250000] [--file-rows 1000]
+        [--factory IVF16384,PQ32x8np] [--slice-bytes 8MB] [--corpus-docs 1500] [--workdir DIR]
+        [--parts index shards corpus]
+
+Parts, each at N and 4N (4N's files are 4× as many as N's, of the same rows):
+
+- index: `ratrain-pipeline index` over synthetic embeddings (`LowRankClusters`, 384-d,
+  `--file-rows` rows a file: ≥ 1,000 files at 4N with the defaults), `--factory` (2^14 lists:
+  two-level training) at nprobe 16, written as one index file and as slices of `--slice-bytes`.
+- shards: build-shards' transforms (`PackSequences` -> `RetrieveNeighbours` -> `WriteShards`,
+  wired as `benchmarks/retrieve_join.py` wires them) over the same database, every chunk a
+  training chunk (`training_corpus: same`), with synthetic tokens in documents of 1-40
+  chunks, m = 64, L = 8, k = 2, searching the index part's one index file.
+- corpus: the real `build-index` and `build-shards` (`ratrain-pipeline`, the real encoder) on
+  Python docstrings (`examples/stdlib_docstrings.py --site-packages`), `--corpus-docs` and 4×
+  as many documents: shuffled bytes per chunk of the whole stages. Smaller than N: the encoder
+  runs ~100 chunks/s on 2 cores, so N = 250,000 real chunks would embed for ~40 minutes.
+
+Every job runs with two local worker processes (`--direct_num_workers=2
+--direct_running_mode=multi_processing`), so a bundle's memory is a worker's and not the
+runner's, and with `benchmarks/bundle_peaks` on its PYTHONPATH: each bundle's rise of its
+worker's resident memory (VmHWM over VmRSS at its start), bytes read (rchar) and seconds; the
+runner's encoded bytes into every GroupByKey. A step is a bundle's transforms less Beam's own
+(grouping, impulse and reshuffle parts), named to depth 2 (`BuildIndex/FillParts`).
+
+Per step the table has the largest bundle's rise at N and 4N and their ratio, bytes read and
+shuffled (the shuffles its transforms feed) at 4N, and bundle seconds summed; where the memory
+model has the step's row (`pipeline/jobs/memory_model.py`, at 4N and this config, SDK
+process excluded) the measured rise is set against it. Growth ≤ 1.25× from N to 4N, or growth
+as the row says within 1.5× of it, passes. Results: a table on stdout, JSON in
+benchmarks/results/scale_rehearsal.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+from benchmarks.report import write_results  # noqa: E402
+from benchmarks.synthetic import LowRankClusters  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results" / "scale_rehearsal.json"
+PEAKS = REPO / "benchmarks" / "bundle_peaks"
+CLI = [sys.executable, "-c", "from pipeline.cli import main; main()"]  # this checkout's code (PYTHONPATH below)
+TWO_WORKERS = ["--direct_num_workers=2", "--direct_running_mode=multi_processing"]
+M, SEQ_TOKENS, K, CANDIDATES, DIM, PAD, VOCAB = 64, 512, 2, 32, 384, 0, 30000
+L = SEQ_TOKENS // M
+SHARD_ROWS, NPROBE, SEED = 1024, 16, 20261205
+MB = 1e6
+# Beam's own parts of a bundle (grouping, impulses, reshuffles): a transform's name is cut at the
+# first of these; what is left names the pipeline's step
+BEAM_PARTS = {
+    "Group",
+    "GroupByKey",
+    "Precombine",
+    "KeyWithVoid",
+    "InjectDefault",
+    "DoOnce",
+    "ExtractOutputs",
+    "Merge",
+    "UnKey",
+    "AddRandomKeys",
+    "RemoveRandomKeys",
+    "ReshufflePerKey",
+    "Impulse",
+    "Write",
+    "Read",
+    "CombinePerKey",
+}
+GROWTH_FLAT = 1.25  # from N to 4N, a step that holds no more
+MODEL_SLACK = 1.5  # a growing step measured within this of its row
+NOISE_MB = 32  # below this at 4N a rise is allocator noise, not a step's holding
+REUSE = False  # --reuse: a job already recorded in the workdir is read back, not run again
+
+
+# --- data --------------------------------------------------------------------------------------
+
+
+def ensure_database(workdir: Path, n: int, file_rows: int) -> Path:
+    """~n chunks of synthetic tokens in documents of 1-40 chunks and their embeddings, as
+    chunks/chunks-NNNNN.parquet and embeddings/embeddings-NNNNN.parquet of `file_rows` rows:
+    generated file by file, never the whole database at once."""
+    from pipeline.chunks.chunk_files import chunks_table
+    from pipeline.chunks.chunking import chunk_document
+    from pipeline.common.writers import embeddings_table, parquet_bytes
+
+    root = workdir / f"db-{n}-{file_rows}"
+    if (root / "done").exists():
+        return root
+    shutil.rmtree(root, ignore_errors=True)
+    (root / "chunks").mkdir(parents=True)
+    (root / "embeddings").mkdir()
+    start = time.perf_counter()
+    rng, clusters = np.random.default_rng([SEED, 0]), LowRankClusters(DIM, seed=SEED)
+    pending, doc, number, written = [], 0, 0, 0
+    while written < n:
+        length = int(rng.integers(1, 41)) * M - int(rng.integers(0, M))
+        tokens = rng.integers(1, VOCAB, length).astype(np.int32)
+        pending += list(chunk_document(doc, tokens, written + len(pending), M, PAD))
+        doc += 1
+        while len(pending) >= file_rows or (pending and written + len(pending) >= n):
+            part, pending = pending[:file_rows], pending[file_rows:]
+            vectors = clusters.sample(len(part), np.random.default_rng([SEED, 1, number]))
+            (root / "chunks" / f"chunks-{number:05d}.parquet").write_bytes(parquet_bytes(chunks_table(part, M)))
+            rows = list(zip([c.chunk_id for c in part], vectors))
+            (root / "embeddings" / f"embeddings-{number:05d}.parquet").write_bytes(
+                parquet_bytes(embeddings_table(rows))
+            )
+            number, written = number + 1, written + len(part)
+    (root / "done").write_text(json.dumps({"chunks": written, "documents": doc, "files": number}))
+    print(f"[data] {written:,} chunks in {number} files: {time.perf_counter() - start:.1f} s", flush=True)
+    return root
+
+
+def chunk_count(root: Path) -> int:
+    return json.loads((root / "done").read_text())["chunks"]
+
+
+# --- one measured job --------------------------------------------------------------------------
+
+
+def measured_job(name: str, argv: list[str], work: Path) -> dict:
+    """Run `argv` with the bundle recorder on: wall seconds, every bundle, every shuffle."""
+    peaks, done_file = work / f"{name}-bundles", work / f"{name}.json"
+    if REUSE and done_file.exists():
+        return {"wall_s": json.loads(done_file.read_text())["wall_s"], **_recorded(peaks)}
+    shutil.rmtree(peaks, ignore_errors=True)
+    peaks.mkdir(parents=True)
+    env = {
+        **os.environ,
+        "BUNDLE_PEAKS_DIR": str(peaks),
+        "PYTHONPATH": f"{PEAKS}{os.pathsep}{REPO}",
+        "HF_HUB_OFFLINE": "1",
+    }
+    start = time.perf_counter()
+    with open(work / f"{name}.log", "w") as log:
+        done = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        raise SystemExit(f"{name} failed ({done.returncode}): see {work / f'{name}.log'}")
+    done_file.write_text(json.dumps({"wall_s": wall}))
+    found = _recorded(peaks)
+    shuffled = sum(found["shuffles"].values()) / MB
+    print(f"[{name}] {wall:.1f} s, {len(found['bundles'])} bundles, {shuffled:.1f} MB shuffled", flush=True)
+    return {"wall_s": wall, **found}
+
+
+def _recorded(peaks: Path) -> dict:
+    bundles = [json.loads(line) for f in sorted(peaks.glob("[0-9]*.jsonl")) for line in f.open()]
+    shuffles: dict[str, int] = defaultdict(int)
+    for f in peaks.glob("shuffles-*.json"):
+        for transform, size in json.loads(f.read_text()).items():
+            shuffles[transform] += size
+    return {"bundles": bundles, "shuffles": dict(shuffles)}
+
+
+def _fresh(out: Path, work: Path) -> None:
+    """Remove a job's earlier output, unless it is recorded and read back (--reuse)."""
+    if not (REUSE and (work / f"{out.name}.json").exists()):
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def step_name(transform: str) -> str:
+    """A transform's step: its name to depth 3, cut before Beam's own parts and a ParDo's or
+    Map's own label (`BuildIndex/FillParts/ParDo(_FillPart)` -> `BuildIndex/FillParts`)."""
+    kept = []
+    for part in transform.split("/")[:3]:
+        if part in BEAM_PARTS or "(" in part or part.startswith(("Map(", "FlatMap(")):
+            break
+        kept.append(part)
+    return "/".join(kept)
+
+
+def steps_of(job: dict) -> dict[str, dict]:
+    """Per step (a bundle's steps: its transforms' names, to depth 3, less Beam's own parts):
+    its largest bundle's rise, the bytes its bundles read, their seconds, and the bytes it sent
+    into shuffles. A bundle of Beam's parts alone (a group read back, say) is named by them."""
+    steps: dict[str, dict] = {}
+    for bundle in job["bundles"]:
+        transforms = [t for t in bundle["transforms"] if not t.startswith("ref_")]
+        own = sorted({step_name(t) for t in transforms} - {""}) or sorted(
+            {"/".join(t.split("/")[:3]) for t in transforms}
+        )
+        name = " + ".join(_outermost(own))
+        step = steps.setdefault(name, {"rise_mb": 0.0, "read_mb": 0.0, "seconds": 0.0, "bundles": 0})
+        step["rise_mb"] = max(step["rise_mb"], bundle["rise_kb"] * 1024 / MB)
+        step["read_mb"] += bundle["read_bytes"] / MB
+        step["seconds"] += bundle["seconds"]
+        step["bundles"] += 1
+        fed = {t.rsplit("/Write", 1)[0] for t in transforms if t.endswith("/Write")}
+        step.setdefault("feeds", set()).update(g for g in job["shuffles"] if any(g.startswith(f) for f in fed))
+    for step in steps.values():
+        step["shuffled_mb"] = sum(job["shuffles"][g] for g in step.pop("feeds", ())) / MB
+    return steps
+
+
+def _outermost(names: list[str]) -> list[str]:
+    """Leave out a name that another one extends (`BuildIndex/TrainIndex` beside `BuildIndex/TrainIndex/Train`)."""
+    return [n for n in names if not any(o != n and o.startswith(n + "/") for o in names)]
+
+
+# --- the memory model's rows ---------------------------------------------------------------------
+
+
+# step (depth-2 name, as found in a bundle) -> the memory model's row (a prefix of its stage name)
+MODEL_ROWS = {
+    "BuildIndex/FillParts": "index: fill",
+    "BuildIndex/MergeAndTune": "index: merge",
+    "BuildIndex/GatherParts": "index: gather the filled parts",
+    "BuildIndex/AssembleSlices": "index: assemble one slice",
+    "BuildIndex/TrainIndex": "index: assemble trained",
+    "RetrieveNeighbours/Search": "build-shards: search",
+    "WriteShards/Write": "build-shards: write one shard",
+    "RetrieveNeighbours/Join": "build-shards: join",
+}
+
+
+def model_rows(chunks: int, file_rows: int, factory: str, slice_bytes: str | None) -> dict[str, int]:
+    """The memory model's rows at this size and config, the SDK process left out (the rise a
+    bundle can show is what it holds on top of it)."""
+    from pipeline.jobs.memory_model import SDK_PROCESS, Corpus, stage_memory
+    from schemas.config import PipelineConfig
+
+    cfg = PipelineConfig.model_validate(
+        {
+            "output": "unused",
+            "retrieval_corpus": {"paths": ["unused"]},
+            "training_corpus": "same",
+            "chunk_tokens": M,
+            "sequence_tokens": SEQ_TOKENS,
+            "neighbours": K,
+            "shard_rows": SHARD_ROWS,
+            "chunk_file_rows": file_rows,
+            "index": {"type": factory, **({"slice_bytes": slice_bytes} if slice_bytes else {})},
+        }
+    )
+    return {row["stage"]: row["bytes"] - SDK_PROCESS for row in stage_memory(cfg, Corpus.of(chunks), DIM)}
+
+
+def model_row(step: str, rows: dict[str, int]) -> tuple[str, float] | None:
+    for part in step.split(" + "):
+        prefix = next((row for name, row in MODEL_ROWS.items() if part.startswith(name)), None)
+        if prefix is None:
+            continue
+        for stage, size in rows.items():
+            if stage.startswith(prefix):
+                return stage, size / MB
+    return None
+
+
+def compared(at_n: dict, at_4n: dict, rows_n: dict, rows_4n: dict) -> list[dict]:
+    """One row per step seen at 4N: its growth from N and its model row's."""
+    table = []
+    for step, big in sorted(at_4n.items(), key=lambda kv: -kv[1]["rise_mb"]):
+        small = at_n.get(step)
+        growth = big["rise_mb"] / small["rise_mb"] if small and small["rise_mb"] > 0 else None
+        row, row_n = model_row(step, rows_4n), model_row(step, rows_n)
+        entry = {
+            "step": step,
+            "rise_n_mb": small["rise_mb"] if small else None,
+            "rise_4n_mb": big["rise_mb"],
+            "growth": growth,
+            "read_4n_mb": big["read_mb"],
+            "shuffled_n_mb": small["shuffled_mb"] if small else None,
+            "shuffled_4n_mb": big["shuffled_mb"],
+            "seconds_4n": big["seconds"],
+            "bundles_4n": big["bundles"],
+        }
+        if row:
+            entry.update(model_row=row[0], model_4n_mb=row[1], model_growth=row[1] / row_n[1] if row_n[1] else None)
+        entry["verdict"] = verdict(entry)
+        table.append(entry)
+    return table
+
+
+def verdict(entry: dict) -> str:
+    growth = entry["growth"]
+    if entry["rise_4n_mb"] < NOISE_MB:
+        return "flat (under the noise floor)"
+    if growth is None:
+        return "not seen at N"
+    if growth <= GROWTH_FLAT:
+        return "flat"
+    model = entry.get("model_4n_mb")
+    if (
+        model
+        and growth <= (entry.get("model_growth") or 1) * MODEL_SLACK
+        and entry["rise_4n_mb"] <= model * MODEL_SLACK
+    ):
+        return "grows as its row"
+    return "GROWS"
+
+
+# --- the parts -----------------------------------------------------------------------------------
+
+
+def index_part(work: Path, root: Path, factory: str, slice_bytes: str | None, tag: str) -> dict:
+    out = work / f"index-{tag}-{root.name}"
+    _fresh(out, work)
+    argv = [*CLI, "index", "--embeddings", str(root / "embeddings" / "*.parquet"), "--output", str(out)]
+    argv += ["--type", factory, "--nprobe", str(NPROBE)]
+    argv += ["--slice-bytes", slice_bytes] if slice_bytes else []
+    job = measured_job(f"index-{tag}-{root.name}", [*argv, "--", *TWO_WORKERS], work)
+    return {**job, "output": str(out)}
+
+
+def shards_main(root: str, index_dir: str, out: str, beam_args: list[str]) -> None:
+    """build-shards' transforms over the database at `root`, every chunk a training chunk."""
+    import apache_beam as beam
+    from apache_beam.io.parquetio import ReadAllFromParquetBatched
+
+    from pipeline.chunks.chunk_files import TRAINING_COLUMNS, ChunkFileRanges, TrainingChunks
+    from pipeline.jobs.options import new_pipeline
+    from pipeline.retrieve.beam import DocumentSpans, PackSequences, RetrieveNeighbours
+    from pipeline.retrieve.search import Retrieval
+    from pipeline.shards.write import WriteShards
+
+    files = sorted(Path(root, "chunks").glob("*.parquet"))
+    rows = [_rows(p) for p in files]
+    chunk_files = ChunkFileRanges.from_paths(
+        root,
+        [f"chunks/{p.name}" for p in files],
+        rows,
+        [f"embeddings/{p.name.replace('chunks', 'embeddings')}" for p in files],
+    )
+    spec = Retrieval(
+        index_path=f"{index_dir}/faiss/index.faiss",
+        depth=NPROBE,
+        chunk_files=chunk_files,
+        chunks_per_seq=L,
+        chunk_tokens=M,
+        neighbours=K,
+        candidates=CANDIDATES,
+        pad_id=PAD,
+    )
+    with new_pipeline(beam_args, type_check=False) as p:
+        training = (
+            p
+            | "TrainingFiles" >> beam.Create([str(f) for f in files])
+            | "ReadTrainingChunks" >> ReadAllFromParquetBatched(columns=list(TRAINING_COLUMNS))
+            | "TrainingChunkBlocks" >> beam.Map(TrainingChunks.of)
+        )
+        sequences = training | "PackSequences" >> PackSequences(L, PAD)
+        spans = p | "DocumentSpans" >> DocumentSpans(f"{root}/chunks/*.parquet")
+        found = ((sequences, spans) | "RetrieveNeighbours" >> RetrieveNeighbours(spec, SHARD_ROWS)).rows
+        _ = found | "WriteShards" >> WriteShards(out, SHARD_ROWS, PAD)
+
+
+def _rows(path: Path) -> int:
+    import pyarrow.parquet as pq
+
+    return pq.ParquetFile(path).metadata.num_rows
+
+
+def shards_part(work: Path, root: Path, index_dir: str) -> dict:
+    out = work / f"shards-{root.name}"
+    _fresh(out, work)
+    argv = [sys.executable, str(Path(__file__).resolve()), "_shards", str(root), index_dir, str(out), *TWO_WORKERS]
+    job = measured_job(f"shards-{root.name}", argv, work)
+    written = sorted(out.glob("shard-*.arrow"))
+    return {**job, "output": str(out), "shards": len(written)}
+
+
+def corpus_part(work: Path, documents: int) -> dict:
+    """The real build-index and build-shards on `documents` docstrings."""
+    source = work / "docstrings.jsonl"
+    if not source.exists():
+        script = REPO / "examples" / "stdlib_docstrings.py"
+        subprocess.run([sys.executable, str(script), str(source), "--site-packages"], check=True)
+    lines = source.read_text().splitlines()
+    if len(lines) < documents:
+        raise SystemExit(f"only {len(lines):,} docstrings for {documents:,} documents")
+    slug = work / f"corpus-{documents}"
+    shutil.rmtree(slug, ignore_errors=True)
+    slug.mkdir(parents=True)
+    (slug / "corpus.jsonl").write_text("\n".join(lines[:documents]) + "\n")
+    config = slug / "config.yaml"
+    config.write_text(
+        f"output: {slug / 'out'}\n"
+        f"retrieval_corpus: {{paths: ['{slug / 'corpus.jsonl'}'], format: jsonl, text_field: text, id_field: id}}\n"
+        "training_corpus: same\nchunk_tokens: 64\nsequence_tokens: 512\nneighbours: 2\nshard_rows: 128\n"
+        "chunk_file_rows: 1024\nembedding: {model: all-MiniLM-L6-v2, batch_size: 64, device: cpu}\n"
+        "index: {type: auto, memory_budget: 1GiB}\n"
+    )
+    found = {}
+    for stage in ("build-index", "build-shards"):
+        found[stage] = measured_job(
+            f"{stage}-{documents}", [*CLI, stage, "--config", str(config), "--", *TWO_WORKERS], work
+        )
+    manifest = json.loads((slug / "out" / "index" / "manifest.json").read_text())
+    found["chunks"] = manifest["num_chunks"]
+    return found
+
+
+# --- report --------------------------------------------------------------------------------------
+
+
+def print_table(title: str, table: list[dict]) -> None:
+    print(f"\n{title}")
+    print(
+        f"{'step':<58} {'rise N':>8} {'rise 4N':>8} {'x':>5} {'model 4N':>9} {'read 4N':>8} "
+        f"{'shuf N':>8} {'shuf 4N':>8} {'s 4N':>7}  verdict"
+    )
+    for e in table:
+        growth = "-" if e["growth"] is None else f"{e['growth']:.2f}"
+        print(
+            f"{e['step'][:58]:<58} {_mb(e['rise_n_mb'])} {_mb(e['rise_4n_mb'])} {growth:>5} "
+            f"{_mb(e.get('model_4n_mb'), 9)} {_mb(e['read_4n_mb'])} {_mb(e['shuffled_n_mb'])} "
+            f"{_mb(e['shuffled_4n_mb'])} {e['seconds_4n']:>7.1f}  {e['verdict']}"
+        )
+
+
+def _mb(value, width: int = 8) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}.1f}"
+
+
+def per_chunk(job: dict, chunks: int) -> float:
+    return sum(job["shuffles"].values()) / chunks
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "_shards":
+        return shards_main(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser.add_argument("--n", type=int, default=250_000, help="chunks at N (4N is run too)")
+    parser.add_argument("--file-rows", type=int, default=1000)
+    parser.add_argument("--factory", default="IVF16384,PQ32x8np")
+    parser.add_argument("--slice-bytes", default="8MB")
+    parser.add_argument("--corpus-docs", type=int, default=1500)
+    parser.add_argument("--parts", nargs="+", default=["index", "shards", "corpus"])
+    parser.add_argument("--workdir", help="keep (and reuse) the databases here; default: a temp dir")
+    parser.add_argument("--output", default=str(RESULTS))
+    parser.add_argument("--reuse", action="store_true", help="read back jobs recorded in --workdir; run the rest")
+    args = parser.parse_args()
+    global REUSE
+    REUSE = args.reuse
+    from pipeline.embed.encoder import cpu_summary
+
+    temp = None if args.workdir else tempfile.TemporaryDirectory(prefix="scale-rehearsal-")
+    work = Path(args.workdir or temp.name).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    results: dict = {"cpu": cpu_summary(), "args": vars(args), "parts": {}}
+    print(f"CPU: {cpu_summary()}", flush=True)
+    sizes = {"N": args.n, "4N": 4 * args.n}
+    roots = (
+        {label: ensure_database(work, n, args.file_rows) for label, n in sizes.items()}
+        if {
+            "index",
+            "shards",
+        }
+        & set(args.parts)
+        else {}
+    )
+    chunks = {label: chunk_count(root) for label, root in roots.items()}
+    rows = {
+        (label, tag): model_rows(chunks[label], args.file_rows, args.factory, slice_bytes)
+        for label in roots
+        for tag, slice_bytes in (("one file", None), ("slices", args.slice_bytes))
+    }
+    indexes = {}
+    if "index" in args.parts or "shards" in args.parts:
+        for tag, slice_bytes in (("one file", None), ("slices", args.slice_bytes)):
+            jobs = {
+                label: index_part(work, root, args.factory, slice_bytes, tag.replace(" ", "-"))
+                for label, root in roots.items()
+            }
+            indexes[tag] = {label: job["output"] for label, job in jobs.items()}
+            table = compared(steps_of(jobs["N"]), steps_of(jobs["4N"]), rows[("N", tag)], rows[("4N", tag)])
+            title = f"index stage, {tag}: {chunks['N']:,} and {chunks['4N']:,} vectors, {args.factory}"
+            print_table(title, table)
+            results["parts"][f"index, {tag}"] = {
+                "chunks": chunks,
+                "wall_s": {label: job["wall_s"] for label, job in jobs.items()},
+                "shuffled_per_chunk": {label: per_chunk(job, chunks[label]) for label, job in jobs.items()},
+                "table": table,
+            }
+    if "shards" in args.parts:
+        jobs = {label: shards_part(work, root, indexes["one file"][label]) for label, root in roots.items()}
+        table = compared(steps_of(jobs["N"]), steps_of(jobs["4N"]), rows[("N", "one file")], rows[("4N", "one file")])
+        print_table(f"build-shards, one index file: {chunks['N']:,} and {chunks['4N']:,} chunks", table)
+        results["parts"]["build-shards"] = {
+            "chunks": chunks,
+            "wall_s": {label: job["wall_s"] for label, job in jobs.items()},
+            "shuffled_per_chunk": {label: per_chunk(job, chunks[label]) for label, job in jobs.items()},
+            "shuffles_4n": jobs["4N"]["shuffles"],
+            "table": table,
+        }
+    if "corpus" in args.parts:
+        found = {
+            label: corpus_part(work, docs) for label, docs in (("N", args.corpus_docs), ("4N", 4 * args.corpus_docs))
+        }
+        entry = {}
+        for stage in ("build-index", "build-shards"):
+            entry[stage] = {
+                label: {
+                    "chunks": found[label]["chunks"],
+                    "wall_s": found[label][stage]["wall_s"],
+                    "shuffled_per_chunk": per_chunk(found[label][stage], found[label]["chunks"]),
+                    "shuffles": found[label][stage]["shuffles"],
+                }
+                for label in found
+            }
+            print(f"\n{stage} on docstrings: shuffled bytes per chunk")
+            for label, e in entry[stage].items():
+                print(f"  {label}: {e['chunks']:,} chunks, {e['shuffled_per_chunk']:,.0f} B/chunk, {e['wall_s']:.1f} s")
+                for transform, size in sorted(e["shuffles"].items(), key=lambda kv: -kv[1])[:6]:
+                    print(f"      {size / e['chunks']:>10,.0f} B/chunk  {transform}")
+        results["parts"]["corpus"] = entry
+    write_results(results, args.output)
+    if temp is not None:
+        temp.cleanup()
+
+
+if __name__ == "__main__":
+    main()
