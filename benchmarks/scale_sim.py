@@ -186,20 +186,21 @@ def read_seconds(directory: Path, model) -> dict[str, float]:
     return {"manifest": read - started, "every_entry": time.perf_counter() - read}
 
 
-def append_graph_bytes(cfg: PipelineConfig) -> int:
-    """The graph of an append of one corpus file, with three documents to delete, to the index
-    committed under `cfg.output` (as build-index builds it, not run)."""
+def append_graph_bytes(cfg: PipelineConfig, *, deletes: int = 3, append: bool = True) -> int:
+    """The graph of an append of one corpus file (`append`; else a delete alone), with `deletes`
+    documents to delete, to the index committed under `cfg.output` (as build-index builds it,
+    not run)."""
     directory = fileio.join(cfg.output, "index")
     previous = fileio.committed(directory, IndexManifest)
     assert previous is not None, f"no committed index in {directory}"
-    new = InputFile(path=fileio.join(cfg.output, "corpus", "new.jsonl"), bytes=100)
+    new = [InputFile(path=fileio.join(cfg.output, "corpus", "new.jsonl"), bytes=100)] if append else []
     return change_index(
         cfg,
         previous,
         previous_sha256=fileio.manifest_sha256(directory) or "",
-        changes=CorpusChanges(new=[new], changed=[], gone=[]),
+        changes=CorpusChanges(new=new, changed=[], gone=[]),
         beam_args=[],
-        delete=("a", "b", "c"),
+        delete=tuple(f"doc-{number:09d}" for number in range(deletes)),
         dry_run=True,
     )["graph_bytes"]
 

@@ -18,6 +18,7 @@ from pipeline.build_index.append_changes import (
     NOT_FOUND,
     REPLACED_TAG,
     RUN,
+    DeleteRequests,
     deletions,
     document_runs,
     replacing,
@@ -122,6 +123,8 @@ def change_index(
     )
     committed = CommittedIndexManifest(directory, previous_sha256, previous.num_chunks)
 
+    requested = {doc_id_for(identity) for identity in delete}
+
     def graph(pipeline, staging) -> Committed:
         threads = encoder_threads(cfg.embedding.cpu_threads, cfg.embedding.device, pipeline.options)
         corpus = pipeline | "ReadNewFiles" >> ReadCorpusKeptClean(
@@ -142,7 +145,8 @@ def change_index(
         stale_files = frozenset([f.path for f in changes.changed] + changes.gone)
         requests = (
             pipeline
-            | "DeleteRequests" >> beam.Create(sorted({doc_id_for(identity) for identity in delete}))
+            | "DeleteRequests" >> beam.Create([DeleteRequests.staged(requested, staging, write=not dry_run)])
+            | "RequestedIds" >> beam.FlatMap(lambda requests: requests.doc_ids())
             | "Requested" >> beam.Map(lambda doc_id: (doc_id, DELETE_REQUESTED)),
             fresh[REPLACED_TAG] | "Replaced" >> beam.Map(lambda doc_id: (doc_id, REPLACED)),
             pipeline

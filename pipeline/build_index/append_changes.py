@@ -50,6 +50,34 @@ from schemas.manifest import FileEntry, IndexManifest, by_name
 
 RUN, DELETE = "run", "delete"  # CoGroupByKey tags: a document's chunk-id run; a request to delete it
 REPLACED_TAG, NOT_FOUND = "replaced", "not_found"
+DELETE_REQUESTS_FILE = "delete-requests.int64"  # in the job's staging, never committed
+
+
+@dataclass(frozen=True)
+class DeleteRequests:
+    """The doc ids a change deletes by `--delete`, sorted, as raw int64 in a file of the job's
+    staging: its graph carries the path and sha256, however many ids (10^5 of them in the graph
+    itself took 2.3 MB). `staged` writes it before the job is built (a dry run writes nothing)."""
+
+    path: str
+    sha256: str
+    count: int
+
+    @classmethod
+    def staged(cls, doc_ids: set[int], staging: str, *, write: bool) -> DeleteRequests:
+        data = np.array(sorted(doc_ids), dtype=np.int64).tobytes()
+        path = fileio.join(staging, DELETE_REQUESTS_FILE)
+        if write and doc_ids:
+            fileio.write_bytes(path, data)
+        return cls(path, fileio.sha256_bytes(data), len(doc_ids))
+
+    def doc_ids(self) -> list[int]:
+        if not self.count:
+            return []
+        data = fileio.read_bytes(self.path)
+        if fileio.sha256_bytes(data) != self.sha256:
+            raise RuntimeError(f"{self.path}: the delete requests changed after the job was built")
+        return np.frombuffer(data, dtype=np.int64).tolist()
 
 
 def document_runs(ranges: ChunkFileRanges | CommittedChunkFiles, number: int, deleted: DeletedRanges):

@@ -47,6 +47,19 @@ def test_an_append_graph_does_not_grow_with_the_index(tmp_path):
     assert abs(large - small) <= 0.02 * small, (small, large)
 
 
+def test_an_append_and_a_delete_graph_stay_small_at_a_hundred_thousand_entries_and_deletes(tmp_path):
+    """10^5 manifest entries (50,000 chunk and as many embedding files) and 10^5 documents to
+    delete: the ids to delete go to a file in the job's staging, named in the graph by its path
+    and sha256 (in the graph, 10^5 of them took 2.3 MB)."""
+    root = tmp_path / "large"
+    cfg = config(root)
+    write_manifest(root / "index", index_manifest(50_000 * CHUNK_FILE_ROWS, cfg))
+    few = append_graph_bytes(cfg)
+    for append in (True, False):
+        many = append_graph_bytes(cfg, deletes=100_000, append=append)
+        assert many <= 2 * 10**6 and abs(many - few) <= 0.02 * few, (append, few, many)
+
+
 def test_reading_a_corpus_lists_its_files_inside_the_job(tmp_path):
     def graph(files: int) -> int:
         directory = tmp_path / str(files)
