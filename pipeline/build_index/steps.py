@@ -40,7 +40,7 @@ class ChunksWritten:
     chunks: beam.PCollection  # Chunk rows
     unusable: beam.PCollection  # Rejected: documents with no tokens
     chunk_files: beam.PCollection  # FileEntry of each chunks-NNNNN.parquet written
-    embeddings: beam.PCollection  # EmbeddedChunks, a group of chunks each
+    embeddings: beam.PCollection  # EmbeddedChunks, a chunk file's each
     embedding_files: beam.PCollection  # FileEntry of each embeddings-NNNNN.parquet written
     precision: beam.PCollection  # the one PrecisionCheck
 
@@ -64,7 +64,14 @@ def chunk_and_embed(
         | "DocumentProgress" >> ReportProgress("read", "documents")
         | "ChunkDocuments" >> ChunkDocuments(tok.path, m, pad, first_chunk_id=first_chunk_id)
     )
-    chunk_files = chunks | "WriteChunks" >> WriteGroupedFiles(
+    # grouped once by chunk file: each file is written, encoded and its embeddings written where
+    # it is grouped, so neither the chunks nor the embeddings are shuffled again
+    files = (
+        chunks
+        | "KeyByChunkFile" >> beam.Map(lambda c: ((c.chunk_id + shift) // cfg.chunk_file_rows, c))
+        | "GroupByChunkFile" >> beam.GroupByKey()
+    )
+    chunk_files = files | "WriteChunks" >> WriteGroupedFiles(
         fileio.join(staging, "chunks"),
         relative_to=staging,
         prefix="chunks",
@@ -72,10 +79,12 @@ def chunk_and_embed(
         key=lambda c: c.chunk_id + shift,
         rows_per_file=cfg.chunk_file_rows,
         to_bytes=lambda rows: parquet_bytes(chunks_table(rows, m), CHUNK_ROW_GROUP_ROWS),
+        rows_of=lambda file: file[1],
+        grouped=True,
     )
-    from pipeline.embed.beam import EmbedChunks
+    from pipeline.embed.beam import EmbedChunkFiles
 
-    embeddings, precision = chunks | "EmbedChunks" >> EmbedChunks(cfg.embedding, tok.path, threads)
+    embeddings, precision = files | "EmbedChunks" >> EmbedChunkFiles(cfg.embedding, tok.path, threads)
     embeddings = embeddings | "EmbedProgress" >> ReportProgress("embed", "chunks", len)
     embedding_files = embeddings | "WriteEmbeddings" >> WriteGroupedFiles(
         fileio.join(staging, EMBEDDINGS_DIR),
@@ -86,6 +95,7 @@ def chunk_and_embed(
         rows_per_file=cfg.chunk_file_rows,
         to_bytes=lambda rows: parquet_bytes(embeddings_table(rows)),
         rows_of=lambda group: group.rows,
+        grouped=True,
     )
     return ChunksWritten(
         chunks=chunks,

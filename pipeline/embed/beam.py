@@ -16,7 +16,7 @@ from collections.abc import Iterable
 import apache_beam as beam
 import numpy as np
 from apache_beam.metrics import Metrics
-from apache_beam.ml.inference.base import ModelHandler, RunInference
+from apache_beam.ml.inference.base import KeyedModelHandler, ModelHandler, RunInference
 
 from pipeline.chunks.chunking import load_tokenizer
 from pipeline.corpus.records import METRICS_NAMESPACE
@@ -66,18 +66,20 @@ class _EncodeCalibrated(beam.DoFn):
     """The handler's encoding where the model needs calibration texts from the corpus (static
     int8): they arrive as a side input, which RunInference's model loading cannot take."""
 
-    def __init__(self, handler: SentenceEncoderHandler, tokenizer_path: str):
-        self.handler, self.tokenizer_path = handler, tokenizer_path
+    def __init__(self, handler: SentenceEncoderHandler, tokenizer_path: str, keyed: bool):
+        self.handler, self.tokenizer_path, self.keyed = handler, tokenizer_path, keyed
 
     def setup(self):
         self.model = None
 
-    def process(self, group, calibration):
+    def process(self, element, calibration):
         if self.model is None:  # the side input is the same for every group: load once
             chunks = sorted((chunk for _, chunk in calibration), key=lambda c: c.chunk_id)
             texts = chunk_texts(load_tokenizer(self.tokenizer_path), chunks)
             self.model = load_embedder(self.handler.cfg, self.handler.threads, texts)
-        yield from self.handler.run_inference([group], self.model)
+        key, group = element if self.keyed else (None, element)
+        for encoded in self.handler.run_inference([group], self.model):
+            yield (key, encoded) if self.keyed else encoded
 
 
 def _group_sample(keyed, salt: int, size: int) -> list:
@@ -109,16 +111,59 @@ def _stored_in_sample(group: EmbeddedChunks, sampled: set) -> list:
 
 
 class _PrepareGroup(beam.DoFn):
-    def __init__(self, tokenizer_path: str):
-        self.tokenizer_path = tokenizer_path
+    """(key, a group's chunks) -> (chunk ids, texts) in chunk-id order; `keyed`: as (key, that)."""
+
+    def __init__(self, tokenizer_path: str, keyed: bool = False):
+        self.tokenizer_path, self.keyed = tokenizer_path, keyed
 
     def setup(self):
         self.tokenizer = load_tokenizer(self.tokenizer_path)
 
-    def process(self, keyed):
-        _, chunks = keyed
+    def process(self, element):
+        key, chunks = element
         chunks = sorted(chunks, key=lambda c: c.chunk_id)
-        yield (np.array([c.chunk_id for c in chunks], dtype=np.int64), chunk_texts(self.tokenizer, chunks))
+        prepared = (np.array([c.chunk_id for c in chunks], dtype=np.int64), chunk_texts(self.tokenizer, chunks))
+        yield (key, prepared) if self.keyed else prepared
+
+
+def _groups_of_file(keyed, size: int):
+    """(file number, its chunks) -> ((file number, groups in it), group's chunks) for each group of
+    the file's chunks by chunk-id range (`chunk_id // size`, as EmbedChunks groups them; a range a
+    file boundary cuts is two groups): the file's groups travel fused with it, never shuffled."""
+    number, chunks = keyed
+    groups: dict[int, list] = {}
+    for chunk in chunks:
+        groups.setdefault(chunk.chunk_id // size, []).append(chunk)
+    for group in sorted(groups):
+        yield (number, len(groups)), groups[group]
+
+
+class _WholeFiles(beam.DoFn):
+    """((file number, groups in it), EmbeddedChunks of one group) -> one EmbeddedChunks per file,
+    once all its groups are encoded. A file's groups come from one input element of the fused
+    step before (`_groups_of_file`) and RunInference batches one group at a time, so they all
+    arrive in its bundle; a bundle that ends short of a file fails rather than write it short."""
+
+    def start_bundle(self):
+        self.pending: dict[int, list[EmbeddedChunks]] = {}
+
+    def process(self, keyed):
+        (number, groups), encoded = keyed
+        parts = self.pending.setdefault(number, [])
+        parts.append(encoded)
+        if len(parts) == groups:
+            del self.pending[number]
+            parts.sort(key=lambda part: int(part.chunk_ids[0]))
+            yield EmbeddedChunks(
+                np.concatenate([part.chunk_ids for part in parts]), np.concatenate([part.vectors for part in parts])
+            )
+
+    def finish_bundle(self):
+        if self.pending:
+            raise RuntimeError(
+                f"embedding files {sorted(self.pending)} ended a bundle short of their groups: the runner "
+                "split the encoding of a file across bundles"
+            )
 
 
 class EmbedChunks(beam.PTransform):
@@ -138,27 +183,57 @@ class EmbedChunks(beam.PTransform):
             self.with_resource_hints(accelerator=cfg.accelerator)
 
     def expand(self, chunks):
-        cfg, size = self.cfg, self.cfg.batch_size * BATCHES_PER_GROUP
-        handler = SentenceEncoderHandler(cfg, self.threads, cfg.model_copies)
+        size = self.cfg.batch_size * BATCHES_PER_GROUP
         grouped = (
             chunks | "KeyByGroup" >> beam.Map(lambda c: (c.chunk_id // size, c)) | "GroupChunks" >> beam.GroupByKey()
         )
-        groups = grouped | "DecodeTexts" >> beam.ParDo(_PrepareGroup(self.tokenizer_path))
-        if needs_calibration(cfg):
-            calibration = _hash_sample(grouped, CALIBRATION_SALT, CALIBRATION_CHUNKS, "Calibration")
-            encoded = groups | "Encode" >> beam.ParDo(
-                _EncodeCalibrated(handler, self.tokenizer_path), beam.pvalue.AsSingleton(calibration)
-            )
-        else:
-            encoded = groups | "Encode" >> RunInference(handler)
-        sample = _hash_sample(grouped, PRECISION_SALT, cfg.precision_sample, "PrecisionCheck")
-        sampled = sample | "SampledIds" >> beam.Map(lambda picked: {c.chunk_id for _, c in picked})
-        stored = (
-            encoded
-            | "StoredForCheck" >> beam.FlatMap(_stored_in_sample, beam.pvalue.AsSingleton(sampled))
-            | "GatherStored" >> beam.combiners.ToList()
+        return encoded_and_checked(grouped, self.cfg, self.tokenizer_path, self.threads)
+
+
+class EmbedChunkFiles(beam.PTransform):
+    """(file number, the file's chunks) as the chunk files are written -> (EmbeddedChunks, one per
+    file; precision check report): what EmbedChunks does, where each chunk file is written, so
+    neither the chunks nor their embeddings are shuffled again. Within a file the chunks are
+    encoded in the same chunk-id groups, and the file's embeddings are whole in one element,
+    ready to be written where they are."""
+
+    def __init__(self, cfg: EmbeddingConfig, tokenizer_path: str, threads: int | None):
+        super().__init__()
+        self.cfg, self.tokenizer_path, self.threads = cfg, tokenizer_path, threads
+        if cfg.accelerator:
+            self.with_resource_hints(accelerator=cfg.accelerator)
+
+    def expand(self, files):
+        return encoded_and_checked(files, self.cfg, self.tokenizer_path, self.threads, whole_files=True)
+
+
+def encoded_and_checked(grouped, cfg: EmbeddingConfig, tokenizer_path: str, threads, *, whole_files: bool = False):
+    """(key, chunks) groups -> (EmbeddedChunks, precision check report): a group each, or with
+    `whole_files` (the groups are chunk files) a file each, encoded by chunk-id group within it."""
+    size = cfg.batch_size * BATCHES_PER_GROUP
+    handler = SentenceEncoderHandler(cfg, threads, cfg.model_copies)
+    if whole_files:  # each group keyed by its file, so the file's groups are joined after encoding
+        grouped_chunks = grouped | "GroupsOfFile" >> beam.FlatMap(_groups_of_file, size)
+    else:
+        grouped_chunks = grouped
+    groups = grouped_chunks | "DecodeTexts" >> beam.ParDo(_PrepareGroup(tokenizer_path, keyed=whole_files))
+    if needs_calibration(cfg):
+        calibration = _hash_sample(grouped, CALIBRATION_SALT, CALIBRATION_CHUNKS, "Calibration")
+        encoded = groups | "Encode" >> beam.ParDo(
+            _EncodeCalibrated(handler, tokenizer_path, whole_files), beam.pvalue.AsSingleton(calibration)
         )
-        report = sample | "CheckPrecision" >> beam.Map(
-            check_precision, beam.pvalue.AsSingleton(stored), cfg, self.tokenizer_path, self.threads
-        )
-        return encoded, report
+    else:
+        encoded = groups | "Encode" >> RunInference(KeyedModelHandler(handler) if whole_files else handler)
+    if whole_files:
+        encoded = encoded | "WholeFiles" >> beam.ParDo(_WholeFiles())
+    sample = _hash_sample(grouped, PRECISION_SALT, cfg.precision_sample, "PrecisionCheck")
+    sampled = sample | "SampledIds" >> beam.Map(lambda picked: {c.chunk_id for _, c in picked})
+    stored = (
+        encoded
+        | "StoredForCheck" >> beam.FlatMap(_stored_in_sample, beam.pvalue.AsSingleton(sampled))
+        | "GatherStored" >> beam.combiners.ToList()
+    )
+    report = sample | "CheckPrecision" >> beam.Map(
+        check_precision, beam.pvalue.AsSingleton(stored), cfg, tokenizer_path, threads
+    )
+    return encoded, report
