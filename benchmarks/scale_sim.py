@@ -9,10 +9,10 @@ Sizes follow docs/scale.md's defaults: m = 64, n = 2,048 (L = 32), k = 2, `chunk
 
 - a committed index directory (its manifest: chunk files, embedding files and index slices) and
   a shards directory (its manifest: one entry per training shard, `training_corpus: same`);
-- the job graph of build-index, build-shards, validate and an append (one new corpus file and
-  three documents deleted), built as the CLI builds them (a dry run; build-shards, validate and
-  the append read the synthetic manifests) and serialised as a runner is sent it: Dataflow
-  refuses a request over 20 MB;
+- the job graph of build-index, build-shards, validate, an append (one new corpus file and
+  three documents deleted) and a delete of DELETES documents, built as the CLI builds them (a
+  dry run; all but build-index read the synthetic manifests) and serialised as a runner is
+  sent it: Dataflow refuses a request over 20 MB;
 - each manifest's bytes and the time to read and check it as the pipeline does;
 - the memory model's largest step (`pipeline/jobs/memory_model.py`): what one worker process
   holds at once, the largest element and group included.
@@ -186,6 +186,9 @@ def read_seconds(directory: Path, model) -> dict[str, float]:
     return {"manifest": read - started, "every_entry": time.perf_counter() - read}
 
 
+DELETES = 100_000  # documents deleted at once in the simulated delete
+
+
 def append_graph_bytes(cfg: PipelineConfig, *, deletes: int = 3, append: bool = True) -> int:
     """The graph of an append of one corpus file (`append`; else a delete alone), with `deletes`
     documents to delete, to the index committed under `cfg.output` (as build-index builds it,
@@ -212,7 +215,8 @@ def graph_bytes(cfg: PipelineConfig) -> dict[str, int]:
         "build-index": build_index(cfg, [], dry_run=True)["graph_bytes"],
         "build-shards": build_shards(cfg, [], dry_run=True)["graph_bytes"],
         "validate": validate_job_graph_bytes(cfg.output),
-        "append (with deletes)": append_graph_bytes(cfg),
+        "append (3 deletes)": append_graph_bytes(cfg),
+        f"delete ({DELETES:,} documents)": append_graph_bytes(cfg, deletes=DELETES, append=False),
     }
 
 
