@@ -218,16 +218,33 @@ def _outermost(names: list[str]) -> list[str]:
 # --- the memory model's rows ---------------------------------------------------------------------
 
 
-# step (depth-2 name, as found in a bundle) -> the memory model's row (a prefix of its stage name)
+# a step (as `step_name` names it) -> its memory-model row (a prefix of the row's name); a
+# bundle that fuses several steps is set against the largest of their rows
 MODEL_ROWS = {
+    "BuildIndex/TrainIndex/EncoderSubset": "index: first-level and encoder subsets",
+    "BuildIndex/TrainIndex/FirstLevelSubset": "index: first-level and encoder subsets",
+    "BuildIndex/TrainIndex/GatherFirstLevelSubset": "index: train first level",
+    "BuildIndex/TrainIndex/TrainFirstLevel": "index: train first level",
+    "BuildIndex/TrainIndex/AssignFirstLevel": "index: assign one sample file",
+    "BuildIndex/TrainIndex/GroupByFirstLevel": "index: train one first-level cluster",
+    "BuildIndex/TrainIndex/TrainSecondLevel": "index: train one first-level cluster",
+    "BuildIndex/TrainIndex/GroupByListBlock": "index: write one block of centroids",
+    "BuildIndex/TrainIndex/Centroids": "index: write one block of centroids",
+    "BuildIndex/TrainIndex/SumLists": "index: Lloyd step over one sample file",
+    "BuildIndex/TrainIndex/SumBlocks": "index: Lloyd step: combine",
+    "BuildIndex/TrainIndex/MoveBlocks": "index: Lloyd step: move",
+    "BuildIndex/TrainIndex/GatherEncoderSubset": "index: assemble trained",
+    "BuildIndex/TrainIndex/AssembleQuantizer": "index: assemble trained",
     "BuildIndex/FillParts": "index: fill",
     "BuildIndex/MergeAndTune": "index: merge",
     "BuildIndex/GatherParts": "index: gather the filled parts",
     "BuildIndex/AssembleSlices": "index: assemble one slice",
-    "BuildIndex/TrainIndex": "index: assemble trained",
+    "BuildIndex/ListsBySlice": "index: assemble one slice",
+    "BuildIndex/GroupSlices": "index: assemble one slice",
     "RetrieveNeighbours/Search": "build-shards: search",
-    "WriteShards/Write": "build-shards: write one shard",
-    "RetrieveNeighbours/Join": "build-shards: join",
+    "RetrieveNeighbours/NeighbourTokens": "build-shards: join one chunk file",
+    "RetrieveNeighbours/AssembleRows": "build-shards: write one shard",
+    "WriteShards": "build-shards: write one shard",
 }
 
 
@@ -254,14 +271,16 @@ def model_rows(chunks: int, file_rows: int, factory: str, slice_bytes: str | Non
 
 
 def model_row(step: str, rows: dict[str, int]) -> tuple[str, float] | None:
-    for part in step.split(" + "):
-        prefix = next((row for name, row in MODEL_ROWS.items() if part.startswith(name)), None)
-        if prefix is None:
-            continue
-        for stage, size in rows.items():
-            if stage.startswith(prefix):
-                return stage, size / MB
-    return None
+    """The largest memory-model row of the steps a bundle fuses (None: none has a row)."""
+    found = [
+        (stage, size / MB)
+        for part in step.split(" + ")
+        for name, prefix in MODEL_ROWS.items()
+        if part.startswith(name)
+        for stage, size in rows.items()
+        if stage.startswith(prefix)
+    ]
+    return max(found, key=lambda row: row[1]) if found else None
 
 
 def compared(at_n: dict, at_4n: dict, rows_n: dict, rows_4n: dict) -> list[dict]:
@@ -290,21 +309,16 @@ def compared(at_n: dict, at_4n: dict, rows_n: dict, rows_4n: dict) -> list[dict]
 
 
 def verdict(entry: dict) -> str:
-    growth = entry["growth"]
+    """flat: grew ≤ GROWTH_FLAT from N to 4N; grows as its row: its memory-model row grows too,
+    and the measure at 4N is within MODEL_SLACK of the row; GROWS otherwise."""
+    growth, model = entry["growth"], entry.get("model_4n_mb")
     if entry["rise_4n_mb"] < NOISE_MB:
         return "flat (under the noise floor)"
-    if growth is None:
-        return "not seen at N"
-    if growth <= GROWTH_FLAT:
+    if growth is not None and growth <= GROWTH_FLAT:
         return "flat"
-    model = entry.get("model_4n_mb")
-    if (
-        model
-        and growth <= (entry.get("model_growth") or 1) * MODEL_SLACK
-        and entry["rise_4n_mb"] <= model * MODEL_SLACK
-    ):
+    if model and (entry.get("model_growth") or 1) > GROWTH_FLAT and entry["rise_4n_mb"] <= model * MODEL_SLACK:
         return "grows as its row"
-    return "GROWS"
+    return "GROWS" if growth is not None else "not seen at N"
 
 
 # --- the parts -----------------------------------------------------------------------------------

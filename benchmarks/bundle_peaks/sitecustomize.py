@@ -4,8 +4,10 @@ BUNDLE_PEAKS_DIR is set (`benchmarks/decontamination.py --bundles` and
 
 - every bundle a process runs is recorded in BUNDLE_PEAKS_DIR/<pid>.jsonl: its transforms'
   names, how far it raised the process's resident memory (VmHWM, reset through
-  /proc/self/clear_refs as the bundle starts, less VmRSS then), the bytes the process read
-  meanwhile (`rchar` of /proc/self/io: files and pipes, page cache or not) and its wall time.
+  /proc/self/clear_refs as the bundle starts, less VmRSS then; the heap's free memory is handed
+  back first, `malloc_trim`, else a bundle would reuse what an earlier one freed and show
+  less), the bytes the process read meanwhile (`rchar` of /proc/self/io: files and pipes, page
+  cache or not) and its wall time.
   A process runs one bundle at a time while recording, so the resets do not overlap;
 - the runner process (Beam's local FnApiRunner, which groups every shuffle itself) counts the
   encoded bytes each GroupByKey receives, by the transform's name, and writes them at exit to
@@ -14,6 +16,7 @@ BUNDLE_PEAKS_DIR is set (`benchmarks/decontamination.py --bundles` and
   shuffles and are not."""
 
 import atexit
+import ctypes
 import json
 import os
 import threading
@@ -43,8 +46,11 @@ def _record_bundles(directory: Path) -> None:
     one_at_a_time = threading.Lock()
     log = directory / f"{os.getpid()}.jsonl"
 
+    libc = ctypes.CDLL("libc.so.6")
+
     def process_bundle(self, *args, **kwargs):
         with one_at_a_time:
+            libc.malloc_trim(0)
             Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
             start, read, began = _status_kb("VmRSS"), _bytes_read(), time.perf_counter()
             try:
@@ -92,6 +98,44 @@ def _count_shuffles(directory: Path) -> None:
     atexit.register(write)
 
 
+GROUP_MESSAGE_BYTES = 8 << 20
+
+
+def _stream_groups() -> None:
+    """Beam's local runner encodes a worker's whole share of a GroupByKey's output into one
+    message (`GroupingBuffer.partition`), so a step after a shuffle would show that share as
+    its own memory. Cut into messages of about GROUP_MESSAGE_BYTES between groups, as a
+    cluster's shuffle streams it, a bundle's rise is what its steps hold."""
+    from apache_beam.coders.coder_impl import create_OutputStream
+    from apache_beam.runners.portability.fn_api_runner import execution
+    from apache_beam.transforms.window import GlobalWindows
+
+    partition = execution.GroupingBuffer.partition
+
+    def streamed_partition(self, n):
+        if self._grouped_output or not self._windowing.is_default():
+            return partition(self, n)
+        coder_impl, key_coder_impl = self._post_grouped_coder.get_impl(), self._key_coder.get_impl()
+        parts: list[list[bytes]] = [[] for _ in range(n)]
+        streams = [create_OutputStream() for _ in range(n)]
+        for number, (encoded_key, values) in enumerate(self._table.items()):
+            stream = streams[number % n]
+            grouped = GlobalWindows.windowed_value((key_coder_impl.decode(encoded_key), values))
+            coder_impl.encode_to_stream(grouped, stream, True)
+            if stream.size() >= GROUP_MESSAGE_BYTES:
+                parts[number % n].append(stream.get())
+                streams[number % n] = create_OutputStream()
+        for part, stream in zip(parts, streams):
+            if stream.size():
+                part.append(stream.get())
+        self._grouped_output = parts
+        self._table.clear()
+        return parts
+
+    execution.GroupingBuffer.partition = streamed_partition
+
+
 if os.environ.get("BUNDLE_PEAKS_DIR"):
+    _stream_groups()
     _record_bundles(Path(os.environ["BUNDLE_PEAKS_DIR"]))
     _count_shuffles(Path(os.environ["BUNDLE_PEAKS_DIR"]))

@@ -135,7 +135,9 @@ def stage_memory(cfg: PipelineConfig, corpus: Corpus, dim: int = 384) -> list[di
             auto_grows,
         ),
         (
-            ("index: merge", {held: held_bytes}, held_grows)
+            # the parts' lists are appended to the index's: faiss's arrays double as they grow,
+            # so up to the index again in spare room (measured: benchmarks/scale_rehearsal.py)
+            ("index: merge", {held: held_bytes, "its lists' spare room as they grow": held_bytes}, [0, 1])
             if held_grows
             # the slice and the blocks of its lists, all read before they are added (measured:
             # benchmarks/scale_rehearsal.py)
