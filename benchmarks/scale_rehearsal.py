@@ -3,22 +3,24 @@ chunks over many files, each compared with its memory-model row, and every shuff
 counted, so that what grows with the corpus shows before a cluster pays for it.
 
     .venv/bin/python benchmarks/scale_rehearsal.py [--n 250000] [--file-rows 1000]
-        [--factory IVF16384,PQ32x8np] [--slice-bytes 8MB] [--corpus-docs 1500] [--workdir DIR]
+        [--factory IVF4096,PQ32x8np] [--slice-bytes 16MB] [--corpus-docs 300] [--workdir DIR]
         [--parts index shards corpus]
 
 Parts, each at N and 4N (4N's files are 4× as many as N's, of the same rows):
 
 - index: `ratrain-pipeline index` over synthetic embeddings (`LowRankClusters`, 384-d,
-  `--file-rows` rows a file: ≥ 1,000 files at 4N with the defaults), `--factory` (2^14 lists:
-  two-level training) at nprobe 16, written as one index file and as slices of `--slice-bytes`.
+  `--file-rows` rows a file: ≥ 1,000 files at 4N with the defaults), `--factory` (2^12 lists:
+  two-level training; 2^14 lists need N ≥ 638,976, 39 training vectors a list) at nprobe 16,
+  written as one index file and as slices of `--slice-bytes`.
 - shards: build-shards' transforms (`PackSequences` -> `RetrieveNeighbours` -> `WriteShards`,
   wired as `benchmarks/retrieve_join.py` wires them) over the same database, every chunk a
   training chunk (`training_corpus: same`), with synthetic tokens in documents of 1-40
   chunks, m = 64, L = 8, k = 2, searching the index part's one index file.
 - corpus: the real `build-index` and `build-shards` (`ratrain-pipeline`, the real encoder) on
   Python docstrings (`examples/stdlib_docstrings.py --site-packages`), `--corpus-docs` and 4×
-  as many documents: shuffled bytes per chunk of the whole stages. Smaller than N: the encoder
-  runs ~100 chunks/s on 2 cores, so N = 250,000 real chunks would embed for ~40 minutes.
+  as many documents: shuffled bytes per chunk of the whole stages. Smaller than N: build-index
+  ran 20,426 docstring chunks in 261 s on 2 cores of an AMD EPYC without AVX512 (~78 chunks/s),
+  so 250,000 real chunks would take ~53 minutes (an estimate at that rate).
 
 Every job runs with two local worker processes (`--direct_num_workers=2
 --direct_running_mode=multi_processing`), so a bundle's memory is a worker's and not the
@@ -454,9 +456,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--n", type=int, default=250_000, help="chunks at N (4N is run too)")
     parser.add_argument("--file-rows", type=int, default=1000)
-    parser.add_argument("--factory", default="IVF16384,PQ32x8np")
-    parser.add_argument("--slice-bytes", default="8MB")
-    parser.add_argument("--corpus-docs", type=int, default=1500)
+    parser.add_argument("--factory", default="IVF4096,PQ32x8np", help="2^14 lists need --n >= 638,976")
+    parser.add_argument("--slice-bytes", default="16MB")
+    parser.add_argument("--corpus-docs", type=int, default=300)
     parser.add_argument("--parts", nargs="+", default=["index", "shards", "corpus"])
     parser.add_argument("--workdir", help="keep (and reuse) the databases here; default: a temp dir")
     parser.add_argument("--output", default=str(RESULTS))
