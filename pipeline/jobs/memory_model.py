@@ -113,6 +113,8 @@ def stage_memory(cfg: PipelineConfig, corpus: Corpus, dim: int = 384) -> list[di
                 "encoder": ENCODER,
                 **_runtime_held(cfg.embedding.backend),
                 f"one file: {rows:,} embeddings and their Parquet bytes": rows * (dim * 4 + ROW_OVERHEAD) * 2,
+                # embedded where the chunk file is written: the file's chunk rows are held too
+                f"the chunk file's {rows:,} rows": rows * chunk_row,
             },
             [],
         ),
