@@ -60,7 +60,6 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "scale_rehearsal.json"
 PEAKS = REPO / "benchmarks" / "bundle_peaks"
 CLI = [sys.executable, "-c", "from pipeline.cli import main; main()"]  # this checkout's code (PYTHONPATH below)
-TWO_WORKERS = ["--direct_num_workers=2", "--direct_running_mode=multi_processing"]
 M, SEQ_TOKENS, K, CANDIDATES, DIM, PAD, VOCAB = 64, 512, 2, 32, 384, 0, 30000
 L = SEQ_TOKENS // M
 SHARD_ROWS, NPROBE, SEED = 1024, 16, 20261205
@@ -285,24 +284,48 @@ def model_row(step: str, rows: dict[str, int]) -> tuple[str, float] | None:
     return max(found, key=lambda row: row[1]) if found else None
 
 
-def compared(at_n: dict, at_4n: dict, rows_n: dict, rows_4n: dict) -> list[dict]:
-    """One row per step seen at 4N: its growth from N and its model row's."""
+def workers_args(workers: int) -> list[str]:
+    return [f"--direct_num_workers={workers}", "--direct_running_mode=multi_processing"]
+
+
+def own_holding(rises: dict[int, float]) -> float | None:
+    """What a step holds whatever share of its stage a bundle is given. The local runner hands
+    each of w workers 1/w of a stage's input as one bundle, sent whole before it starts, so a
+    bundle's rise is taken as own + share / w, fitted through the rises at the fewest and the
+    most workers (None: run at one worker count only)."""
+    if len(rises) < 2:
+        return None
+    few, most = min(rises), max(rises)
+    share = (rises[few] - rises[most]) / (1 / few - 1 / most)
+    return max(rises[few] - share / few, 0.0)
+
+
+def compared(at_n: dict[int, dict], at_4n: dict[int, dict], rows_n: dict, rows_4n: dict) -> list[dict]:
+    """One row per step seen at 4N (at each worker count: {workers: steps}): its growth from N,
+    its holding apart from its bundle's share of the stage where two worker counts ran, and its
+    model row's growth."""
+    few = min(at_4n)
     table = []
-    for step, big in sorted(at_4n.items(), key=lambda kv: -kv[1]["rise_mb"]):
-        small = at_n.get(step)
-        growth = big["rise_mb"] / small["rise_mb"] if small and small["rise_mb"] > 0 else None
-        row, row_n = model_row(step, rows_4n), model_row(step, rows_n)
+    for step, big in sorted(at_4n[few].items(), key=lambda kv: -kv[1]["rise_mb"]):
+        small = at_n[few].get(step)
         entry = {
             "step": step,
             "rise_n_mb": small["rise_mb"] if small else None,
             "rise_4n_mb": big["rise_mb"],
-            "growth": growth,
+            "growth": big["rise_mb"] / small["rise_mb"] if small and small["rise_mb"] > 0 else None,
             "read_4n_mb": big["read_mb"],
             "shuffled_n_mb": small["shuffled_mb"] if small else None,
             "shuffled_4n_mb": big["shuffled_mb"],
             "seconds_4n": big["seconds"],
             "bundles_4n": big["bundles"],
         }
+        own = {
+            label: own_holding({w: steps[step]["rise_mb"] for w, steps in runs.items() if step in steps})
+            for label, runs in (("n", at_n), ("4n", at_4n))
+        }
+        if own["n"] is not None and own["4n"] is not None:
+            entry.update(own_n_mb=own["n"], own_4n_mb=own["4n"], own_growth=own["4n"] / own["n"] if own["n"] else None)
+        row, row_n = model_row(step, rows_4n), model_row(step, rows_n)
         if row:
             entry.update(model_row=row[0], model_4n_mb=row[1], model_growth=row[1] / row_n[1] if row_n[1] else None)
         entry["verdict"] = verdict(entry)
@@ -312,13 +335,15 @@ def compared(at_n: dict, at_4n: dict, rows_n: dict, rows_4n: dict) -> list[dict]
 
 def verdict(entry: dict) -> str:
     """flat: grew ≤ GROWTH_FLAT from N to 4N; grows as its row: its memory-model row grows too,
-    and the measure at 4N is within MODEL_SLACK of the row; GROWS otherwise."""
-    growth, model = entry["growth"], entry.get("model_4n_mb")
-    if entry["rise_4n_mb"] < NOISE_MB:
+    and the measure at 4N is within MODEL_SLACK of the row; GROWS otherwise. The measure is the
+    step's own holding where two worker counts ran, else its largest bundle's rise."""
+    held = entry.get("own_4n_mb", entry["rise_4n_mb"])
+    growth, model = entry.get("own_growth", entry["growth"]), entry.get("model_4n_mb")
+    if held < NOISE_MB:
         return "flat (under the noise floor)"
     if growth is not None and growth <= GROWTH_FLAT:
         return "flat"
-    if model and (entry.get("model_growth") or 1) > GROWTH_FLAT and entry["rise_4n_mb"] <= model * MODEL_SLACK:
+    if model and (entry.get("model_growth") or 1) > GROWTH_FLAT and held <= model * MODEL_SLACK:
         return "grows as its row"
     return "GROWS" if growth is not None else "not seen at N"
 
@@ -326,13 +351,18 @@ def verdict(entry: dict) -> str:
 # --- the parts -----------------------------------------------------------------------------------
 
 
-def index_part(work: Path, root: Path, factory: str, slice_bytes: str | None, tag: str) -> dict:
-    out = work / f"index-{tag}-{root.name}"
+def _named(workers: int) -> str:
+    """A job's name suffix: none at two workers (the default, and what earlier runs were named)."""
+    return "" if workers == 2 else f"-w{workers}"
+
+
+def index_part(work: Path, root: Path, factory: str, slice_bytes: str | None, tag: str, workers: int) -> dict:
+    out = work / f"index-{tag}-{root.name}{_named(workers)}"
     _fresh(out, work)
     argv = [*CLI, "index", "--embeddings", str(root / "embeddings" / "*.parquet"), "--output", str(out)]
     argv += ["--type", factory, "--nprobe", str(NPROBE)]
     argv += ["--slice-bytes", slice_bytes] if slice_bytes else []
-    job = measured_job(f"index-{tag}-{root.name}", [*argv, "--", *TWO_WORKERS], work)
+    job = measured_job(out.name, [*argv, "--", *workers_args(workers)], work)
     return {**job, "output": str(out)}
 
 
@@ -384,11 +414,11 @@ def _rows(path: Path) -> int:
     return pq.ParquetFile(path).metadata.num_rows
 
 
-def shards_part(work: Path, root: Path, index_dir: str) -> dict:
-    out = work / f"shards-{root.name}"
+def shards_part(work: Path, root: Path, index_dir: str, workers: int) -> dict:
+    out = work / f"shards-{root.name}{_named(workers)}"
     _fresh(out, work)
-    argv = [sys.executable, str(Path(__file__).resolve()), "_shards", str(root), index_dir, str(out), *TWO_WORKERS]
-    job = measured_job(f"shards-{root.name}", argv, work)
+    argv = [sys.executable, str(Path(__file__).resolve()), "_shards", str(root), index_dir, str(out)]
+    job = measured_job(out.name, [*argv, *workers_args(workers)], work)
     written = sorted(out.glob("shard-*.arrow"))
     return {**job, "output": str(out), "shards": len(written)}
 
@@ -417,7 +447,7 @@ def corpus_part(work: Path, documents: int) -> dict:
     found = {}
     for stage in ("build-index", "build-shards"):
         found[stage] = measured_job(
-            f"{stage}-{documents}", [*CLI, stage, "--config", str(config), "--", *TWO_WORKERS], work
+            f"{stage}-{documents}", [*CLI, stage, "--config", str(config), "--", *workers_args(2)], work
         )
     manifest = json.loads((slug / "out" / "index" / "manifest.json").read_text())
     found["chunks"] = manifest["num_chunks"]
@@ -428,22 +458,33 @@ def corpus_part(work: Path, documents: int) -> dict:
 
 
 def print_table(title: str, table: list[dict]) -> None:
+    own = any("own_4n_mb" in e for e in table)
     print(f"\n{title}")
     print(
-        f"{'step':<58} {'rise N':>8} {'rise 4N':>8} {'x':>5} {'model 4N':>9} {'read 4N':>8} "
-        f"{'shuf N':>8} {'shuf 4N':>8} {'s 4N':>7}  verdict"
+        f"{'step':<58} {'rise N':>8} {'rise 4N':>8} {'x':>5} "
+        + (f"{'own N':>8} {'own 4N':>8} {'x':>5} " if own else "")
+        + f"{'model 4N':>9} {'read 4N':>8} {'shuf N':>8} {'shuf 4N':>8} {'s 4N':>7}  verdict"
     )
     for e in table:
-        growth = "-" if e["growth"] is None else f"{e['growth']:.2f}"
         print(
-            f"{e['step'][:58]:<58} {_mb(e['rise_n_mb'])} {_mb(e['rise_4n_mb'])} {growth:>5} "
-            f"{_mb(e.get('model_4n_mb'), 9)} {_mb(e['read_4n_mb'])} {_mb(e['shuffled_n_mb'])} "
+            f"{e['step'][:58]:<58} {_mb(e['rise_n_mb'])} {_mb(e['rise_4n_mb'])} {_times(e['growth'])} "
+            + (f"{_mb(e.get('own_n_mb'))} {_mb(e.get('own_4n_mb'))} {_times(e.get('own_growth'))} " if own else "")
+            + f"{_mb(e.get('model_4n_mb'), 9)} {_mb(e['read_4n_mb'])} {_mb(e['shuffled_n_mb'])} "
             f"{_mb(e['shuffled_4n_mb'])} {e['seconds_4n']:>7.1f}  {e['verdict']}"
         )
 
 
+def _times(ratio: float | None) -> str:
+    return f"{'-':>5}" if ratio is None else f"{ratio:>5.2f}"
+
+
 def _mb(value, width: int = 8) -> str:
     return f"{'-':>{width}}" if value is None else f"{value:>{width}.1f}"
+
+
+def _by_workers(runs: dict) -> tuple[dict[int, dict], dict[int, dict]]:
+    """{(size label, workers): job} -> the steps of each worker count, at N and at 4N."""
+    return tuple({w: steps_of(job) for (label, w), job in runs.items() if label == size} for size in ("N", "4N"))
 
 
 def per_chunk(job: dict, chunks: int) -> float:
@@ -463,6 +504,13 @@ def main() -> None:
     parser.add_argument("--workdir", help="keep (and reuse) the databases here; default: a temp dir")
     parser.add_argument("--output", default=str(RESULTS))
     parser.add_argument("--reuse", action="store_true", help="read back jobs recorded in --workdir; run the rest")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        nargs="+",
+        default=[2],
+        help="local worker processes; two counts: each step's own holding",
+    )
     args = parser.parse_args()
     global REUSE
     REUSE = args.reuse
@@ -492,12 +540,14 @@ def main() -> None:
     indexes = {}
     if "index" in args.parts or "shards" in args.parts:
         for tag, slice_bytes in (("one file", None), ("slices", args.slice_bytes)):
-            jobs = {
-                label: index_part(work, root, args.factory, slice_bytes, tag.replace(" ", "-"))
+            runs = {
+                (label, w): index_part(work, root, args.factory, slice_bytes, tag.replace(" ", "-"), w)
                 for label, root in roots.items()
+                for w in args.workers
             }
+            jobs = {label: runs[(label, min(args.workers))] for label in roots}
             indexes[tag] = {label: job["output"] for label, job in jobs.items()}
-            table = compared(steps_of(jobs["N"]), steps_of(jobs["4N"]), rows[("N", tag)], rows[("4N", tag)])
+            table = compared(*_by_workers(runs), rows[("N", tag)], rows[("4N", tag)])
             title = f"index stage, {tag}: {chunks['N']:,} and {chunks['4N']:,} vectors, {args.factory}"
             print_table(title, table)
             results["parts"][f"index, {tag}"] = {
@@ -507,8 +557,13 @@ def main() -> None:
                 "table": table,
             }
     if "shards" in args.parts:
-        jobs = {label: shards_part(work, root, indexes["one file"][label]) for label, root in roots.items()}
-        table = compared(steps_of(jobs["N"]), steps_of(jobs["4N"]), rows[("N", "one file")], rows[("4N", "one file")])
+        runs = {
+            (label, w): shards_part(work, root, indexes["one file"][label], w)
+            for label, root in roots.items()
+            for w in args.workers
+        }
+        jobs = {label: runs[(label, min(args.workers))] for label in roots}
+        table = compared(*_by_workers(runs), rows[("N", "one file")], rows[("4N", "one file")])
         print_table(f"build-shards, one index file: {chunks['N']:,} and {chunks['4N']:,} chunks", table)
         results["parts"]["build-shards"] = {
             "chunks": chunks,
