@@ -4,7 +4,7 @@ counted, so that what grows with the corpus shows before a cluster pays for it.
 
     .venv/bin/python benchmarks/scale_rehearsal.py [--n 250000] [--file-rows 1000]
         [--factory IVF4096,PQ32x8np] [--slice-bytes 16MB] [--corpus-docs 300] [--workdir DIR]
-        [--parts index shards corpus]
+        [--parts index shards corpus] [--workers 2 4] [--reuse]
 
 Parts, each at N and 4N (4N's files are 4× as many as N's, of the same rows):
 
@@ -28,6 +28,11 @@ runner's, and with `benchmarks/bundle_peaks` on its PYTHONPATH: each bundle's ri
 worker's resident memory (VmHWM over VmRSS at its start), bytes read (rchar) and seconds; the
 runner's encoded bytes into every GroupByKey. A step is a bundle's transforms less Beam's own
 (grouping, impulse and reshuffle parts), named to depth 2 (`BuildIndex/FillParts`).
+
+Beam's local runner gives each of w workers one bundle holding 1/w of a stage's input, sent
+whole before the bundle starts, so a step after a shuffle shows its share of the stage as well
+as what it holds itself. With two worker counts (`--workers 2 4`) each step's rise is fitted as
+own + share / w, and the verdict is on the fitted own holding (rough: two points, each one run).
 
 Per step the table has the largest bundle's rise at N and 4N and their ratio, bytes read and
 shuffled (the shuffles its transforms feed) at 4N, and bundle seconds summed; where the memory
