@@ -190,18 +190,12 @@ class EmbedChunks(beam.PTransform):
         return encoded_and_checked(grouped, self.cfg, self.tokenizer_path, self.threads)
 
 
-class EmbedChunkFiles(beam.PTransform):
+class EmbedChunkFiles(EmbedChunks):
     """(file number, the file's chunks) as the chunk files are written -> (EmbeddedChunks, one per
     file; precision check report): what EmbedChunks does, where each chunk file is written, so
     neither the chunks nor their embeddings are shuffled again. Within a file the chunks are
     encoded in the same chunk-id groups, and the file's embeddings are whole in one element,
     ready to be written where they are."""
-
-    def __init__(self, cfg: EmbeddingConfig, tokenizer_path: str, threads: int | None):
-        super().__init__()
-        self.cfg, self.tokenizer_path, self.threads = cfg, tokenizer_path, threads
-        if cfg.accelerator:
-            self.with_resource_hints(accelerator=cfg.accelerator)
 
     def expand(self, files):
         return encoded_and_checked(files, self.cfg, self.tokenizer_path, self.threads, whole_files=True)
