@@ -22,8 +22,8 @@ from pipeline.build_index.append_changes import (
     deletions,
     document_runs,
     replacing,
-    rewrite_index,
 )
+from pipeline.build_index.change_faiss import ChangeFaissFiles
 from pipeline.build_index.files import index_staged
 from pipeline.build_index.manifest import NEWEST_GENERATION_CHUNKS, next_generation_manifest
 from pipeline.build_index.steps import chunk_and_embed, stage_tallies, write_sources
@@ -180,19 +180,8 @@ def change_index(
             stage_tallies(corpus, all_rejected, written, tok.pad_id),
             deleted[NOT_FOUND] | "TallyNotFound" >> beam.Map(lambda _: ("delete_ids_not_found", 1)),
         ) | "AllTallies" >> beam.Flatten()
-        changed = (
-            pipeline
-            | "OneWorker" >> beam.Create([None])
-            | "ChangeIndex"
-            >> beam.Map(
-                rewrite_index,
-                new_entries=beam.pvalue.AsList(written.embedding_files),
-                deleted_now=deleted_now,
-                committed=committed,
-                directory=directory,
-                staging=staging,
-                sample=cfg.index.recall_sample,
-            )
+        changed = (written.embedding_files, deleted.deleted) | "ChangeFaissFiles" >> ChangeFaissFiles(
+            committed, previous, directory=directory, staging=staging, sample=cfg.index.recall_sample
         )
         deleted_files_written = (
             pipeline

@@ -1,9 +1,8 @@
-"""What a generation appended to an index changes, in Beam's steps: which indexed documents go
+"""Which indexed documents a generation appended to an index deletes, in Beam's steps
 (`document_runs`: each document's chunk-id run; `replacing`: a new document replacing the one
 of its id; `deletions`: a `DeletedDocument` per document replaced, asked for, or no longer in
-its file), and the faiss files changed on the one worker that holds the index (`rewrite_index`:
-deleted vectors removed, new ones added, a `Changed`). `change_index`
-(`pipeline.build_index.append`) wires them.
+its file). `change_index` (`pipeline.build_index.append`) wires them, and the faiss files'
+change (`pipeline.build_index.change_faiss`).
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ from dataclasses import dataclass
 import apache_beam as beam
 import numpy as np
 
-from pipeline.chunks.chunk_files import ChunkFileRanges, CommittedChunkFiles, CommittedIndexManifest
+from pipeline.chunks.chunk_files import ChunkFileRanges, CommittedChunkFiles
 from pipeline.chunks.deleted import (
     DELETE_REQUESTED,
     NOT_IN_ITS_FILE,
@@ -23,30 +22,6 @@ from pipeline.chunks.deleted import (
 )
 from pipeline.common import fileio
 from pipeline.common.arrays import widest_span
-from pipeline.common.names import file_name, file_number
-from pipeline.index.append import (
-    MergedSearch,
-    NewVectorRecall,
-    add_in_file_order,
-    cut_slice,
-    new_vector_recall,
-    new_vectors_by_slice,
-    remove_deleted,
-    sampled_vectors,
-)
-from pipeline.index.files import (
-    INDEX_FILE,
-    LIST_OWNERS_FILE,
-    QUANTIZER_FILE,
-    read_index,
-    read_owners,
-    write_index,
-    write_owners,
-)
-from pipeline.index.routing import add_list_blocks
-from pipeline.index.search import set_search_depth
-from pipeline.index.slices import vectors_per_slice
-from schemas.manifest import FileEntry, IndexManifest, by_name
 
 RUN, DELETE = "run", "delete"  # CoGroupByKey tags: a document's chunk-id run; a request to delete it
 REPLACED_TAG, NOT_FOUND = "replaced", "not_found"
@@ -124,110 +99,3 @@ def deletions(keyed):
     first, end = widest_span(runs)
     reason = next(r for r in (REPLACED, DELETE_REQUESTED, NOT_IN_ITS_FILE) if r in reasons)
     yield DeletedDocument(doc_id, first, end - first, reason)
-
-
-@dataclass(frozen=True)
-class Changed:
-    """What the one worker holding the index did to it."""
-
-    files: list[FileEntry]  # the faiss files written anew (index.faiss, or the slices changed)
-    vectors: int  # the index holds, after
-    recall: NewVectorRecall
-    removed: int  # vectors removed (deleted documents' chunks)
-
-
-def rewrite_index(
-    _,
-    *,
-    new_entries: list[FileEntry],
-    deleted_now: list[DeletedDocument],
-    committed: CommittedIndexManifest,
-    directory,
-    staging,
-    sample,
-) -> Changed:
-    """One worker: the committed index read, the deleted documents' vectors removed, the new
-    ones added in chunk-id order, written to staging; the new vectors' recall at the index's
-    depth measured among the vectors left. An index in slices is changed a slice at a time."""
-    previous = committed.read()
-    new_paths = [fileio.join(staging, e.path) for e in sorted(new_entries, key=lambda e: file_number(e.path))]
-    old_paths = [
-        fileio.join(directory, e.path)
-        for e in sorted(previous.files, key=lambda e: file_number(e.path))
-        if e.path.startswith("embeddings/")
-    ]
-    now = DeletedRanges.of(deleted_now)
-    deleted = DeletedRanges.concatenate([committed.deleted(), now])
-    named = by_name(previous.files)
-    if f"faiss/{QUANTIZER_FILE}" in named:
-        return _change_slices(
-            previous,
-            directory=directory,
-            staging=staging,
-            new_paths=new_paths,
-            old_paths=old_paths,
-            now=now,
-            deleted=deleted,
-            sample=sample,
-        )
-    stored = named[f"faiss/{INDEX_FILE}"]
-    index = read_index(fileio.join(directory, stored.path), sha256=stored.sha256)
-    removed = remove_deleted(index, now)
-    added = add_in_file_order(index, new_paths)
-    query_ids, queries = sampled_vectors(new_paths, sample, added)
-    if previous.nprobe is not None:
-        set_search_depth(index, previous.nprobe)
-    recall = new_vector_recall(index, query_ids, queries, old_paths + new_paths, deleted)
-    size, sha256 = write_index(index, fileio.join(staging, "faiss", INDEX_FILE))
-    entry = FileEntry(path=f"faiss/{INDEX_FILE}", rows=int(index.ntotal), bytes=size, sha256=sha256)
-    return Changed([entry], int(index.ntotal), recall, removed)
-
-
-def _change_slices(
-    previous: IndexManifest, *, directory, staging, new_paths, old_paths, now: DeletedRanges, deleted, sample
-) -> Changed:
-    """The new vectors encoded once on the trained index (quantizer.faiss) and cut by list
-    owner; then each slice in turn read, its deleted vectors removed and its new ones added,
-    cut in two or more if it outgrew the slice size, written anew if it changed, and searched
-    for the sampled new vectors at the index's depth, merged as the index build measures
-    slices. The list owners are written anew when they changed."""
-    named = by_name(previous.files)
-    quantizer, owners = named[f"faiss/{QUANTIZER_FILE}"], named[f"faiss/{LIST_OWNERS_FILE}"]
-    trained = read_index(fileio.join(directory, quantizer.path), sha256=quantizer.sha256)
-    owners_before = read_owners(fileio.join(directory, owners.path))
-    new = new_vectors_by_slice(trained, new_paths, owners_before)
-    owner, blocks = new.owner, dict(new.blocks)
-    fits = None
-    if previous.slice_bytes is not None:
-        fits = vectors_per_slice(previous.index_factory, previous.dim, previous.slice_bytes)
-    query_ids, queries = sampled_vectors(new_paths, sample, new.added)
-    merged = MergedSearch(queries)
-    slices = sorted((e for e in previous.files if e.path.startswith("faiss/slice-")), key=lambda e: file_number(e.path))
-    written, removed, vectors, next_number = [], 0, 0, len(slices)
-    for number, entry in enumerate(slices):
-        index_slice = read_index(fileio.join(directory, entry.path), sha256=entry.sha256)
-        removed_here = remove_deleted(index_slice, now)
-        removed += removed_here
-        pieces = [(number, index_slice)]
-        if removed_here or number in blocks:
-            add_list_blocks(index_slice, [blocks.pop(number)] if number in blocks else [])
-            if fits is not None and index_slice.ntotal > fits:
-                pieces, owner = cut_slice(
-                    index_slice, trained, owner=owner, number=number, first_new=next_number, fits=fits
-                )
-                next_number += len(pieces) - 1
-            for piece_number, piece in pieces:
-                path = f"faiss/{file_name('slice', piece_number, 'faiss')}"
-                size, sha256 = write_index(piece, fileio.join(staging, path))
-                written.append(FileEntry(path=path, rows=int(piece.ntotal), bytes=size, sha256=sha256))
-        for _, piece in pieces:
-            vectors += int(piece.ntotal)
-            if previous.nprobe is not None:
-                set_search_depth(piece, previous.nprobe)
-            merged.add(piece)
-        del index_slice, pieces
-    if not np.array_equal(owner, owners_before):
-        size, sha256 = write_owners(owner, fileio.join(staging, "faiss", LIST_OWNERS_FILE))
-        written.append(FileEntry(path=f"faiss/{LIST_OWNERS_FILE}", rows=0, bytes=size, sha256=sha256))
-    recall = new_vector_recall(merged, query_ids, queries, old_paths + new_paths, deleted)
-    return Changed(written, vectors, recall, removed)

@@ -7,7 +7,7 @@ the job's last step, from what the job wrote.
 
 from __future__ import annotations
 
-from pipeline.build_index.append_changes import Changed
+from pipeline.build_index.change_faiss import Changed
 from pipeline.build_index.files import index_counters, index_entries
 from pipeline.chunks.deleted import DeletedDocument
 from pipeline.common.models import fingerprint_path, resolve_model

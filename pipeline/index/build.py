@@ -35,6 +35,7 @@ from apache_beam.metrics import Metrics
 
 from pipeline.common import fileio
 from pipeline.common.arrays import widest_span
+from pipeline.common.combining import MergedBy
 from pipeline.common.names import file_number
 from pipeline.common.sampling import QUERY_SALT, in_sample
 from pipeline.corpus.records import METRICS_NAMESPACE
@@ -102,24 +103,6 @@ class _FillPart(beam.DoFn):
         if truth is not None:
             yield beam.pvalue.TaggedOutput("truth", truth)
         yield FilledPart.of(path, part_path, list_sizes(index))
-
-
-class _MergeTruth(beam.CombineFn):
-    def create_accumulator(self):
-        return None
-
-    def add_input(self, acc, truth):
-        return truth if acc is None else acc.merge(truth)
-
-    def merge_accumulators(self, accs):
-        result = None
-        for acc in accs:
-            if acc is not None:
-                result = acc if result is None else result.merge(acc)
-        return result
-
-    def extract_output(self, acc):
-        return acc
 
 
 def _merge_and_tune(
@@ -286,7 +269,8 @@ class BuildIndex(beam.PTransform):
             >> beam.ParDo(_FillPart(out_dir, k), trained_path, queries).with_outputs("truth", main="parts")
         )
         truth = beam.pvalue.AsSingleton(
-            filled.truth | "MergeTruth" >> beam.CombineGlobally(_MergeTruth()).without_defaults(), default_value=None
+            filled.truth | "MergeTruth" >> beam.CombineGlobally(MergedBy(Truth.merge)).without_defaults(),
+            default_value=None,
         )
         slicing = beam.pvalue.AsSingleton(  # a ListSlicing, or None for one index file
             filled.parts

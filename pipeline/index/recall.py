@@ -22,8 +22,14 @@ def one_recall_at_k(index, query_ids, queries, truth, k: int = RECALL_K) -> floa
     within TIE_TOLERANCE of the exact nearest other vector's similarity. A returned vector's
     exact similarity comes from the truth list; one beyond it is a miss unless the list
     ends above the tie line (then it cannot be told, and counts as a miss)."""
-    truth_scores, truth_ids = truth
     _, found = index.search(np.ascontiguousarray(queries, dtype=np.float32), k + 1)
+    return one_recall_of_found(query_ids, found, truth, k)
+
+
+def one_recall_of_found(query_ids, found: np.ndarray, truth, k: int = RECALL_K) -> float:
+    """RECALL_MEASURE of what a search found for the queries (ids [q, >= k + 1]): for a search
+    made elsewhere, such as an index's slices searched one per worker and merged."""
+    truth_scores, truth_ids = truth
     hits = 0
     for q, row, t_scores, t_ids in zip(query_ids, found, truth_scores, truth_ids):
         returned = [f for f in row if f != q and f >= 0][:k]

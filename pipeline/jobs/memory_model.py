@@ -40,6 +40,7 @@ BYTES_PER_TOKEN = 4  # of English text, for a corpus size given in bytes
 GZIP_RATIO = 3.5  # text compresses about this much
 SEARCH_BATCH = 4096  # queries searched at once, with their candidates
 PART_PATH = 200  # a filled part as gathered for the merge: (file number, path) as Python objects
+FILE_ENTRY = 1_100  # a manifest file entry parsed (1,088 B measured, docs/scale.md)
 APPEND_SHARE = 0.1  # an append of this share of the corpus, for the change step's new vectors
 
 
@@ -76,6 +77,53 @@ def _runtime_held(backend: str) -> dict[str, int]:
     nothing for torch itself)."""
     held = get_backend(backend).runtime_bytes
     return {f"{backend} runtime": held} if held else {}
+
+
+def _change_steps(
+    factory: str,
+    *,
+    dim: int,
+    held: str,
+    held_bytes: float,
+    sliced: bool,
+    new_codes: float,
+    slices: int,
+    file_rows: int,
+    auto_grows: list[int],
+) -> list[tuple]:
+    """An append's and a delete's steps (pipeline/build_index/change_faiss.py). One index file:
+    one worker holds it and every new vector's code. Slices: each new file encoded on its own
+    (as a fill), a worker per slice holding it, its share of the new codes and, when it is cut,
+    its pieces; then one step numbers the pieces and writes the list owners."""
+    trained = estimated_bytes(factory, 0, dim)
+    per_vector = estimated_bytes(factory, 1, dim) - trained
+    if not sliced:
+        new = f"the new vectors' codes (an append of {APPEND_SHARE:.0%} of the corpus)"
+        return [("index: change (append, delete)", {held: held_bytes, new: new_codes}, [0, 1])]
+    lists = ivf_lists(factory) or 0
+    return [
+        (
+            "index: change: encode one new embeddings file",
+            {"trained index": trained, f"codes of {file_rows:,} vectors": file_rows * per_vector},
+            auto_grows,
+        ),
+        (
+            "index: change one slice (append, delete)",
+            {
+                f"{held} and its pieces": 2 * held_bytes,
+                f"its lists' new codes (an append of {APPEND_SHARE:.0%} of the corpus)": APPEND_SHARE * held_bytes,
+            },
+            [],
+        ),
+        (
+            "index: change: number cut pieces, write list owners",
+            {
+                f"list owners ({lists:,} lists), before and after": 2 * 4 * lists,
+                f"a changed slice's file entries (of {slices:,} slices)": slices * FILE_ENTRY,
+            },
+            [*auto_grows[:1], 1],
+        ),
+    ]
 
 
 def stage_memory(cfg: PipelineConfig, corpus: Corpus, dim: int = 384) -> list[dict]:
@@ -162,16 +210,16 @@ def stage_memory(cfg: PipelineConfig, corpus: Corpus, dim: int = 384) -> list[di
             else []
         ),
         *_slice_planning(factory, dim, not held_grows, auto_grows),
-        (
-            "index: change (append, delete)",
-            {
-                # a slice that outgrows its size is cut: the slice and its pieces at once
-                (f"{held} and its pieces" if not held_grows else held): held_bytes * (1 if held_grows else 2),
-                f"the new vectors' codes (an append of {APPEND_SHARE:.0%} of the corpus)": APPEND_SHARE
-                * C
-                * per_vector,
-            },
-            [*held_grows, 1],
+        *_change_steps(
+            factory,
+            dim=dim,
+            held=held,
+            held_bytes=held_bytes,
+            sliced=not held_grows,
+            new_codes=APPEND_SHARE * C * per_vector,
+            slices=math.ceil(C / vectors_per_slice(factory, dim, cfg.index.slice_bytes)) if not held_grows else 0,
+            file_rows=rows,
+            auto_grows=auto_grows,
         ),
         (
             "build-shards: search",

@@ -15,12 +15,14 @@ beyond it is below the k-th best (a miss).
 
 from __future__ import annotations
 
+import functools
 import heapq
 from typing import NamedTuple
 
 import apache_beam as beam
 import numpy as np
 
+from pipeline.common.combining import MergedBy
 from pipeline.index.exact import exact_nearest_outside, exact_scores_of, merge_top
 from pipeline.index.recall import NEIGHBOUR_MEASURE, recall_with_ties
 from schemas.measures import TIE_TOLERANCE
@@ -63,27 +65,6 @@ class SmallestProbes(beam.CombineFn):
         return sorted(acc, key=lambda p: p[:3])
 
 
-class _MergeTops(beam.CombineFn):
-    def __init__(self, depth: int):
-        self.depth = depth
-
-    def create_accumulator(self):
-        return None
-
-    def add_input(self, acc, top):
-        return top if acc is None else merge_top(acc, top, self.depth)
-
-    def merge_accumulators(self, accs):
-        result = None
-        for acc in accs:
-            if acc is not None:
-                result = acc if result is None else merge_top(result, acc, self.depth)
-        return result
-
-    def extract_output(self, acc):
-        return acc
-
-
 def _scan(block, probes, depth: int):
     if probes and len(block.chunk_ids):
         yield scan_batch(block.chunk_ids, block.vectors, probes, depth)
@@ -103,7 +84,7 @@ class ExactTruth(beam.PTransform):
         return (
             database
             | "ExactScan" >> beam.FlatMap(_scan, beam.pvalue.AsSingleton(sample), self.depth)
-            | "MergeScans" >> beam.CombineGlobally(_MergeTops(self.depth))
+            | "MergeScans" >> beam.CombineGlobally(MergedBy(functools.partial(merge_top, k=self.depth)))
         )
 
 

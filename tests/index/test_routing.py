@@ -135,8 +135,8 @@ def test_a_grown_slice_is_cut_and_a_list_empty_at_the_build_gets_the_owner_of_it
     """Appending to slices: new vectors land in their lists' slices, a list nobody owned (empty
     at the build) goes to the slice of the nearest owned list, and a slice past the size limit
     is cut in lists; the routed search then answers as one index holding every vector."""
-    from pipeline.index.append import cut_slice, new_vectors_by_slice
-    from pipeline.index.routing import add_list_blocks
+    from pipeline.chunks.deleted import DeletedRanges
+    from pipeline.index.append import adopting_owners, change_slice, new_blocks, owners_after, renumbered
     from tests.helpers import write_embedding_files
 
     index, data, queries = _index("IVF64,Flat", vectors=8_000)
@@ -152,25 +152,40 @@ def test_a_grown_slice_is_cut_and_a_list_empty_at_the_build_gets_the_owner_of_it
     owner[sizes == 0] = -1
     slices = slice_by_lists(base, owner)
     ids = np.arange(6_000, 8_000)
-    path = write_embedding_files(tmp_path, ids, data[6_000:], 1)[0]
+    paths = write_embedding_files(tmp_path, ids, data[6_000:], 2)  # two new files, encoded apart
     everything = faiss.clone_index(trained)  # one index holding every vector
     everything.add_with_ids(data[np.concatenate([old, ids])], np.concatenate([old, ids]))
     set_search_depth(everything, 8)
 
-    appended = new_vectors_by_slice(trained, [path], owner)
-    assert appended.added == 2_000 and owner[emptied] == -1 and appended.owner[emptied] >= 0
-    assert (np.delete(appended.owner, emptied) == np.delete(owner, emptied)).all()
+    adopting = adopting_owners(trained, owner)
+    assert owner[emptied] == -1 and adopting[emptied] >= 0
+    assert (np.delete(adopting, emptied) == np.delete(owner, emptied)).all()
+    blocks: dict[int, list] = {}
+    for path in paths:
+        for block in new_blocks(faiss.clone_index(trained), path, adopting):
+            blocks.setdefault(block.index_slice, []).append(block)
+    assert sum(len(b.ids) for found in blocks.values() for b in found) == 2_000
     fits = int(max(s.ntotal for s in slices) * 1.1)
-    owner, grown = appended.owner, []
-    for number, index_slice in enumerate(slices):
-        add_list_blocks(index_slice, [appended.blocks[number]] if number in appended.blocks else [])
-        pieces = [(number, index_slice)]
-        if index_slice.ntotal > fits:
-            pieces, owner = cut_slice(
-                index_slice, trained, owner=owner, number=number, first_new=len(slices) + len(grown), fits=fits
-            )
-            grown += pieces[1:]
-        slices[number] = pieces[0][1]
+    changed = {}
+    for number in range(len(slices)):  # each slice alone, as its own worker takes it
+        changed[number], _ = change_slice(
+            slices[number],
+            blocks=blocks.get(number, []),
+            deleted=DeletedRanges.none(),
+            fits=fits,
+            trained_of=lambda: trained,
+        )
+    cut = {n: len(p) for n, p in changed.items() if p}
+    numbers = renumbered(cut, len(slices))
+    assert any(count > 1 for count in cut.values())
+    adopted = {adopting[emptied]: np.array([emptied])}
+    pieces = {(n, at): lists for n, p in changed.items() for at, (lists, _) in enumerate(p) if lists is not None}
+    owner = owners_after(owner, adopted, pieces, numbers)
+    grown = sorted(((numbers[(n, at)], piece) for n, p in changed.items() for at, (_, piece) in enumerate(p) if at))
+    for n, p in changed.items():
+        if p:
+            slices[n] = p[0][1]
+    assert [number for number, _ in grown] == list(range(len(slices), len(slices) + len(grown)))
     slices += [piece for _, piece in grown]
     assert grown and all(s.ntotal <= fits for s in slices)
     for number, index_slice in enumerate(slices):  # every slice holds only lists it owns
