@@ -141,7 +141,7 @@ def stage_memory(cfg: PipelineConfig, corpus: Corpus, dim: int = 384) -> list[di
         slices = math.ceil(C / vectors_per_slice(factory, dim, cfg.index.slice_bytes))
         held, held_bytes, held_grows = f"one index slice (of {slices:,})", cfg.index.slice_bytes, []
     else:
-        held, held_bytes, held_grows = f"the whole index ({C:,} vectors)", index_bytes, [0]
+        held, held_bytes, held_grows, slices = f"the whole index ({C:,} vectors)", index_bytes, [0], 0
     per_vector = estimated_bytes(factory, 1, dim) - estimated_bytes(factory, 0, dim)
     shard_row = row_bytes(cfg.shard_dims) + ROW_OVERHEAD
     stages = [
@@ -217,7 +217,7 @@ def stage_memory(cfg: PipelineConfig, corpus: Corpus, dim: int = 384) -> list[di
             held_bytes=held_bytes,
             sliced=not held_grows,
             new_codes=APPEND_SHARE * C * per_vector,
-            slices=math.ceil(C / vectors_per_slice(factory, dim, cfg.index.slice_bytes)) if not held_grows else 0,
+            slices=slices,
             file_rows=rows,
             auto_grows=auto_grows,
         ),
