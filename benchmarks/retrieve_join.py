@@ -164,7 +164,7 @@ def ours_main(root: str, out: str, query_chunks: int, beam_args: list[str]) -> N
             p
             | "TrainingFiles" >> beam.Create([str(f) for f in files[:used]])
             | "ReadTrainingChunks" >> ReadAllFromParquetBatched(columns=list(TRAINING_COLUMNS))
-            | "TrainingChunkBlocks" >> beam.Map(TrainingChunks.of)
+            | "TrainingChunkBlocks" >> beam.Map(lambda batch: TrainingChunks.of(batch).heads())
             | "TrainingChunks" >> beam.Map(lambda rows: rows.take(np.flatnonzero(rows.chunk_id <= limit)))
         )
         sequences = training | "PackSequences" >> PackSequences(L, PAD)
@@ -178,6 +178,7 @@ def ours_main(root: str, out: str, query_chunks: int, beam_args: list[str]) -> N
             neighbours=K,
             candidates=CANDIDATES,
             pad_id=PAD,
+            tokens_from_chunk_files=True,
         )
         # the queries: read by the search from the embedding files, as build-shards over its own chunks does
         rows = ((sequences, spans) | "RetrieveNeighbours" >> RetrieveNeighbours(spec, SHARD_ROWS)).rows

@@ -399,13 +399,14 @@ def shards_main(root: str, index_dir: str, out: str, beam_args: list[str]) -> No
         neighbours=K,
         candidates=CANDIDATES,
         pad_id=PAD,
+        tokens_from_chunk_files=True,  # as build-shards packs a database's own chunks
     )
     with new_pipeline(beam_args, type_check=False) as p:
         training = (
             p
             | "TrainingFiles" >> beam.Create([str(f) for f in files])
             | "ReadTrainingChunks" >> ReadAllFromParquetBatched(columns=list(TRAINING_COLUMNS))
-            | "TrainingChunkBlocks" >> beam.Map(TrainingChunks.of)
+            | "TrainingChunkBlocks" >> beam.Map(lambda batch: TrainingChunks.of(batch).heads())
         )
         sequences = training | "PackSequences" >> PackSequences(L, PAD)
         spans = p | "DocumentSpans" >> DocumentSpans(f"{root}/chunks/*.parquet")

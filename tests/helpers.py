@@ -334,11 +334,13 @@ class LocalFlinkCluster:
         }
 
 
-def write_chunk_files(directory: Path, chunks: list, rows_per_file: int = 5, vectors=None):
+def write_chunk_files(
+    directory: Path, chunks: list, rows_per_file: int = 5, vectors=None, row_group_rows: int | None = None
+):
     """The chunk database as the index stage writes it: `chunks/chunks-NNNNN.parquet` under
     `directory`, file NNNNN holding ids NNNNN·rows_per_file ... (several files, so lookups
-    cross them), and with `vectors` (row = chunk id) `embeddings/embeddings-NNNNN.parquet`
-    holding the same ids; its `ChunkFileRanges`."""
+    cross them; Parquet row groups of `row_group_rows`), and with `vectors` (row = chunk id)
+    `embeddings/embeddings-NNNNN.parquet` holding the same ids; its `ChunkFileRanges`."""
     from pipeline.chunks.chunk_files import ChunkFileRanges, chunks_table
     from pipeline.common.writers import embeddings_table, parquet_bytes
     from schemas.manifest import FileEntry
@@ -349,7 +351,7 @@ def write_chunk_files(directory: Path, chunks: list, rows_per_file: int = 5, vec
     for number, begin in enumerate(range(0, len(chunks), rows_per_file)):
         part = chunks[begin : begin + rows_per_file]
         path = f"chunks/chunks-{number:05d}.parquet"
-        (directory / path).write_bytes(parquet_bytes(chunks_table(part, len(part[0].tokens))))
+        (directory / path).write_bytes(parquet_bytes(chunks_table(part, len(part[0].tokens)), row_group_rows))
         entries.append(FileEntry(path=path, rows=len(part), bytes=0, sha256=""))
         if vectors is not None:
             rows = [(c.chunk_id, vectors[c.chunk_id]) for c in part]

@@ -198,7 +198,8 @@ def _build_shards(
                 pipeline
                 | "ReadChunkDatabase"
                 >> ReadParquetFiles(database_chunks, columns=list(TRAINING_COLUMNS), validate=not dry_run)
-                | "TrainingChunks" >> beam.Map(lambda batch: TrainingChunks.of(batch, deleted.ranges()))
+                # packed from each chunk's first token: the rows' assembly reads the tokens again
+                | "TrainingChunks" >> beam.Map(lambda batch: TrainingChunks.of(batch, deleted.ranges()).heads())
             )
             spans = training_chunks | "DocumentSpans" >> SpansOfTrainingChunks()
             queries = None  # the search reads them from the database's embedding files
@@ -244,6 +245,7 @@ def _build_shards(
             recall_below_target=cfg.recall_below_target,
             routing=routing,
             deleted=deleted if deleted else None,
+            tokens_from_chunk_files=cfg.training_corpus == "same",
         )
         inputs = (sequences, spans) if queries is None else (sequences, queries, spans)
         retrieved = inputs | "RetrieveNeighbours" >> RetrieveNeighbours(

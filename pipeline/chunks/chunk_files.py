@@ -103,6 +103,12 @@ class TrainingChunks:
     def take(self, rows: np.ndarray) -> TrainingChunks:
         return TrainingChunks(*(getattr(self, c)[rows] for c in TRAINING_COLUMNS))
 
+    def heads(self) -> TrainingChunks:
+        """Each chunk's first token alone (tokens [rows, 1]): what packing needs of chunks
+        whose tokens the rows' assembly reads again from their chunk files
+        (`ChunkFileRanges.read_tokens`), so the shuffles between carry 4 B a chunk, not 4·m."""
+        return TrainingChunks(self.chunk_id, self.doc_id, np.ascontiguousarray(self.tokens[:, :1]))
+
     def __len__(self) -> int:
         return len(self.chunk_id)
 
@@ -165,6 +171,35 @@ class ChunkFileRanges:
         """These columns of file `number` (tensor columns as [rows, width] arrays), after
         checking that it holds the ids the manifest puts there."""
         return chunk_arrays(self._read_checked(number, self.paths[number], columns), columns)
+
+    def read_tokens(self, first: int, end: int) -> np.ndarray:
+        """The tokens of chunk ids first … end - 1, int32 [end - first, m]: only the Parquet row
+        groups holding them are read, each file's checked to hold the ids the manifest puts there."""
+        parts = []
+        for number in range(self.file_of(first), self.file_of(end - 1) + 1):
+            start = self.starts[number]
+            lo, hi = max(first, start), min(end, self.starts[number + 1])
+            path = fileio.join(self.directory, self.paths[number])
+            with fileio.open_read(path) as f:
+                parquet = pq.ParquetFile(f)
+                sizes = np.array([parquet.metadata.row_group(g).num_rows for g in range(parquet.num_row_groups)])
+                ends = np.cumsum(sizes)
+                groups = list(
+                    range(
+                        int(np.searchsorted(ends, lo - start, side="right")),
+                        int(np.searchsorted(ends, hi - start - 1, side="right")) + 1,
+                    )
+                )
+                table = parquet.read_row_groups(groups, columns=["chunk_id", "tokens"])
+            skip = lo - start - int((ends - sizes)[groups[0]])
+            columns = chunk_arrays(table.slice(skip, hi - lo), ["chunk_id", "tokens"])
+            if not np.array_equal(columns["chunk_id"], np.arange(lo, hi)):
+                raise ValueError(
+                    f"{path} does not hold the chunk ids {lo}..{hi - 1} its manifest implies: "
+                    "run `ratrain-pipeline validate` on the index"
+                )
+            parts.append(columns["tokens"])
+        return np.concatenate(parts).astype(np.int32, copy=False)
 
     def read_embeddings(self, number: int) -> np.ndarray:
         """The embeddings of file `number`'s chunks, float32 [rows, d]: the embedding file of
@@ -258,6 +293,9 @@ class CommittedChunkFiles:
 
     def read_embeddings(self, number: int) -> np.ndarray:
         return self.ranges.read_embeddings(number)
+
+    def read_tokens(self, first: int, end: int) -> np.ndarray:
+        return self.ranges.read_tokens(first, end)
 
     def stored(self, path: str) -> tuple[str, str]:
         """The faiss file the index manifest lists as `path` (in `directory`, by the name it has

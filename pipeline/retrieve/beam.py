@@ -47,7 +47,7 @@ from pipeline.retrieve.search import (
     with_file_queries,
 )
 from pipeline.retrieve.search_beam import SENT, TALLY, SearchIndex, by_chunk_file
-from pipeline.retrieve.sequences import batch_parts, document_spans, pack_batch
+from pipeline.retrieve.sequences import batch_parts, document_spans, pack_batch, with_tokens
 from pipeline.shards.rows import RowBatch, SequenceBatch, ShardRow, sequences_neighbour_arrays
 
 
@@ -204,15 +204,18 @@ def _in_shards(keyed, shard_rows: int):
     yield from value.in_shards(shard_rows)
 
 
-def _to_rows(keyed, chunks_per_seq: int, k: int, m: int, pad_id: int):
+def _to_rows(keyed, spec: Retrieval):
     """(shard, its sequences, neighbour blocks and SentCounts) -> its RowBatch."""
     _, grouped = keyed
+    chunks_per_seq, k, m, pad_id = spec.chunks_per_seq, spec.neighbours, spec.chunk_tokens, spec.pad_id
     sequences = SequenceBatch.merged(grouped["sequences"])
     blocks = list(grouped["picks"])
     picks = np.concatenate([b.picks for b in blocks]) if blocks else np.zeros(0, PICK)
     values = np.concatenate([b.values for b in blocks]) if blocks else np.zeros((0, 2 * m), np.int32)
     seq_ids = np.array([s.seq_id for s in sequences], np.int64)
     _all_arrived("neighbours", seq_ids, picks, list(grouped["sent"]))
+    if spec.tokens_from_chunk_files and sequences:
+        sequences = with_tokens(sequences, spec.chunk_files, chunks_per_seq)
     row, owned = positions_of(seq_ids, picks["seq_id"])
     neighbours, ids, scores = sequences_neighbour_arrays(
         row[owned], len(sequences), picks[owned], values[owned], chunks_per_seq=chunks_per_seq, k=k, m=m, pad_id=pad_id
@@ -349,6 +352,6 @@ class RetrieveNeighbours(beam.PTransform):
                 "sent": sent | "CountsByShard" >> beam.FlatMap(_in_shards, self.shard_rows),
             }
             | "JoinNeighbours" >> beam.CoGroupByKey()
-            | "AssembleRows" >> beam.FlatMap(_to_rows, L, spec.neighbours, spec.chunk_tokens, spec.pad_id)
+            | "AssembleRows" >> beam.FlatMap(_to_rows, spec)
         )
         return Retrieved(rows, probes, truth, depth, tallies | "RetrievalTallies" >> beam.Flatten())

@@ -190,6 +190,9 @@ class Retrieval:
     recall_below_target: str = "deepen"  # deepen | warn | fail (PipelineConfig.recall_below_target)
     routing: Routing | None = None  # an index in slices by inverted lists: how queries reach them
     deleted: DeletedFiles | None = None  # documents deleted from the index: not in the probes' exact search
+    # the training chunks are the database's (training_corpus: same): sequences carry each
+    # chunk's first token only (`TrainingChunks.heads`), the rows' assembly reads the rest
+    tokens_from_chunk_files: bool = False
 
     def __post_init__(self):
         if (self.index_path is None) == (self.routing is None):

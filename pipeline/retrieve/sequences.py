@@ -51,6 +51,22 @@ def pack_batch(batch: int, parts: list[TrainingChunks], chunks_per_seq: int, seq
         )
 
 
+def with_tokens(sequences: list[Sequence], chunk_files, chunks_per_seq: int) -> list[Sequence]:
+    """Sequences packed from `TrainingChunks.heads` (tokens [L + 1]: each chunk's first token and
+    the target) -> the same with their chunks' tokens read from the chunk files (one read of the
+    rows they span, in seq id order), each checked to begin with the token packed for it."""
+    L = chunks_per_seq
+    first, end = sequences[0].seq_id * L, sequences[-1].seq_id * L + L
+    tokens = chunk_files.read_tokens(first, end)
+    filled = []
+    for s in sequences:
+        own = tokens[s.seq_id * L - first : s.seq_id * L - first + L]
+        if not np.array_equal(own[:, 0], s.tokens[:L]):
+            raise ValueError(f"sequence {s.seq_id}: its chunks' tokens changed in the chunk files since it was packed")
+        filled.append(Sequence(s.seq_id, np.concatenate([own.ravel(), s.tokens[L:]]).astype(np.int32), s.doc_ids))
+    return filled
+
+
 def document_spans(chunk_ids: np.ndarray, doc_ids: np.ndarray) -> list[tuple[int, tuple[int, int]]]:
     """(doc_id, (first chunk id, last + 1)) of each document among these chunk rows; a document
     cut by the rows' edges gives a partial span, which `widest_span` merges. No rows (a block

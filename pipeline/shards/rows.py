@@ -19,7 +19,9 @@ from schemas.shard_columns import ShardDims
 @dataclass(frozen=True)
 class Sequence:
     seq_id: int
-    tokens: np.ndarray  # int32 [n + 1]: n input tokens and the next-token target
+    # int32 [n + 1]: n input tokens and the next-token target; packed from `TrainingChunks.heads`,
+    # [L + 1] (each chunk's first token and the target) until the rows' assembly reads the rest
+    tokens: np.ndarray
     doc_ids: tuple  # sorted ids of every document whose tokens it holds
 
 

@@ -1,6 +1,8 @@
 """`ChunkFileRanges`: which chunk file holds a chunk id, and the one reader of chunk rows, which
 checks that a file holds the ids the manifest says."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -29,6 +31,48 @@ def test_chunk_file_ranges_locate_ids_and_check_what_they_read(tmp_path):
     lying = ChunkFileRanges(files.directory, files.paths, (0, 4, 10, 12))  # manifest rows disagree
     with pytest.raises(ValueError, match="does not hold the chunk ids 4..9"):
         lying.read(1, ["doc_id"])
+
+
+def test_a_range_of_chunk_ids_reads_only_its_row_groups_across_files(tmp_path):
+    rng = np.random.default_rng(1)
+    chunks = list(chunk_document(7, rng.integers(1, 1000, 40 * M).astype(np.int32), 0, M, PAD))
+    files = write_chunk_files(tmp_path, chunks, rows_per_file=16, row_group_rows=3)
+    tokens = np.stack([c.tokens for c in chunks])
+    for first, end in ((5, 35), (7, 8), (0, 40), (16, 32), (15, 17)):
+        assert np.array_equal(files.read_tokens(first, end), tokens[first:end]), (first, end)
+    lying = ChunkFileRanges(files.directory, files.paths, (0, 14, 30, 40))  # manifest rows disagree
+    with pytest.raises(ValueError, match="does not hold the chunk ids 14..19"):
+        lying.read_tokens(10, 20)
+
+
+def test_sequences_packed_from_first_tokens_get_the_tokens_packing_them_whole_gives(tmp_path):
+    """build-shards over its own chunks shuffles each chunk's first token only and reads the
+    rest where the rows are assembled: the rows are the same, and a chunk file changed since
+    packing is caught."""
+    from pipeline.chunks.chunk_files import TrainingChunks
+    from pipeline.retrieve.sequences import pack_batch, with_tokens
+
+    rng = np.random.default_rng(2)
+    chunks = []
+    for doc in range(5):
+        chunks += list(chunk_document(doc, rng.integers(1, 1000, 9 * M).astype(np.int32), len(chunks), M, PAD))
+    files = write_chunk_files(tmp_path, chunks, rows_per_file=8, row_group_rows=3)
+    whole = TrainingChunks.of_chunks(chunks)
+    L, per_batch = 4, 3
+    batches = range(len(chunks) // (L * per_batch) + 1)
+    packed = [s for b in batches for s in pack_batch(b, [whole], L, per_batch, PAD)]
+    from_heads = [s for b in batches for s in pack_batch(b, [whole.heads()], L, per_batch, PAD)]
+    assert len(packed) == len(from_heads) == len(chunks) // L - (len(chunks) % L == 0)
+    assert all(len(s.tokens) == L + 1 for s in from_heads)
+    filled = with_tokens(from_heads, files, L)
+    assert [(s.seq_id, s.tokens.tolist(), s.doc_ids) for s in filled] == [
+        (s.seq_id, s.tokens.tolist(), s.doc_ids) for s in packed
+    ]
+    changed = list(chunks)
+    changed[5] = dataclasses.replace(chunks[5], tokens=chunks[5].tokens + 1)
+    rewritten = write_chunk_files(tmp_path / "changed", changed, rows_per_file=8)
+    with pytest.raises(ValueError, match="sequence 1: its chunks' tokens changed"):
+        with_tokens(from_heads, rewritten, L)
 
 
 def test_committed_chunk_files_read_the_ranges_from_the_file_table(tmp_path):
