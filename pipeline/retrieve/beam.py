@@ -36,6 +36,7 @@ from pipeline.retrieve.search import (
     FileTokens,
     NeighbourBlock,
     QueryBlock,
+    Records,
     Retrieval,
     SentCounts,
     batch_documents,
@@ -144,7 +145,7 @@ class _CandidateTokens(beam.DoFn):
         number, blocks = keyed
         file = FileTokens(self.chunk_files, number, continuation=False)
         for block in blocks:
-            yield search_batch_of(int(block["seq_id"][0])), file.with_token_keys(block)
+            yield search_batch_of(int(block.rows["seq_id"][0])), Records(file.with_token_keys(block.rows))
 
 
 class _NeighbourTokens(beam.DoFn):
@@ -157,7 +158,8 @@ class _NeighbourTokens(beam.DoFn):
     def process(self, keyed):
         number, blocks = keyed
         file = FileTokens(self.chunk_files, number, continuation=True)
-        for picks in blocks:
+        for block in blocks:
+            picks = block.rows
             yield search_batch_of(int(picks["seq_id"][0])), NeighbourBlock(picks, file.values(picks["chunk_id"]))
 
 
@@ -186,7 +188,7 @@ def _select_distinct(keyed, spec: Retrieval):
     """(search batch, its candidate blocks with token hashes and its SentCounts) -> the k
     distinct neighbours per query as PICK blocks keyed by chunk file, with their SentCounts."""
     batch, grouped = keyed
-    blocks, sent = list(grouped["candidates"]), list(grouped["sent"])
+    blocks, sent = [block.rows for block in grouped["candidates"]], list(grouped["sent"])
     candidates = np.concatenate(blocks) if blocks else np.zeros(0, CANDIDATE)
     seq_ids = np.union1d(np.concatenate([s.seq_ids for s in sent] or [[]]), candidates["seq_id"]).astype(np.int64)
     _all_arrived("search hits", seq_ids, candidates, sent)

@@ -99,6 +99,27 @@ def received_by(seq_ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
     return np.bincount(at[owned], minlength=len(seq_ids)).astype(np.int64)
 
 
+# A block of hits pickles as its record type's name and its raw bytes: numpy pickles a record
+# array's dtype description with it (~330 B), and blocks per (search batch, chunk file) hold a
+# hit or two once there are many chunk files (measured: benchmarks/scale_rehearsal.py).
+RECORD_TYPES = {"candidate": CANDIDATE, "pick": PICK}
+
+
+@dataclass(frozen=True)
+class Records:
+    """CANDIDATE or PICK rows as one shuffled element."""
+
+    rows: np.ndarray
+
+    def __reduce__(self):
+        name = next(name for name, dtype in RECORD_TYPES.items() if dtype == self.rows.dtype)
+        return _records, (name, self.rows.tobytes())
+
+
+def _records(name: str, data: bytes) -> Records:
+    return Records(np.frombuffer(data, RECORD_TYPES[name]).copy())
+
+
 @dataclass(frozen=True)
 class NeighbourBlock:
     """Kept neighbours with what their slots hold."""
@@ -110,6 +131,14 @@ class NeighbourBlock:
         """-> (shard, the block of its sequences' neighbours) per shard these fall in."""
         for shard, at in groups(self.picks["seq_id"] // shard_rows):
             yield shard, NeighbourBlock(self.picks[at], self.values[at])
+
+    def __reduce__(self):  # raw bytes, as Records
+        values = np.ascontiguousarray(self.values, np.int32)
+        return _neighbour_block, (self.picks.tobytes(), values.tobytes(), values.shape[1])
+
+
+def _neighbour_block(picks: bytes, values: bytes, width: int) -> NeighbourBlock:
+    return NeighbourBlock(np.frombuffer(picks, PICK).copy(), np.frombuffer(values, np.int32).reshape(-1, width).copy())
 
 
 def token_key(tokens: np.ndarray) -> int:

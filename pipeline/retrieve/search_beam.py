@@ -34,6 +34,7 @@ from pipeline.retrieve.routed import (
 )
 from pipeline.retrieve.search import (
     LOST_DATA,
+    Records,
     Retrieval,
     Routing,
     SentCounts,
@@ -63,9 +64,9 @@ def emit_hits(spec: Retrieval, batch: int, *, seq_ids: list[int], hits: np.ndarr
 
 
 def by_chunk_file(spec: Retrieval, rows: np.ndarray):
-    """CANDIDATE or PICK rows -> (chunk file number, the block of them it holds) per file."""
+    """CANDIDATE or PICK rows -> (chunk file number, `Records`: the block of them it holds) per file."""
     for number, at in groups(spec.chunk_files.files_of(rows["chunk_id"])):
-        yield number, rows[at]
+        yield number, Records(rows[at])
 
 
 def _loaded_index(holder: shared.Shared, path: str, depth: int | None, chunk_files):

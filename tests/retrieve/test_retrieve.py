@@ -27,9 +27,12 @@ from pipeline.retrieve.beam import (
 from pipeline.retrieve.routed import BatchQueries, RoutedBatch, SliceFound, SliceQueries, merge_round
 from pipeline.retrieve.search import (
     CANDIDATE,
+    PICK,
     SEQUENCES_PER_SEARCH,
     FileQueries,
+    NeighbourBlock,
     QueryBlock,
+    Records,
     Retrieval,
     batch_queries,
     select_distinct,
@@ -116,17 +119,39 @@ def test_candidate_tokens_sends_each_block_on_before_reading_the_next(tmp_path):
     def arriving():
         for b in blocks:
             taken.append(b)
-            yield b
+            yield Records(b)
 
     sent = retrieve_beam._CandidateTokens(files).process((1, arriving()))
     first = next(sent)
     assert len(taken) == 1
-    got = [first, *sent]
+    got = [(batch, records.rows) for batch, records in [first, *sent]]
     assert [(batch, hits["chunk_id"].tolist()) for batch, hits in got] == [(0, [5, 9, 5]), (2, [9, 6])]
     for batch, hits in got:
         assert (hits["seq_id"] // SEQUENCES_PER_SEARCH == batch).all()
         assert hits["token_key"].tolist() == [token_key(chunks[c].tokens) for c in hits["chunk_id"]]
     assert all((b["token_key"] == 0).all() for b in blocks)  # the blocks received are left as they came
+
+
+@pytest.mark.unit
+def test_a_block_of_one_hit_crosses_a_shuffle_in_little_more_than_its_bytes():
+    """With many chunk files a block per (search batch, chunk file) holds a hit or two: its
+    encoding must not carry numpy's record-type description (~330 B) each time."""
+    from apache_beam.coders import coders
+
+    coder = coders.FastPrimitivesCoder()
+    for dtype in (CANDIDATE, PICK):
+        hits = np.zeros(1, dtype)
+        hits["seq_id"], hits["chunk_id"] = 7, 123
+        encoded = coder.encode((5, Records(hits)))
+        assert len(encoded) <= dtype.itemsize + 100, (dtype, len(encoded))
+        _, back = coder.decode(encoded)
+        assert back.rows.dtype == dtype and back.rows.tobytes() == hits.tobytes()
+        assert back.rows.flags.writeable
+    block = NeighbourBlock(np.zeros(1, PICK), np.arange(8, dtype=np.int32).reshape(1, 8))
+    encoded = coder.encode((5, block))
+    assert len(encoded) <= PICK.itemsize + 8 * 4 + 120, len(encoded)
+    back = coder.decode(encoded)[1]
+    assert back.picks.tobytes() == block.picks.tobytes() and back.values.tolist() == block.values.tolist()
 
 
 @pytest.mark.unit
