@@ -4,7 +4,7 @@ counted, so that what grows with the corpus shows before a cluster pays for it.
 
     .venv/bin/python benchmarks/scale_rehearsal.py [--n 250000] [--file-rows 1000]
         [--factory IVF4096,PQ32x8np] [--slice-bytes 16MB] [--corpus-docs 300] [--workdir DIR]
-        [--parts index shards corpus] [--workers 2 4] [--reuse]
+        [--parts index shards corpus] [--workers 2 4] [--reuse] [--flink "OPTIONS"]
 
 Parts, each at N and 4N (4N's files are 4× as many as N's, of the same rows):
 
@@ -33,6 +33,10 @@ Beam's local runner gives each of w workers one bundle holding 1/w of a stage's 
 whole before the bundle starts, so a step after a shuffle shows its share of the stage as well
 as what it holds itself. With two worker counts (`--workers 2 4`) each step's rise is fitted as
 own + share / w, and the verdict is on the fitted own holding (rough: two points, each one run).
+`--flink "OPTIONS"` (`make flink-up`'s last line) runs the jobs on that Flink cluster instead,
+in bounded bundles (one element each, one at a time, the SDK worker in the benchmark's
+process: `FLINK_MEASURED`), so a bundle's rise is what its steps hold; shuffles are not
+counted there (the local runs count them).
 
 Per step the table has the largest bundle's rise at N and 4N and their ratio, bytes read and
 shuffled (the shuffles its transforms feed) at 4N, and bundle seconds summed; where the memory
@@ -289,7 +293,22 @@ def model_row(step: str, rows: dict[str, int]) -> tuple[str, float] | None:
     return max(found, key=lambda row: row[1]) if found else None
 
 
+FLINK: list[str] = []  # --flink: the Beam options that submit to a Flink cluster
+# On Flink the bundles are bounded (one element each) and run one at a time, so that each
+# bundle's rise is its own: one slot, stages one after the other (every exchange blocking), the
+# SDK worker in this process (where the recorder is loaded). Bundles of one process running at
+# once would share the recorder's high-water mark, and the recorder's lock would stall them.
+FLINK_MEASURED = [
+    "--environment_type=LOOPBACK",
+    "--parallelism=1",
+    "--execution_mode_for_batch=BATCH_FORCED",
+    "--max_bundle_size=1",
+]
+
+
 def workers_args(workers: int) -> list[str]:
+    if FLINK:
+        return [*FLINK, *FLINK_MEASURED]
     return [f"--direct_num_workers={workers}", "--direct_running_mode=multi_processing"]
 
 
@@ -358,6 +377,8 @@ def verdict(entry: dict) -> str:
 
 def _named(workers: int) -> str:
     """A job's name suffix: none at two workers (the default, and what earlier runs were named)."""
+    if FLINK:
+        return "-flink"
     return "" if workers == 2 else f"-w{workers}"
 
 
@@ -517,9 +538,15 @@ def main() -> None:
         default=[2],
         help="local worker processes; two counts: each step's own holding",
     )
+    parser.add_argument(
+        "--flink", default="", help="run on Flink: the Beam options that submit to it (`make flink-up`'s last line)"
+    )
     args = parser.parse_args()
     global REUSE
     REUSE = args.reuse
+    FLINK[:] = args.flink.split()
+    if FLINK:
+        args.workers = [1]
     from pipeline.embed.encoder import cpu_summary
 
     temp = None if args.workdir else tempfile.TemporaryDirectory(prefix="scale-rehearsal-")
