@@ -33,10 +33,9 @@ Beam's local runner gives each of w workers one bundle holding 1/w of a stage's 
 whole before the bundle starts, so a step after a shuffle shows its share of the stage as well
 as what it holds itself. With two worker counts (`--workers 2 4`) each step's rise is fitted as
 own + share / w, and the verdict is on the fitted own holding (rough: two points, each one run).
-`--flink "OPTIONS"` (`make flink-up`'s last line) runs the jobs on that Flink cluster instead,
-in bounded bundles (one element each, one at a time, the SDK worker in the benchmark's
-process: `FLINK_MEASURED`), so a bundle's rise is what its steps hold; shuffles are not
-counted there (the local runs count them).
+`--flink "OPTIONS"` (`make flink-up`'s last line) runs build-shards once more at N and 4N on
+that Flink cluster, whose bundles are bounded and whose groups stream to them, and records the
+peak RSS of the process that runs every bundle (`flink_shards`).
 
 Per step the table has the largest bundle's rise at N and 4N and their ratio, bytes read and
 shuffled (the shuffles its transforms feed) at 4N, and bundle seconds summed; where the memory
@@ -294,21 +293,9 @@ def model_row(step: str, rows: dict[str, int]) -> tuple[str, float] | None:
 
 
 FLINK: list[str] = []  # --flink: the Beam options that submit to a Flink cluster
-# On Flink the bundles are bounded (one element each) and run one at a time, so that each
-# bundle's rise is its own: one slot, stages one after the other (every exchange blocking), the
-# SDK worker in this process (where the recorder is loaded). Bundles of one process running at
-# once would share the recorder's high-water mark, and the recorder's lock would stall them.
-FLINK_MEASURED = [
-    "--environment_type=LOOPBACK",
-    "--parallelism=1",
-    "--execution_mode_for_batch=BATCH_FORCED",
-    "--max_bundle_size=1",
-]
 
 
 def workers_args(workers: int) -> list[str]:
-    if FLINK:
-        return [*FLINK, *FLINK_MEASURED]
     return [f"--direct_num_workers={workers}", "--direct_running_mode=multi_processing"]
 
 
@@ -377,8 +364,6 @@ def verdict(entry: dict) -> str:
 
 def _named(workers: int) -> str:
     """A job's name suffix: none at two workers (the default, and what earlier runs were named)."""
-    if FLINK:
-        return "-flink"
     return "" if workers == 2 else f"-w{workers}"
 
 
@@ -448,6 +433,39 @@ def shards_part(work: Path, root: Path, index_dir: str, workers: int) -> dict:
     job = measured_job(out.name, [*argv, *workers_args(workers)], work)
     written = sorted(out.glob("shard-*.arrow"))
     return {**job, "output": str(out), "shards": len(written)}
+
+
+def flink_shards(work: Path, root: Path, index_dir: str) -> dict:
+    """build-shards' transforms on the --flink cluster, its SDK worker in the job's own process
+    (LOOPBACK): that process's peak RSS, the most any of its bundles held at once. The bundle
+    recorder is off: Flink runs a process's bundles at once (a stage's while the one before it
+    still streams), so a bundle's own high-water mark cannot be told apart, and the recorder's
+    one-bundle-at-a-time lock stalls them (measured: a 50-element job ran 32 s without it and
+    had not finished after 300 s with it). Flink's bundles are bounded (1,000 elements) and
+    grouped values stream to them, so what grows with the corpus shows in the peak."""
+    out = work / f"shards-{root.name}-flink"
+    done_file = work / f"{out.name}.json"
+    if REUSE and done_file.exists():
+        return json.loads(done_file.read_text())
+    _fresh(out, work)
+    argv = [sys.executable, str(Path(__file__).resolve()), "_shards", str(root), index_dir, str(out)]
+    argv += [*FLINK, "--environment_type=LOOPBACK"]
+    start = time.perf_counter()
+    with open(work / f"{out.name}.log", "w") as log:
+        process = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}
+        )
+        _, status, usage = os.wait4(process.pid, 0)
+    if status != 0:
+        raise SystemExit(f"{out.name} failed: see {work / f'{out.name}.log'}")
+    found = {
+        "wall_s": time.perf_counter() - start,
+        "peak_rss_mb": usage.ru_maxrss / 1024,
+        "shards": len(list(out.glob("shard-*.arrow"))),
+    }
+    done_file.write_text(json.dumps(found))
+    print(f"[{out.name}] {found['wall_s']:.1f} s, peak RSS {found['peak_rss_mb']:,.0f} MB", flush=True)
+    return found
 
 
 def corpus_part(work: Path, documents: int) -> dict:
@@ -545,8 +563,7 @@ def main() -> None:
     global REUSE
     REUSE = args.reuse
     FLINK[:] = args.flink.split()
-    if FLINK:
-        args.workers = [1]
+    index_workers = shards_workers = args.workers
     from pipeline.embed.encoder import cpu_summary
 
     temp = None if args.workdir else tempfile.TemporaryDirectory(prefix="scale-rehearsal-")
@@ -576,9 +593,9 @@ def main() -> None:
             runs = {
                 (label, w): index_part(work, root, args.factory, slice_bytes, tag.replace(" ", "-"), w)
                 for label, root in roots.items()
-                for w in args.workers
+                for w in index_workers
             }
-            jobs = {label: runs[(label, min(args.workers))] for label in roots}
+            jobs = {label: runs[(label, min(index_workers))] for label in roots}
             indexes[tag] = {label: job["output"] for label, job in jobs.items()}
             table = compared(*_by_workers(runs), rows[("N", tag)], rows[("4N", tag)])
             title = f"index stage, {tag}: {chunks['N']:,} and {chunks['4N']:,} vectors, {args.factory}"
@@ -593,9 +610,9 @@ def main() -> None:
         runs = {
             (label, w): shards_part(work, root, indexes["one file"][label], w)
             for label, root in roots.items()
-            for w in args.workers
+            for w in shards_workers
         }
-        jobs = {label: runs[(label, min(args.workers))] for label in roots}
+        jobs = {label: runs[(label, min(shards_workers))] for label in roots}
         table = compared(*_by_workers(runs), rows[("N", "one file")], rows[("4N", "one file")])
         print_table(f"build-shards, one index file: {chunks['N']:,} and {chunks['4N']:,} chunks", table)
         results["parts"]["build-shards"] = {
@@ -605,6 +622,15 @@ def main() -> None:
             "shuffles_4n": jobs["4N"]["shuffles"],
             "table": table,
         }
+    if FLINK:
+        flink = {label: flink_shards(work, root, indexes["one file"][label]) for label, root in roots.items()}
+        growth = flink["4N"]["peak_rss_mb"] / flink["N"]["peak_rss_mb"]
+        print(
+            f"\nbuild-shards on Flink (LOOPBACK: the SDK worker in the job's process): peak RSS "
+            f"{flink['N']['peak_rss_mb']:,.0f} MB at {chunks['N']:,} chunks, {flink['4N']['peak_rss_mb']:,.0f} MB at "
+            f"{chunks['4N']:,} ({growth:.2f}x); wall {flink['N']['wall_s']:.0f} s and {flink['4N']['wall_s']:.0f} s"
+        )
+        results["parts"]["build-shards on Flink"] = {"chunks": chunks, "runs": flink, "peak_growth": growth}
     if "corpus" in args.parts:
         found = {
             label: corpus_part(work, docs) for label, docs in (("N", args.corpus_docs), ("4N", 4 * args.corpus_docs))

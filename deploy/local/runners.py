@@ -271,7 +271,9 @@ def flink_config(directory: Path, rest_port: int, rpc_port: int, task_managers: 
     """Flink's config.yaml (1.19's standard YAML). Memory: a sort inside a batch GroupByKey needs
     each element to fit one sort buffer, a share of the slot's managed memory (with the 435 MiB
     Flink gives a 2 GiB TaskManager by default, the embed stage's groups of several MB did not);
-    network buffers for Beam's batch graphs, which deploy every stage at once. Failures: a lost
+    network buffers for Beam's batch graphs, which deploy every stage at once; direct memory
+    for the Beam data channel's gRPC buffers (`task.off-heap`: without it build-shards' first
+    stages at 250k chunks failed with "OutOfMemoryError: Direct buffer memory"). Failures: a lost
     TaskManager is noticed within 10 s and the job restarted on the slots left (2 per
     TaskManager, 1 used at parallelism 2)."""
     config = {
@@ -285,8 +287,9 @@ def flink_config(directory: Path, rest_port: int, rpc_port: int, task_managers: 
             "bind-host": "localhost",
             "numberOfTaskSlots": slots,
             "memory": {
-                "process": {"size": "2560m"},
+                "process": {"size": "3072m"},
                 "managed": {"size": "1024m"},
+                "task": {"off-heap": {"size": "512m"}},
                 "network": {"min": "384m", "max": "384m"},
             },
             "network": {"sort-shuffle": {"min-buffers": 64}},
