@@ -273,7 +273,10 @@ def flink_config(directory: Path, rest_port: int, rpc_port: int, task_managers: 
     Flink gives a 2 GiB TaskManager by default, the embed stage's groups of several MB did not);
     network buffers for Beam's batch graphs, which deploy every stage at once; direct memory
     for the Beam data channel's gRPC buffers (`task.off-heap`: without it build-shards' first
-    stages at 250k chunks failed with "OutOfMemoryError: Direct buffer memory"). Failures: a lost
+    stages at 250k chunks failed with "OutOfMemoryError: Direct buffer memory"), and heap for
+    its gRPC messages (at 1M chunks a 2.5 GiB TaskManager ran out of heap in a gRPC thread). An
+    error no task catches fails the TaskManager instead of leaving its job waiting for ever (that
+    heap error stalled the job: no task failed, none went on). Failures: a lost
     TaskManager is noticed within 10 s and the job restarted on the slots left (2 per
     TaskManager, 1 used at parallelism 2)."""
     config = {
@@ -287,7 +290,7 @@ def flink_config(directory: Path, rest_port: int, rpc_port: int, task_managers: 
             "bind-host": "localhost",
             "numberOfTaskSlots": slots,
             "memory": {
-                "process": {"size": "3072m"},
+                "process": {"size": "4096m"},
                 "managed": {"size": "1024m"},
                 "task": {"off-heap": {"size": "512m"}},
                 "network": {"min": "384m", "max": "384m"},
@@ -296,7 +299,7 @@ def flink_config(directory: Path, rest_port: int, rpc_port: int, task_managers: 
         },
         "rest": {"address": "localhost", "bind-address": "localhost", "port": rest_port},
         "parallelism": {"default": task_managers},
-        "cluster": {"evenly-spread-out-slots": True},
+        "cluster": {"evenly-spread-out-slots": True, "uncaught-exception-handling": "FAIL"},
         "restart-strategy": {"type": "fixed-delay", "fixed-delay": {"attempts": 3, "delay": "2 s"}},
         "heartbeat": {"interval": 2000, "timeout": 10000},
         "io": {"tmp": {"dirs": str(directory / "tmp")}},
