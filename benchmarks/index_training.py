@@ -258,7 +258,7 @@ def spread(factory: str, files: int, vectors, queries, best) -> dict:
     from pipeline.index.search import set_search_depth
     from pipeline.index.train_beam import TRAINED_FILE, TrainIndex
     from pipeline.index.two_level import write_sample_part
-    from pipeline.jobs.memory_model import two_level_steps
+    from pipeline.jobs.memory_training import two_level_steps
     from pipeline.jobs.options import new_pipeline
 
     n = len(vectors)

@@ -6,7 +6,8 @@ import json
 import pytest
 
 from pipeline.index.factory import choose_index_factory, estimated_bytes
-from pipeline.jobs.memory_model import Corpus, stage_memory, two_level_steps
+from pipeline.jobs.memory_model import Corpus, stage_memory
+from pipeline.jobs.memory_training import two_level_steps
 from schemas.backends import EXPORTED_ENCODER
 from schemas.config import config_from_dict
 from schemas.stage_config import parse_size
