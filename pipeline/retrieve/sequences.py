@@ -58,13 +58,15 @@ def with_tokens(sequences: list[Sequence], chunk_files, chunks_per_seq: int) -> 
     L = chunks_per_seq
     first, end = sequences[0].seq_id * L, sequences[-1].seq_id * L + L
     tokens = chunk_files.read_tokens(first, end)
-    filled = []
-    for s in sequences:
-        own = tokens[s.seq_id * L - first : s.seq_id * L - first + L]
-        if not np.array_equal(own[:, 0], s.tokens[:L]):
-            raise ValueError(f"sequence {s.seq_id}: its chunks' tokens changed in the chunk files since it was packed")
-        filled.append(Sequence(s.seq_id, np.concatenate([own.ravel(), s.tokens[L:]]).astype(np.int32), s.doc_ids))
-    return filled
+    starts = np.array([s.seq_id * L - first for s in sequences], np.int64)
+    own = tokens[starts[:, None] + np.arange(L)]  # [sequences, L, m], one gather for the shard
+    packed = np.stack([s.tokens for s in sequences])  # [sequences, L + 1]
+    changed = np.flatnonzero((own[:, :, 0] != packed[:, :L]).any(axis=1))
+    if len(changed):
+        seq_id = sequences[changed[0]].seq_id
+        raise ValueError(f"sequence {seq_id}: its chunks' tokens changed in the chunk files since it was packed")
+    filled = np.concatenate([own.reshape(len(sequences), -1), packed[:, L:]], axis=1).astype(np.int32)
+    return [Sequence(s.seq_id, row, s.doc_ids) for s, row in zip(sequences, filled)]
 
 
 def document_spans(chunk_ids: np.ndarray, doc_ids: np.ndarray) -> list[tuple[int, tuple[int, int]]]:
