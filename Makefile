@@ -9,8 +9,8 @@ QUICKSTART := examples/quickstart.yaml
 
 install: $(STAMP)
 
-# Idempotent: re-runs only when the dependency declarations change. constraints.txt pins the
-# CPU build of torch (an unpinned torch would pull a multi-GB CUDA build).
+# Idempotent: re-runs only when the dependency declarations change. constraints.txt pins torch
+# (PyPI's 2.13.0 is its CUDA build, ~3 GB with its libraries, and runs on a CPU as well).
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,report,onnx,openvino]'
