@@ -34,8 +34,8 @@ whole before the bundle starts, so a step after a shuffle shows its share of the
 as what it holds itself. With two worker counts (`--workers 2 4`) each step's rise is fitted as
 own + share / w, and the verdict is on the fitted own holding (rough: two points, each one run).
 `--flink "OPTIONS"` (`make flink-up`'s last line) runs build-shards once more at N and 4N on
-that Flink cluster, whose bundles are bounded and whose groups stream to them, and records the
-peak RSS of the process that runs every bundle (`flink_shards`).
+that Flink cluster, at parallelism 1 with every exchange blocking, so that each stage runs alone
+and its grouped values stream to it, with the same recorder (`runner_args`).
 
 Per step the table has the largest bundle's rise at N and 4N and their ratio, bytes read and
 shuffled (the shuffles its transforms feed) at 4N, and bundle seconds summed; where the memory
@@ -148,7 +148,7 @@ def measured_job(name: str, argv: list[str], work: Path) -> dict:
     """Run `argv` with the bundle recorder on: wall seconds, every bundle, every shuffle."""
     peaks, done_file = work / f"{name}-bundles", work / f"{name}.json"
     if REUSE and done_file.exists():
-        return {"wall_s": json.loads(done_file.read_text())["wall_s"], **_recorded(peaks)}
+        return {**json.loads(done_file.read_text()), **_recorded(peaks)}
     shutil.rmtree(peaks, ignore_errors=True)
     peaks.mkdir(parents=True)
     env = {
@@ -159,15 +159,17 @@ def measured_job(name: str, argv: list[str], work: Path) -> dict:
     }
     start = time.perf_counter()
     with open(work / f"{name}.log", "w") as log:
-        done = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        _, status, usage = os.wait4(process.pid, 0)
     wall = time.perf_counter() - start
-    if done.returncode != 0:
-        raise SystemExit(f"{name} failed ({done.returncode}): see {work / f'{name}.log'}")
-    done_file.write_text(json.dumps({"wall_s": wall}))
+    if status != 0:
+        raise SystemExit(f"{name} failed ({status}): see {work / f'{name}.log'}")
+    measured = {"wall_s": wall, "peak_rss_mb": usage.ru_maxrss * 1024 / MB}  # the job's own process
+    done_file.write_text(json.dumps(measured))
     found = _recorded(peaks)
     shuffled = sum(found["shuffles"].values()) / MB
     print(f"[{name}] {wall:.1f} s, {len(found['bundles'])} bundles, {shuffled:.1f} MB shuffled", flush=True)
-    return {"wall_s": wall, **found}
+    return {**measured, **found}
 
 
 def _recorded(peaks: Path) -> dict:
@@ -202,7 +204,8 @@ def steps_of(job: dict) -> dict[str, dict]:
     into shuffles. A bundle of Beam's parts alone (a group read back, say) is named by them."""
     steps: dict[str, dict] = {}
     for bundle in job["bundles"]:
-        transforms = [t for t in bundle["transforms"] if not t.startswith("ref_")]
+        # the runner's own nodes: Beam's local runner's `ref_...`, Flink's data channel `fn/read`, `fn/write`
+        transforms = [t for t in bundle["transforms"] if not t.startswith(("ref_", "fn/"))]
         own = sorted({step_name(t) for t in transforms} - {""}) or sorted(
             {"/".join(t.split("/")[:3]) for t in transforms}
         )
@@ -295,8 +298,20 @@ def model_row(step: str, rows: dict[str, int]) -> tuple[str, float] | None:
 FLINK: list[str] = []  # --flink: the Beam options that submit to a Flink cluster
 
 
-def workers_args(workers: int) -> list[str]:
-    return [f"--direct_num_workers={workers}", "--direct_running_mode=multi_processing"]
+def runner_args(runner: int | str) -> list[str]:
+    """A job's runner: a count of local worker processes, or "flink": the --flink cluster at
+    parallelism 1 with every exchange blocking, the SDK worker in the job's own process
+    (LOOPBACK). There a stage starts when the one before it has ended and Flink's batch runner
+    streams a stage's input through its bundles, so each step is measured alone, its grouped
+    values streamed to it as a cluster's are. Bundles that still run at once (branches with no
+    exchange between them) are one record, named by all their steps."""
+    if runner == "flink":
+        chosen = [o for o in FLINK if not o.startswith("--parallelism")]
+        one_at_a_time = ["--parallelism=1", "--execution_mode_for_batch=BATCH_FORCED"]
+        # one SDK worker for the whole job, not one started per stage (Beam's default): 92 s
+        # against 117 s at 250,007 chunks
+        return [*chosen, "--environment_type=LOOPBACK", *one_at_a_time, "--environment_cache_millis=3600000"]
+    return [f"--direct_num_workers={runner}", "--direct_running_mode=multi_processing"]
 
 
 def own_holding(rises: dict[int, float]) -> float | None:
@@ -362,18 +377,18 @@ def verdict(entry: dict) -> str:
 # --- the parts -----------------------------------------------------------------------------------
 
 
-def _named(workers: int) -> str:
-    """A job's name suffix: none at two workers (the default, and what earlier runs were named)."""
-    return "" if workers == 2 else f"-w{workers}"
+def _named(runner: int | str) -> str:
+    """A job's name suffix: none at two local workers (the default, and what earlier runs were named)."""
+    return "" if runner == 2 else "-flink" if runner == "flink" else f"-w{runner}"
 
 
-def index_part(work: Path, root: Path, factory: str, slice_bytes: str | None, tag: str, workers: int) -> dict:
-    out = work / f"index-{tag}-{root.name}{_named(workers)}"
+def index_part(work: Path, root: Path, factory: str, slice_bytes: str | None, tag: str, runner: int | str) -> dict:
+    out = work / f"index-{tag}-{root.name}{_named(runner)}"
     _fresh(out, work)
     argv = [*CLI, "index", "--embeddings", str(root / "embeddings" / "*.parquet"), "--output", str(out)]
     argv += ["--type", factory, "--nprobe", str(NPROBE)]
     argv += ["--slice-bytes", slice_bytes] if slice_bytes else []
-    job = measured_job(out.name, [*argv, "--", *workers_args(workers)], work)
+    job = measured_job(out.name, [*argv, "--", *runner_args(runner)], work)
     return {**job, "output": str(out)}
 
 
@@ -426,46 +441,13 @@ def _rows(path: Path) -> int:
     return pq.ParquetFile(path).metadata.num_rows
 
 
-def shards_part(work: Path, root: Path, index_dir: str, workers: int) -> dict:
-    out = work / f"shards-{root.name}{_named(workers)}"
+def shards_part(work: Path, root: Path, index_dir: str, runner: int | str) -> dict:
+    out = work / f"shards-{root.name}{_named(runner)}"
     _fresh(out, work)
     argv = [sys.executable, str(Path(__file__).resolve()), "_shards", str(root), index_dir, str(out)]
-    job = measured_job(out.name, [*argv, *workers_args(workers)], work)
+    job = measured_job(out.name, [*argv, *runner_args(runner)], work)
     written = sorted(out.glob("shard-*.arrow"))
     return {**job, "output": str(out), "shards": len(written)}
-
-
-def flink_shards(work: Path, root: Path, index_dir: str) -> dict:
-    """build-shards' transforms on the --flink cluster, its SDK worker in the job's own process
-    (LOOPBACK): that process's peak RSS, the most any of its bundles held at once. The bundle
-    recorder is off: Flink runs a process's bundles at once (a stage's while the one before it
-    still streams), so a bundle's own high-water mark cannot be told apart, and the recorder's
-    one-bundle-at-a-time lock stalls them (measured: a 50-element job ran 32 s without it and
-    had not finished after 300 s with it). Flink's bundles are bounded (1,000 elements) and
-    grouped values stream to them, so what grows with the corpus shows in the peak."""
-    out = work / f"shards-{root.name}-flink"
-    done_file = work / f"{out.name}.json"
-    if REUSE and done_file.exists():
-        return json.loads(done_file.read_text())
-    _fresh(out, work)
-    argv = [sys.executable, str(Path(__file__).resolve()), "_shards", str(root), index_dir, str(out)]
-    argv += [*FLINK, "--environment_type=LOOPBACK"]
-    start = time.perf_counter()
-    with open(work / f"{out.name}.log", "w") as log:
-        process = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}
-        )
-        _, status, usage = os.wait4(process.pid, 0)
-    if status != 0:
-        raise SystemExit(f"{out.name} failed: see {work / f'{out.name}.log'}")
-    found = {
-        "wall_s": time.perf_counter() - start,
-        "peak_rss_mb": usage.ru_maxrss / 1024,
-        "shards": len(list(out.glob("shard-*.arrow"))),
-    }
-    done_file.write_text(json.dumps(found))
-    print(f"[{out.name}] {found['wall_s']:.1f} s, peak RSS {found['peak_rss_mb']:,.0f} MB", flush=True)
-    return found
 
 
 def corpus_part(work: Path, documents: int) -> dict:
@@ -492,7 +474,7 @@ def corpus_part(work: Path, documents: int) -> dict:
     found = {}
     for stage in ("build-index", "build-shards"):
         found[stage] = measured_job(
-            f"{stage}-{documents}", [*CLI, stage, "--config", str(config), "--", *workers_args(2)], work
+            f"{stage}-{documents}", [*CLI, stage, "--config", str(config), "--", *runner_args(2)], work
         )
     manifest = json.loads((slug / "out" / "index" / "manifest.json").read_text())
     found["chunks"] = manifest["num_chunks"]
@@ -530,6 +512,24 @@ def _mb(value, width: int = 8) -> str:
 def _by_workers(runs: dict) -> tuple[dict[int, dict], dict[int, dict]]:
     """{(size label, workers): job} -> the steps of each worker count, at N and at 4N."""
     return tuple({w: steps_of(job) for (label, w), job in runs.items() if label == size} for size in ("N", "4N"))
+
+
+def flink_part(title: str, jobs: dict[str, dict], rows: dict, tag: str, chunks: dict[str, int]) -> dict:
+    """A part's table from its Flink runs at N and 4N (one bundle record per step: no fit)."""
+    table = compared({1: steps_of(jobs["N"])}, {1: steps_of(jobs["4N"])}, rows[("N", tag)], rows[("4N", tag)])
+    peak = {label: job["peak_rss_mb"] for label, job in jobs.items()}
+    print_table(
+        f"{title}, on Flink at parallelism 1, exchanges blocking; the job's process (every bundle runs in "
+        f"it) peaks at {peak['N']:,.0f} and {peak['4N']:,.0f} MB ({peak['4N'] / peak['N']:.2f}x); wall "
+        f"{jobs['N']['wall_s']:.0f} s and {jobs['4N']['wall_s']:.0f} s",
+        table,
+    )
+    return {
+        "chunks": chunks,
+        "wall_s": {label: job["wall_s"] for label, job in jobs.items()},
+        "peak_rss_mb": peak,
+        "table": table,
+    }
 
 
 def per_chunk(job: dict, chunks: int) -> float:
@@ -623,14 +623,19 @@ def main() -> None:
             "table": table,
         }
     if FLINK:
-        flink = {label: flink_shards(work, root, indexes["one file"][label]) for label, root in roots.items()}
-        growth = flink["4N"]["peak_rss_mb"] / flink["N"]["peak_rss_mb"]
-        print(
-            f"\nbuild-shards on Flink (LOOPBACK: the SDK worker in the job's process): peak RSS "
-            f"{flink['N']['peak_rss_mb']:,.0f} MB at {chunks['N']:,} chunks, {flink['4N']['peak_rss_mb']:,.0f} MB at "
-            f"{chunks['4N']:,} ({growth:.2f}x); wall {flink['N']['wall_s']:.0f} s and {flink['4N']['wall_s']:.0f} s"
-        )
-        results["parts"]["build-shards on Flink"] = {"chunks": chunks, "runs": flink, "peak_growth": growth}
+        if "index" in args.parts:
+            for tag, slice_bytes in (("one file", None), ("slices", args.slice_bytes)):
+                jobs = {
+                    label: index_part(work, root, args.factory, slice_bytes, tag.replace(" ", "-"), "flink")
+                    for label, root in roots.items()
+                }
+                title = f"index stage, {tag}: {chunks['N']:,} and {chunks['4N']:,} vectors, {args.factory}"
+                results["parts"][f"index, {tag}, on Flink"] = flink_part(title, jobs, rows, tag, chunks)
+        if "shards" in args.parts:
+            index_of = indexes["one file"]
+            jobs = {label: shards_part(work, root, index_of[label], "flink") for label, root in roots.items()}
+            title = f"build-shards, one index file: {chunks['N']:,} and {chunks['4N']:,} chunks"
+            results["parts"]["build-shards on Flink"] = flink_part(title, jobs, rows, "one file", chunks)
     if "corpus" in args.parts:
         found = {
             label: corpus_part(work, docs) for label, docs in (("N", args.corpus_docs), ("4N", 4 * args.corpus_docs))

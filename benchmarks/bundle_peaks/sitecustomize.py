@@ -7,8 +7,11 @@ BUNDLE_PEAKS_DIR is set (`benchmarks/decontamination.py --bundles` and
   /proc/self/clear_refs as the bundle starts, less VmRSS then; the heap's free memory is handed
   back first, `malloc_trim`, else a bundle would reuse what an earlier one freed and show
   less), the bytes the process read meanwhile (`rchar` of /proc/self/io: files and pipes, page
-  cache or not) and its wall time.
-  A process runs one bundle at a time while recording, so the resets do not overlap;
+  cache or not) and its wall time. Bundles a process runs at once (Flink starts a stage's while
+  the one before it still streams) are one record: the reset waits until none runs, and the
+  record names every transform of the bundles that overlapped, with how many there were. No
+  bundle waits for another (a lock would: their inputs share one data channel, whose queue
+  for a waiting bundle fills and stalls every other);
 - the runner process (Beam's local FnApiRunner, which groups every shuffle itself) counts the
   encoded bytes each GroupByKey receives, by the transform's name, and writes them at exit to
   BUNDLE_PEAKS_DIR/shuffles-<pid>.json. Reshuffle and CoGroupByKey are GroupByKeys underneath,
@@ -43,29 +46,39 @@ def _record_bundles(directory: Path) -> None:
     from apache_beam.runners.worker import bundle_processor
 
     original = bundle_processor.BundleProcessor.process_bundle
-    one_at_a_time = threading.Lock()
+    guard = threading.Lock()  # over `running` only, never held while a bundle runs
+    running: dict = {"bundles": 0}
     log = directory / f"{os.getpid()}.jsonl"
 
     libc = ctypes.CDLL("libc.so.6")
 
     def process_bundle(self, *args, **kwargs):
-        with one_at_a_time:
-            libc.malloc_trim(0)
-            Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-            start, read, began = _status_kb("VmRSS"), _bytes_read(), time.perf_counter()
-            try:
-                return original(self, *args, **kwargs)
-            finally:
-                names = sorted(t.unique_name for t in self.process_bundle_descriptor.transforms.values())
-                record = {
-                    "rss_kb": start,
-                    "rise_kb": _status_kb("VmHWM") - start,
-                    "read_bytes": _bytes_read() - read,
-                    "seconds": round(time.perf_counter() - began, 3),
-                    "transforms": names,
-                }
-                with log.open("a") as f:
-                    f.write(json.dumps(record) + "\n")
+        with guard:
+            if running["bundles"] == 0:
+                libc.malloc_trim(0)
+                Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+                running.update(
+                    rss_kb=_status_kb("VmRSS"), read=_bytes_read(), began=time.perf_counter(), names=set(), overlapped=0
+                )
+            running["bundles"] += 1
+            running["overlapped"] += 1
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            with guard:
+                running["names"].update(t.unique_name for t in self.process_bundle_descriptor.transforms.values())
+                running["bundles"] -= 1
+                if running["bundles"] == 0:
+                    record = {
+                        "rss_kb": running["rss_kb"],
+                        "rise_kb": _status_kb("VmHWM") - running["rss_kb"],
+                        "read_bytes": _bytes_read() - running["read"],
+                        "seconds": round(time.perf_counter() - running["began"], 3),
+                        "bundles": running["overlapped"],
+                        "transforms": sorted(running["names"]),
+                    }
+                    with log.open("a") as f:
+                        f.write(json.dumps(record) + "\n")
 
     bundle_processor.BundleProcessor.process_bundle = process_bundle
 

@@ -39,6 +39,22 @@ IN_PROCESS_RUNNERS = {None, "fnapi", "direct", "bundlebaseddirect", "switchingdi
 PORTABLE_RUNNERS = {"portable", "flink", "spark"}
 
 
+class FlinkJobServerOptions(PipelineOptions):
+    """Options of Beam's Flink runner that its Java job server reads and Beam's Python SDK does
+    not declare: undeclared, Beam would drop them before the job server saw them (and
+    `check_beam_args` would refuse them)."""
+
+    @classmethod
+    def _add_argparse_args(cls, parser):
+        parser.add_argument(
+            "--execution_mode_for_batch",
+            choices=["PIPELINED", "PIPELINED_FORCED", "BATCH", "BATCH_FORCED"],
+            default=None,
+            help="Flink's data exchange in a batch job (Flink's ExecutionMode; Flink's default is PIPELINED). "
+            "BATCH_FORCED makes every exchange blocking: a stage starts when the stages it reads have ended.",
+        )
+
+
 def runner_kind(runner: str | None) -> str | None:
     """A runner's name as `create_runner` resolves it, lower case and without 'Runner':
     'FlinkRunner', 'flink' and 'apache_beam.runners.portability.flink_runner.FlinkRunner' are 'flink'."""

@@ -29,13 +29,14 @@ CLI = str(Path(sys.executable).parent / "ratrain-pipeline")
 
 
 def test_long_documents_on_flink_write_the_local_runners_bytes(flink_cluster, long_documents_built_locally, tmp_path):
-    """Both stages on the cluster at parallelism 2 with LOOPBACK workers: every chunk,
-    embedding, index slice and shard file equal to the local runner's, every neighbour slot
-    filled, the same recall; Flink lists both jobs FINISHED, each with subtasks on both
+    """Both stages on the cluster at parallelism 2 with LOOPBACK workers and every exchange
+    blocking (an option only Beam's Java job server reads): every chunk, embedding, index slice
+    and shard file equal to the local runner's, every neighbour slot filled, the same recall;
+    Flink lists both jobs FINISHED, run in the mode asked for, each with subtasks on both
     TaskManagers."""
     config, local = long_documents_built_locally
     before = flink_cluster.job_ids()
-    options = [*flink_cluster.options, "--environment_type=LOOPBACK"]
+    options = [*flink_cluster.options, "--environment_type=LOOPBACK", "--execution_mode_for_batch=BATCH_FORCED"]
     report = run_all(config_from_dict(config(tmp_path / "out")), options)
     assert [status for status, _ in report.values()] == ["built", "built"]
 
@@ -46,6 +47,7 @@ def test_long_documents_on_flink_write_the_local_runners_bytes(flink_cluster, lo
     assert len(jobs) == 2
     for job in jobs:
         assert flink_cluster.rest(f"/jobs/{job}")["state"] == "FINISHED"
+        assert flink_cluster.rest(f"/jobs/{job}/config")["execution-config"]["execution-mode"] == "BATCH_FORCED"
         assert flink_cluster.task_managers_of(job) == set(LocalFlinkCluster.TASK_MANAGERS)
 
 

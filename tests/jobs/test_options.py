@@ -152,6 +152,7 @@ def test_detaching_is_refused_where_the_job_would_end_with_this_process(args, re
             "4",
         ],
         ["--runner=FlinkRunner", "--flink_master=m:8081", "--flink_version=1.19", "--flink_submit_uber_jar"],
+        ["--runner=FlinkRunner", "--flink_master=m:8081", "--execution_mode_for_batch=BATCH_FORCED"],
         ["--runner=SparkRunner", "--spark_master_url=spark://m:7077"],
         ["--direct_num_workers", "-1"],  # a negative number is a value
         ["--update_compatibility_version"],  # its value is optional
@@ -162,6 +163,15 @@ def test_detaching_is_refused_where_the_job_would_end_with_this_process(args, re
 )
 def test_beam_options_in_either_form_are_accepted(args):
     assert check_beam_args(args) == args
+
+
+def test_an_option_only_the_flink_job_server_reads_reaches_it_and_is_checked():
+    """Declared (FlinkJobServerOptions), so Beam sends it in the job's options (tests/e2e/test_flink.py
+    reads it back from Flink), and a value Flink has no name for is refused before submitting."""
+    options = pipeline_options(["--runner=FlinkRunner", "--execution_mode_for_batch=BATCH_FORCED"])
+    assert options.get_all_options()["execution_mode_for_batch"] == "BATCH_FORCED"
+    with pytest.raises(PipelineOptionsError, match="invalid choice: 'BLOCKING'"):
+        check_beam_args(["--runner=FlinkRunner", "--execution_mode_for_batch=BLOCKING"])
 
 
 def test_options_of_any_imported_options_class_are_accepted():

@@ -1,6 +1,6 @@
-"""The shuffle counter of benchmarks/bundle_peaks (what the scale rehearsal's bytes shuffled rest
-on), and what it shows of the index graph: nothing per file gathered in one place for an IVF
-index that one worker does not build."""
+"""The shuffle counter and the bundle recorder of benchmarks/bundle_peaks (what the scale
+rehearsal's bytes shuffled and bundle peaks rest on), and what the counter shows of the index
+graph: nothing per file gathered in one place for an IVF index that one worker does not build."""
 
 import json
 import os
@@ -49,3 +49,41 @@ def test_an_ivf_index_gathers_no_list_of_files_on_one_worker(tmp_path):
     # a one-worker build (Flat, HNSW) is not this index's: nothing goes to its list of every file
     # (the 40 paths did, ~2.8 KB, before)
     assert not any("/GatherPaths/" in name for name in shuffles), shuffles
+
+
+# Beam's BundleProcessor.process_bundle stood in for by one that runs a bundle when told to:
+# bundles "a" and "b" overlap (b starts while a runs), "c" runs alone after both
+OVERLAPPING = """
+import threading, types
+from apache_beam.runners.worker import bundle_processor
+gates = {name: threading.Event() for name in "abc"}
+started = {name: threading.Event() for name in "abc"}
+def process_bundle(self):
+    started[self.name].set()
+    gates[self.name].wait()
+bundle_processor.BundleProcessor.process_bundle = process_bundle
+import sitecustomize  # the recorder, over the stand-in above
+sitecustomize._record_bundles(sitecustomize.Path(PEAKS))
+def bundle(name):
+    transforms = {name: types.SimpleNamespace(unique_name="Step" + name.upper())}
+    self = types.SimpleNamespace(name=name, process_bundle_descriptor=types.SimpleNamespace(transforms=transforms))
+    return threading.Thread(target=bundle_processor.BundleProcessor.process_bundle, args=(self,))
+a, b = bundle("a"), bundle("b")
+a.start(); started["a"].wait(); b.start(); started["b"].wait()
+gates["a"].set(); a.join(); gates["b"].set(); b.join()
+c = bundle("c"); gates["c"].set(); c.start(); c.join()
+"""
+
+
+def test_bundles_that_overlap_are_one_record_and_none_waits_for_another(tmp_path):
+    peaks = tmp_path / "peaks"
+    peaks.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(REPO / "benchmarks" / "bundle_peaks")}
+    env.pop("BUNDLE_PEAKS_DIR", None)  # the stand-in is put in place first, then the recorder over it
+    script = f"PEAKS = {str(peaks)!r}\n" + OVERLAPPING
+    subprocess.run([sys.executable, "-c", script], check=True, env=env, cwd=REPO, capture_output=True, timeout=60)
+    (log,) = peaks.glob("*.jsonl")
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    # b started while a ran (a lock would have held it back, and the script would not end)
+    assert [(r["transforms"], r["bundles"]) for r in records] == [(["StepA", "StepB"], 2), (["StepC"], 1)]
+    assert all(r["rise_kb"] >= 0 and r["rss_kb"] > 0 for r in records)
