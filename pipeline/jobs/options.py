@@ -13,6 +13,7 @@ import difflib
 import importlib
 import os
 import re
+import zipfile
 from collections.abc import Mapping, Sequence
 
 import apache_beam as beam
@@ -210,6 +211,30 @@ def _check_runner(runner: str | None) -> None:
     )
 
 
+# Flink runs an uber jar itself (the job server jar with the pipeline added) from this class
+FLINK_UBER_JAR_ENTRY = "org/apache/beam/runners/flink/FlinkPipelineRunner.class"
+
+
+def _check_flink_uber_jar(known) -> None:
+    """--flink_submit_uber_jar with a --flink_job_server_jar that holds no runner (a launcher
+    that only names its classpath, as deploy/local/runners.py writes) fails inside Flink with
+    a stack trace; say so before submitting."""
+    jar = known.flink_job_server_jar
+    if runner_kind(known.runner) != "flink" or not known.flink_submit_uber_jar or not jar or not os.path.isfile(jar):
+        return
+    try:
+        with zipfile.ZipFile(jar) as archive:
+            holds_runner = FLINK_UBER_JAR_ENTRY in archive.namelist()
+    except zipfile.BadZipFile:
+        raise PipelineOptionsError(f"--flink_job_server_jar={jar} is not a jar") from None
+    if not holds_runner:
+        raise PipelineOptionsError(
+            f"--flink_submit_uber_jar: {jar} holds no Flink runner (a launcher naming its classpath?), and Flink "
+            "runs the uber jar built from it; give a self-contained job server jar, or leave out "
+            "--flink_submit_uber_jar to run the job server on this machine"
+        )
+
+
 _NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")  # a negative number is a value, as argparse reads it
 
 
@@ -256,6 +281,7 @@ def check_beam_args(beam_args: Sequence[str], cli_options: Mapping[str, str] | N
             f"unexpected argument {extra[0]!r} among the Beam pipeline options (--name=value or --name value)"
         )
     _check_runner(known.runner)
+    _check_flink_uber_jar(known)
     return args
 
 

@@ -1,10 +1,12 @@
 import gc
 import os
 import re
+import zipfile
 
 import pytest
 
 from pipeline.jobs.options import (
+    FLINK_UBER_JAR_ENTRY,
     LOCAL_RUNNER,
     PipelineOptionsError,
     check_beam_args,
@@ -172,6 +174,21 @@ def test_an_option_only_the_flink_job_server_reads_reaches_it_and_is_checked():
     assert options.get_all_options()["execution_mode_for_batch"] == "BATCH_FORCED"
     with pytest.raises(PipelineOptionsError, match="invalid choice: 'BLOCKING'"):
         check_beam_args(["--runner=FlinkRunner", "--execution_mode_for_batch=BLOCKING"])
+
+
+def test_an_uber_jar_from_a_jar_without_the_flink_runner_is_refused_before_submitting(tmp_path):
+    """deploy/local's job server jars only name their classpath: Flink, given the uber jar
+    built from one, failed with "entry point class ... was not found in the jar file"."""
+    launcher, whole = tmp_path / "launcher.jar", tmp_path / "whole.jar"
+    with zipfile.ZipFile(launcher, "w") as jar:
+        jar.writestr("META-INF/MANIFEST.MF", "Class-Path: lib/a.jar\n")
+    with zipfile.ZipFile(whole, "w") as jar:
+        jar.writestr(FLINK_UBER_JAR_ENTRY, b"")
+    flink = ["--runner=FlinkRunner", "--flink_master=m:8081", "--flink_submit_uber_jar"]
+    with pytest.raises(PipelineOptionsError, match="holds no Flink runner"):
+        check_beam_args([*flink, f"--flink_job_server_jar={launcher}"])
+    assert check_beam_args([*flink, f"--flink_job_server_jar={whole}"])
+    assert check_beam_args([flink[0], flink[1], f"--flink_job_server_jar={launcher}"])  # its own job server: fine
 
 
 def test_options_of_any_imported_options_class_are_accepted():
