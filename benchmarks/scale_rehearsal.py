@@ -304,7 +304,8 @@ def runner_args(runner: int | str) -> list[str]:
     (LOOPBACK). There a stage starts when the one before it has ended and Flink's batch runner
     streams a stage's input through its bundles, so each step is measured alone, its grouped
     values streamed to it as a cluster's are. Bundles that still run at once (branches with no
-    exchange between them) are one record, named by all their steps."""
+    exchange between them) are one record, named by all their steps. build-shards at 10^6
+    chunks stalled in this mode, in the stage that reads the queries (docs/scale.md)."""
     if runner == "flink":
         chosen = [o for o in FLINK if not o.startswith("--parallelism")]
         one_at_a_time = ["--parallelism=1", "--execution_mode_for_batch=BATCH_FORCED"]
