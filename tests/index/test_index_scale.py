@@ -78,7 +78,9 @@ def test_validate_accepts_the_stand_alone_index(built):
     assert line.startswith("OK vector index") and "300000 vectors" in line
 
 
-SLICE_BYTES = 12 * 10**6
+# The cut and the routed search at 300k vectors: a smaller factory than the 64 MB plan's, whose
+# training (131 s of the plan's 195 s here) would test nothing more
+SLICED_TYPE, SLICE_BYTES = "IVF1024,PQ32x8np", 3 * 10**6
 
 
 @pytest.fixture(scope="module")
@@ -91,10 +93,10 @@ def sliced(built):
             str(root / "emb" / "*.parquet"),
             "--output",
             str(root / "sliced"),
-            "--memory-budget",
-            "64MB",
+            "--type",
+            SLICED_TYPE,
             "--slice-bytes",
-            "12MB",
+            "3MB",
         ]
     )
     return root / "sliced", json.loads((root / "sliced" / "manifest.json").read_text())
@@ -109,14 +111,14 @@ def outside_recall(search, ids, vectors, rows):
     return float(np.mean([ids[t[1]] in [f for f in row if f != ids[r]][:10] for r, t, row in zip(rows, truth, found)]))
 
 
-def test_a_sliced_index_is_slices_within_the_size_that_search_as_the_single_index(built, sliced):
+def test_a_sliced_index_is_slices_within_the_size_that_search_as_one_index(built, sliced):
     """Slices by groups of inverted lists, beside them the trained quantizer and each list's
     owner: searched routed (one coarse assignment per query, each query sent to the slices
-    owning its probed lists), as the single index answers."""
+    owning its probed lists), as one index holding all their lists answers."""
     from pipeline.index.files import LIST_OWNERS_FILE, QUANTIZER_FILE, read_owners, searched_files
     from pipeline.index.routing import search_routed
 
-    root, ids, vectors, single = built
+    _, ids, vectors, _ = built
     directory, manifest = sliced
     paths = [f["path"] for f in manifest["files"] if f["path"].startswith("faiss/")]
     slice_paths = searched_files(paths)
@@ -125,17 +127,24 @@ def test_a_sliced_index_is_slices_within_the_size_that_search_as_the_single_inde
     files = {f["path"]: f for f in manifest["files"]}
     assert all((directory / p).stat().st_size <= SLICE_BYTES for p in slice_paths)
     assert sum(files[p]["rows"] for p in slice_paths) == N and manifest["slice_bytes"] == SLICE_BYTES
-    assert manifest["index_factory"] == single["index_factory"] and manifest["nprobe"] == single["nprobe"]
-    quantizer = load_index(str(directory / "faiss" / QUANTIZER_FILE), manifest["nprobe"], sha256=None)
+    assert manifest["index_factory"] == SLICED_TYPE
+    nprobe = manifest["nprobe"]
+    quantizer = load_index(str(directory / "faiss" / QUANTIZER_FILE), nprobe, sha256=None)
     owner = read_owners(str(directory / "faiss" / LIST_OWNERS_FILE))
     assert set(owner[owner >= 0].tolist()) == set(range(len(slice_paths)))
-    slices = [load_index(str(directory / p), manifest["nprobe"], sha256=None) for p in slice_paths]
-    index = load_index(str(root / "idx" / "faiss" / "index.faiss"), single["nprobe"], sha256=None)
+    slices = [load_index(str(directory / p), nprobe, sha256=None) for p in slice_paths]
+    one, *others = [faiss.read_index(str(directory / p)) for p in slice_paths]  # read whole, not mapped
+    for other in others:  # every list of every slice, on the same trained quantizer
+        one.merge_from(other, 0)
+    faiss.extract_index_ivf(one).nprobe = nprobe
+    assert one.ntotal == N
+
     rows = np.random.default_rng(7).choice(N, 1000, replace=False)
+    routed = search_routed(quantizer, slices, owner, vectors[rows], k=11)[1]
+    whole = one.search(vectors[rows], 11)[1]
+    assert np.mean(routed == whole) >= 0.999  # the same lists probed: the same hits but for ties
     ours = outside_recall(lambda q, k: search_routed(quantizer, slices, owner, q, k=k)[1], ids, vectors, rows)
-    one = outside_recall(lambda q, k: index.search(q, k)[1], ids, vectors, rows)
-    assert ours >= 0.95 and abs(ours - one) <= 0.01
-    assert abs(manifest["recall_at_k"]["value"] - single["recall_at_k"]["value"]) <= 0.01
+    assert abs(ours - manifest["recall_at_k"]["value"]) <= 0.03
 
 
 def test_validate_checks_every_slice(sliced):
