@@ -19,6 +19,7 @@ from pipeline.common.names import file_name
 from pipeline.common.sampling import sample_keys
 from pipeline.index.files import LIST_OWNERS_FILE, QUANTIZER_FILE
 from pipeline.index.search import search_each_excluding
+from pipeline.retrieve.ranking import ranked
 from pipeline.retrieve.recall import Probe
 from pipeline.shards.rows import SequenceBatch
 from schemas.arrow import tensor_column_to_numpy
@@ -378,7 +379,8 @@ def search_batch(index, grouped, spec: Retrieval):
 
 def candidate_rows(seq_ids: np.ndarray, scores: np.ndarray, ids: np.ndarray, chunks_per_seq: int) -> np.ndarray:
     """Search results [r, width] of query rows r (row r is chunk r % L of the sequence
-    `seq_ids[r // L]`) -> CANDIDATE records, rank = slot, the empty slots (-1) left out."""
+    `seq_ids[r // L]`) -> CANDIDATE records in the one order (`ranked`), empty slots left out."""
+    scores, ids = ranked(scores, ids)
     rows, width = ids.shape
     block = np.zeros(ids.size, CANDIDATE)
     row = np.repeat(np.arange(rows), width)
