@@ -146,6 +146,22 @@ def build_shards(
         return _build_shards(cfg, beam_args, dry_run, detach)
 
 
+def _say_what_changed(cfg: PipelineConfig, index: CommittedIndex) -> None:
+    """Shards of this config committed from an earlier generation of the index: what the
+    generations since added and deleted, as every shard is built again."""
+    previous = fileio.committed(shards_dir(cfg), ShardsManifest)
+    if previous is None or previous.config_hash != cfg.shards_hash():
+        return
+    change = index.change_since(previous.index_generation)
+    if change is not None:
+        log.info(
+            "build-shards: the shards were built from generation %d of the index, which has changed since (%s): "
+            "every shard is built again",
+            change.since,
+            change,
+        )
+
+
 def _build_shards(
     cfg: PipelineConfig, beam_args: list[str], dry_run: bool, detach: bool
 ) -> ShardsManifest | Submitted | dict:
@@ -158,6 +174,8 @@ def _build_shards(
     except StageError:
         if not dry_run:
             raise
+    if index is not None and not dry_run:
+        _say_what_changed(cfg, index)
     tok = Tokenization.of(cfg)
     job = Job(
         "build-shards",

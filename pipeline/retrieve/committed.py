@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pipeline.chunks.deleted import DELETED_DIR, DeletedFiles
 from pipeline.common import fileio
 from pipeline.common.errors import StageError
+from pipeline.common.names import file_number
 from pipeline.index.factory import ivf_lists
 from pipeline.index.files import INDEX_FILE, LIST_OWNERS_FILE, QUANTIZER_FILE, searched_files
 from pipeline.retrieve.search import Routing
@@ -20,6 +21,39 @@ def faiss_files(paths: list[str]) -> list[str]:
     """Of an index manifest's file paths, the faiss files (index.faiss, or its shards in
     chunk-id order)."""
     return [path for path in paths if path.startswith("faiss/")]
+
+
+@dataclass(frozen=True)
+class GenerationSpan:
+    """Of one generation of an index: its chunk ids [first_chunk_id, first_chunk_id +
+    num_chunks) and how many documents it deleted."""
+
+    number: int
+    first_chunk_id: int
+    num_chunks: int
+    deleted_documents: int
+
+
+@dataclass(frozen=True)
+class IndexChange:
+    """What an index gained and lost in the generations after `since`, up to `newest`: their
+    chunk ids, [start, end) each (the new vectors, less any a later generation deleted), and
+    the deleted-document files they wrote (relative to the index directory)."""
+
+    since: int
+    newest: int
+    new_chunks: tuple[tuple[int, int], ...]
+    deleted_paths: tuple[str, ...]
+    deleted_documents: int
+
+    def __str__(self) -> str:
+        added = sum(end - start for start, end in self.new_chunks)
+        later = (
+            f"generation {self.newest}"
+            if self.newest == self.since + 1
+            else f"generations {self.since + 1}-{self.newest}"
+        )
+        return f"{later}: {added:,} chunks added, {self.deleted_documents:,} documents deleted"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,6 +70,24 @@ class CommittedIndex:
     nlist: int | None  # inverted lists (IVF)
     deleted_paths: tuple[str, ...] = ()  # deleted/*.parquet, relative to the directory
     generation: int | None = None  # its newest generation (None: a manifest without generations)
+    generations: tuple[GenerationSpan, ...] = ()
+
+    def change_since(self, since: int | None) -> IndexChange | None:
+        """The change after generation `since` of this index; None when there is none after it,
+        or its history does not hold it (a manifest without generations)."""
+        if since is None or since not in {g.number for g in self.generations}:
+            return None
+        later = [g for g in self.generations if g.number > since]
+        if not later:
+            return None
+        numbers = {g.number for g in later}
+        return IndexChange(
+            since=since,
+            newest=later[-1].number,
+            new_chunks=tuple((g.first_chunk_id, g.first_chunk_id + g.num_chunks) for g in later if g.num_chunks),
+            deleted_paths=tuple(p for p in self.deleted_paths if file_number(unversioned(p)) in numbers),
+            deleted_documents=sum(g.deleted_documents for g in later),
+        )
 
     def deleted(self) -> DeletedFiles:
         """The documents deleted from it (their chunks are in no search), as their files."""
@@ -80,5 +132,8 @@ def read_committed_index(directory: str, commit: int | None = None) -> tuple[Com
         nlist=ivf_lists(manifest.index_factory),
         deleted_paths=tuple(path for path in paths if path.startswith(f"{DELETED_DIR}/")),
         generation=manifest.generations[-1].number if manifest.generations else None,
+        generations=tuple(
+            GenerationSpan(g.number, g.first_chunk_id, g.num_chunks, g.deleted_documents) for g in manifest.generations
+        ),
     )
     return index, manifest

@@ -5,6 +5,7 @@ neighbour and no sequence, and `validate` checks it; build-shards and `validate`
 changed index; a changed or removed file, or other settings, mean a build from scratch."""
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -133,7 +134,7 @@ def _neighbour_ids(out) -> np.ndarray:
     return ids[ids >= 0]
 
 
-def test_deleted_documents_are_in_no_neighbour_and_no_sequence(tmp_path):
+def test_deleted_documents_are_in_no_neighbour_and_no_sequence(tmp_path, caplog):
     docs = sample_documents(40)
     write_jsonl(tmp_path / "corpus" / "a.jsonl", docs)
     out = tmp_path / "out"
@@ -155,7 +156,10 @@ def test_deleted_documents_are_in_no_neighbour_and_no_sequence(tmp_path):
     assert sorted(deleted.doc_ids.tolist()) == sorted(doc_id_for(i) for i in chosen[:3])
     assert deleted.contains(before).any()  # they were neighbours before
 
-    run_all(cfg, [])  # build-shards again: the index changed
+    with caplog.at_level(logging.INFO, logger="ratrain"):
+        run_all(cfg, [])  # build-shards again: the index changed
+    said = "generation 0 of the index, which has changed since (generation 1: 0 chunks added, 3 documents deleted)"
+    assert said in caplog.text
     assert not deleted.contains(_neighbour_ids(out)).any()
     seq_ids = _shard_column(out, "seq_id")
     L = cfg.chunks_per_sequence
