@@ -246,6 +246,7 @@ class Generation(ManifestModel):
         default_factory=list,
         description="Corpus files gone since an earlier generation read them: their documents deleted.",
     )
+    based_on: str | None = Field(None, description="The sha256 of the index manifest it changed (None: a build).")
     first_chunk_id: int = Field(description="Its chunks are first_chunk_id ... first_chunk_id + num_chunks - 1.")
     num_chunks: int
     num_documents: int

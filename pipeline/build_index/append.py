@@ -207,6 +207,7 @@ def change_index(
                 deleted_now=deleted_now,
                 tallies=beam.pvalue.AsDict(tallies | "SumTallies" >> beam.CombinePerKey(sum)),
                 precision=beam.pvalue.AsSingleton(written.precision),
+                previous_sha256=previous_sha256,
                 changes=changes,
                 cfg=cfg,
             )

@@ -95,17 +95,20 @@ def next_generation_manifest(
     tallies: dict[str, int],
     precision: PrecisionCheck,
     previous: IndexManifest,
+    previous_sha256: str,
     changes: CorpusChanges,
     cfg: PipelineConfig,
 ) -> IndexManifest:
-    """The next generation of `previous`: its files kept but those rewritten, the new ones added,
-    the generation's documents, chunks and deletions counted, counters summed."""
+    """The next generation of `previous` (whose manifest's sha256 is `previous_sha256`): its
+    files kept but those rewritten, the new ones added, the generation's documents, chunks and
+    deletions counted, counters summed."""
     rewritten = {unversioned(e.path) for e in changed.files}  # by name: a commit may have numbered it
     kept = [e for e in previous.files if unversioned(e.path) not in rewritten]
     num_chunks = sum(e.rows for e in new_entries if e.path.startswith("chunks/"))
     deleted_chunks = sum(d.num_chunks for d in deleted_now)
     generation = Generation(
         number=len(previous.generations),
+        based_on=previous_sha256,
         inputs=changes.to_read,
         removed_inputs=changes.gone,
         first_chunk_id=previous.num_chunks,

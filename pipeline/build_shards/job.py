@@ -152,7 +152,7 @@ def _say_what_changed(cfg: PipelineConfig, index: CommittedIndex) -> None:
     previous = fileio.committed(shards_dir(cfg), ShardsManifest)
     if previous is None or previous.config_hash != cfg.shards_hash():
         return
-    change = index.change_since(previous.index_generation)
+    change = index.change_since(previous.index_generation, previous.index_manifest_sha256)
     if change is not None:
         log.info(
             "build-shards: the shards were built from generation %d of the index, which has changed since (%s): "

@@ -26,12 +26,14 @@ def faiss_files(paths: list[str]) -> list[str]:
 @dataclass(frozen=True)
 class GenerationSpan:
     """Of one generation of an index: its chunk ids [first_chunk_id, first_chunk_id +
-    num_chunks) and how many documents it deleted."""
+    num_chunks), how many documents it deleted, and the sha256 of the index manifest it changed
+    (None: a build from scratch)."""
 
     number: int
     first_chunk_id: int
     num_chunks: int
     deleted_documents: int
+    based_on: str | None
 
 
 @dataclass(frozen=True)
@@ -72,13 +74,15 @@ class CommittedIndex:
     generation: int | None = None  # its newest generation (None: a manifest without generations)
     generations: tuple[GenerationSpan, ...] = ()
 
-    def change_since(self, since: int | None) -> IndexChange | None:
-        """The change after generation `since` of this index; None when there is none after it,
-        or its history does not hold it (a manifest without generations)."""
-        if since is None or since not in {g.number for g in self.generations}:
+    def change_since(self, since: int | None, manifest_sha256: str) -> IndexChange | None:
+        """What the generations after `since` changed, where the first of them changed the index
+        manifest of sha256 `manifest_sha256` (what shards built at `since` record); None when
+        none came after, or this index's history does not go through that manifest (it was
+        rebuilt, its faiss files rebuilt, or it is another index)."""
+        if since is None:
             return None
         later = [g for g in self.generations if g.number > since]
-        if not later:
+        if not later or later[0].number != since + 1 or later[0].based_on != manifest_sha256:
             return None
         numbers = {g.number for g in later}
         return IndexChange(
@@ -133,7 +137,8 @@ def read_committed_index(directory: str, commit: int | None = None) -> tuple[Com
         deleted_paths=tuple(path for path in paths if path.startswith(f"{DELETED_DIR}/")),
         generation=manifest.generations[-1].number if manifest.generations else None,
         generations=tuple(
-            GenerationSpan(g.number, g.first_chunk_id, g.num_chunks, g.deleted_documents) for g in manifest.generations
+            GenerationSpan(g.number, g.first_chunk_id, g.num_chunks, g.deleted_documents, g.based_on)
+            for g in manifest.generations
         ),
     )
     return index, manifest
