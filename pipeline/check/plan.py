@@ -27,6 +27,7 @@ from pipeline.chunks.chunk_files import in_file_order
 from pipeline.chunks.deleted import DeletedRanges, deleted_files, read_deleted
 from pipeline.common import fileio
 from pipeline.common.rejected import NEAR_DUPLICATE
+from pipeline.retrieve.committed import change_since, generation_spans
 from schemas.arrow import (
     SHARD_METADATA_KEYS,
 )
@@ -240,11 +241,8 @@ def _plan_shards(plan: ValidationPlan, directory: str, index_directory: str) -> 
             error=manifest_problem,
         )
     assert index_bytes is not None  # read_manifest raised for a missing one, or the index was planned here
-    require(
-        fileio.sha256_bytes(index_bytes) == manifest.index_manifest_sha256,
-        f"{directory}: built against a different index than {index_path}",
-        "manifest",
-    )
+    built_on = fileio.sha256_bytes(index_bytes) == manifest.index_manifest_sha256
+    require(built_on, "" if built_on else _not_built_on(directory, manifest, index_path, index_bytes), "manifest")
     m = manifest.chunk_tokens
     require(manifest.neighbour_tokens == 2 * m, f"{directory}: neighbour_tokens != 2 x chunk_tokens", "manifest")
     if plan.chunks is None:  # the index is not validated here: its chunk files only read for the references
@@ -287,6 +285,17 @@ def _plan_shards(plan: ValidationPlan, directory: str, index_directory: str) -> 
         f"{head}, {filled}no same-document neighbour, neighbour tokens equal the chunk "
         f"database; {manifest.neighbour_summary()}"
     )
+
+
+def _not_built_on(directory: str, manifest: ShardsManifest, index_path: str, index_bytes: bytes) -> str:
+    """Shards built against another manifest than the index's current one: what the index's
+    generations since changed, where they go through the one the shards record."""
+    problem = f"{directory}: built against a different index than {index_path}"
+    current = read_manifest(index_bytes, index_path, IndexManifest, error=manifest_problem)
+    change = change_since(generation_spans(current), (), manifest.index_generation, manifest.index_manifest_sha256)
+    if change is None:
+        return problem
+    return f"{problem}: its generation {change.since}, which has changed since ({change}); run build-shards again"
 
 
 def _built_against(index_directory: str, index_manifest_sha256: str) -> int | None:

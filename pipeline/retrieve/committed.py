@@ -58,6 +58,36 @@ class IndexChange:
         return f"{later}: {added:,} chunks added, {self.deleted_documents:,} documents deleted"
 
 
+def generation_spans(manifest: IndexManifest) -> tuple[GenerationSpan, ...]:
+    return tuple(
+        GenerationSpan(g.number, g.first_chunk_id, g.num_chunks, g.deleted_documents, g.based_on)
+        for g in manifest.generations
+    )
+
+
+def change_since(
+    generations: tuple[GenerationSpan, ...], deleted_paths: tuple[str, ...], since: int | None, manifest_sha256: str
+) -> IndexChange | None:
+    """What an index's generations after `since` changed, where the first of them changed the
+    index manifest of sha256 `manifest_sha256` (what shards built at `since` record); None when
+    none came after, or the index's history does not go through that manifest (it was rebuilt,
+    its faiss files rebuilt, or it is another index). `deleted_paths`: its deleted-document
+    files, of which those the later generations wrote are kept."""
+    if since is None:
+        return None
+    later = [g for g in generations if g.number > since]
+    if not later or later[0].number != since + 1 or later[0].based_on != manifest_sha256:
+        return None
+    numbers = {g.number for g in later}
+    return IndexChange(
+        since=since,
+        newest=later[-1].number,
+        new_chunks=tuple((g.first_chunk_id, g.first_chunk_id + g.num_chunks) for g in later if g.num_chunks),
+        deleted_paths=tuple(p for p in deleted_paths if file_number(unversioned(p)) in numbers),
+        deleted_documents=sum(g.deleted_documents for g in later),
+    )
+
+
 @dataclass(frozen=True, kw_only=True)
 class CommittedIndex:
     """What build-shards needs of a committed index, read without its file entries (only the
@@ -75,23 +105,8 @@ class CommittedIndex:
     generations: tuple[GenerationSpan, ...] = ()
 
     def change_since(self, since: int | None, manifest_sha256: str) -> IndexChange | None:
-        """What the generations after `since` changed, where the first of them changed the index
-        manifest of sha256 `manifest_sha256` (what shards built at `since` record); None when
-        none came after, or this index's history does not go through that manifest (it was
-        rebuilt, its faiss files rebuilt, or it is another index)."""
-        if since is None:
-            return None
-        later = [g for g in self.generations if g.number > since]
-        if not later or later[0].number != since + 1 or later[0].based_on != manifest_sha256:
-            return None
-        numbers = {g.number for g in later}
-        return IndexChange(
-            since=since,
-            newest=later[-1].number,
-            new_chunks=tuple((g.first_chunk_id, g.first_chunk_id + g.num_chunks) for g in later if g.num_chunks),
-            deleted_paths=tuple(p for p in self.deleted_paths if file_number(unversioned(p)) in numbers),
-            deleted_documents=sum(g.deleted_documents for g in later),
-        )
+        """`change_since` of this index's generations and deleted-document files."""
+        return change_since(self.generations, self.deleted_paths, since, manifest_sha256)
 
     def deleted(self) -> DeletedFiles:
         """The documents deleted from it (their chunks are in no search), as their files."""
@@ -136,9 +151,6 @@ def read_committed_index(directory: str, commit: int | None = None) -> tuple[Com
         nlist=ivf_lists(manifest.index_factory),
         deleted_paths=tuple(path for path in paths if path.startswith(f"{DELETED_DIR}/")),
         generation=manifest.generations[-1].number if manifest.generations else None,
-        generations=tuple(
-            GenerationSpan(g.number, g.first_chunk_id, g.num_chunks, g.deleted_documents, g.based_on)
-            for g in manifest.generations
-        ),
+        generations=generation_spans(manifest),
     )
     return index, manifest

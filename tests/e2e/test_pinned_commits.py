@@ -42,8 +42,10 @@ def test_every_reader_reads_the_commit_it_names_while_it_is_kept(tmp_path):
     # the output as a whole names the mismatch; an index commit by number
     (line,) = validate_path(str(shards))
     assert line.startswith("OK shards")
-    with pytest.raises(ValidationFailed, match="built against a different index"):
+    with pytest.raises(ValidationFailed, match="built against a different index") as failed:
         validate_path(str(out))
+    added = f"{chunks[1] - chunks[0]:,} chunks added, 0 documents deleted"
+    assert f"its generation 0, which has changed since (generation 1: {added}); run build-shards" in str(failed.value)
     (line,) = validate_path(str(index), commits={str(index): 1})
     assert line.startswith(f"OK index {index}: {chunks[0]} chunks")
     (line,) = validate_path(str(index))
