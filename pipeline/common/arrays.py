@@ -1,6 +1,7 @@
 """Numpy idioms the block-wise steps share: rows grouped by a key, ids looked up in a sorted
-id array, and runs of consecutive integers laid end to end; and [start, end) ranges merged
-(`widest_span`, one document's partial chunk-id spans; `merge_ranges`)."""
+id array, and runs of consecutive integers laid end to end; [start, end) ranges merged
+(`widest_span`, one document's partial chunk-id spans; `merge_ranges`); and token ids sent
+through a shuffle in 2 bytes each where they fit (`narrow_tokens`, `widened_tokens`)."""
 
 from __future__ import annotations
 
@@ -47,3 +48,18 @@ def merge_ranges(ranges) -> list[tuple[int, int]]:
         else:
             merged.append((start, end))
     return merged
+
+
+def narrow_tokens(tokens: np.ndarray) -> tuple[str, bytes]:
+    """Token ids as (dtype, raw bytes): uint16 when every id fits (vocabularies under 65,536,
+    as the default encoder's 30,522), else int32. Neighbour tokens are most of what
+    build-shards shuffles: 2 bytes an id halves them."""
+    tokens = np.asarray(tokens)
+    fits = tokens.size == 0 or (int(tokens.min()) >= 0 and int(tokens.max()) <= np.iinfo(np.uint16).max)
+    dtype = "<u2" if fits else "<i4"
+    return dtype, np.ascontiguousarray(tokens, dtype).tobytes()
+
+
+def widened_tokens(dtype: str, data: bytes) -> np.ndarray:
+    """`narrow_tokens`' bytes -> int32 token ids (flat), writable."""
+    return np.frombuffer(data, dtype).astype(np.int32)

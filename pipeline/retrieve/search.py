@@ -14,7 +14,7 @@ import numpy as np
 from pipeline.chunks.chunk_files import ChunkFileRanges, CommittedChunkFiles, CommittedFiles
 from pipeline.chunks.deleted import DeletedFiles, DeletedRanges
 from pipeline.common import fileio
-from pipeline.common.arrays import groups, merge_ranges, positions_of
+from pipeline.common.arrays import groups, merge_ranges, narrow_tokens, positions_of, widened_tokens
 from pipeline.common.names import file_name
 from pipeline.common.sampling import sample_keys
 from pipeline.index.files import LIST_OWNERS_FILE, QUANTIZER_FILE
@@ -133,13 +133,12 @@ class NeighbourBlock:
         for shard, at in groups(self.picks["seq_id"] // shard_rows):
             yield shard, NeighbourBlock(self.picks[at], self.values[at])
 
-    def __reduce__(self):  # raw bytes, as Records
-        values = np.ascontiguousarray(self.values, np.int32)
-        return _neighbour_block, (self.picks.tobytes(), values.tobytes(), values.shape[1])
+    def __reduce__(self):  # raw bytes, as Records; the tokens in 2 bytes each where they fit
+        return _neighbour_block, (self.picks.tobytes(), *narrow_tokens(self.values), self.values.shape[1])
 
 
-def _neighbour_block(picks: bytes, values: bytes, width: int) -> NeighbourBlock:
-    return NeighbourBlock(np.frombuffer(picks, PICK).copy(), np.frombuffer(values, np.int32).reshape(-1, width).copy())
+def _neighbour_block(picks: bytes, dtype: str, values: bytes, width: int) -> NeighbourBlock:
+    return NeighbourBlock(np.frombuffer(picks, PICK).copy(), widened_tokens(dtype, values).reshape(-1, width))
 
 
 def token_key(tokens: np.ndarray) -> int:

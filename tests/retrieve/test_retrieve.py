@@ -147,11 +147,15 @@ def test_a_block_of_one_hit_crosses_a_shuffle_in_little_more_than_its_bytes():
         _, back = coder.decode(encoded)
         assert back.rows.dtype == dtype and back.rows.tobytes() == hits.tobytes()
         assert back.rows.flags.writeable
-    block = NeighbourBlock(np.zeros(1, PICK), np.arange(8, dtype=np.int32).reshape(1, 8))
-    encoded = coder.encode((5, block))
-    assert len(encoded) <= PICK.itemsize + 8 * 4 + 120, len(encoded)
-    back = coder.decode(encoded)[1]
-    assert back.picks.tobytes() == block.picks.tobytes() and back.values.tolist() == block.values.tolist()
+    # neighbour tokens: 2 bytes an id where every id fits (the default encoder's vocabulary does), else 4
+    for tokens, width in (([0, 7, 30_521, 65_535], 2), ([0, 7, 65_536, 3], 4), ([-1, 7, 30_521, 3], 4)):
+        values = np.array(tokens * 32, np.int32).reshape(1, 128)
+        block = NeighbourBlock(np.zeros(1, PICK), values)
+        encoded = coder.encode((5, block))
+        assert PICK.itemsize + 128 * width <= len(encoded) <= PICK.itemsize + 128 * width + 120, (width, len(encoded))
+        back = coder.decode(encoded)[1]
+        assert back.picks.tobytes() == block.picks.tobytes() and np.array_equal(back.values, values)
+        assert back.values.dtype == np.int32 and back.values.flags.writeable
 
 
 @pytest.mark.unit
