@@ -76,7 +76,7 @@ def change_since(
     if since is None:
         return None
     later = [g for g in generations if g.number > since]
-    if not later or later[0].number != since + 1 or later[0].based_on != manifest_sha256:
+    if not later or later[0].based_on != manifest_sha256:
         return None
     numbers = {g.number for g in later}
     return IndexChange(
@@ -101,8 +101,12 @@ class CommittedIndex:
     routing_paths: tuple[str, str] | None  # slices: quantizer.faiss and list_owners.npy, relative
     nlist: int | None  # inverted lists (IVF)
     deleted_paths: tuple[str, ...] = ()  # deleted/*.parquet, relative to the directory
-    generation: int | None = None  # its newest generation (None: a manifest without generations)
-    generations: tuple[GenerationSpan, ...] = ()
+    generations: tuple[GenerationSpan, ...] = ()  # none in a manifest from before generations
+
+    @property
+    def generation(self) -> int | None:
+        """Its newest generation (None: a manifest without generations)."""
+        return self.generations[-1].number if self.generations else None
 
     def change_since(self, since: int | None, manifest_sha256: str) -> IndexChange | None:
         """`change_since` of this index's generations and deleted-document files."""
@@ -150,7 +154,6 @@ def read_committed_index(directory: str, commit: int | None = None) -> tuple[Com
         routing_paths=routing if routed else None,
         nlist=ivf_lists(manifest.index_factory),
         deleted_paths=tuple(path for path in paths if path.startswith(f"{DELETED_DIR}/")),
-        generation=manifest.generations[-1].number if manifest.generations else None,
         generations=generation_spans(manifest),
     )
     return index, manifest

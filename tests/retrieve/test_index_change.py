@@ -18,7 +18,6 @@ def index_of(generations, deleted_paths=()):
         routing_paths=None,
         nlist=None,
         deleted_paths=tuple(deleted_paths),
-        generation=generations[-1].number if generations else None,
         generations=tuple(generations),
     )
 
@@ -38,7 +37,7 @@ def test_the_change_since_a_generation_holds_only_the_later_ones():
     index = index_of(GENERATIONS, DELETED)
     change = index.change_since(1, B)
     assert change is not None
-    assert (change.since, change.newest) == (1, 3)
+    assert (change.since, change.newest, index.generation) == (1, 3, 3)
     assert change.new_chunks == ((1_200, 1_250),)
     assert change.deleted_paths == ("deleted/deleted-00002.parquet.c4",)
     assert change.deleted_documents == 5
