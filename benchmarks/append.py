@@ -72,6 +72,16 @@ def take(docs: list[dict], chunks: float, m: int) -> tuple[list[dict], list[dict
     return ordered, []
 
 
+def base_and_extra(workdir: Path, chunks: int, share: float) -> tuple[list[dict], list[dict]]:
+    """The documents of about `chunks` chunks (the base), and those of about `share` of that
+    more (the append), at the default chunk size."""
+    from schemas.config import PipelineConfig
+
+    m = PipelineConfig.model_fields["chunk_tokens"].default
+    base, rest = take(corpus_documents(workdir), chunks, m)
+    return base, take(rest, chunks * share, m)[0]
+
+
 def write_files(directory: Path, name: str, docs: list[dict], files: int) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     for f in range(files):
@@ -187,13 +197,9 @@ def main() -> None:
     args = parser.parse_args()
     from pipeline.embed.encoder import cpu_summary
     from pipeline.index.factory import nlist_for
-    from schemas.config import PipelineConfig
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="append-bench-"))
-    m = PipelineConfig.model_fields["chunk_tokens"].default
-    docs = corpus_documents(workdir)
-    base, rest = take(docs, args.chunks, m)
-    extra, _ = take(rest, args.chunks * args.append, m)
+    base, extra = base_and_extra(workdir, args.chunks, args.append)
     grown_corpus, full_corpus = workdir / "corpus-grown", workdir / "corpus-full"
     write_files(grown_corpus, "base", base, BASE_FILES)
     write_files(full_corpus, "base", base, BASE_FILES)

@@ -219,6 +219,7 @@ def index_cmd(embeddings, output, *, index_type, memory_budget, target_recall, n
     type=float,
     help="Seconds between looks at the index manifest while waiting.",
 )
+@click.option("--full", is_flag=True, help="Build every shard again, not refresh them from what the index changed.")
 def build_shards_cmd(
     config_path,
     beam_args,
@@ -230,6 +231,7 @@ def build_shards_cmd(
     wait_for_index,
     wait_timeout,
     poll_every,
+    full,
 ):
     """Stages 4-5: retrieve neighbours for the training corpus -> <output>/shards/."""
     from pipeline.build_index.files import wait_for_index as wait
@@ -239,7 +241,7 @@ def build_shards_cmd(
     cfg = _config(config_path)
     if wait_for_index and not dry_run:
         wait(cfg, wait_timeout, poll_every)
-    result = build_shards(cfg, beam_args, dry_run=dry_run, detach=detach)
+    result = build_shards(cfg, beam_args, dry_run=dry_run, detach=detach, full=full)
     if dry_run:
         _print_plan({"build-shards": result}, cfg, corpus_chunks, corpus_documents)
     else:

@@ -16,7 +16,7 @@ from pydantic import AliasChoices, Field, ValidationError
 
 from schemas import __version__
 from schemas.arrow import SCHEMA_VERSION, check_schema_version
-from schemas.measures import ManifestModel, NeighbourRecall, PrecisionCheck, Recall, SearchDepth
+from schemas.measures import ManifestModel, NeighbourRecall, PrecisionCheck, Recall, SearchDepth, ShardsRefresh
 
 #: A copy of the newest commit's manifest, for people and outside tools, and where the trainer
 #: starts looking for the newest commit (its `commit` names it); an output from before commits
@@ -297,8 +297,7 @@ class ShardsManifest(_Committed):
         None, description="The index's newest generation when the neighbours were searched (None: none recorded)."
     )
     training_corpus: str = Field(
-        description="'same' (sequences packed from the index's own "
-        "chunks, seq s = chunks s*L ... s*L+L-1) or 'separate'."
+        description="'same' (sequences packed from the index's chunks, seq s = chunks s*L ... s*L+L-1) or 'separate'."
     )
     encoder_threads: int | None = ENCODER_THREADS
     embedding_precision: PrecisionCheck | None = PRECISION_CHECK
@@ -310,9 +309,7 @@ class ShardsManifest(_Committed):
     num_sequences: int
     shards: list[ShardEntry] = ENTRIES_IN_TABLE
     file_table: FileTable | None = FILE_TABLE_FIELD
-    neighbour_fill: float | None = Field(
-        None, description="Neighbour slots filled / all slots, counted in the shards written."
-    )
+    neighbour_fill: float | None = Field(None, description="Neighbour slots filled / all slots, counted in the shards.")
     neighbour_recall: NeighbourRecall | None = Field(
         None, description="The neighbour-quality check (None when neighbour_recall_sample is 0)."
     )
@@ -320,10 +317,11 @@ class ShardsManifest(_Committed):
         None, description="The search depth and how it was chosen (None: no sample, or an older manifest)."
     )
     overlap: dict[str, int] = Field(
-        description="Leakage audit, RETRO's chunk overlap r(C) = "
-        "longest common token run between a training chunk and its "
-        "neighbours / m: training chunks per threshold t, counting "
-        "those with r(C) <= t and above the threshold before."
+        description="Leakage audit, RETRO's chunk overlap r(C) = longest common token run between a training chunk and "
+        "its neighbours / m: training chunks per threshold t, counting those with r(C) <= t and above the one below."
+    )
+    refreshes: list[ShardsRefresh] = Field(
+        [], description="The refreshes since the shards were last built whole, oldest first (docs/design.md §8)."
     )
 
     def neighbour_summary(self) -> str:

@@ -1,6 +1,6 @@
 """What the manifests record as measured: the index's recall (`Recall`, its curve of
 `DepthRecall` points, `OwnDocumentRecall`), the embed stage's `PrecisionCheck`, and
-build-shards' `NeighbourRecall` and `SearchDepth`; with `ManifestModel`, the base of every
+build-shards' `NeighbourRecall`, `SearchDepth` and `ShardsRefresh`; with `ManifestModel`, the base of every
 manifest model (schemas/manifest.py holds the manifests themselves).
 """
 
@@ -151,3 +151,17 @@ class SearchDepth(ManifestModel):
         description="{depth, recall} measured, index depth first (recall as neighbour_recall measures it)."
     )
     plateau: bool = Field(description="Deepening stopped because two doublings of the depth gained less than 0.005.")
+
+
+class ShardsRefresh(ManifestModel):
+    """One refresh of the shards after their index changed: the shards it started from and what
+    it wrote (a shard whose rows did not change kept its file)."""
+
+    from_generation: int = Field(description="The index generation the refreshed shards were built from.")
+    to_generation: int = Field(description="The index generation they were brought up to.")
+    shards_manifest_sha256: str = Field(description="The sha256 of the shards manifest refreshed.")
+    rewritten: list[tuple[int, int]] = Field(
+        description="The shard numbers whose files this refresh wrote, as [first, last] runs."
+    )
+    kept: int = Field(description="Shards whose files it kept as they were.")
+    removed: int = Field(description="Shards it left out: every sequence in them was dropped.")

@@ -10,6 +10,7 @@ import logging
 import apache_beam as beam
 
 from pipeline.build_index.files import documents_read_tally, load_committed_index, rejected_tally
+from pipeline.build_shards.refresh import Refresh, RefreshPlan, RefreshShards, committed_refresh, refresh_record
 from pipeline.chunks.beam import ChunkDocuments, ReadParquetFiles
 from pipeline.chunks.chunk_files import (
     EMBEDDINGS_DIR,
@@ -53,7 +54,7 @@ from pipeline.shards.rows import overlap_histogram, overlap_tally
 from pipeline.shards.write import WriteShards
 from schemas.config import PipelineConfig
 from schemas.manifest import CREATED_BY, ShardsManifest
-from schemas.measures import NeighbourRecall, SearchDepth
+from schemas.measures import NeighbourRecall, SearchDepth, ShardsRefresh
 
 log = logging.getLogger("ratrain")
 
@@ -81,9 +82,17 @@ def _row_tally(batch, m: int, pad_id: int):
     yield from overlap_tally(batch, m, pad_id)
 
 
+def _refreshes(refresh: Refresh | None = None, written=(), unchanged=(), *, index) -> list[ShardsRefresh]:
+    """The manifest's refreshes: none after a full build, else the refreshed shards' and this one."""
+    if refresh is None:
+        return []
+    return [*refresh.previous.refreshes, refresh_record(refresh, list(written), list(unchanged), index.generation)]
+
+
 def _shards_manifest(
     entries,
     *,
+    refreshes: list[ShardsRefresh],
     tallies,
     recall,
     search_depth: SearchDepth,
@@ -118,16 +127,19 @@ def _shards_manifest(
         neighbour_recall=None if recall is None else NeighbourRecall(**recall),
         search_depth=search_depth if search_depth.curve else None,
         overlap=overlap_histogram(counters),
+        refreshes=refreshes,
         counters=dict(sorted(counters.items())),
         created_by=CREATED_BY,
     )
 
 
 def build_shards(
-    cfg: PipelineConfig, beam_args: list[str], dry_run: bool = False, detach: bool = False
+    cfg: PipelineConfig, beam_args: list[str], dry_run: bool = False, detach: bool = False, full: bool = False
 ) -> ShardsManifest | Submitted | dict:
     """Stages 4-5: training sequences + retrieved neighbours -> Arrow shards, committed.
-    dry_run, detach: as for `build_index` (a dry run needs no committed index).
+    dry_run, detach: as for `build_index` (a dry run needs no committed index). Shards of this
+    config built from an earlier generation of the index are refreshed from what changed
+    (`pipeline.build_shards.refresh`) unless `full`.
 
     A job that fails because the runner lost shuffle data committed nothing; it runs once
     more, from fresh staging, and says so, and a second loss fails the stage. (Beam 2.77's
@@ -135,7 +147,7 @@ def build_shards(
     `pipeline_options` turns off: `options.no_timed_flush_on_local_runner`. The check and
     the retry stay, for any runner.)"""
     try:
-        return _build_shards(cfg, beam_args, dry_run, detach)
+        return _build_shards(cfg, beam_args, dry_run, detach, full)
     except Exception as err:  # the runner reraises the worker's error wrapped in its own type
         if dry_run or detach or LOST_DATA not in str(err):
             raise
@@ -143,27 +155,11 @@ def build_shards(
             "build-shards: the runner lost shuffle data (%s); nothing was committed, so the stage runs once more",
             str(err).strip().splitlines()[-1][:300],
         )
-        return _build_shards(cfg, beam_args, dry_run, detach)
-
-
-def _say_what_changed(cfg: PipelineConfig, index: CommittedIndex) -> None:
-    """Shards of this config committed from an earlier generation of the index: what the
-    generations since added and deleted, as every shard is built again."""
-    previous = fileio.committed(shards_dir(cfg), ShardsManifest)
-    if previous is None or previous.config_hash != cfg.shards_hash():
-        return
-    change = index.change_since(previous.index_generation, previous.index_manifest_sha256)
-    if change is not None:
-        log.info(
-            "build-shards: the shards were built from generation %d of the index, which has changed since (%s): "
-            "every shard is built again",
-            change.since,
-            change,
-        )
+        return _build_shards(cfg, beam_args, dry_run, detach, full)
 
 
 def _build_shards(
-    cfg: PipelineConfig, beam_args: list[str], dry_run: bool, detach: bool
+    cfg: PipelineConfig, beam_args: list[str], dry_run: bool, detach: bool, full: bool
 ) -> ShardsManifest | Submitted | dict:
     index: CommittedIndex | None = None
     try:
@@ -174,8 +170,7 @@ def _build_shards(
     except StageError:
         if not dry_run:
             raise
-    if index is not None and not dry_run:
-        _say_what_changed(cfg, index)
+    refresh = committed_refresh(shards_dir(cfg), index, cfg, full) if index is not None and not dry_run else None
     tok = Tokenization.of(cfg)
     job = Job(
         "build-shards",
@@ -189,8 +184,12 @@ def _build_shards(
         detach=detach,
         max_rejected_fraction=cfg.max_rejected_fraction,
         keep_commits=cfg.keep_commits,
-        # a change of the index committed while this job runs fails it, rather than mixing generations
-        reads=() if index is None else ((index.directory, index.manifest_sha256),),
+        # a change of the index (or of the shards refreshed) committed while this job runs fails
+        # it, rather than mixing generations
+        reads=(
+            (() if index is None else ((index.directory, index.manifest_sha256),))
+            + (() if refresh is None else ((shards_dir(cfg), refresh.previous_sha256),))
+        ),
         # over its own chunk database nothing it shuffles has a registered coder (decontamination's
         # does), so Beam's type inference would only cost time
         type_check=cfg.training_corpus != "same",
@@ -210,41 +209,6 @@ def _build_shards(
         if index is not None:
             database_chunks = CommittedFiles(idx, index.manifest_sha256, "chunks")
             database_embeddings = CommittedFiles(idx, index.manifest_sha256, EMBEDDINGS_DIR)
-        if cfg.training_corpus == "same":
-            # a deleted document's chunks are in no sequence: the sequences they would be in are not made
-            training_chunks = (
-                pipeline
-                | "ReadChunkDatabase"
-                >> ReadParquetFiles(database_chunks, columns=list(TRAINING_COLUMNS), validate=not dry_run)
-                # packed from each chunk's first token: the rows' assembly reads the tokens again
-                | "TrainingChunks" >> beam.Map(lambda batch: TrainingChunks.of(batch, deleted.ranges()).heads())
-            )
-            spans = training_chunks | "DocumentSpans" >> SpansOfTrainingChunks()
-            queries = None  # the search reads them from the database's embedding files
-            # nothing is read that could be rejected, nothing is embedded: no steps for them
-            rejected, precision, read_tallies = None, None, ()
-        else:
-            corpus = pipeline | "ReadTrainingCorpus" >> ReadCorpusKeptClean(cfg, "training", match=not dry_run)
-            chunks, unusable = corpus.documents | "ChunkTrainingDocuments" >> ChunkDocuments(tok.path, m, tok.pad_id)
-            from pipeline.embed.beam import EmbedChunks
-
-            threads = encoder_threads(cfg.embedding.cpu_threads, cfg.embedding.device, pipeline.options)
-            training_chunks = (
-                chunks
-                | "BatchChunks" >> beam.BatchElements(max_batch_size=CHUNKS_PER_BLOCK)
-                | "ChunkBlocks" >> beam.Map(TrainingChunks.of_chunks)
-            )
-            embedded, precision_used = chunks | "EmbedTrainingChunks" >> EmbedChunks(cfg.embedding, tok.path, threads)
-            queries = embedded | "QueryBlocks" >> beam.Map(lambda group: QueryBlock(group.chunk_ids, group.vectors))
-            rejected = (corpus.rejected, unusable) | "MergeRejected" >> beam.Flatten()
-            read_tallies = (
-                *documents_read_tally(corpus.documents, rejected, "Training"),
-                corpus.tallies,
-                rejected_tally(rejected, "TallyRejected"),
-            )
-            precision = beam.pvalue.AsSingleton(precision_used)
-            spans = pipeline | "DocumentSpans" >> DocumentSpans(database_chunks, validate=not dry_run)
-        sequences = training_chunks | "PackSequences" >> PackSequences(L, tok.pad_id)
         # a dry run without a committed index builds the graph of one index file
         index_path, routing = index.searched() if index is not None else (fileio.join(idx, "faiss", INDEX_FILE), None)
         spec = Retrieval(
@@ -265,32 +229,97 @@ def _build_shards(
             deleted=deleted if deleted else None,
             tokens_from_chunk_files=cfg.training_corpus == "same",
         )
-        inputs = (sequences, spans) if queries is None else (sequences, queries, spans)
-        retrieved = inputs | "RetrieveNeighbours" >> RetrieveNeighbours(
-            spec, cfg.rows_per_shard(), cfg.index.min_ram, validate=not dry_run
-        )
-        rows = retrieved.rows | "ShardProgress" >> ReportProgress(
-            "retrieve", "sequences", lambda batch: len(batch.rows)
-        )
-        shard_files = rows | "WriteShards" >> WriteShards(staging, cfg.rows_per_shard(), tok.pad_id)
+        retrieve = RetrieveNeighbours(spec, cfg.rows_per_shard(), cfg.index.min_ram, validate=not dry_run)
+        # nothing is read that could be rejected, nothing is embedded: no steps for them
+        rejected, precision, read_tallies, unchanged = None, None, (), None
+        if refresh is not None:
+            plan = RefreshPlan(
+                shards_directory=shards_dir(cfg),
+                shards_manifest_sha256=refresh.previous_sha256,
+                chunk_files=chunk_files,
+                deleted=deleted,
+                new_chunks=refresh.change.new_chunks,
+                chunks_per_seq=L,
+                chunk_tokens=m,
+                pad_id=tok.pad_id,
+                shard_rows=cfg.rows_per_shard(),
+            )
+            spans = pipeline | "DocumentSpans" >> DocumentSpans(database_chunks)
+            refreshed = spans | "RefreshShards" >> RefreshShards(plan, retrieve)
+            retrieved, to_write, every_row, unchanged = (
+                refreshed.retrieved,
+                refreshed.rows,
+                refreshed.every_row,
+                refreshed.unchanged,
+            )
+            chunk_tallies = refreshed.tallies
+        else:
+            if cfg.training_corpus == "same":
+                # a deleted document's chunks are in no sequence: the sequences they would be in are not made
+                training_chunks = (
+                    pipeline
+                    | "ReadChunkDatabase"
+                    >> ReadParquetFiles(database_chunks, columns=list(TRAINING_COLUMNS), validate=not dry_run)
+                    # packed from each chunk's first token: the rows' assembly reads the tokens again
+                    | "TrainingChunks" >> beam.Map(lambda batch: TrainingChunks.of(batch, deleted.ranges()).heads())
+                )
+                spans = training_chunks | "DocumentSpans" >> SpansOfTrainingChunks()
+                queries = None  # the search reads them from the database's embedding files
+            else:
+                corpus = pipeline | "ReadTrainingCorpus" >> ReadCorpusKeptClean(cfg, "training", match=not dry_run)
+                chunks, unusable = corpus.documents | "ChunkTrainingDocuments" >> ChunkDocuments(
+                    tok.path, m, tok.pad_id
+                )
+                from pipeline.embed.beam import EmbedChunks
+
+                threads = encoder_threads(cfg.embedding.cpu_threads, cfg.embedding.device, pipeline.options)
+                training_chunks = (
+                    chunks
+                    | "BatchChunks" >> beam.BatchElements(max_batch_size=CHUNKS_PER_BLOCK)
+                    | "ChunkBlocks" >> beam.Map(TrainingChunks.of_chunks)
+                )
+                embedded, precision_used = chunks | "EmbedTrainingChunks" >> EmbedChunks(
+                    cfg.embedding, tok.path, threads
+                )
+                queries = embedded | "QueryBlocks" >> beam.Map(lambda group: QueryBlock(group.chunk_ids, group.vectors))
+                rejected = (corpus.rejected, unusable) | "MergeRejected" >> beam.Flatten()
+                read_tallies = (
+                    *documents_read_tally(corpus.documents, rejected, "Training"),
+                    corpus.tallies,
+                    rejected_tally(rejected, "TallyRejected"),
+                )
+                precision = beam.pvalue.AsSingleton(precision_used)
+                spans = pipeline | "DocumentSpans" >> DocumentSpans(database_chunks, validate=not dry_run)
+            sequences = training_chunks | "PackSequences" >> PackSequences(L, tok.pad_id)
+            inputs = (sequences, spans) if queries is None else (sequences, queries, spans)
+            retrieved = inputs | "RetrieveNeighbours" >> retrieve
+            to_write = every_row = retrieved.rows
+            chunk_tallies = counted("training_chunks", training_chunks, len)
+        rows = to_write | "ShardProgress" >> ReportProgress("retrieve", "sequences", lambda batch: len(batch.rows))
+        written = rows | "WriteShards" >> WriteShards(staging, cfg.rows_per_shard(), tok.pad_id)
+        shard_files = written if unchanged is None else (written, unchanged) | "EveryShard" >> beam.Flatten()
         rejected_files = (
             ()
             if rejected is None
             else (rejected | "WriteRejected" >> WriteRejected(fileio.join(staging, REJECTED_STAGING), "build-shards"),)
         )
-        recall = (retrieved.probes, retrieved.truth, rows) | "MeasureNeighbourRecall" >> MeasureNeighbourRecall(k)
+        recall = (retrieved.probes, retrieved.truth, every_row) | "MeasureNeighbourRecall" >> MeasureNeighbourRecall(k)
         tallies = (
             *read_tallies,
             retrieved.tallies,
-            counted("training_chunks", training_chunks, len),
-            rows | "TallyRows" >> beam.FlatMap(_row_tally, m, tok.pad_id),
+            chunk_tallies,
+            every_row | "TallyRows" >> beam.FlatMap(_row_tally, m, tok.pad_id),
         ) | "Tallies" >> Tally()
+        refreshes: tuple = ()
+        if refresh is not None and unchanged is not None:  # both or neither
+            refreshes = (refresh, beam.pvalue.AsList(written), beam.pvalue.AsList(unchanged))
         manifest = (
             pipeline
             | "Once" >> beam.Create([None])  # the manifest is made once, when every side input is complete
             | "ShardsManifest"
             >> beam.Map(
-                lambda _, **facts: _shards_manifest(**facts),
+                lambda _, *refreshed, **facts: _shards_manifest(refreshes=_refreshes(*refreshed, index=index), **facts),
+                *refreshes,
                 entries=beam.pvalue.AsList(shard_files),
                 tallies=beam.pvalue.AsDict(tallies),
                 recall=beam.pvalue.AsSingleton(recall),

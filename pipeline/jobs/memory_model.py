@@ -22,6 +22,7 @@ from pipeline.index.factory import (
 from pipeline.index.files import READ_BATCH
 from pipeline.index.slices import vectors_per_slice
 from pipeline.jobs.memory_training import training_steps
+from pipeline.retrieve.refresh import QUERY_BLOCK, NewVectors
 from pipeline.retrieve.search import CANDIDATE, SEQUENCES_PER_SEARCH
 from schemas.backends import get_backend
 from schemas.config import PipelineConfig
@@ -257,6 +258,7 @@ def stage_memory(cfg: PipelineConfig, corpus: Corpus, dim: int = 384) -> list[di
             [],
         ),
     ]
+    stages.append(_refresh_step(cfg, C, dim, shard_row))
     out = []
     for name, terms, growing in stages:
         total = SDK_PROCESS + sum(terms.values())
@@ -269,6 +271,35 @@ def stage_memory(cfg: PipelineConfig, corpus: Corpus, dim: int = 384) -> list[di
             }
         )
     return out
+
+
+def _refresh_step(cfg: PipelineConfig, chunks: float, dim: int, shard_row: int) -> tuple:
+    """A refresh's shards of one chunk file, after an append of APPEND_SHARE (`_RefreshShards`):
+    the new vectors held whole (they grow with the change; a change beyond index.memory_budget
+    is built whole instead), the file's chunks and embeddings,
+    one shard's rows as stored and refreshed, the refreshed commit's shard entries (they grow
+    with the shards), and its queries' exact search among the new vectors, a block at a time."""
+    m, rows, R = cfg.chunk_tokens, cfg.chunk_file_rows, cfg.rows_per_shard()
+    queries = R * cfg.sequence_tokens // m
+    shards = math.ceil(chunks / (queries or 1))
+    new = (
+        f"the new vectors' embeddings and slot values (an append of {APPEND_SHARE:.0%} of the corpus; at most "
+        "index.memory_budget: a larger change is built whole)"
+    )
+    return (
+        "build-shards: refresh one chunk file's shards",
+        {
+            new: min(NewVectors.held_bytes(int(APPEND_SHARE * chunks), dim, m), cfg.index.memory_budget),
+            f"the chunk file's {rows:,} doc ids and tokens, and its embeddings": rows * (8 + m * 4 + dim * 4) * 2,
+            f"one shard's {R:,} rows, stored and refreshed": 2 * R * shard_row,
+            f"the refreshed commit's {shards:,} shard entries": shards * FILE_ENTRY,
+            # faiss's flat search scores blocks of at most 4,096 queries x 1,024 vectors
+            f"its {queries:,} queries, {QUERY_BLOCK:,} at a time searched among the new vectors": (
+                queries * dim * 4 + min(QUERY_BLOCK, 4096) * 1024 * 4
+            ),
+        },
+        [0, 3],  # the new vectors up to the budget
+    )
 
 
 def _candidate_step(cfg: PipelineConfig) -> list[tuple]:

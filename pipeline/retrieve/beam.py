@@ -27,13 +27,13 @@ from pipeline.chunks.deleted import DeletedFiles
 from pipeline.common.arrays import positions_of, widest_span
 from pipeline.index.exact import truth_depth
 from pipeline.retrieve.depth import tune_retrieval_depth
+from pipeline.retrieve.file_tokens import FileTokens
 from pipeline.retrieve.recall import ExactTruth, SmallestProbes
 from pipeline.retrieve.search import (
     CANDIDATE,
     LOST_DATA,
     PICK,
     SEQUENCES_PER_SEARCH,
-    FileTokens,
     NeighbourBlock,
     QueryBlock,
     Records,
@@ -123,6 +123,10 @@ class SpansOfTrainingChunks(beam.PTransform):
             | "SpansInBlock" >> beam.FlatMap(lambda b: document_spans(b.chunk_id, b.doc_id))
             | "WidestSpan" >> beam.CombinePerKey(widest_span)
         )
+
+
+def _by_search_batch(sequences: SequenceBatch):
+    return search_batch_of(sequences.sequences[0].seq_id), sequences
 
 
 def _by_first_file(keyed, chunk_files, chunks_per_seq: int):
@@ -274,24 +278,44 @@ class RetrieveNeighbours(beam.PTransform):
         self.spec, self.validate, self.shard_rows = spec, validate, shard_rows
 
     def expand(self, inputs):
-        # (sequences, spans): the training chunks are the database's, their embeddings in its files
-        sequences, embeddings, doc_spans = inputs if len(inputs) == 3 else (inputs[0], None, inputs[1])
+        # (sequences, spans): the training chunks are the database's, their embeddings in its files;
+        # a refresh's dict adds "probed": sequences not searched, only offered to the probe sample,
+        # and "searched_chunks": SearchedChunks per search batch, narrowing some sequences' search
+        if isinstance(inputs, dict):
+            sequences, embeddings, doc_spans, probed = inputs["sequences"], None, inputs["spans"], inputs["probed"]
+            narrowed = inputs["searched_chunks"]
+        else:
+            sequences, embeddings, doc_spans = inputs if len(inputs) == 3 else (inputs[0], None, inputs[1])
+            probed = narrowed = None
         spec = self.spec
         L, files = spec.chunks_per_seq, spec.chunk_files
-        by_batch = sequences | "BySearchBatch" >> beam.Map(lambda b: (search_batch_of(b.sequences[0].seq_id), b))
+        by_batch = sequences | "BySearchBatch" >> beam.Map(_by_search_batch)
+        sampled = by_batch  # the probes are sampled from every sequence the shards hold
+        if probed is not None:
+            sampled = (by_batch, probed | "ProbedBySearchBatch" >> beam.Map(_by_search_batch)) | beam.Flatten()
         excluded = (
-            {"span": doc_spans, "batch": by_batch | "BatchDocuments" >> beam.FlatMap(batch_documents)}
+            {"span": doc_spans, "batch": sampled | "BatchDocuments" >> beam.FlatMap(batch_documents)}
             | "JoinDocumentSpans" >> beam.CoGroupByKey()
             | "ExcludedRanges" >> beam.FlatMap(excluded_ranges)
         )
         if embeddings is None:  # the training chunks are the database's: their rows are in its embedding files
-            by_file = {
-                "sequences": by_batch | "SequencesByFile" >> beam.Map(_by_first_file, files, L),
-                "excluded": excluded | "RangesByFile" >> beam.Map(_by_first_file, files, L),
-            } | "JoinByEmbeddingFile" >> beam.CoGroupByKey()
+
+            def by_file(batches, prefix: str = "", narrowed=None):
+                joined = {
+                    "sequences": batches | f"{prefix}SequencesByFile" >> beam.Map(_by_first_file, files, L),
+                    "excluded": excluded | f"{prefix}RangesByFile" >> beam.Map(_by_first_file, files, L),
+                }
+                if narrowed is not None:
+                    keyed = narrowed | "NarrowedBySearchBatch" >> beam.Map(lambda c: (search_batch_of(c.seq_ids[0]), c))
+                    joined["searched_chunks"] = keyed | "NarrowedByFile" >> beam.Map(_by_first_file, files, L)
+                return joined | f"{prefix}JoinByEmbeddingFile" >> beam.CoGroupByKey()
+
+            searched_by_file = by_file(by_batch, narrowed=narrowed)
+            sampled_by_file = searched_by_file if probed is None else by_file(sampled, "Probed")
 
             def joined_for(step: str):  # each file read where its batches are used: no query is shuffled
-                return by_file | f"{step}Queries" >> beam.FlatMap(with_file_queries, files, L)
+                joined = sampled_by_file if step == "Probe" else searched_by_file
+                return joined | f"{step}Queries" >> beam.FlatMap(with_file_queries, files, L)
 
         else:
             joined_queries = {

@@ -33,8 +33,8 @@ from pipeline.common.models import fingerprint_path, resolve_model, resolve_toke
 from pipeline.index.search import search_each_excluding
 from pipeline.retrieve.committed import read_committed_index
 from pipeline.retrieve.depth import load_searched, search_slices
+from pipeline.retrieve.file_tokens import FileTokens
 from pipeline.retrieve.search import (
-    FileTokens,
     candidate_rows,
     check_in_database,
     picks_of,

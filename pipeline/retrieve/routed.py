@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from pipeline.index.routing import assign_lists, merge_hits, route, search_assigned, selector_groups
-from pipeline.retrieve.search import LOST_DATA, batch_queries, candidate_rows
+from pipeline.retrieve.search import LOST_DATA, batch_queries, candidate_rows, searched_rows
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,7 @@ class BatchQueries:
     seq_ids: np.ndarray  # [s] the batch's sequences, in seq id order
     queries: np.ndarray  # [s·L, d] float32; row r is chunk r % L of sequence r // L
     excluded: list[tuple]  # [s] each sequence's excluded chunk-id ranges (merged)
+    rows: np.ndarray  # the rows searched (`searched_rows`: all, unless a refresh narrows them)
 
 
 def batch_of(keyed, chunks_per_seq: int) -> BatchQueries:
@@ -39,7 +40,8 @@ def batch_of(keyed, chunks_per_seq: int) -> BatchQueries:
         excluded.append(tuple(ranges))
     dim = queries[0].shape[1] if queries else 0
     stacked = np.concatenate(queries).astype(np.float32) if queries else np.zeros((0, dim), np.float32)
-    return BatchQueries(batch, np.array(seq_ids, np.int64), stacked, excluded)
+    ids = np.array(seq_ids, np.int64)
+    return BatchQueries(batch, ids, stacked, excluded, searched_rows(keyed[1], ids, chunks_per_seq))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,12 +109,12 @@ def route_rows(
 
 
 def first_round(batch: BatchQueries, *, depth: int, width: int, quantized, owner, chunks_per_seq: int):
-    """Every query of a batch routed at the tuned depth: (RoutedBatch, [SliceQueries])."""
+    """Every query of a batch it searches routed at the tuned depth: (RoutedBatch, [SliceQueries])."""
     n = len(batch.queries)
     state = RoutedBatch(
         queries=batch,
         depth=depth,
-        rows=np.arange(n),
+        rows=batch.rows,
         sent=(),
         scores=np.full((n, width), np.finfo(np.float32).min, np.float32),
         ids=np.full((n, width), -1, np.int64),

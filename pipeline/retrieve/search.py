@@ -6,7 +6,6 @@ turn and the search depth tuned on sampled training chunks are in `depth`.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -141,43 +140,6 @@ def _neighbour_block(picks: bytes, dtype: str, values: bytes, width: int) -> Nei
     return NeighbourBlock(np.frombuffer(picks, PICK).copy(), widened_tokens(dtype, values).reshape(-1, width))
 
 
-def token_key(tokens: np.ndarray) -> int:
-    """A 63-bit hash of a chunk's tokens, equal for equal tokens."""
-    return (
-        int.from_bytes(
-            hashlib.blake2b(np.ascontiguousarray(tokens, np.int32).tobytes(), digest_size=8).digest(), "little"
-        )
-        >> 1
-    )
-
-
-class FileTokens:
-    """One chunk file's token columns, read once, and what its rows give the search: the token
-    hash deduplication compares (each row hashed once) and a neighbour slot's value."""
-
-    def __init__(self, chunk_files, number: int, continuation: bool):
-        columns = chunk_files.read(number, ["tokens", "continuation"] if continuation else ["tokens"])
-        self.start = chunk_files.starts[number]
-        self.tokens, self.continuation = columns["tokens"], columns.get("continuation")
-        self._keys = np.full(len(self.tokens), -1, np.int64)  # token_key is never negative
-
-    def with_token_keys(self, hits: np.ndarray) -> np.ndarray:
-        """A copy of CANDIDATE `hits` (all in this file) with each chunk's token_key."""
-        hits = hits.copy()
-        local = hits["chunk_id"] - self.start
-        new = np.unique(local[self._keys[local] < 0])  # a chunk is hit by many queries
-        self._keys[new] = [token_key(self.tokens[r]) for r in new]
-        hits["token_key"] = self._keys[local]
-        return hits
-
-    def values(self, chunk_ids: np.ndarray) -> np.ndarray:
-        """What a neighbour slot holds for each of `chunk_ids` (all in this file): the chunk's
-        tokens + its continuation, int32 [len(chunk_ids), 2m]."""
-        assert self.continuation is not None, "read with continuation=True"
-        local = np.asarray(chunk_ids, np.int64) - self.start
-        return np.concatenate([self.tokens[local], self.continuation[local]], axis=1).astype(np.int32)
-
-
 @dataclass(frozen=True)
 class Routing:
     """An index in slices by inverted lists (slice-NNNNN.faiss, 0 … slices-1, beside the files
@@ -244,7 +206,7 @@ def excluded_ranges(keyed):
     excludes nothing), so every sequence can check that each of its documents answered."""
     doc_id, grouped = keyed
     spans = list(grouped["span"])
-    for batch in grouped["batch"]:
+    for batch in set(grouped["batch"]):  # a batch's sequences may come in more than one element
         yield batch, (doc_id, spans[0] if spans else None)
 
 
@@ -295,6 +257,31 @@ class FileQueries:
         return QueryBlock(chunk_ids, vectors)
 
 
+@dataclass(frozen=True)
+class SearchedChunks:
+    """Which chunks of some sequences their search batch searches (a refresh's: the chunks that
+    lost a stored neighbour); a sequence without one has all its chunks searched."""
+
+    seq_ids: np.ndarray  # int64 [s], ascending
+    chunks: np.ndarray  # bool [s, L]
+
+    def in_shards(self, shard_rows: int):
+        """-> (shard, the entries of its sequences) per shard these fall in."""
+        for shard, at in groups(self.seq_ids // shard_rows):
+            yield shard, SearchedChunks(self.seq_ids[at], self.chunks[at])
+
+
+def searched_rows(grouped, seq_ids: np.ndarray, L: int) -> np.ndarray:
+    """The query rows a joined search batch searches (row r: chunk r % L of sequence
+    `seq_ids[r // L]`, ascending): all of them, but where its "searched_chunks"
+    (SearchedChunks) narrow a sequence to some of its chunks."""
+    searched = np.ones((len(seq_ids), L), bool)
+    for part in grouped.get("searched_chunks", ()):
+        at, present = positions_of(seq_ids, part.seq_ids)
+        searched[at[present]] = part.chunks[present]
+    return np.flatnonzero(searched.ravel())
+
+
 def with_file_queries(keyed, chunk_files, chunks_per_seq: int):
     """(embedding file, the (search batch, SequenceBatch) and (search batch, (doc_id, span))
     of the batches whose first chunk it holds) -> each batch, in batch order, as a join with
@@ -303,9 +290,10 @@ def with_file_queries(keyed, chunk_files, chunks_per_seq: int):
     its edge)."""
     _, grouped = keyed
     batches: dict[int, dict[str, list]] = {}
-    for name in ("sequences", "excluded"):
-        for batch, value in grouped[name]:
-            batches.setdefault(batch, {"sequences": [], "excluded": []})[name].append(value)
+    names = ("sequences", "excluded", "searched_chunks")
+    for name in names:
+        for batch, value in grouped.get(name, ()):
+            batches.setdefault(batch, {name: [] for name in names})[name].append(value)
     queries = FileQueries(chunk_files)
     for batch in sorted(batches):
         joined = batches.pop(batch)
@@ -359,21 +347,26 @@ def batch_probes(keyed, spec: Retrieval) -> list[Probe]:
 
 def search_batch(index, grouped, spec: Retrieval):
     """One search batch (sequences, their query embeddings, their excluded chunk-id ranges) ->
-    (sequences, CANDIDATE hits with the best `width` per query outside the ranges, seq ids
-    whose search went deeper, queries searched again alone): one batched search for all its
-    queries (`search_each_excluding`)."""
+    (sequences, queries searched, CANDIDATE hits with the best `width` per query outside the
+    ranges, seq ids whose search went deeper, queries searched again alone): one batched search
+    for the queries it searches (`searched_rows`; `search_each_excluding`)."""
     L = spec.chunks_per_seq
     width = spec.candidates if spec.dedupe else spec.neighbours
     batch = list(batch_queries(grouped, L))
     if not batch:
-        return [], np.zeros(0, CANDIDATE), set(), 0
+        return [], 0, np.zeros(0, CANDIDATE), set(), 0
     sequences = [s for s, _, _ in batch]
     seq_ids = np.array([s.seq_id for s in sequences], np.int64)
-    found = search_each_excluding(
-        index, np.concatenate([queries for _, queries, _ in batch]), width, [r for _, _, r in batch for _ in range(L)]
-    )  # rows: sequence after sequence, L each
-    deeper_seqs = set(seq_ids[found.deeper.reshape(-1, L).any(axis=1)].tolist())
-    return sequences, candidate_rows(seq_ids, found.scores, found.ids, L), deeper_seqs, int(found.searched_alone.sum())
+    queries = np.concatenate([queries for _, queries, _ in batch])  # rows: sequence after sequence, L each
+    excluded = [r for _, _, r in batch for _ in range(L)]
+    rows = searched_rows(grouped, seq_ids, L)
+    found = search_each_excluding(index, queries[rows], width, [excluded[r] for r in rows.tolist()])
+    scores = np.full((len(queries), width), -np.inf, np.float32)
+    ids = np.full((len(queries), width), -1, np.int64)  # a row not searched has no hits
+    scores[rows], ids[rows] = found.scores, found.ids
+    deeper_seqs = set(seq_ids[rows[found.deeper] // L].tolist())
+    hits = candidate_rows(seq_ids, scores, ids, L)
+    return sequences, len(rows), hits, deeper_seqs, int(found.searched_alone.sum())
 
 
 def candidate_rows(seq_ids: np.ndarray, scores: np.ndarray, ids: np.ndarray, chunks_per_seq: int) -> np.ndarray:

@@ -48,15 +48,18 @@ SENT = "sent"  # tagged output: (search batch, SentCounts: what each sequence se
 TALLY = "tally"  # tagged output: (name, count) pairs, counted as data (pipeline.common.tally)
 
 
-def emit_hits(spec: Retrieval, batch: int, *, seq_ids: list[int], hits: np.ndarray, deeper_seqs, searched_alone: int):
+def emit_hits(
+    spec: Retrieval, batch: int, *, seq_ids: list[int], queries: int, hits: np.ndarray, deeper_seqs, searched_alone: int
+):
     """What a searched batch sends on: tallies, the count each of its sequences will receive
     (one `SentCounts`, keyed by the batch), and the hits in blocks keyed by the chunk file
     holding them: the k neighbours as PICK rows, or (deduplicating) the CANDIDATE rows.
+    `queries`: the query rows searched (all L of each sequence, unless a refresh narrowed them).
     `searched_alone`: queries the batched search left short (0 for a routed search, which
     excludes inside each slice's search)."""
     check_in_database(hits, spec.chunk_files.num_chunks)
     L = spec.chunks_per_seq
-    yield beam.pvalue.TaggedOutput(TALLY, ("queries", len(seq_ids) * L))
+    yield beam.pvalue.TaggedOutput(TALLY, ("queries", queries))
     yield beam.pvalue.TaggedOutput(TALLY, ("queries_searched_deeper", len(deeper_seqs) * L))
     yield beam.pvalue.TaggedOutput(TALLY, ("queries_searched_alone", searched_alone))
     yield beam.pvalue.TaggedOutput(SENT, (batch, SentCounts.of(seq_ids, hits)))
@@ -96,12 +99,13 @@ class _Search(beam.DoFn):
         _, grouped = keyed
         assert self.spec.index_path is not None  # one index file (__post_init__ allows nothing else here)
         index = _loaded_index(self._shared_index, self.spec.index_path, tuned.depth, self.spec.chunk_files).index
-        sequences, hits, deeper, alone = search_batch(index, grouped, self.spec)
+        sequences, queries, hits, deeper, alone = search_batch(index, grouped, self.spec)
         if sequences:  # none: only the embeddings of chunks left over after the last sequence
             yield from emit_hits(
                 self.spec,
                 keyed[0],
                 seq_ids=[s.seq_id for s in sequences],
+                queries=queries,
                 hits=hits,
                 deeper_seqs=deeper,
                 searched_alone=alone,
@@ -199,6 +203,7 @@ class _MergeRound(beam.DoFn):
                 self.spec,
                 batch,
                 seq_ids=state.queries.seq_ids.tolist(),
+                queries=len(state.queries.rows),
                 hits=hits_of(state, L),
                 deeper_seqs=state.deeper,
                 searched_alone=0,

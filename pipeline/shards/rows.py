@@ -13,7 +13,8 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from schemas.shard_columns import ShardDims
+from schemas.arrow import shard_column
+from schemas.shard_columns import ShardDims, array_columns
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,18 @@ class ShardRow:
         """n, m and k as this row's arrays hold them."""
         _, k, width = self.neighbours.shape
         return ShardDims(n=len(self.tokens) - 1, m=width // 2, k=k)
+
+
+def rows_of_table(table) -> list[ShardRow]:
+    """A shard's table (`schemas.arrow.read_shard_table`) -> its rows, in file order: what a
+    refresh starts from."""
+    arrays = {column.name: shard_column(table, column.name) for column in array_columns()}
+    doc_ids = table.column("doc_ids").to_pylist()
+    seq_ids = arrays.pop("seq_id").tolist()
+    return [
+        ShardRow(seq_id=seq_id, **{name: values[i] for name, values in arrays.items()}, doc_ids=tuple(doc_ids[i]))
+        for i, seq_id in enumerate(seq_ids)
+    ]
 
 
 @dataclass(frozen=True)

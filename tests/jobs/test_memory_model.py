@@ -104,6 +104,7 @@ def test_chunk_files_rows_bound_the_steps_that_hold_one_file():
         "index: fill one embeddings file",
         "build-shards: search",  # over its own chunks: the embeddings file its queries come from
         "build-shards: join one chunk file",
+        "build-shards: refresh one chunk file's shards",  # the chunk and embedding files of its shards
     }
 
 

@@ -24,6 +24,7 @@ from pipeline.retrieve.beam import (
     RetrieveNeighbours,
     SpansOfTrainingChunks,
 )
+from pipeline.retrieve.file_tokens import token_key
 from pipeline.retrieve.routed import BatchQueries, RoutedBatch, SliceFound, SliceQueries, merge_round
 from pipeline.retrieve.search import (
     CANDIDATE,
@@ -36,7 +37,6 @@ from pipeline.retrieve.search import (
     Retrieval,
     batch_queries,
     select_distinct,
-    token_key,
 )
 from pipeline.retrieve.sequences import batch_parts, document_spans, pack_batch, pack_sequence
 from pipeline.shards.rows import Sequence, SequenceBatch
@@ -438,7 +438,7 @@ def test_a_sequence_whose_documents_did_not_all_answer_fails_rather_than_search_
 
 
 def _routed_batch(rows: int, width: int, sent: tuple[int, ...]) -> RoutedBatch:
-    queries = BatchQueries(7, np.array([3]), np.zeros((rows, 4), np.float32), [()])
+    queries = BatchQueries(7, np.array([3]), np.zeros((rows, 4), np.float32), [()], np.arange(rows))
     empty = np.full((rows, width), np.finfo(np.float32).min, np.float32)
     return RoutedBatch(
         queries=queries, depth=1, rows=np.arange(rows), sent=sent, scores=empty, ids=np.full((rows, width), -1)

@@ -1,0 +1,309 @@
+"""build-shards' refresh: shards brought up to date with an index that changed since they were
+built, from what changed (`pipeline.retrieve.refresh` says how, per shard), in the same job
+and commit as a full build.
+
+Each shard is refreshed where its first chunk's file is read: shards are grouped by that file,
+so a process reads a chunk file (and, with new vectors, its embedding file) about once. The
+stored rows that stay go on as they are; the sequences that must be searched go through
+`RetrieveNeighbours` as a full build's do, with every kept sequence offered to its probe sample,
+so the probes, the depth tuned on them and the recall measured are a full build's. A changed
+shard's kept and searched rows meet by shard and are written; a shard none of whose rows
+changed keeps its file and its entry.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+import apache_beam as beam
+import numpy as np
+
+from pipeline.chunks.chunk_files import CommittedChunkFiles, TrainingChunks
+from pipeline.chunks.deleted import DeletedFiles
+from pipeline.common import fileio
+from pipeline.common.arrays import groups
+from pipeline.common.models import embedding_dim
+from pipeline.common.names import file_number
+from pipeline.retrieve.committed import CommittedIndex, IndexChange
+from pipeline.retrieve.refresh import NewVectors, refresh_shard, with_searched
+from pipeline.retrieve.search import SEQUENCES_PER_SEARCH, FileQueries
+from pipeline.retrieve.sequences import pack_batch
+from pipeline.shards.rows import RowBatch, Sequence, SequenceBatch, rows_of_table
+from schemas.arrow import read_shard_table
+from schemas.manifest import ShardEntry, ShardsManifest, read_manifest, unversioned
+from schemas.measures import ShardsRefresh
+
+log = logging.getLogger("ratrain")
+
+UNCHANGED, SEARCHED, NARROWED, PROBED, ROWS = "unchanged", "searched", "narrowed", "probed", "rows"
+TALLY = "tally"
+
+
+@dataclass(frozen=True)
+class Refresh:
+    """What a refresh starts from: the committed shards (their manifest, whole, and its sha256)
+    and what changed in the index since they were built."""
+
+    previous: ShardsManifest
+    previous_sha256: str
+    change: IndexChange
+
+
+def committed_refresh(directory: str, index: CommittedIndex, cfg, full: bool) -> Refresh | None:
+    """A `Refresh` of the shards committed in `directory` where they can be brought up to date
+    with `index`, else None (and why, logged, where they were built from an earlier generation
+    of it): none committed, other shard settings, built from no ancestor of the index, a
+    rebuild asked for (`full`), or one the refresh cannot do."""
+    found = fileio.current_manifest(directory)  # read once: the manifest and its sha256 agree
+    if found is None:
+        return None
+    try:
+        previous = fileio.whole(read_manifest(found[1], found[0], ShardsManifest), directory)
+    except ValueError:  # an older or foreign manifest: nothing to refresh
+        return None
+    change = index.change_since(previous.index_generation, previous.index_manifest_sha256)
+    if previous.config_hash != cfg.shards_hash() or change is None:
+        return None
+    added = sum(end - start for start, end in change.new_chunks)
+    held = NewVectors.held_bytes(added, embedding_dim(cfg.embedding.model) or 384, cfg.chunk_tokens)
+    cannot = (
+        "--full asks for it"
+        if full
+        else "a separate training corpus's query embeddings are not kept"
+        if cfg.training_corpus != "same"
+        else "dedupe_neighbours picks among candidates no shard keeps"
+        if cfg.dedupe_neighbours
+        else f"the {added:,} new vectors ({held:,} B in each refreshing process) exceed index.memory_budget"
+        if held > cfg.index.memory_budget
+        else None
+    )
+    log.info(
+        "build-shards: the shards were built from generation %d of the index, which has changed since (%s): %s",
+        change.since,
+        change,
+        f"every shard is built again ({cannot})" if cannot else "the shards are refreshed from what changed",
+    )
+    return None if cannot else Refresh(previous, fileio.sha256_bytes(found[1]), change)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RefreshPlan:
+    """What each refreshing process needs (small and picklable)."""
+
+    shards_directory: str
+    shards_manifest_sha256: str
+    chunk_files: CommittedChunkFiles
+    deleted: DeletedFiles
+    new_chunks: tuple[tuple[int, int], ...]  # the chunk ids the change added
+    chunks_per_seq: int
+    chunk_tokens: int
+    pad_id: int
+    shard_rows: int
+
+    @property
+    def chunks_per_shard(self) -> int:
+        return self.shard_rows * self.chunks_per_seq
+
+    def shards(self) -> int:
+        """How many shard numbers the changed database's chunk ids span."""
+        return -(-self.chunk_files.num_chunks // self.chunks_per_shard)
+
+
+@functools.lru_cache(maxsize=1)
+def _stored_entries(directory: str, sha256: str) -> dict[int, ShardEntry]:
+    """The refreshed commit's shard entries by shard number (its manifest, checked by sha256)."""
+    found = fileio.kept_commit_of(directory, sha256)
+    if found is None:
+        raise ValueError(f"{directory}: the shards commit being refreshed is no longer kept; run build-shards again")
+    manifest = fileio.whole(read_manifest(found[1], found[0], ShardsManifest), directory)
+    return {file_number(unversioned(entry.path)): entry for entry in manifest.shards}
+
+
+@functools.lru_cache(maxsize=1)
+def _new_vectors(plan: RefreshPlan) -> NewVectors:
+    return NewVectors.read(plan.chunk_files, plan.new_chunks, plan.deleted.ranges())
+
+
+def _no_chunks() -> TrainingChunks:
+    return TrainingChunks(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 1), np.int32))
+
+
+class _TrainingChunkReader:
+    """Training chunks (heads) of a chunk-id range, the deleted left out, from the chunk files,
+    the last file read kept: a process refreshing a file's shards in order reads it once."""
+
+    def __init__(self, chunk_files: CommittedChunkFiles, deleted):
+        self.chunk_files, self.deleted, self.number, self.rows = chunk_files, deleted, -1, _no_chunks()
+
+    def read(self, first: int, end: int) -> TrainingChunks:
+        end = min(end, self.chunk_files.num_chunks)
+        parts = []
+        for number in range(self.chunk_files.file_of(first), self.chunk_files.file_of(end - 1) + 1):
+            if number != self.number:
+                self.rows, self.number = _no_chunks(), -1  # one file held at a time
+                columns = self.chunk_files.read(number, ["doc_id", "tokens"])
+                start = self.chunk_files.starts[number]
+                ids = np.arange(start, start + len(columns["doc_id"]), dtype=np.int64)
+                self.rows, self.number = TrainingChunks(ids, columns["doc_id"], columns["tokens"][:, :1]), number
+            at = np.flatnonzero((self.rows.chunk_id >= first) & (self.rows.chunk_id < end))
+            parts.append(self.rows.take(at))
+        chunks = TrainingChunks.concatenate(parts)
+        return chunks.take(np.flatnonzero(~self.deleted.contains(chunks.chunk_id)))
+
+
+def _by_search_batch(sequences: list[Sequence]):
+    if not sequences:
+        return
+    for _, at in groups(np.array([s.seq_id for s in sequences], np.int64) // SEQUENCES_PER_SEARCH):
+        yield SequenceBatch([sequences[i] for i in at.tolist()])
+
+
+def _heads_of(row, m: int) -> Sequence:
+    return Sequence(row.seq_id, np.concatenate([row.tokens[:-1:m], row.tokens[-1:]]), tuple(row.doc_ids))
+
+
+class _RefreshShards(beam.DoFn):
+    """(chunk file, the shard numbers whose first chunk it holds) -> per shard: a changed
+    shard's kept rows (main: (shard, RowBatch)), or an unchanged one's entry (UNCHANGED) and
+    rows (ROWS); the sequences to search (SEARCHED), which of their chunks where not all
+    (NARROWED), the kept sequences searched in no part (PROBED), and counters (TALLY)."""
+
+    def __init__(self, plan: RefreshPlan):
+        self.plan = plan
+
+    def process(self, keyed):
+        plan = self.plan
+        L, R, m = plan.chunks_per_seq, plan.shard_rows, plan.chunk_tokens
+        deleted = plan.deleted.ranges()
+        entries = _stored_entries(plan.shards_directory, plan.shards_manifest_sha256)
+        new = _new_vectors(plan) if plan.new_chunks else None
+        chunks, queries = _TrainingChunkReader(plan.chunk_files, deleted), FileQueries(plan.chunk_files)
+        for shard in sorted(keyed[1]):
+            entry = entries.get(shard)
+            stored = [] if entry is None else rows_of_table(_read_shard(plan.shards_directory, entry))
+            training = chunks.read(shard * R * L, (shard + 1) * R * L + 1)  # and the chunk after: the last target
+            packed = list(pack_batch(shard, [training], L, R, plan.pad_id))
+            done = refresh_shard(
+                stored,
+                packed,
+                new=new,
+                deleted=deleted,
+                queries=lambda ids: queries.block(ids).vectors,
+                m=m,
+                pad_id=plan.pad_id,
+            )
+            in_shard = int(np.sum(training.chunk_id < (shard + 1) * R * L))
+            yield beam.pvalue.TaggedOutput(TALLY, ("training_chunks", in_shard))
+            for name, count in done.counts.items():
+                yield beam.pvalue.TaggedOutput(TALLY, (name, count))
+            if entry is not None and not done.changed:
+                yield beam.pvalue.TaggedOutput(UNCHANGED, entry)
+                yield beam.pvalue.TaggedOutput(ROWS, RowBatch(done.rows))
+            elif done.rows:
+                yield shard, RowBatch(done.rows)
+            narrowed = set() if done.narrowed is None else set(done.narrowed.seq_ids.tolist())
+            probed = [_heads_of(row, m) for row in done.rows if row.seq_id not in narrowed]
+            for batch in _by_search_batch(probed):
+                yield beam.pvalue.TaggedOutput(PROBED, batch)
+            for batch in _by_search_batch(done.searched):
+                yield beam.pvalue.TaggedOutput(SEARCHED, batch)
+            if done.narrowed is not None:
+                for _, part in done.narrowed.in_shards(SEQUENCES_PER_SEARCH):  # one per search batch
+                    yield beam.pvalue.TaggedOutput(NARROWED, part)
+
+
+def _read_shard(directory: str, entry: ShardEntry):
+    with fileio.open_read(fileio.join(directory, entry.path)) as f:
+        return read_shard_table(f)
+
+
+def _merged_rows(keyed):
+    """(shard, its kept rows, its searched rows and which of their chunks were searched where
+    not all) -> its RowBatch, in seq id order."""
+    _, grouped = keyed
+    rows = {row.seq_id: row for batch in grouped["kept"] for row in batch.rows}
+    narrowed = {
+        seq_id: chunks for part in grouped["narrowed"] for seq_id, chunks in zip(part.seq_ids.tolist(), part.chunks)
+    }
+    for batch in grouped["searched"]:
+        for row in batch.rows:
+            chunks = narrowed.get(row.seq_id)
+            rows[row.seq_id] = row if chunks is None else with_searched(rows[row.seq_id], row, chunks)
+    if rows:
+        yield RowBatch([rows[seq_id] for seq_id in sorted(rows)])
+
+
+@dataclass
+class Refreshed:
+    """What `RefreshShards` gives the job."""
+
+    rows: beam.PCollection  # a RowBatch per changed shard: to write
+    unchanged: beam.PCollection  # the ShardEntry of each shard that keeps its file
+    every_row: beam.PCollection  # RowBatches of every row the shards hold: the tallies' and the recall check's
+    retrieved: object  # `Retrieved` of the sequences searched
+    tallies: beam.PCollection
+
+
+class RefreshShards(beam.PTransform):
+    """(document spans of the database) -> `Refreshed`: the committed shards brought up to date
+    (`plan`), the sequences that need it searched by `RetrieveNeighbours` (`retrieve`)."""
+
+    def __init__(self, plan: RefreshPlan, retrieve: beam.PTransform):
+        super().__init__()
+        self.plan, self.retrieve = plan, retrieve
+
+    def expand(self, spans):
+        plan = self.plan
+        L, R = plan.chunks_per_seq, plan.shard_rows
+        files = plan.chunk_files
+        done = (
+            spans.pipeline
+            | "Once" >> beam.Create([None])
+            | "ShardNumbers" >> beam.FlatMap(lambda _: range(plan.shards()))
+            | "ByFirstChunkFile" >> beam.Map(lambda shard: (files.file_of(shard * R * L), shard))
+            | "GroupByChunkFile" >> beam.GroupByKey()
+            | "Refresh"
+            >> beam.ParDo(_RefreshShards(plan)).with_outputs(
+                UNCHANGED, SEARCHED, NARROWED, PROBED, ROWS, TALLY, main="kept"
+            )
+        )
+        searching = {
+            "sequences": done[SEARCHED],
+            "spans": spans,
+            "probed": done[PROBED],
+            "searched_chunks": done[NARROWED],
+        }
+        retrieved = searching | "RetrieveNeighbours" >> self.retrieve
+        rows = (
+            {
+                "kept": done.kept,
+                "searched": retrieved.rows | "SearchedByShard" >> beam.Map(lambda b: (b.rows[0].seq_id // R, b)),
+                "narrowed": done[NARROWED] | "NarrowedByShard" >> beam.Map(lambda c: (int(c.seq_ids[0]) // R, c)),
+            }
+            | "JoinByShard" >> beam.CoGroupByKey()
+            | "MergeRows" >> beam.FlatMap(_merged_rows)
+        )
+        every_row = (done[ROWS], rows) | "EveryRow" >> beam.Flatten()
+        return Refreshed(rows, done[UNCHANGED], every_row, retrieved, done[TALLY])
+
+
+def refresh_record(refresh: Refresh, written: list[ShardEntry], unchanged: list[ShardEntry], index_generation: int):
+    """The manifest's record of this refresh, from the entries written and kept."""
+    numbers = sorted(file_number(unversioned(e.path)) for e in written)
+    runs: list[tuple[int, int]] = []
+    for number in numbers:
+        if runs and runs[-1][1] == number - 1:
+            runs[-1] = (runs[-1][0], number)
+        else:
+            runs.append((number, number))
+    stored = {file_number(unversioned(e.path)) for e in refresh.previous.shards}
+    return ShardsRefresh(
+        from_generation=refresh.change.since,
+        to_generation=index_generation,
+        shards_manifest_sha256=refresh.previous_sha256,
+        rewritten=runs,
+        kept=len(unchanged),
+        removed=len(stored - set(numbers) - {file_number(unversioned(e.path)) for e in unchanged}),
+    )
