@@ -16,7 +16,9 @@ the installed packages in hash order, about --chunks chunks in 10 files.
    a subprocess, its wall time, one after the other on the same machine.
 4. Their shards compared row by row (seq id): sequences and tokens must be equal; neighbour
    slots equal, and each slot that differs listed with both scores (a near-tie when they are
-   within 1e-5). With IVF, the recall each measured against exact search (their manifests).
+   within 1e-5), and the slots whose two chunks hold the same tokens (a corpus's exact
+   duplicates tie, and float noise picks among them). With IVF, the recall each measured
+   against exact search (their manifests).
 Results: a table on stdout, JSON in benchmarks/results/refresh-<index>.json.
 """
 
@@ -71,7 +73,7 @@ def shard_rows(out: Path) -> dict[str, np.ndarray]:
 
     manifest = ShardsManifest.model_validate_json((out / "shards" / "manifest.json").read_text())
     tables = [read_shard_table(pa.memory_map(str(out / "shards" / e.path))) for e in manifest.shards]
-    columns = ("seq_id", "tokens", "neighbour_ids", "neighbour_scores")
+    columns = ("seq_id", "tokens", "neighbour_ids", "neighbour_scores", "neighbours")
     rows = {c: np.concatenate([shard_column(t, c) for t in tables]) for c in columns}
     order = np.argsort(rows["seq_id"], kind="stable")
     return {c: v[order] for c, v in rows.items()}
@@ -98,8 +100,18 @@ def compare(refreshed: dict, full: dict) -> dict:
         for s, j, slot in differ.tolist()
     ]
     near = sum(abs(d["refreshed"][1] - d["full"][1]) <= NEAR_TIE for d in listed)
+    m = full["neighbours"].shape[-1] // 2
+    same_chunk = (refreshed["neighbours"][..., :m] == full["neighbours"][..., :m]).all(
+        -1
+    )  # the chunk, not its continuation
     slots = full["neighbour_ids"].size
-    return {"slots": slots, "equal": slots - len(listed), "near_ties": near, "differing": listed}
+    return {
+        "slots": slots,
+        "equal": slots - len(listed),
+        "near_ties": near,
+        "same_chunk_tokens": int(same_chunk.sum()),
+        "differing": listed,
+    }
 
 
 def main() -> None:
@@ -174,7 +186,8 @@ def main() -> None:
     print(f"refresh ÷ full build-shards: {results['refresh_over_full']:.3f}")
     print(
         f"neighbour slots equal: {slots['equal']:,} of {slots['slots']:,} ({slots['equal'] / slots['slots']:.5f}); "
-        f"of the {len(slots['differing'])} that differ, {slots['near_ties']} are near-ties (scores within {NEAR_TIE})"
+        f"of the {len(slots['differing'])} that differ, {slots['near_ties']} are near-ties (scores within {NEAR_TIE}); "
+        f"slots holding the same chunk tokens: {slots['same_chunk_tokens']:,}"
     )
     print(f"recall against exact search: refresh {results['recall']['refresh']}, full {results['recall']['full']}")
     print(

@@ -233,12 +233,16 @@ def _build_shards(
         # nothing is read that could be rejected, nothing is embedded: no steps for them
         rejected, precision, read_tallies, unchanged = None, None, (), None
         if refresh is not None:
+            assert index is not None  # a refresh is planned from the committed index
             plan = RefreshPlan(
                 shards_directory=shards_dir(cfg),
                 shards_manifest_sha256=refresh.previous_sha256,
                 chunk_files=chunk_files,
                 deleted=deleted,
                 new_chunks=refresh.change.new_chunks,
+                # an IVF index's new vectors searched in its lists at the depth the shards were searched at
+                trained_index=None if index.nlist is None else routing.quantizer if routing else index_path,
+                depth=refresh.previous.search_depth.depth if refresh.previous.search_depth else index.nprobe,
                 chunks_per_seq=L,
                 chunk_tokens=m,
                 pad_id=tok.pad_id,

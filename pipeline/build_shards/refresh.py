@@ -97,6 +97,8 @@ class RefreshPlan:
     chunk_files: CommittedChunkFiles
     deleted: DeletedFiles
     new_chunks: tuple[tuple[int, int], ...]  # the chunk ids the change added
+    trained_index: str | None  # an IVF index's file (or its slices' quantizer): the new vectors go in its lists
+    depth: int | None  # the depth the new vectors are searched at in those lists
     chunks_per_seq: int
     chunk_tokens: int
     pad_id: int
@@ -123,7 +125,9 @@ def _stored_entries(directory: str, sha256: str) -> dict[int, ShardEntry]:
 
 @functools.lru_cache(maxsize=1)
 def _new_vectors(plan: RefreshPlan) -> NewVectors:
-    return NewVectors.read(plan.chunk_files, plan.new_chunks, plan.deleted.ranges())
+    return NewVectors.read(
+        plan.chunk_files, plan.new_chunks, plan.deleted.ranges(), trained=plan.trained_index, depth=plan.depth
+    )
 
 
 def _no_chunks() -> TrainingChunks:

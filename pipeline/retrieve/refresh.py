@@ -20,12 +20,13 @@ as its next chunk, its first), so it is dropped or searched again.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import faiss
 import numpy as np
 
 from pipeline.chunks.deleted import DeletedRanges
+from pipeline.retrieve.depth import load_searched
 from pipeline.retrieve.ranking import refreshed
 from pipeline.retrieve.search import SearchedChunks
 from pipeline.shards.rows import Sequence, ShardRow
@@ -42,10 +43,23 @@ class NewVectors:
     ids: np.ndarray  # int64 [n], ascending
     vectors: np.ndarray  # float32 [n, d]
     values: np.ndarray  # int32 [n, 2m]
+    # an IVF index's trained lists holding the new vectors, searched at its depth (None: exact)
+    lists: object = None
 
     @classmethod
-    def read(cls, chunk_files, ranges: tuple[tuple[int, int], ...], deleted: DeletedRanges) -> NewVectors:
-        """From the chunk and embedding files holding the chunk-id `ranges` ([start, end) each)."""
+    def read(
+        cls,
+        chunk_files,
+        ranges: tuple[tuple[int, int], ...],
+        deleted: DeletedRanges,
+        *,
+        trained: str | None = None,
+        depth: int | None = None,
+    ) -> NewVectors:
+        """From the chunk and embedding files holding the chunk-id `ranges` ([start, end) each).
+        `trained`: the faiss file of an IVF index (its one file, or the quantizer of its slices),
+        whose trained lists take the new vectors, searched at `depth` as the index is: a
+        search among them then costs what the index's does, not a scan of every new vector."""
         ids, vectors, values = [], [], []
         for start, end in ranges:
             for number in range(chunk_files.file_of(start), chunk_files.file_of(end - 1) + 1):
@@ -58,11 +72,14 @@ class NewVectors:
                 values.append(np.concatenate([columns["tokens"][rows], columns["continuation"][rows]], 1))
         if not ids:
             raise ValueError("NewVectors.read: no chunk-id range given")
-        return cls(
+        new = cls(
             np.concatenate(ids).astype(np.int64),
             np.concatenate(vectors).astype(np.float32),
             np.concatenate(values).astype(np.int32),
         )
+        if trained is None:
+            return new
+        return replace(new, lists=in_trained_lists(load_searched(chunk_files, trained, depth), new))
 
     @functools.cached_property
     def _exact(self):
@@ -71,14 +88,20 @@ class NewVectors:
         return index
 
     def best(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Each query's k best new vectors by inner product, exactly (faiss's flat search):
-        (scores, ids) [q, k], (-inf, -1) past the new vectors; QUERY_BLOCK queries at a time."""
+        """Each query's k best new vectors by inner product, exactly (faiss's flat search) or
+        in the trained lists (`lists`): (scores, ids) [q, k], (-inf, -1) past what is found;
+        QUERY_BLOCK queries at a time."""
         scores, ids = np.full((len(queries), k), -np.inf, np.float32), np.full((len(queries), k), -1, np.int64)
         for start in range(0, len(queries), QUERY_BLOCK):
-            found_scores, at = self._exact.search(np.ascontiguousarray(queries[start : start + QUERY_BLOCK]), k)
-            kept = at >= 0
-            scores[start : start + len(at)][kept] = found_scores[kept]
-            ids[start : start + len(at)][kept] = self.ids[at[kept]]
+            block = np.ascontiguousarray(queries[start : start + QUERY_BLOCK], np.float32)
+            if self.lists is not None:
+                found_scores, found = self.lists.search(block, k)  # type: ignore[attr-defined]
+            else:
+                found_scores, at = self._exact.search(block, k)
+                found = np.where(at >= 0, self.ids[np.maximum(at, 0)], -1)
+            kept = found >= 0
+            scores[start : start + len(found)][kept] = found_scores[kept]
+            ids[start : start + len(found)][kept] = found[kept]
         return scores, ids
 
     @staticmethod
@@ -89,6 +112,18 @@ class NewVectors:
     def values_of(self, chunk_ids: np.ndarray) -> np.ndarray:
         """What the slots of these new chunks hold, int32 [len(chunk_ids), 2m]."""
         return self.values[np.searchsorted(self.ids, chunk_ids)]
+
+
+def in_trained_lists(index, new: NewVectors):
+    """The trained IVF `index` (memory-mapped, its lists read-only) with its lists replaced by
+    empty ones in memory, and the new vectors added: no code of the index is read."""
+    ivf = faiss.extract_index_ivf(index)
+    lists = faiss.ArrayInvertedLists(ivf.nlist, ivf.code_size)
+    ivf.replace_invlists(lists, True)
+    lists.this.disown()  # the index owns them now
+    ivf.ntotal = index.ntotal = 0
+    index.add_with_ids(new.vectors, new.ids)
+    return index
 
 
 @dataclass

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pipeline.chunks.deleted import DeletedDocument, DeletedRanges
-from pipeline.retrieve.refresh import NewVectors, refresh_shard, with_searched
+from pipeline.retrieve.refresh import NewVectors, in_trained_lists, refresh_shard, with_searched
 from pipeline.shards.rows import Sequence, ShardRow
 
 pytestmark = pytest.mark.unit
@@ -108,3 +108,23 @@ def test_the_search_replaces_only_the_chunks_it_searched():
     assert np.array_equal(merged.neighbours[1], searched.neighbours[1])
     assert np.array_equal(merged.neighbours[0], ROWS[0].neighbours[0])
     assert np.allclose(merged.neighbour_scores, [[0.9, 0.5], [0.93, 0.92]])
+
+
+def test_new_vectors_in_an_ivf_index_s_trained_lists_are_found_as_the_exact_search_finds_them():
+    import faiss
+
+    rng = np.random.default_rng(0)
+    base = rng.standard_normal((2000, 16)).astype(np.float32)
+    index = faiss.index_factory(16, "IVF16,Flat", faiss.METRIC_INNER_PRODUCT)
+    index.train(base)
+    index.add_with_ids(base, np.arange(2000))  # the build's vectors: none of them is a new one
+    added = rng.standard_normal((300, 16)).astype(np.float32)
+    new = NewVectors(np.arange(5000, 5300), added, np.stack([value_of(i) for i in range(5000, 5300)]))
+    in_lists = NewVectors(new.ids, new.vectors, new.values, lists=in_trained_lists(index, new))
+    assert in_lists.lists.ntotal == 300  # the index's own vectors are gone from it
+    queries = rng.standard_normal((50, 16)).astype(np.float32)
+    index.nprobe = 16  # every list: exact
+    assert np.array_equal(in_lists.best(queries, 3)[1], new.best(queries, 3)[1])
+    index.nprobe = 1  # the index's depth: only what its probed lists hold, all of it new
+    scores, ids = in_lists.best(queries, 3)
+    assert ((ids >= 5000) | (ids == -1)).all() and (ids >= 0).any()
