@@ -10,7 +10,7 @@ import logging
 import apache_beam as beam
 
 from pipeline.build_index.files import documents_read_tally, load_committed_index, rejected_tally
-from pipeline.build_shards.refresh import Refresh, RefreshPlan, RefreshShards, committed_refresh, refresh_record
+from pipeline.build_shards.refresh import RefreshPlan, RefreshShards, RefreshSummary, committed_refresh
 from pipeline.chunks.beam import ChunkDocuments, ReadParquetFiles
 from pipeline.chunks.chunk_files import (
     EMBEDDINGS_DIR,
@@ -82,11 +82,12 @@ def _row_tally(batch, m: int, pad_id: int):
     yield from overlap_tally(batch, m, pad_id)
 
 
-def _refreshes(refresh: Refresh | None = None, written=(), unchanged=(), *, index) -> list[ShardsRefresh]:
+def _refreshes(refreshed: RefreshSummary | None = None, written=(), unchanged=(), *, tallies) -> list[ShardsRefresh]:
     """The manifest's refreshes: none after a full build, else the refreshed shards' and this one."""
-    if refresh is None:
+    if refreshed is None:
         return []
-    return [*refresh.previous.refreshes, refresh_record(refresh, list(written), list(unchanged), index.generation)]
+    removed = dict(tallies).get("shards_removed", 0)
+    return [*refreshed.earlier, refreshed.record(list(written), list(unchanged), removed)]
 
 
 def _shards_manifest(
@@ -248,7 +249,7 @@ def _build_shards(
                 pad_id=tok.pad_id,
                 shard_rows=cfg.rows_per_shard(),
             )
-            spans = pipeline | "DocumentSpans" >> DocumentSpans(database_chunks)
+            spans = pipeline | "DocumentSpans" >> DocumentSpans(database_chunks, deleted=deleted)
             refreshed = spans | "RefreshShards" >> RefreshShards(plan, retrieve)
             retrieved, to_write, every_row, unchanged = (
                 refreshed.retrieved,
@@ -293,7 +294,7 @@ def _build_shards(
                     rejected_tally(rejected, "TallyRejected"),
                 )
                 precision = beam.pvalue.AsSingleton(precision_used)
-                spans = pipeline | "DocumentSpans" >> DocumentSpans(database_chunks, validate=not dry_run)
+                spans = pipeline | "DocumentSpans" >> DocumentSpans(database_chunks, not dry_run, deleted)
             sequences = training_chunks | "PackSequences" >> PackSequences(L, tok.pad_id)
             inputs = (sequences, spans) if queries is None else (sequences, queries, spans)
             retrieved = inputs | "RetrieveNeighbours" >> retrieve
@@ -315,14 +316,17 @@ def _build_shards(
             every_row | "TallyRows" >> beam.FlatMap(_row_tally, m, tok.pad_id),
         ) | "Tallies" >> Tally()
         refreshes: tuple = ()
-        if refresh is not None and unchanged is not None:  # both or neither
-            refreshes = (refresh, beam.pvalue.AsList(written), beam.pvalue.AsList(unchanged))
+        if refresh is not None and unchanged is not None and index is not None:  # all or none
+            summary = refresh.summary(index.generation)  # what the record needs: not the shards' manifest
+            refreshes = (summary, beam.pvalue.AsList(written), beam.pvalue.AsList(unchanged))
         manifest = (
             pipeline
             | "Once" >> beam.Create([None])  # the manifest is made once, when every side input is complete
             | "ShardsManifest"
             >> beam.Map(
-                lambda _, *refreshed, **facts: _shards_manifest(refreshes=_refreshes(*refreshed, index=index), **facts),
+                lambda _, *refreshed, **facts: _shards_manifest(
+                    refreshes=_refreshes(*refreshed, tallies=facts["tallies"]), **facts
+                ),
                 *refreshes,
                 entries=beam.pvalue.AsList(shard_files),
                 tallies=beam.pvalue.AsDict(tallies),

@@ -28,7 +28,7 @@ from pipeline.common.models import embedding_dim
 from pipeline.common.names import file_number
 from pipeline.retrieve.committed import CommittedIndex, IndexChange
 from pipeline.retrieve.refresh import NewVectors, refresh_shard, with_searched
-from pipeline.retrieve.search import SEQUENCES_PER_SEARCH, FileQueries
+from pipeline.retrieve.search import LOST_DATA, SEQUENCES_PER_SEARCH, FileQueries
 from pipeline.retrieve.sequences import pack_batch
 from pipeline.shards.rows import RowBatch, Sequence, SequenceBatch, rows_of_table
 from schemas.arrow import read_shard_table
@@ -50,6 +50,10 @@ class Refresh:
     previous_sha256: str
     change: IndexChange
 
+    def summary(self, to_generation: int | None) -> RefreshSummary:
+        assert to_generation is not None  # a refresh follows generations
+        return RefreshSummary(self.change.since, self.previous_sha256, to_generation, tuple(self.previous.refreshes))
+
 
 def committed_refresh(directory: str, index: CommittedIndex, cfg, full: bool) -> Refresh | None:
     """A `Refresh` of the shards committed in `directory` where they can be brought up to date
@@ -67,7 +71,7 @@ def committed_refresh(directory: str, index: CommittedIndex, cfg, full: bool) ->
     if previous.config_hash != cfg.shards_hash() or change is None:
         return None
     added = sum(end - start for start, end in change.new_chunks)
-    held = NewVectors.held_bytes(added, embedding_dim(cfg.embedding.model) or 384, cfg.chunk_tokens)
+    held = NewVectors.held_bytes(added, embedding_dim(cfg.embedding.model) or 384, cfg.chunk_tokens, index.nlist)
     cannot = (
         "--full asks for it"
         if full
@@ -170,7 +174,8 @@ def _heads_of(row, m: int) -> Sequence:
 
 class _RefreshShards(beam.DoFn):
     """(chunk file, the shard numbers whose first chunk it holds) -> per shard: a changed
-    shard's kept rows (main: (shard, RowBatch)), or an unchanged one's entry (UNCHANGED) and
+    shard's kept rows and the seq ids it sends to the search (main: (shard, ("kept",
+    RowBatch)), (shard, ("searched", seq ids))), or an unchanged one's entry (UNCHANGED) and
     rows (ROWS); the sequences to search (SEARCHED), which of their chunks where not all
     (NARROWED), the kept sequences searched in no part (PROBED), and counters (TALLY)."""
 
@@ -206,7 +211,11 @@ class _RefreshShards(beam.DoFn):
                 yield beam.pvalue.TaggedOutput(UNCHANGED, entry)
                 yield beam.pvalue.TaggedOutput(ROWS, RowBatch(done.rows))
             elif done.rows:
-                yield shard, RowBatch(done.rows)
+                yield shard, ("kept", RowBatch(done.rows))
+            elif entry is not None and not done.searched:  # every sequence of it dropped
+                yield beam.pvalue.TaggedOutput(TALLY, ("shards_removed", 1))
+            if done.searched:  # each must come back from the search, checked where the shard is assembled
+                yield shard, ("searched", np.array([s.seq_id for s in done.searched], np.int64))
             narrowed = set() if done.narrowed is None else set(done.narrowed.seq_ids.tolist())
             probed = [_heads_of(row, m) for row in done.rows if row.seq_id not in narrowed]
             for batch in _by_search_batch(probed):
@@ -224,10 +233,20 @@ def _read_shard(directory: str, entry: ShardEntry):
 
 
 def _merged_rows(keyed):
-    """(shard, its kept rows, its searched rows and which of their chunks were searched where
-    not all) -> its RowBatch, in seq id order."""
-    _, grouped = keyed
-    rows = {row.seq_id: row for batch in grouped["kept"] for row in batch.rows}
+    """(shard, its kept rows and the seq ids it sent to the search, the rows searched and which
+    of their chunks were searched where not all) -> its RowBatch, in seq id order. A searched
+    row that did not come back fails the job (its interim row would be written): nothing is
+    committed."""
+    shard, grouped = keyed
+    parts = list(grouped["refreshed"])
+    rows = {row.seq_id: row for kind, batch in parts if kind == "kept" for row in batch.rows}
+    sent = sorted(int(i) for kind, ids in parts if kind == "searched" for i in ids)
+    came = sorted(row.seq_id for batch in grouped["searched"] for row in batch.rows)
+    if came != sent:
+        raise RuntimeError(
+            f"shard {shard}: {len(came)} searched rows arrived, {len(sent)} were sent: {LOST_DATA}; "
+            "nothing is committed"
+        )
     narrowed = {
         seq_id: chunks for part in grouped["narrowed"] for seq_id, chunks in zip(part.seq_ids.tolist(), part.chunks)
     }
@@ -282,7 +301,7 @@ class RefreshShards(beam.PTransform):
         retrieved = searching | "RetrieveNeighbours" >> self.retrieve
         rows = (
             {
-                "kept": done.kept,
+                "refreshed": done.kept,
                 "searched": retrieved.rows | "SearchedByShard" >> beam.Map(lambda b: (b.rows[0].seq_id // R, b)),
                 "narrowed": done[NARROWED] | "NarrowedByShard" >> beam.Map(lambda c: (int(c.seq_ids[0]) // R, c)),
             }
@@ -293,21 +312,30 @@ class RefreshShards(beam.PTransform):
         return Refreshed(rows, done[UNCHANGED], every_row, retrieved, done[TALLY])
 
 
-def refresh_record(refresh: Refresh, written: list[ShardEntry], unchanged: list[ShardEntry], index_generation: int):
-    """The manifest's record of this refresh, from the entries written and kept."""
-    numbers = sorted(file_number(unversioned(e.path)) for e in written)
-    runs: list[tuple[int, int]] = []
-    for number in numbers:
-        if runs and runs[-1][1] == number - 1:
-            runs[-1] = (runs[-1][0], number)
-        else:
-            runs.append((number, number))
-    stored = {file_number(unversioned(e.path)) for e in refresh.previous.shards}
-    return ShardsRefresh(
-        from_generation=refresh.change.since,
-        to_generation=index_generation,
-        shards_manifest_sha256=refresh.previous_sha256,
-        rewritten=runs,
-        kept=len(unchanged),
-        removed=len(stored - set(numbers) - {file_number(unversioned(e.path)) for e in unchanged}),
-    )
+@dataclass(frozen=True)
+class RefreshSummary:
+    """What the manifest's record of a refresh needs, small enough for the job's graph: the
+    shards refreshed (their generation, their manifest's sha256 and their refreshes), the
+    generation they are brought up to."""
+
+    since: int
+    shards_sha256: str
+    to_generation: int
+    earlier: tuple[ShardsRefresh, ...]
+
+    def record(self, written: list[ShardEntry], unchanged: list[ShardEntry], removed: int) -> ShardsRefresh:
+        """This refresh's record, from the entries written and kept and the shards removed."""
+        runs: list[tuple[int, int]] = []
+        for number in sorted(file_number(unversioned(e.path)) for e in written):
+            if runs and runs[-1][1] == number - 1:
+                runs[-1] = (runs[-1][0], number)
+            else:
+                runs.append((number, number))
+        return ShardsRefresh(
+            from_generation=self.since,
+            to_generation=self.to_generation,
+            shards_manifest_sha256=self.shards_sha256,
+            rewritten=runs,
+            kept=len(unchanged),
+            removed=removed,
+        )

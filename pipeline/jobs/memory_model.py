@@ -258,7 +258,7 @@ def stage_memory(cfg: PipelineConfig, corpus: Corpus, dim: int = 384) -> list[di
             [],
         ),
     ]
-    stages.append(_refresh_step(cfg, C, dim, shard_row))
+    stages.append(_refresh_step(cfg, C, dim, shard_row, ivf_lists(factory)))
     out = []
     for name, terms, growing in stages:
         total = SDK_PROCESS + sum(terms.values())
@@ -273,7 +273,7 @@ def stage_memory(cfg: PipelineConfig, corpus: Corpus, dim: int = 384) -> list[di
     return out
 
 
-def _refresh_step(cfg: PipelineConfig, chunks: float, dim: int, shard_row: int) -> tuple:
+def _refresh_step(cfg: PipelineConfig, chunks: float, dim: int, shard_row: int, lists: int | None) -> tuple:
     """A refresh's shards of one chunk file, after an append of APPEND_SHARE (`_RefreshShards`):
     the new vectors held whole (they grow with the change; a change beyond index.memory_budget
     is built whole instead), the file's chunks and embeddings,
@@ -283,13 +283,13 @@ def _refresh_step(cfg: PipelineConfig, chunks: float, dim: int, shard_row: int) 
     queries = R * cfg.sequence_tokens // m
     shards = math.ceil(chunks / (queries or 1))
     new = (
-        f"the new vectors' embeddings and slot values (an append of {APPEND_SHARE:.0%} of the corpus; at most "
-        "index.memory_budget: a larger change is built whole)"
+        f"the new vectors' embeddings, slot values and, with an IVF index, its trained lists holding them (an "
+        f"append of {APPEND_SHARE:.0%} of the corpus; at most index.memory_budget: a larger change is built whole)"
     )
     return (
         "build-shards: refresh one chunk file's shards",
         {
-            new: min(NewVectors.held_bytes(int(APPEND_SHARE * chunks), dim, m), cfg.index.memory_budget),
+            new: min(NewVectors.held_bytes(int(APPEND_SHARE * chunks), dim, m, lists), cfg.index.memory_budget),
             f"the chunk file's {rows:,} doc ids and tokens, and its embeddings": rows * (8 + m * 4 + dim * 4) * 2,
             f"one shard's {R:,} rows, stored and refreshed": 2 * R * shard_row,
             f"the refreshed commit's {shards:,} shard entries": shards * FILE_ENTRY,

@@ -79,19 +79,29 @@ class PackSequences(beam.PTransform):
 class DocumentSpans(beam.PTransform):
     """Chunk files (a glob, or those a committed manifest lists) -> (doc_id, (first chunk id,
     last + 1)) per database document: a document's chunks are one contiguous id range, so
-    excluding it is excluding a range."""
+    excluding it is excluding a range. The `deleted` documents' chunks are left out: a replaced
+    document's id then spans its new chunks only, not its old ones too."""
 
-    def __init__(self, files: str | CommittedFiles, validate: bool = True):
+    def __init__(self, files: str | CommittedFiles, validate: bool = True, deleted: DeletedFiles | None = None):
         super().__init__()
-        self.files, self.validate = files, validate
+        self.files, self.validate, self.deleted = files, validate, deleted
 
     def expand(self, pbegin):
+        deleted = self.deleted
         return (
             pbegin
             | "ReadDocumentIds" >> ReadParquetFiles(self.files, columns=["chunk_id", "doc_id"], validate=self.validate)
-            | "SpansInBatch" >> beam.FlatMap(lambda t: document_spans(t["chunk_id"].to_numpy(), t["doc_id"].to_numpy()))
+            | "SpansInBatch" >> beam.FlatMap(_live_document_spans, deleted)
             | "WidestSpan" >> beam.CombinePerKey(widest_span)
         )
+
+
+def _live_document_spans(table, deleted: DeletedFiles | None):
+    chunk_ids, doc_ids = table["chunk_id"].to_numpy(), table["doc_id"].to_numpy()
+    if deleted:
+        live = ~deleted.ranges().contains(chunk_ids)
+        chunk_ids, doc_ids = chunk_ids[live], doc_ids[live]
+    return document_spans(chunk_ids, doc_ids)
 
 
 class ReadQueryBlocks(beam.PTransform):

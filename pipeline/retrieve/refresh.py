@@ -12,7 +12,8 @@ one are (`SearchedChunks`). A stored row whose sequence is no
 longer made (one of its chunks deleted) is dropped. A shard none of whose rows changed keeps
 its file.
 
-The new vectors are searched exactly and without exclusions: a new chunk is a new document's
+The new vectors are searched exactly (an IVF index's: in its trained lists, at the shards'
+depth) and without exclusions: a new chunk is a new document's
 or a replaced one's, and a sequence that held a replaced document held its deleted chunks (or,
 as its next chunk, its first), so it is dropped or searched again.
 """
@@ -89,25 +90,35 @@ class NewVectors:
 
     def best(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Each query's k best new vectors by inner product, exactly (faiss's flat search) or
-        in the trained lists (`lists`): (scores, ids) [q, k], (-inf, -1) past what is found;
-        QUERY_BLOCK queries at a time."""
+        in the trained lists (`lists`), a query they leave short searched exactly, as a full
+        build deepens a short one to every list: (scores, ids) [q, k], (-inf, -1) past the new
+        vectors; QUERY_BLOCK queries at a time."""
         scores, ids = np.full((len(queries), k), -np.inf, np.float32), np.full((len(queries), k), -1, np.int64)
         for start in range(0, len(queries), QUERY_BLOCK):
             block = np.ascontiguousarray(queries[start : start + QUERY_BLOCK], np.float32)
             if self.lists is not None:
                 found_scores, found = self.lists.search(block, k)  # type: ignore[attr-defined]
+                short = np.flatnonzero((found < 0).any(axis=1))
+                if len(short) and len(self.ids) > (found[short] >= 0).sum(axis=1).min():
+                    found_scores[short], found[short] = self._exactly(block[short], k)
             else:
-                found_scores, at = self._exact.search(block, k)
-                found = np.where(at >= 0, self.ids[np.maximum(at, 0)], -1)
+                found_scores, found = self._exactly(block, k)
             kept = found >= 0
             scores[start : start + len(found)][kept] = found_scores[kept]
             ids[start : start + len(found)][kept] = found[kept]
         return scores, ids
 
+    def _exactly(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        found_scores, at = self._exact.search(np.ascontiguousarray(queries), k)
+        return found_scores, np.where(at >= 0, self.ids[np.maximum(at, 0)], -1)
+
     @staticmethod
-    def held_bytes(vectors: int, dim: int, chunk_tokens: int) -> int:
-        """What a process holds for this many new vectors."""
-        return vectors * (8 + dim * 4 + 2 * chunk_tokens * 4)
+    def held_bytes(vectors: int, dim: int, chunk_tokens: int, lists: int | None = None) -> int:
+        """What a process holds for this many new vectors; with an IVF index of `lists` lists,
+        its trained lists too (their centroids, and the new vectors' codes at most as large as
+        the vectors)."""
+        held = vectors * (8 + dim * 4 + 2 * chunk_tokens * 4)
+        return held + (lists * dim * 4 + vectors * (8 + dim * 4) if lists else 0)
 
     def values_of(self, chunk_ids: np.ndarray) -> np.ndarray:
         """What the slots of these new chunks hold, int32 [len(chunk_ids), 2m]."""
@@ -120,7 +131,7 @@ def in_trained_lists(index, new: NewVectors):
     ivf = faiss.extract_index_ivf(index)
     lists = faiss.ArrayInvertedLists(ivf.nlist, ivf.code_size)
     ivf.replace_invlists(lists, True)
-    lists.this.disown()  # the index owns them now
+    lists.this.disown()  # type: ignore[attr-defined]  # the index owns them now
     ivf.ntotal = index.ntotal = 0
     index.add_with_ids(new.vectors, new.ids)
     return index

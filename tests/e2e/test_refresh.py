@@ -1,8 +1,9 @@
 """build-shards over an index that changed since the shards were built refreshes them from what
 changed: a delete rewrites only the shards that held a deleted document's sequence or a
 neighbour from one, and keeps the others' files; an append plus deletes gives the shards a full
-build gives (Flat index); two refreshes in turn give what one over both changes gives; `--full`
-and a shards config that changed build again."""
+build gives (Flat index), a replaced document included; two refreshes in turn give what one
+over both changes gives; a sliced IVF index searches again only the chunks that lost a
+neighbour."""
 
 import logging
 import shutil
@@ -131,10 +132,14 @@ def test_an_append_and_a_delete_refresh_to_a_full_build_and_two_refreshes_equal_
     both = tmp_path / "both"
     shutil.copytree(out, both)
 
-    write_jsonl(tmp_path / "corpus" / "b.jsonl", docs[36:])  # an append: 12 new documents
+    # an append: 12 new documents, and the first one again with other text, which replaces it (its
+    # old chunks deleted, its id's new ones appended: a search must exclude the new ones alone)
+    replaced = {"id": docs[0]["id"], "text": " ".join(reversed(docs[0]["text"].split()))}
+    write_jsonl(tmp_path / "corpus" / "b.jsonl", [*docs[36:], replaced])
     build_index(cfg, [])
     once = build_shards(cfg, [])
     assert once.refreshes[-1].to_generation == 1 and once.counters["sequences_new"] > 0
+    assert committed(str(out / "index"), IndexManifest).deleted_documents == 1  # the one replaced
     delete = (docs[3]["id"], docs[40]["id"])  # an old document and a new one
     build_index(cfg, [], delete=delete)
     twice = build_shards(cfg, [])
