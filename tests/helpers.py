@@ -65,6 +65,14 @@ def small_config(output: Path, corpus_glob: str, **overrides) -> dict:
 DATA_STAGES = ("index/chunks", "index/embeddings", "index/faiss", "shards")
 
 
+def sliced_corpus_config(tmp_path: Path, docs: list[dict], **overrides) -> dict:
+    """`docs` written as the corpus of a small IVF index in slices of 400 KB (3 or more over a
+    few dozen sample documents), its output in tmp_path/out."""
+    write_jsonl(tmp_path / "corpus" / "a.jsonl", docs)
+    index = {"type": "IVF8,Flat", "nprobe": 2, "slice_bytes": "400KB"}
+    return small_config(tmp_path / "out", str(tmp_path / "corpus" / "*.jsonl"), index=index, **overrides)
+
+
 def assert_same_data_files(out: Path, reference: Path, stages: tuple[str, ...] = DATA_STAGES) -> None:
     """`out` holds every data file (all but the JSON manifests and build info) that `reference`,
     an output of the same config, holds under `stages`, byte for byte."""

@@ -23,11 +23,10 @@ import numpy as np
 from pipeline.chunks.chunk_files import CommittedChunkFiles, TrainingChunks
 from pipeline.chunks.deleted import DeletedFiles
 from pipeline.common import fileio
-from pipeline.common.arrays import groups
 from pipeline.common.models import embedding_dim
 from pipeline.common.names import file_number
 from pipeline.retrieve.committed import CommittedIndex, IndexChange
-from pipeline.retrieve.refresh import NewVectors, refresh_shard, with_searched
+from pipeline.retrieve.refresh import NewVectors, heads_of, refresh_shard, with_searched
 from pipeline.retrieve.search import LOST_DATA, SEQUENCES_PER_SEARCH, FileQueries
 from pipeline.retrieve.sequences import pack_batch
 from pipeline.shards.rows import RowBatch, Sequence, SequenceBatch, rows_of_table
@@ -162,14 +161,8 @@ class _TrainingChunkReader:
 
 
 def _by_search_batch(sequences: list[Sequence]):
-    if not sequences:
-        return
-    for _, at in groups(np.array([s.seq_id for s in sequences], np.int64) // SEQUENCES_PER_SEARCH):
-        yield SequenceBatch([sequences[i] for i in at.tolist()])
-
-
-def _heads_of(row, m: int) -> Sequence:
-    return Sequence(row.seq_id, np.concatenate([row.tokens[:-1:m], row.tokens[-1:]]), tuple(row.doc_ids))
+    """The sequences (seq id order) as a SequenceBatch per search batch they fall in."""
+    return (batch for _, batch in SequenceBatch(sequences).in_shards(SEQUENCES_PER_SEARCH))
 
 
 class _RefreshShards(beam.DoFn):
@@ -184,7 +177,7 @@ class _RefreshShards(beam.DoFn):
 
     def process(self, keyed):
         plan = self.plan
-        L, R, m = plan.chunks_per_seq, plan.shard_rows, plan.chunk_tokens
+        C, L, R, m = plan.chunks_per_shard, plan.chunks_per_seq, plan.shard_rows, plan.chunk_tokens
         deleted = plan.deleted.ranges()
         entries = _stored_entries(plan.shards_directory, plan.shards_manifest_sha256)
         new = _new_vectors(plan) if plan.new_chunks else None
@@ -192,7 +185,7 @@ class _RefreshShards(beam.DoFn):
         for shard in sorted(keyed[1]):
             entry = entries.get(shard)
             stored = [] if entry is None else rows_of_table(_read_shard(plan.shards_directory, entry))
-            training = chunks.read(shard * R * L, (shard + 1) * R * L + 1)  # and the chunk after: the last target
+            training = chunks.read(shard * C, (shard + 1) * C + 1)  # and the chunk after: the last target
             packed = list(pack_batch(shard, [training], L, R, plan.pad_id))
             done = refresh_shard(
                 stored,
@@ -203,7 +196,7 @@ class _RefreshShards(beam.DoFn):
                 m=m,
                 pad_id=plan.pad_id,
             )
-            in_shard = int(np.sum(training.chunk_id < (shard + 1) * R * L))
+            in_shard = int(np.sum(training.chunk_id < (shard + 1) * C))
             yield beam.pvalue.TaggedOutput(TALLY, ("training_chunks", in_shard))
             for name, count in done.counts.items():
                 yield beam.pvalue.TaggedOutput(TALLY, (name, count))
@@ -217,7 +210,7 @@ class _RefreshShards(beam.DoFn):
             if done.searched:  # each must come back from the search, checked where the shard is assembled
                 yield shard, ("searched", np.array([s.seq_id for s in done.searched], np.int64))
             narrowed = set() if done.narrowed is None else set(done.narrowed.seq_ids.tolist())
-            probed = [_heads_of(row, m) for row in done.rows if row.seq_id not in narrowed]
+            probed = [heads_of(row, m) for row in done.rows if row.seq_id not in narrowed]
             for batch in _by_search_batch(probed):
                 yield beam.pvalue.TaggedOutput(PROBED, batch)
             for batch in _by_search_batch(done.searched):
@@ -279,13 +272,12 @@ class RefreshShards(beam.PTransform):
 
     def expand(self, spans):
         plan = self.plan
-        L, R = plan.chunks_per_seq, plan.shard_rows
-        files = plan.chunk_files
+        C, R, files = plan.chunks_per_shard, plan.shard_rows, plan.chunk_files
         done = (
             spans.pipeline
             | "Once" >> beam.Create([None])
             | "ShardNumbers" >> beam.FlatMap(lambda _: range(plan.shards()))
-            | "ByFirstChunkFile" >> beam.Map(lambda shard: (files.file_of(shard * R * L), shard))
+            | "ByFirstChunkFile" >> beam.Map(lambda shard: (files.file_of(shard * C), shard))
             | "GroupByChunkFile" >> beam.GroupByKey()
             | "Refresh"
             >> beam.ParDo(_RefreshShards(plan)).with_outputs(

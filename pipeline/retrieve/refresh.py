@@ -98,8 +98,8 @@ class NewVectors:
             block = np.ascontiguousarray(queries[start : start + QUERY_BLOCK], np.float32)
             if self.lists is not None:
                 found_scores, found = self.lists.search(block, k)  # type: ignore[attr-defined]
-                short = np.flatnonzero((found < 0).any(axis=1))
-                if len(short) and len(self.ids) > (found[short] >= 0).sum(axis=1).min():
+                short = np.flatnonzero((found >= 0).sum(axis=1) < min(k, len(self.ids)))
+                if len(short):
                     found_scores[short], found[short] = self._exactly(block[short], k)
             else:
                 found_scores, found = self._exactly(block, k)
@@ -152,15 +152,17 @@ class ShardRefresh:
     counts: dict[str, int] = field(default_factory=dict)
 
 
-def _heads(row: ShardRow, m: int) -> np.ndarray:
-    """A stored row's tokens as packing gives them: each chunk's first token, and the target."""
-    return np.concatenate([row.tokens[:-1:m], row.tokens[-1:]])
+def heads_of(row: ShardRow, m: int) -> Sequence:
+    """A stored row's sequence as packing gives it: each chunk's first token and the target,
+    and its documents."""
+    return Sequence(
+        row.seq_id, np.concatenate([row.tokens[:-1:m], row.tokens[-1:]]), tuple(int(d) for d in row.doc_ids)
+    )
 
 
 def _same_sequence(row: ShardRow, sequence: Sequence, m: int) -> bool:
-    return tuple(int(d) for d in row.doc_ids) == tuple(sequence.doc_ids) and np.array_equal(
-        _heads(row, m), sequence.tokens
-    )
+    stored = heads_of(row, m)
+    return stored.doc_ids == tuple(sequence.doc_ids) and np.array_equal(stored.tokens, sequence.tokens)
 
 
 def refresh_shard(
@@ -218,46 +220,40 @@ def _refreshed_rows(rows: list[ShardRow], *, new: NewVectors | None, deleted: De
     result = refreshed(scores.reshape(-1, k), ids.reshape(-1, k), gone.reshape(-1, k), new_scores, new_ids)
     fresh_ids = result.ids.reshape(r, L, k)
     fresh_scores = np.where(fresh_ids >= 0, result.scores.reshape(r, L, k), 0).astype(np.float32)
-    out, changed = [], 0
-    for i, row in enumerate(rows):
-        if np.array_equal(fresh_ids[i], row.neighbour_ids):
-            out.append(row)
-            continue
-        changed += 1
-        out.append(_with_neighbours(row, fresh_ids[i], fresh_scores[i], new, pad_id))
-    return out, result.search_again.reshape(r, L), changed
+    changed = np.flatnonzero((fresh_ids != ids).any(axis=(1, 2)))
+    out = list(rows)
+    if len(changed):  # the changed rows' slots at once: from a stored slot holding the id, else the new vectors
+        neighbours = _slot_values(
+            ids[changed], np.stack([rows[i].neighbours for i in changed]), fresh_ids[changed], new, pad_id
+        )
+        for at, i in enumerate(changed.tolist()):
+            out[i] = replace(
+                rows[i], neighbours=neighbours[at], neighbour_ids=fresh_ids[i], neighbour_scores=fresh_scores[i]
+            )
+    return out, result.search_again.reshape(r, L), len(changed)
 
 
-def _with_neighbours(row: ShardRow, ids: np.ndarray, scores: np.ndarray, new: NewVectors | None, pad_id: int):
-    """A row with neighbours `ids` [L, k] (-1: none): each slot's value from the row's own
-    slot holding that id, else from the new vectors."""
-    match = (ids[:, :, None] == row.neighbour_ids[:, None, :]) & (ids[:, :, None] >= 0)  # [L, k, k]
-    stored = match.any(axis=2)
-    neighbours = np.full(row.neighbours.shape, pad_id, np.int32)
-    neighbours[stored] = np.take_along_axis(row.neighbours, match.argmax(axis=2)[:, :, None], axis=1)[stored]
+def _slot_values(stored_ids, stored_values, ids, new: NewVectors | None, pad_id: int) -> np.ndarray:
+    """What slots holding `ids` [r, L, k] (-1: none) hold: the stored slot's value [r, L, k, 2m]
+    where one holds the id, else the new vector's; pad for none."""
+    match = (ids[..., None] == stored_ids[..., None, :]) & (ids[..., None] >= 0)  # [r, L, k, k]
+    stored = match.any(axis=-1)
+    values = np.full(stored_values.shape, pad_id, np.int32)
+    values[stored] = np.take_along_axis(stored_values, match.argmax(axis=-1)[..., None], axis=2)[stored]
     added = (ids >= 0) & ~stored
     if added.any():
         assert new is not None, "a neighbour neither stored nor new"
-        neighbours[added] = new.values_of(ids[added])
-    return ShardRow(
-        seq_id=row.seq_id,
-        tokens=row.tokens,
-        neighbours=neighbours,
-        neighbour_ids=ids.astype(np.int64),
-        neighbour_scores=scores,
-        doc_ids=row.doc_ids,
-    )
+        values[added] = new.values_of(ids[added])
+    return values
 
 
 def with_searched(kept: ShardRow, searched: ShardRow, chunks: np.ndarray) -> ShardRow:
     """A kept row whose `chunks` (bool [L]) were searched in the whole index again: those
     chunks' neighbours from the search (`searched`, the same sequence's row), the rest kept."""
     at = chunks[:, None]
-    return ShardRow(
-        seq_id=kept.seq_id,
-        tokens=kept.tokens,
+    return replace(
+        kept,
         neighbours=np.where(at[:, :, None], searched.neighbours, kept.neighbours),
         neighbour_ids=np.where(at, searched.neighbour_ids, kept.neighbour_ids),
         neighbour_scores=np.where(at, searched.neighbour_scores, kept.neighbour_scores),
-        doc_ids=kept.doc_ids,
     )

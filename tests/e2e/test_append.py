@@ -32,7 +32,15 @@ from pipeline.jobs.reuse import committed_index, corpus_changes, index_action, l
 from pipeline.run import run_all
 from schemas.config import config_from_dict
 from schemas.manifest import IndexManifest, ShardsManifest, unversioned
-from tests.helpers import REPO, rewrite_shard, sample_documents, small_config, write_config, write_jsonl
+from tests.helpers import (
+    REPO,
+    rewrite_shard,
+    sample_documents,
+    sliced_corpus_config,
+    small_config,
+    write_config,
+    write_jsonl,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -314,10 +322,8 @@ def test_a_change_tried_while_build_shards_runs_is_refused_by_its_lease(tmp_path
 
 def test_an_index_in_slices_takes_appended_and_deleted_documents_slice_by_slice(tmp_path):
     docs = sample_documents(32)
-    write_jsonl(tmp_path / "corpus" / "a.jsonl", docs[:24])
     out = tmp_path / "out"
-    index = {"type": "IVF8,Flat", "nprobe": 2, "slice_bytes": "400KB"}
-    cfg = config_from_dict(small_config(out, str(tmp_path / "corpus" / "*.jsonl"), index=index))
+    cfg = config_from_dict(sliced_corpus_config(tmp_path, docs[:24]))
     run_all(cfg, [])
     base = committed(str(out / "index"), IndexManifest)
     assert base is not None and sum(e.path.startswith("faiss/slice-") for e in base.files) >= 3

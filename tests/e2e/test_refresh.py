@@ -24,7 +24,7 @@ from pipeline.run import run_all
 from schemas.arrow import read_shard_table, shard_column
 from schemas.config import config_from_dict
 from schemas.manifest import IndexManifest, ShardsManifest, unversioned
-from tests.helpers import sample_documents, small_config, write_jsonl
+from tests.helpers import sample_documents, sliced_corpus_config, small_config, write_jsonl
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -163,12 +163,8 @@ def test_an_append_and_a_delete_refresh_to_a_full_build_and_two_refreshes_equal_
 
 def test_a_refresh_over_an_index_in_slices_searches_only_the_chunks_that_lost_a_neighbour(tmp_path):
     docs = sample_documents(32)
-    write_jsonl(tmp_path / "corpus" / "a.jsonl", docs[:24])
     out = tmp_path / "out"
-    index = {"type": "IVF8,Flat", "nprobe": 2, "slice_bytes": "400KB"}
-    cfg = config_from_dict(
-        small_config(out, str(tmp_path / "corpus" / "*.jsonl"), index=index, shard_rows=4, neighbour_recall_sample=400)
-    )
+    cfg = config_from_dict(sliced_corpus_config(tmp_path, docs[:24], shard_rows=4, neighbour_recall_sample=400))
     run_all(cfg, [])
     before = _shards(out)
     chosen = _most_retrieved(out, np.concatenate([s["neighbour_ids"].ravel() for s in before.values()]), docs, 2)

@@ -4,11 +4,13 @@ own tokens; a deleted neighbour sends only its chunk to be searched again; a seq
 differently is searched whole and one no longer packed is dropped; the search's answer replaces
 only the chunks it searched."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from pipeline.chunks.deleted import DeletedDocument, DeletedRanges
-from pipeline.retrieve.refresh import NewVectors, in_trained_lists, refresh_shard, with_searched
+from pipeline.retrieve.refresh import NewVectors, heads_of, in_trained_lists, refresh_shard, with_searched
 from pipeline.shards.rows import Sequence, ShardRow
 
 pytestmark = pytest.mark.unit
@@ -35,8 +37,9 @@ def stored_row(seq_id: int, ids, scores, docs=(1,)) -> ShardRow:
 
 
 def packed(row: ShardRow, docs=None) -> Sequence:
-    """The sequence packing gives for a stored row (heads: each chunk's first token, the target)."""
-    return Sequence(row.seq_id, np.concatenate([row.tokens[:-1:M], row.tokens[-1:]]), docs or row.doc_ids)
+    """The sequence packing gives for a stored row (heads: each chunk's first token, the target),
+    or the same with other documents."""
+    return replace(heads_of(row, M), doc_ids=docs) if docs else heads_of(row, M)
 
 
 ROWS = [
