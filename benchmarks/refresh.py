@@ -3,7 +3,7 @@ build-shards' refresh and of a full build-shards over the same changed index, an
 neighbours compare.
 
     .venv/bin/python benchmarks/refresh.py [--workdir DIR] [--chunks 50000] [--append 0.1]
-        [--delete 0.01] [--index Flat|IVF]
+        [--delete 0.01] [--index Flat|IVF] [--again]
 
 Corpus (real text): as benchmarks/append.py, the docstrings of the Python standard library and
 the installed packages in hash order, about --chunks chunks in 10 files.
@@ -12,6 +12,8 @@ the installed packages in hash order, about --chunks chunks in 10 files.
    type: Flat (exact) or IVF{nlist},Flat with the factory's nlist.
 2. The change: one more file of about --append of the base's chunks (`build-index`: an append),
    then --delete of the base's documents (`build-index --delete`, chosen in hash order).
+   The changed output is kept in --workdir (`changed/`): `--again` starts from it, for timing
+   another version of the refresh without building the base again.
 3. The output copied; `build-shards` in one (a refresh), `build-shards --full` in the copy: each
    a subprocess, its wall time, one after the other on the same machine.
 4. Their shards compared row by row (seq id): sequences and tokens must be equal; neighbour
@@ -114,28 +116,18 @@ def compare(refreshed: dict, full: dict) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    parser.add_argument("--workdir", type=Path)
-    parser.add_argument("--chunks", type=int, default=50_000)
-    parser.add_argument("--append", type=float, default=0.1)
-    parser.add_argument("--delete", type=float, default=0.01)
-    parser.add_argument("--index", choices=("Flat", "IVF"), default="Flat")
-    args = parser.parse_args()
+def build_and_change(workdir: Path, args) -> dict[str, float]:
+    """The base built (index and shards), then changed: an append and a delete. Their seconds."""
     from pipeline.corpus.records import doc_id_for
-    from pipeline.embed.encoder import cpu_summary
     from pipeline.index.factory import nlist_for
-    from schemas.manifest import IndexManifest, ShardsManifest
 
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="refresh-bench-"))
     base, extra = base_and_extra(workdir, args.chunks, args.append)
     corpus = workdir / "corpus"
     shutil.rmtree(corpus, ignore_errors=True)
     write_files(corpus, "base", base, BASE_FILES)
     index_type = "Flat" if args.index == "Flat" else f"IVF{nlist_for(int(args.chunks * (1 + args.append)))},Flat"
     cfg = config(workdir, corpus, index_type)
-    out = workdir / "out"
-    shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(workdir / "out", ignore_errors=True)
     seconds = {"base_index": timed("build-index", "--config", str(cfg))}
     seconds["base_shards"] = timed("build-shards", "--config", str(cfg))
     write_files(corpus, "more", extra, 1)
@@ -143,6 +135,33 @@ def main() -> None:
     chosen = sorted(base, key=lambda d: doc_id_for("delete" + d["id"]))[: max(1, round(len(base) * args.delete))]
     (workdir / "delete.txt").write_text("".join(d["id"] + "\n" for d in chosen))
     seconds["delete"] = timed("build-index", "--config", str(cfg), "--delete", str(workdir / "delete.txt"))
+    return seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser.add_argument("--workdir", type=Path)
+    parser.add_argument("--chunks", type=int, default=50_000)
+    parser.add_argument("--append", type=float, default=0.1)
+    parser.add_argument("--delete", type=float, default=0.01)
+    parser.add_argument("--index", choices=("Flat", "IVF"), default="Flat")
+    parser.add_argument("--again", action="store_true", help="start from --workdir's changed database")
+    args = parser.parse_args()
+    if args.again and not (args.workdir and (args.workdir / "changed").is_dir()):
+        parser.error("--again needs the --workdir of an earlier run (its changed/ directory)")
+    from pipeline.embed.encoder import cpu_summary
+    from schemas.manifest import IndexManifest, ShardsManifest
+
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="refresh-bench-"))
+    out, changed = workdir / "out", workdir / "changed"
+    cfg = workdir / "config.yaml"
+    seconds = {}
+    if not args.again:
+        seconds = build_and_change(workdir, args)
+        shutil.rmtree(changed, ignore_errors=True)
+        shutil.copytree(out, changed)
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(changed, out)
 
     full_dir = workdir / "full"
     shutil.rmtree(full_dir, ignore_errors=True)
