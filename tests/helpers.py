@@ -364,7 +364,7 @@ def write_chunk_files(
         if vectors is not None:
             rows = [(c.chunk_id, vectors[c.chunk_id]) for c in part]
             (directory / f"embeddings/embeddings-{number:05d}.parquet").write_bytes(
-                parquet_bytes(embeddings_table(rows))
+                parquet_bytes(embeddings_table(rows), row_group_rows)
             )
     return ChunkFileRanges.from_entries(str(directory), entries)
 

@@ -26,8 +26,9 @@ from pipeline.common import fileio
 from pipeline.common.models import embedding_dim
 from pipeline.common.names import file_number
 from pipeline.retrieve.committed import CommittedIndex, IndexChange
+from pipeline.retrieve.file_queries import FileQueries
 from pipeline.retrieve.refresh import NewVectors, heads_of, refresh_shard, with_searched
-from pipeline.retrieve.search import LOST_DATA, SEQUENCES_PER_SEARCH, FileQueries
+from pipeline.retrieve.search import LOST_DATA, SEQUENCES_PER_SEARCH
 from pipeline.retrieve.sequences import pack_batch
 from pipeline.shards.rows import RowBatch, Sequence, SequenceBatch, rows_of_table
 from schemas.arrow import read_shard_table

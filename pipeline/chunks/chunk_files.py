@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 from pipeline.chunks.chunking import Chunk
 from pipeline.chunks.deleted import DELETED_DIR, DeletedFiles, DeletedRanges
 from pipeline.common import fileio
+from pipeline.common.arrays import groups
 from pipeline.common.names import file_name, file_number
 from schemas.arrow import chunk_schema, fixed_size_list, tensor_column_to_numpy
 
@@ -178,40 +179,62 @@ class ChunkFileRanges:
         parts = []
         for number in range(self.file_of(first), self.file_of(end - 1) + 1):
             start = self.starts[number]
-            lo, hi = max(first, start), min(end, self.starts[number + 1])
-            path = fileio.join(self.directory, self.paths[number])
-            with fileio.open_read(path) as f:
-                parquet = pq.ParquetFile(f)
-                sizes = np.array([parquet.metadata.row_group(g).num_rows for g in range(parquet.num_row_groups)])
-                ends = np.cumsum(sizes)
-                groups = list(
-                    range(
-                        int(np.searchsorted(ends, lo - start, side="right")),
-                        int(np.searchsorted(ends, hi - start - 1, side="right")) + 1,
-                    )
-                )
-                table = parquet.read_row_groups(groups, columns=["chunk_id", "tokens"])
-            skip = lo - start - int((ends - sizes)[groups[0]])
-            columns = chunk_arrays(table.slice(skip, hi - lo), ["chunk_id", "tokens"])
-            if not np.array_equal(columns["chunk_id"], np.arange(lo, hi)):
-                raise ValueError(
-                    f"{path} does not hold the chunk ids {lo}..{hi - 1} its manifest implies: "
-                    "run `ratrain-pipeline validate` on the index"
-                )
-            parts.append(columns["tokens"])
+            at = np.arange(max(first, start), min(end, self.starts[number + 1])) - start
+            table = self._rows_checked(number, self.paths[number], at, ["tokens"])
+            parts.append(chunk_arrays(table, ["tokens"])["tokens"])
         return np.concatenate(parts).astype(np.int32, copy=False)
 
     def read_embeddings(self, number: int) -> np.ndarray:
         """The embeddings of file `number`'s chunks, float32 [rows, d]: the embedding file of
         the same number (the index stage writes both from one chunk-id bucketing), checked
         to hold the same ids."""
-        path = (
-            self.embedding_paths[number]
-            if self.embedding_paths
-            else fileio.join(EMBEDDINGS_DIR, file_name(EMBEDDINGS_DIR, file_number(self.paths[number]), "parquet"))
-        )
-        vectors = tensor_column_to_numpy(self._read_checked(number, path, ["embedding"])["embedding"])
-        return np.ascontiguousarray(vectors, np.float32)
+        table = self._read_checked(number, self._embedding_path(number), ["embedding"])
+        return np.ascontiguousarray(tensor_column_to_numpy(table["embedding"]), np.float32)
+
+    def read_embedding_rows(self, chunk_ids: np.ndarray) -> np.ndarray:
+        """The embeddings of these chunk ids (any order), float32 [n, d]: only the Parquet row
+        groups holding them are read, each checked as `read_tokens` checks its."""
+        chunk_ids = np.asarray(chunk_ids, np.int64)
+        for chunk_id in (chunk_ids.min(), chunk_ids.max()) if len(chunk_ids) else ():
+            self.file_of(int(chunk_id))  # an error naming an id the database does not hold
+        vectors = np.zeros((len(chunk_ids), 0), np.float32)
+        for number, where in groups(self.files_of(chunk_ids)):
+            at = np.unique(chunk_ids[where] - self.starts[number])
+            table = self._rows_checked(number, self._embedding_path(number), at, ["embedding"])
+            rows = tensor_column_to_numpy(table["embedding"])
+            if not vectors.shape[1]:
+                vectors = np.zeros((len(chunk_ids), rows.shape[1]), np.float32)
+            vectors[where] = rows[np.searchsorted(at, chunk_ids[where] - self.starts[number])]
+        return vectors
+
+    def _embedding_path(self, number: int) -> str:
+        if self.embedding_paths:
+            return self.embedding_paths[number]
+        return fileio.join(EMBEDDINGS_DIR, file_name(EMBEDDINGS_DIR, file_number(self.paths[number]), "parquet"))
+
+    def _rows_checked(self, number: int, relative: str, at: np.ndarray, columns: list[str]):
+        """Rows `at` (positions in file `number`, ascending, distinct) of these columns, from
+        the Parquet row groups holding them alone, checked to hold the ids the manifest puts there."""
+        path = fileio.join(self.directory, relative)
+        with fileio.open_read(path) as f:
+            parquet = pq.ParquetFile(f)
+            sizes = np.array([parquet.metadata.row_group(g).num_rows for g in range(parquet.num_row_groups)])
+            group_of = np.searchsorted(np.cumsum(sizes), at, side="right")
+            read = np.unique(group_of)
+            table = parquet.read_row_groups(read.tolist(), columns=["chunk_id", *columns])
+        # a row's place in the groups read: where its group starts among them, plus its place in the group
+        first_of_read = np.concatenate([[0], np.cumsum(sizes[read])[:-1]])
+        first_of_group = np.cumsum(sizes) - sizes
+        places = first_of_read[np.searchsorted(read, group_of)] + at - first_of_group[group_of]
+        contiguous = len(places) and places[-1] - places[0] == len(places) - 1
+        table = table.slice(int(places[0]), len(places)) if contiguous else table.take(places)
+        ids = self.starts[number] + at
+        if not np.array_equal(table["chunk_id"].to_numpy(), ids):
+            raise ValueError(
+                f"{path} does not hold the chunk ids {ids[0]}..{ids[-1]} its manifest implies: "
+                "run `ratrain-pipeline validate` on the index"
+            )
+        return table
 
     def _read_checked(self, number: int, relative: str, columns: list[str]):
         path = fileio.join(self.directory, relative)
@@ -293,6 +316,9 @@ class CommittedChunkFiles:
 
     def read_embeddings(self, number: int) -> np.ndarray:
         return self.ranges.read_embeddings(number)
+
+    def read_embedding_rows(self, chunk_ids: np.ndarray) -> np.ndarray:
+        return self.ranges.read_embedding_rows(chunk_ids)
 
     def read_tokens(self, first: int, end: int) -> np.ndarray:
         return self.ranges.read_tokens(first, end)

@@ -27,6 +27,7 @@ from pipeline.chunks.deleted import DeletedFiles
 from pipeline.common.arrays import positions_of, widest_span
 from pipeline.index.exact import truth_depth
 from pipeline.retrieve.depth import tune_retrieval_depth
+from pipeline.retrieve.file_queries import file_batches, with_file_queries
 from pipeline.retrieve.file_tokens import FileTokens
 from pipeline.retrieve.recall import ExactTruth, SmallestProbes
 from pipeline.retrieve.search import (
@@ -45,9 +46,8 @@ from pipeline.retrieve.search import (
     received_by,
     search_batch_of,
     select_distinct,
-    with_file_queries,
 )
-from pipeline.retrieve.search_beam import SENT, TALLY, SearchIndex, by_chunk_file
+from pipeline.retrieve.search_beam import SENT, TALLY, ProbeQueries, SearchIndex, by_chunk_file
 from pipeline.retrieve.sequences import batch_parts, document_spans, pack_batch, with_tokens
 from pipeline.shards.rows import RowBatch, SequenceBatch, ShardRow, sequences_neighbour_arrays
 
@@ -322,30 +322,23 @@ class RetrieveNeighbours(beam.PTransform):
 
             searched_by_file = by_file(by_batch, narrowed=narrowed)
             sampled_by_file = searched_by_file if probed is None else by_file(sampled, "Probed")
-
-            def joined_for(step: str):  # each file read where its batches are used: no query is shuffled
-                joined = sampled_by_file if step == "Probe" else searched_by_file
-                return joined | f"{step}Queries" >> beam.FlatMap(with_file_queries, files, L)
-
+            # each file read where its batches are searched: no query is shuffled
+            searched_joins = searched_by_file | "SearchQueries" >> beam.FlatMap(with_file_queries, files, L)
+            sampled_joins = sampled_by_file | "ProbedBatches" >> beam.FlatMap(file_batches)
         else:
-            joined_queries = {
+            searched_joins = sampled_joins = {
                 "sequences": by_batch,
                 "embeddings": embeddings | "QueriesBySearchBatch" >> beam.FlatMap(lambda b: b.by_search_batch(L)),
                 "excluded": excluded,
             } | "JoinQueries" >> beam.CoGroupByKey()
-
-            def joined_for(step: str):
-                return joined_queries
-
         if spec.probes:
+            # chosen by key, then only the chosen chunks' queries read, not every query once more
             probes = (
-                joined_for("Probe")
+                sampled_joins
                 | "BatchProbes" >> beam.Map(batch_probes, spec)
                 | "SampleProbes" >> beam.CombineGlobally(SmallestProbes(spec.probes))
+                | "ProbeQueries" >> ProbeQueries(L, files if embeddings is None else embeddings)
             )
-        else:
-            probes = by_batch.pipeline | "NoProbes" >> beam.Create([[]])
-        if spec.probes:
             # read again even when the queries are the database: scanning those would keep every
             # query embedding until the sample exists (a side input from the same read)
             database = by_batch.pipeline | "ReadDatabaseEmbeddings" >> ReadQueryBlocks(
@@ -353,11 +346,12 @@ class RetrieveNeighbours(beam.PTransform):
             )
             truth = (probes, database) | "ExactTruth" >> ExactTruth(truth_depth(spec.neighbours))
         else:
+            probes = by_batch.pipeline | "NoProbes" >> beam.Create([[]])
             truth = probes | "NoTruth" >> beam.Map(lambda _: None)
         depth = probes | "TuneSearchDepth" >> beam.Map(
             lambda sample, truth: tune_retrieval_depth(spec, sample, truth), beam.pvalue.AsSingleton(truth)
         )
-        searched = joined_for("Search") | "Search" >> SearchIndex(spec, depth)
+        searched = searched_joins | "Search" >> SearchIndex(spec, depth)
         tallies = [searched.tallies]
         if spec.dedupe:
             picked = (

@@ -18,7 +18,7 @@ from pipeline.index.recall import recall_of
 from pipeline.index.routing import search_routed
 from pipeline.index.search import search_depth_range, search_each_excluding, set_search_depth
 from pipeline.index.tuning import tune_depth
-from pipeline.retrieve.recall import Probe
+from pipeline.retrieve.recall import Probe, queries_of
 from pipeline.retrieve.search import Retrieval, Routing
 from schemas.measures import DepthRecall, SearchDepth
 
@@ -32,7 +32,7 @@ def search_probes(index, probes: list[Probe], k: int, depth: int | None) -> np.n
     its own ranges excluded, deepening as the search does."""
     if depth is not None:
         set_search_depth(index, depth)
-    return search_each_excluding(index, np.stack([p.query for p in probes]), k, [p.excluded for p in probes]).ids
+    return search_each_excluding(index, queries_of(probes), k, [p.excluded for p in probes]).ids
 
 
 def index_version(chunk_files: ChunkFileRanges | CommittedChunkFiles | None) -> str:
@@ -97,7 +97,7 @@ def search_slices(
 def search_probes_routed(spec: Retrieval, probes: list[Probe], depth: int | None) -> np.ndarray:
     """`search_probes` over slices by inverted lists, routed as build-shards searches them."""
     assert spec.routing is not None
-    queries = np.stack([p.query for p in probes])
+    queries = queries_of(probes)
     return search_slices(
         spec.routing,
         queries,

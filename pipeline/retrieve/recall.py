@@ -35,14 +35,22 @@ class Probe(NamedTuple):
     key: int  # sample_keys of its chunk position
     seq_id: int
     j: int  # the chunk's place in its sequence
-    query: np.ndarray  # its embedding [d]
+    query: np.ndarray | None  # its embedding [d]; None while the sample is chosen (by key alone)
     excluded: tuple  # its sequence's documents' chunk-id ranges ((start, end), ...)
+
+
+def queries_of(probes: list[Probe]) -> np.ndarray:
+    """The probes' queries [n, d], once read (`ProbeQueries`)."""
+    queries = [p.query for p in probes]
+    if any(q is None for q in queries):
+        raise ValueError("a probe's query was not read: the sample goes through ProbeQueries first")
+    return np.stack(queries)  # type: ignore[arg-type]  # checked above
 
 
 def scan_batch(ids: np.ndarray, vectors: np.ndarray, probes: list[Probe], depth: int):
     """One (non-empty) block of embeddings against the probes: its exact top `depth`
     (scores, ids) per probe, each probe's ranges excluded."""
-    return exact_nearest_outside(np.stack([p.query for p in probes]), [p.excluded for p in probes], ids, vectors, depth)
+    return exact_nearest_outside(queries_of(probes), [p.excluded for p in probes], ids, vectors, depth)
 
 
 class SmallestProbes(beam.CombineFn):

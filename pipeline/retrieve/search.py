@@ -233,30 +233,6 @@ class QueryBlock:
             yield batch, QueryBlock(self.chunk_ids[rows], self.vectors[rows])
 
 
-class FileQueries:
-    """Query embeddings where the training chunks are the database's: a block of chunk ids'
-    rows read from the embedding files (`read_embeddings`), the last file read kept, so a
-    process holds one file's embeddings at a time (a block across a file's edge reads the
-    next file whole, after letting go of the last)."""
-
-    def __init__(self, chunk_files):
-        self.chunk_files, self.number, self.vectors = chunk_files, -1, np.zeros((0, 0), np.float32)
-
-    def block(self, chunk_ids: np.ndarray) -> QueryBlock:
-        if len(chunk_ids):  # an error naming an id the database does not hold
-            self.chunk_files.file_of(int(chunk_ids.min()))
-            self.chunk_files.file_of(int(chunk_ids.max()))
-        vectors = np.zeros((0, 0), np.float32)
-        for number, at in groups(self.chunk_files.files_of(chunk_ids)):
-            if number != self.number:
-                self.vectors, self.number = np.zeros((0, 0), np.float32), -1  # one file held at a time
-                self.vectors, self.number = self.chunk_files.read_embeddings(number), number
-            if not vectors.size:
-                vectors = np.empty((len(chunk_ids), self.vectors.shape[1]), np.float32)
-            vectors[at] = self.vectors[chunk_ids[at] - self.chunk_files.starts[number]]
-        return QueryBlock(chunk_ids, vectors)
-
-
 @dataclass(frozen=True)
 class SearchedChunks:
     """Which chunks of some sequences their search batch searches (a refresh's: the chunks that
@@ -282,39 +258,13 @@ def searched_rows(grouped, seq_ids: np.ndarray, L: int) -> np.ndarray:
     return np.flatnonzero(searched.ravel())
 
 
-def with_file_queries(keyed, chunk_files, chunks_per_seq: int):
-    """(embedding file, the (search batch, SequenceBatch) and (search batch, (doc_id, span))
-    of the batches whose first chunk it holds) -> each batch, in batch order, as a join with
-    its query embeddings gives it: its sequences' chunks' rows read from the embedding files
-    (`FileQueries`: a file read once for its batches, plus the next one for a batch across
-    its edge)."""
-    _, grouped = keyed
-    batches: dict[int, dict[str, list]] = {}
-    names = ("sequences", "excluded", "searched_chunks")
-    for name in names:
-        for batch, value in grouped.get(name, ()):
-            batches.setdefault(batch, {name: [] for name in names})[name].append(value)
-    queries = FileQueries(chunk_files)
-    for batch in sorted(batches):
-        joined = batches.pop(batch)
-        seq_ids = np.array(sorted(s.seq_id for s in SequenceBatch.merged(joined["sequences"])), np.int64)
-        chunk_ids = (seq_ids[:, None] * chunks_per_seq + np.arange(chunks_per_seq)).ravel()
-        yield batch, {**joined, "embeddings": [queries.block(chunk_ids)]}
-
-
-def batch_queries(grouped, L: int):
-    """A joined search batch -> per sequence (seq id order): (sequence, its queries [L, d], its
-    documents' chunk-id ranges, merged). A sequence whose documents did not all answer (a
-    lost range would let its own chunks through as neighbours), or whose chunks' embeddings
-    did not all arrive, fails the job: nothing is committed."""
-    blocks = list(grouped["embeddings"])
-    ids = np.concatenate([b.chunk_ids for b in blocks]) if blocks else np.zeros(0, np.int64)
-    order = np.argsort(ids, kind="stable")
-    ids = ids[order]
+def batch_ranges(grouped):
+    """A joined search batch -> per sequence (seq id order): (sequence, its documents' chunk-id
+    ranges, merged). A sequence whose documents did not all answer (a lost range would let its
+    own chunks through as neighbours) fails the job: nothing is committed."""
     spans: dict[int, list] = {}
     for doc_id, span in grouped["excluded"]:
         spans.setdefault(doc_id, []).append(span)
-    vectors = None
     for s in SequenceBatch.merged(grouped["sequences"]):
         answered = [spans[d][0] for d in s.doc_ids if len(spans.get(d, ())) == 1]
         if len(answered) != len(s.doc_ids):
@@ -322,6 +272,19 @@ def batch_queries(grouped, L: int):
                 f"sequence {s.seq_id}: {len(answered)} of its {len(s.doc_ids)} documents' chunk-id ranges "
                 f"arrived: {LOST_DATA}; nothing is committed"
             )
+        yield s, merge_ranges([span for span in answered if span is not None])
+
+
+def batch_queries(grouped, L: int):
+    """A joined search batch -> per sequence (seq id order): (sequence, its queries [L, d], its
+    documents' chunk-id ranges, merged: `batch_ranges`). A sequence whose chunks' embeddings did
+    not all arrive fails the job: nothing is committed."""
+    blocks = list(grouped["embeddings"])
+    ids = np.concatenate([b.chunk_ids for b in blocks]) if blocks else np.zeros(0, np.int64)
+    order = np.argsort(ids, kind="stable")
+    ids = ids[order]
+    vectors = None
+    for s, ranges in batch_ranges(grouped):
         wanted = s.seq_id * L + np.arange(L)
         at, present = positions_of(ids, wanted)
         if not present.all():
@@ -331,17 +294,19 @@ def batch_queries(grouped, L: int):
             )
         if vectors is None:  # the batch's vectors in id order, once it has a sequence to search
             vectors = np.concatenate([b.vectors for b in blocks])[order]
-        yield s, vectors[at], merge_ranges([span for span in answered if span is not None])
+        yield s, vectors[at], ranges
 
 
 def batch_probes(keyed, spec: Retrieval) -> list[Probe]:
-    """A joined search batch -> its training chunks in the probe sample's running: the
-    `spec.probes` smallest by (key, seq_id, j), keys a hash of the chunk's position."""
+    """A search batch joined with its documents' ranges -> its training chunks in the probe
+    sample's running: the `spec.probes` smallest by (key, seq_id, j), keys a hash of the chunk's
+    position. Chosen by key alone: their queries are read once the sample is known
+    (`recall.ProbeQueries`), not every query of the batch."""
     _, grouped = keyed
     L, probes = spec.chunks_per_seq, []
-    for s, queries, ranges in batch_queries(grouped, L):
+    for s, ranges in batch_ranges(grouped):
         keys = sample_keys(s.seq_id * L + np.arange(L), PROBE_SALT)
-        probes += [Probe(int(key), s.seq_id, j, queries[j], tuple(ranges)) for j, key in enumerate(keys)]
+        probes += [Probe(int(key), s.seq_id, j, None, tuple(ranges)) for j, key in enumerate(keys)]
     return sorted(probes, key=lambda p: p[:3])[: spec.probes]
 
 

@@ -20,7 +20,7 @@ import faiss
 import numpy as np
 from apache_beam.utils import shared
 
-from pipeline.common.arrays import groups
+from pipeline.common.arrays import groups, positions_of
 from pipeline.index.files import read_owners
 from pipeline.retrieve.depth import index_version, load_searched, stored_path
 from pipeline.retrieve.routed import (
@@ -43,6 +43,58 @@ from pipeline.retrieve.search import (
     search_batch,
 )
 from schemas.measures import SearchDepth
+
+
+def _probe_chunk_ids(sample, chunks_per_seq: int) -> np.ndarray:
+    return np.array([p.seq_id * chunks_per_seq + p.j for p in sample], np.int64)
+
+
+def _queries_of_probes(block, sample, chunks_per_seq: int):
+    """A block of training chunks' queries -> (chunk id, query) for each sampled chunk in it."""
+    order = np.argsort(block.chunk_ids, kind="stable")
+    wanted = _probe_chunk_ids(sample, chunks_per_seq)
+    at, present = positions_of(block.chunk_ids[order], wanted)
+    for chunk_id, row in zip(wanted[present].tolist(), order[at[present]]):
+        yield chunk_id, block.vectors[row]
+
+
+def _with_queries(sample, found, chunks_per_seq: int):
+    """The sample with each probe's query from `found` ((chunk id, query) pairs); a query that
+    did not arrive fails the job: nothing is committed."""
+    queries = dict(found)
+    for probe, chunk_id in zip(sample, _probe_chunk_ids(sample, chunks_per_seq).tolist()):
+        if chunk_id not in queries:
+            raise RuntimeError(
+                f"sequence {probe.seq_id}: the query of its sampled chunk {probe.j} did not arrive: "
+                f"{LOST_DATA}; nothing is committed"
+            )
+    return [p._replace(query=queries[i]) for p, i in zip(sample, _probe_chunk_ids(sample, chunks_per_seq).tolist())]
+
+
+def _read_probe_queries(sample, chunk_files, chunks_per_seq: int):
+    ids = _probe_chunk_ids(sample, chunks_per_seq)
+    return [p._replace(query=q) for p, q in zip(sample, chunk_files.read_embedding_rows(ids))]
+
+
+class ProbeQueries(beam.PTransform):
+    """(the probe sample, chosen by key: `batch_probes`) -> the sample with each probe's query:
+    read from the database's embedding files (`queries`: its chunk files; only the row groups
+    holding them), or picked out of the training chunks' `QueryBlock`s (`queries`: a PCollection)."""
+
+    def __init__(self, chunks_per_seq: int, queries):
+        super().__init__()
+        self.chunks_per_seq, self.queries = chunks_per_seq, queries
+
+    def expand(self, sample):
+        L, queries = self.chunks_per_seq, self.queries
+        if not isinstance(queries, beam.PCollection):
+            return sample | "ReadProbeQueries" >> beam.Map(_read_probe_queries, queries, L)
+        found = queries | "QueriesOfProbes" >> beam.FlatMap(
+            lambda block, probes: _queries_of_probes(block, probes, L) if probes else (),
+            beam.pvalue.AsSingleton(sample),
+        )
+        return sample | "WithQueries" >> beam.Map(_with_queries, beam.pvalue.AsList(found), L)
+
 
 SENT = "sent"  # tagged output: (search batch, SentCounts: what each sequence sent through the next shuffle)
 TALLY = "tally"  # tagged output: (name, count) pairs, counted as data (pipeline.common.tally)

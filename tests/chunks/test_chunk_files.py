@@ -45,6 +45,22 @@ def test_a_range_of_chunk_ids_reads_only_its_row_groups_across_files(tmp_path):
         lying.read_tokens(10, 20)
 
 
+def test_chosen_embeddings_read_only_their_row_groups(tmp_path):
+    """The probe sample's queries: scattered ids, any order, a repeat, across files."""
+    rng = np.random.default_rng(3)
+    chunks = list(chunk_document(7, rng.integers(1, 1000, 40 * M).astype(np.int32), 0, M, PAD))
+    vectors = rng.standard_normal((40, 8)).astype(np.float32)
+    files = write_chunk_files(tmp_path, chunks, rows_per_file=16, row_group_rows=3, vectors=vectors)
+    for ids in ([39, 0, 17, 5, 17], [16], [2, 3, 4], list(range(40))[::-1]):
+        assert np.array_equal(files.read_embedding_rows(np.array(ids)), vectors[ids]), ids
+    assert files.read_embedding_rows(np.zeros(0, np.int64)).shape[0] == 0
+    with pytest.raises(ValueError, match="chunk id 40 is not in the chunk database"):
+        files.read_embedding_rows(np.array([3, 40]))
+    lying = ChunkFileRanges(files.directory, files.paths, (0, 14, 30, 40), files.embedding_paths)
+    with pytest.raises(ValueError, match="does not hold the chunk ids"):
+        lying.read_embedding_rows(np.array([20]))
+
+
 def test_sequences_packed_from_first_tokens_get_the_tokens_packing_them_whole_gives(tmp_path):
     """build-shards over its own chunks shuffles each chunk's first token only and reads the
     rest where the rows are assembled: the rows are the same, and a chunk file changed since

@@ -116,6 +116,36 @@ def test_the_sample_does_not_depend_on_how_probes_are_batched():
 
 
 @pytest.mark.beam
+def test_the_sample_chosen_by_key_gets_its_queries_from_files_or_blocks(tmp_path):
+    """The probes are chosen without their queries; then only theirs are read, from the
+    database's embedding files or out of the training chunks' blocks, and one that does not
+    arrive fails the job."""
+    from pipeline.chunks.chunking import chunk_document
+    from pipeline.retrieve.search import LOST_DATA, QueryBlock
+    from pipeline.retrieve.search_beam import ProbeQueries
+    from tests.helpers import write_chunk_files
+
+    vectors = _vectors(40)
+    chunks = list(chunk_document(1, np.arange(1, 161, dtype=np.int32), 0, 4, 0))
+    files = write_chunk_files(tmp_path, chunks, rows_per_file=16, row_group_rows=3, vectors=vectors)
+    sample = [Probe(key, seq_id, j, None, ()) for key, (seq_id, j) in enumerate([(19, 1), (0, 0), (8, 1), (8, 0)])]
+    wanted = [vectors[s * L + j] for _, s, j, _, _ in sample]
+    blocks = [QueryBlock(np.arange(b, min(b + 7, 40))[::-1], vectors[b : b + 7][::-1]) for b in range(0, 40, 7)]
+
+    def check(got):
+        assert [p[:3] for p in got[0]] == [p[:3] for p in sample]
+        assert all(np.array_equal(p.query, q) for p, q in zip(got[0], wanted))
+
+    with local_pipeline() as p:
+        chosen = p | "Sample" >> beam.Create([sample])
+        assert_that(chosen | "FromFiles" >> ProbeQueries(L, files), check, label="files")
+        in_blocks = p | "Blocks" >> beam.Create(blocks)
+        assert_that(chosen | "FromBlocks" >> ProbeQueries(L, in_blocks), check, label="blocks")
+    with pytest.raises(Exception, match=LOST_DATA), local_pipeline() as p:
+        _ = (p | beam.Create([sample])) | ProbeQueries(L, p | "Blocks" >> beam.Create(blocks[1:]))
+
+
+@pytest.mark.beam
 def test_measure_neighbour_recall_against_exact_search(tmp_path):
     """Sequences s = chunks 2s, 2s+1 exclude their own pair; even sequences carry the exact
     neighbours, odd ones the exact ones shifted by one (one of three right)."""

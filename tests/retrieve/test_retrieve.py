@@ -24,13 +24,13 @@ from pipeline.retrieve.beam import (
     RetrieveNeighbours,
     SpansOfTrainingChunks,
 )
+from pipeline.retrieve.file_queries import FileQueries
 from pipeline.retrieve.file_tokens import token_key
 from pipeline.retrieve.routed import BatchQueries, RoutedBatch, SliceFound, SliceQueries, merge_round
 from pipeline.retrieve.search import (
     CANDIDATE,
     PICK,
     SEQUENCES_PER_SEARCH,
-    FileQueries,
     NeighbourBlock,
     QueryBlock,
     Records,
