@@ -50,7 +50,7 @@ from pipeline.retrieve.beam import (
 from pipeline.retrieve.committed import CommittedIndex
 from pipeline.retrieve.recall import MeasureNeighbourRecall
 from pipeline.retrieve.search import LOST_DATA, QueryBlock, Retrieval
-from pipeline.shards.rows import overlap_histogram, overlap_tally
+from pipeline.shards.rows import NeighbourIds, overlap_histogram, row_tally
 from pipeline.shards.write import WriteShards
 from schemas.config import PipelineConfig
 from schemas.manifest import CREATED_BY, ShardsManifest
@@ -72,14 +72,6 @@ def chunks_from_table(table) -> list[Chunk]:
             rows["chunk_id"], rows["doc_id"], rows["position"], rows["tokens"], rows["continuation"]
         )
     ]
-
-
-def _row_tally(batch, m: int, pad_id: int):
-    """A batch of shard rows' counters: its sequences, its empty neighbour slots and the
-    overlap audit's buckets."""
-    yield "sequences", len(batch.rows)
-    yield "neighbour_slots_padded", int(sum((row.neighbour_ids < 0).sum() for row in batch.rows))
-    yield from overlap_tally(batch, m, pad_id)
 
 
 def _refreshes(refreshed: RefreshSummary | None = None, written=(), unchanged=(), *, tallies) -> list[ShardsRefresh]:
@@ -233,6 +225,7 @@ def _build_shards(
         retrieve = RetrieveNeighbours(spec, cfg.rows_per_shard(), cfg.index.min_ram, validate=not dry_run)
         # nothing is read that could be rejected, nothing is embedded: no steps for them
         rejected, precision, read_tallies, unchanged = None, None, (), None
+        kept_ids: tuple = ()  # a refresh's unchanged rows' NeighbourIds
         if refresh is not None:
             assert index is not None  # a refresh is planned from the committed index
             plan = RefreshPlan(
@@ -251,13 +244,9 @@ def _build_shards(
             )
             spans = pipeline | "DocumentSpans" >> DocumentSpans(database_chunks, deleted=deleted)
             refreshed = spans | "RefreshShards" >> RefreshShards(plan, retrieve)
-            retrieved, to_write, every_row, unchanged = (
-                refreshed.retrieved,
-                refreshed.rows,
-                refreshed.every_row,
-                refreshed.unchanged,
-            )
-            chunk_tallies = refreshed.tallies
+            retrieved, to_write, unchanged = refreshed.retrieved, refreshed.rows, refreshed.unchanged
+            chunk_tallies = refreshed.tallies  # with the unchanged shards' rows' tallies
+            kept_ids = (refreshed.neighbour_ids,)
         else:
             if cfg.training_corpus == "same":
                 # a deleted document's chunks are in no sequence: the sequences they would be in are not made
@@ -298,7 +287,7 @@ def _build_shards(
             sequences = training_chunks | "PackSequences" >> PackSequences(L, tok.pad_id)
             inputs = (sequences, spans) if queries is None else (sequences, queries, spans)
             retrieved = inputs | "RetrieveNeighbours" >> retrieve
-            to_write = every_row = retrieved.rows
+            to_write = retrieved.rows
             chunk_tallies = counted("training_chunks", training_chunks, len)
         rows = to_write | "ShardProgress" >> ReportProgress("retrieve", "sequences", lambda batch: len(batch.rows))
         written = rows | "WriteShards" >> WriteShards(staging, cfg.rows_per_shard(), tok.pad_id)
@@ -308,12 +297,14 @@ def _build_shards(
             if rejected is None
             else (rejected | "WriteRejected" >> WriteRejected(fileio.join(staging, REJECTED_STAGING), "build-shards"),)
         )
-        recall = (retrieved.probes, retrieved.truth, every_row) | "MeasureNeighbourRecall" >> MeasureNeighbourRecall(k)
+        # the recall check reads every row's neighbour ids: a refresh's unchanged rows send only those
+        ids = (to_write | "NeighbourIds" >> beam.Map(NeighbourIds.of), *kept_ids) | "EveryRowsIds" >> beam.Flatten()
+        recall = (retrieved.probes, retrieved.truth, ids) | "MeasureNeighbourRecall" >> MeasureNeighbourRecall(k)
         tallies = (
             *read_tallies,
             retrieved.tallies,
             chunk_tallies,
-            every_row | "TallyRows" >> beam.FlatMap(_row_tally, m, tok.pad_id),
+            to_write | "TallyRows" >> beam.FlatMap(row_tally, m, tok.pad_id),
         ) | "Tallies" >> Tally()
         refreshes: tuple = ()
         if refresh is not None and unchanged is not None and index is not None:  # all or none

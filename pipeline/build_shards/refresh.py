@@ -4,7 +4,8 @@ and commit as a full build.
 
 Each shard is refreshed where its first chunk's file is read: shards are grouped by that file,
 so a process reads a chunk file (and, with new vectors, its embedding file) about once. The
-stored rows that stay go on as they are; the sequences that must be searched go through
+stored rows that stay go on as they are (those of a shard that keeps its file go no further
+than their neighbour ids and tallies); the sequences that must be searched go through
 `RetrieveNeighbours` as a full build's do, with every kept sequence offered to its probe sample,
 so the probes, the depth tuned on them and the recall measured are a full build's. A changed
 shard's kept and searched rows meet by shard and are written; a shard none of whose rows
@@ -30,14 +31,14 @@ from pipeline.retrieve.file_queries import FileQueries
 from pipeline.retrieve.refresh import NewVectors, heads_of, refresh_shard, with_searched
 from pipeline.retrieve.search import LOST_DATA, SEQUENCES_PER_SEARCH
 from pipeline.retrieve.sequences import pack_batch
-from pipeline.shards.rows import RowBatch, Sequence, SequenceBatch, rows_of_table
+from pipeline.shards.rows import NeighbourIds, RowBatch, Sequence, SequenceBatch, row_tally, rows_of_table
 from schemas.arrow import read_shard_table
 from schemas.manifest import ShardEntry, ShardsManifest, read_manifest, unversioned
 from schemas.measures import ShardsRefresh
 
 log = logging.getLogger("ratrain")
 
-UNCHANGED, SEARCHED, NARROWED, PROBED, ROWS = "unchanged", "searched", "narrowed", "probed", "rows"
+UNCHANGED, SEARCHED, NARROWED, PROBED, IDS = "unchanged", "searched", "narrowed", "probed", "neighbour_ids"
 TALLY = "tally"
 
 
@@ -169,9 +170,10 @@ def _by_search_batch(sequences: list[Sequence]):
 class _RefreshShards(beam.DoFn):
     """(chunk file, the shard numbers whose first chunk it holds) -> per shard: a changed
     shard's kept rows and the seq ids it sends to the search (main: (shard, ("kept",
-    RowBatch)), (shard, ("searched", seq ids))), or an unchanged one's entry (UNCHANGED) and
-    rows (ROWS); the sequences to search (SEARCHED), which of their chunks where not all
-    (NARROWED), the kept sequences searched in no part (PROBED), and counters (TALLY)."""
+    RowBatch)), (shard, ("searched", seq ids))); an unchanged one's entry (UNCHANGED) and its
+    rows' neighbour ids (IDS) and tallies, its rows staying here; the sequences to search
+    (SEARCHED), which of their chunks where not all (NARROWED), the kept sequences searched in
+    no part (PROBED), and counters (TALLY)."""
 
     def __init__(self, plan: RefreshPlan):
         self.plan = plan
@@ -203,7 +205,9 @@ class _RefreshShards(beam.DoFn):
                 yield beam.pvalue.TaggedOutput(TALLY, (name, count))
             if entry is not None and not done.changed:
                 yield beam.pvalue.TaggedOutput(UNCHANGED, entry)
-                yield beam.pvalue.TaggedOutput(ROWS, RowBatch(done.rows))
+                yield beam.pvalue.TaggedOutput(IDS, NeighbourIds.of(RowBatch(done.rows)))
+                for name, count in row_tally(RowBatch(done.rows), m, plan.pad_id):
+                    yield beam.pvalue.TaggedOutput(TALLY, (name, count))
             elif done.rows:
                 yield shard, ("kept", RowBatch(done.rows))
             elif entry is not None and not done.searched:  # every sequence of it dropped
@@ -258,9 +262,9 @@ class Refreshed:
 
     rows: beam.PCollection  # a RowBatch per changed shard: to write
     unchanged: beam.PCollection  # the ShardEntry of each shard that keeps its file
-    every_row: beam.PCollection  # RowBatches of every row the shards hold: the tallies' and the recall check's
+    neighbour_ids: beam.PCollection  # `NeighbourIds` of the unchanged shards' rows: the recall check's
     retrieved: object  # `Retrieved` of the sequences searched
-    tallies: beam.PCollection
+    tallies: beam.PCollection  # the unchanged shards' rows' tallies among them
 
 
 class RefreshShards(beam.PTransform):
@@ -282,7 +286,7 @@ class RefreshShards(beam.PTransform):
             | "GroupByChunkFile" >> beam.GroupByKey()
             | "Refresh"
             >> beam.ParDo(_RefreshShards(plan)).with_outputs(
-                UNCHANGED, SEARCHED, NARROWED, PROBED, ROWS, TALLY, main="kept"
+                UNCHANGED, SEARCHED, NARROWED, PROBED, IDS, TALLY, main="kept"
             )
         )
         searching = {
@@ -301,8 +305,7 @@ class RefreshShards(beam.PTransform):
             | "JoinByShard" >> beam.CoGroupByKey()
             | "MergeRows" >> beam.FlatMap(_merged_rows)
         )
-        every_row = (done[ROWS], rows) | "EveryRow" >> beam.Flatten()
-        return Refreshed(rows, done[UNCHANGED], every_row, retrieved, done[TALLY])
+        return Refreshed(rows, done[UNCHANGED], done[IDS], retrieved, done[TALLY])
 
 
 @dataclass(frozen=True)

@@ -96,11 +96,11 @@ class ExactTruth(beam.PTransform):
         )
 
 
-def _our_neighbours(batch, wanted: set):
-    for row in batch.rows:
-        for j in range(len(row.neighbour_ids)):
-            if (row.seq_id, j) in wanted:
-                yield (row.seq_id, j), row.neighbour_ids[j]
+def _our_neighbours(block, wanted: set):
+    for seq_id, ids in zip(block.seq_ids.tolist(), block.ids):
+        for j in range(len(ids)):
+            if (seq_id, j) in wanted:
+                yield (seq_id, j), ids[j]
 
 
 def neighbour_recall(probes: list[Probe], truth, ours: list, k: int) -> dict | None:
@@ -121,8 +121,8 @@ def neighbour_recall(probes: list[Probe], truth, ours: list, k: int) -> dict | N
 
 
 class MeasureNeighbourRecall(beam.PTransform):
-    """(probe sample, its exact truth, RowBatches) -> one dict: the recall of the neighbours
-    written for the sampled training chunks (`neighbour_recall`), or None."""
+    """(probe sample, its exact truth, `NeighbourIds` of every row) -> one dict: the recall of
+    the neighbours written for the sampled training chunks (`neighbour_recall`), or None."""
 
     def __init__(self, k: int):
         super().__init__()

@@ -95,6 +95,20 @@ class RowBatch:
         return _by_column(RowBatch, ShardRow, self.rows)
 
 
+@dataclass(frozen=True)
+class NeighbourIds:
+    """The neighbour ids of some shard rows, without their tokens: what the recall check reads
+    of every row (a refresh's unchanged shards send these on, not their rows)."""
+
+    seq_ids: np.ndarray  # int64 [n]
+    ids: np.ndarray  # int64 [n, L, k]
+
+    @classmethod
+    def of(cls, batch: RowBatch) -> NeighbourIds:
+        seq_ids = np.array([row.seq_id for row in batch.rows], np.int64)
+        return cls(seq_ids, np.stack([row.neighbour_ids for row in batch.rows]))
+
+
 def _by_column(batch_type, record_type, records: list):
     """A batch's pickle as columns: the seq ids as one array, each array field between seq_id
     and doc_ids (the record type's first and last) stacked (equal shapes within a batch),
@@ -191,6 +205,14 @@ def overlap_tally(batch: RowBatch, m: int, pad_id: int):
     buckets, counts = np.unique(bucket_of, return_counts=True)
     for bucket, count in zip(buckets.tolist(), counts.tolist()):  # the smallest threshold at or above r
         yield OVERLAP_COUNTER + str(OVERLAP_BUCKETS[bucket]), count
+
+
+def row_tally(batch: RowBatch, m: int, pad_id: int):
+    """A batch of shard rows' counters: its sequences, its empty neighbour slots and the
+    overlap audit's buckets."""
+    yield "sequences", len(batch.rows)
+    yield "neighbour_slots_padded", int(sum((row.neighbour_ids < 0).sum() for row in batch.rows))
+    yield from overlap_tally(batch, m, pad_id)
 
 
 def overlap_histogram(counters: dict[str, int]) -> dict[str, int]:

@@ -10,7 +10,7 @@ from pipeline.index.exact import exact_scores_of, exact_top, merge_top
 from pipeline.index.recall import recall_of, recall_with_ties
 from pipeline.retrieve.beam import ReadQueryBlocks
 from pipeline.retrieve.recall import ExactTruth, MeasureNeighbourRecall, Probe, SmallestProbes, scan_batch
-from pipeline.shards.rows import RowBatch, ShardRow
+from pipeline.shards.rows import NeighbourIds, RowBatch, ShardRow
 from schemas.measures import TIE_TOLERANCE
 from tests.helpers import local_pipeline
 
@@ -189,8 +189,9 @@ def test_measure_neighbour_recall_against_exact_search(tmp_path):
         sample = p | "Probes" >> beam.Create([probes[:15], probes[15:]]) | beam.CombineGlobally(SmallestProbes(30))
         database = p | ReadQueryBlocks(str(tmp_path / "embeddings" / "*.parquet"))
         truth = (sample, database) | ExactTruth(100)
-        rows = p | "Rows" >> beam.Create([RowBatch(shard_rows[:7]), RowBatch(shard_rows[7:])])
-        result = (sample, truth, rows) | MeasureNeighbourRecall(K)
+        blocks = [NeighbourIds.of(RowBatch(part)) for part in (shard_rows[:7], shard_rows[7:])]
+        ids = p | "Rows" >> beam.Create(blocks)
+        result = (sample, truth, ids) | MeasureNeighbourRecall(K)
         assert_that(result, check)
 
 

@@ -22,6 +22,7 @@ from pipeline.retrieve.beam import DocumentSpans, PackSequences, RetrieveNeighbo
 from pipeline.retrieve.depth import NeighbourRecallTooLow
 from pipeline.retrieve.recall import MeasureNeighbourRecall
 from pipeline.retrieve.search import QueryBlock, Retrieval
+from pipeline.shards.rows import NeighbourIds
 from schemas.manifest import FileEntry
 from tests.helpers import local_pipeline, write_embedding_files, write_list_slices
 
@@ -89,7 +90,8 @@ def _retrieve(tmp_path, corpus, policy: str, slices: int, check_depth, check_rec
         queries = p | "Queries" >> beam.Create([QueryBlock(ids, vectors[ids])])
         spans_read = p | DocumentSpans(str(tmp_path / "index" / "chunks" / "*.parquet"))
         retrieved = (sequences, queries, spans_read) | RetrieveNeighbours(spec, shard_rows=16)
-        recall = (retrieved.probes, retrieved.truth, retrieved.rows) | MeasureNeighbourRecall(K)
+        ids = retrieved.rows | beam.Map(NeighbourIds.of)
+        recall = (retrieved.probes, retrieved.truth, ids) | MeasureNeighbourRecall(K)
         assert_that(retrieved.search_depth, check_depth, label="CheckDepth")
         assert_that(recall, check_recall, label="CheckRecall")
         filled = retrieved.rows | beam.FlatMap(
