@@ -39,6 +39,7 @@ from schemas.measures import ShardsRefresh
 log = logging.getLogger("ratrain")
 
 UNCHANGED, SEARCHED, NARROWED, PROBED, IDS = "unchanged", "searched", "narrowed", "probed", "neighbour_ids"
+REWRITTEN = "rewritten"  # a changed shard none of whose rows is searched: its RowBatch, written as it is
 TALLY = "tally"
 
 
@@ -170,7 +171,8 @@ def _by_search_batch(sequences: list[Sequence]):
 class _RefreshShards(beam.DoFn):
     """(chunk file, the shard numbers whose first chunk it holds) -> per shard: a changed
     shard's kept rows and the seq ids it sends to the search (main: (shard, ("kept",
-    RowBatch)), (shard, ("searched", seq ids))); an unchanged one's entry (UNCHANGED) and its
+    RowBatch)), (shard, ("searched", seq ids))), or all its rows where none is searched
+    (REWRITTEN); an unchanged one's entry (UNCHANGED) and its
     rows' neighbour ids (IDS) and tallies, its rows staying here; the sequences to search
     (SEARCHED), which of their chunks where not all (NARROWED), the kept sequences searched in
     no part (PROBED), and counters (TALLY)."""
@@ -208,6 +210,8 @@ class _RefreshShards(beam.DoFn):
                 yield beam.pvalue.TaggedOutput(IDS, NeighbourIds.of(RowBatch(done.rows)))
                 for name, count in row_tally(RowBatch(done.rows), m, plan.pad_id):
                     yield beam.pvalue.TaggedOutput(TALLY, (name, count))
+            elif done.rows and not done.searched:  # no row to wait for: written without a shuffle to its join
+                yield beam.pvalue.TaggedOutput(REWRITTEN, RowBatch(done.rows))
             elif done.rows:
                 yield shard, ("kept", RowBatch(done.rows))
             elif entry is not None and not done.searched:  # every sequence of it dropped
@@ -286,7 +290,7 @@ class RefreshShards(beam.PTransform):
             | "GroupByChunkFile" >> beam.GroupByKey()
             | "Refresh"
             >> beam.ParDo(_RefreshShards(plan)).with_outputs(
-                UNCHANGED, SEARCHED, NARROWED, PROBED, IDS, TALLY, main="kept"
+                UNCHANGED, SEARCHED, NARROWED, PROBED, IDS, REWRITTEN, TALLY, main="kept"
             )
         )
         searching = {
@@ -305,6 +309,7 @@ class RefreshShards(beam.PTransform):
             | "JoinByShard" >> beam.CoGroupByKey()
             | "MergeRows" >> beam.FlatMap(_merged_rows)
         )
+        rows = (rows, done[REWRITTEN]) | "ChangedShards" >> beam.Flatten()
         return Refreshed(rows, done[UNCHANGED], done[IDS], retrieved, done[TALLY])
 
 
