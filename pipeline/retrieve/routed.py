@@ -79,7 +79,7 @@ class RoutedBatch:
     sent: tuple[int, ...]  # the slices it sent rows to: each answers once
     scores: np.ndarray  # [n, width]
     ids: np.ndarray  # [n, width]
-    deeper: frozenset[int] = field(default_factory=frozenset)  # seq ids searched deeper
+    deeper: frozenset[int] = field(default_factory=frozenset)  # query rows searched deeper
 
 
 def route_rows(
@@ -157,7 +157,7 @@ def merge_round(state: RoutedBatch, found: list[SliceFound], width: int, nlist: 
     short = state.rows[(ids < 0).any(axis=1)]
     if not len(short) or state.depth >= nlist:
         return state, False
-    deeper = state.deeper | {int(state.queries.seq_ids[row // chunks_per_seq]) for row in short.tolist()}
+    deeper = state.deeper | set(short.tolist())
     return replace(state, depth=min(2 * state.depth, nlist), rows=short, sent=(), deeper=frozenset(deeper)), True
 
 

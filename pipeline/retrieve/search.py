@@ -313,13 +313,13 @@ def batch_probes(keyed, spec: Retrieval) -> list[Probe]:
 def search_batch(index, grouped, spec: Retrieval):
     """One search batch (sequences, their query embeddings, their excluded chunk-id ranges) ->
     (sequences, queries searched, CANDIDATE hits with the best `width` per query outside the
-    ranges, seq ids whose search went deeper, queries searched again alone): one batched search
+    ranges, queries whose search went deeper, queries searched again alone): one batched search
     for the queries it searches (`searched_rows`; `search_each_excluding`)."""
     L = spec.chunks_per_seq
     width = spec.candidates if spec.dedupe else spec.neighbours
     batch = list(batch_queries(grouped, L))
     if not batch:
-        return [], 0, np.zeros(0, CANDIDATE), set(), 0
+        return [], 0, np.zeros(0, CANDIDATE), 0, 0
     sequences = [s for s, _, _ in batch]
     seq_ids = np.array([s.seq_id for s in sequences], np.int64)
     queries = np.concatenate([queries for _, queries, _ in batch])  # rows: sequence after sequence, L each
@@ -329,9 +329,8 @@ def search_batch(index, grouped, spec: Retrieval):
     scores = np.full((len(queries), width), -np.inf, np.float32)
     ids = np.full((len(queries), width), -1, np.int64)  # a row not searched has no hits
     scores[rows], ids[rows] = found.scores, found.ids
-    deeper_seqs = set(seq_ids[rows[found.deeper] // L].tolist())
     hits = candidate_rows(seq_ids, scores, ids, L)
-    return sequences, len(rows), hits, deeper_seqs, int(found.searched_alone.sum())
+    return sequences, len(rows), hits, int(found.deeper.sum()), int(found.searched_alone.sum())
 
 
 def candidate_rows(seq_ids: np.ndarray, scores: np.ndarray, ids: np.ndarray, chunks_per_seq: int) -> np.ndarray:

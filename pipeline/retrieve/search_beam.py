@@ -101,18 +101,17 @@ TALLY = "tally"  # tagged output: (name, count) pairs, counted as data (pipeline
 
 
 def emit_hits(
-    spec: Retrieval, batch: int, *, seq_ids: list[int], queries: int, hits: np.ndarray, deeper_seqs, searched_alone: int
+    spec: Retrieval, batch: int, *, seq_ids: list[int], queries: int, hits: np.ndarray, deeper: int, searched_alone: int
 ):
     """What a searched batch sends on: tallies, the count each of its sequences will receive
     (one `SentCounts`, keyed by the batch), and the hits in blocks keyed by the chunk file
     holding them: the k neighbours as PICK rows, or (deduplicating) the CANDIDATE rows.
-    `queries`: the query rows searched (all L of each sequence, unless a refresh narrowed them).
-    `searched_alone`: queries the batched search left short (0 for a routed search, which
-    excludes inside each slice's search)."""
+    `queries`: the query rows searched (all L of each sequence, unless a refresh narrowed them);
+    `deeper`: those of them searched deeper than the tuned depth. `searched_alone`: queries the
+    batched search left short (0 for a routed search, which excludes inside each slice's search)."""
     check_in_database(hits, spec.chunk_files.num_chunks)
-    L = spec.chunks_per_seq
     yield beam.pvalue.TaggedOutput(TALLY, ("queries", queries))
-    yield beam.pvalue.TaggedOutput(TALLY, ("queries_searched_deeper", len(deeper_seqs) * L))
+    yield beam.pvalue.TaggedOutput(TALLY, ("queries_searched_deeper", deeper))
     yield beam.pvalue.TaggedOutput(TALLY, ("queries_searched_alone", searched_alone))
     yield beam.pvalue.TaggedOutput(SENT, (batch, SentCounts.of(seq_ids, hits)))
     yield from by_chunk_file(spec, hits if spec.dedupe else picks_of(hits))
@@ -159,7 +158,7 @@ class _Search(beam.DoFn):
                 seq_ids=[s.seq_id for s in sequences],
                 queries=queries,
                 hits=hits,
-                deeper_seqs=deeper,
+                deeper=deeper,
                 searched_alone=alone,
             )
 
@@ -257,7 +256,7 @@ class _MergeRound(beam.DoFn):
                 seq_ids=state.queries.seq_ids.tolist(),
                 queries=len(state.queries.rows),
                 hits=hits_of(state, L),
-                deeper_seqs=state.deeper,
+                deeper=len(state.deeper),
                 searched_alone=0,
             )
             return

@@ -465,7 +465,7 @@ def test_a_routed_round_sends_short_queries_deeper_until_every_list():
         7, 0, np.array([0, 1]), np.array([[0.9, 0.8], [0.7, 0.0]], np.float32), np.array([[1, 2], [3, -1]])
     )
     merged, deeper = merge_round(state, [hits], 2, 64, L)
-    assert deeper and merged.depth == 2 and merged.rows.tolist() == [1] and merged.deeper == {3}
+    assert deeper and merged.depth == 2 and merged.rows.tolist() == [1] and merged.deeper == {1}
     merged, deeper = merge_round(_routed_batch(2, 2, (0,)).__class__(**{**merged.__dict__, "depth": 64}), [], 2, 64, L)
     assert not deeper  # at every list, a short query stays short: the index holds no more
 
