@@ -13,6 +13,7 @@ import numpy as np
 
 from pipeline.index.factory import is_ivf
 from pipeline.index.recall import RECALL_K
+from pipeline.index.ties import exact_search, is_exact, ranked, scored_again
 
 
 def set_search_depth(index, depth: int) -> None:
@@ -114,6 +115,8 @@ def search_excluding(index, queries: np.ndarray, k: int, excluded: list[tuple[in
     -> (scores [q, k], ids [q, k] (-1 = none), deeper searches made)."""
     selector, _keep = exclusion_selector(excluded)
     queries = np.ascontiguousarray(queries, dtype=np.float32)
+    if is_exact(index):  # nothing to deepen; ties scored again (`ties`)
+        return (*exact_search(index, queries, k, _search_params(index, selector, None)), 0)
     return search_deepening(
         lambda depth: index.search(queries, k, params=_search_params(index, selector, depth)),
         search_depth(index),
@@ -168,9 +171,16 @@ def search_each_excluding(index, queries: np.ndarray, k: int, excluded) -> Exclu
         return ExcludedSearch(scores, ids, alone, deeper)
     wide_scores, wide_ids = index.search(queries, k + margin)
     inside = ((wide_ids[..., None] >= starts[:, None, :]) & (wide_ids[..., None] < ends[:, None, :])).any(-1)
-    first = np.argsort(inside | (wide_ids < 0), axis=1, kind="stable")[:, :k]  # the first k outside, by rank
-    scores[:], ids[:] = np.take_along_axis(wide_scores, first, 1), np.take_along_axis(wide_ids, first, 1)
-    alone[:] = (np.take_along_axis(inside, first, 1) | (ids < 0)).any(axis=1)
+    if is_exact(index):  # ties scored again (`ties`); a band reaching the last hit searched goes alone, wider
+        outside = np.where(inside, -1, wide_ids)
+        again, beyond = scored_again(index, queries, wide_scores, outside, k)
+        again, outside = ranked(again, outside)
+        scores[:], ids[:] = again[:, :k], outside[:, :k]
+        alone[:] = (ids < 0).any(axis=1) | (beyond & (wide_ids[:, -1] >= 0))
+    else:
+        first = np.argsort(inside | (wide_ids < 0), axis=1, kind="stable")[:, :k]  # the first k outside, by rank
+        scores[:], ids[:] = np.take_along_axis(wide_scores, first, 1), np.take_along_axis(wide_ids, first, 1)
+        alone[:] = (np.take_along_axis(inside, first, 1) | (ids < 0)).any(axis=1)
     rows_by_ranges: dict[tuple, list[int]] = {}
     for row in np.flatnonzero(alone).tolist():
         rows_by_ranges.setdefault(excluded[row], []).append(row)

@@ -1,6 +1,4 @@
-"""The one order of a query's candidates (`ranked`: score descending, then chunk id ascending,
-empty slots last), which every search's hits are put in before neighbours are picked, and the
-neighbours stored in shards brought up to date after the database changed, from the hits among
+"""The neighbours stored in shards brought up to date after the database changed, from the hits among
 the new vectors alone (`refreshed`).
 
 Why a refresh can be exact: after a change a query's top k can differ from its stored top k
@@ -17,13 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-
-def ranked(scores: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Each row's hits [rows, width] in the one candidate order: score descending, then chunk
-    id ascending (a tie is broken the same way by every search and every refresh), empty slots
-    (id -1) last."""
-    order = np.lexsort((ids, -scores.astype(np.float64), ids < 0), axis=-1)
-    return np.take_along_axis(scores, order, -1), np.take_along_axis(ids, order, -1)
+from pipeline.index.ties import ranked
 
 
 @dataclass(frozen=True)

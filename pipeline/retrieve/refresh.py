@@ -27,6 +27,7 @@ import faiss
 import numpy as np
 
 from pipeline.chunks.deleted import DeletedRanges
+from pipeline.index.ties import exact_search
 from pipeline.retrieve.depth import load_searched
 from pipeline.retrieve.ranking import refreshed
 from pipeline.retrieve.search import SearchedChunks
@@ -109,7 +110,9 @@ class NewVectors:
         return scores, ids
 
     def _exactly(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        found_scores, at = self._exact.search(np.ascontiguousarray(queries), k)
+        # ties scored again as a full build's exact search scores them (`index.ties`); the
+        # positions ascend as the chunk ids do, so the tie rule orders them alike
+        found_scores, at = exact_search(self._exact, queries, k)
         return found_scores, np.where(at >= 0, self.ids[np.maximum(at, 0)], -1)
 
     @staticmethod

@@ -18,7 +18,7 @@ from pipeline.common.names import file_name
 from pipeline.common.sampling import sample_keys
 from pipeline.index.files import LIST_OWNERS_FILE, QUANTIZER_FILE
 from pipeline.index.search import search_each_excluding
-from pipeline.retrieve.ranking import ranked
+from pipeline.index.ties import ranked
 from pipeline.retrieve.recall import Probe
 from pipeline.shards.rows import SequenceBatch
 from schemas.arrow import tensor_column_to_numpy

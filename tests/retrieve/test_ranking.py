@@ -7,7 +7,8 @@ import pytest
 
 from benchmarks.synthetic import LowRankClusters
 from pipeline.index.search import search_each_excluding
-from pipeline.retrieve.ranking import ranked, refreshed
+from pipeline.index.ties import ranked
+from pipeline.retrieve.ranking import refreshed
 
 pytestmark = pytest.mark.unit
 
