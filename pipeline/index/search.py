@@ -106,17 +106,18 @@ def search_deepening(search_at, depth: int | None, deepest: int | None):
     return scores, ids, deeper
 
 
-def search_excluding(index, queries: np.ndarray, k: int, excluded: list[tuple[int, int]]):
+def search_excluding(index, queries: np.ndarray, k: int, excluded: list[tuple[int, int]], width: int | None = None):
     """The k best ids outside the id ranges `excluded` ([start, end) each) per query, skipped
     by faiss during the search itself, so they never take a place in the top k. A query that
     comes back with fewer than k (an IVF whose probed lists, or an HNSW walk, hold mostly
     excluded vectors) is searched again at twice the depth, up to the deepest: a slot stays
     empty only when the index holds fewer than k vectors outside the ranges.
-    -> (scores [q, k], ids [q, k] (-1 = none), deeper searches made)."""
+    An exact index has nothing to deepen: its ties are scored again (`ties.exact_search`, from
+    `width` hits). -> (scores [q, k], ids [q, k] (-1 = none), deeper searches made)."""
     selector, _keep = exclusion_selector(excluded)
     queries = np.ascontiguousarray(queries, dtype=np.float32)
-    if is_exact(index):  # nothing to deepen; ties scored again (`ties`)
-        return (*exact_search(index, queries, k, _search_params(index, selector, None)), 0)
+    if is_exact(index):
+        return (*exact_search(index, queries, k, _search_params(index, selector, None), width), 0)
     return search_deepening(
         lambda depth: index.search(queries, k, params=_search_params(index, selector, depth)),
         search_depth(index),
@@ -185,7 +186,8 @@ def search_each_excluding(index, queries: np.ndarray, k: int, excluded) -> Exclu
     for row in np.flatnonzero(alone).tolist():
         rows_by_ranges.setdefault(excluded[row], []).append(row)
     for ranges, same in rows_by_ranges.items():
-        scores[same], ids[same], deepened = search_excluding(index, queries[same], k, list(ranges))
+        # an exact index's ties that reached the last of k + margin hits: four times as many
+        scores[same], ids[same], deepened = search_excluding(index, queries[same], k, list(ranges), 4 * (k + margin))
         deeper[same] = deepened > 0
     return ExcludedSearch(scores, ids, alone, deeper)
 

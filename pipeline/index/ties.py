@@ -66,14 +66,17 @@ def _vectors_of(index, ids: np.ndarray) -> np.ndarray:
     return index.reconstruct_batch(ids)
 
 
-def exact_search(index, queries: np.ndarray, k: int, params=None) -> tuple[np.ndarray, np.ndarray]:
-    """An exact index's k best hits per query in the one order, ties scored again: a row whose
-    tied hits may reach past what was searched is searched again four times as wide, up to the
-    whole index. -> (scores [q, k], ids [q, k], -1 = none)."""
+def exact_search(
+    index, queries: np.ndarray, k: int, params=None, width: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """An exact index's k best hits per query in the one order, ties scored again, from a
+    search `width` hits wide (at least k): a row whose tied hits may reach past what was
+    searched is searched again four times as wide, up to the whole index. -> (scores [q, k],
+    ids [q, k], -1 = none)."""
     queries = np.ascontiguousarray(queries, np.float32)
     scores = np.full((len(queries), k), -np.inf, np.float32)
     ids = np.full((len(queries), k), -1, np.int64)
-    need, width = np.arange(len(queries)), k
+    need, width = np.arange(len(queries)), min(max(k, width or k), max(int(index.ntotal), k))
     while len(need):
         found_scores, found = index.search(queries[need], width, params=params)
         again, beyond = scored_again(index, queries[need], found_scores, found, k)
