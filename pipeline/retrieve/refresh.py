@@ -34,6 +34,7 @@ from pipeline.retrieve.search import SearchedChunks
 from pipeline.shards.rows import Sequence, ShardRow
 
 QUERY_BLOCK = 1024  # queries searched among the new vectors at once
+TIES_WIDTH = 16  # × k hits searched among the new vectors at first: a corpus's verbatim copies tie at once
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,7 @@ class NewVectors:
     def _exactly(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         # ties scored again as a full build's exact search scores them (`index.ties`); the
         # positions ascend as the chunk ids do, so the tie rule orders them alike
-        found_scores, at = exact_search(self._exact, queries, k)
+        found_scores, at = exact_search(self._exact, queries, k, width=TIES_WIDTH * k)
         return found_scores, np.where(at >= 0, self.ids[np.maximum(at, 0)], -1)
 
     @staticmethod
