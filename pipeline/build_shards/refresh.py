@@ -207,8 +207,9 @@ class _RefreshShards(beam.DoFn):
                 yield beam.pvalue.TaggedOutput(TALLY, (name, count))
             if entry is not None and not done.changed:
                 yield beam.pvalue.TaggedOutput(UNCHANGED, entry)
-                yield beam.pvalue.TaggedOutput(IDS, NeighbourIds.of(RowBatch(done.rows)))
-                for name, count in row_tally(RowBatch(done.rows), m, plan.pad_id):
+                kept = RowBatch(done.rows)
+                yield beam.pvalue.TaggedOutput(IDS, NeighbourIds.of(kept))
+                for name, count in row_tally(kept, m, plan.pad_id):
                     yield beam.pvalue.TaggedOutput(TALLY, (name, count))
             elif done.rows and not done.searched:  # no row to wait for: written without a shuffle to its join
                 yield beam.pvalue.TaggedOutput(REWRITTEN, RowBatch(done.rows))

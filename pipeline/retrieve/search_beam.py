@@ -61,14 +61,14 @@ def _queries_of_probes(block, sample, chunks_per_seq: int):
 def _with_queries(sample, found, chunks_per_seq: int):
     """The sample with each probe's query from `found` ((chunk id, query) pairs); a query that
     did not arrive fails the job: nothing is committed."""
-    queries = dict(found)
-    for probe, chunk_id in zip(sample, _probe_chunk_ids(sample, chunks_per_seq).tolist()):
+    queries, chunk_ids = dict(found), _probe_chunk_ids(sample, chunks_per_seq).tolist()
+    for probe, chunk_id in zip(sample, chunk_ids):
         if chunk_id not in queries:
             raise RuntimeError(
                 f"sequence {probe.seq_id}: the query of its sampled chunk {probe.j} did not arrive: "
                 f"{LOST_DATA}; nothing is committed"
             )
-    return [p._replace(query=queries[i]) for p, i in zip(sample, _probe_chunk_ids(sample, chunks_per_seq).tolist())]
+    return [p._replace(query=queries[i]) for p, i in zip(sample, chunk_ids)]
 
 
 def _read_probe_queries(sample, chunk_files, chunks_per_seq: int):
