@@ -13,7 +13,7 @@ import numpy as np
 
 from pipeline.index.factory import is_ivf
 from pipeline.index.recall import RECALL_K
-from pipeline.index.ties import exact_search, is_exact, ranked, scored_again
+from pipeline.index.ties import TIE_SLACK, exact_search, is_exact, ranked, scored_again
 
 
 def set_search_depth(index, depth: int) -> None:
@@ -162,6 +162,8 @@ def search_each_excluding(index, queries: np.ndarray, k: int, excluded) -> Exclu
     excluded = [tuple(map(tuple, ranges)) for ranges in excluded]
     starts, ends = _range_table(excluded, rows)
     margin = int(min((ends - starts).sum(axis=1).max(initial=0), EXCLUSION_MARGIN_CAP))
+    if is_exact(index):  # else a query with nothing to exclude has no room for its k-th's ties
+        margin = max(margin, TIE_SLACK)
     scores, ids, alone, deeper = (
         np.empty((rows, k), np.float32),
         np.full((rows, k), -1, np.int64),

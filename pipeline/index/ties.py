@@ -17,6 +17,9 @@ import numpy as np
 
 # hits within this of a query's k-th by faiss's scores are scored again: far above its rounding
 TIE_BAND = 1e-5
+# hits beyond k an exact search asks for at least, so that the k-th's ties usually fit in it (a
+# row whose ties reach its last hit is searched again alone, wider)
+TIE_SLACK = 8
 
 
 def ranked(scores: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -6,12 +6,13 @@ import numpy as np
 import pytest
 
 from pipeline.index.search import search_each_excluding, search_excluding
-from pipeline.index.ties import exact_search, is_exact
+from pipeline.index.ties import TIE_SLACK, exact_search, is_exact
 
 pytestmark = pytest.mark.unit
 
 D, N = 384, 5000
-COPIES = [0, 10, 20, 30, 1500, 2500, 4000, 4999]  # one vector stored under these ids
+# one vector stored under these ids: more than k + TIE_SLACK hits hold, fewer than k + 16
+COPIES = [0, 10, 20, 30, 100, 200, 300, 400, 600, 700, 800, 900, 1500, 2500, 4000, 4999]
 
 
 def _index():
@@ -28,15 +29,17 @@ def _index():
 def test_a_pair_scores_alike_alone_and_among_many_queries_and_copies_keep_the_lowest_ids():
     index, query, others = _index()
     # faiss alone rounds this pair differently in calls of other shapes (0.8999999 against 0.9)
-    # 4 hits searched hold half the 8 copies: searched again, wider; 4 + 16 (the range's margin) hold all
-    for excluded, lowest, wider in (((), [0, 10, 20, 30], True), (((0, 16),), [20, 30, 1500, 2500], False)):
+    # 4 + 8 hits searched (the tie slack) hold 12 of the 16 copies: searched again, wider; 4 + 16 (the
+    # range's margin) hold all
+    assert TIE_SLACK == 8
+    for excluded, lowest, wider in (((), [0, 10, 20, 30], True), (((0, 16),), [20, 30, 100, 200], False)):
         alone = search_each_excluding(index, query[None], 4, [excluded])
         among = search_each_excluding(index, np.vstack([others, query[None]]), 4, [excluded] * 2048)
         assert alone.ids[0].tolist() == among.ids[-1].tolist() == lowest
         assert np.array_equal(alone.scores[0], among.scores[-1])
         assert alone.searched_alone[0] == among.searched_alone[-1] == wider
     scores, ids, deeper = search_excluding(index, query[None], 3, [(0, 25)])
-    assert ids[0].tolist() == [30, 1500, 2500] and deeper == 0 and len(set(scores[0].tolist())) == 1
+    assert ids[0].tolist() == [30, 100, 200] and deeper == 0 and len(set(scores[0].tolist())) == 1
 
 
 def test_an_exact_search_widens_only_while_ties_reach_its_last_hit():
