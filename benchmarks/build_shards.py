@@ -118,6 +118,7 @@ def floor(index_dir: Path, out: Path, L: int, k: int, rows_per_shard: int, pad_i
             "neighbour_ids": ids[part],
             "neighbour_scores": scores[part],
             "doc_ids": doc_ids[part],
+            "source": np.zeros(len(doc_ids[part]), np.int8),
         }
         m = tokens.shape[1]
         table = shard_table(columns, dims=ShardDims(n=L * m, m=m, k=k), pad_id=pad_id)

@@ -173,6 +173,7 @@ def write_shards(
             "neighbour_ids": neighbour_ids,
             "neighbour_scores": rng.random((rows, L, K), dtype=np.float32),
             "doc_ids": [[db["docs"][s * L]] for s in seqs],
+            "source": np.zeros(rows, np.int8),
         }
         table = shard_table(columns, dims=ShardDims(n=L * m, m=m, k=K), pad_id=PAD)
         entry = _write(directory, f"shard-{shard:05d}.arrow", shard_ipc_bytes(table), rows)

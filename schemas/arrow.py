@@ -7,9 +7,10 @@ that spec, `shard_ipc_bytes` is the one place its file is written and `read_shar
 any other producer agree byte for byte on the layout.
 
 A training shard is an Arrow IPC file. Its array columns have two layouts:
-- schema_version 2 (written now): plain `fixed_size_list`s of the flattened values, each field's
-  metadata `shape` holding its per-row shape as JSON (e.g. `[8, 2, 128]`), so pyarrow, Hugging
-  Face `datasets`, polars, duckdb and pandas read them as arrays with no extension type to know;
+- schema_version 2 and 3 (3 written now, 2 still read): plain `fixed_size_list`s of the flattened
+  values, each field's metadata `shape` holding its per-row shape as JSON (e.g. `[8, 2, 128]`), so
+  pyarrow, Hugging Face `datasets`, polars, duckdb and pandas read them as arrays with no extension
+  type to know; 3 adds the `source` column (dictionary-encoded names: those readers see strings);
 - schema_version 1 (still read): `arrow.fixed_shape_tensor` extension columns, which `datasets`
   refuses.
 """
@@ -27,9 +28,9 @@ import pyarrow as pa
 from schemas import shard_columns
 from schemas.shard_columns import ShardColumn, ShardDims
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 #: Versions this code reads (manifests and shards); it writes SCHEMA_VERSION.
-READABLE_SCHEMA_VERSIONS = (1, 2)
+READABLE_SCHEMA_VERSIONS = (1, 2, 3)
 #: The field-metadata key of an array column's per-row shape (schema_version 2).
 SHAPE_KEY = b"shape"
 
@@ -81,7 +82,7 @@ def shard_schema(
         "sequence_tokens": sequence_tokens,
     }
     return pa.schema(
-        [_shard_field(column, dims, version) for column in shard_columns.SHARD_COLUMNS],
+        [_shard_field(column, dims, version) for column in shard_columns.columns_in(version)],
         metadata={key: str(value) for key, value in metadata.items()},
     )
 
@@ -93,6 +94,8 @@ def _shard_field(column: ShardColumn, dims: ShardDims, version: int) -> pa.Field
         return pa.field(column.name, value_type)
     if column.kind == "list":
         return pa.field(column.name, pa.list_(value_type))
+    if column.kind == "dictionary":
+        return pa.field(column.name, pa.dictionary(value_type, pa.string()))
     if column.kind == "tensor" and version == 1:
         return pa.field(column.name, pa.fixed_shape_tensor(value_type, shape))
     width = pa.list_(value_type, math.prod(shape))
@@ -104,7 +107,7 @@ def _shard_field(column: ShardColumn, dims: ShardDims, version: int) -> pa.Field
 def shard_column_problems(schema: pa.Schema, dims: ShardDims, version: int) -> list[str]:
     """How a shard's columns disagree with the spec at these sizes and this layout: other
     columns, or a column of another type or `shape`; [] when they agree."""
-    expected = [_shard_field(column, dims, version) for column in shard_columns.SHARD_COLUMNS]
+    expected = [_shard_field(column, dims, version) for column in shard_columns.columns_in(version)]
     if schema.names != [field.name for field in expected]:
         return [f"columns {schema.names}, the spec's {[field.name for field in expected]}"]
     return [
@@ -127,16 +130,30 @@ def fixed_size_list(values: np.ndarray, width: int) -> pa.FixedSizeListArray:
     return pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), width)
 
 
-def shard_table(columns: Mapping[str, Any], *, dims: ShardDims, pad_id: int, version: int = SCHEMA_VERSION) -> pa.Table:
+def shard_table(
+    columns: Mapping[str, Any],
+    *,
+    dims: ShardDims,
+    pad_id: int,
+    sources: tuple[str, ...] = ("training",),
+    version: int = SCHEMA_VERSION,
+) -> pa.Table:
     """Training-shard table from each spec column's rows (`shard_columns.columns_of`): a
     [rows, *shape] array (cast to the column's dtype) or, for a list column, one sequence per
-    row. ValueError names a column whose rows do not have the spec's shape at `dims`.
-    `version` 1 is for tests and tools that need the old layout."""
+    row; a dictionary column's rows index `sources`, every shard's dictionary whole and in that
+    order. ValueError names a column whose rows do not have the spec's shape at `dims`.
+    `version` 1 and 2 are for tests and tools that need the old layouts."""
     schema = shard_schema(dims.n, dims.m, dims.k, pad_id, version)
     arrays = []
-    for column, field in zip(shard_columns.SHARD_COLUMNS, schema):
+    for column, field in zip(shard_columns.columns_in(version), schema):
         if column.kind == "list":
             arrays.append(pa.array([np.asarray(row, column.dtype) for row in columns[column.name]], field.type))
+            continue
+        if column.kind == "dictionary":
+            indices = np.asarray(columns[column.name], column.dtype)
+            if len(indices) and not 0 <= indices.min() <= indices.max() < len(sources):
+                raise ValueError(f"{column.name}: values outside the {len(sources)} names {list(sources)}")
+            arrays.append(pa.DictionaryArray.from_arrays(pa.array(indices), pa.array(sources, pa.string())))
             continue
         values = np.ascontiguousarray(columns[column.name], dtype=column.dtype)
         if values.shape[1:] != column.shape(dims):
@@ -187,6 +204,17 @@ def tensor_column_to_numpy(column) -> np.ndarray:
         return column.to_numpy_ndarray()
     width = column.type.list_size
     return column.flatten().to_numpy(zero_copy_only=False).reshape(-1, width)
+
+
+def shard_sources(data: pa.Table | pa.RecordBatch) -> tuple[tuple[str, ...], np.ndarray]:
+    """A shard's source names and each row's index into them; a shard of schema_version 2 or
+    1, written before the column, is one source, unnamed (`("",)`)."""
+    if "source" not in data.schema.names:
+        return ("",), np.zeros(data.num_rows, np.int8)
+    column = data.column("source")
+    if isinstance(column, pa.ChunkedArray):
+        column = column.unify_dictionaries().combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+    return tuple(column.dictionary.to_pylist()), column.indices.to_numpy(zero_copy_only=False)
 
 
 def shard_column(data: pa.Table | pa.RecordBatch, name: str) -> np.ndarray:

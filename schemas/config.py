@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Discriminator, Field, Tag, ValidationError, field_validator, model_validator
 
 from schemas.shard_columns import ShardDims, row_bytes
 from schemas.stage_config import (
@@ -23,6 +23,7 @@ from schemas.stage_config import (
     EmbeddingConfig,
     IndexConfig,
     StrictModel,
+    TrainingSource,
     parse_size,
 )
 from schemas.stage_tags import Hashed, NotHashed, Stage, stage_settings
@@ -36,8 +37,18 @@ _ROWS_PER_SHARD = Hashed(Stage.SHARDS, via="rows_per_shard")
 _DECONTAMINATION = Hashed(Stage.DECONTAMINATION)
 
 
+MAX_SOURCES = 127  # a blend's sources: the shards' source column is dictionary-encoded in int8
+
+
 class ConfigError(ValueError):
     """A config that cannot be used; the message is one line that names the field."""
+
+
+def _training_corpus_form(value) -> str:
+    """Which form a training_corpus takes, so an error names that form's problem alone."""
+    if isinstance(value, list | tuple):
+        return "blend"
+    return "same" if isinstance(value, str) else "corpus"
 
 
 class PipelineConfig(StrictModel):
@@ -47,10 +58,23 @@ class PipelineConfig(StrictModel):
         description="Output directory or gs:// prefix (docs/design.md §4)."
     )
     retrieval_corpus: Annotated[CorpusConfig, _EMBED]
-    training_corpus: Annotated[Literal["same"] | CorpusConfig, _SHARDS] = Field(
+    training_corpus: Annotated[
+        Annotated[Literal["same"], Tag("same")]
+        | Annotated[CorpusConfig, Tag("corpus")]
+        | Annotated[list[TrainingSource], Tag("blend")],
+        Discriminator(_training_corpus_form),
+        _SHARDS,
+    ] = Field(
         "same",
         description="'same' packs training sequences from the retrieval corpus's chunks "
-        "(their embeddings are reused); otherwise a corpus of its own.",
+        "(their embeddings are reused); otherwise a corpus of its own, or a blend: a list of "
+        "sources, each a corpus with a name and a weight.",
+    )
+    blend_seed: Annotated[int, Hashed(Stage.SHARDS, left_out_at_default="blend")] = Field(
+        0,
+        ge=0,
+        lt=2**63,
+        description="Seeds which sequences a blend draws from each source and the order it interleaves them in.",
     )
     tokenizer: Annotated[str | None, _EMBED] = Field(
         None, description="Path of a HF tokenizer.json; default: the default encoder's tokenizer."
@@ -130,6 +154,19 @@ class PipelineConfig(StrictModel):
         return [v] if isinstance(v, dict) else v
 
     @model_validator(mode="after")
+    def _one_name_per_source(self):
+        if isinstance(self.training_corpus, list):
+            if not self.training_corpus:
+                raise ValueError("training_corpus: a blend needs at least one source")
+            names = [source.name for source in self.training_corpus]
+            repeated = sorted({name for name in names if names.count(name) > 1})
+            if repeated:
+                raise ValueError(f"training_corpus: each source needs a name of its own ({', '.join(repeated)} twice)")
+            if len(names) > MAX_SOURCES:
+                raise ValueError(f"training_corpus: at most {MAX_SOURCES} sources, not {len(names)}")
+        return self
+
+    @model_validator(mode="after")
     def _shapes_agree(self):
         if self.sequence_tokens % self.chunk_tokens:
             raise ValueError(
@@ -166,8 +203,27 @@ class PipelineConfig(StrictModel):
             return self.shard_rows
         return max(1, self.shard_bytes // row_bytes(self.shard_dims))
 
+    @property
+    def blended(self) -> bool:
+        """Whether the training corpus is a blend of named sources."""
+        return isinstance(self.training_corpus, list)
+
     def training(self) -> CorpusConfig:
+        """The one training corpus (not a blend's: `training_sources`)."""
+        if isinstance(self.training_corpus, list):
+            raise TypeError("a blended training corpus has several corpora: training_sources()")
         return self.retrieval_corpus if self.training_corpus == "same" else self.training_corpus
+
+    def training_sources(self) -> list[TrainingSource]:
+        """A blend's sources, in config order (their order in the shards' source column)."""
+        return list(self.training_corpus) if isinstance(self.training_corpus, list) else []
+
+    def source_names(self) -> tuple[str, ...]:
+        """The values of the shards' source column: a blend's source names; else one source,
+        `retrieval` (training_corpus: same) or `training` (a corpus of its own)."""
+        if isinstance(self.training_corpus, list):
+            return tuple(source.name for source in self.training_corpus)
+        return ("retrieval",) if self.training_corpus == "same" else ("training",)
 
     def decontaminates(self, corpus: Literal["training", "retrieval"]) -> bool:
         """Whether near-duplicates of the evaluation corpus are removed from this corpus

@@ -16,7 +16,15 @@ from pydantic import AliasChoices, Field, ValidationError
 
 from schemas import __version__
 from schemas.arrow import SCHEMA_VERSION, check_schema_version
-from schemas.measures import ManifestModel, NeighbourRecall, PrecisionCheck, Recall, SearchDepth, ShardsRefresh
+from schemas.measures import (
+    ManifestModel,
+    NeighbourRecall,
+    PrecisionCheck,
+    Recall,
+    SearchDepth,
+    ShardsRefresh,
+    SourceShare,
+)
 
 #: A copy of the newest commit's manifest, for people and outside tools, and where the trainer
 #: starts looking for the newest commit (its `commit` names it); an output from before commits
@@ -297,7 +305,8 @@ class ShardsManifest(_Committed):
         None, description="The index's newest generation when the neighbours were searched (None: none recorded)."
     )
     training_corpus: str = Field(
-        description="'same' (sequences packed from the index's chunks, seq s = chunks s*L ... s*L+L-1) or 'separate'."
+        description="'same' (sequences packed from the index's chunks, seq s = chunks s*L ... s*L+L-1), 'separate' "
+        "or 'blend' (sources drawn by weight: `sources`)."
     )
     encoder_threads: int | None = ENCODER_THREADS
     embedding_precision: PrecisionCheck | None = PRECISION_CHECK
@@ -323,21 +332,9 @@ class ShardsManifest(_Committed):
     refreshes: list[ShardsRefresh] = Field(
         [], description="The refreshes since the shards were last built whole, oldest first (docs/design.md §8)."
     )
-
-    def neighbour_summary(self) -> str:
-        """'neighbour fill 1.000, neighbour recall 0.990 against exact search on 200 sampled
-        chunks' (the stage's log, validate, inspect)."""
-        text = "neighbour fill " + ("not recorded" if self.neighbour_fill is None else f"{self.neighbour_fill:.3f}")
-        if self.neighbour_recall is not None:
-            text += (
-                f", neighbour recall {self.neighbour_recall.value:.3f} against exact search on "
-                f"{self.neighbour_recall.sample_size} sampled chunks"
-            )
-        depth = self.search_depth
-        if depth is not None and depth.depth is not None:
-            deeper = "" if depth.depth == depth.index_depth else f", deeper than the index's {depth.index_depth}"
-            text += f", searched at depth {depth.depth}{deeper}"
-        return text
+    sources: list[SourceShare] = Field(
+        [], description="A blend's sources, in the order of the source column's names (none unless 'blend')."
+    )
 
 
 class ManifestError(ValueError):

@@ -165,3 +165,17 @@ class ShardsRefresh(ManifestModel):
     )
     kept: int = Field(description="Shards whose files it kept as they were.")
     removed: int = Field(description="Shards it left out: every sequence in them was dropped.")
+
+
+class SourceShare(ManifestModel):
+    """One source of a blended training corpus: what it held, what the shards took of it."""
+
+    name: str
+    weight: float = Field(description="The share of the training tokens asked: its weight over the weights' sum.")
+    documents: int = Field(description="Documents read and kept (not rejected).")
+    sequences_available: int = Field(description="Sequences its documents packed into.")
+    tokens_available: int = Field(description="Their input tokens, padding not counted.")
+    sequences: int = Field(description="Rows of the shards from this source, counted in the shards.")
+    repeats: int = Field(description="Of those, rows repeating a sequence drawn already (a source upsampled).")
+    tokens: int = Field(description="Input tokens of those rows, padding not counted, counted in the shards.")
+    share: float = Field(description="tokens / all rows' tokens: the share got, against weight asked.")

@@ -23,8 +23,9 @@ import numpy as np
 
 #: scalar: one value per row (a plain column); vector: a fixed_size_list whose shape is its
 #: width (no `shape` metadata); tensor: a fixed_size_list of the row-major values with field
-#: metadata `shape` (schema_version 1: arrow.fixed_shape_tensor); list: a variable-length list.
-Kind = Literal["scalar", "vector", "tensor", "list"]
+#: metadata `shape` (schema_version 1: arrow.fixed_shape_tensor); list: a variable-length list;
+#: dictionary: a name per row, dictionary-encoded (the value is its index, `dtype` the index's).
+Kind = Literal["scalar", "vector", "tensor", "list", "dictionary"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class ShardColumn:
     value: Callable[[Any], Any] | None = None  # a row -> its value; None: the row's attribute `name`
     # list: the items a row is counted with in `row_bytes` (an estimate: the length varies)
     estimated_items: int = 0
+    since: int = 1  # the schema_version that added it: files of earlier versions lack it
 
     def of(self, row: Any) -> Any:
         return getattr(row, self.name) if self.value is None else self.value(row)
@@ -73,12 +75,19 @@ SHARD_COLUMNS: tuple[ShardColumn, ...] = (
     ShardColumn(name="neighbour_scores", dtype=np.dtype(np.float32), kind="tensor", shape=lambda d: (d.L, d.k)),
     # 4 doc ids: the 32 bytes rows per shard have always been sized with
     ShardColumn(name="doc_ids", dtype=np.dtype(np.int64), kind="list", estimated_items=4),
+    # the training source of a blend (one name otherwise), its index into the names
+    ShardColumn(name="source", dtype=np.dtype(np.int8), kind="dictionary", since=3),
 )
+
+
+def columns_in(version: int) -> tuple[ShardColumn, ...]:
+    """The columns of a shard of this schema_version, in file order."""
+    return tuple(column for column in SHARD_COLUMNS if column.since <= version)
 
 
 def array_columns() -> tuple[ShardColumn, ...]:
     """The columns of one fixed shape per row, which read as numpy [rows, *shape] (the trainer's)."""
-    return tuple(column for column in SHARD_COLUMNS if column.kind != "list")
+    return tuple(column for column in SHARD_COLUMNS if column.kind not in ("list", "dictionary"))
 
 
 def row_bytes(dims: ShardDims) -> int:

@@ -98,6 +98,33 @@ class CorpusConfig(StrictModel):
         return parse_size(value)
 
 
+_SOURCE = Hashed(Stage.SHARDS)
+
+
+class TrainingSource(CorpusConfig):
+    """One source of a blended training corpus: a corpus, its name and its share of the
+    training tokens (docs/config.md, "Blending training sources")."""
+
+    name: Annotated[str, _SOURCE] = Field(
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$",
+        description="The source's name: its value in the shards' source column and manifest.",
+    )
+    weight: Annotated[float, _SOURCE] = Field(
+        gt=0, description="Its share of the training tokens (weights are normalised to sum to 1)."
+    )
+    repeat: Annotated[float, _SOURCE] = Field(
+        1.0,
+        ge=1,
+        le=1000,
+        description="The most passes over the source the blend may take: a source smaller than its share "
+        "is repeated up to this many times (each repeat counted), and the blend is the largest one that "
+        "needs no source repeated beyond its repeat.",
+    )
+    max_tokens: Annotated[int | None, _SOURCE] = Field(
+        None, gt=0, description="At most this many of the blend's tokens come from the source (repeats included)."
+    )
+
+
 class EmbeddingConfig(StrictModel):
     """The frozen sentence encoder that keys the retrieval index."""
 

@@ -36,6 +36,27 @@ def sample_documents(count: int, start: int = 0) -> list[dict]:
     return docs[start : start + count]
 
 
+# standard-library modules whose docstrings make a second kind of real text (API reference, not prose)
+DOCSTRING_MODULES = ("json", "collections", "argparse", "pathlib", "textwrap", "csv", "functools", "itertools")
+
+
+def stdlib_docstrings(modules=DOCSTRING_MODULES, min_chars: int = 200) -> list[dict]:
+    """The docstrings of these modules' own functions and classes, at least `min_chars` long,
+    as documents with an id (`module.name`), in a fixed order."""
+    import importlib
+    import inspect
+
+    docs = []
+    for name in modules:
+        module = importlib.import_module(name)
+        for attr, value in sorted(vars(module).items()):
+            own = (inspect.isfunction(value) or inspect.isclass(value)) and getattr(value, "__module__", "") == name
+            text = inspect.getdoc(value) if own else None
+            if text and len(text) >= min_chars:
+                docs.append({"id": f"{name}.{attr}", "text": text})
+    return docs
+
+
 def write_jsonl(path: Path, records: list) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
@@ -113,7 +134,7 @@ def rewrite_shard(shards_dir: Path, change, name: str | None = None, version: in
     import pyarrow as pa
 
     from pipeline.common.fileio import sha256_bytes
-    from schemas.arrow import read_shard_table, shard_column, shard_ipc_bytes, shard_table
+    from schemas.arrow import read_shard_table, shard_column, shard_ipc_bytes, shard_sources, shard_table
     from schemas.shard_columns import ShardDims, array_columns
 
     manifest = json.loads(current_manifest(shards_dir).read_text())
@@ -121,10 +142,11 @@ def rewrite_shard(shards_dir: Path, change, name: str | None = None, version: in
     table = read_shard_table(pa.memory_map(str(shards_dir / entry["path"])))
     arrays = {column.name for column in array_columns()}
     columns = {c: shard_column(table, c).copy() if c in arrays else table[c].to_pylist() for c in table.column_names}
+    sources, columns["source"] = shard_sources(table)
     change(columns)
     dims = ShardDims(manifest["sequence_tokens"], manifest["chunk_tokens"], manifest["neighbours"])
     version_arg = {} if version is None else {"version": version}
-    data = shard_ipc_bytes(shard_table(columns, dims=dims, pad_id=manifest["pad_id"], **version_arg))
+    data = shard_ipc_bytes(shard_table(columns, dims=dims, pad_id=manifest["pad_id"], sources=sources, **version_arg))
     (shards_dir / entry["path"]).write_bytes(data)
     entry.update(bytes=len(data), sha256=sha256_bytes(data))
     rewrite_manifest(shards_dir, json.dumps(manifest))

@@ -116,6 +116,7 @@ def write_shard_dir(
                 "seq_id": seq_ids[part],
                 **{name: values[part] for name, values in rows.items()},
                 "doc_ids": [[s] for s in seq_ids[part]],
+                "source": np.zeros(count, np.int8),
             },
             dims=ShardDims(sequence_tokens, chunk_tokens, neighbours),
             pad_id=pad_id,

@@ -10,7 +10,9 @@ import logging
 import apache_beam as beam
 
 from pipeline.build_index.files import documents_read_tally, load_committed_index, rejected_tally
-from pipeline.build_shards.refresh import RefreshPlan, RefreshShards, RefreshSummary, committed_refresh
+from pipeline.build_shards.blend import CHUNKS_PER_BLOCK, ReadBlend
+from pipeline.build_shards.manifest import neighbour_summary, neighbour_warnings, refreshes_of, shards_manifest
+from pipeline.build_shards.refresh import RefreshPlan, RefreshShards, committed_refresh
 from pipeline.chunks.beam import ChunkDocuments, ReadParquetFiles
 from pipeline.chunks.chunk_files import (
     EMBEDDINGS_DIR,
@@ -29,7 +31,6 @@ from pipeline.common.rejected import WriteRejected
 from pipeline.common.tally import Tally, counted
 from pipeline.decontaminate.beam import ReadCorpusKeptClean
 from pipeline.index.files import INDEX_FILE
-from pipeline.index.recall import PLATEAU_GAIN
 from pipeline.jobs.commit import REJECTED_STAGING
 from pipeline.jobs.job import (
     Committed,
@@ -38,7 +39,6 @@ from pipeline.jobs.job import (
     Tokenization,
     index_dir,
     shards_dir,
-    sorted_entries,
 )
 from pipeline.jobs.options import encoder_threads
 from pipeline.retrieve.beam import (
@@ -50,18 +50,12 @@ from pipeline.retrieve.beam import (
 from pipeline.retrieve.committed import CommittedIndex
 from pipeline.retrieve.recall import MeasureNeighbourRecall
 from pipeline.retrieve.search import LOST_DATA, QueryBlock, Retrieval
-from pipeline.shards.rows import NeighbourIds, overlap_histogram, row_tally
+from pipeline.shards.rows import NeighbourIds, row_tally, source_tally
 from pipeline.shards.write import WriteShards
 from schemas.config import PipelineConfig
-from schemas.manifest import CREATED_BY, ShardsManifest
-from schemas.measures import NeighbourRecall, SearchDepth, ShardsRefresh
+from schemas.manifest import ShardsManifest
 
 log = logging.getLogger("ratrain")
-
-
-MIN_FILL = 0.99  # below this share of filled neighbour slots, the stage warns
-
-CHUNKS_PER_BLOCK = 1024  # a separate training corpus's chunks travel in blocks of up to this many
 
 
 def chunks_from_table(table) -> list[Chunk]:
@@ -72,58 +66,6 @@ def chunks_from_table(table) -> list[Chunk]:
             rows["chunk_id"], rows["doc_id"], rows["position"], rows["tokens"], rows["continuation"]
         )
     ]
-
-
-def _refreshes(refreshed: RefreshSummary | None = None, written=(), unchanged=(), *, tallies) -> list[ShardsRefresh]:
-    """The manifest's refreshes: none after a full build, else the refreshed shards' and this one."""
-    if refreshed is None:
-        return []
-    removed = dict(tallies).get("shards_removed", 0)
-    return [*refreshed.earlier, refreshed.record(list(written), list(unchanged), removed)]
-
-
-def _shards_manifest(
-    entries,
-    *,
-    refreshes: list[ShardsRefresh],
-    tallies,
-    recall,
-    search_depth: SearchDepth,
-    precision,
-    cfg: PipelineConfig,
-    index_sha: str,
-    index_generation: int | None,
-    threads,
-    pad_id: int,
-) -> ShardsManifest:
-    shards = sorted_entries(entries)
-    L, k = cfg.chunks_per_sequence, cfg.neighbours
-    num_sequences = sum(s.rows for s in shards)
-    slots = num_sequences * L * k
-    counters = dict(tallies)
-    counters["chunks_not_in_a_sequence"] = counters.pop("training_chunks", 0) - num_sequences * L
-    return ShardsManifest(
-        config_hash=cfg.shards_hash(),
-        index_manifest_sha256=index_sha,
-        index_generation=index_generation,
-        training_corpus="same" if cfg.training_corpus == "same" else "separate",
-        encoder_threads=threads,
-        embedding_precision=precision,
-        sequence_tokens=cfg.sequence_tokens,
-        chunk_tokens=cfg.chunk_tokens,
-        neighbours=k,
-        neighbour_tokens=2 * cfg.chunk_tokens,
-        pad_id=pad_id,
-        num_sequences=num_sequences,
-        shards=shards,
-        neighbour_fill=sum(s.neighbour_slots_filled or 0 for s in shards) / slots if slots else 1.0,
-        neighbour_recall=None if recall is None else NeighbourRecall(**recall),
-        search_depth=search_depth if search_depth.curve else None,
-        overlap=overlap_histogram(counters),
-        refreshes=refreshes,
-        counters=dict(sorted(counters.items())),
-        created_by=CREATED_BY,
-    )
 
 
 def build_shards(
@@ -224,7 +166,7 @@ def _build_shards(
         )
         retrieve = RetrieveNeighbours(spec, cfg.rows_per_shard(), cfg.index.min_ram, validate=not dry_run)
         # nothing is read that could be rejected, nothing is embedded: no steps for them
-        rejected, precision, read_tallies, unchanged = None, None, (), None
+        rejected, precision, read_tallies, unchanged, blend_plan = None, None, (), None, None
         kept_ids: tuple = ()  # a refresh's unchanged rows' NeighbourIds
         if refresh is not None:
             assert index is not None  # a refresh is planned from the committed index
@@ -259,6 +201,15 @@ def _build_shards(
                 )
                 spans = training_chunks | "DocumentSpans" >> SpansOfTrainingChunks()
                 queries = None  # the search reads them from the database's embedding files
+                sequences = training_chunks | "PackSequences" >> PackSequences(L, tok.pad_id)
+            elif cfg.blended:
+                threads = encoder_threads(cfg.embedding.cpu_threads, cfg.embedding.device, pipeline.options)
+                blend = pipeline | "ReadBlend" >> ReadBlend(cfg, tok, threads, match=not dry_run)
+                sequences, queries, training_chunks = blend.sequences, blend.queries, blend.chunks
+                rejected = blend.rejected
+                read_tallies, precision = blend.tallies, beam.pvalue.AsSingleton(blend.precision)
+                blend_plan = blend.plan
+                spans = pipeline | "DocumentSpans" >> DocumentSpans(database_chunks, not dry_run, deleted)
             else:
                 corpus = pipeline | "ReadTrainingCorpus" >> ReadCorpusKeptClean(cfg, "training", match=not dry_run)
                 chunks, unusable = corpus.documents | "ChunkTrainingDocuments" >> ChunkDocuments(
@@ -284,13 +235,13 @@ def _build_shards(
                 )
                 precision = beam.pvalue.AsSingleton(precision_used)
                 spans = pipeline | "DocumentSpans" >> DocumentSpans(database_chunks, not dry_run, deleted)
-            sequences = training_chunks | "PackSequences" >> PackSequences(L, tok.pad_id)
+                sequences = training_chunks | "PackSequences" >> PackSequences(L, tok.pad_id)
             inputs = (sequences, spans) if queries is None else (sequences, queries, spans)
             retrieved = inputs | "RetrieveNeighbours" >> retrieve
             to_write = retrieved.rows
             chunk_tallies = counted("training_chunks", training_chunks, len)
         rows = to_write | "ShardProgress" >> ReportProgress("retrieve", "sequences", lambda batch: len(batch.rows))
-        written = rows | "WriteShards" >> WriteShards(staging, cfg.rows_per_shard(), tok.pad_id)
+        written = rows | "WriteShards" >> WriteShards(staging, cfg.rows_per_shard(), tok.pad_id, cfg.source_names())
         shard_files = written if unchanged is None else (written, unchanged) | "EveryShard" >> beam.Flatten()
         rejected_files = (
             ()
@@ -305,6 +256,7 @@ def _build_shards(
             retrieved.tallies,
             chunk_tallies,
             to_write | "TallyRows" >> beam.FlatMap(row_tally, m, tok.pad_id),
+            *(() if blend_plan is None else (to_write | "TallySources" >> beam.FlatMap(source_tally, tok.pad_id),)),
         ) | "Tallies" >> Tally()
         refreshes: tuple = ()
         if refresh is not None and unchanged is not None and index is not None:  # all or none
@@ -315,8 +267,8 @@ def _build_shards(
             | "Once" >> beam.Create([None])  # the manifest is made once, when every side input is complete
             | "ShardsManifest"
             >> beam.Map(
-                lambda _, *refreshed, **facts: _shards_manifest(
-                    refreshes=_refreshes(*refreshed, tallies=facts["tallies"]), **facts
+                lambda _, *refreshed, **facts: shards_manifest(
+                    refreshes=refreshes_of(*refreshed, tallies=facts["tallies"]), **facts
                 ),
                 *refreshes,
                 entries=beam.pvalue.AsList(shard_files),
@@ -329,6 +281,7 @@ def _build_shards(
                 index_generation=None if index is None else index.generation,
                 threads=threads,
                 pad_id=tok.pad_id,
+                plan=None if blend_plan is None else beam.pvalue.AsSingleton(blend_plan),
             )
         )
         return Committed(manifest=manifest, staged=shard_files, after=rejected_files)
@@ -340,49 +293,8 @@ def _build_shards(
             shards_dir(cfg),
             manifest.num_sequences,
             len(manifest.shards),
-            manifest.neighbour_summary(),
+            neighbour_summary(manifest),
         )
         for warning in neighbour_warnings(manifest, cfg):
             log.warning("%s: %s", shards_dir(cfg), warning)
     return manifest
-
-
-def neighbour_warnings(manifest: ShardsManifest, cfg: PipelineConfig) -> list[str]:
-    """What makes the shards worse than they look, with the cause."""
-    warnings = []
-    fill = manifest.neighbour_fill
-    if fill is not None and fill < MIN_FILL:
-        slots = manifest.num_sequences * manifest.sequence_tokens // manifest.chunk_tokens * manifest.neighbours
-        empty = slots - sum(entry.neighbour_slots_filled or 0 for entry in manifest.shards)
-        if cfg.dedupe_neighbours and manifest.counters.get("candidates_dropped_duplicate_tokens", 0):
-            cause = (
-                f"after dropping repeated tokens fewer than k of the {cfg.neighbour_candidates} "
-                "candidates were left (raise neighbour_candidates)"
-            )
-        else:
-            cause = (
-                "the chunk database holds fewer than k chunks outside a sequence's own "
-                "documents for these chunks (a database of few, long documents)"
-            )
-        warnings.append(
-            f"only {fill:.1%} of neighbour slots are filled ({empty:,} empty): {cause}; "
-            "a RETRO model sees these slots as padding"
-        )
-    recall, depth, target = manifest.neighbour_recall, manifest.search_depth, cfg.index.target_recall
-    if recall is not None and recall.value < target:
-        if depth is not None and depth.recall_below_target == "warn":
-            cause = f"recall_below_target: warn kept the index's search depth {depth.depth} ('deepen' tunes it)"
-        elif depth is not None and depth.plateau:
-            cause = (
-                f"two doublings of the search depth beyond {depth.depth} gained less than {PLATEAU_GAIN} (the index's "
-                "codes limit recall, not the depth: a larger index.memory_budget or another index.type)"
-            )
-        elif depth is not None and depth.curve and depth.curve[-1].recall >= target:
-            cause = (
-                f"the search depth {depth.depth} reached {depth.curve[-1].recall:.3f} on the tuning sample, "
-                "which this check's sample misses (a larger neighbour_recall_sample tunes on more chunks)"
-            )
-        else:
-            cause = "the index misses near neighbours even at its deepest search (raise index.memory_budget)"
-        warnings.append(f"neighbour recall {recall.value:.3f} against exact search is below {target}: {cause}")
-    return warnings

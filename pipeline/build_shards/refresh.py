@@ -32,7 +32,7 @@ from pipeline.retrieve.refresh import NewVectors, heads_of, refresh_shard, with_
 from pipeline.retrieve.search import LOST_DATA, SEQUENCES_PER_SEARCH
 from pipeline.retrieve.sequences import pack_batch
 from pipeline.shards.rows import NeighbourIds, RowBatch, Sequence, SequenceBatch, row_tally, rows_of_table
-from schemas.arrow import read_shard_table
+from schemas.arrow import SCHEMA_VERSION, read_shard_table
 from schemas.manifest import ShardEntry, ShardsManifest, read_manifest, unversioned
 from schemas.measures import ShardsRefresh
 
@@ -77,6 +77,8 @@ def committed_refresh(directory: str, index: CommittedIndex, cfg, full: bool) ->
     cannot = (
         "--full asks for it"
         if full
+        else f"they were written in schema_version {previous.schema_version}, and kept shards would stay in it"
+        if previous.schema_version != SCHEMA_VERSION
         else "a separate training corpus's query embeddings are not kept"
         if cfg.training_corpus != "same"
         else "dedupe_neighbours picks among candidates no shard keeps"

@@ -7,6 +7,7 @@ import textwrap
 
 import pyarrow as pa
 
+from pipeline.build_shards.manifest import neighbour_summary
 from pipeline.chunks.chunking import load_tokenizer
 from pipeline.common import fileio
 from pipeline.common.models import resolve_tokenizer
@@ -30,7 +31,7 @@ def inspect_shards(directory: str, count: int, max_chunks: int = 4, commit: int 
     index = fileio.committed_summary(posixpath.join(posixpath.dirname(directory.rstrip("/")), "index"), IndexManifest)
     tokenizer = load_tokenizer(resolve_tokenizer(index.tokenizer.name))
     m = manifest.chunk_tokens
-    lines: list[str] = [f"{directory}: {manifest.num_sequences} sequences, {manifest.neighbour_summary()}"]
+    lines: list[str] = [f"{directory}: {manifest.num_sequences} sequences, {neighbour_summary(manifest)}"]
     check = index.embedding_precision
     if check is not None:
         lines.append(f"embeddings in {check.summary()}")

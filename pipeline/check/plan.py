@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pipeline.build_shards.manifest import neighbour_summary
 from pipeline.check.facts import (
     ChunkFiles,
     ChunkFileUnit,
@@ -283,7 +284,7 @@ def _plan_shards(plan: ValidationPlan, directory: str, index_directory: str) -> 
         )
     plan.lines.append(
         f"{head}, {filled}no same-document neighbour, neighbour tokens equal the chunk "
-        f"database; {manifest.neighbour_summary()}"
+        f"database; {neighbour_summary(manifest)}"
     )
 
 

@@ -327,7 +327,11 @@ class CorpusRead:
 class ReadCorpusKeptClean(beam.PTransform):
     """The config's retrieval or training corpus read, and decontaminated when the config
     says so (`PipelineConfig.decontaminates`) -> CorpusRead. A document whose id an
-    evaluation document has fails the job when both take ids from an id field."""
+    evaluation document has fails the job when both take ids from an id field.
+
+    `source`: a blend's source, read in place of the training corpus; `evaluation`: the
+    evaluation corpora as `ReadEvaluation` read them, shared by a blend's sources (their
+    tallies are counted where they were read, not here)."""
 
     def __init__(
         self,
@@ -335,17 +339,23 @@ class ReadCorpusKeptClean(beam.PTransform):
         which: Literal["retrieval", "training"],
         match: bool = True,
         only: frozenset[str] | None = None,
+        *,
+        source: CorpusConfig | None = None,
+        evaluation: tuple | None = None,
     ):
         super().__init__()
-        self.cfg, self.match, self.only = cfg, match, only
-        self.corpus = cfg.retrieval_corpus if which == "retrieval" else cfg.training()
-        self.evaluation = ReadEvaluation(cfg, match) if cfg.decontaminates(which) else None
+        self.cfg, self.match, self.only, self.shared = cfg, match, only, evaluation
+        self.corpus = source or (cfg.retrieval_corpus if which == "retrieval" else cfg.training())
+        self.evaluation = ReadEvaluation(cfg, match) if cfg.decontaminates(which) and evaluation is None else None
 
     def expand(self, pbegin):
-        if self.evaluation is None:
+        if self.evaluation is None and self.shared is None:
             documents, rejected, files = pbegin | "Read" >> ReadCorpus(self.corpus, match=self.match, only=self.only)
             return CorpusRead(documents, rejected, pbegin.pipeline | "NoEvaluation" >> beam.Create([]), files)
-        evaluation, tallies = pbegin | "KeepOutEvaluation" >> self.evaluation
+        if self.shared is not None:
+            evaluation, tallies = self.shared[0], pbegin.pipeline | "EvaluationCountedElsewhere" >> beam.Create([])
+        else:
+            evaluation, tallies = pbegin | "KeepOutEvaluation" >> self.evaluation
         same_id_fails = self.corpus.id_field is not None and all(c.id_field for c in self.cfg.evaluation_corpus)
         screen = Decontaminate(self.cfg.decontamination, self.corpus, evaluation, same_id_fails)
         documents, rejected, files = pbegin | "Read" >> ReadCorpus(

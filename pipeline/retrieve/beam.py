@@ -244,6 +244,7 @@ def _to_rows(keyed, spec: Retrieval):
             neighbour_ids=ids[i],
             neighbour_scores=scores[i],
             doc_ids=s.doc_ids,
+            source=s.source,
         )
         for i, s in enumerate(sequences)
     ]

@@ -160,7 +160,10 @@ def heads_of(row: ShardRow, m: int) -> Sequence:
     """A stored row's sequence as packing gives it: each chunk's first token and the target,
     and its documents."""
     return Sequence(
-        row.seq_id, np.concatenate([row.tokens[:-1:m], row.tokens[-1:]]), tuple(int(d) for d in row.doc_ids)
+        row.seq_id,
+        np.concatenate([row.tokens[:-1:m], row.tokens[-1:]]),
+        tuple(int(d) for d in row.doc_ids),
+        row.source,
     )
 
 

@@ -66,7 +66,7 @@ def with_tokens(sequences: list[Sequence], chunk_files, chunks_per_seq: int) -> 
         seq_id = sequences[changed[0]].seq_id
         raise ValueError(f"sequence {seq_id}: its chunks' tokens changed in the chunk files since it was packed")
     filled = np.concatenate([own.reshape(len(sequences), -1), packed[:, L:]], axis=1).astype(np.int32)
-    return [Sequence(s.seq_id, row, s.doc_ids) for s, row in zip(sequences, filled)]
+    return [Sequence(s.seq_id, row, s.doc_ids, s.source) for s, row in zip(sequences, filled)]
 
 
 def document_spans(chunk_ids: np.ndarray, doc_ids: np.ndarray) -> list[tuple[int, tuple[int, int]]]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from schemas.arrow import shard_column
+from schemas.arrow import shard_column, shard_sources
 from schemas.shard_columns import ShardDims, array_columns
 
 
@@ -24,6 +24,7 @@ class Sequence:
     # [L + 1] (each chunk's first token and the target) until the rows' assembly reads the rest
     tokens: np.ndarray
     doc_ids: tuple  # sorted ids of every document whose tokens it holds
+    source: int = 0  # its training source: the number of its name in `PipelineConfig.source_names`
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,6 +38,7 @@ class ShardRow:
     neighbour_ids: np.ndarray  # [n/m, k]
     neighbour_scores: np.ndarray  # [n/m, k]
     doc_ids: tuple
+    source: int = 0  # as Sequence's
 
     @property
     def dims(self) -> ShardDims:
@@ -51,8 +53,14 @@ def rows_of_table(table) -> list[ShardRow]:
     arrays = {column.name: shard_column(table, column.name) for column in array_columns()}
     doc_ids = table.column("doc_ids").to_pylist()
     seq_ids = arrays.pop("seq_id").tolist()
+    sources = shard_sources(table)[1].tolist()
     return [
-        ShardRow(seq_id=seq_id, **{name: values[i] for name, values in arrays.items()}, doc_ids=tuple(doc_ids[i]))
+        ShardRow(
+            seq_id=seq_id,
+            **{name: values[i] for name, values in arrays.items()},
+            doc_ids=tuple(doc_ids[i]),
+            source=sources[i],
+        )
         for i, seq_id in enumerate(seq_ids)
     ]
 
@@ -110,20 +118,23 @@ class NeighbourIds:
 
 
 def _by_column(batch_type, record_type, records: list):
-    """A batch's pickle as columns: the seq ids as one array, each array field between seq_id
-    and doc_ids (the record type's first and last) stacked (equal shapes within a batch),
-    the doc ids listed; `_from_columns` rebuilds it."""
+    """A batch's pickle as columns: the seq ids and sources as one array each, every other
+    field but doc_ids stacked (equal shapes within a batch), the doc ids listed;
+    `_from_columns` rebuilds it."""
     if not records:
         return batch_type, ([],)
-    arrays = [field.name for field in fields(record_type)][1:-1]
-    seq_ids = np.array([record.seq_id for record in records], np.int64)
+    arrays = [field.name for field in fields(record_type) if field.name not in _LISTED]
     stacked = [np.stack([getattr(record, name) for record in records]) for name in arrays]
-    return _from_columns, (batch_type, record_type, seq_ids, *stacked, [record.doc_ids for record in records])
+    listed = [[getattr(record, name) for record in records] for name in _LISTED]
+    return _from_columns, (batch_type, record_type, arrays, *stacked, *listed)
 
 
-def _from_columns(batch_type, record_type, seq_ids: np.ndarray, *columns):
-    names = [field.name for field in fields(record_type)]
-    return batch_type([record_type(**dict(zip(names, values))) for values in zip(seq_ids.tolist(), *columns)])
+_LISTED = ("seq_id", "doc_ids", "source")  # Python ints and tuples, rebuilt as they were
+
+
+def _from_columns(batch_type, record_type, arrays: list[str], *columns):
+    names = [*arrays, *_LISTED]
+    return batch_type([record_type(**dict(zip(names, values))) for values in zip(*columns)])
 
 
 def neighbour_arrays(picks: np.ndarray, values: np.ndarray, *, chunks_per_seq: int, k: int, m: int, pad_id: int):
@@ -213,6 +224,21 @@ def row_tally(batch: RowBatch, m: int, pad_id: int):
     yield "sequences", len(batch.rows)
     yield "neighbour_slots_padded", int(sum((row.neighbour_ids < 0).sum() for row in batch.rows))
     yield from overlap_tally(batch, m, pad_id)
+
+
+def input_tokens(tokens: np.ndarray, pad_id: int) -> int:
+    """The input tokens of sequences' tokens ([..., n + 1]: the last is the target) that are not
+    padding: what a blend's shares are counted in."""
+    return int((tokens[..., :-1] != pad_id).sum())
+
+
+def source_tally(batch: RowBatch, pad_id: int):
+    """A batch of shard rows' counters per training source: `source/<number>/rows` and `/tokens`."""
+    sources = np.array([row.source for row in batch.rows])
+    for source in np.unique(sources).tolist():
+        rows = [row for row in batch.rows if row.source == source]
+        yield f"source/{source}/rows", len(rows)
+        yield f"source/{source}/tokens", input_tokens(np.stack([row.tokens for row in rows]), pad_id)
 
 
 def overlap_histogram(counters: dict[str, int]) -> dict[str, int]:

@@ -11,10 +11,10 @@ from schemas.manifest import ShardEntry
 from schemas.shard_columns import columns_of
 
 
-def rows_to_ipc(rows: list[ShardRow], pad_id: int) -> bytes:
+def rows_to_ipc(rows: list[ShardRow], pad_id: int, sources: tuple[str, ...] = ("training",)) -> bytes:
     """One shard's rows (at least one) -> its file, each column taken from the rows as the spec
-    (`schemas/shard_columns.py`) says."""
-    return shard_ipc_bytes(shard_table(columns_of(rows), dims=rows[0].dims, pad_id=pad_id))
+    (`schemas/shard_columns.py`) says; `sources`: the names a row's source indexes."""
+    return shard_ipc_bytes(shard_table(columns_of(rows), dims=rows[0].dims, pad_id=pad_id, sources=sources))
 
 
 class WriteShards(beam.PTransform):
@@ -23,12 +23,12 @@ class WriteShards(beam.PTransform):
     written where they are: the rows cross no shuffle. A batch holding rows of two shards is
     an error."""
 
-    def __init__(self, directory: str, shard_rows: int, pad_id: int):
+    def __init__(self, directory: str, shard_rows: int, pad_id: int, sources: tuple[str, ...]):
         super().__init__()
-        self.directory, self.shard_rows, self.pad_id = directory, shard_rows, pad_id
+        self.directory, self.shard_rows, self.pad_id, self.sources = directory, shard_rows, pad_id, sources
 
     def expand(self, rows):
-        pad_id = self.pad_id
+        pad_id, sources = self.pad_id, self.sources
         return rows | "WriteShardFiles" >> WriteGroupedFiles(
             self.directory,
             relative_to=self.directory,
@@ -36,7 +36,7 @@ class WriteShards(beam.PTransform):
             extension="arrow",
             key=lambda r: r.seq_id,
             rows_per_file=self.shard_rows,
-            to_bytes=lambda rs: rows_to_ipc(rs, pad_id),
+            to_bytes=lambda rs: rows_to_ipc(rs, pad_id, sources),
             facts=lambda rs: {"neighbour_slots_filled": sum(int((r.neighbour_ids >= 0).sum()) for r in rs)},
             entry=ShardEntry,
             rows_of=lambda batch: batch.rows,

@@ -3,7 +3,7 @@ slots, repeated tokens dropped, neighbour recall below target) say so, with the 
 
 import pytest
 
-from pipeline.build_shards.job import neighbour_warnings
+from pipeline.build_shards.manifest import neighbour_warnings
 from schemas.config import config_from_dict
 from schemas.measures import NeighbourRecall
 from tests.helpers import shards_manifest, small_config

@@ -60,11 +60,11 @@ def test_the_spec_gives_the_schema_of_design_md(version):
 
 @pytest.mark.unit
 def test_bytes_per_row_count_every_column():
-    """seq_id, n + 1 tokens, L·k neighbours of 2m tokens with an id and a score each, and 4 doc
-    ids: the size rows per shard have always been cut with."""
+    """seq_id, n + 1 tokens, L·k neighbours of 2m tokens with an id and a score each, 4 doc
+    ids (the size rows per shard were cut with before schema_version 3) and a source's index."""
     n, m, k = 128, 32, 2
     slots = n // m * k
-    assert row_bytes(ShardDims(n, m, k)) == 8 + 4 * (n + 1) + slots * (4 * 2 * m + 8 + 4) + 4 * 8 == 2700
+    assert row_bytes(ShardDims(n, m, k)) == 8 + 4 * (n + 1) + slots * (4 * 2 * m + 8 + 4) + 4 * 8 + 1 == 2701
 
 
 def _rows() -> list[ShardRow]:
@@ -134,7 +134,7 @@ def test_a_column_added_to_the_spec_alone_reaches_shards_sizes_validate_and_the_
         column = ShardColumn(
             name="neighbours_filled", dtype=np.dtype(np.int32), kind="tensor", shape=shape, value=value
         )
-        monkeypatch.setattr(shard_columns, "SHARD_COLUMNS", (*spec[:-1], column, spec[-1]))
+        monkeypatch.setattr(shard_columns, "SHARD_COLUMNS", (*spec[:-2], column, *spec[-2:]))
 
     filled()
     rows = _rows()
@@ -145,13 +145,17 @@ def test_a_column_added_to_the_spec_alone_reaches_shards_sizes_validate_and_the_
     assert sized.rows_per_shard() == 100_000 // (bytes_before + 4 * L) < rows_before
     assert write_step(cfg) > step_before
 
-    # written shards: the column, its shape metadata and values, before doc_ids
+    # written shards: the column, its shape metadata and values, before doc_ids and source
     directory = tmp_path / "shards"
     with local_pipeline() as p:
-        _ = p | beam.Create([RowBatch(rows[:4]), RowBatch(rows[4:])]) | WriteShards(str(directory), 4, PAD)
+        _ = (
+            p
+            | beam.Create([RowBatch(rows[:4]), RowBatch(rows[4:])])
+            | WriteShards(str(directory), 4, PAD, ("training",))
+        )
     tables = [read_shard_table(pa.memory_map(str(directory / f"shard-0000{i}.arrow"))) for i in (0, 1)]
     field = tables[0].schema.field("neighbours_filled")
-    assert tables[0].column_names[-2:] == ["neighbours_filled", "doc_ids"]
+    assert tables[0].column_names[-3:] == ["neighbours_filled", "doc_ids", "source"]
     assert field.type == pa.list_(pa.int32(), L) and field.metadata == {b"shape": f"[{L}]".encode()}
     assert np.array_equal(np.concatenate([shard_column(t, "neighbours_filled") for t in tables]), expected)
 

@@ -50,7 +50,7 @@ def untagged_fields(root: type[BaseModel]) -> list[str]:
 
 
 def test_every_config_field_is_tagged_with_its_stage_or_why_it_is_in_no_hash():
-    assert len(config_models(PipelineConfig)) == 5  # the config and its four sections
+    assert len(config_models(PipelineConfig)) == 6  # the config, its four sections and a blend's source
     assert untagged_fields(PipelineConfig) == []
     reasons = [field_tag(m, n) for m in config_models(PipelineConfig) for n in m.model_fields]
     assert all(tag.reason for tag in reasons if isinstance(tag, NotHashed))
@@ -66,7 +66,9 @@ def test_every_stage_a_field_names_is_one_its_model_is_hashed_into():
             tag = field_tag(model, name)
             if not isinstance(tag, Hashed):
                 continue
-            if not tag.stages <= reach.get(model, set()):
+            # a field a model inherits is hashed wherever the model that declares it is
+            declared = next(base for base in model.__mro__ if name in getattr(base, "__annotations__", {}))
+            if not tag.stages <= reach.get(model, set()) | reach.get(declared, set()):
                 unreached.append(f"{model.__name__}.{name}")
             for held in _models_in(field.annotation):
                 reach.setdefault(held, set()).update(tag.stages & reach.get(model, set()))

@@ -67,7 +67,7 @@ def _schema_shapes(schema: pa.Schema) -> dict[str, tuple]:
 def test_pyarrow_reads_the_shards_as_a_dataset(shards):
     paths, manifest, expected = shards
     table = pads.dataset(paths, format="arrow").to_table()
-    assert table.schema.metadata[b"schema_version"] == b"2"
+    assert table.schema.metadata[b"schema_version"] == b"3"
     assert table.schema.field("neighbours").type == pa.list_(
         pa.int32(), manifest.sequence_tokens // manifest.chunk_tokens * manifest.neighbours * 2 * manifest.chunk_tokens
     )

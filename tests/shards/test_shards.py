@@ -201,7 +201,7 @@ def test_write_shards_is_sorted_split_by_seq_id_and_counts_filled_slots(tmp_path
         entries = (
             p
             | beam.Create([RowBatch(rows[:1]), RowBatch([rows[2], rows[4]]), RowBatch([rows[1], rows[3]])])
-            | WriteShards(str(tmp_path), shard_rows=2, pad_id=PAD)
+            | WriteShards(str(tmp_path), shard_rows=2, pad_id=PAD, sources=("training",))
         )
         assert_that(
             entries | beam.Map(lambda e: (e.path, e.rows, e.neighbour_slots_filled)),
@@ -212,7 +212,7 @@ def test_write_shards_is_sorted_split_by_seq_id_and_counts_filled_slots(tmp_path
     table = read_shard_table(pa.memory_map(str(tmp_path / "shard-00001.arrow")))
     assert table["seq_id"].to_pylist() == [2, 3]  # given as 3, 2
     assert shard_column(table, "neighbours").shape == (2, L, K, 2 * M)
-    assert table.schema.metadata[b"schema_version"] == str(SCHEMA_VERSION).encode() == b"2"
+    assert table.schema.metadata[b"schema_version"] == str(SCHEMA_VERSION).encode() == b"3"
 
 
 @pytest.mark.beam
@@ -232,4 +232,8 @@ def test_write_shards_refuses_a_batch_holding_rows_of_two_shards(tmp_path):
     ]
     with pytest.raises(Exception, match=r"holds rows of files \[0, 1\]"):
         with local_pipeline() as p:
-            _ = p | beam.Create([RowBatch(rows)]) | WriteShards(str(tmp_path), shard_rows=2, pad_id=PAD)
+            _ = (
+                p
+                | beam.Create([RowBatch(rows)])
+                | WriteShards(str(tmp_path), shard_rows=2, pad_id=PAD, sources=("training",))
+            )

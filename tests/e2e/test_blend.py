@@ -1,0 +1,124 @@
+"""A training corpus blended from three real sources of different kinds (Python documentation
+sections, standard-library docstrings, this project's README) at weights 0.6 / 0.3 / 0.1: the
+token shares got, the repeats of the source upsampled, the source column as other readers see
+it, decontamination of every source, and the same bytes on a re-run and on the multi-process
+runner."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+
+import pyarrow as pa
+import pytest
+
+from pipeline.build_shards.job import build_shards
+from pipeline.check.validate import validate_path
+from pipeline.common import fileio
+from schemas.arrow import read_shard_table, shard_column, shard_sources
+from schemas.config import config_from_dict
+from schemas.manifest import ShardsManifest
+from tests.helpers import REPO, assert_same_data_files, read_rejected, sample_documents, stdlib_docstrings, write_jsonl
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+WEIGHTS = {"pydocs": 0.6, "docstrings": 0.3, "readme": 0.1}
+MULTI_PROCESS = ["--direct_num_workers=2", "--direct_running_mode=multi_processing"]
+
+
+@pytest.fixture(scope="module")
+def blended(built_output, tmp_path_factory):
+    """(config, output) of build-shards over the built index with the three sources, an
+    evaluation corpus holding one document of each of the first two."""
+    root, config, _ = built_output
+    tmp = tmp_path_factory.mktemp("blend")
+    pydocs, docstrings = sample_documents(40, start=16), stdlib_docstrings()
+    write_jsonl(tmp / "pydocs" / "docs.jsonl", pydocs)
+    write_jsonl(tmp / "docstrings" / "docs.jsonl", docstrings)
+    (tmp / "readme").mkdir()
+    # its first 8,000 characters: about half what the blend takes of it, so it is repeated
+    (tmp / "readme" / "README.md").write_text((REPO / "README.md").read_text()[:8000])
+    write_jsonl(tmp / "evaluation" / "eval.jsonl", [{**pydocs[3], "id": "eval-0"}, {**docstrings[5], "id": "eval-1"}])
+    blend = {
+        **config,
+        "output": str(tmp / "out"),
+        "training_corpus": [
+            {"name": "pydocs", "paths": [str(tmp / "pydocs" / "*.jsonl")], "id_field": "id", "weight": 0.6},
+            {"name": "docstrings", "paths": [str(tmp / "docstrings" / "*.jsonl")], "id_field": "id", "weight": 0.3},
+            {"name": "readme", "paths": [str(tmp / "readme" / "*.md")], "format": "text", "weight": 0.1, "repeat": 4},
+        ],
+        "evaluation_corpus": {"paths": [str(tmp / "evaluation" / "*.jsonl")], "id_field": "id"},
+        "decontamination": {"apply_to": ["training"]},
+    }
+    shutil.copytree(root / "out" / "index", tmp / "out" / "index")
+    build_shards(config_from_dict(blend), [])
+    return blend, tmp / "out"
+
+
+def _tables(out):
+    manifest = fileio.committed_manifest(str(out / "shards"), ShardsManifest)
+    return manifest, [read_shard_table(pa.memory_map(str(out / "shards" / e.path))) for e in manifest.shards]
+
+
+def test_each_source_gets_its_share_of_tokens_counted_in_the_shards(blended):
+    config, out = blended
+    manifest, tables = _tables(out)
+    assert manifest.training_corpus == "blend"
+    assert [s.name for s in manifest.sources] == list(WEIGHTS)
+    by_name = {s.name: s for s in manifest.sources}
+    for name, weight in WEIGHTS.items():
+        assert by_name[name].weight == pytest.approx(weight)
+        assert abs(by_name[name].share - weight) <= 0.01, (name, by_name[name].share)
+    # the README is upsampled (its repeats counted), a larger source subsampled
+    readme = by_name["readme"]
+    assert readme.repeats > 0 and readme.sequences > readme.sequences_available
+    assert any(s.repeats == 0 and s.sequences < s.sequences_available for s in manifest.sources)
+    # what the manifest says, counted again from the shards' rows
+    rows, tokens = Counter(), Counter()
+    for table in tables:
+        names, sources = shard_sources(table)
+        assert names == tuple(WEIGHTS)  # every shard's dictionary whole, in the config's order
+        real = (shard_column(table, "tokens")[:, :-1] != manifest.pad_id).sum(axis=1)
+        for source, count in zip(sources.tolist(), real.tolist()):
+            rows[names[source]] += 1
+            tokens[names[source]] += count
+    assert rows == {s.name: s.sequences for s in manifest.sources}
+    assert tokens == {s.name: s.tokens for s in manifest.sources}
+    assert manifest.num_sequences == sum(rows.values())
+    # the sources are interleaved: every shard but the last holds rows of at least two
+    assert all(len(set(shard_sources(t)[1].tolist())) >= 2 for t in tables[:-1])
+    assert all(line.startswith("OK") for line in validate_path(str(out / "shards")))
+
+
+def test_decontamination_applies_to_every_source(blended):
+    _, out = blended
+    manifest, _ = _tables(out)
+    removed = [r for r in read_rejected(out, "build-shards") if r["reason"] == "near_duplicate_of_evaluation"]
+    assert sorted(r["source"].split("/")[-2] for r in removed) == ["docstrings", "pydocs"]
+    documents = {s.name: s.documents for s in manifest.sources}
+    assert documents == {"pydocs": 39, "docstrings": len(stdlib_docstrings()) - 1, "readme": 1}
+
+
+def test_hugging_face_datasets_and_polars_read_the_source_column(blended, tmp_path):
+    datasets = pytest.importorskip("datasets")
+    polars = pytest.importorskip("polars")
+    _, out = blended
+    manifest, _ = _tables(out)
+    paths = [str(out / "shards" / e.path) for e in manifest.shards]
+    expected = {s.name: s.sequences for s in manifest.sources}
+    loaded = datasets.load_dataset("arrow", data_files=paths, split="train", cache_dir=str(tmp_path))
+    assert Counter(loaded["source"]) == expected
+    frame = polars.concat([polars.read_ipc(path) for path in paths])
+    counts = frame.group_by(polars.col("source").cast(polars.String)).len()
+    assert dict(zip(counts["source"].to_list(), counts["len"].to_list())) == expected
+
+
+def test_a_rerun_and_the_multi_process_runner_write_the_same_bytes(blended, tmp_path):
+    config, out = blended
+    for name, args in (("again", []), ("multi", MULTI_PROCESS)):
+        shutil.copytree(out / "index", tmp_path / name / "index")
+        build_shards(config_from_dict({**config, "output": str(tmp_path / name)}), args)
+        assert_same_data_files(tmp_path / name, out, stages=("shards",))
+        again = json.loads((tmp_path / name / "shards" / "manifest.json").read_text())
+        assert again["sources"] == json.loads((out / "shards" / "manifest.json").read_text())["sources"]
