@@ -7,12 +7,13 @@ bucket of the chunk that contains the target token (pipeline/shards/rows.py, OVE
 plus `NO_CHUNK` for the last target of each sequence (token n, after the sequence's last
 chunk). The loss to report for a model is `low_overlap`'s: chunks with r(C) at most
 `low_overlap_threshold`, whose text the neighbours do not hold (RETRO's leakage evaluation).
+Shards of a blend are also scored per training source (`sources`).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from pydantic import TypeAdapter
 
@@ -56,6 +57,16 @@ class RetrievalGain:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SourceScore:
+    """The targets of one training source of a blend (the shards' source column)."""
+
+    name: str
+    sequences: int
+    with_neighbours: VariantScores
+    blanked: VariantScores | None  # None for a model without retrieval
+
+
+@dataclass(frozen=True, kw_only=True)
 class Evaluation:
     checkpoint: str
     step: int | None  # the optimizer step the checkpoint was written at
@@ -69,6 +80,7 @@ class Evaluation:
     blanked: VariantScores | None  # None for a model without retrieval: `blanked_note` says why
     retrieval_gain: RetrievalGain | None
     blanked_note: str
+    sources: list[SourceScore] = field(default_factory=list)  # a blend's sources, in its order (else none)
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ def _entry_model(manifest) -> type[FileEntry]:
 
 def table_schema(model: type[FileEntry]) -> pa.Schema:
     """The file table's columns: an entry's fields."""
-    types = {"path": pa.string(), "rows": pa.int64(), "bytes": pa.int64(), "sha256": pa.string()}
+    types = {"path": pa.string(), "sha256": pa.string(), "source_rows": pa.list_(pa.int64())}
     return pa.schema([pa.field(name, types.get(name, pa.int64())) for name in model.model_fields])
 
 

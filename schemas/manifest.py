@@ -111,6 +111,9 @@ class ShardEntry(FileEntry):
     neighbour_slots_filled: int | None = Field(
         None, description="Neighbour slots of this shard holding a neighbour (None: an older manifest)."
     )
+    source_rows: list[int] | None = Field(
+        None, description="A blend's rows of each source in this shard, in the sources' order (None: no blend)."
+    )
 
 
 class FileTable(ManifestModel):

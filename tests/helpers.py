@@ -142,7 +142,8 @@ def rewrite_shard(shards_dir: Path, change, name: str | None = None, version: in
     table = read_shard_table(pa.memory_map(str(shards_dir / entry["path"])))
     arrays = {column.name for column in array_columns()}
     columns = {c: shard_column(table, c).copy() if c in arrays else table[c].to_pylist() for c in table.column_names}
-    sources, columns["source"] = shard_sources(table)
+    sources, indices = shard_sources(table)
+    columns["source"] = indices.copy()
     change(columns)
     dims = ShardDims(manifest["sequence_tokens"], manifest["chunk_tokens"], manifest["neighbours"])
     version_arg = {} if version is None else {"version": version}

@@ -37,16 +37,18 @@ import json
 import os
 import posixpath
 import warnings
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from schemas.arrow import SHARD_METADATA_KEYS, check_schema_version, read_shard, shard_schema
+from schemas.arrow import SHARD_METADATA_KEYS, check_schema_version, read_shard, shard_schema, shard_sources
 from schemas.file_table import entry_columns
 from schemas.manifest import MANIFEST_FILE, FileEntry, ShardsManifest, commit_manifest, read_manifest
 from trainer.shard_files import OpenShard, files_for
+from trainer.source_mix import SourceMix, SourceMixError
 
 
 class ShardDataError(ValueError):
@@ -98,6 +100,7 @@ class ShardDataset(IterableDataset):
         verify: bool = False,
         skip_bad_shards: bool = False,
         commit: int | None = None,
+        sources: Sequence[str] | Mapping[str, float] | None = None,
     ):
         super().__init__()
         if not 0 <= rank < world_size:
@@ -111,7 +114,11 @@ class ShardDataset(IterableDataset):
         self.epoch = 0
         self.position = 0
         self._files = files_for(self.source)
+        self._mix: SourceMix | None = None
         self.manifest = self._read_manifest(commit)
+        if sources is not None:
+            self._mix = self._source_mix(sources)
+            self._shard_rows = self._mix.shard_rows
         self.sequence_tokens = self.manifest.sequence_tokens
         self.chunk_tokens = self.manifest.chunk_tokens
         self.neighbours = self.manifest.neighbours
@@ -186,6 +193,23 @@ class ShardDataset(IterableDataset):
             raise ShardDataError(f"{path}: num_sequences {manifest.num_sequences} != {total} rows over its shards")
         return manifest
 
+    def _source_mix(self, sources: Sequence[str] | Mapping[str, float]) -> SourceMix:
+        names = tuple(source.name for source in self.manifest.sources)
+        if not names:
+            raise ShardDataError(
+                f"{self.source}: not a blend of sources (training_corpus: {self.manifest.training_corpus})"
+            )
+        counts = entry_columns(
+            self.manifest, self.source, ["source_rows"], open_file=self._files.open_random, error=ShardDataError
+        ).column("source_rows")
+        if counts.null_count:
+            raise ShardDataError(f"{self.source}: its manifest does not count each shard's rows per source")
+        rows = np.array(counts.to_pylist(), np.int64).reshape(len(counts), len(names))
+        try:
+            return SourceMix(names, sources, rows)
+        except SourceMixError as err:
+            raise ShardDataError(f"{self.source}: {err}") from None
+
     def _entry(self, shard: int) -> FileEntry:
         """Shard `shard`'s manifest entry (sha256 empty unless verified)."""
         row = {name: column[shard].as_py() for name, column in zip(self._entries.column_names, self._entries.columns)}
@@ -247,7 +271,14 @@ class ShardDataset(IterableDataset):
             if str(err) not in self.skipped:  # met again in later epochs
                 self.skipped.append(str(err))
             return None
-        return OpenShard(file, batches, self._row_order(shard))
+        if self._mix is None:
+            return OpenShard(file, batches, self._row_order(shard))
+        sources = np.concatenate([shard_sources(batch)[1] for batch in batches])
+        rng = self._rng(1 + shard) if self.shuffle else None
+        try:
+            return OpenShard(file, batches, self._mix.rows_of(shard, sources, rng))
+        except SourceMixError as err:
+            raise ShardDataError(f"{self._path(self._entry(shard).path)}: {err}") from None
 
     # -- order --------------------------------------------------------------------------
 
@@ -267,7 +298,7 @@ class ShardDataset(IterableDataset):
         return self._rng(1 + shard).permutation(rows) if self.shuffle else np.arange(rows)
 
     def _rank_range(self) -> tuple[int, int]:
-        n = self.manifest.num_sequences
+        n = int(self._shard_rows.sum())  # the manifest's sequences, or the rows the sources give
         return self.rank * n // self.world_size, (self.rank + 1) * n // self.world_size
 
     def __len__(self) -> int:
@@ -347,12 +378,13 @@ class ShardDataset(IterableDataset):
             "world_size": self.world_size,
             "num_sequences": self.manifest.num_sequences,
             "commit": self.commit,
+            "sources": None if self._mix is None else self._mix.wanted,
         }
 
     def load_state_dict(self, state: dict) -> None:
         """Continue where `state` left off; the stream's shape (data, ranks, shuffle) must match."""
         current = self.state_dict()
-        for key in ("world_size", "num_sequences", "shuffle", "commit"):
+        for key in ("world_size", "num_sequences", "shuffle", "commit", "sources"):
             if state.get(key) is None or current[key] is None:  # a state or manifest from before commits
                 continue
             if state[key] != current[key]:

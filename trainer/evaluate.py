@@ -42,6 +42,7 @@ from schemas.evaluation import (
     GroupScore,
     RetrievalGain,
     ScoreRow,
+    SourceScore,
     VariantScores,
     evaluation_json,
     score_rows,
@@ -182,13 +183,15 @@ class VariantTally:
     low_overlap: Tally = field(default_factory=Tally)
     buckets: list[Tally] = field(default_factory=lambda: [Tally() for _ in range(NO_CHUNK_INDEX + 1)])
 
-    def add(self, scores: TokenScores) -> None:
-        self.all.add(scores, scores.scored)
-        self.copyable.add(scores, scores.copyable)
-        self.not_copyable.add(scores, ~scores.copyable)
-        self.low_overlap.add(scores, scores.overlap_bucket <= _BUCKET_INDEX[overlap_bucket(LOW_OVERLAP)])
+    def add(self, scores: TokenScores, rows: torch.Tensor | None = None) -> None:
+        """Count the targets of these scores (of `rows` alone, bool [b], where given)."""
+        kept = scores.scored if rows is None else scores.scored & rows[:, None]
+        self.all.add(scores, kept)
+        self.copyable.add(scores, kept & scores.copyable)
+        self.not_copyable.add(scores, kept & ~scores.copyable)
+        self.low_overlap.add(scores, kept & (scores.overlap_bucket <= _BUCKET_INDEX[overlap_bucket(LOW_OVERLAP)]))
         for index, tally in enumerate(self.buckets):
-            tally.add(scores, scores.overlap_bucket == index)
+            tally.add(scores, kept & (scores.overlap_bucket == index))
 
     def scores(self) -> VariantScores:
         names = [overlap_bucket(threshold) for threshold in OVERLAP_BUCKETS]
@@ -254,6 +257,9 @@ def evaluate(
     retrieval = model.config.uses_retrieval
     with_tally = VariantTally()
     blanked_tally = VariantTally() if retrieval else None
+    names = [source.name for source in dataset.manifest.sources]  # a blend's: each scored on its own too
+    by_source = [(VariantTally(), VariantTally() if retrieval else None) for _ in names]
+    per_source = [0] * len(names)
     sequences = 0
     for batch in dataset:
         if max_sequences is not None:
@@ -261,8 +267,16 @@ def evaluate(
         _check_vocabulary(batch, model, shards)
         scores = token_scores(model, batch, blank=False)
         with_tally.add(scores)
+        blanked_scores = None
         if blanked_tally is not None:
-            blanked_tally.add(token_scores(model, batch, blank=True, same_batch=scores))
+            blanked_scores = token_scores(model, batch, blank=True, same_batch=scores)
+            blanked_tally.add(blanked_scores)
+        for number, (with_source, blanked_source) in enumerate(by_source):
+            rows = batch["source"] == number
+            per_source[number] += int(rows.sum())
+            with_source.add(scores, rows)
+            if blanked_source is not None and blanked_scores is not None:
+                blanked_source.add(blanked_scores, rows)
         sequences += len(batch["tokens"])
         if sequences == max_sequences:
             break
@@ -281,6 +295,15 @@ def evaluate(
         blanked=blanked,
         retrieval_gain=None if blanked is None else retrieval_gain(with_neighbours, blanked),
         blanked_note=BLANKED if retrieval else NOT_BLANKED,
+        sources=[
+            SourceScore(
+                name=name,
+                sequences=count,
+                with_neighbours=with_source.scores(),
+                blanked=None if blanked_source is None else blanked_source.scores(),
+            )
+            for name, count, (with_source, blanked_source) in zip(names, per_source, by_source)
+        ],
     )
 
 
@@ -301,6 +324,12 @@ def summary_lines(evaluation: Evaluation) -> list[str]:
             f"{label:<36}{row.with_neighbours.tokens:>10,}{_number(row.with_neighbours.mean_loss):>10}"
             f"{_number(row.blanked_loss):>10}{_number(row.gain):>10}"
             f"{_number(row.with_neighbours.accuracy, 3):>8}{_number(row.blanked_accuracy, 3):>9}"
+        )
+    for source in evaluation.sources:
+        blanked = None if source.blanked is None else source.blanked.all.mean_loss
+        lines.append(
+            f"source {source.name}: {source.sequences} sequences, loss {_number(source.with_neighbours.all.mean_loss)}"
+            f" (low overlap {_number(source.with_neighbours.low_overlap.mean_loss)}), blanked {_number(blanked)}"
         )
     return lines
 

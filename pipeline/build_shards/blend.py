@@ -1,4 +1,4 @@
-"""build-shards over a blend of training sources (`training_corpus` a list; docs/design.md §5,
+"""build-shards over a blend of training sources (`training_corpus` a list; docs/design.md §7,
 "Blends"): each source read, decontaminated, chunked and packed on its own; the plan
 (`pipeline.retrieve.blend.BlendPlan`) sized from what they packed; each drawn sequence placed at
 its positions in the blend, and only drawn sequences' chunks embedded, once however often
@@ -79,7 +79,7 @@ def _embedded(keyed, plan: BlendPlan):
 
 
 class ReadBlend(beam.PTransform):
-    """The config's training sources -> `BlendRead` (docs/design.md §5, "Blends")."""
+    """The config's training sources -> `BlendRead` (docs/design.md §7, "Blends")."""
 
     def __init__(self, cfg: PipelineConfig, tok: Tokenization, threads: int | None, match: bool = True):
         super().__init__()

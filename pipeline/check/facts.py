@@ -89,6 +89,9 @@ class ShardsFacts:
     chunks: ChunkFiles  # the chunk database the neighbours point into
     removed_doc_ids: tuple[int, ...] = ()  # training documents removed as near-duplicates: in no sequence
     deleted: DeletedRanges = field(default_factory=DeletedRanges.none)  # the index's deleted documents: no neighbour
+    sources: tuple[str, ...] = ()  # a blend's source names, every shard's source dictionary (else any one name)
+    # a blend's (rows, tokens) per source as its manifest counts them, where every shard is checked
+    source_totals: tuple[tuple[int, int], ...] | None = None
 
     @property
     def chunks_per_sequence(self) -> int:

@@ -1,5 +1,6 @@
 """The report's figures (matplotlib, inline PNG): the overlap audit, neighbour scores by rank,
-the search depth's recall curves, and a checkpoint's loss by chunk overlap.
+the search depth's recall curves, a checkpoint's loss by chunk overlap, and a blend's shares of
+tokens per source.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import numpy as np
 from pipeline.check.report_samples import ScoreSample
 from pipeline.check.report_sources import ReportError
 from schemas.evaluation import NO_CHUNK, Evaluation
-from schemas.measures import SearchDepth
+from schemas.measures import SearchDepth, SourceShare
 
 DRAWN_BINS = 40  # bins across the scores' range in the figure
 
@@ -176,3 +177,21 @@ def evaluation_figure(evaluation: Evaluation) -> str:
     ax.set_ylabel("mean loss (nats per target)")
     ax.legend(fontsize=8, ncols=len(passes), loc="lower center", bbox_to_anchor=(0.5, 1.0))  # above the bars
     return _img(figure, "mean loss by chunk overlap r(C)")
+
+
+def shares_figure(sources: list[SourceShare]) -> str:
+    """Each source's share of the training tokens: asked (its weight) beside got (counted in the shards)."""
+    figure = _figure(7.5, 0.6 + 0.45 * len(sources))
+    ax = figure.subplots()
+    rows = np.arange(len(sources))
+    ax.barh(rows - 0.2, [s.weight for s in sources], 0.4, color="#c7c7c7", label="asked (weight)")
+    got = ax.barh(rows + 0.2, [s.share for s in sources], 0.4, color="#4c72b0", label="got (tokens in the shards)")
+    ax.bar_label(
+        got, [f"{s.share:.1%}" + (f", {s.repeats:,} repeats" if s.repeats else "") for s in sources], fontsize=8
+    )
+    ax.set_yticks(rows, [s.name for s in sources])
+    ax.invert_yaxis()  # the config's order, top down
+    ax.set_xlabel("share of the training tokens (padding not counted)")
+    ax.margins(x=0.25)
+    ax.legend(fontsize=8, ncols=2, loc="lower center", bbox_to_anchor=(0.5, 1.0))
+    return _img(figure, "training tokens per source, asked and got")

@@ -5,10 +5,11 @@ from __future__ import annotations
 import html
 from collections.abc import Sequence
 
-from pipeline.check.figures import evaluation_figure, overlap_figure, recall_figure, scores_figure
+from pipeline.check.figures import evaluation_figure, overlap_figure, recall_figure, scores_figure, shares_figure
 from pipeline.check.report import (
     GENERATION_COLUMNS,
     REPORT_FILE,
+    SOURCE_COLUMNS,
     Report,
     gather,
     generation_rows,
@@ -16,6 +17,7 @@ from pipeline.check.report import (
     neighbour_quality,
     overlap_bars,
     shards_summary,
+    source_rows,
     timing_rows,
 )
 from pipeline.check.report_samples import EXAMPLES_PER_REASON, EXCERPT_CHARS, RejectedReason, score_table
@@ -252,6 +254,17 @@ def render(report: Report) -> str:
                     if report.shards.overlap
                     else "<p>Not recorded in the manifest.</p>"
                 ),
+            )
+        )
+    if report.shards is not None and report.shards.sources:
+        sections.append(
+            (
+                "sources",
+                "Training sources",
+                "<p class=muted>The blend's sources: each one's share of the training tokens asked (its weight) "
+                "and got (counted in the shards), and the rows repeating a sequence of a source upsampled.</p>"
+                + _table(source_rows(report.shards), SOURCE_COLUMNS, numeric=(1, 2, 3, 4, 5, 6, 7))
+                + shares_figure(report.shards.sources),
             )
         )
     if report.evaluations:

@@ -12,7 +12,7 @@ from pipeline.chunks.chunking import load_tokenizer
 from pipeline.common import fileio
 from pipeline.common.models import resolve_tokenizer
 from pipeline.shards.rows import chunk_overlap
-from schemas.arrow import read_shard_table, shard_column
+from schemas.arrow import read_shard_table, shard_column, shard_sources
 from schemas.manifest import IndexManifest, ShardsManifest
 
 TEXT_CHARS = 240
@@ -35,12 +35,14 @@ def inspect_shards(directory: str, count: int, max_chunks: int = 4, commit: int 
     check = index.embedding_precision
     if check is not None:
         lines.append(f"embeddings in {check.summary()}")
+    lines += [f"source {source.summary()}" for source in manifest.sources]
     for path in fileio.entry_paths_and_rows(manifest, directory)[0]:
         table = read_shard_table(pa.BufferReader(fileio.read_bytes(fileio.join(directory, path))))
         tokens = shard_column(table, "tokens")
         neighbours = shard_column(table, "neighbours")
         ids = shard_column(table, "neighbour_ids")
         scores = shard_column(table, "neighbour_scores")
+        names, sources = shard_sources(table)
         for row in range(table.num_rows):
             if count <= 0:
                 return lines
@@ -49,8 +51,9 @@ def inspect_shards(directory: str, count: int, max_chunks: int = 4, commit: int 
             overlap = chunk_overlap(
                 tokens[row, : neighbours.shape[1] * m].reshape(-1, m), neighbours[row], manifest.pad_id
             )
+            source = f"source {names[sources[row]]}, " if manifest.sources else ""
             lines.append(
-                f"== sequence {table['seq_id'][row].as_py()} (documents "
+                f"== sequence {table['seq_id'][row].as_py()} ({source}documents "
                 f"{table['doc_ids'][row].as_py()}), first {chunks} of {neighbours.shape[1]} chunks"
             )
             for j in range(chunks):

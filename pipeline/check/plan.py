@@ -217,6 +217,7 @@ def _check_shard_totals(directory: str, manifest: ShardsManifest, entries: list,
         f"{directory}: {rows} rows in the shards, manifest says {manifest.num_sequences}",
         "manifest",
     )
+    _check_source_totals(directory, manifest)
     counts = [n for entry in entries if (n := entry.neighbour_slots_filled) is not None]
     if manifest.neighbour_fill is None or len(counts) < len(entries):
         return
@@ -226,6 +227,30 @@ def _check_shard_totals(directory: str, manifest: ShardsManifest, entries: list,
         f"{directory}: neighbour_fill {manifest.neighbour_fill} disagrees with the shards ({filled}/{slots})",
         "manifest",
     )
+
+
+def _check_source_totals(directory: str, manifest: ShardsManifest) -> None:
+    """A blend's sources against its totals: their rows are the shards', their shares their tokens'."""
+    sources = manifest.sources
+    require(
+        bool(sources) == (manifest.training_corpus == "blend"),
+        f"{directory}: training_corpus {manifest.training_corpus!r} with {len(sources)} sources listed",
+        "manifest",
+    )
+    if not sources:
+        return
+    rows, tokens = sum(s.sequences for s in sources), sum(s.tokens for s in sources)
+    require(
+        rows == manifest.num_sequences,
+        f"{directory}: the sources hold {rows} rows, manifest says {manifest.num_sequences}",
+        "manifest",
+    )
+    for source in sources:
+        require(
+            abs(source.share - (source.tokens / tokens if tokens else 0.0)) < 1e-9,
+            f"{directory}: source {source.name}'s share {source.share} is not its {source.tokens} of {tokens} tokens",
+            "manifest",
+        )
 
 
 def _plan_shards(plan: ValidationPlan, directory: str, index_directory: str) -> None:
@@ -264,10 +289,14 @@ def _plan_shards(plan: ValidationPlan, directory: str, index_directory: str) -> 
             directory, "build-shards", manifest.counters.get(f"rejected_{NEAR_DUPLICATE}", 0)
         ),
         deleted=plan.deleted if plan.deleted is not None else DeletedRanges.none(),
+        sources=tuple(source.name for source in manifest.sources),
     )
     entries = _entries(manifest)
     _check_shard_totals(directory, manifest, entries, plan.shards.chunks_per_sequence)
     plan.shard_entries = sampled(entries, plan.sample)
+    if manifest.sources and len(plan.shard_entries) == len(entries):
+        totals = tuple((source.sequences, source.tokens) for source in manifest.sources)
+        plan.shards = dataclasses.replace(plan.shards, source_totals=totals)
     checked = {entry.path for entry in plan.shard_entries}
     plan.listed_files += [(directory, entry) for entry in entries if entry.path not in checked]
     L, k = plan.shards.chunks_per_sequence, manifest.neighbours

@@ -120,6 +120,26 @@ def shards_summary(manifest: ShardsManifest, files: ShardFiles) -> list[tuple[st
     ]
 
 
+SOURCE_COLUMNS = ("source", "share asked", "share got", "documents", "sequences", "rows", "repeats", "tokens")
+
+
+def source_rows(manifest: ShardsManifest) -> list[tuple[str, ...]]:
+    """A blend's sources: the share asked and got, what each held and what the shards took."""
+    return [
+        (
+            s.name,
+            f"{s.weight:.3f}",
+            f"{s.share:.3f}",
+            f"{s.documents:,}",
+            f"{s.sequences_available:,}",
+            f"{s.sequences:,}",
+            f"{s.repeats:,}",
+            f"{s.tokens:,}",
+        )
+        for s in manifest.sources
+    ]
+
+
 def neighbour_quality(manifest: ShardsManifest, files: ShardFiles) -> list[tuple[str, str]]:
     """Fill (share of neighbour slots holding a neighbour) and recall against exact search."""
     slots = manifest.num_sequences * (manifest.sequence_tokens // manifest.chunk_tokens) * manifest.neighbours

@@ -18,7 +18,7 @@ from pipeline.check.problems import ValidationFailed, of_kind, read_checked, req
 from pipeline.check.rules import check_chunk_rules
 from pipeline.common import fileio
 from pipeline.common.arrays import ranges_of
-from schemas.arrow import check_schema_version, read_shard_table, shard_column, shard_column_problems
+from schemas.arrow import check_schema_version, read_shard_table, shard_column, shard_column_problems, shard_sources
 from schemas.manifest import ShardEntry
 from schemas.shard_columns import ShardDims
 
@@ -66,6 +66,12 @@ class ShardResult:
     first_seq: int
     last_seq: int
     references: dict = field(repr=False)  # chunk file number -> ReferenceBlock
+    source_counts: tuple[tuple[int, int], ...] = ()  # (rows, input tokens not padding) per source
+
+    @property
+    def summary(self) -> tuple:
+        """What `check_shards_together` takes of it."""
+        return self.first_seq, self.last_seq, self.path, self.source_counts
 
 
 def _contains(docs: np.ndarray, starts: np.ndarray, counts: np.ndarray, wanted: np.ndarray) -> np.ndarray:
@@ -181,7 +187,28 @@ def check_shard(shards: ShardsFacts, entry: ShardEntry) -> ShardResult:
         int(seq_ids[0]),
         int(seq_ids[-1]),
         _shard_references(shards, table, present=present, ids=ids, neighbours=neighbours, tokens=tokens),
+        _source_counts(shards, table, tokens, entry),
     )
+
+
+def _source_counts(shards: ShardsFacts, table, tokens: np.ndarray, entry: ShardEntry) -> tuple[tuple[int, int], ...]:
+    """A shard's source column checked (its dictionary the blend's names, or one name; its rows
+    per source those its entry counts) -> its (rows, input tokens not padding) per source."""
+    path = fileio.join(shards.directory, entry.path)
+    names, sources = shard_sources(table)
+    expected = shards.sources or names[:1]
+    require(names == expected, f"{path}: source names {list(names)}, the manifest's {list(expected)}")
+    require(
+        len(sources) == 0 or (sources.min() >= 0 and sources.max() < len(names)),
+        f"{path}: a source index outside its {len(names)} names",
+    )
+    rows = np.bincount(sources, minlength=len(names)).tolist()
+    require(
+        entry.source_rows in (None, rows) and (entry.source_rows is not None or len(shards.sources) < 2),
+        f"{path}: {rows} rows per source, manifest says {entry.source_rows}",
+    )
+    real = (tokens[:, :-1] != shards.pad_id).sum(axis=1)
+    return tuple((int((sources == s).sum()), int(real[sources == s].sum())) for s in range(len(names)))
 
 
 @of_kind("reference")
@@ -249,8 +276,20 @@ def check_chunk_file(chunks: ChunkFiles, unit: ChunkFileUnit, blocks, index: Ind
 
 
 @of_kind("shard")
-def check_seq_ranges(ranges: list[tuple[int, int, str]]) -> None:
-    """No sequence in two shards: (first seq_id, last seq_id, path) of each shard checked."""
-    ranges = sorted(ranges)
-    for (_, last, a), (first, _, b) in zip(ranges, ranges[1:]):
+def check_shards_together(summaries: list[tuple], shards: ShardsFacts) -> None:
+    """No sequence in two shards, and (every shard checked) a blend's rows and tokens per source
+    those its manifest counts: `ShardResult.summary` of each shard checked."""
+    summaries = sorted(summaries)
+    for (_, last, a, _), (first, _, b, _) in zip(summaries, summaries[1:]):
         require(first > last, f"{a} and {b}: seq_id ranges overlap (a duplicate sequence?)")
+    if shards.source_totals is None:
+        return
+    counted = np.zeros((len(shards.sources), 2), np.int64)
+    for *_, counts in summaries:
+        counted += np.array(counts, np.int64).reshape(-1, 2)
+    for name, got, said in zip(shards.sources, counted.tolist(), shards.source_totals):
+        require(
+            tuple(got) == tuple(said),
+            f"{shards.directory}: source {name} has {got[0]} rows and {got[1]} tokens in the shards, "
+            f"manifest says {said[0]} and {said[1]}",
+        )

@@ -38,7 +38,7 @@ from pipeline.check.rules import (
     check_embedding_file,
     check_faiss_index,
 )
-from pipeline.check.shard_rules import REFERENCE, ReferenceBlock, check_chunk_file, check_seq_ranges, check_shard
+from pipeline.check.shard_rules import REFERENCE, ReferenceBlock, check_chunk_file, check_shard, check_shards_together
 
 PROBLEMS_KEPT = 10  # problems of each kind a failed Beam job reports in full
 
@@ -147,13 +147,14 @@ def _check_chunk_files(plan: ValidationPlan, references: _References, starts: _D
     """The shards, then the chunk files in order with the references into them; returns the
     chunk-file bytes read."""
     bytes_read, files, before = 0, 0, None
-    ranges = []
+    summaries = []
     for entry in plan.shard_entries:
         result = check_shard(plan.shards, entry)
         for number, block in result.references.items():
             references.add(number, block)
-        ranges.append((result.first_seq, result.last_seq, result.path))
-    check_seq_ranges(ranges)
+        summaries.append(result.summary)
+    if plan.shards is not None:
+        check_shards_together(summaries, plan.shards)
     for unit in plan.chunk_files:
         assert plan.chunks is not None  # a plan with chunk files has their database
         for checked in check_chunk_file(plan.chunks, unit, references.of(unit.number), plan.index):

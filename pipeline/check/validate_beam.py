@@ -27,7 +27,7 @@ from pipeline.check.rules import (
     check_embedding_file,
     check_faiss_index,
 )
-from pipeline.check.shard_rules import check_chunk_file, check_seq_ranges, check_shard
+from pipeline.check.shard_rules import check_chunk_file, check_shard, check_shards_together
 from pipeline.check.validate import Problems, Verdict
 from pipeline.jobs.job import Job, graph_bytes
 from pipeline.jobs.options import new_pipeline
@@ -159,8 +159,13 @@ class ValidateOutput(beam.PTransform):
         problems.append(read[PROBLEMS])
         summaries = read.passed | "Summaries" >> beam.FlatMap(lambda c: [] if c.summary is None else [c.summary])
         if parts.shards:
-            ranges = shards | "SeqRange" >> beam.Map(lambda s: (s.first_seq, s.last_seq, s.path))
-            checked("CheckSeqRanges", ranges | "AllSeqRanges" >> beam.combiners.ToList(), check_seq_ranges)
+            shard_summaries = shards | "ShardSummaries" >> beam.Map(lambda s: s.summary)
+            checked(
+                "CheckShardsTogether",
+                shard_summaries | "AllShardSummaries" >> beam.combiners.ToList(),
+                lambda together, f: check_shards_together(together, f.shards),
+                facts,
+            )
         probes = pipeline | "NoProbes" >> beam.Create([])
         if parts.index:
             boundaries = (

@@ -1,4 +1,4 @@
-"""A blend of training sources (docs/design.md §5, "Blends"): how many sequences each source
+"""A blend of training sources (docs/design.md §7, "Blends"): how many sequences each source
 gives, which ones, and where each lands among the blend's, without Beam.
 
 Each source packs its own sequences (ids 0 … S-1, dense). Once their counts are known,

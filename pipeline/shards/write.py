@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import apache_beam as beam
+import numpy as np
 
 from pipeline.common.writers import WriteGroupedFiles
 from pipeline.shards.rows import ShardRow
@@ -37,7 +38,13 @@ class WriteShards(beam.PTransform):
             key=lambda r: r.seq_id,
             rows_per_file=self.shard_rows,
             to_bytes=lambda rs: rows_to_ipc(rs, pad_id, sources),
-            facts=lambda rs: {"neighbour_slots_filled": sum(int((r.neighbour_ids >= 0).sum()) for r in rs)},
+            facts=lambda rs: {
+                "neighbour_slots_filled": sum(int((r.neighbour_ids >= 0).sum()) for r in rs),
+                # a blend's: what a reader selecting sources needs before it opens the shard
+                "source_rows": np.bincount([r.source for r in rs], minlength=len(sources)).tolist()
+                if len(sources) > 1
+                else None,
+            },
             entry=ShardEntry,
             rows_of=lambda batch: batch.rows,
             grouped=True,

@@ -10,16 +10,40 @@ import json
 import shutil
 from collections import Counter
 
+import apache_beam as beam
+import numpy as np
 import pyarrow as pa
 import pytest
+from apache_beam.testing.util import assert_that, equal_to
 
 from pipeline.build_shards.job import build_shards
+from pipeline.check.html import render
+from pipeline.check.inspect import inspect_shards
+from pipeline.check.plan import plan_validation
+from pipeline.check.problems import ValidationFailed
+from pipeline.check.report import gather
 from pipeline.check.validate import validate_path
+from pipeline.check.validate_beam import ValidateOutput
 from pipeline.common import fileio
 from schemas.arrow import read_shard_table, shard_column, shard_sources
 from schemas.config import config_from_dict
+from schemas.evaluation import read_evaluation
 from schemas.manifest import ShardsManifest
-from tests.helpers import REPO, assert_same_data_files, read_rejected, sample_documents, stdlib_docstrings, write_jsonl
+from tests.helpers import (
+    REPO,
+    assert_same_data_files,
+    current_manifest,
+    local_pipeline,
+    read_rejected,
+    rewrite_manifest,
+    rewrite_shard,
+    sample_documents,
+    stdlib_docstrings,
+    write_jsonl,
+)
+from tests.trainer_fixtures import write_checkpoint
+from trainer.dataset import ShardDataError, ShardDataset
+from trainer.evaluate import main as eval_main
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -122,3 +146,102 @@ def test_a_rerun_and_the_multi_process_runner_write_the_same_bytes(blended, tmp_
         assert_same_data_files(tmp_path / name, out, stages=("shards",))
         again = json.loads((tmp_path / name / "shards" / "manifest.json").read_text())
         assert again["sources"] == json.loads((out / "shards" / "manifest.json").read_text())["sources"]
+
+
+def test_validate_finds_a_row_counted_under_another_source(blended, tmp_path):
+    """A row moved to another source, the shard re-signed: its manifest entry's rows per source
+    no longer match (in process and in the Beam job); with the entry made to match too, the
+    per-source totals no longer match the manifest's sources."""
+    _, out = blended
+    shards = tmp_path / "out" / "shards"
+    shutil.copytree(out, tmp_path / "out")
+
+    def move(columns):
+        columns["source"][0] = (columns["source"][0] + 1) % len(WEIGHTS)
+
+    rewrite_shard(shards, move)
+    with pytest.raises(ValidationFailed, match=r"shard-00000.arrow: \[[\d, ]+\] rows per source, manifest says"):
+        validate_path(str(shards))
+    with local_pipeline() as pipeline:
+        verdict = pipeline | ValidateOutput.of(plan_validation(str(shards))) | beam.Map(lambda v: v.passed)
+        assert_that(verdict, equal_to([False]))
+    manifest = json.loads(current_manifest(shards).read_text())
+    table = read_shard_table(pa.memory_map(str(shards / manifest["shards"][0]["path"])))
+    manifest["shards"][0]["source_rows"] = np.bincount(shard_sources(table)[1], minlength=len(WEIGHTS)).tolist()
+    rewrite_manifest(shards, json.dumps(manifest))
+    with pytest.raises(ValidationFailed, match=r"source \w+ has \d+ rows and \d+ tokens in the shards, manifest says"):
+        validate_path(str(shards))
+
+
+def test_inspect_and_the_report_show_each_source(blended):
+    _, out = blended
+    manifest, _ = _tables(out)
+    lines = inspect_shards(str(out / "shards"), 3)
+    assert [line for line in lines if line.startswith("source ")] == [f"source {s.summary()}" for s in manifest.sources]
+    headers = [line for line in lines if line.startswith("== sequence")]
+    assert len(headers) == 3 and all(any(f"(source {name}, " in h for name in WEIGHTS) for h in headers)
+    page = render(gather(str(out)))
+    section = page[page.index('<section id="sources">') : page.index("</section>", page.index('id="sources"'))]
+    assert all(f"<td>{name}</td>" in section for name in WEIGHTS) and "<img alt=" in section
+
+
+def test_a_dataset_reads_the_sources_it_selects_or_weights(blended):
+    _, out = blended
+    manifest, tables = _tables(out)
+    names = [s.name for s in manifest.sources]
+    rows = {s.name: s.sequences for s in manifest.sources}
+    seq_ids = {name: set() for name in names}  # each source's rows, by seq id
+    for table in tables:
+        for seq_id, source in zip(table["seq_id"].to_pylist(), shard_sources(table)[1].tolist()):
+            seq_ids[names[source]].add(seq_id)
+
+    def read(**selection) -> tuple[Counter, dict]:
+        counts, seen = Counter(), {name: set() for name in names}
+        for batch in ShardDataset(out / "shards", batch_size=16, batched=True, seed=3, **selection):
+            for seq_id, source in zip(batch["seq_id"].tolist(), batch["source"].tolist()):
+                counts[names[source]] += 1
+                seen[names[source]].add(seq_id)
+        return counts, seen
+
+    assert read()[0] == rows
+    selected, seen = read(sources=["readme"])
+    assert selected == {"readme": rows["readme"]} and seen["readme"] == seq_ids["readme"]
+    half = round((rows["pydocs"] + rows["readme"]) / 2)
+    weighted, seen = read(sources={"pydocs": 1, "readme": 1})
+    assert weighted == {"pydocs": half, "readme": half}  # the README's rows repeated, pydocs' subsampled
+    assert seen["readme"] == seq_ids["readme"] and seen["pydocs"] < seq_ids["pydocs"]
+    with pytest.raises(ShardDataError, match="no source 'books' in the shards"):
+        ShardDataset(out / "shards", sources=["books"])
+
+
+def test_ratrain_eval_scores_each_source_on_its_own(blended, tmp_path, capsys):
+    _, out = blended
+    manifest, _ = _tables(out)
+    tiny = {"dim": 16, "depth": 2, "heads": 2, "encoder_depth": 1, "cca_layers": (1,)}
+    checkpoint = write_checkpoint(
+        tmp_path / "ckpt.pt", vocab_size=30522, sequence_tokens=128, chunk_tokens=32, pad_id=manifest.pad_id, **tiny
+    )
+    scores = tmp_path / "eval.json"
+    eval_main(["--checkpoint", str(checkpoint), "--shards", str(out / "shards"), "--json", str(scores)])
+    evaluation = read_evaluation(scores.read_text())
+    rows = json.loads(scores.read_text())["sources"]
+    assert [row["name"] for row in rows] == list(WEIGHTS)
+    assert [s.sequences for s in evaluation.sources] == [s.sequences for s in manifest.sources]
+    # each source's targets are its rows' tokens but the first; together, all of them
+    for source, share in zip(evaluation.sources, manifest.sources):
+        assert source.with_neighbours.all.tokens == share.tokens - share.sequences + _last_targets(out, source.name)
+        assert source.blanked is not None and source.blanked.all.tokens == source.with_neighbours.all.tokens
+    assert sum(s.with_neighbours.all.tokens for s in evaluation.sources) == evaluation.with_neighbours.all.tokens
+    printed = capsys.readouterr().out
+    assert all(f"source {name}: " in printed for name in WEIGHTS)
+
+
+def _last_targets(out, name: str) -> int:
+    """The rows of source `name` whose target token (the n+1-th, past the input tokens) is not padding."""
+    manifest, tables = _tables(out)
+    count = 0
+    for table in tables:
+        names, sources = shard_sources(table)
+        tokens = shard_column(table, "tokens")[sources == names.index(name)]
+        count += int((tokens[:, -1] != manifest.pad_id).sum())
+    return count

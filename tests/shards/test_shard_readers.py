@@ -1,5 +1,5 @@
 """Training shards read without this project's code: Hugging Face `datasets`, polars, duckdb,
-pandas and plain pyarrow see the right rows and arrays (schema_version 2: fixed_size_list
+pandas and plain pyarrow see the right rows and arrays (schema_version 2 and 3: fixed_size_list
 columns, each field's per-row shape in its metadata), as the README's examples show."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The shards stage: neighbour arrays, the r(C) overlap audit, and `WriteShards` (sorted, split,
-schema version 2); the row types import no Beam, faiss or torch."""
+schema version 3); the row types import no Beam, faiss or torch."""
 
 import dataclasses
 import pickle

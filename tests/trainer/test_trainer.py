@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from schemas.arrow import SchemaVersionError, read_shard_table, shard_ipc_bytes
+from schemas.arrow import SCHEMA_VERSION, SchemaVersionError, read_shard_table, shard_ipc_bytes
 from schemas.manifest import FILE_TABLE
 from tests.helpers import REPO
 from tests.trainer_fixtures import source_rows, write_shard_dir
@@ -98,7 +98,9 @@ def test_refuses_a_shard_whose_layout_differs_from_the_manifest(tmp_path):
     (tmp_path / "shard-00001.arrow").write_bytes((old / "shard-00001.arrow").read_bytes())
     size = (tmp_path / "shard-00001.arrow").stat().st_size
     rewrite_manifest(tmp_path, lambda m: m["shards"][1].update(bytes=size))
-    with pytest.raises(ShardDataError, match=r"shard-00001\.arrow: metadata schema_version='1', the manifest says 2"):
+    with pytest.raises(
+        ShardDataError, match=rf"shard-00001\.arrow: metadata schema_version='1', the manifest says {SCHEMA_VERSION}"
+    ):
         list(ShardDataset(tmp_path, shuffle=False))
 
 

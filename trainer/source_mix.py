@@ -1,0 +1,79 @@
+"""Which rows of each shard an epoch reads when a `ShardDataset` selects or weights the
+training sources of a blend (docs/trainer.md, "Sources").
+
+`sources` is a list of names (those sources' rows, each once) or a mapping of names to weights
+(each source's share of the epoch's rows: its rows repeated or subsampled, the epoch as long as
+the selected rows). Each shard's manifest entry counts its rows per source (`source_rows`), so
+how many rows of each source each shard gives is fixed before any shard is read: source s's
+epoch rows are spread over the shards in proportion to their rows of s, the remainder to the
+shards with the largest fractions (ties to the lower shard), so the totals are exact. Which rows
+a shard repeats or leaves out is drawn when the shard is opened, from the epoch's generator.
+Holds one count per shard and source.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+
+class SourceMixError(ValueError):
+    """A selection the shards cannot give: an unknown source, a weight below zero, nothing selected."""
+
+
+def _weights(names: tuple[str, ...], wanted: Sequence[str] | Mapping[str, float]) -> np.ndarray:
+    # a name listed is selected as it is (nan); a mapping gives weights; a source not named: 0
+    chosen: dict[str, float] = dict(wanted) if isinstance(wanted, Mapping) else dict.fromkeys(wanted, np.nan)
+    unknown = sorted(set(chosen) - set(names))
+    if unknown:
+        raise SourceMixError(f"no source {', '.join(map(repr, unknown))} in the shards (they hold {', '.join(names)})")
+    weights = np.array([float(chosen.get(n, 0)) for n in names])
+    if (weights < 0).any() or not (np.isnan(weights) | (weights > 0)).any():
+        raise SourceMixError(f"source weights must be at least 0, one above it: {dict(chosen)}")
+    return weights  # nan: selected as it is
+
+
+class SourceMix:
+    """Per-shard rows of each source an epoch reads (`draws` [shards, sources])."""
+
+    def __init__(self, names: tuple[str, ...], wanted: Sequence[str] | Mapping[str, float], source_rows: np.ndarray):
+        self.names = names
+        weights = _weights(names, wanted)
+        available = source_rows.sum(axis=0)  # [sources]
+        if isinstance(wanted, Mapping):
+            total = available[weights > 0].sum()
+            targets = np.rint(weights / weights.sum() * total).astype(np.int64)
+        else:
+            targets = np.where(np.isnan(weights), available, 0).astype(np.int64)
+        self.draws = np.zeros_like(source_rows)
+        for s, target in enumerate(targets.tolist()):
+            if not weights[s] == 0 and not available[s]:  # nan (selected) or a weight
+                raise SourceMixError(f"source {names[s]!r} has no rows in the shards")
+            if target:
+                exact = source_rows[:, s] * (target / available[s])
+                self.draws[:, s] = np.floor(exact)
+                short = target - int(self.draws[:, s].sum())
+                order = np.lexsort((np.arange(len(exact)), -(exact - np.floor(exact))))
+                self.draws[order[:short], s] += 1
+        self.wanted = {n: (None if np.isnan(w) else w) for n, w in zip(names, weights.tolist()) if not w == 0}
+
+    @property
+    def shard_rows(self) -> np.ndarray:
+        return self.draws.sum(axis=1)
+
+    def rows_of(self, shard: int, sources: np.ndarray, rng: np.random.Generator | None) -> np.ndarray:
+        """The rows (indices in the shard, repeated where drawn again) shard `shard` gives in an
+        epoch, from its rows' sources: in the order `rng` permutes them (None: ascending)."""
+        picked = []
+        for s, draws in enumerate(self.draws[shard].tolist()):
+            rows = np.flatnonzero(sources == s)
+            if draws == 0:
+                continue
+            if len(rows) == 0:
+                raise SourceMixError(f"shard {shard} holds no row of source {self.names[s]!r}, its manifest entry some")
+            whole, part = divmod(draws, len(rows))
+            extra = rows if rng is None else rng.permutation(rows)
+            picked += [np.tile(rows, whole), np.sort(extra[:part])]
+        chosen = np.concatenate(picked) if picked else np.zeros(0, np.int64)
+        return rng.permutation(chosen) if rng is not None else np.sort(chosen, kind="stable")
