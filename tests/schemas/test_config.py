@@ -184,3 +184,35 @@ def test_decontaminating_only_training_with_the_same_corpus_is_a_config_error(tm
     config.update(evaluation_corpus={"paths": ["eval/*.jsonl"]}, decontamination={"apply_to": ["training"]})
     with pytest.raises(ConfigError, match=r"apply_to \[training\] with training_corpus: same"):
         config_from_dict(config)
+
+
+def _blend(*sources, **more):
+    return config_from_dict(
+        {**small_config("/tmp/o", "c/*.jsonl"), "training_corpus": [dict(source) for source in sources], **more}
+    )
+
+
+def test_a_blend_names_its_sources_and_its_errors_name_the_source(tmp_path):
+    web = {"name": "web", "paths": ["web/*.jsonl"], "weight": 0.6}
+    code = {"name": "code", "paths": "code/*.parquet", "format": "parquet", "weight": 0.4, "repeat": 3}
+    cfg = _blend(web, code)
+    assert cfg.blended and cfg.source_names() == ("web", "code") and cfg.training_sources()[1].repeat == 3
+    assert config_from_dict(small_config("/tmp/o", "c/*.jsonl")).source_names() == ("retrieval",)
+    # a seed at its default leaves the hash of shards built before blends alone; another changes it
+    assert (
+        _blend(web, code, blend_seed=0).shards_hash()
+        == cfg.shards_hash()
+        != _blend(web, code, blend_seed=1).shards_hash()
+    )
+    assert _blend(web, {**code, "weight": 0.5}).shards_hash() != cfg.shards_hash()
+    for sources, message in (
+        ((web, {**code, "name": "web"}), r"each source needs a name of its own \(web twice\)"),
+        ((), "a blend needs at least one source"),
+        (({**web, "name": "a b"},), r"training_corpus.blend.0.name: String should match pattern"),
+        (({**web, "weight": 0},), r"training_corpus.blend.0.weight: Input should be greater than 0"),
+        (({**web, "repeat": 0.5},), r"training_corpus.blend.0.repeat: Input should be greater than or equal to 1"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            _blend(*sources)
+    with pytest.raises(TypeError, match="training_sources"):
+        cfg.training()
