@@ -107,7 +107,8 @@ class ScoreRow:
 
 
 def score_rows(evaluation: Evaluation) -> list[ScoreRow]:
-    """All, copyable, not copyable, low overlap, then each r(C) bucket (and the targets in no chunk)."""
+    """All, copyable, not copyable, low overlap, then each r(C) bucket (and the targets in no
+    chunk), then a blend's sources: all their targets and the low-overlap ones."""
     with_, blanked = evaluation.with_neighbours, evaluation.blanked
     rows = [
         ScoreRow("all targets", with_.all, None if blanked is None else blanked.all),
@@ -123,6 +124,11 @@ def score_rows(evaluation: Evaluation) -> list[ScoreRow]:
     for i, bucket in enumerate(with_.overlap_buckets):
         label = "in no chunk (the last target)" if bucket.bucket == NO_CHUNK else f"chunk r(C): {bucket.r_range}"
         rows.append(ScoreRow(label, bucket.score, None if blanked is None else blanked.overlap_buckets[i].score))
+    for source in evaluation.sources:  # a blend's, each on its own
+        mine, blank = source.with_neighbours, source.blanked
+        rows.append(ScoreRow(f"source {source.name}: all", mine.all, None if blank is None else blank.all))
+        low = None if blank is None else blank.low_overlap
+        rows.append(ScoreRow(f"source {source.name}: low overlap", mine.low_overlap, low))
     return rows
 
 

@@ -325,12 +325,6 @@ def summary_lines(evaluation: Evaluation) -> list[str]:
             f"{_number(row.blanked_loss):>10}{_number(row.gain):>10}"
             f"{_number(row.with_neighbours.accuracy, 3):>8}{_number(row.blanked_accuracy, 3):>9}"
         )
-    for source in evaluation.sources:
-        blanked = None if source.blanked is None else source.blanked.all.mean_loss
-        lines.append(
-            f"source {source.name}: {source.sequences} sequences, loss {_number(source.with_neighbours.all.mean_loss)}"
-            f" (low overlap {_number(source.with_neighbours.low_overlap.mean_loss)}), blanked {_number(blanked)}"
-        )
     return lines
 
 

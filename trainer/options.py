@@ -31,9 +31,23 @@ def int_list(text: str) -> tuple[int, ...]:
     return tuple(int(i) for i in text.split(",") if i)
 
 
+def source_selection(text: str) -> list[str] | dict[str, float]:
+    """'web,code' -> those sources as they are; 'web=2,code=1' -> weighted (ShardDataset's `sources`)."""
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if not any("=" in part for part in parts):
+        return parts
+    try:
+        return {name: float(weight) for name, weight in (part.split("=", 1) for part in parts)}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give every source a weight (web=2,code=1) or none") from None
+
+
 @dataclass(kw_only=True)
 class TrainConfig:
     shards: str = option(help="shard directory (manifest.json + *.arrow), local or gs://")
+    sources: list[str] | dict[str, float] | None = option(
+        None, "a blend's sources to read: web,code (only those) or web=2,code=1 (weighted)", type=source_selection
+    )
     shards_commit: int | None = option(
         None, "commit of --shards to read (default: a resumed run's own, else the newest)", minimum=0
     )

@@ -180,6 +180,7 @@ def train_process(config: TrainConfig, process: Process) -> Retro:
         verify=config.verify_shards,
         skip_bad_shards=config.skip_bad_shards,
         commit=commit,
+        sources=config.sources,
     )
     if len(dataset) == 0:
         raise TrainError(f"{config.shards}: no sequences for rank {process.rank} of {process.world_size}")

@@ -311,9 +311,10 @@ def _plan_shards(plan: ValidationPlan, directory: str, index_directory: str) -> 
             f"OK shards {directory} (a sample: {len(plan.shard_entries)} of {total} shards and the chunk "
             f"rows they reference; {_listed_note(plan, total, 'shards')}): {rows} sequences in the sample"
         )
+    shares = ", ".join(f"{s.name} {s.share:.3f} (asked {s.weight:.3f})" for s in manifest.sources)
     plan.lines.append(
         f"{head}, {filled}no same-document neighbour, neighbour tokens equal the chunk "
-        f"database; {neighbour_summary(manifest)}"
+        f"database; {neighbour_summary(manifest)}" + (f"; token shares by source: {shares}" if shares else "")
     )
 
 

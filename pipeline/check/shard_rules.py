@@ -205,7 +205,8 @@ def _source_counts(shards: ShardsFacts, table, tokens: np.ndarray, entry: ShardE
     rows = np.bincount(sources, minlength=len(names)).tolist()
     require(
         entry.source_rows in (None, rows) and (entry.source_rows is not None or len(shards.sources) < 2),
-        f"{path}: {rows} rows per source, manifest says {entry.source_rows}",
+        f"{path}: {rows} rows per source, manifest says "
+        + ("nothing (a blend's entries count them)" if entry.source_rows is None else str(entry.source_rows)),
     )
     real = (tokens[:, :-1] != shards.pad_id).sum(axis=1)
     return tuple((int((sources == s).sum()), int(real[sources == s].sum())) for s in range(len(names)))

@@ -14,6 +14,7 @@ import apache_beam as beam
 import numpy as np
 import pyarrow as pa
 import pytest
+import torch
 from apache_beam.testing.util import assert_that, equal_to
 
 from pipeline.build_shards.job import build_shards
@@ -42,8 +43,10 @@ from tests.helpers import (
     write_jsonl,
 )
 from tests.trainer_fixtures import write_checkpoint
+from trainer.checkpoint import rank_states
 from trainer.dataset import ShardDataError, ShardDataset
 from trainer.evaluate import main as eval_main
+from trainer.train import main as train_main
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -245,3 +248,14 @@ def _last_targets(out, name: str) -> int:
         tokens = shard_column(table, "tokens")[sources == names.index(name)]
         count += int((tokens[:, -1] != manifest.pad_id).sum())
     return count
+
+
+def test_ratrain_train_reads_the_sources_it_is_given(blended, tmp_path):
+    _, out = blended
+    tiny = ["--vocab-size", "30522", "--dim", "16", "--depth", "2", "--heads", "2", "--encoder-depth", "1"]
+    common = ["--shards", str(out / "shards"), "--steps", "2", "--batch-size", "4", *tiny]
+    train_main([*common, "--sources", "readme=1,docstrings=3", "--checkpoint", str(tmp_path / "ckpt.pt")])
+    state = rank_states(torch.load(tmp_path / "ckpt.pt", weights_only=True))[0]["dataset"]
+    assert state["sources"] == {"readme": 1.0, "docstrings": 3.0} and state["position"] == 8
+    with pytest.raises(SystemExit, match="ratrain-train: error: .*no source 'books' in the shards"):
+        train_main([*common, "--sources", "books"])
