@@ -97,6 +97,11 @@ class CorpusConfig(StrictModel):
     def _size(cls, value):
         return parse_size(value)
 
+    def path_identity(self, relative: str) -> str:
+        """The identity of a document no id_field names, from its file's path relative to the
+        glob's base (and, past it, its line or row)."""
+        return relative
+
 
 _SOURCE = Hashed(Stage.SHARDS)
 
@@ -121,8 +126,15 @@ class TrainingSource(CorpusConfig):
         "needs no source repeated beyond its repeat.",
     )
     max_tokens: Annotated[int | None, _SOURCE] = Field(
-        None, gt=0, description="At most this many of the blend's tokens come from the source (repeats included)."
+        None,
+        gt=0,
+        description="About this many of the blend's tokens at most come from the source (repeats included; "
+        "its draws are sized by its mean tokens per sequence).",
     )
+
+    def path_identity(self, relative: str) -> str:
+        # two sources may hold files of the same relative names: different documents
+        return f"{self.name}/{relative}"
 
 
 class EmbeddingConfig(StrictModel):

@@ -48,7 +48,7 @@ from schemas.arrow import SHARD_METADATA_KEYS, check_schema_version, read_shard,
 from schemas.file_table import entry_columns
 from schemas.manifest import MANIFEST_FILE, FileEntry, ShardsManifest, commit_manifest, read_manifest
 from trainer.shard_files import OpenShard, files_for
-from trainer.source_mix import SourceMix, SourceMixError
+from trainer.source_mix import SourceMix, SourceMixError, source_problem
 
 
 class ShardDataError(ValueError):
@@ -117,7 +117,10 @@ class ShardDataset(IterableDataset):
         self._mix: SourceMix | None = None
         self.manifest = self._read_manifest(commit)
         if sources is not None:
-            self._mix = self._source_mix(sources)
+            try:
+                self._mix = SourceMix.of_manifest(self.manifest, self.source, sources, self._files.open_random)
+            except SourceMixError as err:
+                raise ShardDataError(f"{self.source}: {err}") from None
             self._shard_rows = self._mix.shard_rows
         self.sequence_tokens = self.manifest.sequence_tokens
         self.chunk_tokens = self.manifest.chunk_tokens
@@ -193,30 +196,15 @@ class ShardDataset(IterableDataset):
             raise ShardDataError(f"{path}: num_sequences {manifest.num_sequences} != {total} rows over its shards")
         return manifest
 
-    def _source_mix(self, sources: Sequence[str] | Mapping[str, float]) -> SourceMix:
-        names = tuple(source.name for source in self.manifest.sources)
-        if not names:
-            raise ShardDataError(
-                f"{self.source}: not a blend of sources (training_corpus: {self.manifest.training_corpus})"
-            )
-        counts = entry_columns(
-            self.manifest, self.source, ["source_rows"], open_file=self._files.open_random, error=ShardDataError
-        ).column("source_rows")
-        if counts.null_count:
-            raise ShardDataError(f"{self.source}: its manifest does not count each shard's rows per source")
-        rows = np.array(counts.to_pylist(), np.int64).reshape(len(counts), len(names))
-        try:
-            return SourceMix(names, sources, rows)
-        except SourceMixError as err:
-            raise ShardDataError(f"{self.source}: {err}") from None
-
     def _entry(self, shard: int) -> FileEntry:
         """Shard `shard`'s manifest entry (sha256 empty unless verified)."""
         row = {name: column[shard].as_py() for name, column in zip(self._entries.column_names, self._entries.columns)}
         return FileEntry(**{"sha256": "", **row})
 
-    def _open_checked(self, entry: FileEntry) -> tuple[pa.NativeFile, list[pa.RecordBatch]]:
-        """Open a shard, refusing it unless size, rows, schema version and shapes match the manifest."""
+    def _open_checked(self, shard: int) -> tuple[pa.NativeFile, list[pa.RecordBatch]]:
+        """Open shard `shard`, refusing it unless size, rows, schema version, shapes and sources
+        match the manifest."""
+        entry = self._entry(shard)
         path = self._path(entry.path)
         try:
             file = self._files.open(path)
@@ -255,6 +243,10 @@ class ShardDataset(IterableDataset):
             rows = sum(batch.num_rows for batch in batches)
             if rows != entry.rows:
                 raise ShardDataError(f"{path}: {rows} rows in the file, the manifest says {entry.rows}")
+            counted = None if self._mix is None else self._mix.source_rows[shard]
+            problem = source_problem(tuple(s.name for s in self.manifest.sources), batches, counted)
+            if problem:
+                raise ShardDataError(f"{path}: {problem}")
         except BaseException:
             file.close()
             raise
@@ -263,7 +255,7 @@ class ShardDataset(IterableDataset):
     def _open_shard(self, shard: int) -> OpenShard | None:
         """Shard `shard`, checked; None (with a warning) for a bad one when bad shards are skipped."""
         try:
-            file, batches = self._open_checked(self._entry(shard))
+            file, batches = self._open_checked(shard)
         except ShardDataError as err:
             if not self.skip_bad_shards:
                 raise
@@ -384,11 +376,15 @@ class ShardDataset(IterableDataset):
     def load_state_dict(self, state: dict) -> None:
         """Continue where `state` left off; the stream's shape (data, ranks, shuffle) must match."""
         current = self.state_dict()
-        for key in ("world_size", "num_sequences", "shuffle", "commit", "sources"):
+        for key in ("world_size", "num_sequences", "shuffle", "commit"):
             if state.get(key) is None or current[key] is None:  # a state or manifest from before commits
                 continue
             if state[key] != current[key]:
                 raise ValueError(f"cannot resume: state has {key}={state[key]!r}, this dataset {current[key]!r}")
+        if state.get("sources") != current["sources"]:  # None both ways: no selection (or a state from before)
+            raise ValueError(
+                f"cannot resume: state read sources {state.get('sources')!r}, this dataset {current['sources']!r}"
+            )
         if not 0 <= state["position"] <= len(self):
             raise ValueError(f"cannot resume: position {state['position']} is outside an epoch of {len(self)} samples")
         self.seed, self.epoch, self.position = state["seed"], state["epoch"], state["position"]

@@ -7,8 +7,8 @@ the selected rows). Each shard's manifest entry counts its rows per source (`sou
 how many rows of each source each shard gives is fixed before any shard is read: source s's
 epoch rows are spread over the shards in proportion to their rows of s, the remainder to the
 shards with the largest fractions (ties to the lower shard), so the totals are exact. Which rows
-a shard repeats or leaves out is drawn when the shard is opened, from the epoch's generator.
-Holds one count per shard and source.
+a shard repeats or leaves out is drawn when the shard is opened, from the epoch's generator
+(without shuffling: its first rows of each source). Holds two counts per shard and source.
 """
 
 from __future__ import annotations
@@ -16,6 +16,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+
+from schemas.arrow import shard_sources
+from schemas.file_table import entry_columns
 
 
 class SourceMixError(ValueError):
@@ -29,6 +32,9 @@ def _weights(names: tuple[str, ...], wanted: Sequence[str] | Mapping[str, float]
     if unknown:
         raise SourceMixError(f"no source {', '.join(map(repr, unknown))} in the shards (they hold {', '.join(names)})")
     weights = np.array([float(chosen.get(n, 0)) for n in names])
+    given = weights[[n in chosen for n in names]]
+    if isinstance(wanted, Mapping) and not np.isfinite(given).all():
+        raise SourceMixError(f"source weights must be finite numbers: {dict(chosen)}")
     if (weights < 0).any() or not (np.isnan(weights) | (weights > 0)).any():
         raise SourceMixError(f"source weights must be at least 0, one above it: {dict(chosen)}")
     return weights  # nan: selected as it is
@@ -37,8 +43,21 @@ def _weights(names: tuple[str, ...], wanted: Sequence[str] | Mapping[str, float]
 class SourceMix:
     """Per-shard rows of each source an epoch reads (`draws` [shards, sources])."""
 
+    @classmethod
+    def of_manifest(cls, manifest, directory: str, wanted: Sequence[str] | Mapping[str, float], open_file) -> SourceMix:
+        """The mix for a shards manifest (its entries' `source_rows`, from its file table
+        through `open_file` when it has one)."""
+        names = tuple(source.name for source in manifest.sources)
+        if not names:
+            raise SourceMixError(f"not a blend of sources (training_corpus: {manifest.training_corpus})")
+        counts = entry_columns(manifest, directory, ["source_rows"], open_file=open_file, error=SourceMixError)
+        column = counts.column("source_rows")
+        if column.null_count:
+            raise SourceMixError("its manifest does not count each shard's rows per source")
+        return cls(names, wanted, np.array(column.to_pylist(), np.int64).reshape(len(column), len(names)))
+
     def __init__(self, names: tuple[str, ...], wanted: Sequence[str] | Mapping[str, float], source_rows: np.ndarray):
-        self.names = names
+        self.names, self.source_rows = names, source_rows
         weights = _weights(names, wanted)
         available = source_rows.sum(axis=0)  # [sources]
         if isinstance(wanted, Mapping):
@@ -77,3 +96,20 @@ class SourceMix:
             picked += [np.tile(rows, whole), np.sort(extra[:part])]
         chosen = np.concatenate(picked) if picked else np.zeros(0, np.int64)
         return rng.permutation(chosen) if rng is not None else np.sort(chosen, kind="stable")
+
+
+def source_problem(names: tuple[str, ...], batches, counted: np.ndarray | None) -> str | None:
+    """What is wrong with a blend's shard (its record batches) for a reader of its `source`
+    column: names other than the manifest's `names`, or rows per source other than `counted`
+    (its entry's, where sources are selected); None when nothing is (or it is no blend's)."""
+    if not names:
+        return None
+    found = [shard_sources(batch) for batch in batches]
+    wrong = next((got for got, _ in found if got != names), None)
+    if wrong is not None:
+        return f"source names {list(wrong)}, the manifest's {list(names)}"
+    if counted is not None:
+        rows = np.bincount(np.concatenate([s for _, s in found]).astype(np.int64), minlength=len(names))
+        if not np.array_equal(rows, counted):
+            return f"{rows.tolist()} rows per source, the manifest says {counted.tolist()}"
+    return None

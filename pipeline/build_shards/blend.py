@@ -45,7 +45,7 @@ class BlendRead:
 def _size(keyed, pad_id: int):
     source, batch = keyed
     tokens = np.stack([s.tokens for s in batch.sequences])
-    return source, np.array([len(batch.sequences), input_tokens(tokens, pad_id)], np.int64)
+    return source, np.array([len(batch.sequences), input_tokens(tokens, pad_id).sum()], np.int64)
 
 
 def _plan(_, sizes: dict, *, sources, seed: int, chunks_per_seq: int) -> BlendPlan:

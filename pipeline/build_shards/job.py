@@ -241,7 +241,9 @@ def _build_shards(
             to_write = retrieved.rows
             chunk_tallies = counted("training_chunks", training_chunks, len)
         rows = to_write | "ShardProgress" >> ReportProgress("retrieve", "sequences", lambda batch: len(batch.rows))
-        written = rows | "WriteShards" >> WriteShards(staging, cfg.rows_per_shard(), tok.pad_id, cfg.source_names())
+        written = rows | "WriteShards" >> WriteShards(
+            staging, cfg.rows_per_shard(), tok.pad_id, sources=cfg.source_names(), blend=cfg.blended
+        )
         shard_files = written if unchanged is None else (written, unchanged) | "EveryShard" >> beam.Flatten()
         rejected_files = (
             ()

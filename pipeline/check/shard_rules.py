@@ -18,6 +18,7 @@ from pipeline.check.problems import ValidationFailed, of_kind, read_checked, req
 from pipeline.check.rules import check_chunk_rules
 from pipeline.common import fileio
 from pipeline.common.arrays import ranges_of
+from pipeline.shards.rows import input_tokens, rows_per_source
 from schemas.arrow import check_schema_version, read_shard_table, shard_column, shard_column_problems, shard_sources
 from schemas.manifest import ShardEntry
 from schemas.shard_columns import ShardDims
@@ -202,13 +203,13 @@ def _source_counts(shards: ShardsFacts, table, tokens: np.ndarray, entry: ShardE
         len(sources) == 0 or (sources.min() >= 0 and sources.max() < len(names)),
         f"{path}: a source index outside its {len(names)} names",
     )
-    rows = np.bincount(sources, minlength=len(names)).tolist()
+    rows = rows_per_source(sources, len(names))
     require(
-        entry.source_rows in (None, rows) and (entry.source_rows is not None or len(shards.sources) < 2),
+        entry.source_rows == (rows if shards.sources else None),
         f"{path}: {rows} rows per source, manifest says "
         + ("nothing (a blend's entries count them)" if entry.source_rows is None else str(entry.source_rows)),
     )
-    real = (tokens[:, :-1] != shards.pad_id).sum(axis=1)
+    real = input_tokens(tokens, shards.pad_id)
     return tuple((int((sources == s).sum()), int(real[sources == s].sum())) for s in range(len(names)))
 
 

@@ -194,18 +194,18 @@ def parse_text(f: ByteStream, cfg: CorpusConfig, source: str, relative: str) -> 
 
 
 def _records(r: FileRange, cfg: CorpusConfig, f: ByteStream) -> Iterator[Record]:
-    before = r.records_before
+    before, relative = r.records_before, cfg.path_identity(r.relative)
     if before is None:  # a bug, not a bad file: RuntimeError is not caught as unreadable_file
         raise RuntimeError(f"{r.path} [{r.start}, {r.end}): parsed before the records before it were counted")
     if cfg.format == "jsonl":
         skipped, lines = lines_in_range(f, r.start, r.end, cfg.max_record_bytes)
-        yield from parse_jsonl(lines, cfg, r.path, r.relative, before + 1 + skipped)
+        yield from parse_jsonl(lines, cfg, r.path, relative, before + 1 + skipped)
     elif cfg.format == "parquet":
         parquet = pq.ParquetFile(f)
         groups = None if r.end is None else range(r.start, r.end)
-        yield from parse_parquet(parquet, cfg, r.path, r.relative, row_groups=groups, first_row=before)
+        yield from parse_parquet(parquet, cfg, r.path, relative, row_groups=groups, first_row=before)
     else:
-        yield from parse_text(f, cfg, r.path, r.relative)
+        yield from parse_text(f, cfg, r.path, relative)
 
 
 def parse_range(r: FileRange, cfg: CorpusConfig) -> Iterator[Record]:

@@ -226,19 +226,24 @@ def row_tally(batch: RowBatch, m: int, pad_id: int):
     yield from overlap_tally(batch, m, pad_id)
 
 
-def input_tokens(tokens: np.ndarray, pad_id: int) -> int:
-    """The input tokens of sequences' tokens ([..., n + 1]: the last is the target) that are not
+def input_tokens(tokens: np.ndarray, pad_id: int) -> np.ndarray:
+    """Per sequence (tokens [..., n + 1]: the last is the target), its input tokens that are not
     padding: what a blend's shares are counted in."""
-    return int((tokens[..., :-1] != pad_id).sum())
+    return (tokens[..., :-1] != pad_id).sum(axis=-1)
+
+
+def rows_per_source(sources: np.ndarray, count: int) -> list[int]:
+    """Rows of each of `count` sources, from each row's source number."""
+    return np.bincount(sources.astype(np.int64), minlength=count).tolist()
 
 
 def source_tally(batch: RowBatch, pad_id: int):
     """A batch of shard rows' counters per training source: `source/<number>/rows` and `/tokens`."""
     sources = np.array([row.source for row in batch.rows])
+    tokens = input_tokens(np.stack([row.tokens for row in batch.rows]), pad_id)
     for source in np.unique(sources).tolist():
-        rows = [row for row in batch.rows if row.source == source]
-        yield f"source/{source}/rows", len(rows)
-        yield f"source/{source}/tokens", input_tokens(np.stack([row.tokens for row in rows]), pad_id)
+        yield f"source/{source}/rows", int((sources == source).sum())
+        yield f"source/{source}/tokens", int(tokens[sources == source].sum())
 
 
 def overlap_histogram(counters: dict[str, int]) -> dict[str, int]:

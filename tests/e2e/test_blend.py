@@ -165,6 +165,12 @@ def test_validate_finds_a_row_counted_under_another_source(blended, tmp_path):
     rewrite_shard(shards, move)
     with pytest.raises(ValidationFailed, match=r"shard-00000.arrow: \[[\d, ]+\] rows per source, manifest says"):
         validate_path(str(shards))
+    # a reader selecting sources refuses the shard too (or skips it, when told to)
+    with pytest.raises(ShardDataError, match=r"shard-00000.arrow: \[[\d, ]+\] rows per source, the manifest says"):
+        list(ShardDataset(shards, sources=list(WEIGHTS), shuffle=False))
+    with pytest.warns(UserWarning, match="skipping a bad shard"):
+        rows = sum(1 for _ in ShardDataset(shards, sources=list(WEIGHTS), shuffle=False, skip_bad_shards=True))
+    assert rows == len(ShardDataset(shards)) - json.loads(current_manifest(shards).read_text())["shards"][0]["rows"]
     with local_pipeline() as pipeline:
         verdict = pipeline | ValidateOutput.of(plan_validation(str(shards))) | beam.Map(lambda v: v.passed)
         assert_that(verdict, equal_to([False]))
@@ -215,6 +221,11 @@ def test_a_dataset_reads_the_sources_it_selects_or_weights(blended):
     assert seen["readme"] == seq_ids["readme"] and seen["pydocs"] < seq_ids["pydocs"]
     with pytest.raises(ShardDataError, match="no source 'books' in the shards"):
         ShardDataset(out / "shards", sources=["books"])
+    # a resume reads the rows its state counted: another selection, or none, is refused
+    state = ShardDataset(out / "shards", sources=["readme"]).state_dict()
+    for other in (None, ["pydocs"], {"readme": 1}):
+        with pytest.raises(ValueError, match="cannot resume: state read sources"):
+            ShardDataset(out / "shards", sources=other).load_state_dict(state)
 
 
 def test_ratrain_eval_scores_each_source_on_its_own(blended, tmp_path, capsys):

@@ -148,11 +148,7 @@ def test_a_column_added_to_the_spec_alone_reaches_shards_sizes_validate_and_the_
     # written shards: the column, its shape metadata and values, before doc_ids and source
     directory = tmp_path / "shards"
     with local_pipeline() as p:
-        _ = (
-            p
-            | beam.Create([RowBatch(rows[:4]), RowBatch(rows[4:])])
-            | WriteShards(str(directory), 4, PAD, ("training",))
-        )
+        _ = p | beam.Create([RowBatch(rows[:4]), RowBatch(rows[4:])]) | WriteShards(str(directory), 4, PAD)
     tables = [read_shard_table(pa.memory_map(str(directory / f"shard-0000{i}.arrow"))) for i in (0, 1)]
     field = tables[0].schema.field("neighbours_filled")
     assert tables[0].column_names[-3:] == ["neighbours_filled", "doc_ids", "source"]

@@ -216,6 +216,33 @@ def test_write_shards_is_sorted_split_by_seq_id_and_counts_filled_slots(tmp_path
 
 
 @pytest.mark.beam
+@pytest.mark.parametrize("names", [("only",), ("web", "code")])
+def test_a_blends_shard_entries_count_their_rows_per_source_even_with_one_source(tmp_path, names):
+    rows = [
+        ShardRow(
+            seq_id=s,
+            tokens=np.full(L * M + 1, s, np.int32),
+            neighbours=np.full((L, K, 2 * M), s, np.int32),
+            neighbour_ids=np.full((L, K), s, np.int64),
+            neighbour_scores=np.full((L, K), 0.5, np.float32),
+            doc_ids=(s,),
+            source=s % len(names),
+        )
+        for s in range(3)
+    ]
+    with local_pipeline() as p:
+        entries = (
+            p
+            | beam.Create([RowBatch(rows)])
+            | WriteShards(str(tmp_path), shard_rows=4, pad_id=PAD, sources=names, blend=True)
+        )
+        expected = [3] if len(names) == 1 else [2, 1]
+        assert_that(entries | beam.Map(lambda e: e.source_rows), equal_to([expected]))
+    table = read_shard_table(pa.memory_map(str(tmp_path / "shard-00000.arrow")))
+    assert table["source"].to_pylist() == [names[s % len(names)] for s in range(3)]
+
+
+@pytest.mark.beam
 def test_write_shards_refuses_a_batch_holding_rows_of_two_shards(tmp_path):
     """Each batch is written as one file where it is: one holding rows of two shards would
     have one of them overwrite the other's file, so it fails the job."""
