@@ -177,12 +177,15 @@ class SourceShare(ManifestModel):
     tokens_available: int = Field(description="Their input tokens, padding not counted.")
     sequences: int = Field(description="Rows of the shards from this source, counted in the shards.")
     repeats: int = Field(description="Of those, rows repeating a sequence drawn already (a source upsampled).")
+    left_out: int = Field(0, description="Its sequences in no row (a source subsampled).")
     tokens: int = Field(description="Input tokens of those rows, padding not counted, counted in the shards.")
     share: float = Field(description="tokens / all rows' tokens: the share got, against weight asked.")
 
     def summary(self) -> str:
-        """'pydocs: 0.601 of the tokens (asked 0.600), 318 rows of its 318 sequences, 0 repeats, 60 documents'."""
+        """'pydocs: 0.601 of the tokens (asked 0.600), 318 rows of its 318 sequences (0 repeats, 0 left
+        out), 60 documents'."""
         return (
             f"{self.name}: {self.share:.3f} of the tokens (asked {self.weight:.3f}), {self.sequences:,} rows of its "
-            f"{self.sequences_available:,} sequences, {self.repeats:,} repeats, {self.documents:,} documents"
+            f"{self.sequences_available:,} sequences ({self.repeats:,} repeats, {self.left_out:,} left out), "
+            f"{self.documents:,} documents"
         )

@@ -263,7 +263,7 @@ def render(report: Report) -> str:
                 "Training sources",
                 "<p class=muted>The blend's sources: each one's share of the training tokens asked (its weight) "
                 "and got (counted in the shards), and the rows repeating a sequence of a source upsampled.</p>"
-                + _table(source_rows(report.shards), SOURCE_COLUMNS, numeric=(1, 2, 3, 4, 5, 6, 7))
+                + _table(source_rows(report.shards), SOURCE_COLUMNS, numeric=(1, 2, 3, 4, 5, 6, 7, 8))
                 + shares_figure(report.shards.sources),
             )
         )

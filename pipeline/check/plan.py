@@ -247,6 +247,12 @@ def _check_source_totals(directory: str, manifest: ShardsManifest) -> None:
     )
     for source in sources:
         require(
+            source.sequences_available - source.left_out + source.repeats == source.sequences,
+            f"{directory}: source {source.name}'s {source.sequences} rows are not its {source.sequences_available} "
+            f"sequences less {source.left_out} left out plus {source.repeats} repeats",
+            "manifest",
+        )
+        require(
             abs(source.share - (source.tokens / tokens if tokens else 0.0)) < 1e-9,
             f"{directory}: source {source.name}'s share {source.share} is not its {source.tokens} of {tokens} tokens",
             "manifest",

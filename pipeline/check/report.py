@@ -120,7 +120,17 @@ def shards_summary(manifest: ShardsManifest, files: ShardFiles) -> list[tuple[st
     ]
 
 
-SOURCE_COLUMNS = ("source", "share asked", "share got", "documents", "sequences", "rows", "repeats", "tokens")
+SOURCE_COLUMNS = (
+    "source",
+    "share asked",
+    "share got",
+    "documents",
+    "sequences",
+    "rows",
+    "repeats",
+    "left out",
+    "tokens",
+)
 
 
 def source_rows(manifest: ShardsManifest) -> list[tuple[str, ...]]:
@@ -134,6 +144,7 @@ def source_rows(manifest: ShardsManifest) -> list[tuple[str, ...]]:
             f"{s.sequences_available:,}",
             f"{s.sequences:,}",
             f"{s.repeats:,}",
+            f"{s.left_out:,}",
             f"{s.tokens:,}",
         )
         for s in manifest.sources
