@@ -23,6 +23,7 @@ def manifest(shards: int) -> ShardsManifest:
         for i in range(shards)
     ]
     entries[1].neighbour_slots_filled = None  # an older shard without its count
+    entries[2].source_rows = [2, 0, 1]  # a blend's rows per source (a list column in the table)
     return helpers.shards_manifest(shards=entries, num_sequences=sum(e.rows for e in entries))
 
 
@@ -49,12 +50,18 @@ def test_entries_over_the_limit_go_to_the_table_and_read_back_equal(tmp_path):
         "bytes",
         "sha256",
         "neighbour_slots_filled",
+        "source_rows",
     ]
     whole = whole_manifest(read(tmp_path), str(tmp_path))
     assert whole.shards == model.shards and whole.file_table is None
     columns = entry_columns(read(tmp_path), str(tmp_path), ["rows", "path"])
     assert columns.column("rows").to_pylist() == [e.rows for e in model.shards]
     assert columns.column("path").to_pylist() == [e.path for e in model.shards]
+    assert entry_columns(read(tmp_path), str(tmp_path), ["source_rows"]).column(0).to_pylist()[1:4] == [
+        None,
+        [2, 0, 1],
+        None,
+    ]
 
 
 def test_an_inline_manifest_and_an_old_one_without_a_table_field_read_as_before(tmp_path):
