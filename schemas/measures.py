@@ -177,7 +177,7 @@ class SourceShare(ManifestModel):
     tokens_available: int = Field(description="Their input tokens, padding not counted.")
     sequences: int = Field(description="Rows of the shards from this source, counted in the shards.")
     repeats: int = Field(description="Of those, rows repeating a sequence drawn already (a source upsampled).")
-    left_out: int = Field(0, description="Its sequences in no row (a source subsampled).")
+    left_out: int = Field(description="Its sequences in no row (a source subsampled).")
     tokens: int = Field(description="Input tokens of those rows, padding not counted, counted in the shards.")
     share: float = Field(description="tokens / all rows' tokens: the share got, against weight asked.")
 
