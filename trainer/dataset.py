@@ -44,11 +44,11 @@ import pyarrow as pa
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from schemas.arrow import SHARD_METADATA_KEYS, check_schema_version, read_shard, shard_schema, shard_sources
+from schemas.arrow import SHARD_METADATA_KEYS, check_schema_version, read_shard, shard_schema
 from schemas.file_table import entry_columns
 from schemas.manifest import MANIFEST_FILE, FileEntry, ShardsManifest, commit_manifest, read_manifest
 from trainer.shard_files import OpenShard, files_for
-from trainer.source_mix import SourceMix, SourceMixError, source_problem
+from trainer.source_mix import SourceMix, SourceMixError, checked_sources
 
 
 class ShardDataError(ValueError):
@@ -201,9 +201,9 @@ class ShardDataset(IterableDataset):
         row = {name: column[shard].as_py() for name, column in zip(self._entries.column_names, self._entries.columns)}
         return FileEntry(**{"sha256": "", **row})
 
-    def _open_checked(self, shard: int) -> tuple[pa.NativeFile, list[pa.RecordBatch]]:
+    def _open_checked(self, shard: int) -> tuple[pa.NativeFile, list[pa.RecordBatch], list[np.ndarray]]:
         """Open shard `shard`, refusing it unless size, rows, schema version, shapes and sources
-        match the manifest."""
+        match the manifest; with each record batch's rows' source numbers."""
         entry = self._entry(shard)
         path = self._path(entry.path)
         try:
@@ -244,18 +244,19 @@ class ShardDataset(IterableDataset):
             if rows != entry.rows:
                 raise ShardDataError(f"{path}: {rows} rows in the file, the manifest says {entry.rows}")
             counted = None if self._mix is None else self._mix.source_rows[shard]
-            problem = source_problem(tuple(s.name for s in self.manifest.sources), batches, counted)
-            if problem:
-                raise ShardDataError(f"{path}: {problem}")
+            try:
+                sources = checked_sources(tuple(s.name for s in self.manifest.sources), batches, counted)
+            except SourceMixError as err:
+                raise ShardDataError(f"{path}: {err}") from None
         except BaseException:
             file.close()
             raise
-        return file, batches
+        return file, batches, sources
 
     def _open_shard(self, shard: int) -> OpenShard | None:
         """Shard `shard`, checked; None (with a warning) for a bad one when bad shards are skipped."""
         try:
-            file, batches = self._open_checked(shard)
+            file, batches, sources = self._open_checked(shard)
         except ShardDataError as err:
             if not self.skip_bad_shards:
                 raise
@@ -264,13 +265,9 @@ class ShardDataset(IterableDataset):
                 self.skipped.append(str(err))
             return None
         if self._mix is None:
-            return OpenShard(file, batches, self._row_order(shard))
-        sources = np.concatenate([shard_sources(batch)[1] for batch in batches])
+            return OpenShard(file, batches, sources, self._row_order(shard))
         rng = self._rng(1 + shard) if self.shuffle else None
-        try:
-            return OpenShard(file, batches, self._mix.rows_of(shard, sources, rng))
-        except SourceMixError as err:
-            raise ShardDataError(f"{self._path(self._entry(shard).path)}: {err}") from None
+        return OpenShard(file, batches, sources, self._mix.rows_of(shard, np.concatenate(sources), rng))
 
     # -- order --------------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from schemas.arrow import shard_column, shard_sources
+from schemas.arrow import shard_column
 from schemas.shard_columns import array_columns
 
 
@@ -101,13 +101,16 @@ class OpenShard:
     """One shard's record batches as numpy views of the mapped (or fetched) file: every column
     of one shape per row (`schemas/shard_columns.py`; not doc_ids) and its source's number."""
 
-    def __init__(self, file: pa.NativeFile, batches: list[pa.RecordBatch], row_order: np.ndarray):
+    def __init__(
+        self, file: pa.NativeFile, batches: list[pa.RecordBatch], sources: list[np.ndarray], row_order: np.ndarray
+    ):
+        """`sources`: each batch's rows' source numbers (their names' among the manifest's)."""
         self._file = file
         self._batches = []  # per record batch: column name -> numpy [rows, ...] (zero-copy view)
         batch_rows = []
-        for batch in batches:
+        for batch, numbers in zip(batches, sources):
             columns = {column.name: shard_column(batch, column.name) for column in array_columns()}
-            columns["source"] = shard_sources(batch)[1]  # the number of its name among the manifest's sources
+            columns["source"] = numbers
             self._batches.append(columns)
             batch_rows.append(batch.num_rows)
         self._batch_starts = np.concatenate([[0], np.cumsum(batch_rows)])

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from pipeline.shards.rows import rows_per_source
 from schemas.arrow import shard_sources
 from schemas.file_table import entry_columns
 
@@ -98,18 +99,17 @@ class SourceMix:
         return rng.permutation(chosen) if rng is not None else np.sort(chosen, kind="stable")
 
 
-def source_problem(names: tuple[str, ...], batches, counted: np.ndarray | None) -> str | None:
-    """What is wrong with a blend's shard (its record batches) for a reader of its `source`
-    column: names other than the manifest's `names`, or rows per source other than `counted`
-    (its entry's, where sources are selected); None when nothing is (or it is no blend's)."""
-    if not names:
-        return None
+def checked_sources(names: tuple[str, ...], batches, counted: np.ndarray | None) -> list[np.ndarray]:
+    """Each record batch's rows' source numbers; for a blend's shard (`names`: the manifest's),
+    SourceMixError where its names are others, or its rows per source not `counted` (its
+    entry's, where sources are selected)."""
     found = [shard_sources(batch) for batch in batches]
-    wrong = next((got for got, _ in found if got != names), None)
+    wrong = next((got for got, _ in found if names and got != names), None)
     if wrong is not None:
-        return f"source names {list(wrong)}, the manifest's {list(names)}"
+        raise SourceMixError(f"source names {list(wrong)}, the manifest's {list(names)}")
+    sources = [numbers for _, numbers in found]
     if counted is not None:
-        rows = np.bincount(np.concatenate([s for _, s in found]).astype(np.int64), minlength=len(names))
-        if not np.array_equal(rows, counted):
-            return f"{rows.tolist()} rows per source, the manifest says {counted.tolist()}"
-    return None
+        rows = rows_per_source(np.concatenate(sources), len(names))
+        if rows != counted.tolist():
+            raise SourceMixError(f"{rows} rows per source, the manifest says {counted.tolist()}")
+    return sources

@@ -175,7 +175,7 @@ def source_shares(plan: BlendPlan, counters: dict[str, int]) -> list[SourceShare
                 tokens_available=source.tokens,
                 sequences=rows,
                 repeats=source.repeats,
-                left_out=source.sequences - source.distinct,
+                left_out=source.left_out,
                 tokens=tokens,
                 share=tokens / total if total else 0.0,
             )

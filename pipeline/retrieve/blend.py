@@ -58,6 +58,11 @@ class SourceDraws:
         """Draws of a sequence drawn already."""
         return self.draws - self.distinct
 
+    @property
+    def left_out(self) -> int:
+        """Sequences never drawn."""
+        return self.sequences - self.distinct
+
 
 @dataclass(frozen=True)
 class BlendPlan:
