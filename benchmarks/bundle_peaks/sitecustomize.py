@@ -16,7 +16,11 @@ BUNDLE_PEAKS_DIR is set (`benchmarks/decontamination.py --bundles` and
   encoded bytes each GroupByKey receives, by the transform's name, and writes them at exit to
   BUNDLE_PEAKS_DIR/shuffles-<pid>.json. Reshuffle and CoGroupByKey are GroupByKeys underneath,
   so every shuffle of a job is counted; side inputs and a stage's plain outputs are not
-  shuffles and are not."""
+  shuffles and are not;
+- Beam's local runner streams a bundle's input to its worker, as a cluster's shuffle reads
+  stream (`_stream_inputs`, `_stream_groups`), and Beam's data channel buffers 1 MB each way
+  (`_small_data_channel`), so that a bundle's rise is what its steps hold, not its share of a
+  stage or the channel's filling."""
 
 import atexit
 import ctypes
@@ -111,7 +115,7 @@ def _count_shuffles(directory: Path) -> None:
     atexit.register(write)
 
 
-GROUP_MESSAGE_BYTES = 8 << 20
+GROUP_MESSAGE_BYTES = 1 << 20
 
 
 def _stream_groups() -> None:
@@ -148,7 +152,51 @@ def _stream_groups() -> None:
     execution.GroupingBuffer.partition = streamed_partition
 
 
+def _stream_inputs() -> None:
+    """Beam's local runner writes a bundle's whole input into one message before it asks the
+    worker to start the bundle (`BundleManager._send_input_to_worker`), so the worker holds
+    all of it at once. Sent as it is written (a message per flush size, `_small_data_channel`)
+    and beside the bundle, not before it, the input streams through the worker's bounded
+    receive queue as a cluster's shuffle reads stream. (A send that fails prints its error,
+    Python's default for a thread, and its bundle waits: this is a benchmark's instrument.)"""
+    from apache_beam.runners.portability.fn_api_runner import fn_runner
+
+    def streamed_send(self, process_bundle_id, read_transform_id, byte_streams) -> None:
+        data_out = self._worker_handler.data_conn.output_stream(process_bundle_id, read_transform_id)
+
+        def send():
+            for byte_stream in byte_streams or []:
+                data_out.write(byte_stream)
+                data_out.maybe_flush()  # whole elements: each byte stream holds whole ones
+            data_out.close()
+
+        threading.Thread(target=send, daemon=True, name=f"send-{process_bundle_id}").start()
+
+    fn_runner.BundleManager._send_input_to_worker = streamed_send
+
+
+DATA_CHANNEL_BYTES = 1 << 20
+
+
+def _small_data_channel() -> None:
+    """Beam's data channel holds up to 10 MB of a bundle's output before it sends it
+    (`data_plane`'s flush size) and queues up to 100 MB of it for the runner, fixed per
+    process (part of the SDK process's memory), filled as far as a bundle's output reaches
+    and the runner lags: the local runner, one Python process, does. A step whose bundle
+    writes less than that at N and more at 4N would show the channel's filling as its growth
+    (measured: build-shards' search at 4N held 10.5 MB of Python objects in the output
+    buffer alone, tracemalloc); at 1 MB each, a rise is what the step holds."""
+    from apache_beam.runners.worker import data_plane
+
+    data_plane._DEFAULT_SEND_QUEUE_MAX_BYTES = DATA_CHANNEL_BYTES  # read when a channel is made
+    stream = data_plane.SizeBasedBufferingClosableOutputStream
+    close, flush, _, warn = stream.__init__.__defaults__  # the flush size is a default argument
+    stream.__init__.__defaults__ = (close, flush, DATA_CHANNEL_BYTES, warn)
+
+
 if os.environ.get("BUNDLE_PEAKS_DIR"):
+    _small_data_channel()
+    _stream_inputs()
     _stream_groups()
     _record_bundles(Path(os.environ["BUNDLE_PEAKS_DIR"]))
     _count_shuffles(Path(os.environ["BUNDLE_PEAKS_DIR"]))

@@ -87,3 +87,32 @@ def test_bundles_that_overlap_are_one_record_and_none_waits_for_another(tmp_path
     # b started while a ran (a lock would have held it back, and the script would not end)
     assert [(r["transforms"], r["bundles"]) for r in records] == [(["StepA", "StepB"], 2), (["StepC"], 1)]
     assert all(r["rise_kb"] >= 0 and r["rss_kb"] > 0 for r in records)
+
+
+# 1 GB through a GroupByKey in 500 groups of 2 MB, read by two worker processes: each worker's
+# share of the grouped stage is ~500 MB
+SHARE = """
+import apache_beam as beam
+from apache_beam.options.pipeline_options import PipelineOptions
+options = PipelineOptions(["--direct_num_workers=2", "--direct_running_mode=multi_processing"])
+with beam.Pipeline(options=options) as p:
+    made = p | beam.Create(range(20)) | "Make" >> beam.FlatMap(lambda _: ((j % 500, b"x" * 10**4) for j in range(5000)))
+    _ = made | beam.GroupByKey() | "ReadGroups" >> beam.Map(lambda kv: sum(len(v) for v in kv[1]))
+"""
+
+
+def test_a_step_after_a_shuffle_holds_its_groups_not_its_share_of_the_stage(tmp_path):
+    """Beam's local runner would send a worker its ~500 MB share of the grouped stage as one
+    message before the bundle starts (the worker held 935-3,800 MB for a 500 MB to 2 GB stage);
+    the recorder streams it in ~1 MB messages, so the bundle holds a few 2 MB groups and Beam's
+    fixed buffers."""
+    peaks = tmp_path / "peaks"
+    peaks.mkdir()
+    env = {**os.environ, "BUNDLE_PEAKS_DIR": str(peaks), "PYTHONPATH": str(REPO / "benchmarks" / "bundle_peaks")}
+    subprocess.run([sys.executable, "-c", SHARE], check=True, env=env, cwd=REPO, capture_output=True, timeout=300)
+    records = [json.loads(line) for log in peaks.glob("[0-9]*.jsonl") for line in log.read_text().splitlines()]
+    reads = [r["rise_kb"] / 1024 for r in records if "ReadGroups" in r["transforms"]]
+    makes = [r["rise_kb"] / 1024 for r in records if "Make" in r["transforms"]]
+    assert len(reads) == 2 and len(makes) == 2  # a bundle per worker
+    assert max(reads) < 250, reads  # half the share at most
+    assert max(makes) < 100, makes  # the output streams out too: 1 MB flushes, a 1 MB send queue
