@@ -4,7 +4,7 @@ counted, so that what grows with the corpus shows before a cluster pays for it.
 
     .venv/bin/python benchmarks/scale_rehearsal.py [--n 250000] [--file-rows 1000]
         [--factory IVF4096,PQ32x8np] [--slice-bytes 16MB] [--corpus-docs 300] [--workdir DIR]
-        [--parts index shards corpus] [--workers 2 4] [--reuse] [--flink "OPTIONS"]
+        [--parts index shards corpus] [--reuse] [--flink "OPTIONS"]
 
 Parts, each at N and 4N (4N's files are 4× as many as N's, of the same rows):
 
@@ -29,10 +29,12 @@ worker's resident memory (VmHWM over VmRSS at its start), bytes read (rchar) and
 runner's encoded bytes into every GroupByKey. A step is a bundle's transforms less Beam's own
 (grouping, impulse and reshuffle parts), named to depth 2 (`BuildIndex/FillParts`).
 
-Beam's local runner gives each of w workers one bundle holding 1/w of a stage's input, sent
-whole before the bundle starts, so a step after a shuffle shows its share of the stage as well
-as what it holds itself. With two worker counts (`--workers 2 4`) each step's rise is fitted as
-own + share / w, and the verdict is on the fitted own holding (rough: two points, each one run).
+Beam's local runner gives each of its workers one bundle holding its share of a stage's input;
+the recorder makes that input stream to the worker in ~1 MB messages beside the bundle (the
+runner would send it as one message before the bundle starts, and the worker would hold all of
+it) and keeps Beam's data-channel buffers at 1 MB (10 MB and 100 MB otherwise, filled only as
+far as a bundle's output reaches), so a bundle's rise is what its steps hold, as on a runner
+whose shuffle reads stream (`benchmarks/bundle_peaks`).
 `--flink "OPTIONS"` (`make flink-up`'s last line) runs build-shards once more at N and 4N on
 that Flink cluster, at parallelism 1 with every exchange blocking, so that each stage runs alone
 and its grouped values stream to it, with the same recorder (`runner_args`).
@@ -56,6 +58,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -66,7 +69,7 @@ from benchmarks.synthetic import LowRankClusters  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "scale_rehearsal.json"
-PEAKS = REPO / "benchmarks" / "bundle_peaks"
+PEAKS = Path(os.environ.get("PEAKS_DIR_OVERRIDE", REPO / "benchmarks" / "bundle_peaks"))
 CLI = [sys.executable, "-c", "from pipeline.cli import main; main()"]  # this checkout's code (PYTHONPATH below)
 M, SEQ_TOKENS, K, CANDIDATES, DIM, PAD, VOCAB = 64, 512, 2, 32, 384, 0, 30000
 L = SEQ_TOKENS // M
@@ -95,6 +98,7 @@ BEAM_PARTS = {
 GROWTH_FLAT = 1.25  # from N to 4N, a step that holds no more
 MODEL_SLACK = 1.5  # a growing step measured within this of its row
 NOISE_MB = 32  # below this at 4N a rise is allocator noise, not a step's holding
+LOCAL_WORKERS = 2  # worker processes of Beam's local runner, each its own process
 REUSE = False  # --reuse: a job already recorded in the workdir is read back, not run again
 
 
@@ -315,26 +319,11 @@ def runner_args(runner: int | str) -> list[str]:
     return [f"--direct_num_workers={runner}", "--direct_running_mode=multi_processing"]
 
 
-def own_holding(rises: dict[int, float]) -> float | None:
-    """What a step holds whatever share of its stage a bundle is given. The local runner hands
-    each of w workers 1/w of a stage's input as one bundle, sent whole before it starts, so a
-    bundle's rise is taken as own + share / w, fitted through the rises at the fewest and the
-    most workers (None: run at one worker count only)."""
-    if len(rises) < 2:
-        return None
-    few, most = min(rises), max(rises)
-    share = (rises[few] - rises[most]) / (1 / few - 1 / most)
-    return max(rises[few] - share / few, 0.0)
-
-
-def compared(at_n: dict[int, dict], at_4n: dict[int, dict], rows_n: dict, rows_4n: dict) -> list[dict]:
-    """One row per step seen at 4N (at each worker count: {workers: steps}): its growth from N,
-    its holding apart from its bundle's share of the stage where two worker counts ran, and its
-    model row's growth."""
-    few = min(at_4n)
+def compared(at_n: dict, at_4n: dict, rows_n: dict, rows_4n: dict) -> list[dict]:
+    """One row per step seen at 4N (`steps_of` each job): its growth from N and its model row's."""
     table = []
-    for step, big in sorted(at_4n[few].items(), key=lambda kv: -kv[1]["rise_mb"]):
-        small = at_n[few].get(step)
+    for step, big in sorted(at_4n.items(), key=lambda kv: -kv[1]["rise_mb"]):
+        small = at_n.get(step)
         entry = {
             "step": step,
             "rise_n_mb": small["rise_mb"] if small else None,
@@ -346,12 +335,6 @@ def compared(at_n: dict[int, dict], at_4n: dict[int, dict], rows_n: dict, rows_4
             "seconds_4n": big["seconds"],
             "bundles_4n": big["bundles"],
         }
-        own = {
-            label: own_holding({w: steps[step]["rise_mb"] for w, steps in runs.items() if step in steps})
-            for label, runs in (("n", at_n), ("4n", at_4n))
-        }
-        if own["n"] is not None and own["4n"] is not None:
-            entry.update(own_n_mb=own["n"], own_4n_mb=own["4n"], own_growth=own["4n"] / own["n"] if own["n"] else None)
         row, row_n = model_row(step, rows_4n), model_row(step, rows_n)
         if row:
             entry.update(model_row=row[0], model_4n_mb=row[1], model_growth=row[1] / row_n[1] if row_n[1] else None)
@@ -363,9 +346,8 @@ def compared(at_n: dict[int, dict], at_4n: dict[int, dict], rows_n: dict, rows_4
 def verdict(entry: dict) -> str:
     """flat: grew ≤ GROWTH_FLAT from N to 4N; grows as its row: its memory-model row grows too,
     and the measure at 4N is within MODEL_SLACK of the row; GROWS otherwise. The measure is the
-    step's own holding where two worker counts ran, else its largest bundle's rise."""
-    held = entry.get("own_4n_mb", entry["rise_4n_mb"])
-    growth, model = entry.get("own_growth", entry["growth"]), entry.get("model_4n_mb")
+    step's largest bundle's rise."""
+    held, growth, model = entry["rise_4n_mb"], entry["growth"], entry.get("model_4n_mb")
     if held < NOISE_MB:
         return "flat (under the noise floor)"
     if growth is not None and growth <= GROWTH_FLAT:
@@ -379,8 +361,8 @@ def verdict(entry: dict) -> str:
 
 
 def _named(runner: int | str) -> str:
-    """A job's name suffix: none at two local workers (the default, and what earlier runs were named)."""
-    return "" if runner == 2 else "-flink" if runner == "flink" else f"-w{runner}"
+    """A job's name suffix: none on the local runner."""
+    return "-flink" if runner == "flink" else ""
 
 
 def index_part(work: Path, root: Path, factory: str, slice_bytes: str | None, tag: str, runner: int | str) -> dict:
@@ -398,6 +380,7 @@ def shards_main(root: str, index_dir: str, out: str, beam_args: list[str]) -> No
     import apache_beam as beam
     from apache_beam.io.parquetio import ReadAllFromParquetBatched
 
+    from benchmarks.scale_rehearsal import ListedFiles  # by its module's name, not __main__: workers unpickle it
     from pipeline.chunks.chunk_files import TRAINING_COLUMNS, ChunkFileRanges, TrainingChunks
     from pipeline.jobs.options import new_pipeline
     from pipeline.retrieve.beam import DocumentSpans, PackSequences, RetrieveNeighbours
@@ -431,9 +414,20 @@ def shards_main(root: str, index_dir: str, out: str, beam_args: list[str]) -> No
             | "TrainingChunkBlocks" >> beam.Map(lambda batch: TrainingChunks.of(batch).heads())
         )
         sequences = training | "PackSequences" >> PackSequences(L, PAD)
-        spans = p | "DocumentSpans" >> DocumentSpans(f"{root}/chunks/*.parquet")
+        # listed, then read file by file, as build-shards reads a committed manifest's (`CommittedFiles`)
+        spans = p | "DocumentSpans" >> DocumentSpans(ListedFiles(tuple(str(f) for f in files)))
         found = ((sequences, spans) | "RetrieveNeighbours" >> RetrieveNeighbours(spec, SHARD_ROWS)).rows
         _ = found | "WriteShards" >> WriteShards(out, SHARD_ROWS, PAD)
+
+
+@dataclass(frozen=True)
+class ListedFiles:
+    """Files a job reads as those of a committed manifest (`CommittedFiles.paths`), named here."""
+
+    listed: tuple[str, ...]
+
+    def paths(self) -> list[str]:
+        return list(self.listed)
 
 
 def _rows(path: Path) -> int:
@@ -475,7 +469,7 @@ def corpus_part(work: Path, documents: int) -> dict:
     found = {}
     for stage in ("build-index", "build-shards"):
         found[stage] = measured_job(
-            f"{stage}-{documents}", [*CLI, stage, "--config", str(config), "--", *runner_args(2)], work
+            f"{stage}-{documents}", [*CLI, stage, "--config", str(config), "--", *runner_args(LOCAL_WORKERS)], work
         )
     manifest = json.loads((slug / "out" / "index" / "manifest.json").read_text())
     found["chunks"] = manifest["num_chunks"]
@@ -486,17 +480,14 @@ def corpus_part(work: Path, documents: int) -> dict:
 
 
 def print_table(title: str, table: list[dict]) -> None:
-    own = any("own_4n_mb" in e for e in table)
     print(f"\n{title}")
     print(
         f"{'step':<58} {'rise N':>8} {'rise 4N':>8} {'x':>5} "
-        + (f"{'own N':>8} {'own 4N':>8} {'x':>5} " if own else "")
         + f"{'model 4N':>9} {'read 4N':>8} {'shuf N':>8} {'shuf 4N':>8} {'s 4N':>7}  verdict"
     )
     for e in table:
         print(
             f"{e['step'][:58]:<58} {_mb(e['rise_n_mb'])} {_mb(e['rise_4n_mb'])} {_times(e['growth'])} "
-            + (f"{_mb(e.get('own_n_mb'))} {_mb(e.get('own_4n_mb'))} {_times(e.get('own_growth'))} " if own else "")
             + f"{_mb(e.get('model_4n_mb'), 9)} {_mb(e['read_4n_mb'])} {_mb(e['shuffled_n_mb'])} "
             f"{_mb(e['shuffled_4n_mb'])} {e['seconds_4n']:>7.1f}  {e['verdict']}"
         )
@@ -510,14 +501,9 @@ def _mb(value, width: int = 8) -> str:
     return f"{'-':>{width}}" if value is None else f"{value:>{width}.1f}"
 
 
-def _by_workers(runs: dict) -> tuple[dict[int, dict], dict[int, dict]]:
-    """{(size label, workers): job} -> the steps of each worker count, at N and at 4N."""
-    return tuple({w: steps_of(job) for (label, w), job in runs.items() if label == size} for size in ("N", "4N"))
-
-
 def flink_part(title: str, jobs: dict[str, dict], rows: dict, tag: str, chunks: dict[str, int]) -> dict:
-    """A part's table from its Flink runs at N and 4N (one bundle record per step: no fit)."""
-    table = compared({1: steps_of(jobs["N"])}, {1: steps_of(jobs["4N"])}, rows[("N", tag)], rows[("4N", tag)])
+    """A part's table from its Flink runs at N and 4N."""
+    table = compared(steps_of(jobs["N"]), steps_of(jobs["4N"]), rows[("N", tag)], rows[("4N", tag)])
     peak = {label: job["peak_rss_mb"] for label, job in jobs.items()}
     print_table(
         f"{title}, on Flink at parallelism 1, exchanges blocking; the job's process (every bundle runs in "
@@ -551,20 +537,12 @@ def main() -> None:
     parser.add_argument("--output", default=str(RESULTS))
     parser.add_argument("--reuse", action="store_true", help="read back jobs recorded in --workdir; run the rest")
     parser.add_argument(
-        "--workers",
-        type=int,
-        nargs="+",
-        default=[2],
-        help="local worker processes; two counts: each step's own holding",
-    )
-    parser.add_argument(
         "--flink", default="", help="run on Flink: the Beam options that submit to it (`make flink-up`'s last line)"
     )
     args = parser.parse_args()
     global REUSE
     REUSE = args.reuse
     FLINK[:] = args.flink.split()
-    index_workers = shards_workers = args.workers
     from pipeline.embed.encoder import cpu_summary
 
     temp = None if args.workdir else tempfile.TemporaryDirectory(prefix="scale-rehearsal-")
@@ -591,14 +569,12 @@ def main() -> None:
     indexes = {}
     if "index" in args.parts or "shards" in args.parts:
         for tag, slice_bytes in (("one file", None), ("slices", args.slice_bytes)):
-            runs = {
-                (label, w): index_part(work, root, args.factory, slice_bytes, tag.replace(" ", "-"), w)
+            jobs = {
+                label: index_part(work, root, args.factory, slice_bytes, tag.replace(" ", "-"), LOCAL_WORKERS)
                 for label, root in roots.items()
-                for w in index_workers
             }
-            jobs = {label: runs[(label, min(index_workers))] for label in roots}
             indexes[tag] = {label: job["output"] for label, job in jobs.items()}
-            table = compared(*_by_workers(runs), rows[("N", tag)], rows[("4N", tag)])
+            table = compared(steps_of(jobs["N"]), steps_of(jobs["4N"]), rows[("N", tag)], rows[("4N", tag)])
             title = f"index stage, {tag}: {chunks['N']:,} and {chunks['4N']:,} vectors, {args.factory}"
             print_table(title, table)
             results["parts"][f"index, {tag}"] = {
@@ -608,13 +584,10 @@ def main() -> None:
                 "table": table,
             }
     if "shards" in args.parts:
-        runs = {
-            (label, w): shards_part(work, root, indexes["one file"][label], w)
-            for label, root in roots.items()
-            for w in shards_workers
+        jobs = {
+            label: shards_part(work, root, indexes["one file"][label], LOCAL_WORKERS) for label, root in roots.items()
         }
-        jobs = {label: runs[(label, min(shards_workers))] for label in roots}
-        table = compared(*_by_workers(runs), rows[("N", "one file")], rows[("4N", "one file")])
+        table = compared(steps_of(jobs["N"]), steps_of(jobs["4N"]), rows[("N", "one file")], rows[("4N", "one file")])
         print_table(f"build-shards, one index file: {chunks['N']:,} and {chunks['4N']:,} chunks", table)
         results["parts"]["build-shards"] = {
             "chunks": chunks,
