@@ -141,6 +141,7 @@ def stage_memory(cfg: PipelineConfig, corpus: Corpus, dim: int = 384) -> list[di
         held, held_bytes, held_grows, slices = f"the whole index ({C:,} vectors)", index_bytes, [0], 0
     per_vector = estimated_bytes(factory, 1, dim) - estimated_bytes(factory, 0, dim)
     shard_row = row_bytes(cfg.shard_dims) + ROW_OVERHEAD
+    shard = cfg.rows_per_shard() * shard_row
     stages = [
         ("read", {"one record, or a Parquet row group": PARQUET_ROW_GROUP}, []),
         (
@@ -250,10 +251,11 @@ def stage_memory(cfg: PipelineConfig, corpus: Corpus, dim: int = 384) -> list[di
         (
             "build-shards: write one shard",
             {
-                # assembled where it is written: the neighbour blocks, the rows, their columns stacked, the bytes
-                f"{cfg.rows_per_shard():,} rows, the blocks they are assembled from, their columns and Arrow bytes": (
-                    cfg.rows_per_shard() * shard_row * 4
-                )
+                # assembled where it is written; measured (tracemalloc, benchmarks/scale_rehearsal.py): 7
+                # shards' worth at 1,024 rows, the same at 4x the corpus
+                "the shard's grouped input as received (the data channel's bytes and Beam's copy)": 2 * shard,
+                "its neighbour blocks decoded and joined": 2 * shard,
+                "its rows, their columns stacked and the Arrow bytes": 3 * shard,
             },
             [],
         ),
