@@ -34,7 +34,11 @@ the recorder makes that input stream to the worker in ~1 MB messages beside the 
 runner would send it as one message before the bundle starts, and the worker would hold all of
 it) and keeps Beam's data-channel buffers at 1 MB (10 MB and 100 MB otherwise, filled only as
 far as a bundle's output reaches), so a bundle's rise is what its steps hold, as on a runner
-whose shuffle reads stream (`benchmarks/bundle_peaks`).
+whose shuffle reads stream (`benchmarks/bundle_peaks`). Jobs inherit the environment: with
+`MALLOC_MMAP_THRESHOLD_=131072` glibc keeps its mmap threshold fixed, so a worker that freed a
+large array does not keep the next ones in its heap (its threshold rises to the largest freed,
+and the heap holds more the more such arrays a process made: see docs/scale.md).
+
 `--flink "OPTIONS"` (`make flink-up`'s last line) runs build-shards once more at N and 4N on
 that Flink cluster, at parallelism 1 with every exchange blocking, so that each stage runs alone
 and its grouped values stream to it, with the same recorder (`runner_args`).
@@ -69,7 +73,7 @@ from benchmarks.synthetic import LowRankClusters  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "scale_rehearsal.json"
-PEAKS = Path(os.environ.get("PEAKS_DIR_OVERRIDE", REPO / "benchmarks" / "bundle_peaks"))
+PEAKS = REPO / "benchmarks" / "bundle_peaks"
 CLI = [sys.executable, "-c", "from pipeline.cli import main; main()"]  # this checkout's code (PYTHONPATH below)
 M, SEQ_TOKENS, K, CANDIDATES, DIM, PAD, VOCAB = 64, 512, 2, 32, 384, 0, 30000
 L = SEQ_TOKENS // M
