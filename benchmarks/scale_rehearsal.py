@@ -323,8 +323,9 @@ def runner_args(runner: int | str) -> list[str]:
     return [f"--direct_num_workers={runner}", "--direct_running_mode=multi_processing"]
 
 
-def compared(at_n: dict, at_4n: dict, rows_n: dict, rows_4n: dict) -> list[dict]:
-    """One row per step seen at 4N (`steps_of` each job): its growth from N and its model row's."""
+def compared(jobs: dict[str, dict], rows_n: dict, rows_4n: dict) -> list[dict]:
+    """One row per step seen in the 4N job (`jobs`: by size label): its growth from N and its model row's."""
+    at_n, at_4n = steps_of(jobs["N"]), steps_of(jobs["4N"])
     table = []
     for step, big in sorted(at_4n.items(), key=lambda kv: -kv[1]["rise_mb"]):
         small = at_n.get(step)
@@ -507,7 +508,7 @@ def _mb(value, width: int = 8) -> str:
 
 def flink_part(title: str, jobs: dict[str, dict], rows: dict, tag: str, chunks: dict[str, int]) -> dict:
     """A part's table from its Flink runs at N and 4N."""
-    table = compared(steps_of(jobs["N"]), steps_of(jobs["4N"]), rows[("N", tag)], rows[("4N", tag)])
+    table = compared(jobs, rows[("N", tag)], rows[("4N", tag)])
     peak = {label: job["peak_rss_mb"] for label, job in jobs.items()}
     print_table(
         f"{title}, on Flink at parallelism 1, exchanges blocking; the job's process (every bundle runs in "
@@ -578,7 +579,7 @@ def main() -> None:
                 for label, root in roots.items()
             }
             indexes[tag] = {label: job["output"] for label, job in jobs.items()}
-            table = compared(steps_of(jobs["N"]), steps_of(jobs["4N"]), rows[("N", tag)], rows[("4N", tag)])
+            table = compared(jobs, rows[("N", tag)], rows[("4N", tag)])
             title = f"index stage, {tag}: {chunks['N']:,} and {chunks['4N']:,} vectors, {args.factory}"
             print_table(title, table)
             results["parts"][f"index, {tag}"] = {
@@ -591,7 +592,7 @@ def main() -> None:
         jobs = {
             label: shards_part(work, root, indexes["one file"][label], LOCAL_WORKERS) for label, root in roots.items()
         }
-        table = compared(steps_of(jobs["N"]), steps_of(jobs["4N"]), rows[("N", "one file")], rows[("4N", "one file")])
+        table = compared(jobs, rows[("N", "one file")], rows[("4N", "one file")])
         print_table(f"build-shards, one index file: {chunks['N']:,} and {chunks['4N']:,} chunks", table)
         results["parts"]["build-shards"] = {
             "chunks": chunks,

@@ -115,14 +115,14 @@ def _count_shuffles(directory: Path) -> None:
     atexit.register(write)
 
 
-GROUP_MESSAGE_BYTES = 1 << 20
+DATA_CHANNEL_BYTES = 1 << 20  # a message to or from a worker, and each buffer of Beam's data channel
 
 
 def _stream_groups() -> None:
     """Beam's local runner encodes a worker's whole share of a GroupByKey's output into one
     message (`GroupingBuffer.partition`), so a step after a shuffle would show that share as
-    its own memory. Cut into messages of about GROUP_MESSAGE_BYTES between groups, as a
-    cluster's shuffle streams it, a bundle's rise is what its steps hold."""
+    its own memory. Cut into messages of about DATA_CHANNEL_BYTES between groups, which
+    `_stream_inputs` sends one by one (the runner would join them into one again)."""
     from apache_beam.coders.coder_impl import create_OutputStream
     from apache_beam.runners.portability.fn_api_runner import execution
     from apache_beam.transforms.window import GlobalWindows
@@ -139,7 +139,7 @@ def _stream_groups() -> None:
             stream = streams[number % n]
             grouped = GlobalWindows.windowed_value((key_coder_impl.decode(encoded_key), values))
             coder_impl.encode_to_stream(grouped, stream, True)
-            if stream.size() >= GROUP_MESSAGE_BYTES:
+            if stream.size() >= DATA_CHANNEL_BYTES:
                 parts[number % n].append(stream.get())
                 streams[number % n] = create_OutputStream()
         for part, stream in zip(parts, streams):
@@ -173,9 +173,6 @@ def _stream_inputs() -> None:
         threading.Thread(target=send, daemon=True, name=f"send-{process_bundle_id}").start()
 
     fn_runner.BundleManager._send_input_to_worker = streamed_send
-
-
-DATA_CHANNEL_BYTES = 1 << 20
 
 
 def _small_data_channel() -> None:

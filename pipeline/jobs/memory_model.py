@@ -251,8 +251,8 @@ def stage_memory(cfg: PipelineConfig, corpus: Corpus, dim: int = 384) -> list[di
         (
             "build-shards: write one shard",
             {
-                # assembled where it is written; measured (tracemalloc, benchmarks/scale_rehearsal.py): 7
-                # shards' worth at 1,024 rows, the same at 4x the corpus
+                # assembled where it is written: 7 shards' worth at 1,024 rows, the same at 4x the corpus
+                # (tracemalloc in the scale rehearsal's workers, docs/scale.md; native allocators not counted)
                 "the shard's grouped input as received (the data channel's bytes and Beam's copy)": 2 * shard,
                 "its neighbour blocks decoded and joined": 2 * shard,
                 "its rows, their columns stacked and the Arrow bytes": 3 * shard,
