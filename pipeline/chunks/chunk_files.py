@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -351,10 +352,11 @@ class CommittedFiles:
     manifest_sha256: str
     prefix: str  # chunks, embeddings
 
-    def paths(self) -> list[str]:
+    def paths(self) -> Iterator[str]:
+        """Streamed from the manifest's file table: the step listing them never holds them all."""
         manifest = _committed_manifest(self.directory, self.manifest_sha256)
-        listed, _ = fileio.entry_paths_and_rows(manifest, self.directory, self.prefix)
-        return [fileio.join(self.directory, path) for path in listed]
+        for path in fileio.entry_paths_streamed(manifest, self.directory, self.prefix):
+            yield fileio.join(self.directory, path)
 
 
 def _no_longer_kept(directory: str) -> ValueError:

@@ -12,13 +12,14 @@ import json
 import os
 import posixpath
 import uuid
+from collections.abc import Iterator
 from typing import TypeVar
 
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 from pydantic import BaseModel
 
-from schemas.file_table import entry_columns, whole_manifest
+from schemas.file_table import entry_column_batches, entry_columns, whole_manifest
 from schemas.manifest import COMMIT_MANIFEST, MANIFEST_FILE, ManifestError, chosen_manifest, read_manifest
 
 Model = TypeVar("Model", bound=BaseModel)
@@ -194,6 +195,13 @@ def entry_paths_and_rows(manifest, directory: str, prefix: str | None = None) ->
     pairs = zip(table["path"].to_pylist(), table["rows"].to_pylist())
     kept = [(p, r) for p, r in pairs if prefix is None or p.startswith(prefix + "/")]
     return [p for p, _ in kept], [r for _, r in kept]
+
+
+def entry_paths_streamed(manifest, directory: str, prefix: str) -> Iterator[str]:
+    """The paths of the manifest's entries under `prefix/`, in manifest order, a row group of
+    its file table at a time (`schemas.file_table.entry_column_batches`): never all at once."""
+    for table in entry_column_batches(manifest, directory, ["path"], open_file=open_read):
+        yield from (path for path in table["path"].to_pylist() if path.startswith(prefix + "/"))
 
 
 def entry_paths_and_sha256(manifest, directory: str, prefix: str | None = None) -> list[tuple[str, str]]:

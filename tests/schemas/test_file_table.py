@@ -4,13 +4,14 @@ a table that disagrees with its manifest is an error naming it."""
 
 import json
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from pipeline.common import fileio
 from pipeline.jobs.commit import commit_stage, new_staging_dir
 from pipeline.jobs.job import StageClock
-from schemas.file_table import entry_columns, split_entries, whole_manifest
+from schemas.file_table import entry_column_batches, entry_columns, split_entries, whole_manifest
 from schemas.manifest import FILE_TABLE, MANIFEST_FILE, ManifestError, ShardEntry, ShardsManifest, read_manifest
 from tests import helpers
 
@@ -62,6 +63,15 @@ def test_entries_over_the_limit_go_to_the_table_and_read_back_equal(tmp_path):
         [2, 0, 1],
         None,
     ]
+
+
+def test_a_table_read_in_batches_is_the_table_a_batch_at_a_time(tmp_path):
+    write(tmp_path, manifest(7), inline_entries=5)
+    batches = list(entry_column_batches(read(tmp_path), str(tmp_path), ["path", "rows"], batch_entries=3))
+    assert [b.num_rows for b in batches] == [3, 3, 1]  # never the whole column at once
+    assert pa.concat_tables(batches).equals(entry_columns(read(tmp_path), str(tmp_path), ["path", "rows"]))
+    write(tmp_path, manifest(4), inline_entries=5)  # inline: one batch, as the manifest holds them
+    assert [b.num_rows for b in entry_column_batches(read(tmp_path), str(tmp_path), ["path"])] == [4]
 
 
 def test_an_inline_manifest_and_an_old_one_without_a_table_field_read_as_before(tmp_path):

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from schemas.file_table import entry_columns, split_entries, whole_manifest
+from schemas.file_table import entry_column_batches, entry_columns, split_entries, whole_manifest
 from schemas.manifest import FILE_TABLE, MANIFEST_FILE, ManifestError, ShardsManifest, read_manifest
 from tests.trainer_fixtures import write_shard_dir
 from trainer import ShardDataset
@@ -58,6 +58,8 @@ def test_a_file_table_path_outside_the_output_is_refused_by_each_reader(tmp_path
     manifest = read_manifest(json.dumps(data), str(tmp_path), ShardsManifest)  # its entries are in the table
     with pytest.raises(ManifestError, match=r"entry path '\.\./\.\./home/user/\.ssh/id_rsa' is not a path inside"):
         entry_columns(manifest, str(tmp_path), ["path", "rows"])
+    with pytest.raises(ManifestError, match=r"'\.\./\.\./home/user/\.ssh/id_rsa' is not a path inside"):
+        list(entry_column_batches(manifest, str(tmp_path), ["path"]))
     with pytest.raises(ManifestError, match=r"'\.\./\.\./home/user/\.ssh/id_rsa' is not a path inside"):
         whole_manifest(manifest, str(tmp_path))
     assert entry_columns(manifest, str(tmp_path), ["rows"]).num_rows == 2  # no path read, nothing to check
