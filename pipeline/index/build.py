@@ -17,7 +17,8 @@ slice owns whole lists, nearby ones (a k-means of the centroids), cut to equal v
 the filled parts say how many each list holds; each part sends each slice the codes of its
 lists through a shuffle, and each slice is assembled by its own worker into
 slice-NNNNN.faiss (lists sorted by chunk id) and searches the query sample at every depth;
-one worker merges those results by score, tunes the one nprobe of all slices, and writes
+those results are merged by score as they come (a combiner), and one worker tunes the one
+nprobe of all slices on them and writes
 quantizer.faiss (the trained index: the coarse assignment build-shards routes queries by)
 and list_owners.npy. No worker holds more than one slice and the trained index. Those steps
 are `pipeline.index.build_slices`.
@@ -40,7 +41,15 @@ from pipeline.common.names import file_number
 from pipeline.common.sampling import QUERY_SALT, in_sample
 from pipeline.corpus.records import METRICS_NAMESPACE
 from pipeline.index.build_info import write_build_info
-from pipeline.index.build_slices import FilledPart, SumListSizes, assemble_slice, plan_slices, split_part, tune_slices
+from pipeline.index.build_slices import (
+    AssembledSlices,
+    FilledPart,
+    SumListSizes,
+    assemble_slice,
+    plan_slices,
+    split_part,
+    tune_slices,
+)
 from pipeline.index.exact import exact_nearest_other, exact_nearest_outside, truth_depth
 from pipeline.index.factory import IndexPlan, plan_index
 from pipeline.index.files import INDEX_FILE, embedding_file_info, read_embeddings, read_index, write_index
@@ -310,25 +319,19 @@ class BuildIndex(beam.PTransform):
             >> beam.Map(
                 assemble_slice, trained_path=trained_path, queries=queries, cfg=cfg, out_dir=out_dir, neighbours=k
             )
-            | "GatherSlices" >> beam.combiners.ToList()
+            | "MergeSlices" >> beam.CombineGlobally(MergedBy(AssembledSlices.merged)).without_defaults()
             | "TuneSlices"
-            >> beam.FlatMap(
-                lambda slices, trained, s, p, q, t: (
-                    [
-                        tune_slices(
-                            slices,
-                            trained_path=trained,
-                            slicing=s,
-                            plan=p,
-                            queries=q,
-                            truth=t,
-                            cfg=cfg,
-                            out_dir=out_dir,
-                            k=k,
-                        )
-                    ]
-                    if slices
-                    else []
+            >> beam.Map(
+                lambda slices, trained, s, p, q, t: tune_slices(
+                    slices,
+                    trained_path=trained,
+                    slicing=s,
+                    plan=p,
+                    queries=q,
+                    truth=t,
+                    cfg=cfg,
+                    out_dir=out_dir,
+                    k=k,
                 ),
                 trained_path,
                 slicing,

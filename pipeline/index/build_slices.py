@@ -2,7 +2,8 @@
 (`FilledPart`, what `BuildIndex`'s fill step yields) and their list sizes summed
 (`SumListSizes`); the lists shared out among slices (`plan_slices`, a `ListSlicing`); each
 part cut into one block per slice (`split_part`); each slice assembled by its own worker and
-searched at every depth (`assemble_slice`); the slices' results merged, the one nprobe tuned,
+searched at every depth (`assemble_slice`); the slices' results merged as they come
+(`AssembledSlices`), the one nprobe tuned,
 and quantizer.faiss and list_owners.npy written (`tune_slices`). `BuildIndex`
 (`pipeline.index.build`) wires them.
 """
@@ -19,7 +20,7 @@ import faiss
 import numpy as np
 
 from pipeline.common import fileio
-from pipeline.common.names import file_name
+from pipeline.common.names import file_name, file_number
 from pipeline.index.build_info import write_build_info
 from pipeline.index.factory import IndexBuildError, IndexPlan
 from pipeline.index.files import LIST_OWNERS_FILE, QUANTIZER_FILE, read_index, write_index, write_owners
@@ -118,18 +119,32 @@ def split_part(part: FilledPart, slicing: ListSlicing | None):
 
 
 @dataclass(frozen=True)
-class AssembledSlice:
-    """One slice written, with the query sample's search of it at every depth measured."""
+class AssembledSlices:
+    """Slices written, with the query sample's search of them at every depth measured and
+    merged as one index holding them all ranks its hits (`merge_slice_results`): what tuning
+    needs, merged as the slices come (`merged`), so the step gathering them holds the same
+    however many slices there are, not every slice's results (~1 MB a slice at 10^4 queries)."""
 
-    number: int
-    file: dict  # its file entry (path relative to faiss/, rows, bytes, sha256)
+    files: tuple[dict, ...]  # their file entries (path relative to faiss/, rows, bytes, sha256)
     results: dict[int, tuple[np.ndarray, np.ndarray, float]]  # depth -> (scores, ids, seconds), plain search
     own: dict[int, tuple[np.ndarray, np.ndarray]]  # depth -> (scores, ids), own document excluded
+
+    def merged(self, other: AssembledSlices) -> AssembledSlices:
+        """Both as one: the hits of each depth merged (as wide as each side's, best first, the
+        one tie rule: any order of merging gives the same), their seconds summed."""
+
+        def best(a, b):
+            return merge_slice_results([a[:2], b[:2]], a[1].shape[1])
+
+        results = {d: (*best(r, other.results[d]), r[2] + other.results[d][2]) for d, r in self.results.items()}
+        own = {d: best(o, other.own[d]) for d, o in self.own.items()}
+        files = tuple(sorted(self.files + other.files, key=lambda f: file_number(f["path"])))
+        return AssembledSlices(files, results, own)
 
 
 def assemble_slice(
     keyed, *, trained_path, queries: QuerySample, cfg: IndexConfig, out_dir, neighbours: int
-) -> AssembledSlice:
+) -> AssembledSlices:
     """One worker per slice: the ListBlocks of its lists added to a copy of the trained index,
     written as slice-NNNNN.faiss; then the query sample searched at every depth the tuning may
     pick (plainly, and with each query's own document excluded, not deepened: the merged result
@@ -152,7 +167,7 @@ def assemble_slice(
         if queries.documents is not None:
             own[depth] = search_each_at(index_slice, queries.vectors, neighbours, queries.documents, depth)
     entry = {"path": name, "rows": int(index_slice.ntotal), "bytes": slice_bytes, "sha256": sha256}
-    return AssembledSlice(number, entry, results, own)
+    return AssembledSlices((entry,), results, own)
 
 
 def _routing_files(trained_path, slicing: ListSlicing, out_dir) -> list[dict]:
@@ -168,7 +183,7 @@ def _routing_files(trained_path, slicing: ListSlicing, out_dir) -> list[dict]:
 
 
 def tune_slices(
-    slices,
+    slices: AssembledSlices,
     *,
     trained_path,
     slicing: ListSlicing,
@@ -179,27 +194,27 @@ def tune_slices(
     out_dir,
     k: int,
 ):
-    """One worker: the slices' results merged by score per depth, the one nprobe of all slices
-    tuned on them as on one index (the same lists are probed, so the same recall)."""
-    slices = sorted(slices, key=lambda s: s.number)
+    """One worker: the one nprobe of all slices tuned on their merged results as on one index
+    (the same lists are probed, so the same recall)."""
 
     def plain_at(depth):
-        merged = merge_slice_results([s.results[depth][:2] for s in slices], RECALL_K + 1)
+        merged = slices.results[depth][:2]
         searcher = types.SimpleNamespace(search=lambda q, width: merged)
         return one_recall_at_k(searcher, queries.ids, queries.vectors, truth.nearest_other)
 
     def own_at(depth):
-        return recall_of(truth.outside_document, merge_slice_results([s.own[depth] for s in slices], k)[1])
+        return recall_of(truth.outside_document, slices.own[depth][1])
 
     measured = own_at if truth.outside_document is not None else None
-    tuned, curve, own = tune_index_depth(sorted(slices[0].results), plain_at, measured, cfg, k)
-    seconds = sum(s.results[tuned[0]][2] for s in slices)
+    tuned, curve, own = tune_index_depth(sorted(slices.results), plain_at, measured, cfg, k)
+    assert tuned[0] is not None  # slices are IVF indexes, searched at a depth (`assemble_slice`)
+    seconds = slices.results[tuned[0]][2]
     info = write_build_info(
         plan,
         cfg,
         out_dir=out_dir,
         parts=slicing.parts,
-        files=[s.file for s in slices] + _routing_files(trained_path, slicing, out_dir),
+        files=[*slices.files, *_routing_files(trained_path, slicing, out_dir)],
         tuned=(*tuned, len(queries.ids)),
         rate=len(queries.ids) / seconds if seconds else 0.0,
         curve=curve,

@@ -4,12 +4,14 @@ their files, searched routed (`routing.search_routed`) and merged plainly (as bu
 on): what the one index answers, at several depths and with excluded ranges. The routing's own
 rules (list owners, deepening, assembly order) are in test_routing.py."""
 
+import functools
 import types
 
 import faiss
 import numpy as np
 import pytest
 
+from pipeline.index.build_slices import AssembledSlices
 from pipeline.index.exact import exact_nearest_other
 from pipeline.index.factory import IndexBuildError, estimated_bytes
 from pipeline.index.files import load_index, write_index
@@ -78,6 +80,15 @@ def test_exact_ties_come_back_as_the_single_index_gives_them(factory):
         plain_scores, plain = merge_slice_results([s.search(vectors[:1], k) for s in slices], k)
         assert found.tolist() == plain.tolist() == expected.tolist()
         assert np.array_equal(scores, expected_scores) and np.array_equal(plain_scores, expected_scores)
+        # build-index merges the slices' results as they come, in whatever order: the same
+        each = [
+            AssembledSlices(({"path": f"slice-{n:05d}.faiss"},), {4: (*s.search(vectors[:1], k), 1.0)}, {})
+            for n, s in enumerate(slices)
+        ]
+        for order in (each, each[::-1], [each[1], each[3], each[0], each[2]]):
+            merged = functools.reduce(AssembledSlices.merged, order)
+            assert merged.results[4][1].tolist() == expected.tolist() and merged.results[4][2] == 4.0
+            assert [f["path"] for f in merged.files] == [f"slice-{n:05d}.faiss" for n in range(4)]
     assert search_routed(single, slices, owner, vectors[:1], k=3)[1][0].tolist() == [17, 5, 0]
 
 
