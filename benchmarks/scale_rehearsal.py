@@ -37,7 +37,10 @@ far as a bundle's output reaches), so a bundle's rise is what its steps hold, as
 whose shuffle reads stream (`benchmarks/bundle_peaks`). Jobs inherit the environment: with
 `MALLOC_MMAP_THRESHOLD_=131072` glibc keeps its mmap threshold fixed, so a worker that freed a
 large array does not keep the next ones in its heap (its threshold rises to the largest freed,
-and the heap holds more the more such arrays a process made: see docs/scale.md).
+and the heap holds more the more such arrays a process made: see docs/scale.md). With
+`BUNDLE_PEAKS_TRACE=1` the workers trace Python's allocations too (5-25x slower: use a smaller
+`--n`), and each step's row adds its Python objects' peak at N and 4N: the terms of the
+memory model's "build-shards: write one shard" row come from that.
 
 `--flink "OPTIONS"` (`make flink-up`'s last line) runs build-shards once more at N and 4N on
 that Flink cluster, at parallelism 1 with every exchange blocking, so that each stage runs alone
@@ -220,6 +223,8 @@ def steps_of(job: dict) -> dict[str, dict]:
         name = " + ".join(_outermost(own))
         step = steps.setdefault(name, {"rise_mb": 0.0, "read_mb": 0.0, "seconds": 0.0, "bundles": 0})
         step["rise_mb"] = max(step["rise_mb"], bundle["rise_kb"] * 1024 / MB)
+        if "traced_rise_kb" in bundle:  # BUNDLE_PEAKS_TRACE: its Python objects' part of the rise
+            step["traced_mb"] = max(step.get("traced_mb", 0.0), bundle["traced_rise_kb"] * 1024 / MB)
         step["read_mb"] += bundle["read_bytes"] / MB
         step["seconds"] += bundle["seconds"]
         step["bundles"] += 1
@@ -339,6 +344,7 @@ def compared(jobs: dict[str, dict], rows_n: dict, rows_4n: dict) -> list[dict]:
             "shuffled_4n_mb": big["shuffled_mb"],
             "seconds_4n": big["seconds"],
             "bundles_4n": big["bundles"],
+            **({"traced_n_mb": small.get("traced_mb"), "traced_4n_mb": big["traced_mb"]} if "traced_mb" in big else {}),
         }
         row, row_n = model_row(step, rows_4n), model_row(step, rows_n)
         if row:
@@ -491,10 +497,15 @@ def print_table(title: str, table: list[dict]) -> None:
         + f"{'model 4N':>9} {'read 4N':>8} {'shuf N':>8} {'shuf 4N':>8} {'s 4N':>7}  verdict"
     )
     for e in table:
+        traced = (
+            f"  (Python objects {_mb(e['traced_n_mb'], 0)} -> {_mb(e['traced_4n_mb'], 0)})"
+            if "traced_4n_mb" in e
+            else ""
+        )
         print(
             f"{e['step'][:58]:<58} {_mb(e['rise_n_mb'])} {_mb(e['rise_4n_mb'])} {_times(e['growth'])} "
             + f"{_mb(e.get('model_4n_mb'), 9)} {_mb(e['read_4n_mb'])} {_mb(e['shuffled_n_mb'])} "
-            f"{_mb(e['shuffled_4n_mb'])} {e['seconds_4n']:>7.1f}  {e['verdict']}"
+            f"{_mb(e['shuffled_4n_mb'])} {e['seconds_4n']:>7.1f}  {e['verdict']}{traced}"
         )
 
 

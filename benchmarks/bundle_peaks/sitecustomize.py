@@ -20,7 +20,12 @@ BUNDLE_PEAKS_DIR is set (`benchmarks/decontamination.py --bundles` and
 - Beam's local runner streams a bundle's input to its worker, as a cluster's shuffle reads
   stream (`_stream_inputs`, `_stream_groups`), and Beam's data channel buffers 1 MB each way
   (`_small_data_channel`), so that a bundle's rise is what its steps hold, not its share of a
-  stage or the channel's filling."""
+  stage or the channel's filling;
+- with BUNDLE_PEAKS_TRACE set too, the process traces Python's allocations (`tracemalloc`,
+  5-25x slower) and each record adds `traced_rise_kb`: the most the bundle's Python objects
+  held above what was traced as it started (numpy's arrays included; faiss's and Arrow's own
+  allocations not), which tells a step's objects from the allocator's and native libraries'
+  share of its rise."""
 
 import atexit
 import ctypes
@@ -28,6 +33,7 @@ import json
 import os
 import threading
 import time
+import tracemalloc
 from collections import Counter
 from pathlib import Path
 
@@ -64,6 +70,9 @@ def _record_bundles(directory: Path) -> None:
                 running.update(
                     rss_kb=_status_kb("VmRSS"), read=_bytes_read(), began=time.perf_counter(), names=set(), overlapped=0
                 )
+                if tracemalloc.is_tracing():
+                    tracemalloc.reset_peak()
+                    running["traced"] = tracemalloc.get_traced_memory()[0]
             running["bundles"] += 1
             running["overlapped"] += 1
         try:
@@ -81,6 +90,8 @@ def _record_bundles(directory: Path) -> None:
                         "bundles": running["overlapped"],
                         "transforms": sorted(running["names"]),
                     }
+                    if tracemalloc.is_tracing():
+                        record["traced_rise_kb"] = (tracemalloc.get_traced_memory()[1] - running["traced"]) // 1024
                     with log.open("a") as f:
                         f.write(json.dumps(record) + "\n")
 
@@ -192,6 +203,8 @@ def _small_data_channel() -> None:
 
 
 if os.environ.get("BUNDLE_PEAKS_DIR"):
+    if os.environ.get("BUNDLE_PEAKS_TRACE"):
+        tracemalloc.start()
     _small_data_channel()
     _stream_inputs()
     _stream_groups()

@@ -116,3 +116,27 @@ def test_a_step_after_a_shuffle_holds_its_groups_not_its_share_of_the_stage(tmp_
     assert len(reads) == 2 and len(makes) == 2  # a bundle per worker
     assert max(reads) < 250, reads  # half the share at most
     assert max(makes) < 100, makes  # the output streams out too: 1 MB flushes, a 1 MB send queue
+
+
+# a bundle that makes a 64 MB array and lets it go: its Python objects' peak, not what they left
+ALLOCATES = """
+import apache_beam as beam
+with beam.Pipeline() as p:
+    _ = p | beam.Create([1]) | "Allocate" >> beam.Map(lambda _: len(bytearray(64 << 20)))
+"""
+
+
+def test_a_traced_bundle_records_the_most_its_python_objects_held(tmp_path):
+    peaks = tmp_path / "peaks"
+    peaks.mkdir()
+    env = {
+        **os.environ,
+        "BUNDLE_PEAKS_DIR": str(peaks),
+        "BUNDLE_PEAKS_TRACE": "1",
+        "PYTHONPATH": str(REPO / "benchmarks" / "bundle_peaks"),
+    }
+    subprocess.run([sys.executable, "-c", ALLOCATES], check=True, env=env, cwd=REPO, capture_output=True, timeout=300)
+    records = [json.loads(line) for log in peaks.glob("[0-9]*.jsonl") for line in log.read_text().splitlines()]
+    (allocating,) = [r for r in records if "Allocate" in r["transforms"]]
+    assert 64 << 10 <= allocating["traced_rise_kb"] < 80 << 10
+    assert all(r["traced_rise_kb"] < 32 << 10 for r in records if r is not allocating)
