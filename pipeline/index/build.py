@@ -28,8 +28,6 @@ Chunk ids are the faiss ids, so a search answers chunk ids.
 
 from __future__ import annotations
 
-from typing import Any
-
 import apache_beam as beam
 import numpy as np
 from apache_beam.metrics import Metrics
@@ -43,6 +41,7 @@ from pipeline.corpus.records import METRICS_NAMESPACE
 from pipeline.index.build_info import write_build_info
 from pipeline.index.build_slices import (
     AssembledSlices,
+    AssemblePiece,
     FilledPart,
     SumListSizes,
     assemble_slice,
@@ -52,7 +51,14 @@ from pipeline.index.build_slices import (
 )
 from pipeline.index.exact import exact_nearest_other, exact_nearest_outside, truth_depth
 from pipeline.index.factory import IndexPlan, plan_index
-from pipeline.index.files import INDEX_FILE, embedding_file_info, read_embeddings, read_index, write_index
+from pipeline.index.files import (
+    INDEX_FILE,
+    EmptiedTrained,
+    embedding_file_info,
+    read_embeddings,
+    read_index,
+    write_index,
+)
 from pipeline.index.recall import RECALL_K, one_recall_at_k, recall_of
 from pipeline.index.routing import list_sizes
 from pipeline.index.search import query_rate, search_depth_range, search_each_excluding, set_search_depth
@@ -86,21 +92,13 @@ class _FillPart(beam.DoFn):
 
     def __init__(self, out_dir, neighbours: int):
         self.out_dir, self.neighbours = out_dir, neighbours
-        self._trained: tuple[str, Any] | None = None  # (path, index) read in this process
+        self._trained = EmptiedTrained()
 
     def teardown(self):
-        self._trained = None
-
-    def _emptied(self, trained_path: str):
-        if self._trained is None or self._trained[0] != trained_path:
-            self._trained = None  # the previous one freed before the next is read
-            self._trained = (trained_path, read_index(trained_path, sha256=None))
-        index = self._trained[1]
-        index.reset()  # a part's lists only (a failed bundle may have left some): the trained tables stay
-        return index
+        self._trained.drop()
 
     def process(self, path, trained_path, queries):
-        index = self._emptied(trained_path)
+        index = self._trained(trained_path)
         truth = None
         for ids, vectors in read_embeddings(path):
             index.add_with_ids(vectors, ids)
@@ -314,6 +312,8 @@ class BuildIndex(beam.PTransform):
         sliced = (
             filled.parts
             | "ListsBySlice" >> beam.FlatMap(split_part, slicing)
+            | "GroupPieces" >> beam.GroupByKey()
+            | "AssemblePieces" >> beam.ParDo(AssemblePiece(out_dir), trained_path)
             | "GroupSlices" >> beam.GroupByKey()
             | "AssembleSlices"
             >> beam.Map(

@@ -1,10 +1,11 @@
 """The index build's slices (`index.slice_bytes`) as Beam's steps take them: the filled parts
 (`FilledPart`, what `BuildIndex`'s fill step yields) and their list sizes summed
 (`SumListSizes`); the lists shared out among slices (`plan_slices`, a `ListSlicing`); each
-part cut into one block per slice (`split_part`); each slice assembled by its own worker and
-searched at every depth (`assemble_slice`); the slices' results merged as they come
-(`AssembledSlices`), the one nprobe tuned,
-and quantizer.faiss and list_owners.npy written (`tune_slices`). `BuildIndex`
+part cut into one block per slice (`split_part`); a slice's blocks from a run of files
+assembled into a piece (`AssemblePiece`: no group through the shuffle is a whole slice); each
+slice merged from its pieces by its own worker and searched at every depth
+(`assemble_slice`); the slices' results merged as they come (`AssembledSlices`), the one
+nprobe tuned, and quantizer.faiss and list_owners.npy written (`tune_slices`). `BuildIndex`
 (`pipeline.index.build`) wires them.
 """
 
@@ -23,11 +24,19 @@ from pipeline.common import fileio
 from pipeline.common.names import file_name, file_number
 from pipeline.index.build_info import write_build_info
 from pipeline.index.factory import IndexBuildError, IndexPlan
-from pipeline.index.files import LIST_OWNERS_FILE, QUANTIZER_FILE, read_index, write_index, write_owners
+from pipeline.index.files import (
+    LIST_OWNERS_FILE,
+    QUANTIZER_FILE,
+    EmptiedTrained,
+    read_index,
+    write_index,
+    write_owners,
+)
 from pipeline.index.recall import RECALL_K, one_recall_at_k, recall_of
-from pipeline.index.routing import assemble_list_slice, list_blocks, list_owners, slice_count
+from pipeline.index.routing import add_list_blocks, list_blocks, list_owners, slice_count
 from pipeline.index.search import search_depth_range, search_each_at, set_search_depth
-from pipeline.index.slices import merge_slice_results, vectors_per_slice
+from pipeline.index.slices import files_per_piece, merge_slice_results, vectors_per_slice
+from pipeline.index.train import merge_part, write_part
 from pipeline.index.tuning import QuerySample, Truth, tune_index_depth
 from schemas.stage_config import IndexConfig
 
@@ -59,6 +68,7 @@ class ListSlicing:
 
     owner: np.ndarray  # [nlist] the slice of each list; -1 for an empty list
     parts: int  # filled parts: each is cut into blocks, one per slice it has vectors for
+    files_per_piece: int  # a slice's blocks from this many consecutive files make one piece
 
 
 class SumListSizes(beam.CombineFn):
@@ -107,15 +117,41 @@ def plan_slices(summed, trained_path, plan: IndexPlan, slice_bytes: int | None) 
     owner = list_owners(ivf.quantizer.reconstruct_n(0, ivf.nlist), sizes, count)
     owner[sizes == 0] = -1  # nothing to search: no slice holds it
     _, owner[sizes > 0] = np.unique(owner[sizes > 0], return_inverse=True)  # slices numbered 0 … S-1
-    return ListSlicing(owner, parts)
+    vector_bytes = ivf.code_size + 8  # a code and its id
+    return ListSlicing(owner, parts, files_per_piece(int(sizes.sum()), parts, int(owner.max()) + 1, vector_bytes))
 
 
 def split_part(part: FilledPart, slicing: ListSlicing | None):
-    """A filled part -> (slice, ListBlock) for each slice owning some of its lists."""
+    """A filled part -> ((slice, piece), ListBlock) for each slice owning some of its lists: a
+    piece is a run of `files_per_piece` consecutive files, so pieces in number order hold
+    chunk ids in order."""
     if slicing is None:
         return
+    piece = file_number(part.embeddings) // slicing.files_per_piece
     for block in list_blocks(read_index(part.path, sha256=None), slicing.owner):
-        yield block.index_slice, block
+        yield (block.index_slice, piece), block
+
+
+class AssemblePiece(beam.DoFn):
+    """A piece of a slice: its blocks added to the trained index's lists (sorted by chunk id),
+    written without the coarse quantizer as a part is (`write_part`) -> (slice, (piece, path)).
+    The trained index is read once per DoFn instance and emptied before each piece, as the
+    fill's (at 2^20 lists it is 2-3.7 GB, and a slice has many pieces)."""
+
+    def __init__(self, out_dir):
+        self.out_dir = out_dir
+        self._trained = EmptiedTrained()
+
+    def teardown(self):
+        self._trained.drop()
+
+    def process(self, keyed, trained_path):
+        (number, piece), blocks = keyed
+        index = self._trained(trained_path)
+        add_list_blocks(index, blocks)
+        path = fileio.join(self.out_dir, "pieces", f"slice-{number:05d}-piece-{piece:06d}.faiss")
+        write_part(index, path)
+        yield number, (piece, path)
 
 
 @dataclass(frozen=True)
@@ -142,16 +178,27 @@ class AssembledSlices:
         return AssembledSlices(files, results, own)
 
 
+def merged_pieces(trained_path, pieces):
+    """A slice: its pieces ((piece, path)) merged into the trained index in piece order, one
+    read at a time."""
+    index_slice = read_index(trained_path, sha256=None)
+    for _, path in sorted(pieces):
+        merge_part(index_slice, read_index(path, sha256=None))
+    return index_slice
+
+
 def assemble_slice(
     keyed, *, trained_path, queries: QuerySample, cfg: IndexConfig, out_dir, neighbours: int
 ) -> AssembledSlices:
-    """One worker per slice: the ListBlocks of its lists added to a copy of the trained index,
-    written as slice-NNNNN.faiss; then the query sample searched at every depth the tuning may
-    pick (plainly, and with each query's own document excluded, not deepened: the merged result
-    decides that), for the merge step to combine with the other slices' results. A slice
-    searched at depth d probes the d lists one index probes, its own holding vectors."""
-    number, blocks = keyed
-    index_slice = assemble_list_slice(read_index(trained_path, sha256=None), blocks)
+    """One worker per slice: its pieces ((piece, path), `AssemblePiece`) merged into a copy of
+    the trained index in piece order (chunk-id order: each list sorted, as one index filled in
+    file order holds it), one piece read at a time, written as slice-NNNNN.faiss; then the
+    query sample searched at every depth the tuning may pick (plainly, and with each query's
+    own document excluded, not deepened: the merged result decides that), for the merge step
+    to combine with the other slices' results. A slice searched at depth d probes the d lists
+    one index probes, its own holding vectors."""
+    number, pieces = keyed
+    index_slice = merged_pieces(trained_path, pieces)
     name = file_name("slice", number, "faiss")
     slice_bytes, sha256 = write_index(index_slice, fileio.join(out_dir, name))
     depths = [cfg.nprobe] if cfg.nprobe is not None else search_depth_range(index_slice)

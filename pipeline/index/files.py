@@ -109,6 +109,26 @@ def read_index(path: str, *, sha256: str | None):
         return faiss.read_index(faiss.PyCallbackIOReader(f.read, IO_BLOCK))  # type: ignore[attr-defined]  # not in faiss's stubs
 
 
+class EmptiedTrained:
+    """The trained index, read once per holder (a DoFn instance: a worker thread; at 2^20 lists
+    it is 2-3.7 GB and a step adds to it once per file or piece) and emptied of the vectors the
+    previous use added (a failed bundle may have left some) each time it is handed out."""
+
+    def __init__(self):
+        self._held: tuple[str, object] | None = None  # (path, index)
+
+    def __call__(self, trained_path: str):
+        if self._held is None or self._held[0] != trained_path:
+            self._held = None  # the previous one freed before the next is read
+            self._held = (trained_path, read_index(trained_path, sha256=None))
+        index = self._held[1]
+        index.reset()  # type: ignore[attr-defined]  # lists only: the trained tables stay
+        return index
+
+    def drop(self) -> None:
+        self._held = None
+
+
 def load_index(path: str, depth: int | None = None, *, sha256: str | None):
     """`read_index`, but local IVF files are memory-mapped (`without_prefetch`)."""
     if "://" in path:

@@ -10,11 +10,21 @@ single index's tie order kept, see `merge_hits`). Importing this module imports 
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from pipeline.index.factory import IndexBuildError, estimated_bytes
 
 EMPTY_SCORE = np.finfo(np.float32).min  # faiss's -FLT_MAX in an inner-product slot it could not fill
+
+# The build assembles a slice from pieces, each its blocks from a run of consecutive files: a group
+# through a shuffle is one element, received and decoded whole and read ahead while the one before
+# it is worked on (benchmarks/group_read_ahead.py), so a slice's blocks in one group would cost
+# several times the slice where it is assembled. A piece holds at most PIECE_BYTES of codes, and
+# a slice has at least PIECES_PER_SLICE of them where there are the files.
+PIECE_BYTES = 64 << 20
+PIECES_PER_SLICE = 8
 
 
 def vectors_per_slice(factory: str, dim: int, slice_bytes: int) -> int:
@@ -27,6 +37,14 @@ def vectors_per_slice(factory: str, dim: int, slice_bytes: int) -> int:
             f"{empty:,} B, more than the slice size of {slice_bytes:,} B: use a larger slice size"
         )
     return (slice_bytes - empty) // (estimated_bytes(factory, 1, dim) - empty)
+
+
+def files_per_piece(vectors: int, files: int, slices: int, vector_bytes: int) -> int:
+    """Consecutive files whose blocks of one slice make a piece: a file's block of a slice holds
+    about vectors / files / slices vectors of `vector_bytes` (a code and its id)."""
+    block = vectors / max(files, 1) / slices * vector_bytes
+    by_bytes = int(PIECE_BYTES // max(block, 1))
+    return max(1, min(by_bytes, math.ceil(files / PIECES_PER_SLICE)))
 
 
 def merge_slice_results(results, k: int):

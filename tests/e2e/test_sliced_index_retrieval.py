@@ -11,10 +11,13 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+import pipeline.index.build_slices as build_slices
+import pipeline.index.slices as index_slices
 import pipeline.retrieve.depth as retrieve_depth
 import pipeline.retrieve.search_beam as search_beam
 from pipeline.build_shards.job import build_shards
 from pipeline.check.validate import validate_path
+from pipeline.index.build_slices import merged_pieces
 from pipeline.retrieve.online import Retriever
 from pipeline.retrieve.search import LOST_DATA
 from pipeline.run import run_all
@@ -37,8 +40,9 @@ def neighbours_of(out):
 @pytest.fixture(scope="module")
 def sliced(tmp_path_factory):
     """An output built with its index in one file, then rebuilt with it in slices (only index.*
-    changes: the chunks and embeddings are kept): (root, config, the one-file neighbours, the
-    second run's report)."""
+    changes: the chunks and embeddings are kept), each slice from pieces of one file's blocks:
+    (root, config, the one-file neighbours, the second run's report). PIECES: each slice's
+    pieces."""
     root = tmp_path_factory.mktemp("sliced")
     write_jsonl(root / "corpus" / "a.jsonl", sample_documents(24))
     index = {"type": "IVF8,Flat", "nprobe": 2}
@@ -46,8 +50,19 @@ def sliced(tmp_path_factory):
     run_all(config_from_dict(config), [])
     one = neighbours_of(root / "out")
     config["index"] = {**index, "slice_bytes": "400KB"}
-    report = run_all(config_from_dict(config), [])
+
+    def merged(trained_path, pieces):
+        PIECES.append(len(pieces))
+        return merged_pieces(trained_path, pieces)
+
+    with pytest.MonkeyPatch.context() as patch:  # the in-process runner: its steps see the patches
+        patch.setattr(index_slices, "PIECE_BYTES", 1)  # a piece per file
+        patch.setattr(build_slices, "merged_pieces", merged)
+        report = run_all(config_from_dict(config), [])
     return root, config, one, report
+
+
+PIECES: list[int] = []
 
 
 def test_build_shards_over_a_sliced_index_finds_the_neighbours_of_one_index(sliced):
@@ -56,6 +71,7 @@ def test_build_shards_over_a_sliced_index_finds_the_neighbours_of_one_index(slic
     manifest = json.loads((root / "out" / "index" / "manifest.json").read_text())
     slices = [f for f in manifest["files"] if f["path"].startswith("faiss/slice-")]
     assert len(slices) >= 3 and all(f["bytes"] <= 400_000 for f in slices)
+    assert len(PIECES) == len(slices) and min(PIECES) >= 2  # each slice merged from its pieces
     routing = {f["path"] for f in manifest["files"] if f["path"].startswith("faiss/")} - {f["path"] for f in slices}
     assert routing == {"faiss/quantizer.faiss", "faiss/list_owners.npy"}
     (ids, scores), (one_ids, one_scores) = neighbours_of(root / "out"), one

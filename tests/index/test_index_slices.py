@@ -11,7 +11,7 @@ import faiss
 import numpy as np
 import pytest
 
-from pipeline.index.build_slices import AssembledSlices
+from pipeline.index.build_slices import AssembledSlices, AssemblePiece, merged_pieces
 from pipeline.index.exact import exact_nearest_other
 from pipeline.index.factory import IndexBuildError, estimated_bytes
 from pipeline.index.files import load_index, write_index
@@ -90,6 +90,31 @@ def test_exact_ties_come_back_as_the_single_index_gives_them(factory):
             assert merged.results[4][1].tolist() == expected.tolist() and merged.results[4][2] == 4.0
             assert [f["path"] for f in merged.files] == [f"slice-{n:05d}.faiss" for n in range(4)]
     assert search_routed(single, slices, owner, vectors[:1], k=3)[1][0].tolist() == [17, 5, 0]
+
+
+def test_a_slice_merged_from_pieces_is_the_slice_assembled_from_all_its_blocks(tmp_path):
+    """Each part's blocks of a slice assembled into a piece (`AssemblePiece`), the pieces
+    arriving in any order: merged, the same index file as the slice assembled from every block
+    at once (lists sorted by chunk id)."""
+    rng = np.random.default_rng(4)
+    vectors = rng.normal(size=(3000, 16)).astype(np.float32)
+    trained = train_index("IVF16,PQ4x4", vectors)
+    trained_path = str(tmp_path / "trained.faiss")
+    write_index(trained, trained_path)
+    parts = []
+    for start in range(0, len(vectors), 1000):
+        parts.append(faiss.clone_index(trained))
+        parts[-1].add_with_ids(vectors[start : start + 1000], np.arange(start, start + 1000, dtype=np.int64))
+    single = faiss.clone_index(trained)
+    single.add_with_ids(vectors, np.arange(len(vectors), dtype=np.int64))
+    owner = _owner(single, 2)
+    assembling = AssemblePiece(str(tmp_path))
+    for n in range(2):
+        blocks = [[b for b in list_blocks(part, owner) if b.index_slice == n] for part in parts]
+        whole = assemble_list_slice(trained, [b for part in blocks[::-1] for b in part])
+        pieces = [next(assembling.process(((n, p), part), trained_path))[1] for p, part in enumerate(blocks)]
+        merged = merged_pieces(trained_path, pieces[::-1])
+        assert faiss.serialize_index(merged).tobytes() == faiss.serialize_index(whole).tobytes()
 
 
 # --- a small SQ8 index in slices, read back from their files --------------------------------
