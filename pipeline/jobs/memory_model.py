@@ -20,8 +20,8 @@ from pipeline.index.factory import (
     ivf_lists,
 )
 from pipeline.index.files import READ_BATCH
-from pipeline.index.recall import RECALL_K
-from pipeline.index.slices import files_per_piece, vectors_per_slice
+from pipeline.index.slices import vectors_per_slice
+from pipeline.jobs.memory_slices import slice_steps
 from pipeline.jobs.memory_training import training_steps
 from pipeline.retrieve.refresh import QUERY_BLOCK, NewVectors
 from pipeline.retrieve.search import CANDIDATE, SEQUENCES_PER_SEARCH
@@ -40,11 +40,6 @@ SEARCH_BATCH = 4096  # queries searched at once, with their candidates
 PART_PATH = 200  # a filled part as gathered for the merge: (file number, path) as Python objects
 FILE_ENTRY = 1_100  # a manifest file entry parsed (1,088 B measured, docs/scale.md)
 APPEND_SHARE = 0.1  # an append of this share of the corpus, for the change step's new vectors
-# A group after a GroupByKey is one element, received and decoded whole (two groups' worth);
-# while a step works on one, Beam's data plane holds the next and gRPC has received more. A bundle
-# of 2-8 groups of 16 MB rose 8.5-11.6 groups' worth (2 Intel Xeon cores, Python objects 4-5 of
-# them; benchmarks/group_read_ahead.py): this many beyond the two
-READ_AHEAD_GROUPS = 9
 
 
 @dataclass(frozen=True)
@@ -63,16 +58,6 @@ class Corpus:
         """From the sizes of the input files: ~4 bytes of text per token, gzip ~3.5x."""
         text = sum(size * (GZIP_RATIO if path.endswith(".gz") else 1) for path, size in sizes.items())
         return cls.of(max(1, text / BYTES_PER_TOKEN / chunk_tokens))
-
-
-def _slice_planning(factory: str, dim: int, sliced: bool, auto_grows: list[int]):
-    """Sharing the lists out among slices: one process holds every centroid and list size."""
-    nlist = ivf_lists(factory) or 0
-    if not sliced:
-        return []
-    return [
-        ("index: plan slices", {f"{nlist:,} centroids, list sizes and owners": nlist * (dim * 4 + 20)}, auto_grows[:1])
-    ]
 
 
 def _runtime_held(backend: str) -> dict[str, int]:
@@ -146,10 +131,6 @@ def stage_memory(cfg: PipelineConfig, corpus: Corpus, dim: int = 384) -> list[di
     else:
         held, held_bytes, held_grows, slices = f"the whole index ({C:,} vectors)", index_bytes, [0], 0
     per_vector = estimated_bytes(factory, 1, dim) - estimated_bytes(factory, 0, dim)
-    slice_codes = math.ceil(C / max(slices, 1)) * per_vector  # a slice's codes and ids: slices are cut equal
-    files = math.ceil(C / rows)
-    piece = files_per_piece(C, files, max(slices, 1), per_vector) * C / files / max(slices, 1) * per_vector
-    queries, depths = min(cfg.index.recall_sample, C), int(math.log2(ivf_lists(factory) or 1)) + 2
     shard_row = row_bytes(cfg.shard_dims) + ROW_OVERHEAD
     shard = cfg.rows_per_shard() * shard_row
     stages = [
@@ -192,70 +173,30 @@ def stage_memory(cfg: PipelineConfig, corpus: Corpus, dim: int = 384) -> list[di
             },
             auto_grows,
         ),
-        (
-            # the parts' lists are appended to the index's: faiss's arrays double as they grow,
-            # so up to the index again in spare room (measured: benchmarks/scale_rehearsal.py)
-            ("index: merge", {held: held_bytes, "its lists' spare room as they grow": held_bytes}, [0, 1])
-            if held_grows
-            # the slice, merged from its pieces one at a time (measured: benchmarks/scale_rehearsal.py)
-            else (
-                "index: assemble one slice from its pieces",
-                {
-                    held: held_bytes,
-                    "its lists' spare room as they grow": slice_codes,
-                    "one piece read": piece,
-                },
-                [],
-            )
-        ),
         *(
             [
-                (
-                    "index: assemble one piece of a slice",
-                    {
-                        "trained index": estimated_bytes(factory, 0, dim),
-                        "the piece's blocks as received and decoded (one group), and its lists": 3 * piece,
-                        f"the next pieces' groups, read ahead by Beam ({READ_AHEAD_GROUPS} groups' worth)": (
-                            READ_AHEAD_GROUPS * piece
-                        ),
-                    },
-                    auto_grows,
-                )
-            ]
-            if not held_grows
-            else []
-        ),
-        *(
-            [
-                (
-                    "index: merge the slices' search results",
-                    # merged pair by pair as they come (`AssembledSlices.merged`): two and the merge
-                    {
-                        f"{depths} depths' hits of {queries:,} queries, three copies": 3
-                        * depths
-                        * queries
-                        * (RECALL_K + 1 + cfg.neighbours)
-                        * 12
-                    },
-                    [],
-                )
-            ]
-            if not held_grows
-            else []
-        ),
-        # one index file: the merge is given every part's path (never its codes or list sizes)
-        *(
-            [
+                # the parts' lists are appended to the index's: faiss's arrays double as they grow,
+                # so up to the index again in spare room (measured: benchmarks/scale_rehearsal.py)
+                ("index: merge", {held: held_bytes, "its lists' spare room as they grow": held_bytes}, [0, 1]),
+                # the merge is given every part's path (never its codes or list sizes)
                 (
                     "index: gather the filled parts (one index file)",
                     {f"(file number, path) of {math.ceil(C / rows):,} filled parts": math.ceil(C / rows) * PART_PATH},
                     [0],
-                )
+                ),
             ]
             if held_grows
-            else []
+            else slice_steps(
+                factory,
+                chunks=C,
+                dim=dim,
+                slices=slices,
+                file_rows=rows,
+                neighbours=cfg.neighbours,
+                recall_sample=cfg.index.recall_sample,
+                auto_grows=auto_grows,
+            )
         ),
-        *_slice_planning(factory, dim, not held_grows, auto_grows),
         *_change_steps(
             factory,
             dim=dim,
