@@ -12,7 +12,7 @@ worker's resident memory and its Python objects' peak (`BUNDLE_PEAKS_TRACE`) are
 A group is one element however large: the worker receives it whole, decodes it whole, and
 while it works on one the data plane's reader holds the next and gRPC has received more. The
 table: per groups a bundle gets, the largest rise, in MB and in group sizes. The memory
-model's slice-assembly row counts the read-ahead from it (`READ_AHEAD_GROUPS`). Results:
+model's row for a piece of an index slice counts the read-ahead from it (`READ_AHEAD_GROUPS`). Results:
 a table on stdout, JSON in benchmarks/results/group_read_ahead.json.
 """
 

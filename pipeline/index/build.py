@@ -14,9 +14,11 @@ ever holds all embeddings:
 
 With `index.slice_bytes`, the lists are shared out among slices instead (`routing`): each
 slice owns whole lists, nearby ones (a k-means of the centroids), cut to equal vectors once
-the filled parts say how many each list holds; each part sends each slice the codes of its
-lists through a shuffle, and each slice is assembled by its own worker into
-slice-NNNNN.faiss (lists sorted by chunk id) and searches the query sample at every depth;
+the filled parts say how many each list holds; each part sends the codes of its lists
+through a shuffle to pieces of their slices (a slice's codes from a run of consecutive files,
+so that no group through the shuffle is a whole slice), and each slice is merged from its
+pieces by its own worker into slice-NNNNN.faiss (lists sorted by chunk id) and searches the
+query sample at every depth;
 those results are merged by score as they come (a combiner), and one worker tunes the one
 nprobe of all slices on them and writes
 quantizer.faiss (the trained index: the coarse assignment build-shards routes queries by)

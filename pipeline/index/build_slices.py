@@ -149,7 +149,7 @@ class AssemblePiece(beam.DoFn):
         (number, piece), blocks = keyed
         index = self._trained(trained_path)
         add_list_blocks(index, blocks)
-        path = fileio.join(self.out_dir, "pieces", f"slice-{number:05d}-piece-{piece:06d}.faiss")
+        path = fileio.join(self.out_dir, "slice-pieces", f"slice-{number:05d}-piece-{piece:06d}.faiss")
         write_part(index, path)
         yield number, (piece, path)
 
@@ -182,8 +182,13 @@ def merged_pieces(trained_path, pieces):
     """A slice: its pieces ((piece, path)) merged into the trained index in piece order, one
     read at a time."""
     index_slice = read_index(trained_path, sha256=None)
+    if faiss.extract_index_ivf(index_slice).ntotal:
+        raise IndexBuildError("an index slice is assembled from the trained index without vectors")
     for _, path in sorted(pieces):
         merge_part(index_slice, read_index(path, sha256=None))
+    # pieces in file order hold chunk ids in order where files are numbered in chunk-id order
+    # (the index stage's are); sorted again where a list is not (files given to `index` directly)
+    add_list_blocks(index_slice, [])
     return index_slice
 
 

@@ -112,7 +112,10 @@ def read_index(path: str, *, sha256: str | None):
 class EmptiedTrained:
     """The trained index, read once per holder (a DoFn instance: a worker thread; at 2^20 lists
     it is 2-3.7 GB and a step adds to it once per file or piece) and emptied of the vectors the
-    previous use added (a failed bundle may have left some) each time it is handed out."""
+    previous use added (a failed bundle may have left some) each time it is handed out: its
+    inverted lists are replaced by empty ones, as faiss's `reset` would keep each list's
+    capacity, and a holder that fills different lists in turn (a piece of each slice) would
+    keep the room of all of them."""
 
     def __init__(self):
         self._held: tuple[str, object] | None = None  # (path, index)
@@ -122,7 +125,11 @@ class EmptiedTrained:
             self._held = None  # the previous one freed before the next is read
             self._held = (trained_path, read_index(trained_path, sha256=None))
         index = self._held[1]
-        index.reset()  # type: ignore[attr-defined]  # lists only: the trained tables stay
+        ivf = faiss.extract_index_ivf(index)
+        empty = faiss.ArrayInvertedLists(ivf.nlist, ivf.code_size)
+        empty.this.disown()  # the index owns it
+        ivf.replace_invlists(empty, True)
+        ivf.ntotal = index.ntotal = 0  # type: ignore[attr-defined]  # a pre-transform wrapper counts too
         return index
 
     def drop(self) -> None:

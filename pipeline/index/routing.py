@@ -75,7 +75,8 @@ def list_sizes(index) -> np.ndarray:
 @dataclass(frozen=True)
 class ListBlock:
     """What one filled part holds in the lists one slice owns: it travels to the worker
-    assembling that slice (only codes and ids: the trained tables are in every slice already)."""
+    assembling a piece of that slice (only codes and ids: the trained tables are in every
+    slice already)."""
 
     index_slice: int
     lists: np.ndarray  # [b] list numbers

@@ -10,8 +10,6 @@ single index's tie order kept, see `merge_hits`). Importing this module imports 
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from pipeline.index.factory import IndexBuildError, estimated_bytes
@@ -21,8 +19,9 @@ EMPTY_SCORE = np.finfo(np.float32).min  # faiss's -FLT_MAX in an inner-product s
 # The build assembles a slice from pieces, each its blocks from a run of consecutive files: a group
 # through a shuffle is one element, received and decoded whole and read ahead while the one before
 # it is worked on (benchmarks/group_read_ahead.py), so a slice's blocks in one group would cost
-# several times the slice where it is assembled. A piece holds at most PIECE_BYTES of codes, and
-# a slice has at least PIECES_PER_SLICE of them where there are the files.
+# several times the slice where it is assembled. A piece holds about PIECE_BYTES of codes at
+# most (files hold about as many vectors of a slice as each other), and a slice has at least
+# PIECES_PER_SLICE of them where there are the files.
 PIECE_BYTES = 64 << 20
 PIECES_PER_SLICE = 8
 
@@ -44,7 +43,7 @@ def files_per_piece(vectors: int, files: int, slices: int, vector_bytes: int) ->
     about vectors / files / slices vectors of `vector_bytes` (a code and its id)."""
     block = vectors / max(files, 1) / slices * vector_bytes
     by_bytes = int(PIECE_BYTES // max(block, 1))
-    return max(1, min(by_bytes, math.ceil(files / PIECES_PER_SLICE)))
+    return max(1, min(by_bytes, files // PIECES_PER_SLICE))
 
 
 def merge_slice_results(results, k: int):

@@ -355,13 +355,15 @@ def test_the_fill_reads_the_trained_index_once_per_process_and_fills_each_part_a
     """Each embedding file's part starts from the trained index read once (not once a file),
     emptied: the merged index holds each vector once, found under its chunk id."""
     import pipeline.index.build as build_module
+    import pipeline.index.files as files_module
 
     reads, original = [], build_module.read_index
-    monkeypatch.setattr(
-        build_module,
-        "read_index",
-        lambda path, *a, **kw: reads.append(os.path.basename(path)) or original(path, *a, **kw),
-    )
+    for module in (build_module, files_module):  # the merge's reads, and the fill's (`EmptiedTrained`)
+        monkeypatch.setattr(
+            module,
+            "read_index",
+            lambda path, *a, **kw: reads.append(os.path.basename(path)) or original(path, *a, **kw),
+        )
     vectors = clustered(4_000, clusters=50)
     ids = np.arange(4_000, dtype=np.int64) * 2 + 1
     paths = write_embedding_files(tmp_path / "emb", ids, vectors, files=6)
