@@ -118,7 +118,7 @@ class EmptiedTrained:
     keep the room of all of them."""
 
     def __init__(self):
-        self._held: tuple[str, object] | None = None  # (path, index)
+        self._held: tuple[str, faiss.Index] | None = None  # (path, index)
 
     def __call__(self, trained_path: str):
         if self._held is None or self._held[0] != trained_path:
@@ -127,9 +127,9 @@ class EmptiedTrained:
         index = self._held[1]
         ivf = faiss.extract_index_ivf(index)
         empty = faiss.ArrayInvertedLists(ivf.nlist, ivf.code_size)
-        empty.this.disown()  # the index owns it
+        empty.this.disown()  # type: ignore[attr-defined]  # the index owns it
         ivf.replace_invlists(empty, True)
-        ivf.ntotal = index.ntotal = 0  # type: ignore[attr-defined]  # a pre-transform wrapper counts too
+        ivf.ntotal = index.ntotal = 0  # a pre-transform wrapper counts too
         return index
 
     def drop(self) -> None:
