@@ -159,7 +159,7 @@ class AssembledSlices:
     """Slices written, with the query sample's search of them at every depth measured and
     merged as one index holding them all ranks its hits (`merge_slice_results`): what tuning
     needs, merged as the slices come (`merged`), so the step gathering them holds the same
-    however many slices there are, not every slice's results (~1 MB a slice at 10^4 queries)."""
+    however many slices there are, not every slice's results (~1 MB a slice measured)."""
 
     files: tuple[dict, ...]  # their file entries (path relative to faiss/, rows, bytes, sha256)
     results: dict[int, tuple[np.ndarray, np.ndarray, float]]  # depth -> (scores, ids, seconds), plain search
