@@ -14,11 +14,13 @@ Sizes follow docs/scale.md's defaults: m = 64, n = 2,048 (L = 32), k = 2, `chunk
   dry run; all but build-index read the synthetic manifests) and serialised as a runner is
   sent it: Dataflow refuses a request over 20 MB;
 - each manifest's bytes and the time to read and check it as the pipeline does;
+- the chunk-file lookup a worker builds from the index manifest (`CommittedChunkFiles.ranges`):
+  its runs, the Python allocations' peak while it is built (tracemalloc) and its pickled size;
 - the memory model's largest step (`pipeline/jobs/memory_model.py`): what one worker process
   holds at once, the largest element and group included.
 
-Nothing here is a measurement of a run at that size: graph and manifest sizes are exact for the
-code as it is; memory figures are the memory model's estimates.
+Nothing here is a measurement of a run at that size: graph and manifest sizes (and the lookup's)
+are exact for the code as it is; the memory model's figures are its estimates.
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import pickle
 import sys
 import tempfile
 import time
+import tracemalloc
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -37,6 +41,7 @@ from pipeline.build_index.append import change_index  # noqa: E402
 from pipeline.build_index.job import build_index  # noqa: E402
 from pipeline.build_shards.job import build_shards  # noqa: E402
 from pipeline.check.validate_beam import validate_job_graph_bytes  # noqa: E402
+from pipeline.chunks.committed import CommittedChunkFiles  # noqa: E402
 from pipeline.common import fileio  # noqa: E402
 from pipeline.common.names import file_name  # noqa: E402
 from pipeline.index.factory import estimated_bytes, ivf_lists  # noqa: E402
@@ -186,6 +191,25 @@ def read_seconds(directory: Path, model) -> dict[str, float]:
     return {"manifest": read - started, "every_entry": time.perf_counter() - read}
 
 
+def chunk_lookup(directory: Path, chunks: int) -> dict:
+    """What a worker that looks chunks up builds from the index manifest: the chunk files' runs,
+    the Python allocations' peak while building them and their pickled size."""
+    sha256 = fileio.sha256_bytes((directory / MANIFEST_FILE).read_bytes())
+    tracemalloc.start()
+    started = time.perf_counter()
+    ranges = CommittedChunkFiles(str(directory), chunks, sha256).ranges
+    seconds = time.perf_counter() - started
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert ranges.num_chunks == chunks, (ranges.num_chunks, chunks)
+    return {
+        "runs": len(ranges.chunks),
+        "seconds": seconds,
+        "peak_bytes": peak,
+        "pickled_bytes": len(pickle.dumps(ranges)),
+    }
+
+
 DELETES = 100_000  # documents deleted at once in the simulated delete
 
 
@@ -239,6 +263,7 @@ def simulate(chunks: int, root: Path) -> dict:
             "index": read_seconds(root / "index", IndexManifest),
             "shards": read_seconds(root / "shards", ShardsManifest),
         },
+        "chunk_lookup": chunk_lookup(root / "index", chunks),
         "largest_step": {"stage": heaviest["stage"], "bytes": heaviest["bytes"]},
     }
 
@@ -253,6 +278,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as root:
             results.append(simulate(int(chunks), Path(root)))
         r = results[-1]
+        lookup = r["chunk_lookup"]
         graphs = ", ".join(f"{job} {size / MB:.2f} MB" for job, size in r["graph_bytes"].items())
         manifests = ", ".join(
             f"{name} {r['manifest_bytes'][name] / MB:.1f} MB (read {seconds['manifest'] * 1000:.1f} ms, "
@@ -263,6 +289,8 @@ def main() -> None:
             f"{r['chunks']:.0e} chunks ({r['index_factory']}, {r['chunk_files']:,} chunk files, "
             f"{r['index_slices']} index slices, "
             f"{r['training_shards']:,} shards): graphs {graphs}; manifests with their file tables: {manifests}; "
+            f"chunk-file lookup {lookup['runs']} runs, {lookup['pickled_bytes']:,} B pickled, built in "
+            f"{lookup['seconds']:.2f} s with a {lookup['peak_bytes'] / MB:.1f} MB peak; "
             f"largest step {r['largest_step']['stage']} {r['largest_step']['bytes'] / 2**30:.1f} GiB"
         )
     if args.json:

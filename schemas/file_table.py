@@ -51,6 +51,11 @@ def _entry_model(manifest) -> type[FileEntry]:
     return ShardEntry if isinstance(manifest, ShardsManifest) else FileEntry
 
 
+def entry_fields(manifest) -> list[str]:
+    """The fields of the manifest's entries: the file table's columns."""
+    return list(_entry_model(manifest).model_fields)
+
+
 def table_schema(model: type[FileEntry]) -> pa.Schema:
     """The file table's columns: an entry's fields."""
     types = {"path": pa.string(), "sha256": pa.string(), "source_rows": pa.list_(pa.int64())}

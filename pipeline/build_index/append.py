@@ -27,7 +27,7 @@ from pipeline.build_index.change_faiss import ChangeFaissFiles
 from pipeline.build_index.files import index_staged
 from pipeline.build_index.manifest import NEWEST_GENERATION_CHUNKS, next_generation_manifest
 from pipeline.build_index.steps import chunk_and_embed, stage_tallies, write_sources
-from pipeline.chunks.chunk_files import CommittedIndexManifest
+from pipeline.chunks.committed import CommittedIndexManifest
 from pipeline.chunks.deleted import (
     DELETE_REQUESTED,
     DELETED_DIR,
@@ -133,7 +133,7 @@ def change_index(
         runs = (
             pipeline
             | "Index" >> beam.Create([committed])
-            | "ChunkFiles" >> beam.FlatMap(lambda index: range(len(index.chunk_files().ranges.paths)))
+            | "ChunkFiles" >> beam.FlatMap(lambda index: range(index.chunk_files().num_files))
             | "SpreadChunkFiles" >> beam.Reshuffle()
             | "DocumentRuns" >> beam.FlatMap(lambda n: document_runs(committed.chunk_files(), n, committed.deleted()))
         )

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import apache_beam as beam
 import numpy as np
 
-from pipeline.chunks.chunk_files import ChunkFileRanges, CommittedChunkFiles
+from pipeline.chunks.chunk_files import ChunkFileRanges
+from pipeline.chunks.committed import CommittedChunkFiles
 from pipeline.chunks.deleted import (
     DELETE_REQUESTED,
     NOT_IN_ITS_FILE,

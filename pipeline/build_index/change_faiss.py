@@ -9,14 +9,14 @@ truth a scan of every embedding file spread over workers (Beam-free parts:
 from __future__ import annotations
 
 import functools
-import itertools
 from dataclasses import dataclass
 
 import apache_beam as beam
 import faiss
 import numpy as np
 
-from pipeline.chunks.chunk_files import CommittedIndexManifest
+from pipeline.chunks.chunk_files import EMBEDDINGS_DIR
+from pipeline.chunks.committed import CommittedFiles, CommittedIndexManifest
 from pipeline.chunks.deleted import DeletedRanges
 from pipeline.common import fileio
 from pipeline.common.combining import MergedBy
@@ -36,11 +36,14 @@ from pipeline.index.append import (
     renumbered,
     truth_in_file,
 )
+from pipeline.index.build_slices import AssemblePiece
 from pipeline.index.exact import merge_nearest
+from pipeline.index.factory import estimated_bytes
 from pipeline.index.files import (
     INDEX_FILE,
     LIST_OWNERS_FILE,
     QUANTIZER_FILE,
+    EmptiedTrained,
     read_index,
     read_owners,
     write_index,
@@ -48,10 +51,10 @@ from pipeline.index.files import (
 )
 from pipeline.index.recall import one_recall_of_found
 from pipeline.index.search import set_search_depth
-from pipeline.index.slices import vectors_per_slice
+from pipeline.index.slices import files_per_piece, vectors_per_slice
 from schemas.manifest import FileEntry, IndexManifest, by_name
 
-BLOCK, SLICE = "block", "slice"  # CoGroupByKey tags: new vectors for a slice; a slice of the index
+PIECE, SLICE = "piece", "slice"  # CoGroupByKey tags: a piece of a slice's new vectors; a slice of the index
 PIECES_DIR = "faiss/pieces"  # a cut slice's pieces past the first, in staging until numbered
 
 
@@ -99,13 +102,13 @@ def _owners_of(directory: str, path: str) -> np.ndarray:
 def _trained(committed: CommittedIndexManifest, directory: str):
     """The trained index (quantizer.faiss), read once per process and shared by its threads:
     only read from (searched, cloned), never filled."""
-    entry = by_name(committed.read().files)[f"faiss/{QUANTIZER_FILE}"]
+    entry = by_name(committed.faiss_entries())[f"faiss/{QUANTIZER_FILE}"]
     return _stored_of(directory, entry.path, entry.sha256)
 
 
 def _owners(committed: CommittedIndexManifest, directory: str) -> np.ndarray:
     """The list owners before the change, read once per process."""
-    return _owners_of(directory, by_name(committed.read().files)[f"faiss/{LIST_OWNERS_FILE}"].path)
+    return _owners_of(directory, by_name(committed.faiss_entries())[f"faiss/{LIST_OWNERS_FILE}"].path)
 
 
 @functools.lru_cache(maxsize=1)
@@ -132,6 +135,14 @@ class ChangeFaissFiles(beam.PTransform):
         super().__init__()
         self.committed, self.directory, self.staging, self.sample = committed, directory, staging, sample
         self.sliced = is_sliced(previous)
+        if self.sliced:  # what pieces are cut by, from the manifest the launcher holds
+            faiss_files = by_name(previous.files)
+            quantizer = faiss_files[f"faiss/{QUANTIZER_FILE}"]
+            self.trained = (fileio.join(directory, quantizer.path), quantizer.sha256)
+            self.slice_count = sum(name.startswith("faiss/slice-") for name in faiss_files)
+            self.vector_bytes = estimated_bytes(previous.index_factory, 1, previous.dim) - estimated_bytes(
+                previous.index_factory, 0, previous.dim
+            )  # a code and its id
 
     def expand(self, inputs):
         new_files, deleted_now = inputs
@@ -157,11 +168,7 @@ class ChangeFaissFiles(beam.PTransform):
                 pipeline
                 | "CommittedIndex" >> beam.Create([committed])
                 | "IndexedEmbeddings"
-                >> beam.FlatMap(
-                    lambda c: [
-                        fileio.join(directory, e.path) for e in c.read().files if e.path.startswith("embeddings/")
-                    ]
-                ),
+                >> beam.FlatMap(lambda c: CommittedFiles(c.directory, c.manifest_sha256, EMBEDDINGS_DIR).paths()),
                 new_files | "NewEmbeddings" >> beam.Map(lambda e: fileio.join(staging, e.path)),
             )
             | "EmbeddingFiles" >> beam.Flatten()
@@ -194,8 +201,8 @@ class ChangeFaissFiles(beam.PTransform):
         committed, directory, staging = self.committed, self.directory, self.staging
 
         def change(_, entries, deleted, q):
-            previous = committed.read()
-            index = _read_stored(directory, by_name(previous.files)[f"faiss/{INDEX_FILE}"])
+            previous = committed.summary()
+            index = _read_stored(directory, by_name(committed.faiss_entries())[f"faiss/{INDEX_FILE}"])
             removed = remove_deleted(index, deleted)
             add_in_file_order(
                 index, [fileio.join(staging, e.path) for e in sorted(entries, key=lambda e: file_number(e.path))]
@@ -219,21 +226,37 @@ class ChangeFaissFiles(beam.PTransform):
         return changed, changed | "HitsOfIndex" >> beam.MapTuple(lambda _e, _r, found: found)
 
     def _change_slices(self, new_files, now, queries):
-        """Each new file encoded where it is read and cut into blocks by slice; each slice that
-        takes new vectors, may hold deleted ones (every slice, when documents are deleted) or
-        owns a list the sample probes, read by one worker, changed, written if it changed, and
-        searched for the sample."""
-        committed, directory = self.committed, self.directory
-        blocks = new_files | "EncodeNewFiles" >> beam.ParDo(_EncodeNewFile(committed, directory, self.staging))
+        """Each new file encoded where it is read and cut into blocks by slice; a slice's blocks
+        from a run of consecutive new files made a piece (`AssemblePiece`, as the build's); each
+        slice that takes new vectors, may hold deleted ones (every slice, when documents are
+        deleted) or owns a list the sample probes, read by one worker, its pieces merged one at
+        a time, written if it changed, and searched for the sample."""
+        committed, directory, staging = self.committed, self.directory, self.staging
+        vectors = new_files | "NewFileRows" >> beam.Map(lambda e: e.rows) | "NewVectors" >> beam.CombineGlobally(sum)
+        files = new_files | "CountNewFiles" >> beam.combiners.Count.Globally()
+        files_per_new_piece = files | "FilesPerPiece" >> beam.Map(
+            lambda count, total: files_per_piece(total, count, self.slice_count, self.vector_bytes),
+            beam.pvalue.AsSingleton(vectors),
+        )
+        pieces = (
+            new_files
+            | "EncodeNewFiles"
+            >> beam.ParDo(
+                _EncodeNewFile(committed, directory, staging, self.trained),
+                beam.pvalue.AsSingleton(files_per_new_piece),
+            )
+            | "GroupNewPieces" >> beam.GroupByKey()
+            | "AssembleNewPieces" >> beam.ParDo(AssemblePiece(fileio.join(staging, "faiss")), *self.trained)
+        )
         probed = queries | "ProbedSlices" >> beam.Map(_probed, committed, directory)
         slices = (
             new_files.pipeline
             | "IndexSlices" >> beam.Create([committed])
-            | "SliceNumbers" >> beam.FlatMap(lambda c: [(n, None) for n in range(len(_slice_entries(c.read())))])
+            | "SliceNumbers" >> beam.FlatMap(lambda c: [(n, None) for n in range(len(_slice_entries(c)))])
         )
         results = (
-            {BLOCK: blocks, SLICE: slices}
-            | "BlocksBySlice" >> beam.CoGroupByKey()
+            {PIECE: pieces, SLICE: slices}
+            | "PiecesBySlice" >> beam.CoGroupByKey()
             | "ChangeSlice"
             >> beam.ParDo(
                 _ChangeSlice(committed, directory, self.staging),
@@ -249,7 +272,7 @@ class ChangeFaissFiles(beam.PTransform):
 def _probed(queries: NewQueries, committed, directory) -> frozenset[int]:
     trained = _trained(committed, directory)
     return probed_slices(
-        trained, queries.vectors, _depth(committed.read(), trained), _adopting_of(committed, directory)
+        trained, queries.vectors, _depth(committed.summary(), trained), _adopting_of(committed, directory)
     )
 
 
@@ -258,29 +281,31 @@ def _truth_of_file(path: str, queries: NewQueries, deleted: DeletedRanges):
         yield truth
 
 
-def _slice_entries(manifest: IndexManifest) -> list[FileEntry]:
-    return sorted((e for e in manifest.files if e.path.startswith("faiss/slice-")), key=lambda e: file_number(e.path))
+def _slice_entries(committed: CommittedIndexManifest) -> list[FileEntry]:
+    return sorted(
+        (e for e in committed.faiss_entries() if e.path.startswith("faiss/slice-")), key=lambda e: file_number(e.path)
+    )
 
 
 class _EncodeNewFile(beam.DoFn):
-    """A new embedding file -> (slice, ListBlock) per slice owning some of its lists. Each DoFn
-    instance (a worker thread) fills its own copy of the trained index, emptied before each
-    file, as the build's parts are filled."""
+    """A new embedding file -> ((slice, piece), ListBlock) per slice owning some of its lists, its
+    piece the run of `files_per_piece` consecutive files it falls in. Each DoFn instance (a
+    worker thread) encodes on its own trained index, emptied before each file, as the build's
+    parts are filled."""
 
-    def __init__(self, committed, directory, staging):
-        self.committed, self.directory, self.staging = committed, directory, staging
-        self._emptied = None
+    def __init__(self, committed, directory, staging, trained: tuple[str, str]):
+        self.committed, self.directory, self.staging, self.trained = committed, directory, staging, trained
+        self._trained = EmptiedTrained()
 
     def teardown(self):
-        self._emptied = None
+        self._trained.drop()
 
-    def process(self, entry: FileEntry):
-        if self._emptied is None:
-            self._emptied = faiss.clone_index(_trained(self.committed, self.directory))
-        self._emptied.reset()  # a file's lists only (a failed bundle may have left some): the trained tables stay
+    def process(self, entry: FileEntry, files_per_piece: int):
+        emptied = self._trained(*self.trained)
         adopting = _adopting_of(self.committed, self.directory)
-        for block in new_blocks(self._emptied, fileio.join(self.staging, entry.path), adopting):
-            yield block.index_slice, block
+        piece = file_number(entry.path) // files_per_piece
+        for block in new_blocks(emptied, fileio.join(self.staging, entry.path), adopting):
+            yield (block.index_slice, piece), block
 
 
 class _ChangeSlice(beam.DoFn):
@@ -292,50 +317,35 @@ class _ChangeSlice(beam.DoFn):
 
     def process(self, keyed, now: DeletedRanges, queries: NewQueries, probed: frozenset[int]):
         number, joined = keyed
-        blocks = iter(joined[BLOCK])
-        first = next(blocks, None)
-        if first is None and not len(now) and number not in probed:
+        pieces = list(joined[PIECE])  # (piece, path): a few paths
+        if not pieces and not len(now) and number not in probed:
             return
-        blocks = itertools.chain([first], blocks) if first is not None else iter(())
-        previous = self.committed.read()
+        previous = self.committed.summary()
         fits = None
         if previous.slice_bytes is not None:
             fits = vectors_per_slice(previous.index_factory, previous.dim, previous.slice_bytes)
-        owner = _owners(self.committed, self.directory)
-        index_slice = _read_stored(self.directory, _slice_entries(previous)[number])
-        adopted: list[np.ndarray] = []
-
-        def noted(block_iter):
-            for block in block_iter:
-                adopted.append(block.lists[owner[block.lists] < 0])
-                yield block
-
-        pieces, removed = change_slice(
+        index_slice = _read_stored(self.directory, _slice_entries(self.committed)[number])
+        cut, removed, adopted = change_slice(
             index_slice,
-            blocks=noted(blocks),
+            pieces=pieces,
             deleted=now,
             fits=fits,
             trained_of=lambda: _trained(self.committed, self.directory),
+            owner=_owners(self.committed, self.directory),
         )
         if number in probed:  # only a slice owning a probed list can hold a hit
             found = None
-            for piece in [p for _, p in pieces] or [index_slice]:
-                found = merged_hits(found, _searched(piece, queries, previous.nprobe))
+            for part in [index for _, index in cut] or [index_slice]:
+                found = merged_hits(found, _searched(part, queries, previous.nprobe))
             yield beam.pvalue.TaggedOutput("hits", found)
-        if not pieces:
+        if not cut:
             return
         entries = []
-        for at, (_, piece) in enumerate(pieces):
+        for at, (_, part) in enumerate(cut):
             path = f"faiss/{file_name('slice', number, 'faiss')}" if at == 0 else _piece_path(number, at)
-            size, sha256 = write_index(piece, fileio.join(self.staging, path))
-            entries.append(FileEntry(path=path, rows=int(piece.ntotal), bytes=size, sha256=sha256))
-        yield ChangedSlice(
-            number,
-            entries,
-            [lists for lists, _ in pieces],
-            np.concatenate(adopted) if adopted else np.zeros(0, np.int64),
-            removed,
-        )
+            size, sha256 = write_index(part, fileio.join(self.staging, path))
+            entries.append(FileEntry(path=path, rows=int(part.ntotal), bytes=size, sha256=sha256))
+        yield ChangedSlice(number, entries, [lists for lists, _ in cut], adopted, removed)
 
 
 def _piece_path(number: int, at: int) -> str:
@@ -357,7 +367,7 @@ def _finish_slices(changed: list[ChangedSlice], *, recall: NewVectorRecall, comm
     """One worker, once every slice is done: the pieces of cut slices numbered after the last
     slice in slice order (their files renamed in staging), the list owners written anew when
     one changed, and the index's vectors counted from the slice files' rows."""
-    slices = _slice_entries(committed.read())
+    slices = _slice_entries(committed)
     numbers = renumbered({c.number: len(c.pieces) for c in changed}, len(slices))
     owner = _owners(committed, directory)
     files, pieces_lists = [], {}

@@ -13,7 +13,8 @@ from apache_beam.io.filesystems import FileSystems
 from pipeline.build_index.files import index_staged, log_index, nonempty
 from pipeline.build_index.manifest import faiss_rebuilt_manifest, vector_index_manifest
 from pipeline.chunks.beam import ReadParquetFiles
-from pipeline.chunks.chunk_files import EMBEDDINGS_DIR, CommittedFiles
+from pipeline.chunks.chunk_files import EMBEDDINGS_DIR
+from pipeline.chunks.committed import CommittedFiles
 from pipeline.common import fileio
 from pipeline.common.errors import StageError
 from pipeline.index.build import BuildIndex

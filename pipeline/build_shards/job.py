@@ -14,15 +14,9 @@ from pipeline.build_shards.blend import CHUNKS_PER_BLOCK, ReadBlend
 from pipeline.build_shards.manifest import neighbour_summary, neighbour_warnings, refreshes_of, shards_manifest
 from pipeline.build_shards.refresh import RefreshPlan, RefreshShards, committed_refresh
 from pipeline.chunks.beam import ChunkDocuments, ReadParquetFiles
-from pipeline.chunks.chunk_files import (
-    EMBEDDINGS_DIR,
-    TRAINING_COLUMNS,
-    CommittedChunkFiles,
-    CommittedFiles,
-    TrainingChunks,
-    chunk_arrays,
-)
+from pipeline.chunks.chunk_files import EMBEDDINGS_DIR, TRAINING_COLUMNS, TrainingChunks, chunk_arrays
 from pipeline.chunks.chunking import Chunk
+from pipeline.chunks.committed import CommittedChunkFiles, CommittedFiles
 from pipeline.chunks.deleted import DeletedFiles
 from pipeline.common import fileio
 from pipeline.common.errors import StageError

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import apache_beam as beam
 import numpy as np
 
-from pipeline.chunks.chunk_files import CommittedChunkFiles, TrainingChunks
+from pipeline.chunks.chunk_files import TrainingChunks
+from pipeline.chunks.committed import CommittedChunkFiles
 from pipeline.chunks.deleted import DeletedFiles
 from pipeline.common import fileio
 from pipeline.common.models import embedding_dim
@@ -156,7 +157,7 @@ class _TrainingChunkReader:
             if number != self.number:
                 self.rows, self.number = _no_chunks(), -1  # one file held at a time
                 columns = self.chunk_files.read(number, ["doc_id", "tokens"])
-                start = self.chunk_files.starts[number]
+                start = self.chunk_files.start(number)
                 ids = np.arange(start, start + len(columns["doc_id"]), dtype=np.int64)
                 self.rows, self.number = TrainingChunks(ids, columns["doc_id"], columns["tokens"][:, :1]), number
             at = np.flatnonzero((self.rows.chunk_id >= first) & (self.rows.chunk_id < end))

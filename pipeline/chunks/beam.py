@@ -11,7 +11,6 @@ import apache_beam as beam
 from apache_beam.io.parquetio import ReadAllFromParquetBatched, ReadFromParquetBatched
 from apache_beam.metrics import Metrics
 
-from pipeline.chunks.chunk_files import CommittedFiles
 from pipeline.chunks.chunking import (
     BUCKET_BITS,
     TOKENIZE_BATCH_CHARS,
@@ -22,6 +21,7 @@ from pipeline.chunks.chunking import (
     num_chunks,
     tokenize_batch,
 )
+from pipeline.chunks.committed import CommittedFiles
 from pipeline.common.rejected import Rejected, excerpt
 from pipeline.corpus.records import METRICS_NAMESPACE, Document
 

@@ -9,9 +9,6 @@ lookup by chunk id is then a shuffle of the requests by file plus one read of th
 
 from __future__ import annotations
 
-import bisect
-import functools
-from collections.abc import Iterator
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -19,7 +16,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.chunks.chunking import Chunk
-from pipeline.chunks.deleted import DELETED_DIR, DeletedFiles, DeletedRanges
+from pipeline.chunks.deleted import DeletedRanges
+from pipeline.chunks.file_runs import FileRuns
 from pipeline.common import fileio
 from pipeline.common.arrays import groups
 from pipeline.common.names import file_name, file_number
@@ -126,21 +124,23 @@ def in_file_order(entries, prefix: str) -> list:
 @dataclass(frozen=True)
 class ChunkFileRanges:
     """Where each chunk id of an index directory lives (small and picklable: it travels with
-    the transforms that look chunks up)."""
+    the transforms that look chunks up): the chunk files as runs (`FileRuns`), a few a
+    generation however many files there are."""
 
     directory: str  # the index directory
-    paths: tuple[str, ...]  # chunk files relative to it, in chunk-id order
-    starts: tuple[int, ...]  # file f holds ids starts[f] ... starts[f + 1] - 1
+    chunks: FileRuns  # chunk files relative to it, in chunk-id order: file f holds ids start(f) ... start(f + 1) - 1
     # the embedding file of each chunk file, where a manifest lists them (a commit may have
-    # numbered their names); () for files given directly: embeddings/embeddings-NNNNN.parquet
-    embedding_paths: tuple[str, ...] = ()
+    # numbered their names); None for files given directly: embeddings/embeddings-NNNNN.parquet
+    embeddings: FileRuns | None = None
 
     @classmethod
     def from_entries(cls, directory: str, entries) -> ChunkFileRanges:
         """From an index manifest's file entries (anything with .path and .rows)."""
         chunks = [e for e in entries if e.path.startswith("chunks/")]
-        embeddings = [e.path for e in entries if e.path.startswith(f"{EMBEDDINGS_DIR}/")]
-        return cls.from_paths(directory, [e.path for e in chunks], [e.rows for e in chunks], embeddings)
+        embeddings = [e for e in entries if e.path.startswith(f"{EMBEDDINGS_DIR}/")]
+        return cls.from_paths(
+            directory, [e.path for e in chunks], [e.rows for e in chunks], [e.path for e in embeddings]
+        )
 
     @classmethod
     def from_paths(
@@ -148,14 +148,20 @@ class ChunkFileRanges:
     ) -> ChunkFileRanges:
         """From the paths of the chunk files and their row counts (and of the embedding files),
         in any order."""
-        order = sorted(range(len(paths)), key=lambda i: file_number(paths[i]))
-        starts = np.cumsum([0] + [rows[i] for i in order]).tolist()
-        embeddings = tuple(sorted(embedding_paths or (), key=file_number))
-        return cls(directory, tuple(paths[i] for i in order), tuple(starts), embeddings)
+        embeddings = FileRuns.of(embedding_paths, [0] * len(embedding_paths)) if embedding_paths else None
+        return cls(directory, FileRuns.of(paths, rows), embeddings)
 
     @property
     def num_chunks(self) -> int:
-        return self.starts[-1]
+        return self.chunks.num_rows
+
+    @property
+    def num_files(self) -> int:
+        return self.chunks.num_files
+
+    def start(self, number: int) -> int:
+        """The first chunk id of file `number` (num_chunks for number num_files)."""
+        return self.chunks.start(number)
 
     def file_of(self, chunk_id: int) -> int:
         """The number of the file holding `chunk_id`; an error for an id not in the database."""
@@ -163,25 +169,25 @@ class ChunkFileRanges:
             raise ValueError(
                 f"chunk id {chunk_id} is not in the chunk database at {self.directory} ({self.num_chunks} chunks)"
             )
-        return bisect.bisect_right(self.starts, chunk_id) - 1
+        return int(self.chunks.positions_of(np.array([chunk_id]))[0])
 
     def files_of(self, chunk_ids: np.ndarray) -> np.ndarray:
         """file_of for an array of ids (unchecked)."""
-        return np.searchsorted(np.asarray(self.starts), chunk_ids, side="right") - 1
+        return self.chunks.positions_of(chunk_ids)
 
     def read(self, number: int, columns: list[str]) -> dict[str, np.ndarray]:
         """These columns of file `number` (tensor columns as [rows, width] arrays), after
         checking that it holds the ids the manifest puts there."""
-        return chunk_arrays(self._read_checked(number, self.paths[number], columns), columns)
+        return chunk_arrays(self._read_checked(number, self.chunks.path(number), columns), columns)
 
     def read_tokens(self, first: int, end: int) -> np.ndarray:
         """The tokens of chunk ids first … end - 1, int32 [end - first, m]: only the Parquet row
         groups holding them are read, each file's checked to hold the ids the manifest puts there."""
         parts = []
         for number in range(self.file_of(first), self.file_of(end - 1) + 1):
-            start = self.starts[number]
-            at = np.arange(max(first, start), min(end, self.starts[number + 1])) - start
-            table = self._rows_checked(number, self.paths[number], at, ["tokens"])
+            start = self.start(number)
+            at = np.arange(max(first, start), min(end, self.start(number + 1))) - start
+            table = self._rows_checked(number, self.chunks.path(number), at, ["tokens"])
             parts.append(chunk_arrays(table, ["tokens"])["tokens"])
         return np.concatenate(parts).astype(np.int32, copy=False)
 
@@ -200,18 +206,18 @@ class ChunkFileRanges:
             self.file_of(int(chunk_id))  # an error naming an id the database does not hold
         vectors = np.zeros((len(chunk_ids), 0), np.float32)
         for number, where in groups(self.files_of(chunk_ids)):
-            at = np.unique(chunk_ids[where] - self.starts[number])
+            at = np.unique(chunk_ids[where] - self.start(number))
             table = self._rows_checked(number, self._embedding_path(number), at, ["embedding"])
             rows = tensor_column_to_numpy(table["embedding"])
             if not vectors.shape[1]:
                 vectors = np.zeros((len(chunk_ids), rows.shape[1]), np.float32)
-            vectors[where] = rows[np.searchsorted(at, chunk_ids[where] - self.starts[number])]
+            vectors[where] = rows[np.searchsorted(at, chunk_ids[where] - self.start(number))]
         return vectors
 
     def _embedding_path(self, number: int) -> str:
-        if self.embedding_paths:
-            return self.embedding_paths[number]
-        return fileio.join(EMBEDDINGS_DIR, file_name(EMBEDDINGS_DIR, file_number(self.paths[number]), "parquet"))
+        if self.embeddings is not None:
+            return self.embeddings.path(number)
+        return fileio.join(EMBEDDINGS_DIR, file_name(EMBEDDINGS_DIR, self.chunks.number(number), "parquet"))
 
     def _rows_checked(self, number: int, relative: str, at: np.ndarray, columns: list[str]):
         """Rows `at` (positions in file `number`, ascending, distinct) of these columns, from
@@ -229,7 +235,7 @@ class ChunkFileRanges:
         places = first_of_read[np.searchsorted(read, group_of)] + at - first_of_group[group_of]
         contiguous = len(places) and places[-1] - places[0] == len(places) - 1
         table = table.slice(int(places[0]), len(places)) if contiguous else table.take(places)
-        ids = self.starts[number] + at
+        ids = self.start(number) + at
         if not np.array_equal(table["chunk_id"].to_numpy(), ids):
             raise ValueError(
                 f"{path} does not hold the chunk ids {ids[0]}..{ids[-1]} its manifest implies: "
@@ -241,155 +247,10 @@ class ChunkFileRanges:
         path = fileio.join(self.directory, relative)
         with fileio.open_read(path) as f:
             table = pq.ParquetFile(f).read(columns=["chunk_id", *columns])
-        start, end = self.starts[number], self.starts[number + 1]
+        start, end = self.start(number), self.start(number + 1)
         if not np.array_equal(table["chunk_id"].to_numpy(), np.arange(start, end)):
             raise ValueError(
                 f"{path} does not hold the chunk ids {start}..{end - 1} its manifest "
                 "implies: run `ratrain-pipeline validate` on the index"
             )
         return table
-
-
-@dataclass(frozen=True)
-class CommittedIndexManifest:
-    """A committed index manifest named by its directory and sha256 alone (and its chunk count):
-    what a job graph carries instead of the manifest (138 MB pickled at 3e10 chunks, in every
-    step given it). Each process reads what it asks for once, from the current commit or a kept
-    older one: the manifest whole (`read`: the steps that rewrite it, one worker each), or only
-    its deleted documents (`deleted`: from the path column of its file table)."""
-
-    directory: str
-    manifest_sha256: str
-    num_chunks: int
-
-    def read(self):
-        """The manifest with its file entries (IndexManifest); shared in the process: not to be changed."""
-        return _whole_manifest(self.directory, self.manifest_sha256)
-
-    def deleted(self) -> DeletedRanges:
-        """The documents deleted from the index by its earlier generations."""
-        return _deleted_of(self.directory, self.manifest_sha256)
-
-    def chunk_files(self) -> CommittedChunkFiles:
-        return CommittedChunkFiles(self.directory, self.num_chunks, self.manifest_sha256)
-
-
-@functools.lru_cache(maxsize=2)
-def _whole_manifest(directory: str, manifest_sha256: str):
-    return fileio.whole(_committed_manifest(directory, manifest_sha256), directory)
-
-
-@functools.lru_cache(maxsize=2)
-def _deleted_of(directory: str, manifest_sha256: str) -> DeletedRanges:
-    paths, _ = fileio.entry_paths_and_rows(_committed_manifest(directory, manifest_sha256), directory, DELETED_DIR)
-    return DeletedFiles(tuple(fileio.join(directory, path) for path in paths)).ranges()
-
-
-@dataclass(frozen=True)
-class CommittedChunkFiles:
-    """The chunk files of a committed index, named by its directory alone, so a job graph that
-    carries them stays the same size however many chunk files there are (a `ChunkFileRanges`
-    holds a path and a start per file: ~15 MB pickled at 457k files, copied into every transform
-    that looks chunks up). Each process reads the ranges from the index manifest the first time
-    it looks a chunk up: the commit the job was built against (its sha256), current or still
-    kept; a commit no longer kept is refused."""
-
-    directory: str
-    num_chunks: int
-    manifest_sha256: str  # of the index manifest the job was built against
-
-    @property
-    def ranges(self) -> ChunkFileRanges:
-        return _committed_ranges(self.directory, self.manifest_sha256)
-
-    @property
-    def starts(self) -> tuple[int, ...]:
-        return self.ranges.starts
-
-    def file_of(self, chunk_id: int) -> int:
-        return self.ranges.file_of(chunk_id)
-
-    def files_of(self, chunk_ids: np.ndarray) -> np.ndarray:
-        return self.ranges.files_of(chunk_ids)
-
-    def read(self, number: int, columns: list[str]) -> dict[str, np.ndarray]:
-        return self.ranges.read(number, columns)
-
-    def read_embeddings(self, number: int) -> np.ndarray:
-        return self.ranges.read_embeddings(number)
-
-    def read_embedding_rows(self, chunk_ids: np.ndarray) -> np.ndarray:
-        return self.ranges.read_embedding_rows(chunk_ids)
-
-    def read_tokens(self, first: int, end: int) -> np.ndarray:
-        return self.ranges.read_tokens(first, end)
-
-    def stored(self, path: str) -> tuple[str, str]:
-        """The faiss file the index manifest lists as `path` (in `directory`, by the name it has
-        whatever commit wrote it: `schemas.manifest.unversioned`): (where it is stored, the
-        sha256 the manifest signs it with, which it is checked against before faiss reads it)."""
-        relative = path[len(self.directory.rstrip("/")) + 1 :]
-        listed = _committed_faiss_files(self.directory, self.manifest_sha256)
-        if relative not in listed:
-            raise ValueError(f"{path}: not a faiss file of the index manifest in {self.directory}")
-        stored, sha256 = listed[relative]
-        return fileio.join(self.directory, stored), sha256
-
-    def check_kept(self) -> None:
-        """Look for the index manifest again: an error if its commit is no longer kept. No commit
-        overwrites a file an earlier one lists, and their deletion ends with the manifest, so a
-        file loaded before this check passes is the one this manifest describes."""
-        _committed_manifest(self.directory, self.manifest_sha256)
-
-
-@dataclass(frozen=True)
-class CommittedFiles:
-    """The files a committed index manifest lists under one directory of it (`prefix`), named by
-    the manifest alone: a job reads them by the paths the manifest gives (a glob would also
-    find files of another commit), listed on a worker, so the job graph does not grow with them."""
-
-    directory: str
-    manifest_sha256: str
-    prefix: str  # chunks, embeddings
-
-    def paths(self) -> Iterator[str]:
-        """Streamed from the manifest's file table: the step listing them never holds them all."""
-        manifest = _committed_manifest(self.directory, self.manifest_sha256)
-        for path in fileio.entry_paths_streamed(manifest, self.directory, self.prefix):
-            yield fileio.join(self.directory, path)
-
-
-def _no_longer_kept(directory: str) -> ValueError:
-    return ValueError(
-        f"{directory}: the commit of the index a job was reading is no longer kept (a later commit "
-        "replaced it; keep_commits keeps more): run the job again"
-    )
-
-
-def _committed_manifest(directory: str, manifest_sha256: str):
-    """The index manifest in `directory` of this sha256: the current commit's, or an older one
-    while it is kept (what a reader that started from it pins); else an error."""
-    from schemas.manifest import IndexManifest, read_manifest
-
-    found = fileio.kept_commit_of(directory, manifest_sha256)
-    if found is None:
-        raise _no_longer_kept(directory)
-    return read_manifest(found[1], found[0], IndexManifest)
-
-
-@functools.lru_cache(maxsize=2)
-def _committed_ranges(directory: str, manifest_sha256: str) -> ChunkFileRanges:
-    manifest = _committed_manifest(directory, manifest_sha256)
-    paths, rows = fileio.entry_paths_and_rows(manifest, directory, "chunks")
-    embeddings, _ = fileio.entry_paths_and_rows(manifest, directory, EMBEDDINGS_DIR)
-    return ChunkFileRanges.from_paths(directory, paths, rows, embeddings)
-
-
-@functools.lru_cache(maxsize=2)
-def _committed_faiss_files(directory: str, manifest_sha256: str) -> dict[str, tuple[str, str]]:
-    """{name: (stored path, sha256)} of the index's faiss files (only those: a file table may
-    list millions), by the name they have whatever commit wrote them."""
-    from schemas.manifest import unversioned
-
-    manifest = _committed_manifest(directory, manifest_sha256)
-    return {unversioned(p): (p, h) for p, h in fileio.entry_paths_and_sha256(manifest, directory, "faiss")}

@@ -15,11 +15,12 @@ import uuid
 from collections.abc import Iterator
 from typing import TypeVar
 
+import pyarrow.compute as pc
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 from pydantic import BaseModel
 
-from schemas.file_table import entry_column_batches, entry_columns, whole_manifest
+from schemas.file_table import entry_column_batches, entry_columns, entry_fields, whole_manifest
 from schemas.manifest import COMMIT_MANIFEST, MANIFEST_FILE, ManifestError, chosen_manifest, read_manifest
 
 Model = TypeVar("Model", bound=BaseModel)
@@ -191,25 +192,36 @@ def committed_summary(directory: str, model=None, *, number: int | None = None, 
 def entry_paths_and_rows(manifest, directory: str, prefix: str | None = None) -> tuple[list[str], list[int]]:
     """(paths, rows) of the manifest's entries (those under `prefix/`), in manifest order, from
     the two columns alone (`schemas.file_table.entry_columns`): no object per entry."""
-    table = entry_columns(manifest, directory, ["path", "rows"], open_file=open_read)
-    pairs = zip(table["path"].to_pylist(), table["rows"].to_pylist())
-    kept = [(p, r) for p, r in pairs if prefix is None or p.startswith(prefix + "/")]
-    return [p for p, _ in kept], [r for _, r in kept]
+    table = _under(entry_columns(manifest, directory, ["path", "rows"], open_file=open_read), prefix)
+    return table["path"].to_pylist(), table["rows"].to_pylist()
 
 
-def entry_paths_streamed(manifest, directory: str, prefix: str) -> Iterator[str]:
-    """The paths of the manifest's entries under `prefix/`, in manifest order, a row group of
-    its file table at a time (`schemas.file_table.entry_column_batches`): never all at once."""
-    for table in entry_column_batches(manifest, directory, ["path"], open_file=open_read):
-        yield from (path for path in table["path"].to_pylist() if path.startswith(prefix + "/"))
+def entry_paths_and_rows_streamed(manifest, directory: str) -> Iterator[tuple[list[str], list[int]]]:
+    """(paths, rows) of the manifest's entries, in manifest order, a row group of its file
+    table at a time (`schemas.file_table.entry_column_batches`): never all at once."""
+    for table in entry_column_batches(manifest, directory, ["path", "rows"], open_file=open_read):
+        yield table["path"].to_pylist(), table["rows"].to_pylist()
 
 
 def entry_paths_and_sha256(manifest, directory: str, prefix: str | None = None) -> list[tuple[str, str]]:
     """(path, sha256) of the manifest's entries (those under `prefix/`), from those two columns
     alone, the file table checked against the manifest first (what files are checked against)."""
-    table = entry_columns(manifest, directory, ["path", "sha256"], open_file=open_read, hashed=True)
-    pairs = zip(table["path"].to_pylist(), table["sha256"].to_pylist())
-    return [(p, h) for p, h in pairs if prefix is None or p.startswith(prefix + "/")]
+    table = _under(entry_columns(manifest, directory, ["path", "sha256"], open_file=open_read, hashed=True), prefix)
+    return list(zip(table["path"].to_pylist(), table["sha256"].to_pylist()))
+
+
+def entries_under(manifest, directory: str, prefix: str) -> list[dict]:
+    """The manifest's entries under `prefix/` as dicts of every column, chosen in Arrow: an
+    object for those alone. The file table is checked against the manifest first (these are
+    what files are checked against)."""
+    table = entry_columns(manifest, directory, entry_fields(manifest), open_file=open_read, hashed=True)
+    return _under(table, prefix).to_pylist()
+
+
+def _under(table, prefix: str | None):
+    """The file table's rows under `prefix/` (all with None), chosen before any becomes a
+    Python object: a caller after the faiss files of a table listing 10^6 files makes a few."""
+    return table if prefix is None else table.filter(pc.starts_with(table["path"], prefix + "/"))
 
 
 def whole(manifest, directory: str, *, error=ManifestError):

@@ -7,7 +7,8 @@ The index is one file (Flat, HNSW or IVF; HNSW cannot remove vectors), or IVF sl
 inverted lists, changed one slice per worker: each new embedding file is encoded on the trained
 index and cut into the blocks of the slices owning its lists (`new_blocks`); a list empty at the
 build has no owner, and the slice owning the nearest owned list takes it (`adopting_owners`).
-Each slice then takes its blocks and loses its deleted vectors (`change_slice`); one grown past
+A slice's blocks from a run of new files make a piece (`train.write_piece`); each slice then
+takes its pieces and loses its deleted vectors (`change_slice`); one grown past
 the slice size is cut in pieces as the build cuts an index, and `renumbered` numbers the new
 pieces after the last slice, in slice order, once every slice is done.
 """
@@ -34,6 +35,7 @@ from pipeline.index.routing import (
     slice_count,
 )
 from pipeline.index.slices import merge_slice_results
+from pipeline.index.train import merge_pieces
 
 SEARCHED = RECALL_K + 1  # hits kept per query: the query itself is among them
 
@@ -161,19 +163,21 @@ def cut_in_pieces(index_slice, trained, fits: int) -> list[tuple[np.ndarray, fai
     return pieces
 
 
-def change_slice(index_slice, *, blocks, deleted: DeletedRanges, fits: int | None, trained_of):
-    """One slice changed: this generation's deleted vectors removed, its new blocks added
-    (every list in chunk-id order again), cut when past `fits` (`trained_of()` reads the
-    trained index only then). -> (pieces [(lists held, index)], or [] when the slice is
-    unchanged, or [(None, slice)] when changed and not cut; vectors removed)."""
+def change_slice(index_slice, *, pieces, deleted: DeletedRanges, fits: int | None, trained_of, owner: np.ndarray):
+    """One slice changed: this generation's deleted vectors removed, its new vectors merged from
+    their pieces ((piece, path), `train.write_piece`: no worker holds all of a slice's new codes
+    at once) in piece order, every list in chunk-id order again, cut when past `fits`
+    (`trained_of()` reads the trained index only then). -> (pieces [(lists held, index)], or []
+    when the slice is unchanged, or [(None, slice)] when changed and not cut; vectors removed;
+    the lists without `owner` it took new vectors into)."""
     removed = remove_deleted(index_slice, deleted)
-    blocks = list(blocks)
-    if not removed and not blocks:
-        return [], 0
-    add_list_blocks(index_slice, blocks)
+    if not removed and not pieces:
+        return [], 0, np.zeros(0, np.int64)
+    merge_pieces(index_slice, pieces)
+    adopted = np.flatnonzero((list_sizes(index_slice) > 0) & (owner < 0))
     if fits is not None and index_slice.ntotal > fits:
-        return cut_in_pieces(index_slice, trained_of(), fits), removed
-    return [(None, index_slice)], removed
+        return cut_in_pieces(index_slice, trained_of(), fits), removed, adopted
+    return [(None, index_slice)], removed, adopted
 
 
 def renumbered(cuts: dict[int, int], first_new: int) -> dict[tuple[int, int], int]:

@@ -33,10 +33,10 @@ from pipeline.index.files import (
     write_owners,
 )
 from pipeline.index.recall import RECALL_K, one_recall_at_k, recall_of
-from pipeline.index.routing import add_list_blocks, list_blocks, list_owners, slice_count
+from pipeline.index.routing import list_blocks, list_owners, slice_count
 from pipeline.index.search import search_depth_range, search_each_at, set_search_depth
 from pipeline.index.slices import files_per_piece, merge_slice_results, vectors_per_slice
-from pipeline.index.train import merge_part, write_part
+from pipeline.index.train import merge_pieces, write_piece
 from pipeline.index.tuning import QuerySample, Truth, tune_index_depth
 from schemas.stage_config import IndexConfig
 
@@ -145,12 +145,10 @@ class AssemblePiece(beam.DoFn):
     def teardown(self):
         self._trained.drop()
 
-    def process(self, keyed, trained_path):
+    def process(self, keyed, trained_path, trained_sha256=None):
         (number, piece), blocks = keyed
-        index = self._trained(trained_path)
-        add_list_blocks(index, blocks)
         path = fileio.join(self.out_dir, "slice-pieces", f"slice-{number:05d}-piece-{piece:06d}.faiss")
-        write_part(index, path)
+        write_piece(self._trained(trained_path, trained_sha256), blocks, path)
         yield number, (piece, path)
 
 
@@ -184,11 +182,7 @@ def merged_pieces(trained_path, pieces):
     index_slice = read_index(trained_path, sha256=None)
     if faiss.extract_index_ivf(index_slice).ntotal:
         raise IndexBuildError("an index slice is assembled from the trained index without vectors")
-    for _, path in sorted(pieces):
-        merge_part(index_slice, read_index(path, sha256=None))
-    # pieces in file order hold chunk ids in order where files are numbered in chunk-id order
-    # (the index stage's are); sorted again where a list is not (files given to `index` directly)
-    add_list_blocks(index_slice, [])
+    merge_pieces(index_slice, pieces)
     return index_slice
 
 

@@ -120,10 +120,11 @@ class EmptiedTrained:
     def __init__(self):
         self._held: tuple[str, faiss.Index] | None = None  # (path, index)
 
-    def __call__(self, trained_path: str):
+    def __call__(self, trained_path: str, sha256: str | None = None):
+        """The trained index at `trained_path` (checked against `sha256` where given, when read)."""
         if self._held is None or self._held[0] != trained_path:
             self._held = None  # the previous one freed before the next is read
-            self._held = (trained_path, read_index(trained_path, sha256=None))
+            self._held = (trained_path, read_index(trained_path, sha256=sha256))
         index = self._held[1]
         ivf = faiss.extract_index_ivf(index)
         empty = faiss.ArrayInvertedLists(ivf.nlist, ivf.code_size)

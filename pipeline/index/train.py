@@ -1,5 +1,5 @@
-"""Training an index on its sample (one or two levels of k-means), filling it with vectors and
-merging filled parts.
+"""Training an index on its sample (one or two levels of k-means), filling it with vectors,
+merging filled parts, and a slice's pieces written and merged.
 """
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ import numpy as np
 
 from pipeline.common.sampling import TRAIN_SALT, in_sample
 from pipeline.index.factory import IndexBuildError, is_ivf, new_index, resolve_clustering, training_size
-from pipeline.index.files import write_index
+from pipeline.index.files import read_index, write_index
 from pipeline.index.kmeans import train_two_level
+from pipeline.index.routing import add_list_blocks
 
 
 def train_index(
@@ -77,3 +78,21 @@ def write_part(index, path: str) -> tuple[int, str]:
         return write_index(index, path)
     finally:
         ivf.quantizer, ivf.own_fields = trained, owned
+
+
+def write_piece(emptied, blocks, path: str) -> None:
+    """A piece of a slice: its `blocks` (ListBlock, from a run of consecutive files) added to
+    the trained index emptied of vectors (`files.EmptiedTrained`), each list sorted by chunk id,
+    written as a part is (`write_part`)."""
+    add_list_blocks(emptied, blocks)
+    write_part(emptied, path)
+
+
+def merge_pieces(index, pieces) -> None:
+    """A slice's pieces ((piece, path), `write_piece`) merged into `index` in piece order, one
+    read at a time. Pieces in file order hold chunk ids in order where files are numbered in
+    chunk-id order (the index stage's are); every list is sorted again for files that are not
+    (given to `index` directly)."""
+    for _, path in sorted(pieces):
+        merge_part(index, read_index(path, sha256=None))
+    add_list_blocks(index, [])

@@ -21,7 +21,7 @@ from pipeline.index.factory import (
 )
 from pipeline.index.files import READ_BATCH
 from pipeline.index.slices import vectors_per_slice
-from pipeline.jobs.memory_slices import slice_steps
+from pipeline.jobs.memory_slices import piece_bytes, piece_step, slice_steps
 from pipeline.jobs.memory_training import training_steps
 from pipeline.retrieve.refresh import QUERY_BLOCK, NewVectors
 from pipeline.retrieve.search import CANDIDATE, SEQUENCES_PER_SEARCH
@@ -81,26 +81,32 @@ def _change_steps(
 ) -> list[tuple]:
     """An append's and a delete's steps (pipeline/build_index/change_faiss.py). One index file:
     one worker holds it and every new vector's code. Slices: each new file encoded on its own
-    (as a fill), a worker per slice holding it, its share of the new codes and, when it is cut,
-    its pieces; then one step numbers the pieces and writes the list owners."""
+    (as a fill), a slice's new codes from a run of new files assembled into a piece, a worker
+    per slice holding it, one of its pieces at a time and, when it is cut, its cut parts; then
+    one step numbers the cut parts and writes the list owners."""
     trained = estimated_bytes(factory, 0, dim)
     per_vector = estimated_bytes(factory, 1, dim) - trained
     if not sliced:
         new = f"the new vectors' codes (an append of {APPEND_SHARE:.0%} of the corpus)"
         return [("index: change (append, delete)", {held: held_bytes, new: new_codes}, [0, 1])]
     lists = ivf_lists(factory) or 0
+    new_vectors = int(new_codes / per_vector)
+    piece = piece_bytes(new_vectors, files=math.ceil(new_vectors / file_rows), slices=slices, per_vector=per_vector)
     return [
         (
             "index: change: encode one new embeddings file",
             {"trained index": trained, f"codes of {file_rows:,} vectors": file_rows * per_vector},
             auto_grows,
         ),
+        piece_step(
+            f"index: change: assemble one piece of a slice's new codes (an append of {APPEND_SHARE:.0%})",
+            trained=trained,
+            piece=piece,
+            auto_grows=auto_grows,
+        ),
         (
             "index: change one slice (append, delete)",
-            {
-                f"{held} and its pieces": 2 * held_bytes,
-                f"its lists' new codes (an append of {APPEND_SHARE:.0%} of the corpus)": APPEND_SHARE * held_bytes,
-            },
+            {f"{held} and its cut parts": 2 * held_bytes, "one piece of its new codes read": piece},
             [],
         ),
         (

@@ -18,6 +18,27 @@ from pipeline.index.slices import files_per_piece
 READ_AHEAD_GROUPS = 9
 
 
+def piece_bytes(vectors: int, *, files: int, slices: int, per_vector: int) -> float:
+    """A piece's codes and ids: `files_per_piece` files' blocks of one slice, a file holding
+    about as many vectors of a slice as each other."""
+    block = vectors / files / slices * per_vector  # a file's codes of one slice
+    return files_per_piece(vectors, files, slices, per_vector) * block
+
+
+def piece_step(step: str, *, trained: float, piece: float, auto_grows: list[int]) -> tuple:
+    """Assembling a piece (`AssemblePiece`: the build's, and an append's of its new vectors)."""
+    return (
+        step,
+        {
+            "trained index": trained,
+            "the piece's blocks as received and decoded (one group), and its lists": 3 * piece,
+            f"the next pieces' groups, read ahead by Beam ({READ_AHEAD_GROUPS} groups' worth)": READ_AHEAD_GROUPS
+            * piece,
+        },
+        auto_grows,
+    )
+
+
 def slice_steps(
     factory: str,
     *,
@@ -33,23 +54,11 @@ def slice_steps(
     per_vector = estimated_bytes(factory, 1, dim) - estimated_bytes(factory, 0, dim)
     trained = estimated_bytes(factory, 0, dim)
     slice_codes = math.ceil(chunks / slices) * per_vector  # a slice's codes and ids
-    files = math.ceil(chunks / file_rows)
-    block = chunks / files / slices * per_vector  # a file's codes of one slice
-    piece = files_per_piece(chunks, files, slices, per_vector) * block
+    piece = piece_bytes(chunks, files=math.ceil(chunks / file_rows), slices=slices, per_vector=per_vector)
     nlist = ivf_lists(factory) or 0
     queries, depths = min(recall_sample, chunks), int(math.log2(nlist or 1)) + 2
     return [
-        (
-            "index: assemble one piece of a slice",
-            {
-                "trained index": trained,
-                "the piece's blocks as received and decoded (one group), and its lists": 3 * piece,
-                f"the next pieces' groups, read ahead by Beam ({READ_AHEAD_GROUPS} groups' worth)": (
-                    READ_AHEAD_GROUPS * piece
-                ),
-            },
-            auto_grows,
-        ),
+        piece_step("index: assemble one piece of a slice", trained=trained, piece=piece, auto_grows=auto_grows),
         (
             # merged from its pieces one at a time (measured: benchmarks/scale_rehearsal.py)
             "index: assemble one slice from its pieces",

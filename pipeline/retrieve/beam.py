@@ -22,7 +22,8 @@ import apache_beam as beam
 import numpy as np
 
 from pipeline.chunks.beam import ReadParquetFiles
-from pipeline.chunks.chunk_files import ChunkFileRanges, CommittedChunkFiles, CommittedFiles
+from pipeline.chunks.chunk_files import ChunkFileRanges
+from pipeline.chunks.committed import CommittedChunkFiles, CommittedFiles
 from pipeline.chunks.deleted import DeletedFiles
 from pipeline.common.arrays import positions_of, widest_span
 from pipeline.index.exact import truth_depth

@@ -135,7 +135,12 @@ def read_committed_index(directory: str, commit: int | None = None) -> tuple[Com
         raise StageError(f"no committed index at {directory}: run build-index first")
     path, data = found
     manifest = read_manifest(data, path, IndexManifest)
-    paths, _ = fileio.entry_paths_and_rows(manifest, directory)  # one read of a file table
+    paths = [  # the faiss and deletion files alone, a row group of the file table at a time
+        path
+        for batch, _ in fileio.entry_paths_and_rows_streamed(manifest, directory)
+        for path in batch
+        if path.startswith(("faiss/", f"{DELETED_DIR}/"))
+    ]
     names = [unversioned(path) for path in paths]  # faiss files are looked up by name
     routing = (f"faiss/{QUANTIZER_FILE}", f"faiss/{LIST_OWNERS_FILE}")
     searched = searched_files(faiss_files(names))

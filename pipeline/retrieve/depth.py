@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.chunks.chunk_files import ChunkFileRanges, CommittedChunkFiles
+from pipeline.chunks.chunk_files import ChunkFileRanges
+from pipeline.chunks.committed import CommittedChunkFiles
 from pipeline.index.files import load_index, read_owners
 from pipeline.index.recall import recall_of
 from pipeline.index.routing import search_routed

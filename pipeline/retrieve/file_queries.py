@@ -32,7 +32,7 @@ class FileQueries:
                 self.vectors, self.number = self.chunk_files.read_embeddings(number), number
             if not vectors.size:
                 vectors = np.empty((len(chunk_ids), self.vectors.shape[1]), np.float32)
-            vectors[at] = self.vectors[chunk_ids[at] - self.chunk_files.starts[number]]
+            vectors[at] = self.vectors[chunk_ids[at] - self.chunk_files.start(number)]
         return QueryBlock(chunk_ids, vectors)
 
 

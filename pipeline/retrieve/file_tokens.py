@@ -25,7 +25,7 @@ class FileTokens:
 
     def __init__(self, chunk_files, number: int, continuation: bool):
         columns = chunk_files.read(number, ["tokens", "continuation"] if continuation else ["tokens"])
-        self.start = chunk_files.starts[number]
+        self.start = chunk_files.start(number)
         self.tokens, self.continuation = columns["tokens"], columns.get("continuation")
         self._keys = np.full(len(self.tokens), -1, np.int64)  # token_key is never negative
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.chunks.chunk_files import CommittedChunkFiles
 from pipeline.chunks.chunking import chunk_document, load_tokenizer, tokenize_batch
+from pipeline.chunks.committed import CommittedChunkFiles
 from pipeline.common import fileio
 from pipeline.common.arrays import groups, merge_ranges, widest_span
 from pipeline.common.fileio import committed
@@ -181,7 +181,7 @@ class Retriever:
         last doc id is not below it, each step reading one file's doc_id column; each file's
         first and last doc id is kept once read (a pair per file), never the chunks nor an
         entry per document."""
-        files = len(self.chunk_files.starts) - 1
+        files = self.chunk_files.num_files
         low, high = 0, files
         while low < high:
             middle = (low + high) // 2
@@ -195,7 +195,7 @@ class Retriever:
             rows = np.flatnonzero(docs == doc_id)
             if not len(rows):
                 break
-            start = self.chunk_files.starts[number]
+            start = self.chunk_files.start(number)
             spans.append((start + int(rows[0]), start + int(rows[-1]) + 1))
             if rows[-1] != len(docs) - 1:
                 break

@@ -66,7 +66,7 @@ class NewVectors:
         ids, vectors, values = [], [], []
         for start, end in ranges:
             for number in range(chunk_files.file_of(start), chunk_files.file_of(end - 1) + 1):
-                first = chunk_files.starts[number]
+                first = chunk_files.start(number)
                 columns = chunk_files.read(number, ["tokens", "continuation"])
                 rows = np.arange(max(start, first), min(end, first + len(columns["tokens"]))) - first
                 rows = rows[~deleted.contains(rows + first)]

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.chunks.chunk_files import ChunkFileRanges, CommittedChunkFiles, CommittedFiles
+from pipeline.chunks.chunk_files import ChunkFileRanges
+from pipeline.chunks.committed import CommittedChunkFiles, CommittedFiles
 from pipeline.chunks.deleted import DeletedFiles, DeletedRanges
 from pipeline.common import fileio
 from pipeline.common.arrays import groups, merge_ranges, narrow_tokens, positions_of, widened_tokens

@@ -28,7 +28,7 @@ def test_chunk_file_ranges_locate_ids_and_check_what_they_read(tmp_path):
     rows = files.read(1, ["doc_id", "tokens"])
     assert rows["doc_id"].tolist() == [c.doc_id for c in chunks[5:10]]
     assert rows["tokens"].tolist() == [c.tokens.tolist() for c in chunks[5:10]]
-    lying = ChunkFileRanges(files.directory, files.paths, (0, 4, 10, 12))  # manifest rows disagree
+    lying = ChunkFileRanges.from_paths(files.directory, list(files.chunks.paths()), [4, 6, 2])  # manifest rows disagree
     with pytest.raises(ValueError, match="does not hold the chunk ids 4..9"):
         lying.read(1, ["doc_id"])
 
@@ -40,7 +40,8 @@ def test_a_range_of_chunk_ids_reads_only_its_row_groups_across_files(tmp_path):
     tokens = np.stack([c.tokens for c in chunks])
     for first, end in ((5, 35), (7, 8), (0, 40), (16, 32), (15, 17)):
         assert np.array_equal(files.read_tokens(first, end), tokens[first:end]), (first, end)
-    lying = ChunkFileRanges(files.directory, files.paths, (0, 14, 30, 40))  # manifest rows disagree
+    # manifest rows disagree
+    lying = ChunkFileRanges.from_paths(files.directory, list(files.chunks.paths()), [14, 16, 10])
     with pytest.raises(ValueError, match="does not hold the chunk ids 14..19"):
         lying.read_tokens(10, 20)
 
@@ -56,7 +57,7 @@ def test_chosen_embeddings_read_only_their_row_groups(tmp_path):
     assert files.read_embedding_rows(np.zeros(0, np.int64)).shape[0] == 0
     with pytest.raises(ValueError, match="chunk id 40 is not in the chunk database"):
         files.read_embedding_rows(np.array([3, 40]))
-    lying = ChunkFileRanges(files.directory, files.paths, (0, 14, 30, 40), files.embedding_paths)
+    lying = ChunkFileRanges.from_paths(files.directory, list(files.chunks.paths()), [14, 16, 10])
     with pytest.raises(ValueError, match="does not hold the chunk ids"):
         lying.read_embedding_rows(np.array([20]))
 
@@ -95,7 +96,7 @@ def test_committed_chunk_files_read_the_ranges_from_the_file_table(tmp_path):
     """A job carries the chunk database as its index directory alone; the ranges come from the
     manifest's file table (6,000 chunk files: more entries than stay inline)."""
     from benchmarks.scale_sim import CHUNK_FILE_ROWS, config, index_manifest, write_manifest
-    from pipeline.chunks.chunk_files import CommittedChunkFiles
+    from pipeline.chunks.committed import CommittedChunkFiles
     from pipeline.common import fileio
 
     chunks = 6_000 * CHUNK_FILE_ROWS - 7
@@ -105,7 +106,8 @@ def test_committed_chunk_files_read_the_ranges_from_the_file_table(tmp_path):
     files = CommittedChunkFiles(str(tmp_path), chunks, sha)
     ids = np.array([0, CHUNK_FILE_ROWS - 1, CHUNK_FILE_ROWS, chunks - 1])
     assert files.files_of(ids).tolist() == [0, 0, 1, 5_999]
-    assert files.file_of(chunks - 1) == 5_999 and files.starts[-1] == chunks
+    assert files.file_of(chunks - 1) == 5_999 and files.num_chunks == chunks
+    assert len(files.ranges.chunks) == 2  # full files, then the last: no entry per file
     with pytest.raises(ValueError, match="no longer kept"):
         CommittedChunkFiles(str(tmp_path), chunks, "0" * 64).file_of(0)
     # a later commit: a process that read the first keeps reading it while it is kept, and

@@ -24,7 +24,7 @@ def test_100010_chunk_files_keep_chunk_id_order():
         FileEntry(path=f"chunks/{file_name('chunks', n, 'parquet')}", rows=2, bytes=1, sha256="") for n in range(FILES)
     ]
     ranges = ChunkFileRanges.from_entries("out/index", entries[::-1])  # manifest order does not matter
-    assert ranges.paths[100_000] == "chunks/chunks-100000.parquet" and ranges.starts[100_000] == 200_000
+    assert ranges.chunks.path(100_000) == "chunks/chunks-100000.parquet" and ranges.start(100_000) == 200_000
     assert ranges.file_of(200_001) == 100_000 and ranges.file_of(199_999) == 99_999
 
 

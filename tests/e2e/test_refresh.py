@@ -58,7 +58,7 @@ def _most_retrieved(out, ids: np.ndarray, docs: list[dict], count: int) -> list[
     """The identities of the `count` documents whose chunks are most often among `ids`."""
     base = committed(str(out / "index"), IndexManifest)
     ranges = ChunkFileRanges.from_entries(str(out / "index"), base.files)
-    doc_of = np.concatenate([ranges.read(n, ["doc_id"])["doc_id"] for n in range(len(ranges.paths))])
+    doc_of = np.concatenate([ranges.read(n, ["doc_id"])["doc_id"] for n in range(ranges.num_files)])
     retrieved, counts = np.unique(doc_of[ids[ids >= 0]], return_counts=True)
     identity = {doc_id_for(d["id"]): d["id"] for d in docs}
     return [identity[int(d)] for d in retrieved[np.argsort(-counts, kind="stable")[:count]]]

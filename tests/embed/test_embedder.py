@@ -92,8 +92,8 @@ def test_a_backend_registered_alone_embeds_a_real_build_and_serves_its_retriever
         retriever = Retriever.open(str(tmp_path / "out" / "index"))
         assert retriever.embedding.backend == HASHED
         files = retriever.chunk_files
-        tokens = np.concatenate([files.read(n, ["tokens"])["tokens"] for n in range(len(files.starts) - 1)])
-        stored = np.concatenate([files.read_embeddings(n) for n in range(len(files.starts) - 1)])
+        tokens = np.concatenate([files.read(n, ["tokens"])["tokens"] for n in range(files.num_files)])
+        stored = np.concatenate([files.read_embeddings(n) for n in range(files.num_files)])
         texts = retriever.tokenizer.decode_batch([row.tolist() for row in tokens], skip_special_tokens=True)
         assert len(texts) == manifest.num_chunks > 20
         np.testing.assert_array_equal(stored, np.stack([hash_vector(t) for t in texts]))

@@ -137,6 +137,7 @@ def test_a_grown_slice_is_cut_and_a_list_empty_at_the_build_gets_the_owner_of_it
     is cut in lists; the routed search then answers as one index holding every vector."""
     from pipeline.chunks.deleted import DeletedRanges
     from pipeline.index.append import adopting_owners, change_slice, new_blocks, owners_after, renumbered
+    from pipeline.index.train import write_piece
     from tests.helpers import write_embedding_files
 
     index, data, queries = _index("IVF64,Flat", vectors=8_000)
@@ -160,25 +161,32 @@ def test_a_grown_slice_is_cut_and_a_list_empty_at_the_build_gets_the_owner_of_it
     adopting = adopting_owners(trained, owner)
     assert owner[emptied] == -1 and adopting[emptied] >= 0
     assert (np.delete(adopting, emptied) == np.delete(owner, emptied)).all()
-    blocks: dict[int, list] = {}
-    for path in paths:
+    pieces: dict[int, list] = {}  # a piece of each slice per new file, as the append writes them
+    for at, path in enumerate(paths):
         for block in new_blocks(faiss.clone_index(trained), path, adopting):
-            blocks.setdefault(block.index_slice, []).append(block)
-    assert sum(len(b.ids) for found in blocks.values() for b in found) == 2_000
+            piece = str(tmp_path / f"piece-{block.index_slice}-{at}.faiss")
+            write_piece(faiss.clone_index(trained), [block], piece)
+            pieces.setdefault(block.index_slice, []).append((at, piece))
     fits = int(max(s.ntotal for s in slices) * 1.1)
-    changed = {}
+    changed, adopted = {}, {}
     for number in range(len(slices)):  # each slice alone, as its own worker takes it
-        changed[number], _ = change_slice(
+        changed[number], _, lists = change_slice(
             slices[number],
-            blocks=blocks.get(number, []),
+            pieces=pieces.get(number, [])[::-1],  # merged in piece order whatever order they come in
             deleted=DeletedRanges.none(),
             fits=fits,
             trained_of=lambda: trained,
+            owner=owner,
         )
+        if len(lists):
+            adopted[number] = lists
+    assert sum(s.ntotal for p in changed.values() for _, s in p) + sum(
+        slices[n].ntotal for n, p in changed.items() if not p
+    ) == 8_000 - (6_000 - len(old))
+    assert {n: lists.tolist() for n, lists in adopted.items()} == {int(adopting[emptied]): [emptied]}
     cut = {n: len(p) for n, p in changed.items() if p}
     numbers = renumbered(cut, len(slices))
     assert any(count > 1 for count in cut.values())
-    adopted = {adopting[emptied]: np.array([emptied])}
     pieces = {(n, at): lists for n, p in changed.items() for at, (lists, _) in enumerate(p) if lists is not None}
     owner = owners_after(owner, adopted, pieces, numbers)
     grown = sorted(((numbers[(n, at)], piece) for n, p in changed.items() for at, (_, piece) in enumerate(p) if at))
