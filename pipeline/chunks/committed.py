@@ -144,8 +144,8 @@ class CommittedFiles:
     def paths(self) -> Iterator[str]:
         """Streamed from the manifest's file table: the step listing them never holds them all."""
         manifest = _committed_manifest(self.directory, self.manifest_sha256)
-        for paths, _ in fileio.entry_paths_and_rows_streamed(manifest, self.directory):
-            yield from (fileio.join(self.directory, p) for p in paths if p.startswith(self.prefix + "/"))
+        for table in fileio.entry_batches(manifest, self.directory, ["path"], self.prefix):
+            yield from (fileio.join(self.directory, path) for path in table["path"].to_pylist())
 
 
 def _no_longer_kept(directory: str) -> ValueError:
@@ -170,10 +170,10 @@ def _committed_manifest(directory: str, manifest_sha256: str):
 def _committed_ranges(directory: str, manifest_sha256: str) -> ChunkFileRanges:
     manifest = _committed_manifest(directory, manifest_sha256)
     runs = {prefix: FileRunsBuilder() for prefix in ("chunks", EMBEDDINGS_DIR)}
-    for paths, rows in fileio.entry_paths_and_rows_streamed(manifest, directory):
+    for table in fileio.entry_batches(manifest, directory, ["path", "rows"], tuple(runs)):
         for prefix, builder in runs.items():
-            kept = [i for i, path in enumerate(paths) if path.startswith(prefix + "/")]
-            builder.add([paths[i] for i in kept], [rows[i] for i in kept])
+            listed = fileio.under(table, prefix)
+            builder.add(listed["path"], listed["rows"])
     embeddings = runs[EMBEDDINGS_DIR].build()
     return ChunkFileRanges(directory, runs["chunks"].build(), embeddings if embeddings.num_files else None)
 

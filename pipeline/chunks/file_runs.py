@@ -7,16 +7,17 @@ A name outside the pattern (hand-given, unnumbered) is a run of its own. Imports
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from pipeline.common.names import file_number
 
-# `<head>NNNNN<tail>`: what `names.file_number` reads, NNNNN at least five digits as `file_name` writes it
-_NAME = re.compile(r"^(.*-)(\d+)((?:\.[\w.]+)?)$")
+# `<head>NNNNN<tail>`: what `names.file_number` reads (RE2, in Arrow), NNNNN as `file_name` writes it
+_NAME = r"^(?P<head>.*-)(?P<digits>\d+)(?P<tail>(?:\.[\w.]+)?)$"
 
 
 @dataclass(frozen=True)
@@ -36,14 +37,6 @@ class _Run:
         )
 
 
-def _run_of(path: str, rows: int) -> _Run:
-    found = _NAME.match(path)
-    number = file_number(path)
-    if found and f"{found.group(1)}{number:05d}{found.group(3)}" == path:
-        return _Run(number, 1, rows, found.group(1), found.group(3))
-    return _Run(number, 1, rows, path, None)
-
-
 def _coalesced(runs: list[_Run]) -> list[_Run]:
     out: list[_Run] = []
     for run in runs:
@@ -55,16 +48,48 @@ def _coalesced(runs: list[_Run]) -> list[_Run]:
     return out
 
 
+def _array(values, kind: pa.DataType) -> pa.Array:
+    if isinstance(values, pa.ChunkedArray):
+        return values.combine_chunks()
+    return values if isinstance(values, pa.Array) else pa.array(values, kind)
+
+
 class FileRunsBuilder:
-    """FileRuns from (paths, rows) batches in any order (a file table's row groups): each batch
-    is folded into runs as it comes, so building holds one batch plus the runs."""
+    """FileRuns from (paths, rows) batches in any order (a file table's row groups, as Arrow
+    arrays or lists): each batch is folded into runs as it comes, in Arrow and numpy (a name
+    outside the pattern alone in Python), so building holds one batch plus the runs."""
 
     def __init__(self):
         self._runs: list[_Run] = []
 
-    def add(self, paths: Iterable[str], rows: Iterable[int]) -> None:
-        batch = sorted((_run_of(p, r) for p, r in zip(paths, rows)), key=lambda run: run.number)
-        self._runs += _coalesced(batch)
+    def add(self, paths, rows) -> None:
+        paths, rows = _array(paths, pa.string()), _array(rows, pa.int64())
+        parts = pc.extract_regex(paths, _NAME)  # null where a name does not match
+        digits = pc.struct_field(parts, "digits")
+        width = pc.utf8_length(digits)
+        five_or_no_leading_zero = pc.or_(
+            pc.equal(width, 5), pc.and_(pc.greater(width, 5), pc.invert(pc.starts_with(digits, "0")))
+        )
+        regular = pc.fill_null(five_or_no_leading_zero, False)  # as `file_name` writes a number
+        odd = pc.invert(regular)
+        for path, count in zip(paths.filter(odd).to_pylist(), rows.filter(odd).to_pylist()):
+            self._runs.append(_Run(file_number(path), 1, count, path, None))
+        numbers = pc.cast(digits.filter(regular), pa.int64()).to_numpy()
+        if not len(numbers):
+            return
+        heads = pc.dictionary_encode(pc.struct_field(parts, "head").filter(regular))
+        tails = pc.dictionary_encode(pc.struct_field(parts, "tail").filter(regular))
+        columns = (numbers, rows.filter(regular).to_numpy(), heads.indices.to_numpy(), tails.indices.to_numpy())
+        order = np.argsort(numbers, kind="stable")
+        numbers, counts, head_codes, tail_codes = (column[order] for column in columns)
+        steps = np.diff(numbers) != 1
+        for column in (counts, head_codes, tail_codes):
+            steps |= np.diff(column) != 0
+        firsts = np.concatenate([[0], np.flatnonzero(steps) + 1]).tolist()
+        head_names, tail_names = heads.dictionary.to_pylist(), tails.dictionary.to_pylist()
+        for first, end in zip(firsts, [*firsts[1:], len(numbers)]):
+            head, tail = head_names[head_codes[first]], tail_names[tail_codes[first]]
+            self._runs.append(_Run(int(numbers[first]), end - first, int(counts[first]), head, tail))
 
     def build(self) -> FileRuns:
         runs = _coalesced(sorted(self._runs, key=lambda run: run.number))  # stable: unnumbered files keep their order

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import posixpath
+import re
 import uuid
 from collections.abc import Iterator
 from typing import TypeVar
@@ -192,21 +193,24 @@ def committed_summary(directory: str, model=None, *, number: int | None = None, 
 def entry_paths_and_rows(manifest, directory: str, prefix: str | None = None) -> tuple[list[str], list[int]]:
     """(paths, rows) of the manifest's entries (those under `prefix/`), in manifest order, from
     the two columns alone (`schemas.file_table.entry_columns`): no object per entry."""
-    table = _under(entry_columns(manifest, directory, ["path", "rows"], open_file=open_read), prefix)
+    table = under(entry_columns(manifest, directory, ["path", "rows"], open_file=open_read), prefix)
     return table["path"].to_pylist(), table["rows"].to_pylist()
 
 
-def entry_paths_and_rows_streamed(manifest, directory: str) -> Iterator[tuple[list[str], list[int]]]:
-    """(paths, rows) of the manifest's entries, in manifest order, a row group of its file
-    table at a time (`schemas.file_table.entry_column_batches`): never all at once."""
-    for table in entry_column_batches(manifest, directory, ["path", "rows"], open_file=open_read):
-        yield table["path"].to_pylist(), table["rows"].to_pylist()
+def entry_batches(
+    manifest, directory: str, columns: list[str], prefix: str | tuple[str, ...] | None = None
+) -> Iterator:
+    """These columns of the manifest's entries (those under `prefix/`), in manifest order, as
+    Arrow tables a row group of its file table at a time (`schemas.file_table.entry_column_batches`):
+    never all at once, and no Python object per entry."""
+    for table in entry_column_batches(manifest, directory, columns, open_file=open_read):
+        yield under(table, prefix)
 
 
 def entry_paths_and_sha256(manifest, directory: str, prefix: str | None = None) -> list[tuple[str, str]]:
     """(path, sha256) of the manifest's entries (those under `prefix/`), from those two columns
     alone, the file table checked against the manifest first (what files are checked against)."""
-    table = _under(entry_columns(manifest, directory, ["path", "sha256"], open_file=open_read, hashed=True), prefix)
+    table = under(entry_columns(manifest, directory, ["path", "sha256"], open_file=open_read, hashed=True), prefix)
     return list(zip(table["path"].to_pylist(), table["sha256"].to_pylist()))
 
 
@@ -215,13 +219,18 @@ def entries_under(manifest, directory: str, prefix: str) -> list[dict]:
     object for those alone. The file table is checked against the manifest first (these are
     what files are checked against)."""
     table = entry_columns(manifest, directory, entry_fields(manifest), open_file=open_read, hashed=True)
-    return _under(table, prefix).to_pylist()
+    return under(table, prefix).to_pylist()
 
 
-def _under(table, prefix: str | None):
-    """The file table's rows under `prefix/` (all with None), chosen before any becomes a
-    Python object: a caller after the faiss files of a table listing 10^6 files makes a few."""
-    return table if prefix is None else table.filter(pc.starts_with(table["path"], prefix + "/"))
+def under(table, prefix: str | tuple[str, ...] | None):
+    """The file table's rows under `prefix/` (or under any of several; all with None), chosen
+    before any becomes a Python object: a caller after the faiss files of a table listing 10^6
+    files makes a few."""
+    if prefix is None:
+        return table
+    prefixes = (prefix,) if isinstance(prefix, str) else prefix
+    pattern = "^(?:" + "|".join(re.escape(p) for p in prefixes) + ")/"
+    return table.filter(pc.match_substring_regex(table["path"], pattern))
 
 
 def whole(manifest, directory: str, *, error=ManifestError):

@@ -137,9 +137,8 @@ def read_committed_index(directory: str, commit: int | None = None) -> tuple[Com
     manifest = read_manifest(data, path, IndexManifest)
     paths = [  # the faiss and deletion files alone, a row group of the file table at a time
         path
-        for batch, _ in fileio.entry_paths_and_rows_streamed(manifest, directory)
-        for path in batch
-        if path.startswith(("faiss/", f"{DELETED_DIR}/"))
+        for table in fileio.entry_batches(manifest, directory, ["path"], ("faiss", DELETED_DIR))
+        for path in table["path"].to_pylist()
     ]
     names = [unversioned(path) for path in paths]  # faiss files are looked up by name
     routing = (f"faiss/{QUANTIZER_FILE}", f"faiss/{LIST_OWNERS_FILE}")

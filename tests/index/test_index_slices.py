@@ -237,3 +237,17 @@ def test_a_part_is_written_without_the_coarse_quantizer_and_merges_as_a_whole_on
     for index in (merged, whole):
         set_search_depth(index, 8)
     assert np.array_equal(merged.search(vectors[:100], 10)[1], whole.search(vectors[:100], 10)[1])
+
+
+def test_files_without_a_number_are_spread_over_pieces():
+    """`index` over hand-given files: unnumbered names would all be one piece (one group through
+    the shuffle); a hash of the path spreads them, the numbered ones keep their runs."""
+    from pipeline.index.build_slices import ListSlicing, piece_of
+
+    slicing = ListSlicing(owner=np.zeros(4, np.int64), parts=800, files_per_piece=100)
+    assert [piece_of(f"emb/embeddings-{n:05d}.parquet", slicing) for n in (0, 99, 100, 799)] == [0, 0, 1, 7]
+    unnumbered = [piece_of(f"hand/given/part_{letter}.parquet", slicing) for letter in "abcdefghijklmnopqrstuvwx"]
+    assert all(-8 <= piece < 0 for piece in unnumbered) and len(set(unnumbered)) >= 4
+    assert unnumbered == [
+        piece_of(f"hand/given/part_{letter}.parquet", slicing) for letter in "abcdefghijklmnopqrstuvwx"
+    ]
