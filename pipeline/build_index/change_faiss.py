@@ -36,7 +36,7 @@ from pipeline.index.append import (
     renumbered,
     truth_in_file,
 )
-from pipeline.index.build_slices import AssemblePiece
+from pipeline.index.build_slices import AssemblePiece, piece_of
 from pipeline.index.exact import merge_nearest
 from pipeline.index.factory import estimated_bytes
 from pipeline.index.files import (
@@ -182,7 +182,7 @@ class ChangeFaissFiles(beam.PTransform):
             | "MergeTruth" >> beam.CombineGlobally(MergedBy(merge_nearest))
         )
         if self.sliced:
-            changed, hits = self._change_slices(new_files, now, queries)
+            changed, hits = self._change_slices(new_files, now, queries, population)
             made = changed | "ChangedSlices" >> beam.combiners.ToList()
             finish = functools.partial(_finish_slices, committed=committed, directory=directory, staging=staging)
         else:
@@ -225,25 +225,24 @@ class ChangeFaissFiles(beam.PTransform):
         )
         return changed, changed | "HitsOfIndex" >> beam.MapTuple(lambda _e, _r, found: found)
 
-    def _change_slices(self, new_files, now, queries):
+    def _change_slices(self, new_files, now, queries, population):
         """Each new file encoded where it is read and cut into blocks by slice; a slice's blocks
         from a run of consecutive new files made a piece (`AssemblePiece`, as the build's); each
         slice that takes new vectors, may hold deleted ones (every slice, when documents are
         deleted) or owns a list the sample probes, read by one worker, its pieces merged one at
         a time, written if it changed, and searched for the sample."""
         committed, directory, staging = self.committed, self.directory, self.staging
-        vectors = new_files | "NewFileRows" >> beam.Map(lambda e: e.rows) | "NewVectors" >> beam.CombineGlobally(sum)
         files = new_files | "CountNewFiles" >> beam.combiners.Count.Globally()
-        files_per_new_piece = files | "FilesPerPiece" >> beam.Map(
-            lambda count, total: files_per_piece(total, count, self.slice_count, self.vector_bytes),
-            beam.pvalue.AsSingleton(vectors),
+        pieces_by = files | "FilesPerPiece" >> beam.Map(  # (files per piece, new files)
+            lambda count, total: (files_per_piece(total, count, self.slice_count, self.vector_bytes), count),
+            beam.pvalue.AsSingleton(population),
         )
         pieces = (
             new_files
             | "EncodeNewFiles"
             >> beam.ParDo(
                 _EncodeNewFile(committed, directory, staging, self.trained),
-                beam.pvalue.AsSingleton(files_per_new_piece),
+                beam.pvalue.AsSingleton(pieces_by),
             )
             | "GroupNewPieces" >> beam.GroupByKey()
             | "AssembleNewPieces" >> beam.ParDo(AssemblePiece(fileio.join(staging, "faiss")), *self.trained)
@@ -300,10 +299,10 @@ class _EncodeNewFile(beam.DoFn):
     def teardown(self):
         self._trained.drop()
 
-    def process(self, entry: FileEntry, files_per_piece: int):
+    def process(self, entry: FileEntry, pieces_by: tuple[int, int]):
         emptied = self._trained(*self.trained)
         adopting = _adopting_of(self.committed, self.directory)
-        piece = file_number(entry.path) // files_per_piece
+        piece = piece_of(entry.path, *pieces_by)
         for block in new_blocks(emptied, fileio.join(self.staging, entry.path), adopting):
             yield (block.index_slice, piece), block
 

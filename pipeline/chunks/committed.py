@@ -39,7 +39,7 @@ class CommittedIndexManifest:
     def summary(self):
         """The manifest's fields; its file entries only where they are inline (at most
         INLINE_FILE_ENTRIES), else none: read them with `faiss_entries` or `chunk_files`."""
-        return _committed_manifest(self.directory, self.manifest_sha256)
+        return _summary(self.directory, self.manifest_sha256)
 
     def faiss_entries(self) -> list:
         """The entries (FileEntry) of its faiss files alone, in manifest order."""
@@ -56,6 +56,11 @@ class CommittedIndexManifest:
 @functools.lru_cache(maxsize=2)
 def _whole_manifest(directory: str, manifest_sha256: str):
     return fileio.whole(_committed_manifest(directory, manifest_sha256), directory)
+
+
+@functools.lru_cache(maxsize=2)
+def _summary(directory: str, manifest_sha256: str):
+    return _committed_manifest(directory, manifest_sha256)
 
 
 @functools.lru_cache(maxsize=2)
@@ -142,7 +147,9 @@ class CommittedFiles:
     prefix: str  # chunks, embeddings
 
     def paths(self) -> Iterator[str]:
-        """Streamed from the manifest's file table: the step listing them never holds them all."""
+        """Streamed from the manifest's file table: the step listing them never holds them all
+        (its entry count checked; its sha256 is not, which needs the whole table read: each file
+        is then checked where it is read)."""
         manifest = _committed_manifest(self.directory, self.manifest_sha256)
         for table in fileio.entry_batches(manifest, self.directory, ["path"], self.prefix):
             yield from (fileio.join(self.directory, path) for path in table["path"].to_pylist())

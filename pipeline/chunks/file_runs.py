@@ -70,10 +70,12 @@ class FileRunsBuilder:
         five_or_no_leading_zero = pc.or_(
             pc.equal(width, 5), pc.and_(pc.greater(width, 5), pc.invert(pc.starts_with(digits, "0")))
         )
-        regular = pc.fill_null(five_or_no_leading_zero, False)  # as `file_name` writes a number
+        # as `file_name` writes a number, and one an int64 holds
+        regular = pc.fill_null(pc.and_(five_or_no_leading_zero, pc.less_equal(width, 18)), False)
         odd = pc.invert(regular)
         for path, count in zip(paths.filter(odd).to_pylist(), rows.filter(odd).to_pylist()):
-            self._runs.append(_Run(file_number(path), 1, count, path, None))
+            number = file_number(path)  # past an int64: taken as unnumbered
+            self._runs.append(_Run(number if number < 2**62 else -1, 1, count, path, None))
         numbers = pc.cast(digits.filter(regular), pa.int64()).to_numpy()
         if not len(numbers):
             return

@@ -122,22 +122,23 @@ def plan_slices(summed, trained_path, plan: IndexPlan, slice_bytes: int | None) 
     return ListSlicing(owner, parts, files_per_piece(int(sizes.sum()), parts, int(owner.max()) + 1, vector_bytes))
 
 
-def piece_of(embeddings: str, slicing: ListSlicing) -> int:
-    """The piece a part's blocks go to: the run of `files_per_piece` consecutive files it falls
-    in, so pieces in number order hold chunk ids in order. A file without a number (given to
-    `index` directly) goes to one of as many pieces, numbered below 0, by a hash of its path:
-    the slice's lists are sorted by chunk id after the merge whatever the order."""
+def piece_of(embeddings: str, files_per_piece: int, files: int) -> int:
+    """The piece an embeddings file's blocks go to: the run of `files_per_piece` consecutive
+    files it falls in, so pieces in number order hold chunk ids in order. A file without a
+    number (given to `index` directly) goes to one of files // files_per_piece pieces, numbered
+    below 0, by a hash of its path: a slice's lists are sorted by chunk id after the merge
+    whatever the order."""
     number = file_number(embeddings)
     if number >= 0:
-        return number // slicing.files_per_piece
-    return -1 - zlib.crc32(embeddings.encode()) % max(1, slicing.parts // slicing.files_per_piece)
+        return number // files_per_piece
+    return -1 - zlib.crc32(embeddings.encode()) % max(1, files // files_per_piece)
 
 
 def split_part(part: FilledPart, slicing: ListSlicing | None):
     """A filled part -> ((slice, piece), ListBlock) for each slice owning some of its lists."""
     if slicing is None:
         return
-    piece = piece_of(part.embeddings, slicing)
+    piece = piece_of(part.embeddings, slicing.files_per_piece, slicing.parts)
     for block in list_blocks(read_index(part.path, sha256=None), slicing.owner):
         yield (block.index_slice, piece), block
 

@@ -92,6 +92,7 @@ def _change_steps(
     lists = ivf_lists(factory) or 0
     new_vectors = int(new_codes / per_vector)
     piece = piece_bytes(new_vectors, files=math.ceil(new_vectors / file_rows), slices=slices, per_vector=per_vector)
+    grown = (1 + APPEND_SHARE) * held_bytes
     return [
         (
             "index: change: encode one new embeddings file",
@@ -106,7 +107,12 @@ def _change_steps(
         ),
         (
             "index: change one slice (append, delete)",
-            {f"{held} and its cut parts": 2 * held_bytes, "one piece of its new codes read": piece},
+            {
+                f"{held}, grown by its new codes (an append of {APPEND_SHARE:.0%})": grown,
+                "its lists' spare room as they grow": grown,
+                "its cut parts, when it outgrows the slice size": grown,
+                "one piece of its new codes read": piece,
+            },
             [],
         ),
         (

@@ -21,7 +21,7 @@ READ_AHEAD_GROUPS = 9
 def piece_bytes(vectors: int, *, files: int, slices: int, per_vector: int) -> float:
     """A piece's codes and ids: `files_per_piece` files' blocks of one slice, a file holding
     about as many vectors of a slice as each other."""
-    block = vectors / files / slices * per_vector  # a file's codes of one slice
+    block = vectors / max(files, 1) / slices * per_vector  # a file's codes of one slice
     return files_per_piece(vectors, files, slices, per_vector) * block
 
 

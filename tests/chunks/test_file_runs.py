@@ -64,6 +64,14 @@ def test_a_generation_of_100000_files_is_two_runs():
     assert runs.start(100_009) == 100_009 * 65_536 and runs.num_rows == 100_009 * 65_536 + 17
 
 
+def test_a_number_past_an_int64_is_a_name_of_its_own():
+    runs = FileRuns.of(["chunks/chunks-00000.parquet", f"chunks/chunks-{'9' * 25}.parquet"], [2, 3])
+    assert runs.num_rows == 5 and sorted(runs.paths()) == [
+        "chunks/chunks-00000.parquet",
+        f"chunks/chunks-{'9' * 25}.parquet",
+    ]
+
+
 def test_a_number_listed_twice_is_an_error():
     with pytest.raises(ValueError, match="file number 1 is listed twice"):
         names = ["chunks-00001.parquet", "chunks-00000.parquet", "chunks-00001.c000002.parquet"]

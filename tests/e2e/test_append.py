@@ -242,7 +242,9 @@ def test_of_two_changes_built_on_one_manifest_the_second_commits_nothing(tmp_pat
     write_jsonl(tmp_path / "corpus" / "c.jsonl", sample_documents(6, start=18))
     changes = corpus_changes(base, listed_corpus_files(cfg))
     # refused at the commit, or already where it reads the index the first change replaced
-    with pytest.raises(Exception, match="no longer kept|changed while this job ran|a run committed over it: run again"):
+    with pytest.raises(
+        (StageError, ValueError), match="no longer kept|changed while this job ran|a run committed over it: run again"
+    ):
         change_index(cfg, base, previous_sha256=base_sha, changes=changes, beam_args=[])
     assert committed(str(out / "index"), IndexManifest) == first  # the first change stands, whole
     assert all(line.startswith("OK") for line in validate_path(str(out / "index")))

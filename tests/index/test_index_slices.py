@@ -242,12 +242,10 @@ def test_a_part_is_written_without_the_coarse_quantizer_and_merges_as_a_whole_on
 def test_files_without_a_number_are_spread_over_pieces():
     """`index` over hand-given files: unnumbered names would all be one piece (one group through
     the shuffle); a hash of the path spreads them, the numbered ones keep their runs."""
-    from pipeline.index.build_slices import ListSlicing, piece_of
+    from pipeline.index.build_slices import piece_of
 
-    slicing = ListSlicing(owner=np.zeros(4, np.int64), parts=800, files_per_piece=100)
-    assert [piece_of(f"emb/embeddings-{n:05d}.parquet", slicing) for n in (0, 99, 100, 799)] == [0, 0, 1, 7]
-    unnumbered = [piece_of(f"hand/given/part_{letter}.parquet", slicing) for letter in "abcdefghijklmnopqrstuvwx"]
+    assert [piece_of(f"emb/embeddings-{n:05d}.parquet", 100, 800) for n in (0, 99, 100, 799)] == [0, 0, 1, 7]
+    names = [f"hand/given/part_{letter}.parquet" for letter in "abcdefghijklmnopqrstuvwx"]
+    unnumbered = [piece_of(name, 100, 800) for name in names]
     assert all(-8 <= piece < 0 for piece in unnumbered) and len(set(unnumbered)) >= 4
-    assert unnumbered == [
-        piece_of(f"hand/given/part_{letter}.parquet", slicing) for letter in "abcdefghijklmnopqrstuvwx"
-    ]
+    assert unnumbered == [piece_of(name, 100, 800) for name in names]  # the same on every run
