@@ -308,8 +308,8 @@ class _EncodeNewFile(beam.DoFn):
 
 
 class _ChangeSlice(beam.DoFn):
-    """(slice number, its new blocks) -> a `ChangedSlice` when it changed, and its hits for
-    the new vectors' sample (tagged "hits") when it was searched."""
+    """(slice number, its pieces of new codes) -> a `ChangedSlice` when it changed, and its hits
+    for the new vectors' sample (tagged "hits") when it was searched."""
 
     def __init__(self, committed, directory, staging):
         self.committed, self.directory, self.staging = committed, directory, staging
