@@ -4,9 +4,10 @@ entry, in the manifest's order, row groups of TABLE_ROW_GROUP entries) that the 
 with its sha256, entry count and size.
 
 The one writer (`split_entries`, at the commit) and the one reader: `whole_manifest` (every
-entry as a model: validate, report, inspect, the jobs) and `entry_columns` (some columns as
-Arrow arrays, no object per entry: the trainer). In memory a manifest model always holds its
-entries inline; only the file written splits them off.
+entry as a model: validate, report, inspect, the jobs), `entry_columns` (some columns as
+Arrow arrays, no object per entry: the trainer) and `entry_column_batches` (a row group at a
+time), and `EntriesByNumber` (an entry by its file's number, a row group read when asked). In
+memory a manifest model always holds its entries inline; only the file written splits them off.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import io
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -227,3 +229,80 @@ def _paths_inside(table: pa.Table, path: str, error) -> pa.Table:
             outside = table["path"].filter(pc.invert(inside))[0].as_py()
             raise error(f"{path}: entry path {outside!r} is not {INSIDE_PATH_RULE}")
     return table
+
+
+_FILE_NUMBER = r"-(?P<number>\d+)(?:\.[\w.]+)?$"  # as `pipeline.common.names.file_number` reads it
+
+
+def _numbers(paths) -> np.ndarray:
+    """Each path's file number (-1 where it has none, or one past an int64)."""
+    digits = pc.struct_field(pc.extract_regex(paths, _FILE_NUMBER), "number")
+    fits = pc.fill_null(pc.less_equal(pc.utf8_length(digits), 18), False)
+    return pc.fill_null(pc.cast(pc.if_else(fits, digits, None), pa.int64()), -1).to_numpy()
+
+
+def _hashed_streamed(path: str, reference: FileTable, open_file: Opener, error) -> None:
+    """The file table's size and sha256 checked against the manifest, read a block at a time."""
+    digest, size = hashlib.sha256(), 0
+    with _open_table(path, open_file, error) as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+            size += len(block)
+    if size != reference.bytes:
+        raise error(f"{path}: {size} bytes, the manifest says {reference.bytes}")
+    if digest.hexdigest() != reference.sha256:
+        raise error(f"{path}: sha256 {digest.hexdigest()} differs from the manifest's {reference.sha256}")
+
+
+class EntriesByNumber:
+    """A manifest's entries looked up by their file's number (`<prefix>-NNNNN.<ext>`), without
+    an object per entry: the file table checked against the manifest once (streamed), each row
+    group's lowest and highest number kept, and the row group holding a number read when it is
+    asked for, the last one kept (a reader asking for consecutive numbers reads each row group
+    once). Inline entries (at most INLINE_FILE_ENTRIES) are looked up as they are."""
+
+    def __init__(self, manifest, directory: str, *, open_file: Opener = _open_local, error=ManifestError):
+        self._model = _entry_model(manifest)
+        self._inline: dict | None = None
+        reference = manifest.file_table
+        if reference is None:
+            entries = getattr(manifest, entries_field(manifest))
+            numbers = _numbers(pa.array([e.path for e in entries], pa.string()))
+            self._inline = dict(zip(numbers.tolist(), entries))
+            return
+        self._path, self._open, self._error = _table_path(directory, reference), open_file, error
+        _hashed_streamed(self._path, reference, open_file, error)
+        names = list(self._model.model_fields)
+        lows, highs = [], []
+        with _open_table(self._path, open_file, error) as f:
+            parquet = pq.ParquetFile(f)
+            _checked(parquet, reference, self._path, names, error)
+            for group in range(parquet.num_row_groups):
+                numbers = _numbers(parquet.read_row_group(group, columns=["path"])["path"])
+                lows.append(numbers.min(initial=np.iinfo(np.int64).max))
+                highs.append(numbers.max(initial=-1))
+        self._lows, self._highs = np.array(lows, np.int64), np.array(highs, np.int64)
+        self._held: tuple[int, pa.Table, np.ndarray] | None = None  # (row group, its table, its numbers)
+
+    def get(self, number: int):
+        """The entry whose file has this number (the first listed), or None."""
+        if self._inline is not None:
+            return self._inline.get(number)
+        held = -1 if self._held is None else self._held[0]
+        candidates = np.flatnonzero((self._lows <= number) & (number <= self._highs)).tolist()
+        # the group held first, then the narrowest: where entries are not listed in number order
+        for group in sorted(candidates, key=lambda g: (g != held, self._highs[g] - self._lows[g])):
+            table, numbers = self._group(group)
+            at = np.flatnonzero(numbers == number)
+            if len(at):
+                return self._model(**table.slice(int(at[0]), 1).to_pylist()[0])
+        return None
+
+    def _group(self, group: int) -> tuple[pa.Table, np.ndarray]:
+        if self._held is None or self._held[0] != group:
+            self._held = None  # the one held goes before the next is read
+            with _open_table(self._path, self._open, self._error) as f:
+                table = pq.ParquetFile(f).read_row_group(group, columns=list(self._model.model_fields))
+            table = _paths_inside(table, self._path, self._error)
+            self._held = (group, table, _numbers(table["path"]))
+        return self._held[1], self._held[2]

@@ -34,6 +34,7 @@ from pipeline.retrieve.search import LOST_DATA, SEQUENCES_PER_SEARCH
 from pipeline.retrieve.sequences import pack_batch
 from pipeline.shards.rows import NeighbourIds, RowBatch, Sequence, SequenceBatch, row_tally, rows_of_table
 from schemas.arrow import SCHEMA_VERSION, read_shard_table
+from schemas.file_table import EntriesByNumber
 from schemas.manifest import ShardEntry, ShardsManifest, read_manifest, unversioned
 from schemas.measures import ShardsRefresh
 
@@ -123,13 +124,13 @@ class RefreshPlan:
 
 
 @functools.lru_cache(maxsize=1)
-def _stored_entries(directory: str, sha256: str) -> dict[int, ShardEntry]:
-    """The refreshed commit's shard entries by shard number (its manifest, checked by sha256)."""
+def _stored_entries(directory: str, sha256: str) -> EntriesByNumber:
+    """The refreshed commit's shard entries by shard number (its manifest, checked by sha256),
+    read a row group of its file table at a time: a worker never holds every shard's entry."""
     found = fileio.kept_commit_of(directory, sha256)
     if found is None:
         raise ValueError(f"{directory}: the shards commit being refreshed is no longer kept; run build-shards again")
-    manifest = fileio.whole(read_manifest(found[1], found[0], ShardsManifest), directory)
-    return {file_number(unversioned(entry.path)): entry for entry in manifest.shards}
+    return EntriesByNumber(read_manifest(found[1], found[0], ShardsManifest), directory, open_file=fileio.open_read)
 
 
 @functools.lru_cache(maxsize=1)

@@ -27,6 +27,7 @@ from pipeline.retrieve.refresh import QUERY_BLOCK, NewVectors
 from pipeline.retrieve.search import CANDIDATE, SEQUENCES_PER_SEARCH
 from schemas.backends import get_backend
 from schemas.config import PipelineConfig
+from schemas.file_table import TABLE_ROW_GROUP
 from schemas.shard_columns import row_bytes
 
 MB = 2**20
@@ -280,8 +281,8 @@ def _refresh_step(cfg: PipelineConfig, chunks: float, dim: int, shard_row: int, 
     """A refresh's shards of one chunk file, after an append of APPEND_SHARE (`_RefreshShards`):
     the new vectors held whole (they grow with the change; a change beyond index.memory_budget
     is built whole instead), the file's chunks and embeddings,
-    one shard's rows as stored and refreshed, the refreshed commit's shard entries (they grow
-    with the shards), and its queries' exact search among the new vectors, a block at a time."""
+    one shard's rows as stored and refreshed, a row group of the refreshed commit's shard
+    entries, and its queries' exact search among the new vectors, a block at a time."""
     m, rows, R = cfg.chunk_tokens, cfg.chunk_file_rows, cfg.rows_per_shard()
     queries = R * cfg.sequence_tokens // m
     shards = math.ceil(chunks / (queries or 1))
@@ -295,13 +296,16 @@ def _refresh_step(cfg: PipelineConfig, chunks: float, dim: int, shard_row: int, 
             new: min(NewVectors.held_bytes(int(APPEND_SHARE * chunks), dim, m, lists), cfg.index.memory_budget),
             f"the chunk file's {rows:,} doc ids and tokens, and its embeddings": rows * (8 + m * 4 + dim * 4) * 2,
             f"one shard's {R:,} rows, stored and refreshed": 2 * R * shard_row,
-            f"the refreshed commit's {shards:,} shard entries": shards * FILE_ENTRY,
+            # looked up by number a row group of the file table at a time (`EntriesByNumber`)
+            f"a row group ({TABLE_ROW_GROUP:,}) of the refreshed commit's shard entries": (
+                min(shards, TABLE_ROW_GROUP) * FILE_ENTRY
+            ),
             # faiss's flat search scores blocks of at most 4,096 queries x 1,024 vectors
             f"its {queries:,} queries, {QUERY_BLOCK:,} at a time searched among the new vectors": (
                 queries * dim * 4 + min(QUERY_BLOCK, 4096) * 1024 * 4
             ),
         },
-        [0, 3],  # the new vectors up to the budget
+        [0],  # the new vectors up to the budget
     )
 
 

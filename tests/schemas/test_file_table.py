@@ -130,3 +130,41 @@ def test_the_commit_writes_the_table_over_the_limit_and_drops_it_under(tmp_path)
         )
         assert bool(list(final.glob("files-*.parquet"))) == has_table  # the first commit's table goes with it
         assert fileio.committed_manifest(str(final), ShardsManifest).shards == manifest(shards).shards
+
+
+def test_entries_are_looked_up_by_number_a_row_group_at_a_time(tmp_path):
+    """A refresh asks for a shard's entry by its number: from the table's row groups (3 entries
+    each here), one read when a number in its range is asked for; inline entries as they are;
+    a number nobody lists is None; a table changed since its manifest is an error."""
+    from schemas.file_table import EntriesByNumber
+    from schemas.manifest import FileTable
+
+    model = manifest(10)
+    data, table = split_entries(model, 5)
+    rows = pq.read_table(pa.BufferReader(table))
+    rows = rows.take([9, 0, 1, 2, 3, 4, 5, 6, 7, 8])  # manifest order is not number order
+    sink = pa.BufferOutputStream()
+    pq.write_table(rows, sink, row_group_size=3)
+    table = sink.getvalue().to_pybytes()
+    (tmp_path / FILE_TABLE).write_bytes(table)
+    import hashlib
+
+    reference = FileTable(path=FILE_TABLE, sha256=hashlib.sha256(table).hexdigest(), entries=10, bytes=len(table))
+    data["file_table"] = reference.model_dump(mode="json")
+    (tmp_path / MANIFEST_FILE).write_text(json.dumps(data))
+
+    opened = []
+
+    def counted(path):
+        opened.append(path)
+        return open(path, "rb")
+
+    entries = EntriesByNumber(read(tmp_path), str(tmp_path), open_file=counted)
+    before = len(opened)
+    assert [entries.get(n) for n in range(10)] == model.shards and entries.get(10) is None
+    assert len(opened) - before == 5  # each row group once, the first (9, 0, 1) twice: not a read each
+    inline = EntriesByNumber(model, str(tmp_path))
+    assert inline.get(3) == model.shards[3] and inline.get(11) is None
+    (tmp_path / FILE_TABLE).write_bytes(table[:-1] + b"x")
+    with pytest.raises(ManifestError, match="sha256|bytes"):
+        EntriesByNumber(read(tmp_path), str(tmp_path))
