@@ -187,9 +187,8 @@ def _committed_ranges(directory: str, manifest_sha256: str) -> ChunkFileRanges:
 
 @functools.lru_cache(maxsize=2)
 def _committed_faiss_files(directory: str, manifest_sha256: str) -> dict[str, tuple[str, str]]:
-    """{name: (stored path, sha256)} of the index's faiss files (only those: a file table may
-    list millions), by the name they have whatever commit wrote them."""
+    """{name: (stored path, sha256)} of the index's faiss files (`faiss_entries`: only those, a
+    file table may list millions), by the name they have whatever commit wrote them."""
     from schemas.manifest import unversioned
 
-    manifest = _committed_manifest(directory, manifest_sha256)
-    return {unversioned(p): (p, h) for p, h in fileio.entry_paths_and_sha256(manifest, directory, "faiss")}
+    return {unversioned(e.path): (e.path, e.sha256) for e in _faiss_entries(directory, manifest_sha256)}
