@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pipeline.build_index.append import change_index  # noqa: E402
 from pipeline.build_index.job import build_index  # noqa: E402
 from pipeline.build_shards.job import build_shards  # noqa: E402
+from pipeline.check.plan import plan_validation  # noqa: E402
 from pipeline.check.validate_beam import validate_job_graph_bytes  # noqa: E402
 from pipeline.chunks.committed import CommittedChunkFiles  # noqa: E402
 from pipeline.common import fileio  # noqa: E402
@@ -210,6 +211,18 @@ def chunk_lookup(directory: Path, chunks: int) -> dict:
     }
 
 
+def validate_plan(root: Path, sample: float) -> dict:
+    """What `validate`'s plan holds over the output (index and shards): the Python allocations'
+    peak while planning, its seconds, and its pickled size (the job's side input)."""
+    tracemalloc.start()
+    started = time.perf_counter()
+    plan = plan_validation(str(root), sample)
+    seconds = time.perf_counter() - started
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return {"seconds": seconds, "peak_bytes": peak, "pickled_bytes": len(pickle.dumps(plan)), "sample": sample}
+
+
 DELETES = 100_000  # documents deleted at once in the simulated delete
 
 
@@ -264,6 +277,7 @@ def simulate(chunks: int, root: Path) -> dict:
             "shards": read_seconds(root / "shards", ShardsManifest),
         },
         "chunk_lookup": chunk_lookup(root / "index", chunks),
+        "validate_plan": [validate_plan(root, sample) for sample in (1.0, 0.01)],
         "largest_step": {"stage": heaviest["stage"], "bytes": heaviest["bytes"]},
     }
 
@@ -290,8 +304,14 @@ def main() -> None:
             f"{r['index_slices']} index slices, "
             f"{r['training_shards']:,} shards): graphs {graphs}; manifests with their file tables: {manifests}; "
             f"chunk-file lookup {lookup['runs']} runs, {lookup['pickled_bytes']:,} B pickled, built in "
-            f"{lookup['seconds']:.2f} s with a {lookup['peak_bytes'] / MB:.1f} MB peak; "
-            f"largest step {r['largest_step']['stage']} {r['largest_step']['bytes'] / 2**30:.1f} GiB"
+            f"{lookup['seconds']:.2f} s with a {lookup['peak_bytes'] / MB:.1f} MB peak; validate's plan "
+            + ", ".join(
+                f"(sample {p['sample']}) {p['seconds']:.1f} s, {p['peak_bytes'] / MB:.1f} MB peak, "
+                f"{p['pickled_bytes']:,} B pickled"
+                for p in r["validate_plan"]
+            )
+            + "; "
+            + f"largest step {r['largest_step']['stage']} {r['largest_step']['bytes'] / 2**30:.1f} GiB"
         )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

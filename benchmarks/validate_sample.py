@@ -42,8 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 import pyarrow as pa  # noqa: E402
 
 from benchmarks.report import write_results  # noqa: E402
+from pipeline.check.facts import ChunkFileUnit, ListedFile  # noqa: E402
 from pipeline.check.plan import plan_validation  # noqa: E402
 from pipeline.check.problems import check_listed_file  # noqa: E402
+from pipeline.check.units import units  # noqa: E402
 from pipeline.check.validate import run_in_process, validate_path  # noqa: E402
 from pipeline.chunks.chunk_files import CHUNK_ROW_GROUP_ROWS  # noqa: E402
 from pipeline.common.fileio import sha256_bytes  # noqa: E402
@@ -210,22 +212,23 @@ def chunk_bytes_read(output: Path, sample: float) -> tuple[int, int]:
     """Chunk-file bytes a validation reads to check rows (whole files, row groups; the hashing
     of listed files apart), and the chunk files' bytes in all."""
     plan = plan_validation(str(output), sample)
-    return run_in_process(plan).chunk_bytes_read, sum(unit.entry.bytes for unit in plan.chunk_files)
+    return run_in_process(plan).chunk_bytes_read, sum(unit.entry.bytes for unit in units(plan, ChunkFileUnit))
 
 
 def measure(output: Path, sample: float) -> dict:
     start = time.perf_counter()
     plan = plan_validation(str(output), sample)
     planned = time.perf_counter() - start
-    hashes = _best_seconds(lambda: [check_listed_file(d, e) for d, e in plan.listed_files])
+    listed = list(units(plan_validation(str(output), sample, hash_all=True), ListedFile))
+    hashes = _best_seconds(lambda: [check_listed_file(file.directory, file.entry) for file in listed])
     total = _best_seconds(lambda: validate_path(str(output), sample, hash_all=True))
     read, chunk_bytes = chunk_bytes_read(output, sample)
     return {
         "chunk_bytes_read": read,
         "chunk_bytes": chunk_bytes,
         "sample": sample,
-        "shards_checked": len(plan.shard_entries),
-        "files_hashed": len(plan.listed_files),
+        "shards_checked": plan.samples["shards"].count,
+        "files_hashed": len(listed),
         "plan_s": planned,
         "hashes_s": hashes,
         "total_s": total,

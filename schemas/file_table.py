@@ -306,3 +306,45 @@ class EntriesByNumber:
             table = _paths_inside(table, self._path, self._error)
             self._held = (group, table, _numbers(table["path"]))
         return self._held[1], self._held[2]
+
+
+def entry_groups(
+    manifest, directory: str, *, open_file: Opener = _open_local, error: Callable[[str], Exception] = ManifestError
+) -> int:
+    """How many row groups of entries `entry_group` reads (1 for inline entries), the file table
+    checked against the manifest first (size and sha256, streamed): a job that hands each row
+    group to a worker checks the table once, where it plans."""
+    reference = manifest.file_table
+    if reference is None:
+        return 1
+    path = _table_path(directory, reference)
+    _hashed_streamed(path, reference, open_file, error)
+    with _open_table(path, open_file, error) as f:
+        parquet = pq.ParquetFile(f)
+        _checked(parquet, reference, path, entry_fields(manifest), error)
+        return parquet.num_row_groups
+
+
+def entry_group(
+    manifest,
+    directory: str,
+    group: int,
+    *,
+    open_file: Opener = _open_local,
+    error: Callable[[str], Exception] = ManifestError,
+) -> list:
+    """The entries (`FileEntry`, or `ShardEntry`) of one row group of the manifest's file table
+    (of `entry_groups`), validated as a whole manifest's are; inline entries are group 0."""
+    reference = manifest.file_table
+    if reference is None:
+        return list(getattr(manifest, entries_field(manifest)))
+    path, model = _table_path(directory, reference), _entry_model(manifest)
+    with _open_table(path, open_file, error) as f:
+        try:
+            table = pq.ParquetFile(f).read_row_group(group, columns=list(model.model_fields))
+        except pa.ArrowInvalid as err:
+            raise error(f"{path}: not a Parquet file table ({err})") from None
+    try:
+        return TypeAdapter(list[model]).validate_python(table.to_pylist())  # type: ignore[valid-type]
+    except ValidationError as err:
+        raise error(f"{path}: entries not as a manifest's ({first_problem(err)})") from None

@@ -13,6 +13,7 @@ import numpy as np
 
 from pipeline.check.problems import require
 from pipeline.chunks.deleted import DeletedRanges
+from pipeline.chunks.file_runs import FileRuns
 from pipeline.common import fileio
 from pipeline.common.rejected import NEAR_DUPLICATE
 from pipeline.index.files import LIST_OWNERS_FILE, QUANTIZER_FILE, searched_files
@@ -22,29 +23,64 @@ from schemas.manifest import FileEntry, unversioned
 @dataclass(frozen=True)
 class ChunkFiles:
     """Where each chunk id of an index directory lives, located as every reader locates them
-    (`ChunkFileRanges`: file f holds the dense ids starts[f] ... starts[f + 1] - 1, checked
-    against the rules by `check_chunk_file`). 8 bytes a chunk file: a side input of the job;
-    the files' entries travel as the units (`ChunkFileUnit`)."""
+    (file f holds the dense ids start(f) ... start(f + 1) - 1, checked against the rules by
+    `check_chunk_file`): the files as runs (`FileRuns`), a few a generation however many files
+    there are. A side input of the job; the files' entries travel as the units (`ChunkFileUnit`)."""
 
     directory: str
-    starts: np.ndarray  # int64 [files + 1]
-
-    @classmethod
-    def of(cls, directory: str, entries: list[FileEntry]) -> ChunkFiles:
-        """From the chunk files' entries, in file order."""
-        require(entries, f"{directory}: manifest lists no chunk files", "manifest")
-        return cls(directory, np.cumsum([0] + [e.rows for e in entries], dtype=np.int64))
+    runs: FileRuns
 
     @property
     def count(self) -> int:
-        return len(self.starts) - 1
+        return self.runs.num_files
 
     @property
     def num_chunks(self) -> int:
-        return int(self.starts[-1])
+        return self.runs.num_rows
+
+    def start(self, number: int) -> int:
+        """The first chunk id of file `number` (num_chunks for number `count`)."""
+        return self.runs.start(number)
+
+    def starts_a_file(self, chunk_id: int) -> bool:
+        """Whether `chunk_id` is a file's first id (or num_chunks, where the last file ends)."""
+        if chunk_id == self.num_chunks:
+            return True
+        if not 0 <= chunk_id < self.num_chunks:
+            return False
+        return self.start(int(self.runs.positions_of(np.array([chunk_id]))[0])) == chunk_id
 
     def file_of(self, chunk_ids: np.ndarray) -> np.ndarray:
-        return np.searchsorted(self.starts, chunk_ids, side="right") - 1
+        """The file holding each of these ids (each in 0 ... num_chunks - 1: unchecked)."""
+        return self.runs.positions_of(chunk_ids)
+
+
+@dataclass(frozen=True)
+class EntryGroup:
+    """A row group of a manifest's file table (group 0: its inline entries), whose entries one
+    worker turns into units (`pipeline.check.units.units_of`) as its `role` says: "index" (chunk
+    files, embedding files, the rest listed), "shards", "chunks" (the chunk files alone, of an
+    index not validated), "listed" (every file listed)."""
+
+    directory: str
+    role: str
+    group: int
+
+
+@dataclass(frozen=True)
+class ListedFile:
+    """A listed file no check reads, checked by its size and sha256."""
+
+    directory: str
+    entry: FileEntry
+
+
+@dataclass(frozen=True)
+class ListedSizes:
+    """Listed files no check reads, checked by their sizes alone (a sample): a row group's."""
+
+    directory: str
+    entries: tuple[FileEntry, ...]
 
 
 @dataclass(frozen=True)

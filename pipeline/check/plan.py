@@ -1,22 +1,20 @@
-"""Which units `validate` checks: the manifest's totals against its entries, and with
-`sample` < 1 the hash-chosen shards, chunk files and embedding files (`plan_validation`).
+"""What `validate` checks, decided from the manifests (`plan_validation`): the manifests' totals
+against their entries, streamed from the file tables a row group at a time, the facts every check
+needs, and the row groups whose entries become the units (`pipeline.check.units`); with `sample`
+< 1 the hash-chosen shards, chunk files and embedding files (`pipeline.check.sample`). Nothing
+here holds an entry per file: chunk and embedding files as runs (`FileRuns`), totals as sums.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import math
 import posixpath
 from dataclasses import dataclass, field
-
-import numpy as np
 
 from pipeline.build_shards.manifest import neighbour_summary
 from pipeline.check.facts import (
     ChunkFiles,
-    ChunkFileUnit,
-    EmbeddingFileUnit,
+    EntryGroup,
     FaissFacts,
     IndexFacts,
     ShardsFacts,
@@ -24,17 +22,20 @@ from pipeline.check.facts import (
 )
 from pipeline.check.problems import manifest_problem, require
 from pipeline.check.rules import check_generations
-from pipeline.chunks.chunk_files import in_file_order
-from pipeline.chunks.deleted import DeletedRanges, deleted_files, read_deleted
+from pipeline.check.sample import Sample
+from pipeline.check.tallies import IndexFiles, ShardTotals
+from pipeline.chunks.chunk_files import EMBEDDINGS_DIR
+from pipeline.chunks.deleted import DeletedRanges, read_deleted
+from pipeline.chunks.file_runs import FileRuns
 from pipeline.common import fileio
 from pipeline.common.rejected import NEAR_DUPLICATE
 from pipeline.retrieve.committed import change_since, generation_spans
 from schemas.arrow import (
     SHARD_METADATA_KEYS,
 )
-from schemas.file_table import entries_field
 from schemas.manifest import (
     MANIFEST_FILE,
+    FileEntry,
     IndexManifest,
     ShardsManifest,
     VectorIndexManifest,
@@ -45,30 +46,11 @@ from schemas.manifest import (
 INDEX_PROBES = 64  # embeddings searched for themselves in the faiss index
 
 
-def _entries(manifest) -> list:
-    """The files a manifest lists (`FileEntry`; a shards manifest: its shards, `ShardEntry`); the
-    one place they are read."""
-    return getattr(manifest, entries_field(manifest))
-
-
-def _name_hash(path: str) -> bytes:
-    return hashlib.sha256(posixpath.basename(path).encode()).digest()
-
-
-def sampled(entries: list, fraction: float, path_of=lambda entry: entry.path) -> list:
-    """The ceil(fraction x len) entries (at least one) whose file names (`path_of(entry)`) hash
-    lowest, in their own order: the same sample on every run, whatever else the directory holds."""
-    if fraction >= 1 or not entries:
-        return list(entries)
-    count = max(1, math.ceil(fraction * len(entries) - 1e-9))  # 0.07 x 100 is 7.000000000000001
-    chosen = set(sorted(range(len(entries)), key=lambda i: _name_hash(path_of(entries[i])))[:count])
-    return [entry for i, entry in enumerate(entries) if i in chosen]
-
-
 @dataclass(kw_only=True)
 class ValidationPlan:
     """What a validation reads, decided from the manifests (whose own checks it runs): the
-    facts every check needs (small), and the units, one a file (`facts()` leaves them out)."""
+    facts every check needs and the file tables' row groups whose entries become the units
+    (`pipeline.check.units`), nothing per file."""
 
     path: str
     sample: float
@@ -76,17 +58,17 @@ class ValidationPlan:
     commits: dict[str, int] = field(default_factory=dict)  # directory -> the commit read there (pinned)
     hash_all: bool = False  # a sample also hashes every listed file it does not read
     manifests_read: dict = field(default_factory=dict, repr=False)  # directory -> (path, bytes), while planning
+    manifests: dict = field(default_factory=dict)  # directory -> its manifest (entries in its file table)
+    entry_groups: list[EntryGroup] = field(default_factory=list)  # whose entries become the units
     index: IndexFacts | None = None  # the index whose chunk files are checked by the rules
     shards: ShardsFacts | None = None
     faiss_index: FaissFacts | None = None
     chunks: ChunkFiles | None = None  # the chunk database read (the index's, or the shards')
+    embeddings: FileRuns | None = None  # the index's embedding files, where it is validated
     deleted: DeletedRanges | None = None  # the documents deleted from that index
+    samples: dict[str, Sample] = field(default_factory=dict)  # "chunks", "embeddings", "shards": those checked
     probes_per_file: int = INDEX_PROBES
     lines: list = field(default_factory=list)  # what a passing validation prints
-    shard_entries: list = field(default_factory=list)  # shards checked
-    chunk_files: list[ChunkFileUnit] = field(default_factory=list)  # every chunk file, in chunk-id order
-    embedding_files: list[EmbeddingFileUnit] = field(default_factory=list)  # checked
-    listed_files: list = field(default_factory=list)  # (directory, entry) checked by size (and sha256: `hashed`)
 
     @property
     def complete(self) -> bool:
@@ -96,10 +78,6 @@ class ValidationPlan:
     def hashed(self) -> bool:
         """Whether the listed files no check reads are hashed (else their sizes are checked)."""
         return self.complete or self.hash_all
-
-    def facts(self) -> ValidationPlan:
-        """The plan without its units: what a check of one unit needs besides the unit."""
-        return dataclasses.replace(self, shard_entries=[], chunk_files=[], embedding_files=[], listed_files=[])
 
 
 def _listed_note(plan: ValidationPlan, listed: int, files: str = "files") -> str:
@@ -129,30 +107,47 @@ def _read(plan: ValidationPlan, directory: str) -> tuple[str, bytes | None]:
 
 
 def _manifest(plan: ValidationPlan, directory: str, model):
+    """The manifest of `directory` (its entries in its file table, if it has one), whose row
+    groups are then planned as units of `role` (the table checked against the manifest)."""
     path, data = _read(plan, directory)
-    return fileio.whole(read_manifest(data, path, model, error=manifest_problem), directory, error=manifest_problem)
+    manifest = read_manifest(data, path, model, error=manifest_problem)
+    plan.manifests[directory] = manifest
+    return manifest
+
+
+def _add_groups(plan: ValidationPlan, directory: str, role: str) -> None:
+    groups = fileio.entry_groups(plan.manifests[directory], directory, error=manifest_problem)
+    plan.entry_groups += [EntryGroup(directory, role, group) for group in range(groups)]
+
+
+def _names(manifest, directory: str, prefix: str | None):
+    """The file names (under `prefix/`; all with None), a row group at a time, for a `Sample`'s passes."""
+    return lambda: (t["path"].to_pylist() for t in fileio.entry_batches(manifest, directory, ["path"], prefix))
+
+
+def _chunk_files(directory: str, runs: FileRuns) -> ChunkFiles:
+    require(runs.num_files, f"{directory}: manifest lists no chunk files", "manifest")
+    return ChunkFiles(directory, runs)
 
 
 def _plan_index(plan: ValidationPlan, directory: str) -> None:
     manifest = _manifest(plan, directory, IndexManifest)
-    entries = _entries(manifest)
-    chunk_entries = in_file_order(entries, "chunks")
-    chunks = ChunkFiles.of(directory, chunk_entries)
+    _add_groups(plan, directory, "index")
+    files = IndexFiles.of(manifest, directory)
+    chunks = _chunk_files(directory, files.chunks)
     require(
         chunks.num_chunks == manifest.num_chunks,
         f"{directory}: {chunks.num_chunks} chunk rows, manifest says {manifest.num_chunks}",
         "manifest",
     )
-    embeddings = in_file_order(entries, "embeddings")
-    embedded = int(sum(entry.rows for entry in embeddings))
     require(
-        embedded == manifest.num_chunks,
-        f"{directory}: {embedded} embeddings for {manifest.num_chunks} chunks",
+        files.embeddings.num_rows == manifest.num_chunks,
+        f"{directory}: {files.embeddings.num_rows} embeddings for {manifest.num_chunks} chunks",
         "manifest",
     )
     check_generations(directory, manifest.generations, chunks, manifest.num_documents)
-    plan.chunks = chunks
-    plan.deleted = deleted = read_deleted(deleted_files(directory, entries))
+    plan.chunks, plan.embeddings = chunks, files.embeddings
+    plan.deleted = deleted = read_deleted(files.deleted)
     require(
         (len(deleted), deleted.num_chunks) == (manifest.deleted_documents, manifest.deleted_chunks),
         f"{directory}: {len(deleted)} deleted documents of {deleted.num_chunks} chunks listed in deleted/, "
@@ -173,28 +168,20 @@ def _plan_index(plan: ValidationPlan, directory: str) -> None:
     )
     if plan.complete:  # a sample does not search it: loading it reads it whole (or every slice probed)
         plan.faiss_index = FaissFacts.of(
-            directory, manifest, entries, manifest.num_chunks - manifest.deleted_chunks, deleted
+            directory, manifest, files.faiss, manifest.num_chunks - manifest.deleted_chunks, deleted
         )
-    chosen = {entry.path for entry in sampled(chunk_entries, plan.sample)}
-    plan.chunk_files = [ChunkFileUnit(i, entry, entry.path in chosen) for i, entry in enumerate(chunk_entries)]
-    read = set(chosen)  # read whole, their sha256 checked on the bytes read
-    chosen = {entry.path for entry in sampled(embeddings, plan.sample)}
-    starts = np.cumsum([0] + [e.rows for e in embeddings])
-    plan.embedding_files = [
-        EmbeddingFileUnit(i, entry, int(starts[i])) for i, entry in enumerate(embeddings) if entry.path in chosen
-    ]
-    plan.probes_per_file = max(1, INDEX_PROBES // max(1, len(plan.embedding_files)))
-    read |= chosen
-    plan.listed_files += [(directory, entry) for entry in entries if entry.path not in read]
+    for name, prefix, runs in (("chunks", "chunks", chunks.runs), ("embeddings", EMBEDDINGS_DIR, files.embeddings)):
+        plan.samples[name] = Sample.of(plan.sample, runs.num_files, _names(manifest, directory, prefix))
+    plan.probes_per_file = max(1, INDEX_PROBES // max(1, plan.samples["embeddings"].count))
     note = _sample_note(
         plan,
         [
-            f"{sum(unit.sampled for unit in plan.chunk_files)} of {len(chunk_entries)} chunk files "
+            f"{plan.samples['chunks'].count} of {chunks.count} chunk files "
             "(and the row groups of others that sampled shards reference)",
-            f"{len(plan.embedding_files)} of {len(embeddings)} embedding files",
+            f"{plan.samples['embeddings'].count} of {files.embeddings.num_files} embedding files",
             "no search of the faiss index",
         ],
-        len(entries),
+        files.listed,
     )
     history = ""
     if len(manifest.generations) > 1 or manifest.deleted_documents:
@@ -208,20 +195,21 @@ def _plan_index(plan: ValidationPlan, directory: str) -> None:
     )
 
 
-def _check_shard_totals(directory: str, manifest: ShardsManifest, entries: list, chunks_per_sequence: int) -> None:
+def _check_shard_totals(
+    directory: str, manifest: ShardsManifest, totals: ShardTotals, chunks_per_sequence: int
+) -> None:
     """The manifest's totals against the sums of its shard entries (which `check_shard` holds
     each shard to)."""
-    rows = sum(entry.rows for entry in entries)
+    rows = totals.rows
     require(
         rows == manifest.num_sequences,
         f"{directory}: {rows} rows in the shards, manifest says {manifest.num_sequences}",
         "manifest",
     )
     _check_source_totals(directory, manifest)
-    counts = [n for entry in entries if (n := entry.neighbour_slots_filled) is not None]
-    if manifest.neighbour_fill is None or len(counts) < len(entries):
+    if manifest.neighbour_fill is None or totals.filled is None:
         return
-    filled, slots = sum(counts), rows * chunks_per_sequence * manifest.neighbours
+    filled, slots = totals.filled, rows * chunks_per_sequence * manifest.neighbours
     require(
         abs(manifest.neighbour_fill - (filled / slots if slots else 1.0)) < 1e-9,
         f"{directory}: neighbour_fill {manifest.neighbour_fill} disagrees with the shards ({filled}/{slots})",
@@ -267,21 +255,17 @@ def _plan_shards(plan: ValidationPlan, directory: str, index_directory: str) -> 
             plan.commits[index_directory] = built_against
     index_path, index_bytes = _read(plan, index_directory)
     if plan.chunks is None:  # else the index was planned (and its manifest read) here
-        index_manifest = fileio.whole(
-            read_manifest(index_bytes, index_path, IndexManifest, error=manifest_problem),
-            index_directory,
-            error=manifest_problem,
-        )
+        index_manifest = _manifest(plan, index_directory, IndexManifest)
     assert index_bytes is not None  # read_manifest raised for a missing one, or the index was planned here
     built_on = fileio.sha256_bytes(index_bytes) == manifest.index_manifest_sha256
     require(built_on, "" if built_on else _not_built_on(directory, manifest, index_path, index_bytes), "manifest")
     m = manifest.chunk_tokens
     require(manifest.neighbour_tokens == 2 * m, f"{directory}: neighbour_tokens != 2 x chunk_tokens", "manifest")
     if plan.chunks is None:  # the index is not validated here: its chunk files only read for the references
-        chunk_entries = in_file_order(_entries(index_manifest), "chunks")
-        plan.chunks = ChunkFiles.of(index_directory, chunk_entries)
-        plan.chunk_files = [ChunkFileUnit(i, entry, plan.complete) for i, entry in enumerate(chunk_entries)]
-        plan.deleted = read_deleted(deleted_files(index_directory, _entries(index_manifest)))
+        _add_groups(plan, index_directory, "chunks")
+        files = IndexFiles.of(index_manifest, index_directory)
+        plan.chunks = _chunk_files(index_directory, files.chunks)
+        plan.deleted = read_deleted(files.deleted)
     plan.shards = ShardsFacts(
         directory=directory,
         sequence_tokens=manifest.sequence_tokens,
@@ -297,25 +281,22 @@ def _plan_shards(plan: ValidationPlan, directory: str, index_directory: str) -> 
         deleted=plan.deleted if plan.deleted is not None else DeletedRanges.none(),
         sources=tuple(source.name for source in manifest.sources),
     )
-    entries = _entries(manifest)
-    _check_shard_totals(directory, manifest, entries, plan.shards.chunks_per_sequence)
-    plan.shard_entries = sampled(entries, plan.sample)
-    if manifest.sources and len(plan.shard_entries) == len(entries):
-        totals = tuple((source.sequences, source.tokens) for source in manifest.sources)
-        plan.shards = dataclasses.replace(plan.shards, source_totals=totals)
-    checked = {entry.path for entry in plan.shard_entries}
-    plan.listed_files += [(directory, entry) for entry in entries if entry.path not in checked]
-    L, k = plan.shards.chunks_per_sequence, manifest.neighbours
-    rows = sum(entry.rows for entry in plan.shard_entries)
-    counts = [entry.neighbour_slots_filled for entry in plan.shard_entries]
-    filled = "" if None in counts else f"{sum(counts)}/{rows * L * k} neighbour slots filled, "
-    total = len(entries)
+    _add_groups(plan, directory, "shards")
+    totals = ShardTotals.of(manifest, directory)
+    _check_shard_totals(directory, manifest, totals, plan.shards.chunks_per_sequence)
+    sample = plan.samples["shards"] = Sample.of(plan.sample, totals.shards, _names(manifest, directory, None))
+    if manifest.sources and sample.complete:
+        source_totals = tuple((source.sequences, source.tokens) for source in manifest.sources)
+        plan.shards = dataclasses.replace(plan.shards, source_totals=source_totals)
+    checked = totals if sample.complete else ShardTotals.of(manifest, directory, sample)
+    L, k, rows = plan.shards.chunks_per_sequence, manifest.neighbours, checked.rows
+    filled = "" if checked.filled is None else f"{checked.filled}/{rows * L * k} neighbour slots filled, "
     if plan.complete:
-        head = f"OK shards {directory}: {rows} sequences in {total} shards"
+        head = f"OK shards {directory}: {rows} sequences in {totals.shards} shards"
     else:
         head = (
-            f"OK shards {directory} (a sample: {len(plan.shard_entries)} of {total} shards and the chunk "
-            f"rows they reference; {_listed_note(plan, total, 'shards')}): {rows} sequences in the sample"
+            f"OK shards {directory} (a sample: {sample.count} of {totals.shards} shards and the chunk "
+            f"rows they reference; {_listed_note(plan, totals.shards, 'shards')}): {rows} sequences in the sample"
         )
     shares = ", ".join(f"{s.name} {s.share:.3f} (asked {s.weight:.3f})" for s in manifest.sources)
     plan.lines.append(
@@ -345,10 +326,10 @@ def _built_against(index_directory: str, index_manifest_sha256: str) -> int | No
 
 def _plan_vector_index(plan: ValidationPlan, directory: str) -> None:
     manifest = _manifest(plan, directory, VectorIndexManifest)
-    entries = _entries(manifest)
-    plan.listed_files += [(directory, entry) for entry in entries]
+    _add_groups(plan, directory, "listed")
     if plan.complete:  # a sample does not search it, as for a pipeline's index
-        plan.faiss_index = FaissFacts.of(directory, manifest, entries, manifest.num_vectors, DeletedRanges.none())
+        faiss = [FileEntry(**entry) for entry in fileio.entries_under(manifest, directory, "faiss")]
+        plan.faiss_index = FaissFacts.of(directory, manifest, faiss, manifest.num_vectors, DeletedRanges.none())
     plan.lines.append(
         f"OK vector index {directory}: {manifest.num_vectors} vectors, {manifest.index_factory}, "
         f"{manifest.recall_at_k.measure} = {manifest.recall_at_k.value:.3f} at depth {manifest.nprobe}"

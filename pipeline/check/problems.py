@@ -78,10 +78,9 @@ def check_listed_file(directory: str, entry: FileEntry) -> None:
 
 @of_kind("file")
 def check_listed_sizes(directory: str, entries: list[FileEntry]) -> None:
-    """The sizes of listed files, from one listing of their directory (no file read); one
-    problem naming every file missing or of another size (the first ten)."""
-    start = len(directory.rstrip("/")) + 1
-    sizes = {m.path[start:]: m.size_in_bytes for m in fileio.list_metadata(directory)}
+    """The sizes of listed files (`fileio.sizes`: no file read); one problem naming every file
+    missing or of another size (the first ten)."""
+    sizes = fileio.sizes(directory, [e.path for e in entries])
     wrong = [
         f"{fileio.join(directory, e.path)}: "
         + (
@@ -94,14 +93,6 @@ def check_listed_sizes(directory: str, entries: list[FileEntry]) -> None:
     ]
     more = f" (and {len(wrong) - 10} more files)" if len(wrong) > 10 else ""
     require(not wrong, "; ".join(wrong[:10]) + more)
-
-
-def by_directory(listed: list[tuple[str, FileEntry]]) -> list[tuple[str, list[FileEntry]]]:
-    """(directory, entries) of listed files, a pair per directory, in the order first listed."""
-    grouped: dict[str, list[FileEntry]] = {}
-    for directory, entry in listed:
-        grouped.setdefault(directory, []).append(entry)
-    return list(grouped.items())
 
 
 def checked_parquet(directory: str, entry: FileEntry) -> pa.Table:

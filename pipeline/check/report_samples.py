@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.check.plan import sampled
 from pipeline.check.report_sources import Sources
+from pipeline.check.sample import sampled
 from pipeline.common import fileio
 from schemas.arrow import read_shard, shard_column
 from schemas.manifest import ShardsManifest

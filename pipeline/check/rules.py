@@ -36,7 +36,7 @@ def check_chunk_rules(index: IndexFacts, number: int, rows: ChunkRows) -> ChunkF
     """One chunk file against the rules, within the file (its first row is checked against
     the file before it by `check_chunk_boundaries`)."""
     path = f"{index.directory}/chunks file {number}"
-    m, pad, start = index.chunk_tokens, index.pad_id, int(index.chunks.starts[number])
+    m, pad, start = index.chunk_tokens, index.pad_id, index.chunks.start(number)
     ids, docs, positions, tokens = rows.chunk_id, rows.doc_id, rows.position, rows.tokens
     continuations = rows.continuation
     require(len(ids) > 0, f"{path}: holds no chunks")
@@ -96,7 +96,7 @@ def check_chunk_boundaries(index: IndexFacts, ends: list[ChunkFileEnds]) -> None
             continue
         path = f"{index.directory}/chunks file {number}"
         # a generation's first file starts a document: an appended one may have the id of the last one before
-        opens_generation = int(index.chunks.starts[number]) in index.generation_starts
+        opens_generation = index.chunks.start(number) in index.generation_starts
         same_doc = after.first_doc == before.last_doc and not opens_generation
         require(
             after.first_position == (before.last_position + 1 if same_doc else 0),
@@ -106,7 +106,7 @@ def check_chunk_boundaries(index: IndexFacts, ends: list[ChunkFileEnds]) -> None
             np.array_equal(
                 before.last_continuation, after.first_tokens if same_doc else np.full_like(after.first_tokens, pad)
             ),
-            f"{path}: chunk {int(index.chunks.starts[number]) - 1} continuation is not the next "
+            f"{path}: chunk {index.chunks.start(number) - 1} continuation is not the next "
             "chunk of its document (or padding at its end)",
         )
     last = by_number.get(index.chunks.count - 1)
@@ -131,7 +131,7 @@ def check_generations(directory: str, generations: list[Generation], chunks: Chu
     next_id = 0
     for generation in generations:
         require(
-            generation.first_chunk_id == next_id and next_id in chunks.starts,
+            generation.first_chunk_id == next_id and chunks.starts_a_file(next_id),
             f"{directory}: generation {generation.number} starts at chunk id {generation.first_chunk_id}, "
             f"not at {next_id} or not at a chunk file's first row",
             "manifest",

@@ -6,6 +6,7 @@ sampled, against `pipeline.check.rules`), and that no sequence is in two shards
 
 from __future__ import annotations
 
+import bisect
 import functools
 from dataclasses import dataclass, field
 
@@ -220,7 +221,7 @@ def check_references(chunks: ChunkFiles, unit: ChunkFileUnit, read: ChunkRowsRea
     sequence's own chunks hold its tokens and their documents are among its doc_ids."""
     refs, docs, rows = block.refs, block.docs, read.rows
     m = rows.tokens.shape[1]
-    local = read.at[np.searchsorted(read.asked, refs["chunk_id"] - int(chunks.starts[unit.number]))]
+    local = read.at[np.searchsorted(read.asked, refs["chunk_id"] - chunks.start(unit.number))]
     path = fileio.join(chunks.directory, unit.entry.path)
     require(
         np.array_equal(rows.chunk_id[local], refs["chunk_id"]),
@@ -260,7 +261,7 @@ def check_chunk_file(chunks: ChunkFiles, unit: ChunkFileUnit, blocks, index: Ind
     if unit.sampled:
         read = read_whole(chunks.directory, unit.entry)
     elif blocks:
-        start = int(chunks.starts[unit.number])
+        start = chunks.start(unit.number)
         local = np.unique(np.concatenate([block.refs["chunk_id"] for block in blocks]) - start)
         require(
             local[0] >= 0 and local[-1] < unit.entry.rows,
@@ -277,18 +278,74 @@ def check_chunk_file(chunks: ChunkFiles, unit: ChunkFileUnit, blocks, index: Ind
         check_references(chunks, unit, read, block)
 
 
+SEQ_BLOCK = 1 << 20  # seq ids whose shards the job sums together before it merges the blocks
+
+
+@dataclass
+class ShardsTogether:
+    """The shards checked, summed (`add` a `ShardResult.summary`, `merge` another): their seq_id
+    ranges as sorted, disjoint intervals with touching ones joined (dense seq ids in shards
+    taken in order are one interval however many shards), an overlap found, and rows and tokens
+    per source. Taken in random order the intervals are up to a quarter of the shards until the
+    gaps close, so the job sums the shards of each SEQ_BLOCK of seq ids apart (about a
+    thousand shards) and then merges the blocks' sums."""
+
+    intervals: list = field(default_factory=list)  # [first, last, path at first, path at last]
+    overlap: str | None = None
+    source_counts: np.ndarray | None = None  # [sources, 2]
+
+    def add(self, first: int, last: int, path: str, counts: tuple) -> ShardsTogether:
+        self._insert([first, last, path, path])
+        self._count(np.array(counts, np.int64).reshape(-1, 2))
+        return self
+
+    def merge(self, other: ShardsTogether) -> ShardsTogether:
+        for interval in other.intervals:
+            self._insert(list(interval))
+        if other.overlap is not None:
+            self._overlaps(other.overlap)
+        if other.source_counts is not None:
+            self._count(other.source_counts)
+        return self
+
+    def _count(self, counts: np.ndarray) -> None:
+        self.source_counts = counts if self.source_counts is None else self.source_counts + counts
+
+    def _overlaps(self, message: str) -> None:
+        self.overlap = message if self.overlap is None else min(self.overlap, message)
+
+    def _insert(self, interval: list) -> None:
+        at = bisect.bisect_left(self.intervals, interval[0], key=lambda kept: kept[0])
+        for neighbour in self.intervals[max(0, at - 1) : at + 1]:
+            if neighbour[0] <= interval[1] and interval[0] <= neighbour[1]:
+                first, last, a, b = neighbour
+                shards = a if a == b else f"the shards {a} ... {b}"
+                return self._overlaps(
+                    f"{interval[2]}: seq_ids {interval[0]}..{interval[1]} overlap {first}..{last} of {shards} "
+                    "(a duplicate sequence?)"
+                )
+        before = self.intervals[at - 1] if at > 0 else None
+        if before is not None and before[1] + 1 == interval[0]:
+            before[1], before[3], interval, at = interval[1], interval[3], before, at - 1
+        else:
+            self.intervals.insert(at, interval)
+        after = self.intervals[at + 1] if at + 1 < len(self.intervals) else None
+        if after is not None and interval[1] + 1 == after[0]:
+            interval[1], interval[3] = after[1], after[3]
+            del self.intervals[at + 1]
+        return None
+
+
 @of_kind("shard")
-def check_shards_together(summaries: list[tuple], shards: ShardsFacts) -> None:
+def check_shards_together(together: ShardsTogether, shards: ShardsFacts) -> None:
     """No sequence in two shards, and (every shard checked) a blend's rows and tokens per source
-    those its manifest counts: `ShardResult.summary` of each shard checked."""
-    summaries = sorted(summaries)
-    for (_, last, a, _), (first, _, b, _) in zip(summaries, summaries[1:]):
-        require(first > last, f"{a} and {b}: seq_id ranges overlap (a duplicate sequence?)")
+    those its manifest counts."""
+    require(together.overlap is None, str(together.overlap))
     if shards.source_totals is None:
         return
     counted = np.zeros((len(shards.sources), 2), np.int64)
-    for *_, counts in summaries:
-        counted += np.array(counts, np.int64).reshape(-1, 2)
+    if together.source_counts is not None:
+        counted += together.source_counts
     for name, got, said in zip(shards.sources, counted.tolist(), shards.source_totals):
         require(
             tuple(got) == tuple(said),

@@ -18,7 +18,8 @@ same functions, each holding one unit at a time:
 With `sample` < 1, ceil(sample x count) shards, chunk files and embedding files are checked,
 chosen by a hash of their file names (the same ones every time, at least one of each), plus
 the references of the sampled shards against the Parquet row groups they fall in; every other
-listed file by its size, from one listing per directory (with `hash_all`, by its sha256 too);
+listed file by its size, a row group of the file table at a time (`fileio.sizes`; with
+`hash_all`, by its sha256 too);
 the faiss index is not searched.
 """
 
@@ -30,15 +31,25 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pipeline.check.facts import ChunkFileEnds, ChunkFileUnit, EmbeddingFileUnit, IndexFacts, ListedFile, ListedSizes
 from pipeline.check.plan import ValidationPlan, plan_validation
-from pipeline.check.problems import by_directory, check_listed_file, check_listed_sizes
+from pipeline.check.problems import check_listed_file, check_listed_sizes
 from pipeline.check.rules import (
     check_chunk_boundaries,
     check_document_runs,
     check_embedding_file,
     check_faiss_index,
 )
-from pipeline.check.shard_rules import REFERENCE, ReferenceBlock, check_chunk_file, check_shard, check_shards_together
+from pipeline.check.shard_rules import (
+    REFERENCE,
+    ReferenceBlock,
+    ShardsTogether,
+    check_chunk_file,
+    check_shard,
+    check_shards_together,
+)
+from pipeline.check.units import units
+from schemas.manifest import ShardEntry
 
 PROBLEMS_KEPT = 10  # problems of each kind a failed Beam job reports in full
 
@@ -122,14 +133,13 @@ class InProcessRun:
 
 def run_in_process(plan: ValidationPlan) -> InProcessRun:
     """Run the plan in this process, one unit at a time: references and document starts on
-    local disk, of the chunk files only the last one's boundary rows held. Raises
-    ValidationFailed at the first problem."""
-    if plan.hashed:
-        for directory, entry in plan.listed_files:
-            check_listed_file(directory, entry)
-    else:
-        for directory, entries in by_directory(plan.listed_files):
-            check_listed_sizes(directory, entries)
+    local disk, of the chunk files only the boundary rows not yet matched with a neighbour's
+    held. Raises ValidationFailed at the first problem."""
+    for listed in units(plan, (ListedFile, ListedSizes)):
+        if isinstance(listed, ListedFile):
+            check_listed_file(listed.directory, listed.entry)
+        else:
+            check_listed_sizes(listed.directory, list(listed.entries))
     with tempfile.TemporaryDirectory(prefix="ratrain-validate-") as scratch:
         references = _References(scratch)
         starts = _DocumentStarts(scratch, plan.index.num_documents if plan.index else 0)
@@ -137,35 +147,52 @@ def run_in_process(plan: ValidationPlan) -> InProcessRun:
             bytes_read = _check_chunk_files(plan, references, starts)
         finally:
             starts.close()
-    probes = [check_embedding_file(plan.index, unit, plan.probes_per_file) for unit in plan.embedding_files]
+    probes = [check_embedding_file(plan.index, unit, plan.probes_per_file) for unit in units(plan, EmbeddingFileUnit)]
     if plan.faiss_index is not None:
         check_faiss_index(plan.faiss_index, probes)
     return InProcessRun(list(plan.lines), bytes_read)
 
 
+class _Boundaries:
+    """The check across chunk-file boundaries as the Beam job keys it: boundary b between files
+    b - 1 and b (0 and `count`: the first file's start, the last one's end), checked once both
+    sides (or its one side) came, whatever order the files come in."""
+
+    def __init__(self, index: IndexFacts):
+        self.waiting: dict[int, list[ChunkFileEnds]]
+        self.index, self.waiting = index, {}  # boundary -> the one side come
+
+    def add(self, ends: ChunkFileEnds) -> None:
+        for boundary in (ends.number, ends.number + 1):
+            sides = self.waiting.pop(boundary, []) + [ends]
+            if len(sides) == 2 or boundary in (0, self.index.chunks.count):
+                check_chunk_boundaries(self.index, sides)
+            else:
+                self.waiting[boundary] = sides
+
+
 def _check_chunk_files(plan: ValidationPlan, references: _References, starts: _DocumentStarts) -> int:
-    """The shards, then the chunk files in order with the references into them; returns the
-    chunk-file bytes read."""
-    bytes_read, files, before = 0, 0, None
-    summaries = []
-    for entry in plan.shard_entries:
+    """The shards, then the chunk files with the references into them; returns the chunk-file
+    bytes read."""
+    bytes_read, files = 0, 0
+    together = ShardsTogether()
+    for entry in units(plan, ShardEntry):
         result = check_shard(plan.shards, entry)
         for number, block in result.references.items():
             references.add(number, block)
-        summaries.append(result.summary)
+        together.add(*result.summary)
     if plan.shards is not None:
-        check_shards_together(summaries, plan.shards)
-    for unit in plan.chunk_files:
+        check_shards_together(together, plan.shards)
+    boundaries = _Boundaries(plan.index) if plan.index is not None else None
+    for unit in units(plan, ChunkFileUnit):
         assert plan.chunks is not None  # a plan with chunk files has their database
         for checked in check_chunk_file(plan.chunks, unit, references.of(unit.number), plan.index):
             bytes_read += checked.bytes_read
             if checked.summary is not None:
                 files += 1
                 starts.add(checked.summary.doc_starts)
-                assert plan.index is not None  # a summary comes from the rules of the index validated
-                ends = checked.summary.ends
-                check_chunk_boundaries(plan.index, [ends] if before is None else [before, ends])
-                before = ends
+                assert boundaries is not None  # a summary comes from the rules of the index validated
+                boundaries.add(checked.summary.ends)
     if plan.index is not None:
         check_document_runs(plan.index, starts.runs, starts.distinct(), files)
     return bytes_read

@@ -1,15 +1,15 @@
 """`validate DIR -- --runner=...`: the checks of `pipeline.check.validate` as a Beam job, on the
 runners the pipeline runs on, so no process holds the whole output.
 
-`ValidateOutput` plans from the manifests on a worker and runs the plan's units as ParDos:
-listed files hashed, one per element (a sample: their sizes, a directory per element), one
-shard per element (its references keyed by chunk
-file number), a GroupByKey that brings each chunk file its unit and references so each group
-reads only that file (or the row groups the references fall in), embedding files, then the
-cross-file checks over small summaries (each chunk-file boundary, document runs counted per doc
-id, seq_id ranges, faiss probes). Problems become (kind, message) elements, counted by kind with the first few of
-each kept (`Problems`); the job's last step fails it when there are any, with that report.
-"""
+`ValidateOutput` plans from the manifests on a worker (facts only: sums and runs, no entry per
+file) and hands each row group of the manifests' file tables to a worker, which makes its units
+(`pipeline.check.units`): listed files hashed, one per element (a sample: their sizes, a row
+group's per element), one shard per element (its references keyed by chunk file number), a
+GroupByKey that brings each chunk file its unit and references so each group reads only that file
+(or the row groups the references fall in), embedding files, then the cross-file checks over small
+summaries (each chunk-file boundary, document runs counted per doc id, seq_id ranges, faiss
+probes). Problems become (kind, message) elements, counted by kind with the first few of each kept
+(`Problems`); the job's last step fails it when there are any, with that report."""
 
 from __future__ import annotations
 
@@ -18,19 +18,21 @@ from dataclasses import dataclass
 
 import apache_beam as beam
 
-from pipeline.check.facts import ChunkFileUnit
+from pipeline.check.facts import ChunkFileUnit, EmbeddingFileUnit, EntryGroup, ListedFile, ListedSizes
 from pipeline.check.plan import ValidationPlan, plan_validation
-from pipeline.check.problems import ValidationFailed, by_directory, check_listed_file, check_listed_sizes
+from pipeline.check.problems import ValidationFailed, check_listed_file, check_listed_sizes
 from pipeline.check.rules import (
     check_chunk_boundaries,
     check_document_runs,
     check_embedding_file,
     check_faiss_index,
 )
-from pipeline.check.shard_rules import check_chunk_file, check_shard, check_shards_together
+from pipeline.check.shard_rules import SEQ_BLOCK, ShardsTogether, check_chunk_file, check_shard, check_shards_together
+from pipeline.check.units import units_of
 from pipeline.check.validate import Problems, Verdict
 from pipeline.jobs.job import Job, graph_bytes
 from pipeline.jobs.options import new_pipeline
+from schemas.manifest import ShardEntry
 
 PROBLEMS = "problems"
 
@@ -53,6 +55,25 @@ def _checking(check):
                 yield result
 
     return run
+
+
+_UNIT_TAGS = {
+    ShardEntry: "shards",
+    ChunkFileUnit: "chunk_files",
+    EmbeddingFileUnit: "embedding_files",
+    ListedFile: "listed",
+    ListedSizes: "sizes",
+}
+
+
+def _tagged_units(group: EntryGroup, facts: ValidationPlan):
+    """The units of one row group of entries, each tagged by its kind; an entry the manifest
+    model refuses, as a problem."""
+    try:
+        for unit in units_of(facts, group):
+            yield beam.pvalue.TaggedOutput(_UNIT_TAGS[type(unit)], unit)
+    except ValidationFailed as problem:
+        yield _problem(problem)
 
 
 def _check_chunk_file_group(group, facts: ValidationPlan):
@@ -94,6 +115,28 @@ class _GatherProblems(beam.CombineFn):
         return problems
 
 
+class _ShardsTogether(beam.CombineFn):
+    """Shard summaries (`of_summaries`), or ShardsTogether of parts, into one ShardsTogether."""
+
+    def __init__(self, of_summaries: bool):
+        self.of_summaries = of_summaries
+
+    def create_accumulator(self):
+        return ShardsTogether()
+
+    def add_input(self, together, value):
+        return together.add(*value) if self.of_summaries else together.merge(value)
+
+    def merge_accumulators(self, accumulators):
+        merged = ShardsTogether()
+        for together in accumulators:
+            merged.merge(together)
+        return merged
+
+    def extract_output(self, together):
+        return together
+
+
 @dataclass(frozen=True)
 class OutputParts:
     """Which checks an output needs: all the job's graph is built from besides the path."""
@@ -111,8 +154,9 @@ class ValidateOutput(beam.PTransform):
     """The checks of the output at `path`; outputs one `Verdict`: passed with the plan's lines,
     or failed with the problems' report. The graph holds the path, the sample and the parts
     (`OutputParts`) and the commits planned from only, whatever the number of files: the job
-    plans again from those commits' manifests on a worker, the units become elements and the
-    plan's facts (`ValidationPlan.facts`: sizes per chunk file, 8 bytes each) a side input."""
+    plans again from those commits' manifests on a worker, its file tables' row groups are
+    handed to the workers, which make the units, and the plan (facts only: chunk files as runs)
+    is a side input."""
 
     def __init__(self, plan: ValidationPlan, parts: OutputParts):
         super().__init__()
@@ -136,22 +180,25 @@ class ValidateOutput(beam.PTransform):
             | "Manifests" >> beam.Create([(self.path, self.sample, self.index_directory)])
             | "Plan" >> beam.MapTuple(plan_validation, commits=self.commits, hash_all=self.hash_all)
         )
-        facts = beam.pvalue.AsSingleton(plans | "Facts" >> beam.Map(lambda plan: plan.facts()))
-
-        def spread(label, units_of):  # one unit an element, spread over the workers
-            return plans | label >> beam.FlatMap(units_of) | f"Spread{label}" >> beam.Reshuffle()
-
-        listed = spread("ListedFiles", lambda p: p.listed_files if p.hashed else [])
-        checked("CheckListedFiles", listed, lambda file: check_listed_file(*file))
-        sized = spread("ListedSizes", lambda p: [] if p.hashed else by_directory(p.listed_files))
-        checked("CheckListedSizes", sized, lambda directory_entries: check_listed_sizes(*directory_entries))
-        shards = checked(
-            "CheckShards", spread("Shards", lambda p: p.shard_entries), lambda e, f: check_shard(f.shards, e), facts
+        facts = beam.pvalue.AsSingleton(plans)
+        units = (
+            plans
+            | "EntryGroups" >> beam.FlatMap(lambda plan: plan.entry_groups)
+            | "SpreadEntryGroups" >> beam.Reshuffle()
+            | "Units" >> beam.FlatMap(_tagged_units, facts).with_outputs(PROBLEMS, *_UNIT_TAGS.values())
         )
+        problems.append(units[PROBLEMS])
+
+        def spread(tag):  # one unit an element, spread over the workers
+            return units[tag] | f"Spread{tag}" >> beam.Reshuffle()
+
+        checked("CheckListedFiles", spread("listed"), lambda file: check_listed_file(file.directory, file.entry))
+        checked("CheckListedSizes", units["sizes"], lambda files: check_listed_sizes(files.directory, files.entries))
+        shards = checked("CheckShards", spread("shards"), lambda e, f: check_shard(f.shards, e), facts)
         references = shards | "ReferencesByChunkFile" >> beam.FlatMap(lambda shard: shard.references.items())
-        units = plans | "ChunkFiles" >> beam.FlatMap(lambda p: [(unit.number, unit) for unit in p.chunk_files])
+        chunk_files = units["chunk_files"] | "ByNumber" >> beam.Map(lambda unit: (unit.number, unit))
         read = (
-            (references, units)
+            (references, chunk_files)
             | "WithUnits" >> beam.Flatten()
             | "PerChunkFile" >> beam.GroupByKey()
             | "CheckChunkFiles" >> beam.FlatMap(_check_chunk_file_group, facts).with_outputs(PROBLEMS, main="passed")
@@ -162,7 +209,11 @@ class ValidateOutput(beam.PTransform):
             shard_summaries = shards | "ShardSummaries" >> beam.Map(lambda s: s.summary)
             checked(
                 "CheckShardsTogether",
-                shard_summaries | "AllShardSummaries" >> beam.combiners.ToList(),
+                shard_summaries
+                | "BySeqBlock" >> beam.Map(lambda summary: (summary[0] // SEQ_BLOCK, summary))
+                | "ShardsTogetherPerBlock" >> beam.CombinePerKey(_ShardsTogether(of_summaries=True))
+                | "Blocks" >> beam.Values()
+                | "ShardsTogether" >> beam.CombineGlobally(_ShardsTogether(of_summaries=False)),
                 lambda together, f: check_shards_together(together, f.shards),
                 facts,
             )
@@ -191,7 +242,7 @@ class ValidateOutput(beam.PTransform):
             )
             probes = checked(
                 "CheckEmbeddingFiles",
-                spread("EmbeddingFiles", lambda p: p.embedding_files),
+                spread("embedding_files"),
                 lambda unit, f: check_embedding_file(f.index, unit, f.probes_per_file),
                 facts,
             )

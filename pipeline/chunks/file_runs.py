@@ -7,6 +7,8 @@ A name outside the pattern (hand-given, unnumbered) is a run of its own. Imports
 
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -18,6 +20,12 @@ from pipeline.common.names import file_number
 
 # `<head>NNNNN<tail>`: what `names.file_number` reads (RE2, in Arrow), NNNNN as `file_name` writes it
 _NAME = r"^(?P<head>.*-)(?P<digits>\d+)(?P<tail>(?:\.[\w.]+)?)$"
+
+
+def _regular(digits: str) -> bool:
+    """Whether a name's digits are a number as `file_name` writes it (five, or more without a
+    leading zero) that an int64 holds: the rule `FileRunsBuilder.add` applies in Arrow."""
+    return (len(digits) == 5 or (len(digits) > 5 and not digits.startswith("0"))) and len(digits) <= 18
 
 
 @dataclass(frozen=True)
@@ -167,6 +175,31 @@ class FileRuns:
         rows = np.asarray(rows, np.int64)
         run = np.searchsorted(self.starts[:-1], rows, side="right") - 1
         return self.positions[run] + (rows - self.starts[run]) // np.maximum(self.rows[run], 1)
+
+    def position_of(self, path: str) -> int:
+        """The position of the file named `path`; ValueError where no run holds it."""
+        parts = re.match(_NAME, path, re.ASCII)  # RE2 (Arrow) reads \w as ASCII
+        if parts and parts["tail"] is not None and _regular(parts["digits"]):
+            number = int(parts["digits"])
+            run = int(np.searchsorted(self.numbers, number, side="right")) - 1
+            count = int(self.positions[run + 1] - self.positions[run]) if run >= 0 else 0
+            if (
+                run >= 0
+                and number < self.numbers[run] + count
+                and (self.heads[run], self.tails[run]) == (parts["head"], parts["tail"])
+            ):
+                return int(self.positions[run] + number - self.numbers[run])
+        if path in self._odd_names:  # a name outside the pattern
+            return self._odd_names[path]
+        raise ValueError(f"{path}: not one of these files")
+
+    @functools.cached_property
+    def _odd_names(self) -> dict[str, int]:
+        return {
+            head: int(self.positions[run])
+            for run, (head, tail) in enumerate(zip(self.heads, self.tails))
+            if tail is None
+        }
 
     def paths(self) -> Iterable[str]:
         return (self.path(position) for position in range(self.num_files))

@@ -21,7 +21,14 @@ from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 from pydantic import BaseModel
 
-from schemas.file_table import entry_column_batches, entry_columns, entry_fields, whole_manifest
+from schemas.file_table import (
+    entry_column_batches,
+    entry_columns,
+    entry_fields,
+    whole_manifest,
+)
+from schemas.file_table import entry_group as _table_entry_group
+from schemas.file_table import entry_groups as _table_entry_groups
 from schemas.manifest import COMMIT_MANIFEST, MANIFEST_FILE, ManifestError, chosen_manifest, read_manifest
 
 Model = TypeVar("Model", bound=BaseModel)
@@ -207,6 +214,17 @@ def entry_batches(
         yield under(table, prefix)
 
 
+def entry_groups(manifest, directory: str, *, error=ManifestError) -> int:
+    """How many row groups of entries the manifest's file table holds (1 for inline entries), the
+    table checked against the manifest (`schemas.file_table.entry_groups`)."""
+    return _table_entry_groups(manifest, directory, open_file=open_read, error=error)
+
+
+def entry_group(manifest, directory: str, group: int, *, error=ManifestError) -> list:
+    """The entries of one row group of the manifest's file table (`schemas.file_table.entry_group`)."""
+    return _table_entry_group(manifest, directory, group, open_file=open_read, error=error)
+
+
 def entry_paths_and_sha256(manifest, directory: str, prefix: str | None = None) -> list[tuple[str, str]]:
     """(path, sha256) of the manifest's entries (those under `prefix/`), from those two columns
     alone, the file table checked against the manifest first (what files are checked against)."""
@@ -245,6 +263,46 @@ def list_metadata(directory: str) -> list:
     under a prefix)."""
     pattern = join(directory, "**") if "://" in directory else directory.rstrip("/") + "/**"
     return FileSystems.match([pattern])[0].metadata_list
+
+
+_LISTING_DIGITS = 3  # a size check lists the names sharing all but a file number's last three digits
+
+
+def _listing_prefix(path: str) -> str:
+    """Where a listing finds `path`: its name up to its number's last three digits (at most
+    1,000 numbered files a width share it), or the whole name for one without a number."""
+    found = re.search(r"\d+(?=(?:\.[\w.]+)?$)", path, re.ASCII)
+    cut = found.end() - _LISTING_DIGITS if found and found.end() - found.start() > _LISTING_DIGITS else len(path)
+    return path[:cut]
+
+
+def _listing_pattern(prefix: str) -> str:
+    """The glob that lists the names starting with `prefix`: `prefix*`, or where the prefix holds
+    a glob character, everything below the folder before it (`*` does not cross "/")."""
+    head = re.split(r"[*?[\]]", prefix)[0]
+    return f"{prefix}*" if head == prefix else f"{head[: head.rfind('/') + 1]}**"
+
+
+def sizes(directory: str, paths: list[str]) -> dict[str, int]:
+    """The size of each of these files under `directory` that exists (a missing one is absent):
+    on local disk one stat each; in an object store one listing per name prefix
+    (`_listing_prefix`), so no listing returns more than ~1,000 names however many files the
+    directory holds."""
+    found: dict[str, int] = {}
+    if "://" not in directory:
+        for path in paths:
+            try:
+                found[path] = os.stat(join(directory, path)).st_size
+            except (FileNotFoundError, NotADirectoryError):
+                pass
+        return found
+    wanted = set(paths)
+    start = len(directory.rstrip("/")) + 1
+    for pattern in sorted({_listing_pattern(_listing_prefix(path)) for path in paths}):
+        for metadata in FileSystems.match([join(directory, pattern)])[0].metadata_list:
+            if metadata.path[start:] in wanted:
+                found[metadata.path[start:]] = metadata.size_in_bytes
+    return found
 
 
 def list_files(directory: str) -> list[str]:

@@ -9,15 +9,18 @@ import pytest
 from apache_beam.testing.util import assert_that, equal_to
 
 from benchmarks.validate_sample import write_index, write_shards
-from pipeline.check.facts import ChunkFiles
-from pipeline.check.plan import plan_validation, sampled
+from pipeline.check.facts import ChunkFiles, EmbeddingFileUnit
+from pipeline.check.plan import plan_validation
 from pipeline.check.problems import ValidationFailed
 from pipeline.check.rules import check_generations
+from pipeline.check.sample import sampled
+from pipeline.check.units import units
 from pipeline.check.validate import Problems, validate_path
 from pipeline.check.validate_beam import ValidateOutput
+from pipeline.chunks.file_runs import FileRuns
 from pipeline.cli import main
 from schemas.arrow import tensor_column_to_numpy
-from schemas.manifest import FILE_TABLE, FileEntry, Generation, InputFile
+from schemas.manifest import FILE_TABLE, FileEntry, Generation, InputFile, ShardEntry
 from tests.helpers import local_pipeline, rewrite_shard, rewrite_shards_as_schema_version_1
 
 SAMPLE = 0.2  # 2 of the built output's 6 shards
@@ -76,7 +79,7 @@ def output(built_output, tmp_path):
 
 
 def _shard_names(out, sample):
-    return [entry.path for entry in plan_validation(str(out), sample).shard_entries]
+    return [entry.path for entry in units(plan_validation(str(out), sample), ShardEntry)]
 
 
 def _wrong_neighbour_tokens(columns):
@@ -141,7 +144,7 @@ def test_a_sample_checks_every_files_size_and_with_hash_all_its_sha256(output, d
         name = next(name for name in _shard_names(output, 1.0) if name not in _shard_names(output, SAMPLE))
         path = output / "shards" / name
     elif damaged == "embedding file":
-        sampled_embeddings = {unit.entry.path for unit in plan.embedding_files}
+        sampled_embeddings = {unit.entry.path for unit in units(plan, EmbeddingFileUnit)}
         path = next(
             p
             for p in sorted((output / "index" / "embeddings").iterdir())
@@ -280,7 +283,8 @@ def _generation(number: int, first: int, chunks: int, documents: int, path: str)
 
 @pytest.mark.unit
 def test_generations_must_follow_each_other_from_file_boundaries():
-    chunks = ChunkFiles("idx", np.array([0, 10, 15, 25]))
+    runs = FileRuns.of([f"chunks/chunks-{n:05d}.parquet" for n in range(3)], [10, 5, 10])
+    chunks = ChunkFiles("idx", runs)
     good = [_generation(0, 0, 15, 3, "a"), _generation(1, 15, 10, 2, "b")]
     check_generations("idx", good, chunks, 5)
     check_generations("idx", [], chunks, 5)  # an older manifest: nothing to check

@@ -55,6 +55,10 @@ def test_runs_look_files_up_as_the_explicit_list_would(seed):
     ids = np.arange(want_starts[-1])
     assert runs.positions_of(ids).tolist() == (np.searchsorted(want_starts, ids, side="right") - 1).tolist()
     assert len(runs) <= 2 * 4 + 3  # two a generation, plus the odd names
+    assert [runs.position_of(runs.path(f)) for f in range(len(paths))] == list(range(len(paths)))
+    for absent in ("chunks/other.parquet", paths[0].replace("chunks-", "embeddings-"), "chunks/chunks-99999.x"):
+        with pytest.raises(ValueError, match="not one of these files"):
+            runs.position_of(absent)
 
 
 def test_a_generation_of_100000_files_is_two_runs():

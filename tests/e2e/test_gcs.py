@@ -8,6 +8,10 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
+from pipeline.check.facts import ListedSizes
+from pipeline.check.plan import plan_validation
+from pipeline.check.problems import ValidationFailed
+from pipeline.check.units import units
 from pipeline.check.validate import validate_path
 from pipeline.run import run_all
 from schemas.config import config_from_dict
@@ -60,6 +64,15 @@ def test_run_on_gcs_gives_the_local_bytes_and_streams_to_the_trainer(gcs, built_
     assert sorted(int(s["seq_id"]) for s in dataset) == list(range(manifest["num_sequences"]))
     assert [status for status, _ in run_all(config_from_dict(config), []).values()] == ["skipped", "skipped"]
     assert _blobs(gcs, "ratrain-e2e", "out") == remote  # the re-run changed nothing
+
+    # a sample lists the files it does not read by name prefix, and finds one cut short
+    assert all(line.startswith("OK") for line in validate_path(f"{bucket}/out", 0.2))
+    plan = plan_validation(f"{bucket}/out", 0.2)
+    listed = (entry.path for sizes in units(plan, ListedSizes) for entry in sizes.entries)
+    unsampled = next(path for path in listed if path.startswith("shard-"))
+    gcs.client().bucket("ratrain-e2e").blob(f"out/shards/{unsampled}").upload_from_string(b"short")
+    with pytest.raises(ValidationFailed, match=f"{unsampled}: 5 bytes, manifest says"):
+        validate_path(f"{bucket}/out", 0.2)
 
 
 def test_a_config_on_gcs_is_read_from_there(gcs, tmp_path, capsys):
