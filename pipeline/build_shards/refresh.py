@@ -29,7 +29,7 @@ from pipeline.common.models import embedding_dim
 from pipeline.common.names import file_number
 from pipeline.retrieve.committed import CommittedIndex, IndexChange
 from pipeline.retrieve.file_queries import FileQueries
-from pipeline.retrieve.refresh import NewVectors, heads_of, refresh_shard, with_searched
+from pipeline.retrieve.refresh import NewVectors, heads_of, refresh_budget, refresh_shard, with_searched
 from pipeline.retrieve.search import LOST_DATA, SEQUENCES_PER_SEARCH
 from pipeline.retrieve.sequences import pack_batch
 from pipeline.shards.rows import NeighbourIds, RowBatch, Sequence, SequenceBatch, row_tally, rows_of_table
@@ -75,6 +75,7 @@ def committed_refresh(directory: str, index: CommittedIndex, cfg, full: bool) ->
     if previous.config_hash != cfg.shards_hash() or change is None:
         return None
     added = sum(end - start for start, end in change.new_chunks)
+    budget_name = "index.slice_bytes" if cfg.index.slice_bytes else "index.memory_budget"
     held = NewVectors.held_bytes(added, embedding_dim(cfg.embedding.model) or 384, cfg.chunk_tokens, index.nlist)
     cannot = (
         "--full asks for it"
@@ -85,8 +86,8 @@ def committed_refresh(directory: str, index: CommittedIndex, cfg, full: bool) ->
         if cfg.training_corpus != "same"
         else "dedupe_neighbours picks among candidates no shard keeps"
         if cfg.dedupe_neighbours
-        else f"the {added:,} new vectors ({held:,} B in each refreshing process) exceed index.memory_budget"
-        if held > cfg.index.memory_budget
+        else f"the {added:,} new vectors ({held:,} B in each refreshing process) exceed {budget_name}"
+        if held > refresh_budget(cfg.index.slice_bytes, cfg.index.memory_budget)
         else None
     )
     log.info(

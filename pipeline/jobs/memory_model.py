@@ -23,7 +23,7 @@ from pipeline.index.files import READ_BATCH
 from pipeline.index.slices import vectors_per_slice
 from pipeline.jobs.memory_slices import piece_bytes, piece_step, slice_steps
 from pipeline.jobs.memory_training import training_steps
-from pipeline.retrieve.refresh import QUERY_BLOCK, NewVectors
+from pipeline.retrieve.refresh import QUERY_BLOCK, NewVectors, refresh_budget
 from pipeline.retrieve.search import CANDIDATE, SEQUENCES_PER_SEARCH
 from schemas.backends import get_backend
 from schemas.config import PipelineConfig
@@ -279,8 +279,9 @@ def stage_memory(cfg: PipelineConfig, corpus: Corpus, dim: int = 384) -> list[di
 
 def _refresh_step(cfg: PipelineConfig, chunks: float, dim: int, shard_row: int, lists: int | None) -> tuple:
     """A refresh's shards of one chunk file, after an append of APPEND_SHARE (`_RefreshShards`):
-    the new vectors held whole (they grow with the change; a change beyond index.memory_budget
-    is built whole instead), the file's chunks and embeddings,
+    the new vectors held whole (they grow with the change; a change beyond a slice, or beyond
+    index.memory_budget for an index in one file, is built whole instead: `refresh_budget`), the
+    file's chunks and embeddings,
     one shard's rows as stored and refreshed, a row group of the refreshed commit's shard
     entries, and its queries' exact search among the new vectors, a block at a time."""
     m, rows, R = cfg.chunk_tokens, cfg.chunk_file_rows, cfg.rows_per_shard()
@@ -288,12 +289,16 @@ def _refresh_step(cfg: PipelineConfig, chunks: float, dim: int, shard_row: int, 
     shards = math.ceil(chunks / (queries or 1))
     new = (
         f"the new vectors' embeddings, slot values and, with an IVF index, its trained lists holding them (an "
-        f"append of {APPEND_SHARE:.0%} of the corpus; at most index.memory_budget: a larger change is built whole)"
+        f"append of {APPEND_SHARE:.0%} of the corpus; at most a slice, or index.memory_budget for one index file: "
+        "a larger change is built whole)"
     )
     return (
         "build-shards: refresh one chunk file's shards",
         {
-            new: min(NewVectors.held_bytes(int(APPEND_SHARE * chunks), dim, m, lists), cfg.index.memory_budget),
+            new: min(
+                NewVectors.held_bytes(int(APPEND_SHARE * chunks), dim, m, lists),
+                refresh_budget(cfg.index.slice_bytes, cfg.index.memory_budget),
+            ),
             f"the chunk file's {rows:,} doc ids and tokens, and its embeddings": rows * (8 + m * 4 + dim * 4) * 2,
             f"one shard's {R:,} rows, stored and refreshed": 2 * R * shard_row,
             # looked up by number a row group of the file table at a time (`EntriesByNumber`)

@@ -129,6 +129,14 @@ class NewVectors:
         return self.values[np.searchsorted(self.ids, chunk_ids)]
 
 
+def refresh_budget(slice_bytes: int | None, memory_budget: int) -> int:
+    """The most a refreshing process may hold for the new vectors: a slice (`index.slice_bytes`),
+    what each search worker is sized to hold, where the index is in slices; else the whole
+    index's budget (`index.memory_budget`: one process holds the one file). A larger change is
+    built whole."""
+    return slice_bytes if slice_bytes else memory_budget
+
+
 def in_trained_lists(index, new: NewVectors):
     """The trained IVF `index` (memory-mapped, its lists read-only) with its lists replaced by
     empty ones in memory, and the new vectors added: no code of the index is read."""
