@@ -14,6 +14,7 @@ import pytest
 from pipeline.check.facts import ChunkFiles, ShardsFacts
 from pipeline.check.problems import ValidationFailed
 from pipeline.check.shard_rules import check_shard
+from pipeline.chunks.file_runs import FileRuns
 from pipeline.jobs.memory_model import Corpus, stage_memory
 from pipeline.shards.rows import RowBatch, ShardRow
 from pipeline.shards.write import WriteShards, rows_to_ipc
@@ -97,7 +98,7 @@ def _entry(directory, path: str, rows: int) -> ShardEntry:
 def _facts(directory) -> ShardsFacts:
     schema = shard_schema(N, M, K, PAD)
     metadata = tuple((key, schema.metadata[key.encode()].decode()) for key in SHARD_METADATA_KEYS)
-    chunks = ChunkFiles("unused", np.array([0, 1000], np.int64))  # neighbour ids 10 ... 16 lie in it
+    chunks = ChunkFiles("unused", FileRuns.of(["chunks/chunks-00000.parquet"], [1000]))  # holds ids 10 ... 16
     return ShardsFacts(
         directory=str(directory),
         sequence_tokens=N,
