@@ -47,8 +47,9 @@ TALLY = "tally"
 
 @dataclass(frozen=True)
 class Refresh:
-    """What a refresh starts from: the committed shards (their manifest, whole, and its sha256)
-    and what changed in the index since they were built."""
+    """What a refresh starts from: the committed shards (their manifest's fields, its entries
+    left in its file table where it has one, and its sha256) and what changed in the index since
+    they were built."""
 
     previous: ShardsManifest
     previous_sha256: str
@@ -68,14 +69,18 @@ def committed_refresh(directory: str, index: CommittedIndex, cfg, full: bool) ->
     if found is None:
         return None
     try:
-        previous = fileio.whole(read_manifest(found[1], found[0], ShardsManifest), directory)
+        # its fields alone: its shard entries (~1 GB of objects at 915,528 shards, an estimate)
+        # are looked up by the refreshing workers, by number (`EntriesByNumber`)
+        previous = read_manifest(found[1], found[0], ShardsManifest)
     except ValueError:  # an older or foreign manifest: nothing to refresh
         return None
     change = index.change_since(previous.index_generation, previous.index_manifest_sha256)
     if previous.config_hash != cfg.shards_hash() or change is None:
         return None
     added = sum(end - start for start, end in change.new_chunks)
-    budget_name = "index.slice_bytes" if cfg.index.slice_bytes else "index.memory_budget"
+    budget_name = next(
+        f"index.{name}" for name in ("min_ram", "slice_bytes", "memory_budget") if getattr(cfg.index, name)
+    )
     held = NewVectors.held_bytes(added, embedding_dim(cfg.embedding.model) or 384, cfg.chunk_tokens, index.nlist)
     cannot = (
         "--full asks for it"
@@ -87,7 +92,7 @@ def committed_refresh(directory: str, index: CommittedIndex, cfg, full: bool) ->
         else "dedupe_neighbours picks among candidates no shard keeps"
         if cfg.dedupe_neighbours
         else f"the {added:,} new vectors ({held:,} B in each refreshing process) exceed {budget_name}"
-        if held > refresh_budget(cfg.index.slice_bytes, cfg.index.memory_budget)
+        if held > refresh_budget(cfg.index)
         else None
     )
     log.info(

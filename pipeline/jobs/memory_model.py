@@ -279,8 +279,9 @@ def stage_memory(cfg: PipelineConfig, corpus: Corpus, dim: int = 384) -> list[di
 
 def _refresh_step(cfg: PipelineConfig, chunks: float, dim: int, shard_row: int, lists: int | None) -> tuple:
     """A refresh's shards of one chunk file, after an append of APPEND_SHARE (`_RefreshShards`):
-    the new vectors held whole (they grow with the change; a change beyond a slice, or beyond
-    index.memory_budget for an index in one file, is built whole instead: `refresh_budget`), the
+    the new vectors held whole (they grow with the change; a change beyond the workers' memory
+    (index.min_ram), else a slice, else index.memory_budget for an index in one file, is built
+    whole instead: `refresh_budget`), the
     file's chunks and embeddings,
     one shard's rows as stored and refreshed, a row group of the refreshed commit's shard
     entries, and its queries' exact search among the new vectors, a block at a time."""
@@ -289,7 +290,7 @@ def _refresh_step(cfg: PipelineConfig, chunks: float, dim: int, shard_row: int, 
     shards = math.ceil(chunks / (queries or 1))
     new = (
         f"the new vectors' embeddings, slot values and, with an IVF index, its trained lists holding them (an "
-        f"append of {APPEND_SHARE:.0%} of the corpus; at most a slice, or index.memory_budget for one index file: "
+        f"append of {APPEND_SHARE:.0%} of the corpus; at most index.min_ram, else a slice, else index.memory_budget: "
         "a larger change is built whole)"
     )
     return (
@@ -297,7 +298,7 @@ def _refresh_step(cfg: PipelineConfig, chunks: float, dim: int, shard_row: int, 
         {
             new: min(
                 NewVectors.held_bytes(int(APPEND_SHARE * chunks), dim, m, lists),
-                refresh_budget(cfg.index.slice_bytes, cfg.index.memory_budget),
+                refresh_budget(cfg.index),
             ),
             f"the chunk file's {rows:,} doc ids and tokens, and its embeddings": rows * (8 + m * 4 + dim * 4) * 2,
             f"one shard's {R:,} rows, stored and refreshed": 2 * R * shard_row,

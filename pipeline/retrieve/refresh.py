@@ -32,6 +32,7 @@ from pipeline.retrieve.depth import load_searched
 from pipeline.retrieve.ranking import refreshed
 from pipeline.retrieve.search import SearchedChunks
 from pipeline.shards.rows import Sequence, ShardRow
+from schemas.stage_config import IndexConfig, parse_size
 
 QUERY_BLOCK = 1024  # queries searched among the new vectors at once
 TIES_WIDTH = 16  # × k hits searched among the new vectors at first: a corpus's verbatim copies tie at once
@@ -129,12 +130,15 @@ class NewVectors:
         return self.values[np.searchsorted(self.ids, chunk_ids)]
 
 
-def refresh_budget(slice_bytes: int | None, memory_budget: int) -> int:
-    """The most a refreshing process may hold for the new vectors: a slice (`index.slice_bytes`),
-    what each search worker is sized to hold, where the index is in slices; else the whole
-    index's budget (`index.memory_budget`: one process holds the one file). A larger change is
-    built whole."""
-    return slice_bytes if slice_bytes else memory_budget
+def refresh_budget(index: IndexConfig) -> int:
+    """The most a refreshing process may hold for the new vectors: the workers' memory where the
+    config says it (`index.min_ram`: the workers that search the index refresh it), else a slice
+    (`index.slice_bytes`, what a search worker holds) where the index is in slices, else the
+    whole index's budget (`index.memory_budget`: one process holds the one file). A larger
+    change is built whole."""
+    if index.min_ram is not None:
+        return parse_size(index.min_ram)
+    return index.slice_bytes or index.memory_budget
 
 
 def in_trained_lists(index, new: NewVectors):

@@ -160,7 +160,9 @@ def test_an_append_and_a_delete_refresh_to_a_full_build_and_two_refreshes_equal_
 def test_a_refresh_over_an_index_in_slices_searches_only_the_chunks_that_lost_a_neighbour(tmp_path):
     docs = sample_documents(32)
     out = tmp_path / "out"
-    cfg = config_from_dict(sliced_corpus_config(tmp_path, docs[:24], shard_rows=4, neighbour_recall_sample=400))
+    config = sliced_corpus_config(tmp_path, docs[:24], shard_rows=4, neighbour_recall_sample=400)
+    # workers of 1 GB: the new vectors fit where they would not fit in a 400 KB slice
+    cfg = config_from_dict({**config, "index": {**config["index"], "min_ram": "1GB"}})
     run_all(cfg, [])
     before = _shards(out)
     chosen = _most_retrieved(out, np.concatenate([s["neighbour_ids"].ravel() for s in before.values()]), docs, 2)

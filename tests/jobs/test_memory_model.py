@@ -190,11 +190,15 @@ def test_an_exported_backend_adds_its_runtime_to_the_embed_step():
 
 @pytest.mark.unit
 def test_a_refresh_holds_new_vectors_up_to_a_slice_where_the_index_is_in_slices():
-    """A 10% append at 3·10^10 chunks is refreshed only if its new vectors fit where a search
-    worker holds a slice; else the shards are built whole. The whole index's budget (2 TB here)
-    is no process's."""
+    """A 10% append at 3·10^10 chunks is refreshed only if its new vectors fit in a search
+    worker (its min_ram, else a slice); else the shards are built whole. The whole index's budget
+    (2 TB here) is a process's only for an index in one file."""
     refresh = "build-shards: refresh one chunk file's shards"
-    for index, cap in (({"slice_bytes": "16GiB"}, parse_size("16GiB")), ({}, parse_size("2TB"))):
+    for index, cap in (
+        ({"slice_bytes": "16GiB"}, parse_size("16GiB")),
+        ({"slice_bytes": "16GiB", "min_ram": "64GB"}, parse_size("64GB")),  # the workers' memory, said
+        ({}, parse_size("2TB")),
+    ):
         cfg = model_config("IVF1048576_HNSW32,PQ32x8np", index)
         (step,) = [s for s in stage_memory(cfg, Corpus.of(3e10)) if s["stage"] == refresh]
         new_vectors = next(v for k, v in step["terms"].items() if k.startswith("the new vectors"))
