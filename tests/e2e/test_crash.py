@@ -197,16 +197,26 @@ def test_an_append_killed_inside_its_commit_leaves_a_whole_commit_and_its_rerun_
     assert not (out / ".staging").exists() and len(list((out / "index").glob("manifest-*.json"))) == 1
 
 
+@pytest.fixture(scope="module")
+def first_shards(tmp_path_factory) -> tuple[Path, dict]:
+    """An output of eight documents, index and shards committed, and its config: what each
+    rebuild below starts from (copied; the corpus stays where it was read)."""
+    root = tmp_path_factory.mktemp("first-shards")
+    write_jsonl(root / "corpus" / "a.jsonl", sample_documents(8))
+    first = small_config(root / "out", str(root / "corpus" / "*.jsonl"))
+    subprocess.run([CLI, "run", "--config", str(write_config(root / "a.yaml", first))], check=True)
+    return root / "out", first
+
+
 @pytest.mark.parametrize("point", ["moving files", "manifest unwritten", "cleaning up"])
-def test_a_shards_rebuild_killed_inside_its_commit_leaves_whole_shards(point, tmp_path):
+def test_a_shards_rebuild_killed_inside_its_commit_leaves_whole_shards(point, first_shards, tmp_path):
     """Shards rebuilt over committed ones (another neighbour count): killed before the put, the
     first shards are whole; after it or while cleaning up, the rebuilt ones; the rerun ends
     with the rebuilt ones and one commit."""
-    write_jsonl(tmp_path / "corpus" / "a.jsonl", sample_documents(8))
+    built, first = first_shards
     out = tmp_path / "out"
-    first = small_config(out, str(tmp_path / "corpus" / "*.jsonl"))
-    subprocess.run([CLI, "run", "--config", str(write_config(tmp_path / "a.yaml", first))], check=True)
-    rebuilt = write_config(tmp_path / "b.yaml", {**first, "neighbours": 1})
+    shutil.copytree(built, out)
+    rebuilt = write_config(tmp_path / "b.yaml", {**first, "output": str(out), "neighbours": 1})
     killed = subprocess.run(
         [sys.executable, "-c", COMMIT_KILLER, str(out / "shards"), point, "build-shards", "--config", str(rebuilt)],
         capture_output=True,
