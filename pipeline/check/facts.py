@@ -1,6 +1,6 @@
 """What `validate` reads from a directory before checking it: its manifest's facts (`IndexFacts`,
-`ShardsFacts`, `FaissFacts`), the chunk files and their boundary rows (`ChunkFiles`,
-`ChunkFileEnds`, `ChunkFileSummary`), and the probes the faiss check searches.
+`ShardsFacts`, `FaissFacts`), the units (a chunk file, an embedding file, a listed file),
+the chunk files' boundary rows (`ChunkFileEnds`, `ChunkFileSummary`), and the probes the faiss check searches.
 """
 
 from __future__ import annotations
@@ -12,47 +12,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pipeline.check.problems import require
+from pipeline.chunks.chunk_files import ChunkFileRanges
 from pipeline.chunks.deleted import DeletedRanges
-from pipeline.chunks.file_runs import FileRuns
 from pipeline.common import fileio
 from pipeline.common.rejected import NEAR_DUPLICATE
 from pipeline.index.files import LIST_OWNERS_FILE, QUANTIZER_FILE, searched_files
 from schemas.manifest import FileEntry, unversioned
-
-
-@dataclass(frozen=True)
-class ChunkFiles:
-    """Where each chunk id of an index directory lives, located as every reader locates them
-    (file f holds the dense ids start(f) ... start(f + 1) - 1, checked against the rules by
-    `check_chunk_file`): the files as runs (`FileRuns`), a few a generation however many files
-    there are. A side input of the job; the files' entries travel as the units (`ChunkFileUnit`)."""
-
-    directory: str
-    runs: FileRuns
-
-    @property
-    def count(self) -> int:
-        return self.runs.num_files
-
-    @property
-    def num_chunks(self) -> int:
-        return self.runs.num_rows
-
-    def start(self, number: int) -> int:
-        """The first chunk id of file `number` (num_chunks for number `count`)."""
-        return self.runs.start(number)
-
-    def starts_a_file(self, chunk_id: int) -> bool:
-        """Whether `chunk_id` is a file's first id (or num_chunks, where the last file ends)."""
-        if chunk_id == self.num_chunks:
-            return True
-        if not 0 <= chunk_id < self.num_chunks:
-            return False
-        return self.start(int(self.runs.positions_of(np.array([chunk_id]))[0])) == chunk_id
-
-    def file_of(self, chunk_ids: np.ndarray) -> np.ndarray:
-        """The file holding each of these ids (each in 0 ... num_chunks - 1: unchecked)."""
-        return self.runs.positions_of(chunk_ids)
 
 
 @dataclass(frozen=True)
@@ -106,7 +71,7 @@ class IndexFacts:
     chunk_tokens: int
     pad_id: int
     num_documents: int  # not deleted
-    chunks: ChunkFiles
+    chunks: ChunkFileRanges
     dim: int  # the embeddings' width
     removed_doc_ids: tuple[int, ...] = ()  # removed as near-duplicates of evaluation documents: in no chunk file
     deleted: DeletedRanges = field(default_factory=DeletedRanges.none)  # deleted documents: in no search
@@ -122,7 +87,7 @@ class ShardsFacts:
     pad_id: int
     same_corpus: bool
     metadata: tuple  # (key, value) every shard's schema metadata must hold
-    chunks: ChunkFiles  # the chunk database the neighbours point into
+    chunks: ChunkFileRanges  # the chunk database the neighbours point into
     removed_doc_ids: tuple[int, ...] = ()  # training documents removed as near-duplicates: in no sequence
     deleted: DeletedRanges = field(default_factory=DeletedRanges.none)  # the index's deleted documents: no neighbour
     sources: tuple[str, ...] = ()  # a blend's source names, every shard's source dictionary (else any one name)

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 
 from pipeline.build_shards.manifest import neighbour_summary
 from pipeline.check.facts import (
-    ChunkFiles,
     EntryGroup,
     FaissFacts,
     IndexFacts,
@@ -24,7 +23,7 @@ from pipeline.check.problems import manifest_problem, require
 from pipeline.check.rules import check_generations
 from pipeline.check.sample import Sample
 from pipeline.check.tallies import IndexFiles, ShardTotals
-from pipeline.chunks.chunk_files import EMBEDDINGS_DIR
+from pipeline.chunks.chunk_files import EMBEDDINGS_DIR, ChunkFileRanges
 from pipeline.chunks.deleted import DeletedRanges, read_deleted
 from pipeline.chunks.file_runs import FileRuns
 from pipeline.common import fileio
@@ -63,8 +62,7 @@ class ValidationPlan:
     index: IndexFacts | None = None  # the index whose chunk files are checked by the rules
     shards: ShardsFacts | None = None
     faiss_index: FaissFacts | None = None
-    chunks: ChunkFiles | None = None  # the chunk database read (the index's, or the shards')
-    embeddings: FileRuns | None = None  # the index's embedding files, where it is validated
+    chunks: ChunkFileRanges | None = None  # the chunk database read (the index's, or the shards'), as runs
     deleted: DeletedRanges | None = None  # the documents deleted from that index
     samples: dict[str, Sample] = field(default_factory=dict)  # "chunks", "embeddings", "shards": those checked
     probes_per_file: int = INDEX_PROBES
@@ -125,28 +123,29 @@ def _names(manifest, directory: str, prefix: str | None):
     return lambda: (t["path"].to_pylist() for t in fileio.entry_batches(manifest, directory, ["path"], prefix))
 
 
-def _chunk_files(directory: str, runs: FileRuns) -> ChunkFiles:
-    require(runs.num_files, f"{directory}: manifest lists no chunk files", "manifest")
-    return ChunkFiles(directory, runs)
+def _chunk_files(directory: str, files: IndexFiles) -> ChunkFileRanges:
+    require(files.ranges.num_files, f"{directory}: manifest lists no chunk files", "manifest")
+    return files.ranges
 
 
 def _plan_index(plan: ValidationPlan, directory: str) -> None:
     manifest = _manifest(plan, directory, IndexManifest)
     _add_groups(plan, directory, "index")
     files = IndexFiles.of(manifest, directory)
-    chunks = _chunk_files(directory, files.chunks)
+    chunks = _chunk_files(directory, files)
+    embeddings = chunks.embeddings or FileRuns.of([], [])
     require(
         chunks.num_chunks == manifest.num_chunks,
         f"{directory}: {chunks.num_chunks} chunk rows, manifest says {manifest.num_chunks}",
         "manifest",
     )
     require(
-        files.embeddings.num_rows == manifest.num_chunks,
-        f"{directory}: {files.embeddings.num_rows} embeddings for {manifest.num_chunks} chunks",
+        embeddings.num_rows == manifest.num_chunks,
+        f"{directory}: {embeddings.num_rows} embeddings for {manifest.num_chunks} chunks",
         "manifest",
     )
     check_generations(directory, manifest.generations, chunks, manifest.num_documents)
-    plan.chunks, plan.embeddings = chunks, files.embeddings
+    plan.chunks = chunks
     plan.deleted = deleted = read_deleted(files.deleted)
     require(
         (len(deleted), deleted.num_chunks) == (manifest.deleted_documents, manifest.deleted_chunks),
@@ -170,15 +169,15 @@ def _plan_index(plan: ValidationPlan, directory: str) -> None:
         plan.faiss_index = FaissFacts.of(
             directory, manifest, files.faiss, manifest.num_chunks - manifest.deleted_chunks, deleted
         )
-    for name, prefix, runs in (("chunks", "chunks", chunks.runs), ("embeddings", EMBEDDINGS_DIR, files.embeddings)):
+    for name, prefix, runs in (("chunks", "chunks", chunks.chunks), ("embeddings", EMBEDDINGS_DIR, embeddings)):
         plan.samples[name] = Sample.of(plan.sample, runs.num_files, _names(manifest, directory, prefix))
     plan.probes_per_file = max(1, INDEX_PROBES // max(1, plan.samples["embeddings"].count))
     note = _sample_note(
         plan,
         [
-            f"{plan.samples['chunks'].count} of {chunks.count} chunk files "
+            f"{plan.samples['chunks'].count} of {chunks.num_files} chunk files "
             "(and the row groups of others that sampled shards reference)",
-            f"{plan.samples['embeddings'].count} of {files.embeddings.num_files} embedding files",
+            f"{plan.samples['embeddings'].count} of {embeddings.num_files} embedding files",
             "no search of the faiss index",
         ],
         files.listed,
@@ -264,7 +263,7 @@ def _plan_shards(plan: ValidationPlan, directory: str, index_directory: str) -> 
     if plan.chunks is None:  # the index is not validated here: its chunk files only read for the references
         _add_groups(plan, index_directory, "chunks")
         files = IndexFiles.of(index_manifest, index_directory)
-        plan.chunks = _chunk_files(index_directory, files.chunks)
+        plan.chunks = _chunk_files(index_directory, files)
         plan.deleted = read_deleted(files.deleted)
     plan.shards = ShardsFacts(
         directory=directory,

@@ -10,7 +10,6 @@ import numpy as np
 
 from pipeline.check.facts import (
     ChunkFileEnds,
-    ChunkFiles,
     ChunkFileSummary,
     EmbeddingFileUnit,
     FaissFacts,
@@ -18,7 +17,7 @@ from pipeline.check.facts import (
     Probes,
 )
 from pipeline.check.problems import ValidationFailed, checked_parquet, of_kind, require
-from pipeline.chunks.chunk_files import ChunkRows
+from pipeline.chunks.chunk_files import ChunkFileRanges, ChunkRows
 from pipeline.common import fileio
 from pipeline.common.errors import ChecksumMismatch
 from pipeline.common.names import file_number
@@ -109,7 +108,7 @@ def check_chunk_boundaries(index: IndexFacts, ends: list[ChunkFileEnds]) -> None
             f"{path}: chunk {index.chunks.start(number) - 1} continuation is not the next "
             "chunk of its document (or padding at its end)",
         )
-    last = by_number.get(index.chunks.count - 1)
+    last = by_number.get(index.chunks.num_files - 1)
     require(
         last is None or (last.last_continuation == pad).all(),
         f"{index.directory}: the last chunk's continuation is not padding",
@@ -117,7 +116,9 @@ def check_chunk_boundaries(index: IndexFacts, ends: list[ChunkFileEnds]) -> None
 
 
 @of_kind("documents")
-def check_generations(directory: str, generations: list[Generation], chunks: ChunkFiles, num_documents: int) -> None:
+def check_generations(
+    directory: str, generations: list[Generation], chunks: ChunkFileRanges, num_documents: int
+) -> None:
     """An index's generations (none: an older manifest) follow each other: numbered 0, 1, …,
     each chunk-id range starting where the one before ended and at a chunk file's first row,
     together the manifest's chunks and documents."""
@@ -154,7 +155,7 @@ def check_document_runs(index: IndexFacts, runs: int, distinct: int, files: int)
         f"{index.directory}: {runs} document runs of {distinct} documents (a document split into several runs)",
     )
     require(
-        files < index.chunks.count or runs == index.num_documents,
+        files < index.chunks.num_files or runs == index.num_documents,
         f"{index.directory}: {runs} document runs not deleted for {index.num_documents} documents not deleted",
     )
 

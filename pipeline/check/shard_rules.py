@@ -14,9 +14,10 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.check.chunk_reads import ChunkRowsRead, read_row_groups, read_whole
-from pipeline.check.facts import ChunkFileChecked, ChunkFiles, ChunkFileUnit, IndexFacts, ShardsFacts
+from pipeline.check.facts import ChunkFileChecked, ChunkFileUnit, IndexFacts, ShardsFacts
 from pipeline.check.problems import ValidationFailed, of_kind, read_checked, require
 from pipeline.check.rules import check_chunk_rules
+from pipeline.chunks.chunk_files import ChunkFileRanges
 from pipeline.common import fileio
 from pipeline.common.arrays import ranges_of
 from pipeline.shards.rows import input_tokens, rows_per_source
@@ -106,7 +107,7 @@ def _shard_references(
         own_value[:, :m] = tokens[:, : L * m].reshape(-1, m)  # row-major: (own_row, own_j)
         row, chunk_id = np.concatenate([row, own_row]), np.concatenate([chunk_id, seq_ids[own_row] * L + own_j])
         value, own = np.concatenate([value, own_value]), np.concatenate([own, np.ones(len(own_row), bool)])
-    numbers = shards.chunks.file_of(chunk_id)
+    numbers = shards.chunks.files_of(chunk_id)
     blocks = {}
     for number in np.unique(numbers):
         here = numbers == number
@@ -215,7 +216,7 @@ def _source_counts(shards: ShardsFacts, table, tokens: np.ndarray, entry: ShardE
 
 
 @of_kind("reference")
-def check_references(chunks: ChunkFiles, unit: ChunkFileUnit, read: ChunkRowsRead, block: ReferenceBlock) -> None:
+def check_references(chunks: ChunkFileRanges, unit: ChunkFileUnit, read: ChunkRowsRead, block: ReferenceBlock) -> None:
     """References into a chunk file (`read`: its rows they point at): a neighbour's tokens are
     the chunk and its continuation and it is from none of the sequence's documents; a
     sequence's own chunks hold its tokens and their documents are among its doc_ids."""
@@ -252,7 +253,7 @@ def check_references(chunks: ChunkFiles, unit: ChunkFileUnit, read: ChunkRowsRea
         )
 
 
-def check_chunk_file(chunks: ChunkFiles, unit: ChunkFileUnit, blocks, index: IndexFacts | None):
+def check_chunk_file(chunks: ChunkFileRanges, unit: ChunkFileUnit, blocks, index: IndexFacts | None):
     """A chunk file, read once: whole and against the rules when it is sampled (and `index` is
     the index being validated), else only the row groups the references (`blocks`, iterable
     twice, or None) point into; then against the references. Yields what it read (with the

@@ -12,40 +12,37 @@ import pyarrow.compute as pc
 
 from pipeline.check.problems import manifest_problem
 from pipeline.check.sample import Sample
-from pipeline.chunks.chunk_files import EMBEDDINGS_DIR
+from pipeline.chunks.chunk_files import ChunkFileRanges
 from pipeline.chunks.deleted import DELETED_DIR
-from pipeline.chunks.file_runs import FileRuns, FileRunsBuilder
 from pipeline.common import fileio
+from schemas.file_table import entries_field
 from schemas.manifest import FileEntry
 
 
 @dataclass
 class IndexFiles:
-    """What one pass over an index manifest's entries gives: its chunk and embedding files as
-    runs, its faiss entries, its deleted-document files, and how many files it lists."""
+    """An index manifest's files as the plan needs them: its chunk and embedding files as runs
+    (`ChunkFileRanges`), its faiss entries, its deleted-document files (full paths), and how
+    many files it lists."""
 
-    chunks: FileRuns
-    embeddings: FileRuns
+    ranges: ChunkFileRanges
     faiss: list[FileEntry]
-    deleted: list[str]  # full paths
+    deleted: list[str]
     listed: int
 
     @classmethod
     def of(cls, manifest, directory: str) -> IndexFiles:
-        chunks, embeddings, faiss, deleted, listed = FileRunsBuilder(), FileRunsBuilder(), [], [], 0
-        for table in fileio.entry_batches(manifest, directory, list(FileEntry.model_fields)):
-            listed += table.num_rows
-            if table["rows"].null_count or table["path"].null_count:
-                raise manifest_problem(f"{directory}: a file entry without a path or rows in its file table")
-            for prefix, runs in (("chunks", chunks), (EMBEDDINGS_DIR, embeddings)):
-                part = fileio.under(table, prefix)
-                runs.add(part["path"], part["rows"])
+        try:
+            ranges = ChunkFileRanges.of_manifest(manifest, directory)
+        except ValueError as err:  # a file number listed twice, a file without rows
+            raise manifest_problem(f"{directory}: {err}") from None
+        faiss, deleted = [], []
+        for table in fileio.entry_batches(manifest, directory, list(FileEntry.model_fields), ("faiss", DELETED_DIR)):
             faiss += [FileEntry(**entry) for entry in fileio.under(table, "faiss").to_pylist()]
             deleted += [fileio.join(directory, p) for p in fileio.under(table, DELETED_DIR)["path"].to_pylist()]
-        try:
-            return cls(chunks.build(), embeddings.build(), faiss, deleted, listed)
-        except ValueError as err:  # a file number listed twice
-            raise manifest_problem(f"{directory}: {err}") from None
+        table = manifest.file_table
+        listed = table.entries if table is not None else len(getattr(manifest, entries_field(manifest)))
+        return cls(ranges, faiss, deleted, listed)
 
 
 @dataclass

@@ -25,16 +25,17 @@ def units_of(plan: ValidationPlan, group: EntryGroup) -> Iterator:
         elif group.role in ("index", "chunks") and entry.path.startswith("chunks/"):
             assert plan.chunks is not None  # planned with the index
             sampled = plan.samples["chunks"].chooses(entry.path) if group.role == "index" else plan.complete
-            yield ChunkFileUnit(plan.chunks.runs.position_of(entry.path), entry, sampled)
+            yield ChunkFileUnit(plan.chunks.chunks.position_of(entry.path), entry, sampled)
             if group.role == "index" and not sampled:
                 listed.append(entry)
         elif group.role == "chunks":
             continue  # the other files of an index not validated here
         elif group.role == "index" and entry.path.startswith(f"{EMBEDDINGS_DIR}/"):
-            assert plan.embeddings is not None
+            embeddings = plan.chunks.embeddings if plan.chunks is not None else None
+            assert embeddings is not None  # planned with the index, which lists this file
             if plan.samples["embeddings"].chooses(entry.path):
-                position = plan.embeddings.position_of(entry.path)
-                yield EmbeddingFileUnit(position, entry, plan.embeddings.start(position))
+                position = embeddings.position_of(entry.path)
+                yield EmbeddingFileUnit(position, entry, embeddings.start(position))
             else:
                 listed.append(entry)
         else:

@@ -165,7 +165,7 @@ class _Boundaries:
     def add(self, ends: ChunkFileEnds) -> None:
         for boundary in (ends.number, ends.number + 1):
             sides = self.waiting.pop(boundary, []) + [ends]
-            if len(sides) == 2 or boundary in (0, self.index.chunks.count):
+            if len(sides) == 2 or boundary in (0, self.index.chunks.num_files):
                 check_chunk_boundaries(self.index, sides)
             else:
                 self.waiting[boundary] = sides

@@ -98,43 +98,27 @@ def _ends_with_neighbours(ends):
     return [(ends.number, ends), (ends.number + 1, ends)]
 
 
-class _GatherProblems(beam.CombineFn):
-    def create_accumulator(self):
-        return Problems()
+class _Summed(beam.CombineFn):
+    """Values summed into one accumulator of `kind` (`Problems`, `ShardsTogether`): each value's
+    fields given to its `add`, or with `of_parts` each value an accumulator of its own, merged."""
 
-    def add_input(self, problems, problem):
-        return problems.add(*problem)
-
-    def merge_accumulators(self, accumulators):
-        merged = Problems()
-        for problems in accumulators:
-            merged.merge(problems)
-        return merged
-
-    def extract_output(self, problems):
-        return problems
-
-
-class _ShardsTogether(beam.CombineFn):
-    """Shard summaries (`of_summaries`), or ShardsTogether of parts, into one ShardsTogether."""
-
-    def __init__(self, of_summaries: bool):
-        self.of_summaries = of_summaries
+    def __init__(self, kind: type, *, of_parts: bool = False):
+        self.kind, self.of_parts = kind, of_parts
 
     def create_accumulator(self):
-        return ShardsTogether()
+        return self.kind()
 
-    def add_input(self, together, value):
-        return together.add(*value) if self.of_summaries else together.merge(value)
+    def add_input(self, summed, value):
+        return summed.merge(value) if self.of_parts else summed.add(*value)
 
     def merge_accumulators(self, accumulators):
-        merged = ShardsTogether()
-        for together in accumulators:
-            merged.merge(together)
+        merged = self.kind()
+        for summed in accumulators:
+            merged.merge(summed)
         return merged
 
-    def extract_output(self, together):
-        return together
+    def extract_output(self, summed):
+        return summed
 
 
 @dataclass(frozen=True)
@@ -211,9 +195,9 @@ class ValidateOutput(beam.PTransform):
                 "CheckShardsTogether",
                 shard_summaries
                 | "BySeqBlock" >> beam.Map(lambda summary: (summary[0] // SEQ_BLOCK, summary))
-                | "ShardsTogetherPerBlock" >> beam.CombinePerKey(_ShardsTogether(of_summaries=True))
+                | "ShardsTogetherPerBlock" >> beam.CombinePerKey(_Summed(ShardsTogether))
                 | "Blocks" >> beam.Values()
-                | "ShardsTogether" >> beam.CombineGlobally(_ShardsTogether(of_summaries=False)),
+                | "ShardsTogether" >> beam.CombineGlobally(_Summed(ShardsTogether, of_parts=True)),
                 lambda together, f: check_shards_together(together, f.shards),
                 facts,
             )
@@ -256,7 +240,7 @@ class ValidateOutput(beam.PTransform):
         return (
             problems
             | "AllProblems" >> beam.Flatten()
-            | "GatherProblems" >> beam.CombineGlobally(_GatherProblems())
+            | "GatherProblems" >> beam.CombineGlobally(_Summed(Problems))
             | "Verdict" >> beam.Map(lambda found, f: found.verdict(f.path, f.lines), facts)
         )
 

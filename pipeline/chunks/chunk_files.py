@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 
 from pipeline.chunks.chunking import Chunk
 from pipeline.chunks.deleted import DeletedRanges
-from pipeline.chunks.file_runs import FileRuns
+from pipeline.chunks.file_runs import FileRuns, FileRunsBuilder
 from pipeline.common import fileio
 from pipeline.common.arrays import groups
 from pipeline.common.names import file_name, file_number
@@ -143,6 +143,18 @@ class ChunkFileRanges:
         )
 
     @classmethod
+    def of_manifest(cls, manifest, directory: str) -> ChunkFileRanges:
+        """From an index manifest's file table (or inline entries), its `path` and `rows` columns
+        a row group at a time: no object per entry. ValueError for a file number listed twice."""
+        runs = {prefix: FileRunsBuilder() for prefix in ("chunks", EMBEDDINGS_DIR)}
+        for table in fileio.entry_batches(manifest, directory, ["path", "rows"], tuple(runs)):
+            for prefix, builder in runs.items():
+                listed = fileio.under(table, prefix)
+                builder.add(listed["path"], listed["rows"])
+        embeddings = runs[EMBEDDINGS_DIR].build()
+        return cls(directory, runs["chunks"].build(), embeddings if embeddings.num_files else None)
+
+    @classmethod
     def from_paths(
         cls, directory: str, paths: list[str], rows: list[int], embedding_paths: list[str] | None = None
     ) -> ChunkFileRanges:
@@ -174,6 +186,12 @@ class ChunkFileRanges:
     def files_of(self, chunk_ids: np.ndarray) -> np.ndarray:
         """file_of for an array of ids (unchecked)."""
         return self.chunks.positions_of(chunk_ids)
+
+    def starts_a_file(self, chunk_id: int) -> bool:
+        """Whether `chunk_id` is a file's first id, or num_chunks (where the last file ends)."""
+        if not 0 <= chunk_id < self.num_chunks:
+            return chunk_id == self.num_chunks
+        return self.start(self.file_of(chunk_id)) == chunk_id
 
     def read(self, number: int, columns: list[str]) -> dict[str, np.ndarray]:
         """These columns of file `number` (tensor columns as [rows, width] arrays), after

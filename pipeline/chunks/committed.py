@@ -13,9 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.chunks.chunk_files import EMBEDDINGS_DIR, ChunkFileRanges
+from pipeline.chunks.chunk_files import ChunkFileRanges
 from pipeline.chunks.deleted import DELETED_DIR, DeletedFiles, DeletedRanges
-from pipeline.chunks.file_runs import FileRunsBuilder
 from pipeline.common import fileio
 
 
@@ -175,14 +174,7 @@ def _committed_manifest(directory: str, manifest_sha256: str):
 
 @functools.lru_cache(maxsize=2)
 def _committed_ranges(directory: str, manifest_sha256: str) -> ChunkFileRanges:
-    manifest = _committed_manifest(directory, manifest_sha256)
-    runs = {prefix: FileRunsBuilder() for prefix in ("chunks", EMBEDDINGS_DIR)}
-    for table in fileio.entry_batches(manifest, directory, ["path", "rows"], tuple(runs)):
-        for prefix, builder in runs.items():
-            listed = fileio.under(table, prefix)
-            builder.add(listed["path"], listed["rows"])
-    embeddings = runs[EMBEDDINGS_DIR].build()
-    return ChunkFileRanges(directory, runs["chunks"].build(), embeddings if embeddings.num_files else None)
+    return ChunkFileRanges.of_manifest(_committed_manifest(directory, manifest_sha256), directory)
 
 
 @functools.lru_cache(maxsize=2)

@@ -72,6 +72,8 @@ class FileRunsBuilder:
 
     def add(self, paths, rows) -> None:
         paths, rows = _array(paths, pa.string()), _array(rows, pa.int64())
+        if paths.null_count or rows.null_count:
+            raise ValueError("a file without a path or a row count")
         parts = pc.extract_regex(paths, _NAME)  # null where a name does not match
         digits = pc.struct_field(parts, "digits")
         width = pc.utf8_length(digits)

@@ -9,7 +9,7 @@ import pytest
 from apache_beam.testing.util import assert_that, equal_to
 
 from benchmarks.validate_sample import write_index, write_shards
-from pipeline.check.facts import ChunkFiles, EmbeddingFileUnit
+from pipeline.check.facts import EmbeddingFileUnit
 from pipeline.check.plan import plan_validation
 from pipeline.check.problems import ValidationFailed
 from pipeline.check.rules import check_generations
@@ -17,7 +17,7 @@ from pipeline.check.sample import sampled
 from pipeline.check.units import units
 from pipeline.check.validate import Problems, validate_path
 from pipeline.check.validate_beam import ValidateOutput
-from pipeline.chunks.file_runs import FileRuns
+from pipeline.chunks.chunk_files import ChunkFileRanges
 from pipeline.cli import main
 from schemas.arrow import tensor_column_to_numpy
 from schemas.manifest import FILE_TABLE, FileEntry, Generation, InputFile, ShardEntry
@@ -283,8 +283,7 @@ def _generation(number: int, first: int, chunks: int, documents: int, path: str)
 
 @pytest.mark.unit
 def test_generations_must_follow_each_other_from_file_boundaries():
-    runs = FileRuns.of([f"chunks/chunks-{n:05d}.parquet" for n in range(3)], [10, 5, 10])
-    chunks = ChunkFiles("idx", runs)
+    chunks = ChunkFileRanges.from_paths("idx", [f"chunks/chunks-{n:05d}.parquet" for n in range(3)], [10, 5, 10])
     good = [_generation(0, 0, 15, 3, "a"), _generation(1, 15, 10, 2, "b")]
     check_generations("idx", good, chunks, 5)
     check_generations("idx", [], chunks, 5)  # an older manifest: nothing to check

@@ -73,7 +73,9 @@ def test_the_plan_holds_no_entry_per_file(tmp_path):
         assert sizes[1] <= 1.1 * sizes[0] and sizes[0] < 100_000, (sample, sizes)
     plan = plan_validation(str(large), 0.01)
     assert plan.samples["shards"].count == 800 == len(list(units(plan, ShardEntry)))
-    assert len(plan.chunks.runs) == 1 and [group.role for group in plan.entry_groups] == ["index"] * 2 + ["shards"] * 2
+    assert (
+        len(plan.chunks.chunks) == 1 and [group.role for group in plan.entry_groups] == ["index"] * 2 + ["shards"] * 2
+    )
 
 
 def _output(root):

@@ -82,3 +82,9 @@ def test_a_number_listed_twice_is_an_error():
         FileRuns.of([f"chunks/{name}" for name in names], [1, 1, 1])
     with pytest.raises(IndexError):
         FileRuns.of(["chunks/chunks-00000.parquet"], [4]).path(1)
+
+
+def test_a_file_without_a_path_or_rows_is_an_error():
+    for paths, rows in ((["chunks/chunks-00000.parquet", None], [1, 2]), (["chunks/chunks-00000.parquet"], [None])):
+        with pytest.raises(ValueError, match="a file without a path or a row count"):
+            FileRunsBuilder().add(paths, rows)

@@ -11,10 +11,10 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from pipeline.check.facts import ChunkFiles, ShardsFacts
+from pipeline.check.facts import ShardsFacts
 from pipeline.check.problems import ValidationFailed
 from pipeline.check.shard_rules import check_shard
-from pipeline.chunks.file_runs import FileRuns
+from pipeline.chunks.chunk_files import ChunkFileRanges
 from pipeline.jobs.memory_model import Corpus, stage_memory
 from pipeline.shards.rows import RowBatch, ShardRow
 from pipeline.shards.write import WriteShards, rows_to_ipc
@@ -98,7 +98,7 @@ def _entry(directory, path: str, rows: int) -> ShardEntry:
 def _facts(directory) -> ShardsFacts:
     schema = shard_schema(N, M, K, PAD)
     metadata = tuple((key, schema.metadata[key.encode()].decode()) for key in SHARD_METADATA_KEYS)
-    chunks = ChunkFiles("unused", FileRuns.of(["chunks/chunks-00000.parquet"], [1000]))  # holds ids 10 ... 16
+    chunks = ChunkFileRanges.from_paths("unused", ["chunks/chunks-00000.parquet"], [1000])  # holds ids 10 ... 16
     return ShardsFacts(
         directory=str(directory),
         sequence_tokens=N,
