@@ -105,8 +105,8 @@ def _read(plan: ValidationPlan, directory: str) -> tuple[str, bytes | None]:
 
 
 def _manifest(plan: ValidationPlan, directory: str, model):
-    """The manifest of `directory` (its entries in its file table, if it has one), whose row
-    groups are then planned as units of `role` (the table checked against the manifest)."""
+    """The manifest of `directory`, its entries left in its file table where it has one (read
+    a row group at a time: `_add_groups`, the tallies), kept in the plan for the units' makers."""
     path, data = _read(plan, directory)
     manifest = read_manifest(data, path, model, error=manifest_problem)
     plan.manifests[directory] = manifest
