@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.check.validate import validate_index, validate_shards
+from pipeline.cli import main
 from pipeline.common.fileio import committed
 from pipeline.run import run_all
 from schemas.config import config_from_dict
@@ -129,9 +130,7 @@ def _nothing_half_committed_and_rerun_matches(config: Path, out: Path, uninterru
         validate_index(str(out / "index"))
     if (out / "shards" / "manifest.json").exists():
         validate_shards(str(out / "shards"))
-    subprocess.run(
-        [CLI, "run", "--config", str(config)], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+    main(["run", "--config", str(config)])  # the rerun in this process: only the killed run needs its own
     assert _data_files(out) == _data_files(uninterrupted)
     assert not (out / ".staging").exists()
     assert not list(out.rglob("*.tmp-*"))
@@ -168,31 +167,46 @@ def test_run_killed_inside_a_commit_is_finished_by_the_next_run(stage, point, un
     _nothing_half_committed_and_rerun_matches(config, out, uninterrupted[0], stage)
 
 
+@pytest.fixture(scope="module")
+def first_index(tmp_path_factory) -> tuple[Path, Path, dict]:
+    """An index of eight documents, committed, its corpus directory and its config: what each
+    append below starts from (the index copied; the corpus stays where it was read, and each
+    case adds its new file there and takes it away after)."""
+    root = tmp_path_factory.mktemp("first-index")
+    write_jsonl(root / "corpus" / "a.jsonl", sample_documents(8))
+    first = small_config(root / "out", str(root / "corpus" / "*.jsonl"))
+    main(["build-index", "--config", str(write_config(root / "a.yaml", first))])
+    return root / "out", root / "corpus", first
+
+
 @pytest.mark.parametrize("point", ["moving files", "manifest unwritten", "cleaning up"])
 def test_an_append_killed_inside_its_commit_leaves_a_whole_commit_and_its_rerun_embeds_only_the_new_files(
-    point, tmp_path
+    point, first_index, tmp_path
 ):
     """Before the put the index is the first build, whole; after it, the append, whole; the
     rerun appends (or finishes) rather than rebuilding: its last generation holds only the new
     file's documents."""
-    first, added = sample_documents(8), sample_documents(4, start=8)
-    write_jsonl(tmp_path / "corpus" / "a.jsonl", first)
+    built, corpus, first = first_index
     out = tmp_path / "out"
-    config = write_config(tmp_path / "c.yaml", small_config(out, str(tmp_path / "corpus" / "*.jsonl")))
-    subprocess.run([CLI, "build-index", "--config", str(config)], check=True, capture_output=True)
-    write_jsonl(tmp_path / "corpus" / "b.jsonl", added)
-    killed = subprocess.run(
-        [sys.executable, "-c", COMMIT_KILLER, str(out / "index"), point, "build-index", "--config", str(config)],
-        capture_output=True,
-    )
-    assert killed.returncode == -signal.SIGKILL, f"the append was not killed {point}"
-    validate_index(str(out / "index"))  # the commit a reader finds now is whole (else ValidationFailed)
-    generations = len(committed(str(out / "index"), IndexManifest).generations)  # type: ignore[union-attr]
-    assert generations == (1 if point == "moving files" else 2)
-    subprocess.run([CLI, "build-index", "--config", str(config)], check=True, capture_output=True)
+    shutil.copytree(built, out)
+    config = write_config(tmp_path / "c.yaml", {**first, "output": str(out)})
+    added = sample_documents(4, start=8)
+    write_jsonl(corpus / "b.jsonl", added)
+    try:
+        killed = subprocess.run(
+            [sys.executable, "-c", COMMIT_KILLER, str(out / "index"), point, "build-index", "--config", str(config)],
+            capture_output=True,
+        )
+        assert killed.returncode == -signal.SIGKILL, f"the append was not killed {point}"
+        validate_index(str(out / "index"))  # the commit a reader finds now is whole (else ValidationFailed)
+        generations = len(committed(str(out / "index"), IndexManifest).generations)  # type: ignore[union-attr]
+        assert generations == (1 if point == "moving files" else 2)
+        main(["build-index", "--config", str(config)])
+    finally:
+        (corpus / "b.jsonl").unlink()
     index = committed(str(out / "index"), IndexManifest)
     assert index is not None and [g.number for g in index.generations] == [0, 1]
-    assert index.generations[1].num_documents == len(added) and index.num_documents == len(first) + len(added)
+    assert index.generations[1].num_documents == len(added) and index.num_documents == 8 + len(added)
     validate_index(str(out / "index"))
     assert not (out / ".staging").exists() and len(list((out / "index").glob("manifest-*.json"))) == 1
 
@@ -204,7 +218,7 @@ def first_shards(tmp_path_factory) -> tuple[Path, dict]:
     root = tmp_path_factory.mktemp("first-shards")
     write_jsonl(root / "corpus" / "a.jsonl", sample_documents(8))
     first = small_config(root / "out", str(root / "corpus" / "*.jsonl"))
-    subprocess.run([CLI, "run", "--config", str(write_config(root / "a.yaml", first))], check=True)
+    main(["run", "--config", str(write_config(root / "a.yaml", first))])
     return root / "out", first
 
 
@@ -225,7 +239,7 @@ def test_a_shards_rebuild_killed_inside_its_commit_leaves_whole_shards(point, fi
     validate_shards(str(out / "shards"))  # the commit a reader finds now is whole (else ValidationFailed)
     current = committed(str(out / "shards"), ShardsManifest)
     assert current is not None and current.neighbours == (2 if point == "moving files" else 1)
-    subprocess.run([CLI, "run", "--config", str(rebuilt)], check=True, capture_output=True)
+    main(["run", "--config", str(rebuilt)])
     assert committed(str(out / "shards"), ShardsManifest).neighbours == 1  # type: ignore[union-attr]
     validate_shards(str(out / "shards"))
     assert [p.name for p in (out / "shards").glob("manifest-*.json")] == ["manifest-000002.json"]
