@@ -45,6 +45,7 @@ def pytest_configure(config):
 KINDS = ("unit", "beam", "e2e")  # pyproject.toml [tool.pytest.ini_options] markers says what each means
 OWN_PROCESS = "RATRAIN_TESTS_OWN_PROCESS"  # set in the process tests/test_own_process.py starts
 RUNS_OWN_PROCESS = Path(__file__).with_name("test_own_process.py")
+OWN_PROCESS_FILES = pytest.StashKey[list[str]]()  # the files holding own_process tests: its process collects only them
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects: the rule holds for every collected test
@@ -63,6 +64,9 @@ def pytest_collection_modifyitems(config, items):
         )
     # the own_process tests run only in the process tests/test_own_process.py starts for them
     mine = bool(os.environ.get(OWN_PROCESS))
+    config.stash[OWN_PROCESS_FILES] = sorted(
+        {str(item.path) for item in items if item.get_closest_marker("own_process") is not None}
+    )
     kept = [item for item in items if (item.get_closest_marker("own_process") is not None) == mine]
     if mine or len(kept) < len(items):
         config.hook.pytest_deselected(items=[item for item in items if item not in kept])

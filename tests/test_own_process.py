@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import OWN_PROCESS
+from tests.conftest import OWN_PROCESS, OWN_PROCESS_FILES
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -17,7 +17,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def test_the_tests_that_load_onnx_runtime_or_openvino_pass_in_a_process_of_their_own(request):
-    args = [sys.executable, "-m", "pytest", "-m", "own_process", "-p", "no:cacheprovider", "-q"]
+    files = request.config.stash[OWN_PROCESS_FILES]
+    args = [sys.executable, "-m", "pytest", "-m", "own_process", "-p", "no:cacheprovider", "-q", *files]
     precision = request.config.getoption("--embedding-precision")
     if precision:
         args += ["--embedding-precision", precision]

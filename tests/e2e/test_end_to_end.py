@@ -15,7 +15,6 @@ from pipeline.cli import main
 from pipeline.common.fileio import sha256_bytes
 from pipeline.common.writers import parquet_bytes
 from pipeline.jobs import job, options
-from pipeline.retrieve.online import Retriever
 from pipeline.run import run_all
 from schemas.arrow import fixed_size_list, read_shard_table, shard_column, tensor_column_to_numpy
 from schemas.config import config_from_dict
@@ -28,10 +27,7 @@ from tests.helpers import (
     rewrite_manifest,
     rewrite_shard,
     sample_documents,
-    shard_rows,
-    small_config,
     suite_precision,
-    tie_tolerance,
     write_jsonl,
 )
 
@@ -344,43 +340,6 @@ def test_bfloat16_and_float32_give_the_same_neighbours_and_the_manifest_says_whi
         return np.concatenate([shard_column(t, "neighbour_ids").ravel() for _, t in _shard_tables(o / "shards")])
 
     assert np.mean(neighbour_ids(root / "out") == neighbour_ids(out)) >= 0.95
-
-
-@pytest.mark.own_process
-@pytest.mark.slow
-def test_the_openvino_setting_gives_the_neighbours_of_torch_float32(tmp_path):
-    """The CPU setting docs/performance.md recommends (backend openvino, precision auto:
-    bfloat16 where the CPU has it) against torch float32, each a whole run: the build's check
-    passes and records the setting, >= 95% of neighbour slots hold the same chunk, and the
-    Retriever, embedding with the same backend, finds the neighbours the build wrote. Its own
-    corpus, not the session's built output: this process would build that only for this test."""
-    write_jsonl(tmp_path / "corpus" / "docs.jsonl", sample_documents(16))
-
-    def run(name, **embedding):
-        config = small_config(tmp_path / name, str(tmp_path / "corpus" / "*.jsonl"))
-        run_all(config_from_dict({**config, "embedding": {**config["embedding"], **embedding}}), [])
-        return tmp_path / name
-
-    def neighbour_ids(o):
-        return np.concatenate([shard_column(t, "neighbour_ids").ravel() for _, t in _shard_tables(o / "shards")])
-
-    reference = run("torch", precision="float32")
-    chosen = run("openvino", backend="openvino", precision="auto")
-    check = json.loads((chosen / "index" / "manifest.json").read_text())["embedding_precision"]
-    assert (check["backend"], check["quantize"]) == ("openvino", "none")
-    assert check["agreement_upper_bound"] >= check["min_agreement"]
-    assert np.mean(neighbour_ids(reference) == neighbour_ids(chosen)) >= 0.95
-    # the retriever embeds its queries with the backend the index was built with
-    retriever = Retriever.open(str(chosen / "index"))
-    assert (retriever.embedding.backend, retriever.embedding.precision) == ("openvino", check["precision"])
-    shards = ShardsManifest.model_validate_json((chosen / "shards" / "manifest.json").read_text())
-    tie, n = tie_tolerance(check["precision"]), shards.sequence_tokens
-    equal = slots = 0
-    for tokens, doc_ids, _, ids, scores in shard_rows(chosen / "shards"):
-        found = retriever.retrieve(tokens[:n], exclude_documents=doc_ids)
-        equal += int(((found.ids == ids) | (np.abs(found.scores - scores) <= tie)).sum())
-        slots += ids.size
-    assert slots and equal / slots >= 0.999
 
 
 def test_shards_manifest_carries_the_overlap_audit(built_output):
