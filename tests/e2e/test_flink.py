@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.build_shards.job import build_shards
 from pipeline.check.validate import validate_path
-from pipeline.run import run_all
 from schemas.config import config_from_dict
 from tests.helpers import (
     LocalFlinkCluster,
@@ -29,27 +29,72 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 CLI = str(Path(sys.executable).parent / "ratrain-pipeline")
 
 
-def test_long_documents_on_flink_write_the_local_runners_bytes(flink_cluster, long_documents_built_locally, tmp_path):
+def _running_vertex(cluster: LocalFlinkCluster, job: str, step: str) -> bool:
+    return any(step in v["name"] and v["status"] == "RUNNING" for v in cluster.rest(f"/jobs/{job}")["vertices"])
+
+
+def _build_index_with_a_task_manager_killed(cluster: LocalFlinkCluster, command: list[str], out: Path) -> str:
+    """Run `command` (a build-index on the cluster); SIGKILL one TaskManager while the job's
+    embed stage runs. Flink's restart strategy reruns the job on the slots left, or the job
+    fails, commits nothing, and a rerun on the restored cluster builds it. The killed job's id."""
+    before = cluster.job_ids()
+    build = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while True:  # readiness poll: until the cluster runs the job's embed stage
+            jobs = cluster.job_ids() - before
+            if jobs and _running_vertex(cluster, next(iter(jobs)), "EmbedChunks"):
+                break
+            assert build.poll() is None and time.monotonic() < deadline, "build-index ended before its embed stage ran"
+            time.sleep(0.2)
+        cluster.kill("taskmanager-1")
+        _, stderr = build.communicate(timeout=900)
+        (job,) = jobs
+        if build.returncode != 0:
+            assert not (out / "index" / "manifest.json").exists(), "a failed job committed"
+            cluster.restore()
+            rerun = subprocess.run(command, capture_output=True, text=True, timeout=900)
+            assert rerun.returncode == 0, rerun.stderr[-3000:]
+        else:  # Flink restarted it: the loss is in the job's exception history
+            assert cluster.rest(f"/jobs/{job}")["state"] == "FINISHED"
+            assert cluster.rest(f"/jobs/{job}/exceptions")["exceptionHistory"]["entries"], stderr[-3000:]
+        return job
+    finally:
+        if build.poll() is None:  # SIGINT: the command's exit hooks stop the job server it started
+            build.send_signal(signal.SIGINT)
+            try:
+                build.wait(60)
+            except subprocess.TimeoutExpired:
+                build.kill()
+        cluster.restore()
+
+
+def test_long_documents_on_flink_write_the_local_runners_bytes_with_a_task_manager_killed(
+    flink_cluster, long_documents_built_locally, tmp_path
+):
     """Both stages on the cluster at parallelism 2 with LOOPBACK workers and every exchange
-    blocking (an option only Beam's Java job server reads): every chunk, embedding, index slice
-    and shard file equal to the local runner's, every neighbour slot filled, the same recall;
-    Flink lists both jobs FINISHED, run in the mode asked for, each with subtasks on both
-    TaskManagers."""
+    blocking (an option only Beam's Java job server reads). build-index loses a TaskManager to
+    SIGKILL while its embed stage runs (`_build_index_with_a_task_manager_killed`); build-shards
+    runs on the restored cluster. Every chunk, embedding, index slice and shard file equals the
+    local runner's, every neighbour slot filled, the same recall; both jobs ran in the mode
+    asked for, and build-shards had subtasks on both TaskManagers."""
     config, local = long_documents_built_locally
-    before = flink_cluster.job_ids()
+    out = tmp_path / "out"
+    path = write_config(tmp_path / "c.yaml", config(out))
     options = [*flink_cluster.options, "--environment_type=LOOPBACK", "--execution_mode_for_batch=BATCH_FORCED"]
-    report = run_all(config_from_dict(config(tmp_path / "out")), options)
-    assert [status for status, _ in report.values()] == ["built", "built"]
+    index_job = _build_index_with_a_task_manager_killed(
+        flink_cluster, [CLI, "build-index", "--config", str(path), "--", *options], out
+    )
+    assert all(line.startswith("OK") for line in validate_path(str(out / "index")))
 
-    assert report["build-shards"][1]["neighbour_slots_padded"] == 0
-    assert_matches_the_local_run(tmp_path / "out", local)
-
-    jobs = flink_cluster.job_ids() - before
-    assert len(jobs) == 2
-    for job in jobs:
-        assert flink_cluster.rest(f"/jobs/{job}")["state"] == "FINISHED"
+    before = flink_cluster.job_ids()
+    build_shards(config_from_dict(config(out)), options)
+    assert_matches_the_local_run(out, local)
+    (shards_job,) = flink_cluster.job_ids() - before
+    assert flink_cluster.rest(f"/jobs/{shards_job}")["state"] == "FINISHED"
+    assert flink_cluster.task_managers_of(shards_job) == set(LocalFlinkCluster.TASK_MANAGERS)
+    for job in (index_job, shards_job):
         assert flink_cluster.rest(f"/jobs/{job}/config")["execution-config"]["execution-mode"] == "BATCH_FORCED"
-        assert flink_cluster.task_managers_of(job) == set(LocalFlinkCluster.TASK_MANAGERS)
 
 
 def test_a_detached_build_shards_commits_itself_on_flink_with_an_external_worker_pool(
@@ -90,50 +135,3 @@ def test_a_detached_build_shards_commits_itself_on_flink_with_an_external_worker
     assert_same_data_files(out, local)
     assert all(line.startswith("OK") for line in validate_path(str(out)))
     assert flink_cluster.rest(f"/jobs/{job}")["name"].rsplit("-", 3)[0] == "ratrain-build-shards"
-
-
-def _running_vertex(cluster: LocalFlinkCluster, job: str, step: str) -> bool:
-    return any(step in v["name"] and v["status"] == "RUNNING" for v in cluster.rest(f"/jobs/{job}")["vertices"])
-
-
-def test_a_task_manager_killed_mid_build_index_leaves_the_undisturbed_bytes(
-    flink_cluster, long_documents_built_locally, tmp_path
-):
-    """SIGKILL to one TaskManager while the embed stage runs. Flink's restart strategy reruns
-    the job on the slots left, or the job fails and a re-run builds it; either way the index
-    committed is the undisturbed run's, byte for byte, and a failed run commits nothing."""
-    config, local = long_documents_built_locally
-    path = write_config(tmp_path / "c.yaml", config(tmp_path / "out"))
-    command = [CLI, "build-index", "--config", str(path), "--", *flink_cluster.options, "--environment_type=LOOPBACK"]
-    before = flink_cluster.job_ids()
-    build = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 300
-        while True:  # readiness poll: until the cluster runs the job's embed stage
-            jobs = flink_cluster.job_ids() - before
-            if jobs and _running_vertex(flink_cluster, next(iter(jobs)), "EmbedChunks"):
-                break
-            assert build.poll() is None and time.monotonic() < deadline, "build-index ended before its embed stage ran"
-            time.sleep(0.2)
-        flink_cluster.kill("taskmanager-1")
-        _, stderr = build.communicate(timeout=900)
-        (job,) = jobs
-        if build.returncode != 0:
-            assert not (tmp_path / "out" / "index" / "manifest.json").exists(), "a failed job committed"
-            flink_cluster.restore()
-            rerun = subprocess.run(command, capture_output=True, text=True, timeout=900)
-            assert rerun.returncode == 0, rerun.stderr[-3000:]
-        else:  # Flink restarted it: the loss is in the job's exception history
-            assert flink_cluster.rest(f"/jobs/{job}")["state"] == "FINISHED"
-            assert flink_cluster.rest(f"/jobs/{job}/exceptions")["exceptionHistory"]["entries"], stderr[-3000:]
-    finally:
-        if build.poll() is None:  # SIGINT: the command's exit hooks stop the job server it started
-            build.send_signal(signal.SIGINT)
-            try:
-                build.wait(60)
-            except subprocess.TimeoutExpired:
-                build.kill()
-        flink_cluster.restore()
-
-    assert_same_data_files(tmp_path / "out", local, stages=("index/chunks", "index/embeddings", "index/faiss"))
-    assert all(line.startswith("OK") for line in validate_path(str(tmp_path / "out" / "index")))
