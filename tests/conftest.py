@@ -7,9 +7,13 @@ from there, never from conftest."""
 from __future__ import annotations
 
 import os
+import pickle
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 from tests.helpers import (
     BAD_RECORDS,
@@ -88,6 +92,22 @@ def pytest_report_header(config):
     return f"embedding precision: {precision} -> {resolve_precision(precision, 'cpu')} on {cpu_summary()}"
 
 
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], object]):
+    """What `build(root)` returns and writes under `root`, made once for every worker process of
+    the session (`make test` runs pytest-xdist): the first to ask builds it under a file lock,
+    the others wait for it and read its pickled result. The tests only read what it wrote."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker's temporary directory is in the session's
+        base = base.parent
+    root, result = base / name, base / f"{name}.pickle"
+    with FileLock(f"{root}.lock"):
+        if not result.exists():
+            shutil.rmtree(root, ignore_errors=True)  # what a build that failed left
+            root.mkdir()
+            result.write_bytes(pickle.dumps(build(root)))
+    return pickle.loads(result.read_bytes())
+
+
 @pytest.fixture(scope="session")
 def built_output(tmp_path_factory):
     """A committed index + shards built by `run` from 16 real documents (~500 chunks) plus one
@@ -95,14 +115,15 @@ def built_output(tmp_path_factory):
     from pipeline.run import run_all
     from schemas.config import config_from_dict
 
-    root = tmp_path_factory.mktemp("built")
-    docs = sample_documents(16)
-    write_jsonl(root / "corpus" / "a.jsonl", docs[:8])
-    write_jsonl(root / "corpus" / "b.jsonl", docs[8:] + BAD_RECORDS)
-    config = small_config(root / "out", str(root / "corpus" / "*.jsonl"))
-    write_config(root / "config.yaml", config)
-    report = run_all(config_from_dict(config), [])
-    return root, config, report
+    def build(root: Path):
+        docs = sample_documents(16)
+        write_jsonl(root / "corpus" / "a.jsonl", docs[:8])
+        write_jsonl(root / "corpus" / "b.jsonl", docs[8:] + BAD_RECORDS)
+        config = small_config(root / "out", str(root / "corpus" / "*.jsonl"))
+        write_config(root / "config.yaml", config)
+        return root, config, run_all(config_from_dict(config), [])
+
+    return built_once(tmp_path_factory, "built", build)
 
 
 @pytest.fixture(scope="session")
@@ -120,11 +141,13 @@ def six_documents_built_locally(tmp_path_factory):
     from pipeline.run import run_all
     from schemas.config import config_from_dict
 
-    root = tmp_path_factory.mktemp("six-local")
-    write_jsonl(root / "corpus" / "a.jsonl", sample_documents(6))
-    corpus = str(root / "corpus" / "*.jsonl")
-    run_all(config_from_dict(small_config(root / "in-process", corpus)), [])
-    return corpus, root / "in-process"
+    def build(root: Path):
+        write_jsonl(root / "corpus" / "a.jsonl", sample_documents(6))
+        corpus = str(root / "corpus" / "*.jsonl")
+        run_all(config_from_dict(small_config(root / "in-process", corpus)), [])
+        return corpus, root / "in-process"
+
+    return built_once(tmp_path_factory, "six-local", build)
 
 
 @pytest.fixture(scope="session")
@@ -152,16 +175,22 @@ def long_documents_built_locally(tmp_path_factory):
     from pipeline.run import run_all
     from schemas.config import config_from_dict
 
-    root = tmp_path_factory.mktemp("long-local")
-    pages = ["howto/enum", "library/enum", "tutorial/classes", "library/collections"]
-    write_jsonl(root / "corpus" / "docs.jsonl", long_documents(pages, near_duplicates=True))
     sliced_ivf = {"type": "IVF8,Flat", "nprobe": 2, "slice_bytes": "400KB"}
 
-    def config(out: Path) -> dict:
-        return small_config(out, str(root / "corpus" / "*.jsonl"), index=sliced_ivf)
+    def config_over(root: Path) -> Callable[[Path], dict]:
+        def config(out: Path) -> dict:
+            return small_config(out, str(root / "corpus" / "*.jsonl"), index=sliced_ivf)
 
-    run_all(config_from_dict(config(root / "local")), [])
-    return config, root / "local"
+        return config
+
+    def build(root: Path) -> Path:
+        pages = ["howto/enum", "library/enum", "tutorial/classes", "library/collections"]
+        write_jsonl(root / "corpus" / "docs.jsonl", long_documents(pages, near_duplicates=True))
+        run_all(config_from_dict(config_over(root)(root / "local")), [])
+        return root
+
+    root = built_once(tmp_path_factory, "long-local", build)
+    return config_over(root), root / "local"
 
 
 @pytest.fixture(scope="session")
