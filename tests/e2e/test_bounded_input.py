@@ -43,7 +43,7 @@ def test_oversized_records_are_rejected_with_their_size_and_the_run_stays_bounde
     corpus, books = tmp_path / "corpus", tmp_path / "books"
     corpus.mkdir()
     books.mkdir()
-    documents = sample_documents(40)
+    documents = sample_documents(12)  # the good records beside the oversized ones
     write_jsonl(corpus / "good.jsonl", documents)
     with open(corpus / "huge.jsonl", "wb") as f:  # one record of 1 GB on one line
         huge = write_long(f, b'{"id": "huge", "text": "', 1 << 30, b'"}\n') - 1
