@@ -263,6 +263,7 @@ def stage_memory(cfg: PipelineConfig, corpus: Corpus, dim: int = 384) -> list[di
         ),
     ]
     stages.append(_refresh_step(cfg, C, dim, shard_row, ivf_lists(factory)))
+    stages.extend(_commit_steps(cfg, C))
     out = []
     for name, terms, growing in stages:
         total = SDK_PROCESS + sum(terms.values())
@@ -313,6 +314,28 @@ def _refresh_step(cfg: PipelineConfig, chunks: float, dim: int, shard_row: int, 
         },
         [0],  # the new vectors up to the budget
     )
+
+
+def _commit_steps(cfg: PipelineConfig, chunks: float) -> list[tuple]:
+    """The step that makes a stage's manifest (one worker, `jobs/job.py`): every file entry the
+    stage wrote gathered as objects, the manifest built from them, its file table written; an
+    append's also reads the previous manifest whole. Chunk and embedding files (the sources and
+    faiss files are fewer) and shards, `training_corpus: same`."""
+    files = 2 * math.ceil(chunks / cfg.chunk_file_rows)
+    shards = math.ceil(chunks / cfg.chunks_per_sequence / cfg.rows_per_shard())
+    appended = math.ceil(APPEND_SHARE * files)
+    return [
+        ("build-index: commit (the manifest)", {f"{files:,} file entries as objects": files * FILE_ENTRY}, [0]),
+        (
+            f"index: change: commit (an append of {APPEND_SHARE:.0%})",
+            {
+                f"the previous manifest whole ({files:,} file entries)": files * FILE_ENTRY,
+                f"{appended:,} new file entries": appended * FILE_ENTRY,
+            },
+            [0, 1],
+        ),
+        ("build-shards: commit (the manifest)", {f"{shards:,} shard entries as objects": shards * FILE_ENTRY}, [0]),
+    ]
 
 
 def _candidate_step(cfg: PipelineConfig) -> list[tuple]:
