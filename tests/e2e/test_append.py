@@ -51,7 +51,7 @@ def _entries(out):
 
 
 def test_an_append_reads_only_the_new_files_and_keeps_what_was_written(tmp_path):
-    first, second = sample_documents(24), sample_documents(16, start=24)
+    first, second = sample_documents(16), sample_documents(8, start=16)
     write_jsonl(tmp_path / "corpus" / "a.jsonl", first)
     out = tmp_path / "out"
     config = small_config(out, str(tmp_path / "corpus" / "*.jsonl"), index={"type": "IVF8,Flat", "nprobe": 2})
@@ -143,7 +143,7 @@ def _neighbour_ids(out) -> np.ndarray:
 
 
 def test_deleted_documents_are_in_no_neighbour_and_no_sequence(tmp_path, caplog):
-    docs = sample_documents(40)
+    docs = sample_documents(20)
     write_jsonl(tmp_path / "corpus" / "a.jsonl", docs)
     out = tmp_path / "out"
     cfg = config_from_dict(small_config(out, str(tmp_path / "corpus" / "*.jsonl"), index={"type": "Flat"}))
