@@ -49,6 +49,12 @@ def entries_field(manifest) -> str:
     return "shards" if isinstance(manifest, ShardsManifest) else "files"
 
 
+def entry_count(manifest) -> int:
+    """How many file entries a manifest lists, inline or in its file table (read or not)."""
+    table = manifest.file_table
+    return table.entries if table is not None else len(getattr(manifest, entries_field(manifest)))
+
+
 def _entry_model(manifest) -> type[FileEntry]:
     return ShardEntry if isinstance(manifest, ShardsManifest) else FileEntry
 

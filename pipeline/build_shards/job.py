@@ -47,6 +47,7 @@ from pipeline.retrieve.search import LOST_DATA, QueryBlock, Retrieval
 from pipeline.shards.rows import NeighbourIds, row_tally, source_tally
 from pipeline.shards.write import WriteShards
 from schemas.config import PipelineConfig
+from schemas.file_table import entry_count
 from schemas.manifest import ShardsManifest
 
 log = logging.getLogger("ratrain")
@@ -288,7 +289,7 @@ def _build_shards(
             "committed %s (%d sequences in %d shards, %s)",
             shards_dir(cfg),
             manifest.num_sequences,
-            len(manifest.shards),
+            entry_count(manifest),
             neighbour_summary(manifest),
         )
         for warning in neighbour_warnings(manifest, cfg):

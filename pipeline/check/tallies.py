@@ -15,7 +15,7 @@ from pipeline.check.sample import Sample
 from pipeline.chunks.chunk_files import ChunkFileRanges
 from pipeline.chunks.deleted import DELETED_DIR
 from pipeline.common import fileio
-from schemas.file_table import entries_field
+from schemas.file_table import entry_count
 from schemas.manifest import FileEntry
 
 
@@ -40,9 +40,7 @@ class IndexFiles:
         for table in fileio.entry_batches(manifest, directory, list(FileEntry.model_fields), ("faiss", DELETED_DIR)):
             faiss += [FileEntry(**entry) for entry in fileio.under(table, "faiss").to_pylist()]
             deleted += [fileio.join(directory, p) for p in fileio.under(table, DELETED_DIR)["path"].to_pylist()]
-        table = manifest.file_table
-        listed = table.entries if table is not None else len(getattr(manifest, entries_field(manifest)))
-        return cls(ranges, faiss, deleted, listed)
+        return cls(ranges, faiss, deleted, entry_count(manifest))
 
 
 @dataclass

@@ -11,7 +11,7 @@ import pytest
 from pipeline.common import fileio
 from pipeline.jobs.commit import commit_stage, new_staging_dir
 from pipeline.jobs.job import StageClock
-from schemas.file_table import entry_column_batches, entry_columns, split_entries, whole_manifest
+from schemas.file_table import entry_column_batches, entry_columns, entry_count, split_entries, whole_manifest
 from schemas.manifest import FILE_TABLE, MANIFEST_FILE, ManifestError, ShardEntry, ShardsManifest, read_manifest
 from tests import helpers
 
@@ -55,6 +55,7 @@ def test_entries_over_the_limit_go_to_the_table_and_read_back_equal(tmp_path):
     ]
     whole = whole_manifest(read(tmp_path), str(tmp_path))
     assert whole.shards == model.shards and whole.file_table is None
+    assert entry_count(read(tmp_path)) == entry_count(whole) == 7  # counted without reading the table
     columns = entry_columns(read(tmp_path), str(tmp_path), ["rows", "path"])
     assert columns.column("rows").to_pylist() == [e.rows for e in model.shards]
     assert columns.column("path").to_pylist() == [e.path for e in model.shards]
