@@ -14,7 +14,7 @@ from pipeline.build_index.files import index_staged, log_index, nonempty
 from pipeline.build_index.manifest import faiss_rebuilt_manifest, vector_index_manifest
 from pipeline.chunks.beam import ReadParquetFiles
 from pipeline.chunks.chunk_files import EMBEDDINGS_DIR
-from pipeline.chunks.committed import CommittedFiles
+from pipeline.chunks.committed import CommittedFiles, CommittedIndexManifest
 from pipeline.common import fileio
 from pipeline.common.errors import StageError
 from pipeline.index.build import BuildIndex
@@ -33,7 +33,7 @@ def _index_only_graph(
     pipeline,
     staging: str,
     *,
-    paths: list[str],
+    paths: list[str] | CommittedFiles,
     cfg_index,
     to_manifest,
     chunk_files: CommittedFiles | None,
@@ -41,7 +41,9 @@ def _index_only_graph(
 ) -> Committed:
     """The graph of a job that builds a faiss index from embedding files and commits it into
     `faiss/` of its directory (the rest of the directory stays): `to_manifest(info)` makes the
-    manifest. `chunk_files` (None: unknown): where the vectors' documents are read from."""
+    manifest. `paths`: the files, or those a committed manifest lists (listed on a worker: the
+    graph does not grow with them). `chunk_files` (None: unknown): where the vectors' documents
+    are read from."""
     documents = None
     if chunk_files is not None:
         documents = (
@@ -50,9 +52,17 @@ def _index_only_graph(
             | "DocumentOfChunk"
             >> beam.FlatMap(lambda t: zip(t["chunk_id"].to_numpy().tolist(), t["doc_id"].to_numpy().tolist()))
         )
+    if isinstance(paths, CommittedFiles):
+        files = (
+            pipeline
+            | "Listed" >> beam.Create([paths])
+            | "EmbeddingFiles" >> beam.FlatMap(lambda listed: listed.paths())
+            | "SpreadPaths" >> beam.Reshuffle()
+        )
+    else:
+        files = pipeline | "EmbeddingFiles" >> beam.Create(paths)
     manifest = (
-        pipeline
-        | "EmbeddingFiles" >> beam.Create(paths)
+        files
         | "BuildIndex" >> BuildIndex(cfg_index, fileio.join(staging, "faiss"), documents, neighbours)
         | "Manifest" >> beam.Map(to_manifest)
     )
@@ -60,14 +70,21 @@ def _index_only_graph(
 
 
 def rebuild_faiss(
-    cfg: PipelineConfig, previous: IndexManifest, beam_args: list[str], detach: bool = False, *, previous_sha256: str
-) -> IndexManifest | Submitted:
+    cfg: PipelineConfig,
+    previous: IndexManifest,
+    beam_args: list[str],
+    detach: bool = False,
+    *,
+    previous_sha256: str,
+    dry_run: bool = False,
+) -> IndexManifest | Submitted | dict:
     """Only `index.*` changed: a new faiss index from the committed embeddings (`previous`, the
-    manifest of sha256 `previous_sha256`)."""
+    manifest of sha256 `previous_sha256`). The graph names that manifest by its sha256 alone: its
+    embedding files are listed, and it is read whole, on a worker."""
     log.info("build-index: chunks and embeddings match the config; rebuilding the faiss index only")
     directory = index_dir(cfg)
-    paths = [fileio.join(directory, f.path) for f in previous.files if f.path.startswith(f"{EMBEDDINGS_DIR}/")]
-    to_manifest = functools.partial(faiss_rebuilt_manifest, previous=previous, index_hash=cfg.index_hash())
+    committed = CommittedIndexManifest(directory, previous_sha256, previous.num_chunks)
+    index_hash = cfg.index_hash()
 
     job = Job(
         "build-index (faiss only)",
@@ -77,14 +94,15 @@ def rebuild_faiss(
         model=IndexManifest,
         beam_args=beam_args,
         staging="faiss",
+        dry_run=dry_run,
         detach=detach,
         keep_commits=cfg.keep_commits,
     )
     graph = functools.partial(
         _index_only_graph,
-        paths=paths,
+        paths=CommittedFiles(directory, previous_sha256, EMBEDDINGS_DIR),
         cfg_index=cfg.index,
-        to_manifest=to_manifest,
+        to_manifest=lambda info: faiss_rebuilt_manifest(info, previous=committed.read(), index_hash=index_hash),
         chunk_files=CommittedFiles(directory, previous_sha256, "chunks"),
         neighbours=cfg.neighbours,
     )
