@@ -161,8 +161,8 @@ def change_index(
             | "Deletions" >> beam.FlatMap(deletions).with_outputs(NOT_FOUND, main="deleted")
         )
         deleted_now = beam.pvalue.AsList(deleted.deleted)
-        chunk_files = [e.path for e in previous.files if e.path.startswith("chunks/")]
-        first_file = max(file_number(path) for path in chunk_files) + 1 if chunk_files else 0
+        # numbered on from the committed chunk files, read a row group of the file table at a time
+        first_file = max((file_number(p) + 1 for p in fileio.listed_paths(previous, directory, "chunks")), default=0)
         written = chunk_and_embed(
             fresh.documents,
             cfg,

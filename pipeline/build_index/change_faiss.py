@@ -81,8 +81,8 @@ class ChangedSlice:
     removed: int
 
 
-def is_sliced(previous: IndexManifest) -> bool:
-    return f"faiss/{QUANTIZER_FILE}" in by_name(previous.files)
+def is_sliced(faiss_entries: list[FileEntry]) -> bool:
+    return f"faiss/{QUANTIZER_FILE}" in by_name(faiss_entries)
 
 
 def _read_stored(directory: str, entry: FileEntry):
@@ -134,9 +134,10 @@ class ChangeFaissFiles(beam.PTransform):
     def __init__(self, committed: CommittedIndexManifest, previous: IndexManifest, *, directory, staging, sample: int):
         super().__init__()
         self.committed, self.directory, self.staging, self.sample = committed, directory, staging, sample
-        self.sliced = is_sliced(previous)
-        if self.sliced:  # what pieces are cut by, from the manifest the launcher holds
-            faiss_files = by_name(previous.files)
+        entries = committed.faiss_entries()  # the faiss files alone, from the manifest's file table
+        self.sliced = is_sliced(entries)
+        if self.sliced:  # what pieces are cut by, from the manifest the launcher read
+            faiss_files = by_name(entries)
             quantizer = faiss_files[f"faiss/{QUANTIZER_FILE}"]
             self.trained = (fileio.join(directory, quantizer.path), quantizer.sha256)
             self.slice_count = sum(name.startswith("faiss/slice-") for name in faiss_files)

@@ -150,8 +150,8 @@ class CommittedFiles:
         (its entry count checked; its sha256 is not, which needs the whole table read: each file
         is then checked where it is read)."""
         manifest = _committed_manifest(self.directory, self.manifest_sha256)
-        for table in fileio.entry_batches(manifest, self.directory, ["path"], self.prefix):
-            yield from (fileio.join(self.directory, path) for path in table["path"].to_pylist())
+        for path in fileio.listed_paths(manifest, self.directory, self.prefix):
+            yield fileio.join(self.directory, path)
 
 
 def _no_longer_kept(directory: str) -> ValueError:

@@ -179,10 +179,11 @@ def committed_manifest(directory: str, model=None, *, number: int | None = None,
 
 
 def committed(directory: str, model: type[Model]) -> Model | None:
-    """The committed manifest of `directory`, or None: none there, or an older or foreign one
-    (which nothing can be reused from)."""
+    """The committed manifest of `directory` (its fields, `committed_summary`: entries only where
+    they are inline; a file table's are read where needed, a row group at a time), or None: none
+    there, or an older or foreign one (which nothing can be reused from)."""
     try:
-        return committed_manifest(directory, model)
+        return committed_summary(directory, model)
     except ValueError:
         return None
 
@@ -212,6 +213,13 @@ def entry_batches(
     never all at once, and no Python object per entry."""
     for table in entry_column_batches(manifest, directory, columns, open_file=open_read):
         yield under(table, prefix)
+
+
+def listed_paths(manifest, directory: str, prefix: str) -> Iterator[str]:
+    """The paths (relative to `directory`) of the manifest's entries under `prefix/`, in manifest
+    order, a row group of its file table at a time."""
+    for table in entry_batches(manifest, directory, ["path"], prefix):
+        yield from table["path"].to_pylist()
 
 
 def entry_groups(manifest, directory: str, *, error=ManifestError) -> int:

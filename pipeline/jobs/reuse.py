@@ -20,6 +20,7 @@ from pipeline.common import fileio
 from pipeline.corpus.parse import match_corpus
 from pipeline.index.files import INDEX_FILE, QUANTIZER_FILE
 from pipeline.index.sources import SOURCES_DIR
+from pipeline.jobs.job import index_dir
 from schemas.config import PipelineConfig
 from schemas.manifest import IndexManifest, InputFile, ShardsManifest, read_manifest, unversioned
 
@@ -29,14 +30,15 @@ IndexAction = Literal["reuse", "append", "rebuild_faiss", "build"]
 
 
 def committed_index(directory: str) -> tuple[IndexManifest | None, str | None]:
-    """`committed(directory, IndexManifest)` and the sha256 of the commit manifest it was read
-    from (one read): what a change of the index builds on, and checks at its commit."""
+    """`committed(directory, IndexManifest)` (its fields: a file table's entries are not read)
+    and the sha256 of the commit manifest it was read from (one read): what a change of the
+    index builds on, and checks at its commit."""
     found = fileio.current_manifest(directory)
     if found is None:
         return None, None
     path, data = found
     try:
-        manifest = fileio.whole(read_manifest(data, path, IndexManifest), directory)
+        manifest = read_manifest(data, path, IndexManifest)
     except ValueError:
         return None, None
     return manifest, fileio.sha256_bytes(data)
@@ -110,11 +112,12 @@ def appendable(cfg: PipelineConfig, previous: IndexManifest, changes: CorpusChan
     if previous.config_hash != cfg.index_hash_over(previous.embed_config_hash):
         log.info("build-index: the corpus grew, but index.* changed since the index was built")
         return False
-    faiss_paths = {unversioned(f.path) for f in previous.files if f.path.startswith("faiss/")}
+    directory = index_dir(cfg)
+    faiss_paths = {unversioned(path) for path in fileio.listed_paths(previous, directory, "faiss")}
     if f"faiss/{INDEX_FILE}" not in faiss_paths and f"faiss/{QUANTIZER_FILE}" not in faiss_paths:
         log.warning("build-index: the corpus changed; an index in slices by chunk-id range is rebuilt")
         return False
-    if (changes.changed or changes.gone) and not any(f.path.startswith(f"{SOURCES_DIR}/") for f in previous.files):
+    if (changes.changed or changes.gone) and next(fileio.listed_paths(previous, directory, SOURCES_DIR), None) is None:
         log.info("build-index: corpus files changed or went, and the index does not record its documents' files")
         return False
     return True
