@@ -12,7 +12,7 @@ from apache_beam.io.filesystems import FileSystems
 
 from pipeline.build_index.files import index_staged, log_index, nonempty
 from pipeline.build_index.manifest import faiss_rebuilt_manifest, vector_index_manifest
-from pipeline.chunks.beam import ReadParquetFiles
+from pipeline.chunks.beam import ListedPaths, ReadParquetFiles
 from pipeline.chunks.chunk_files import EMBEDDINGS_DIR
 from pipeline.chunks.committed import CommittedFiles, CommittedIndexManifest
 from pipeline.common import fileio
@@ -52,15 +52,8 @@ def _index_only_graph(
             | "DocumentOfChunk"
             >> beam.FlatMap(lambda t: zip(t["chunk_id"].to_numpy().tolist(), t["doc_id"].to_numpy().tolist()))
         )
-    if isinstance(paths, CommittedFiles):
-        files = (
-            pipeline
-            | "Listed" >> beam.Create([paths])
-            | "EmbeddingFiles" >> beam.FlatMap(lambda listed: listed.paths())
-            | "SpreadPaths" >> beam.Reshuffle()
-        )
-    else:
-        files = pipeline | "EmbeddingFiles" >> beam.Create(paths)
+    listed = ListedPaths(paths) if isinstance(paths, CommittedFiles) else beam.Create(paths)
+    files = pipeline | "EmbeddingFiles" >> listed
     manifest = (
         files
         | "BuildIndex" >> BuildIndex(cfg_index, fileio.join(staging, "faiss"), documents, neighbours)

@@ -101,6 +101,23 @@ class ChunkDocuments(beam.PTransform):
         return chunks, tokenized.rejected
 
 
+class ListedPaths(beam.PTransform):
+    """The files a committed manifest lists (`CommittedFiles`), listed on a worker (the graph
+    does not grow with them) and spread over the workers."""
+
+    def __init__(self, files: CommittedFiles):
+        super().__init__()
+        self.files = files
+
+    def expand(self, pbegin):
+        return (
+            pbegin
+            | "Listed" >> beam.Create([self.files])
+            | "ListedPaths" >> beam.FlatMap(lambda files: files.paths())
+            | "SpreadPaths" >> beam.Reshuffle()
+        )
+
+
 class ReadParquetFiles(beam.PTransform):
     """Parquet files -> Arrow record batches of `columns` (None: all): a glob (files given
     directly), or the files a committed manifest lists (`CommittedFiles`), listed on a worker."""
@@ -116,8 +133,6 @@ class ReadParquetFiles(beam.PTransform):
             )
         return (
             pbegin
-            | "Listed" >> beam.Create([self.files])
-            | "ListedPaths" >> beam.FlatMap(lambda files: files.paths())
-            | "SpreadPaths" >> beam.Reshuffle()
+            | "Listed" >> ListedPaths(self.files)
             | "ReadListed" >> ReadAllFromParquetBatched(columns=self.columns)
         )
