@@ -3,7 +3,7 @@ INLINE_FILE_ENTRIES of them, else in a Parquet file table beside it (FILE_TABLE:
 entry, in the manifest's order, row groups of TABLE_ROW_GROUP entries) that the manifest names
 with its sha256, entry count and size.
 
-The one writer (`split_entries`, at the commit) and the one reader: `whole_manifest` (every
+Its one writer is `schemas/table_writer.py`; the one reader is here: `whole_manifest` (every
 entry as a model: validate, report, inspect, the jobs), `entry_columns` (some columns as
 Arrow arrays, no object per entry: the trainer) and `entry_column_batches` (a row group at a
 time), and `EntriesByNumber` (an entry by its file's number, a row group read when asked). In
@@ -13,7 +13,6 @@ memory a manifest model always holds its entries inline; only the file written s
 from __future__ import annotations
 
 import hashlib
-import io
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -24,8 +23,6 @@ import pyarrow.parquet as pq
 from pydantic import TypeAdapter, ValidationError
 
 from schemas.manifest import (
-    FILE_TABLE,
-    INLINE_FILE_ENTRIES,
     INSIDE_PATH,
     INSIDE_PATH_RULE,
     FileEntry,
@@ -55,13 +52,13 @@ def entry_count(manifest) -> int:
     return table.entries if table is not None else len(getattr(manifest, entries_field(manifest)))
 
 
-def _entry_model(manifest) -> type[FileEntry]:
+def entry_model(manifest) -> type[FileEntry]:
     return ShardEntry if isinstance(manifest, ShardsManifest) else FileEntry
 
 
 def entry_fields(manifest) -> list[str]:
     """The fields of the manifest's entries: the file table's columns."""
-    return list(_entry_model(manifest).model_fields)
+    return list(entry_model(manifest).model_fields)
 
 
 def table_schema(model: type[FileEntry]) -> pa.Schema:
@@ -72,34 +69,13 @@ def table_schema(model: type[FileEntry]) -> pa.Schema:
 
 def _entries_table(manifest) -> pa.Table:
     """The manifest's inline entries as a file table."""
-    entries = getattr(manifest, entries_field(manifest))
-    schema = table_schema(_entry_model(manifest))
+    return entries_arrow(getattr(manifest, entries_field(manifest)), entry_model(manifest))
+
+
+def entries_arrow(entries, model: type[FileEntry]) -> pa.Table:
+    """Entries (models of `model`) as file table rows."""
+    schema = table_schema(model)
     return pa.table({name: [getattr(e, name) for e in entries] for name in schema.names}, schema=schema)
-
-
-def with_entry_paths(manifest, names: dict[str, str]):
-    """The manifest with each entry whose path is a key of `names` at its value instead."""
-    field = entries_field(manifest)
-    entries = [e.model_copy(update={"path": names.get(e.path, e.path)}) for e in getattr(manifest, field)]
-    return manifest.model_copy(update={field: entries})
-
-
-def split_entries(
-    manifest, inline_limit: int = INLINE_FILE_ENTRIES, *, table_path: str = FILE_TABLE
-) -> tuple[dict, bytes | None]:
-    """The manifest as written (a JSON object) and the bytes of its file table, to be written
-    at `table_path`; None when its entries, at most `inline_limit`, stay inline."""
-    field = entries_field(manifest)
-    if len(getattr(manifest, field)) <= inline_limit:
-        return manifest.model_copy(update={"file_table": None}).model_dump(mode="json"), None
-    sink = io.BytesIO()
-    table = _entries_table(manifest)
-    pq.write_table(table, sink, compression="zstd", row_group_size=TABLE_ROW_GROUP)
-    data = sink.getvalue()
-    reference = FileTable(
-        path=table_path, sha256=hashlib.sha256(data).hexdigest(), entries=table.num_rows, bytes=len(data)
-    )
-    return manifest.model_copy(update={field: [], "file_table": reference}).model_dump(mode="json"), data
 
 
 def _open_local(path: str):
@@ -150,7 +126,7 @@ def whole_manifest(
         return manifest
     path = _table_path(directory, reference)
     data = _hashed_table(path, reference, open_file, error)
-    model = _entry_model(manifest)
+    model = entry_model(manifest)
     names = list(model.model_fields)
     try:
         parquet = pq.ParquetFile(pa.BufferReader(data))
@@ -268,7 +244,7 @@ class EntriesByNumber:
     once). Inline entries (at most INLINE_FILE_ENTRIES) are looked up as they are."""
 
     def __init__(self, manifest, directory: str, *, open_file: Opener = _open_local, error=ManifestError):
-        self._model = _entry_model(manifest)
+        self._model = entry_model(manifest)
         self._inline: dict | None = None
         reference = manifest.file_table
         if reference is None:
@@ -331,6 +307,29 @@ def entry_groups(
         return parquet.num_row_groups
 
 
+def entry_group_columns(
+    manifest,
+    directory: str,
+    group: int,
+    columns: list[str],
+    *,
+    open_file: Opener = _open_local,
+    error: Callable[[str], Exception] = ManifestError,
+) -> pa.Table:
+    """These columns of one row group of the manifest's file table (inline entries: group 0),
+    its paths checked to stay inside the directory."""
+    reference = manifest.file_table
+    if reference is None:
+        return _entries_table(manifest).select(columns)
+    path = _table_path(directory, reference)
+    with _open_table(path, open_file, error) as f:
+        try:
+            table = pq.ParquetFile(f).read_row_group(group, columns=columns)
+        except pa.ArrowInvalid as err:
+            raise error(f"{path}: not a Parquet file table ({err})") from None
+    return _paths_inside(table, path, error)
+
+
 def entry_group(
     manifest,
     directory: str,
@@ -344,7 +343,7 @@ def entry_group(
     reference = manifest.file_table
     if reference is None:
         return list(getattr(manifest, entries_field(manifest)))
-    path, model = _table_path(directory, reference), _entry_model(manifest)
+    path, model = _table_path(directory, reference), entry_model(manifest)
     with _open_table(path, open_file, error) as f:
         try:
             table = pq.ParquetFile(f).read_row_group(group, columns=list(model.model_fields))

@@ -14,9 +14,9 @@ import pyarrow as pa
 
 from pipeline.shards.rows import OVERLAP_BUCKETS, chunk_overlap, overlap_bucket
 from schemas.arrow import SCHEMA_VERSION, read_shard_table, shard_ipc_bytes, shard_table
-from schemas.file_table import split_entries
 from schemas.manifest import FILE_TABLE, INLINE_FILE_ENTRIES, MANIFEST_FILE, ShardEntry, ShardsManifest
 from schemas.shard_columns import ShardDims
+from schemas.table_writer import split_entries
 
 
 def synthetic_rows(

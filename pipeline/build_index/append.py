@@ -27,7 +27,7 @@ from pipeline.build_index.change_faiss import ChangeFaissFiles
 from pipeline.build_index.files import index_staged
 from pipeline.build_index.manifest import NEWEST_GENERATION_CHUNKS, next_generation_manifest
 from pipeline.build_index.steps import chunk_and_embed, stage_tallies, write_sources
-from pipeline.chunks.committed import CommittedIndexManifest
+from pipeline.chunks.committed import CommittedFiles, CommittedIndexManifest
 from pipeline.chunks.deleted import (
     DELETE_REQUESTED,
     DELETED_DIR,
@@ -43,7 +43,7 @@ from pipeline.common.rejected import WriteRejected
 from pipeline.common.writers import parquet_bytes, write_file
 from pipeline.corpus.records import doc_id_for
 from pipeline.decontaminate.beam import ReadCorpusKeptClean
-from pipeline.index.sources import documents_of, sources_files
+from pipeline.index.sources import SOURCES_DIR, documents_of
 from pipeline.jobs.commit import REJECTED_STAGING
 from pipeline.jobs.job import Committed, Job, Submitted, Tokenization, index_dir
 from pipeline.jobs.options import encoder_threads
@@ -150,8 +150,9 @@ def change_index(
             | "Requested" >> beam.Map(lambda doc_id: (doc_id, DELETE_REQUESTED)),
             fresh[REPLACED_TAG] | "Replaced" >> beam.Map(lambda doc_id: (doc_id, REPLACED)),
             pipeline
-            | "IndexSources" >> beam.Create([committed] if stale_files else [])
-            | "SourcesFiles" >> beam.FlatMap(lambda index: sources_files(directory, index.read().files))
+            | "IndexSources"
+            >> beam.Create([CommittedFiles(directory, previous_sha256, SOURCES_DIR)] if stale_files else [])
+            | "SourcesFiles" >> beam.FlatMap(lambda files: files.paths())
             | "DocumentsOfStaleFiles" >> beam.FlatMap(documents_of, stale_files)
             | "NotInItsFile" >> beam.MapTuple(lambda doc_id, _source: (doc_id, NOT_IN_ITS_FILE)),
         )

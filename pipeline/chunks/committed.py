@@ -143,7 +143,7 @@ class CommittedFiles:
 
     directory: str
     manifest_sha256: str
-    prefix: str  # chunks, embeddings
+    prefix: str  # chunks, embeddings, sources
 
     def paths(self) -> Iterator[str]:
         """Streamed from the manifest's file table: the step listing them never holds them all

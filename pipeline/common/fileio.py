@@ -28,6 +28,7 @@ from schemas.file_table import (
     whole_manifest,
 )
 from schemas.file_table import entry_group as _table_entry_group
+from schemas.file_table import entry_group_columns as _table_entry_group_columns
 from schemas.file_table import entry_groups as _table_entry_groups
 from schemas.manifest import COMMIT_MANIFEST, MANIFEST_FILE, ManifestError, chosen_manifest, read_manifest
 
@@ -233,6 +234,11 @@ def entry_group(manifest, directory: str, group: int, *, error=ManifestError) ->
     return _table_entry_group(manifest, directory, group, open_file=open_read, error=error)
 
 
+def entry_group_columns(manifest, directory: str, group: int, columns: list[str], *, error=ManifestError):
+    """These columns of one row group of the manifest's file table, as Arrow (no object per entry)."""
+    return _table_entry_group_columns(manifest, directory, group, columns, open_file=open_read, error=error)
+
+
 def entry_paths_and_sha256(manifest, directory: str, prefix: str | None = None) -> list[tuple[str, str]]:
     """(path, sha256) of the manifest's entries (those under `prefix/`), from those two columns
     alone, the file table checked against the manifest first (what files are checked against)."""
@@ -241,11 +247,12 @@ def entry_paths_and_sha256(manifest, directory: str, prefix: str | None = None) 
 
 
 def entries_under(manifest, directory: str, prefix: str) -> list[dict]:
-    """The manifest's entries under `prefix/` as dicts of every column, chosen in Arrow: an
-    object for those alone. The file table is checked against the manifest first (these are
-    what files are checked against)."""
-    table = entry_columns(manifest, directory, entry_fields(manifest), open_file=open_read, hashed=True)
-    return under(table, prefix).to_pylist()
+    """The manifest's entries under `prefix/` as dicts of every column, chosen in Arrow a row
+    group at a time: an object for those alone, never a column of every entry. The file table
+    is checked against the manifest first, streamed (these are what files are checked against)."""
+    entry_groups(manifest, directory)
+    fields = entry_fields(manifest)
+    return [entry for table in entry_batches(manifest, directory, fields, prefix) for entry in table.to_pylist()]
 
 
 def under(table, prefix: str | tuple[str, ...] | None):

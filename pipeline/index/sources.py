@@ -43,10 +43,3 @@ def documents_of(path: str, sources: frozenset[str]):
     doc_ids, found = table["doc_id"].to_numpy(), table["source"].to_numpy(zero_copy_only=False)
     for at in np.flatnonzero(np.isin(found, list(sources))).tolist():
         yield int(doc_ids[at]), str(found[at])
-
-
-def sources_files(directory: str, entries) -> list[str]:
-    """The sources files an index manifest lists (entries with .path), as full paths."""
-    from pipeline.common import fileio
-
-    return [fileio.join(directory, e.path) for e in entries if e.path.startswith(f"{SOURCES_DIR}/")]

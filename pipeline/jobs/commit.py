@@ -12,10 +12,12 @@ stopped and ends in the same state.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import posixpath
 import uuid
 
+from apache_beam.io.filesystem import BeamIOError
 from apache_beam.io.filesystems import FileSystems
 from pydantic import BaseModel
 
@@ -24,8 +26,9 @@ from pipeline.common.errors import StageError
 from pipeline.common.rejected import rejected_share
 from pipeline.jobs import commits
 from pipeline.jobs.lease import Claim, check_held, release
-from schemas.file_table import entries_field, split_entries, with_entry_paths
+from schemas.file_table import entries_arrow, entries_field, entry_model
 from schemas.manifest import INLINE_FILE_ENTRIES, commit_table, versioned
+from schemas.table_writer import TableWriter
 
 REJECTED_STAGING = "_rejected"
 
@@ -125,6 +128,10 @@ def commit_stage(
         release(claim.output, claim.token)
 
 
+#: File entries a commit names, moves and writes to its file table at a time.
+COMMIT_BATCH = 4_096
+
+
 def commit_directory(
     staging: str,
     final: str,
@@ -135,39 +142,72 @@ def commit_directory(
     inline_entries: int = INLINE_FILE_ENTRIES,
 ) -> None:
     """Commit the files `staged` (paths relative to both directories) into `final` as its next
-    commit: each moved from `staging` to its name in `final`, the commit's number added to the
-    name of one an existing commit lists (never overwritten); the file table written (more
-    than `inline_entries` entries); then the commit's manifest put, once (`commits.put`), with
-    `timings(counters)`. The directory is listed once, not probed per file. Run again after
+    commit, `COMMIT_BATCH` of the manifest's entries at a time: each staged one moved from
+    `staging` to its name in `final`, the commit's number added to the name of one an existing
+    commit lists for other bytes (never overwritten), and written to the commit's file table
+    (more than `inline_entries` entries); then the commit's manifest put, once (`commits.put`),
+    with `timings(counters)`. What earlier commits list is looked up a row group at a time
+    (`commits.ListedFiles`), and a file is probed only where its move failed. Run again after
     dying before the put, it makes the same names, moves what is still staged and checks that
     the rest arrived; until the put, readers see the previous commit whole."""
     numbered = commits.numbered_commits(final)
     number = numbered[-1][0] + 1 if numbered else 1
-    listed = commits.listed_by_commits(final, numbered, type(manifest))
-    signed = {e.path: e.sha256 for e in getattr(manifest, entries_field(manifest))}
-    # a new file under a name an existing commit lists for other bytes gets this commit's
-    # number: decided by the manifests alone, so a retry after dying half-way decides the same
-    names = {p: versioned(p, number) if p in listed and signed.get(p, listed[p]) != listed[p] else p for p in staged}
-    manifest = with_entry_paths(manifest, names)
-    data, table = split_entries(manifest, inline_entries, table_path=commit_table(number))
-    wanted = {names[path]: path for path in staged}  # final name -> staged name
-    in_place = {_relative(path, final) for path in fileio.list_files(final)}
-    waiting = {_relative(path, staging) for path in fileio.list_files(staging)}
-    moving = sorted(name for name, path in wanted.items() if path in waiting)
-    missing = sorted(set(wanted) - set(moving) - in_place)
-    if missing:
-        raise FileNotFoundError(f"commit of {final}: {len(missing)} file(s) neither staged nor in place: {missing[:3]}")
-    targets = [fileio.join(final, name) for name in moving]
-    for target in targets:
-        fileio.ensure_parent(target)
-    if targets:
-        FileSystems.rename([fileio.join(staging, wanted[name]) for name in moving], targets)
-    if table is not None:
-        fileio.write_bytes(fileio.join(final, commit_table(number)), table)
+    listed = commits.ListedFiles(final, numbered, type(manifest))
+    field, model = entries_field(manifest), entry_model(manifest)
+    entries, to_move = getattr(manifest, field), set(staged)
+    inline, reference = [], None
+    with contextlib.ExitStack() as stack:
+        writer = None
+        if len(entries) > inline_entries:
+            raw = stack.enter_context(fileio.open_write(fileio.join(final, commit_table(number))))
+            writer = TableWriter(raw, model, commit_table(number))
+        for start in range(0, len(entries), COMMIT_BATCH):
+            batch = entries[start : start + COMMIT_BATCH]
+            prior = [listed.sha256_of(e.path) for e in batch]
+            # staged, and not committed already with these bytes (what a change keeps stays in place)
+            moving = [e.path in to_move and p != e.sha256 for e, p in zip(batch, prior)]
+            named = [_named(e, number, p) if m else e for e, p, m in zip(batch, prior, moving)]
+            _moved(staging, final, [(e.path, n.path) for e, n, m in zip(batch, named, moving) if m])
+            if writer is not None:
+                writer.write(entries_arrow(named, model))
+            else:
+                inline += named
+        if writer is not None:
+            reference = writer.close()
+    data = manifest.model_copy(update={field: inline, "file_table": reference}).model_dump(mode="json")
     stamped = {**data, "commit": number, "timings": timings(data["counters"])}
     text = (json.dumps(stamped, indent=2, sort_keys=True) + "\n").encode()
     if not commits.put(final, number, text):
         raise StageError(f"commit of {final}: commit {number} was made by another job meanwhile; nothing was committed")
+
+
+def _named(entry, number: int, prior: str | None):
+    """The entry under the name it is committed as: its own, or with the commit's number where an
+    existing commit lists that name for other bytes (its sha256 there: `prior`; decided by the
+    manifests alone, so a retry after dying half-way decides the same)."""
+    if prior is None or prior == entry.sha256:
+        return entry
+    return entry.model_copy(update={"path": versioned(entry.path, number)})
+
+
+def _moved(staging: str, final: str, names: list[tuple[str, str]]) -> None:
+    """Move each staged file (staged name, final name); one whose move fails must be in place
+    already (moved by an earlier attempt of this commit), else the commit fails."""
+    if not names:
+        return
+    targets = [fileio.join(final, name) for _, name in names]
+    for parent in sorted({posixpath.dirname(t) for t in targets}):
+        fileio.ensure_parent(fileio.join(parent, "_"))
+    try:
+        FileSystems.rename([fileio.join(staging, path) for path, _ in names], targets)
+    except BeamIOError as err:
+        failed = sorted(_relative(target, final) for _, target in err.exception_details)
+        there = fileio.sizes(final, failed)
+        missing = [name for name in failed if name not in there]
+        if missing:
+            raise FileNotFoundError(
+                f"commit of {final}: {len(missing)} file(s) neither staged nor in place: {missing[:3]}"
+            ) from None
 
 
 def discard_staging(staging: str) -> None:

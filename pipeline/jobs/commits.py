@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import posixpath
+from collections.abc import Iterator
 from dataclasses import dataclass
 
+import pyarrow.compute as pc
 from pydantic import BaseModel
 
 from pipeline.common import conditional, fileio
@@ -42,13 +44,74 @@ def _parsed(path: str, data: bytes, model: type[BaseModel]):
         ) from None
 
 
-def listed_files(directory: str, path: str, data: bytes, model: type[BaseModel]) -> dict[str, str]:
-    """{path: sha256} of every file the commit manifest `data` (at `path`) lists, its file
-    table included."""
-    manifest = _parsed(path, data, model)
-    listed = dict(fileio.entry_paths_and_sha256(manifest, directory))
-    table = getattr(manifest, "file_table", None)
-    return {**listed, **({table.path: table.sha256} if table is not None else {})}
+def _listing(directory: str, path: str, model: type[BaseModel]):
+    """The commit manifest at `path`, its file table (if any) checked against it, streamed."""
+    manifest = _parsed(path, fileio.read_bytes(path), model)
+    fileio.entry_groups(manifest, directory)
+    return manifest
+
+
+def listed_paths_of(directory: str, path: str, model: type[BaseModel]) -> Iterator[list[str]]:
+    """The paths the commit manifest at `path` lists, a row group of its file table at a time,
+    the table itself last."""
+    manifest = _listing(directory, path, model)
+    for table in fileio.entry_batches(manifest, directory, ["path"]):
+        yield table["path"].to_pylist()
+    if (table := getattr(manifest, "file_table", None)) is not None:
+        yield [table.path]
+
+
+class _CommitListing:
+    """{path: sha256} of one commit, looked up without holding it: inline entries (at most
+    INLINE_FILE_ENTRIES) as they are; a file table's row groups known by their lowest and
+    highest path, the one that may hold a path read when asked for, the last one kept."""
+
+    def __init__(self, directory: str, path: str, model: type[BaseModel]):
+        manifest = _parsed(path, fileio.read_bytes(path), model)
+        self._manifest, self._directory = manifest, directory
+        table = getattr(manifest, "file_table", None)
+        self._ranges: list[tuple[str, str]] = []
+        if table is None:
+            self._inline = dict(fileio.entry_paths_and_sha256(manifest, directory))
+            return
+        self._inline = {table.path: table.sha256}
+        for group in range(fileio.entry_groups(manifest, directory)):  # a row group at a time
+            paths = fileio.entry_group_columns(manifest, directory, group, ["path"])["path"]
+            self._ranges.append((pc.min(paths).as_py() or "", pc.max(paths).as_py() or ""))
+        self._held: tuple[int, dict[str, str]] | None = None
+
+    def sha256_of(self, path: str) -> str | None:
+        if path in self._inline:
+            return self._inline[path]
+        for group, (low, high) in enumerate(self._ranges):
+            if low <= path <= high:
+                found = self._group(group).get(path)
+                if found is not None:
+                    return found
+        return None
+
+    def _group(self, group: int) -> dict[str, str]:
+        if self._held is None or self._held[0] != group:
+            self._held = None  # the one held goes before the next is read
+            entries = fileio.entry_group_columns(self._manifest, self._directory, group, ["path", "sha256"])
+            self._held = (group, dict(zip(entries["path"].to_pylist(), entries["sha256"].to_pylist())))
+        return self._held[1]
+
+
+class ListedFiles:
+    """What the commits `numbered` of a directory list: `sha256_of(path)` as the newest commit
+    listing it says, or None. Nothing per file is held but a row group of one commit's table
+    (and inline entries): a commit of 10^6 files looks its names up in paths' order, reading
+    each row group of an earlier table about once."""
+
+    def __init__(self, directory: str, numbered: list[tuple[int, str]], model: type[BaseModel]):
+        self._listings = [_CommitListing(directory, path, model) for _, path in reversed(numbered)]
+
+    def sha256_of(self, path: str) -> str | None:
+        for listing in self._listings:
+            if (found := listing.sha256_of(path)) is not None:
+                return found
+        return None
 
 
 def numbered_commits(directory: str) -> list[tuple[int, str]]:
@@ -61,14 +124,6 @@ def numbered_commits(directory: str) -> list[tuple[int, str]]:
         conditional.create_exclusive(fileio.join(directory, commit_manifest(0)), fileio.read_bytes(legacy))
         numbered = fileio.commits(directory)
     return numbered
-
-
-def listed_by_commits(directory: str, numbered: list[tuple[int, str]], model: type[BaseModel]) -> dict[str, str]:
-    """{path: sha256} of every file the commits `numbered` list."""
-    listed: dict[str, str] = {}
-    for _, path in numbered:
-        listed.update(listed_files(directory, path, fileio.read_bytes(path), model))
-    return listed
 
 
 def put(directory: str, number: int, data: bytes) -> bool:
@@ -97,13 +152,14 @@ def finish(directory: str, model: type[BaseModel], keep: int = KEPT_COMMITS) -> 
     kept, expired = numbered[-keep:], numbered[:-keep]
     if not expired:
         return
-    still_listed = listed_by_commits(directory, kept, model)
+    still_listed = ListedFiles(directory, kept, model)
     for _, path in expired:
-        try:
-            gone = set(listed_files(directory, path, fileio.read_bytes(path), model)) - set(still_listed)
+        try:  # a row group at a time, the expired commit's file table last
+            for paths in listed_paths_of(directory, path, model):
+                gone = [p for p in paths if still_listed.sha256_of(p) is None]
+                fileio.delete_existing(sorted(fileio.join(directory, p) for p in gone))
         except ManifestError:  # its file table went already: a cleanup that died before this manifest
-            gone = set()
-        fileio.delete_existing(sorted(fileio.join(directory, p) for p in gone))
+            pass
         fileio.delete_existing([path])  # last: until then, a retry finds what to delete
 
 
@@ -138,14 +194,19 @@ def _orphans(directory: str, model: type[BaseModel]) -> list[str]:
     they list files, with an extension they list, not hidden): what a commit that died before
     its put moved into place, where the next commit of other settings wrote other names. The
     lease, staging, rejected records and anything else kept beside them are not its."""
-    listed = listed_by_commits(directory, fileio.commits(directory), model)
-    folders = {posixpath.dirname(path) for path in listed}
-    extensions = {posixpath.splitext(path)[1] for path in listed}
+    numbered = fileio.commits(directory)
+    folders: set[str] = set()
+    extensions: set[str] = set()
+    for _, manifest in numbered:
+        for paths in listed_paths_of(directory, manifest, model):
+            folders.update(posixpath.dirname(p) for p in paths)
+            extensions.update(posixpath.splitext(p)[1] for p in paths)
+    listed = ListedFiles(directory, numbered, model)
     start = len(directory.rstrip("/")) + 1
     return [
         path
         for path in fileio.list_files(directory)
-        if (relative := path[start:]) not in listed
+        if listed.sha256_of(relative := path[start:]) is None
         and posixpath.dirname(relative) in folders
         and posixpath.splitext(relative)[1] in extensions
         and not posixpath.basename(relative).startswith(".")

@@ -10,8 +10,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from schemas.file_table import entry_column_batches, entry_columns, split_entries, whole_manifest
+from schemas.file_table import entry_column_batches, entry_columns, whole_manifest
 from schemas.manifest import FILE_TABLE, MANIFEST_FILE, ManifestError, ShardsManifest, read_manifest
+from schemas.table_writer import split_entries
 from tests.trainer_fixtures import write_shard_dir
 from trainer import ShardDataset
 from trainer.dataset import ShardDataError
