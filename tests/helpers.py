@@ -357,12 +357,13 @@ class LocalFlinkCluster:
         return {job["jid"] for job in self.rest("/jobs/overview")["jobs"]}
 
     def task_managers_of(self, job: str) -> set[str]:
-        """The TaskManagers that ran any subtask of `job`."""
+        """The TaskManagers that ran (or run) any subtask of `job`: of a running job, the steps
+        not deployed yet show as "(unassigned)", left out."""
         return {
             task_manager["taskmanager-id"]
             for vertex in self.rest(f"/jobs/{job}")["vertices"]
             for task_manager in self.rest(f"/jobs/{job}/vertices/{vertex['id']}/taskmanagers")["taskmanagers"]
-        }
+        } - {"(unassigned)"}
 
 
 def write_chunk_files(

@@ -47,9 +47,11 @@ def _build_index_with_a_task_manager_killed(cluster: LocalFlinkCluster, command:
                 break
             assert build.poll() is None and time.monotonic() < deadline, "build-index ended before its embed stage ran"
             time.sleep(0.2)
+        (job,) = jobs
+        # the job runs on both TaskManagers (evenly spread slots) before one is lost
+        assert cluster.task_managers_of(job) == set(LocalFlinkCluster.TASK_MANAGERS)
         cluster.kill("taskmanager-1")
         _, stderr = build.communicate(timeout=900)
-        (job,) = jobs
         if build.returncode != 0:
             assert not (out / "index" / "manifest.json").exists(), "a failed job committed"
             cluster.restore()
@@ -77,7 +79,7 @@ def test_long_documents_on_flink_write_the_local_runners_bytes_with_a_task_manag
     SIGKILL while its embed stage runs (`_build_index_with_a_task_manager_killed`); build-shards
     runs on the restored cluster. Every chunk, embedding, index slice and shard file equals the
     local runner's, every neighbour slot filled, the same recall; both jobs ran in the mode
-    asked for, and build-shards had subtasks on both TaskManagers."""
+    asked for, and each had subtasks on both TaskManagers."""
     config, local = long_documents_built_locally
     out = tmp_path / "out"
     path = write_config(tmp_path / "c.yaml", config(out))

@@ -7,14 +7,18 @@ import json
 
 import pyarrow.parquet as pq
 import pytest
+from apache_beam.io.filesystems import FileSystems
 
 from pipeline.check.facts import ListedSizes
 from pipeline.check.plan import plan_validation
 from pipeline.check.problems import ValidationFailed
 from pipeline.check.units import units
 from pipeline.check.validate import validate_path
+from pipeline.common import fileio
+from pipeline.jobs.commit import commit_directory
 from pipeline.run import run_all
 from schemas.config import config_from_dict
+from schemas.manifest import FileEntry, VectorIndexManifest
 from tests.helpers import BAD_RECORDS, is_manifest, read_rejected, sample_documents, small_config, write_jsonl
 from trainer import ShardDataset
 
@@ -88,3 +92,31 @@ def test_a_config_on_gcs_is_read_from_there(gcs, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["build-shards", "--config", f"{bucket}/conf/missing.yaml", "--dry-run"])
     assert "config file not found: gs://ratrain-config/conf/missing.yaml" in capsys.readouterr().err
+
+
+def test_a_commit_on_gcs_that_died_moving_its_files_is_finished_by_a_retry(gcs):
+    """Beam's GCS rename fails for a file an earlier try moved: the retry finds it in place (one
+    listing by name prefix) and commits; a file neither staged nor in place fails the commit
+    before its manifest is put."""
+    url = gcs.bucket("commit-retry")
+    staging, final = f"{url}/out/.staging/index-0123456789ab", f"{url}/out/index"
+    paths = [f"chunks/chunks-{i:05d}.parquet" for i in range(5)]
+    for path in paths:
+        fileio.write_bytes(fileio.join(staging, path), f"new {path}".encode())
+    entries = [FileEntry(path=p, rows=1, bytes=1, sha256=fileio.sha256_bytes(f"new {p}".encode())) for p in paths]
+
+    def commit(staged: list[str]) -> None:
+        manifest = VectorIndexManifest.model_construct(files=entries, counters={})
+        commit_directory(staging, final, manifest, staged, timings=lambda counters: {"job": "index-0123456789ab"})
+
+    FileSystems.rename([fileio.join(staging, p) for p in paths[:2]], [fileio.join(final, p) for p in paths[:2]])
+    gone = fileio.join(staging, paths[4])
+    kept = fileio.read_bytes(gone)
+    FileSystems.delete([gone])  # neither staged nor in place
+    with pytest.raises(FileNotFoundError, match=r"1 file\(s\) neither staged nor in place: \['chunks/chunks-00004"):
+        commit(paths)
+    assert fileio.current_manifest(final) is None
+    fileio.write_bytes(gone, kept)  # staged again: the retry commits
+    commit(paths)
+    assert json.loads(fileio.current_manifest(final)[1])["commit"] == 1
+    assert {p: fileio.read_bytes(fileio.join(final, p)).decode() for p in paths} == {p: f"new {p}" for p in paths}
