@@ -4,7 +4,7 @@ entry, in the manifest's order, row groups of TABLE_ROW_GROUP entries) that the 
 with its sha256, entry count and size.
 
 Its one writer is `schemas/table_writer.py`; the one reader is here: `whole_manifest` (every
-entry as a model: validate, report, inspect, the jobs), `entry_columns` (some columns as
+entry as a model: what the benchmarks compare with; no step of a job reads that), `entry_columns` (some columns as
 Arrow arrays, no object per entry: the trainer) and `entry_column_batches` (a row group at a
 time), and `EntriesByNumber` (an entry by its file's number, a row group read when asked). In
 memory a manifest model always holds its entries inline; only the file written splits them off.
@@ -53,7 +53,9 @@ def entry_count(manifest) -> int:
 
 
 def entry_model(manifest) -> type[FileEntry]:
-    return ShardEntry if isinstance(manifest, ShardsManifest) else FileEntry
+    """The model of a manifest's entries (a manifest, or a manifest model)."""
+    kind = manifest if isinstance(manifest, type) else type(manifest)
+    return ShardEntry if issubclass(kind, ShardsManifest) else FileEntry
 
 
 def entry_fields(manifest) -> list[str]:

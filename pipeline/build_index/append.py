@@ -45,11 +45,12 @@ from pipeline.corpus.records import doc_id_for
 from pipeline.decontaminate.beam import ReadCorpusKeptClean
 from pipeline.index.sources import SOURCES_DIR, documents_of
 from pipeline.jobs.commit import REJECTED_STAGING
+from pipeline.jobs.entry_pieces import EntryTotals, KeptEntries
 from pipeline.jobs.job import Committed, Job, Submitted, Tokenization, index_dir
 from pipeline.jobs.options import encoder_threads
 from pipeline.jobs.reuse import CorpusChanges
 from schemas.config import PipelineConfig
-from schemas.manifest import FileEntry, IndexManifest
+from schemas.manifest import FileEntry, IndexManifest, unversioned
 
 log = logging.getLogger("ratrain")
 
@@ -64,11 +65,6 @@ def _write_deleted(documents: list[DeletedDocument], staging: str, number: int) 
             fileio.join(staging, DELETED_DIR), name, parquet_bytes(deleted_table(documents)), len(documents), staging
         )
     ]
-
-
-def _in_place(previous: IndexManifest) -> list[str]:
-    """The files of the committed index a change keeps where they are."""
-    return index_staged(previous) + [e.path for e in previous.files if not e.path.startswith("faiss/")]
 
 
 def change_index(
@@ -198,11 +194,11 @@ def change_index(
         ) | "FileEntries" >> beam.Flatten()
         manifest = (
             entries
-            | "GatherEntries" >> beam.combiners.ToList()
+            | "EntryTotals" >> beam.CombineGlobally(EntryTotals())
             | "ChangedManifest"
             >> beam.Map(
-                lambda entries, changed, **kw: next_generation_manifest(
-                    entries, changed, previous=committed.read(), **kw
+                lambda totals, changed, **kw: next_generation_manifest(
+                    totals, changed, previous=committed.summary(), **kw
                 ),
                 beam.pvalue.AsSingleton(changed),
                 deleted_now=deleted_now,
@@ -213,13 +209,11 @@ def change_index(
                 cfg=cfg,
             )
         )
-        # every file the new manifest lists is staged or in place (slices cut anew are staged)
-        return Committed(
-            manifest=manifest,
-            staged=entries,
-            staged_of=lambda m: sorted({*_in_place(committed.read()), *(e.path for e in m.files)}),
-            after=(rejected_files,),
+        # the manifest lists the faiss files changed, staged; the rest of the previous commit's stay in place
+        kept = changed | "KeptEntries" >> beam.Map(
+            lambda change: KeptEntries(committed, dropped_names=frozenset(unversioned(e.path) for e in change.files))
         )
+        return Committed(manifest=manifest, staged=entries, kept=kept, staged_of=index_staged, after=(rejected_files,))
 
     manifest = job.run(graph)
     if isinstance(manifest, IndexManifest):

@@ -19,6 +19,7 @@ from pipeline.common import fileio
 from pipeline.common.errors import StageError
 from pipeline.index.build import BuildIndex
 from pipeline.index.recall import RECALL_K
+from pipeline.jobs.entry_pieces import KeptEntries
 from pipeline.jobs.job import Committed, Job, Submitted, index_dir
 from schemas.config import PipelineConfig, stable_hash
 from schemas.manifest import (
@@ -38,6 +39,7 @@ def _index_only_graph(
     to_manifest,
     chunk_files: CommittedFiles | None,
     neighbours: int,
+    kept: KeptEntries | None = None,
 ) -> Committed:
     """The graph of a job that builds a faiss index from embedding files and commits it into
     `faiss/` of its directory (the rest of the directory stays): `to_manifest(info)` makes the
@@ -59,7 +61,8 @@ def _index_only_graph(
         | "BuildIndex" >> BuildIndex(cfg_index, fileio.join(staging, "faiss"), documents, neighbours)
         | "Manifest" >> beam.Map(to_manifest)
     )
-    return Committed(manifest=manifest, staged_of=index_staged)
+    kept_entries = None if kept is None else pipeline | "KeptEntries" >> beam.Create([kept])
+    return Committed(manifest=manifest, kept=kept_entries, staged_of=index_staged)
 
 
 def rebuild_faiss(
@@ -95,7 +98,8 @@ def rebuild_faiss(
         _index_only_graph,
         paths=CommittedFiles(directory, previous_sha256, EMBEDDINGS_DIR),
         cfg_index=cfg.index,
-        to_manifest=lambda info: faiss_rebuilt_manifest(info, previous=committed.read(), index_hash=index_hash),
+        to_manifest=lambda info: faiss_rebuilt_manifest(info, previous=committed.summary(), index_hash=index_hash),
+        kept=KeptEntries(committed, dropped_folders=("faiss",)),
         chunk_files=CommittedFiles(directory, previous_sha256, "chunks"),
         neighbours=cfg.neighbours,
     )

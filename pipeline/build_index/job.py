@@ -23,6 +23,7 @@ from pipeline.common.rejected import WriteRejected
 from pipeline.decontaminate.beam import ReadCorpusKeptClean
 from pipeline.index.build import BuildIndex
 from pipeline.jobs.commit import REJECTED_STAGING
+from pipeline.jobs.entry_pieces import EntryTotals
 from pipeline.jobs.job import (
     Committed,
     Job,
@@ -139,7 +140,7 @@ def build_index(
         entries = (written.chunk_files, written.embedding_files, sources) | "FileEntries" >> beam.Flatten()
         manifest = (
             entries
-            | "GatherEntries" >> beam.combiners.ToList()
+            | "EntryTotals" >> beam.CombineGlobally(EntryTotals())
             | "IndexManifest"
             >> beam.Map(
                 built_manifest,

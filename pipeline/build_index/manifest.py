@@ -15,18 +15,24 @@ from pipeline.index.build_info import BuildInfo
 from pipeline.jobs.job import Tokenization, sorted_entries
 from pipeline.jobs.reuse import CorpusChanges
 from schemas.config import PipelineConfig
-from schemas.manifest import CREATED_BY, Fingerprint, Generation, IndexManifest, VectorIndexManifest, unversioned
+from schemas.manifest import CREATED_BY, Fingerprint, Generation, IndexManifest, VectorIndexManifest
 from schemas.measures import PrecisionCheck
 
 NEWEST_GENERATION_CHUNKS = "newest_generation_chunks"  # a counter: the chunks the last change added
 
 
+def _chunk_rows(totals: dict[str, dict[str, int]]) -> int:
+    """The chunks in the chunk files written (`EntryTotals` of the staged entries)."""
+    return totals.get("chunks", {}).get("rows", 0)
+
+
 def built_manifest(
-    entries, info: BuildInfo, *, tallies, precision, files_read, cfg: PipelineConfig, tok: Tokenization, threads
+    totals, info: BuildInfo, *, tallies, precision, files_read, cfg: PipelineConfig, tok: Tokenization, threads
 ) -> IndexManifest:
-    """Generation 0: the chunk, embedding and sources files written, the faiss files built."""
-    files = sorted_entries(list(entries) + index_entries(info))
-    num_chunks = sum(e.rows for e in files if e.path.startswith("chunks/"))
+    """Generation 0: the chunk, embedding and sources files written (their entries go to the
+    commit as pieces; `totals` sums them), the faiss files built."""
+    files = sorted_entries(index_entries(info))
+    num_chunks = _chunk_rows(totals)
     num_documents = tallies.get("documents_chunked", 0)
     return IndexManifest(
         config_hash=cfg.index_hash(),
@@ -59,14 +65,16 @@ def built_manifest(
 
 
 def faiss_rebuilt_manifest(info: BuildInfo, *, previous: IndexManifest, index_hash: str) -> IndexManifest:
-    """`previous` with new faiss files: only `index.*` changed, the chunks and embeddings stay."""
-    kept = [f for f in previous.files if not f.path.startswith("faiss/")]
+    """`previous` (its fields) with new faiss files: only `index.*` changed, the chunks and
+    embeddings stay (the commit keeps the previous commit's entries but its faiss files,
+    `KeptEntries`)."""
     earlier = {k: v for k, v in previous.counters.items() if not k.startswith("index_")}
     return IndexManifest.model_validate(
         {
             **previous.model_dump(mode="json"),
             "config_hash": index_hash,
-            "files": sorted_entries(kept + index_entries(info)),
+            "files": sorted_entries(index_entries(info)),
+            "file_table": None,
             "counters": dict(sorted({**earlier, **index_counters(info)}.items())),
             "created_by": CREATED_BY,
             **info.vector_index(),
@@ -88,7 +96,7 @@ def vector_index_manifest(info: BuildInfo, *, config_hash: str, inputs: list[dic
 
 
 def next_generation_manifest(
-    new_entries,
+    totals,
     changed: Changed,
     *,
     deleted_now: list[DeletedDocument],
@@ -99,12 +107,11 @@ def next_generation_manifest(
     changes: CorpusChanges,
     cfg: PipelineConfig,
 ) -> IndexManifest:
-    """The next generation of `previous` (whose manifest's sha256 is `previous_sha256`): its
-    files kept but those rewritten, the new ones added, the generation's documents, chunks and
-    deletions counted, counters summed."""
-    rewritten = {unversioned(e.path) for e in changed.files}  # by name: a commit may have numbered it
-    kept = [e for e in previous.files if unversioned(e.path) not in rewritten]
-    num_chunks = sum(e.rows for e in new_entries if e.path.startswith("chunks/"))
+    """The next generation of `previous` (its fields; its manifest's sha256 is
+    `previous_sha256`): its entries the faiss files changed (the new files' go to the commit as
+    pieces, `totals` summing them; the previous commit's others stay, `KeptEntries`), the
+    generation's documents, chunks and deletions counted, counters summed."""
+    num_chunks = _chunk_rows(totals)
     deleted_chunks = sum(d.num_chunks for d in deleted_now)
     generation = Generation(
         number=len(previous.generations),
@@ -137,7 +144,8 @@ def next_generation_manifest(
             "num_documents": previous.num_documents + generation.num_documents,
             "deleted_documents": previous.deleted_documents + len(deleted_now),
             "deleted_chunks": previous.deleted_chunks + deleted_chunks,
-            "files": sorted_entries(kept + list(new_entries) + changed.files),
+            "files": sorted_entries(changed.files),
+            "file_table": None,
             "counters": dict(sorted(counters.items())),
             "timings": None,
         }

@@ -12,7 +12,7 @@ import apache_beam as beam
 from pipeline.build_index.files import documents_read_tally, load_committed_index, rejected_tally
 from pipeline.build_shards.blend import CHUNKS_PER_BLOCK, ReadBlend
 from pipeline.build_shards.manifest import neighbour_summary, neighbour_warnings, refreshes_of, shards_manifest
-from pipeline.build_shards.refresh import RefreshPlan, RefreshShards, committed_refresh
+from pipeline.build_shards.refresh import RefreshPlan, RefreshShards, RewrittenRuns, committed_refresh
 from pipeline.chunks.beam import ChunkDocuments, ReadParquetFiles
 from pipeline.chunks.chunk_files import EMBEDDINGS_DIR, TRAINING_COLUMNS, TrainingChunks, chunk_arrays
 from pipeline.chunks.chunking import Chunk
@@ -26,6 +26,7 @@ from pipeline.common.tally import Tally, counted
 from pipeline.decontaminate.beam import ReadCorpusKeptClean
 from pipeline.index.files import INDEX_FILE
 from pipeline.jobs.commit import REJECTED_STAGING
+from pipeline.jobs.entry_pieces import EntryTotals
 from pipeline.jobs.job import (
     Committed,
     Job,
@@ -258,17 +259,21 @@ def _build_shards(
         refreshes: tuple = ()
         if refresh is not None and unchanged is not None and index is not None:  # all or none
             summary = refresh.summary(index.generation)  # what the record needs: not the shards' manifest
-            refreshes = (summary, beam.pvalue.AsList(written), beam.pvalue.AsList(unchanged))
+            refreshes = (
+                summary,
+                beam.pvalue.AsSingleton(written | "RewrittenRuns" >> beam.CombineGlobally(RewrittenRuns())),
+                beam.pvalue.AsSingleton(unchanged | "KeptShards" >> beam.combiners.Count.Globally()),
+            )
         manifest = (
             pipeline
             | "Once" >> beam.Create([None])  # the manifest is made once, when every side input is complete
             | "ShardsManifest"
             >> beam.Map(
-                lambda _, *refreshed, **facts: shards_manifest(
-                    refreshes=refreshes_of(*refreshed, tallies=facts["tallies"]), **facts
+                lambda _, *refreshed, totals, **facts: shards_manifest(
+                    totals, refreshes=refreshes_of(*refreshed, tallies=facts["tallies"]), **facts
                 ),
                 *refreshes,
-                entries=beam.pvalue.AsList(shard_files),
+                totals=beam.pvalue.AsSingleton(shard_files | "ShardTotals" >> beam.CombineGlobally(EntryTotals())),
                 tallies=beam.pvalue.AsDict(tallies),
                 recall=beam.pvalue.AsSingleton(recall),
                 search_depth=beam.pvalue.AsSingleton(retrieved.search_depth),

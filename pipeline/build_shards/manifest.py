@@ -7,7 +7,6 @@ from __future__ import annotations
 from pipeline.build_shards.blend import source_shares
 from pipeline.build_shards.refresh import RefreshSummary
 from pipeline.index.recall import PLATEAU_GAIN
-from pipeline.jobs.job import sorted_entries
 from pipeline.retrieve.blend import BlendPlan
 from pipeline.shards.rows import overlap_histogram
 from schemas.config import PipelineConfig
@@ -17,16 +16,19 @@ from schemas.measures import NeighbourRecall, SearchDepth, ShardsRefresh
 MIN_FILL = 0.99  # below this share of filled neighbour slots, the stage warns
 
 
-def refreshes_of(refreshed: RefreshSummary | None = None, written=(), unchanged=(), *, tallies) -> list[ShardsRefresh]:
-    """The manifest's refreshes: none after a full build, else the refreshed shards' and this one."""
+def refreshes_of(
+    refreshed: RefreshSummary | None = None, rewritten=(), kept: int = 0, *, tallies
+) -> list[ShardsRefresh]:
+    """The manifest's refreshes: none after a full build, else the refreshed shards' and this
+    one (the runs of shard numbers written, `RewrittenRuns`, and the count of shards kept)."""
     if refreshed is None:
         return []
     removed = dict(tallies).get("shards_removed", 0)
-    return [*refreshed.earlier, refreshed.record(list(written), list(unchanged), removed)]
+    return [*refreshed.earlier, refreshed.record(list(rewritten), kept, removed)]
 
 
 def shards_manifest(
-    entries,
+    totals,
     *,
     refreshes: list[ShardsRefresh],
     tallies,
@@ -40,9 +42,11 @@ def shards_manifest(
     pad_id: int,
     plan: BlendPlan | None,
 ) -> ShardsManifest:
-    shards = sorted_entries(entries)
+    """The shards' manifest; their entries go to the commit as pieces (`totals`: their sums,
+    `EntryTotals`; shards are beside the manifest, folder "")."""
+    shard_totals = totals.get("", {})
     L, k = cfg.chunks_per_sequence, cfg.neighbours
-    num_sequences = sum(s.rows for s in shards)
+    num_sequences = shard_totals.get("rows", 0)
     slots = num_sequences * L * k
     counters = dict(tallies)
     # a blend's rows repeat or skip sequences: its sources' sequences are what took chunks
@@ -62,8 +66,8 @@ def shards_manifest(
         neighbour_tokens=2 * cfg.chunk_tokens,
         pad_id=pad_id,
         num_sequences=num_sequences,
-        shards=shards,
-        neighbour_fill=sum(s.neighbour_slots_filled or 0 for s in shards) / slots if slots else 1.0,
+        shards=[],
+        neighbour_fill=shard_totals.get("neighbour_slots_filled", 0) / slots if slots else 1.0,
         neighbour_recall=None if recall is None else NeighbourRecall(**recall),
         search_depth=search_depth if search_depth.curve else None,
         overlap=overlap_histogram(counters),

@@ -335,19 +335,44 @@ class RefreshSummary:
     to_generation: int
     earlier: tuple[ShardsRefresh, ...]
 
-    def record(self, written: list[ShardEntry], unchanged: list[ShardEntry], removed: int) -> ShardsRefresh:
-        """This refresh's record, from the entries written and kept and the shards removed."""
-        runs: list[tuple[int, int]] = []
-        for number in sorted(file_number(unversioned(e.path)) for e in written):
-            if runs and runs[-1][1] == number - 1:
-                runs[-1] = (runs[-1][0], number)
-            else:
-                runs.append((number, number))
+    def record(self, rewritten: list[tuple[int, int]], kept: int, removed: int) -> ShardsRefresh:
+        """This refresh's record: the numbers of the shards written (`RewrittenRuns`), how many
+        were kept and how many removed."""
         return ShardsRefresh(
             from_generation=self.since,
             to_generation=self.to_generation,
             shards_manifest_sha256=self.shards_sha256,
-            rewritten=runs,
-            kept=len(unchanged),
+            rewritten=rewritten,
+            kept=kept,
             removed=removed,
         )
+
+
+def number_runs(runs) -> list[tuple[int, int]]:
+    """Runs of consecutive numbers (first, last), merged and in order."""
+    merged: list[tuple[int, int]] = []
+    for first, last in sorted(runs):
+        if merged and first <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], last))
+        else:
+            merged.append((first, last))
+    return merged
+
+
+class RewrittenRuns(beam.CombineFn):
+    """The file numbers of the shards a refresh wrote (their entries), as runs of consecutive
+    numbers: what its record lists, with no list of the entries."""
+
+    def create_accumulator(self) -> list[tuple[int, int]]:
+        return []
+
+    def add_input(self, runs, entry: ShardEntry):
+        number = file_number(unversioned(entry.path))
+        runs.append((number, number))
+        return number_runs(runs) if len(runs) > 1024 else runs
+
+    def merge_accumulators(self, accumulators):
+        return number_runs(run for runs in accumulators for run in runs)
+
+    def extract_output(self, runs):
+        return number_runs(runs)

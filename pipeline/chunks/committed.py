@@ -2,7 +2,7 @@
 carries instead of the manifest or a file list, so it stays the same size however large the index.
 Each process reads what it asks for once, from the current commit or a kept older one (a commit
 no longer kept is refused): the chunk files' ranges, the files under one directory of the index,
-the faiss files, the deleted documents, or the manifest whole.
+the faiss files, or the deleted documents.
 """
 
 from __future__ import annotations
@@ -23,17 +23,13 @@ class CommittedIndexManifest:
     """A committed index manifest named by its directory and sha256 alone (and its chunk count):
     what a job graph carries instead of the manifest (138 MB pickled at 3e10 chunks, in every
     step given it). Each process reads what it asks for once, from the current commit or a kept
-    older one: the manifest whole (`read`: the steps that rewrite it, one worker each; ~1.6 GB
-    of objects at 3·10^10 chunks, an estimate), its fields without the file table (`summary`),
-    its faiss files (`faiss_entries`), or its deleted documents (`deleted`)."""
+    older one: its fields without the file table (`summary`), its faiss files (`faiss_entries`),
+    or its deleted documents (`deleted`); never every entry (~1.6 GB of objects at 3·10^10
+    chunks, an estimate)."""
 
     directory: str
     manifest_sha256: str
     num_chunks: int
-
-    def read(self):
-        """The manifest with its file entries (IndexManifest); shared in the process: not to be changed."""
-        return _whole_manifest(self.directory, self.manifest_sha256)
 
     def summary(self):
         """The manifest's fields; its file entries only where they are inline (at most
@@ -50,11 +46,6 @@ class CommittedIndexManifest:
 
     def chunk_files(self) -> CommittedChunkFiles:
         return CommittedChunkFiles(self.directory, self.num_chunks, self.manifest_sha256)
-
-
-@functools.lru_cache(maxsize=2)
-def _whole_manifest(directory: str, manifest_sha256: str):
-    return fileio.whole(_committed_manifest(directory, manifest_sha256), directory)
 
 
 @functools.lru_cache(maxsize=2)

@@ -16,6 +16,7 @@ import contextlib
 import json
 import posixpath
 import uuid
+from collections.abc import Iterable
 
 from apache_beam.io.filesystem import BeamIOError
 from apache_beam.io.filesystems import FileSystems
@@ -25,6 +26,7 @@ from pipeline.common import fileio
 from pipeline.common.errors import StageError
 from pipeline.common.rejected import rejected_share
 from pipeline.jobs import commits
+from pipeline.jobs.entry_pieces import PIECES_DIR, EntryPiece, KeptEntries, merged_entries
 from pipeline.jobs.lease import Claim, check_held, release
 from schemas.file_table import entries_arrow, entries_field, entry_model
 from schemas.manifest import INLINE_FILE_ENTRIES, commit_table, versioned
@@ -66,6 +68,8 @@ def commit_stage(
     final: str,
     clock,
     staged: list[str],
+    pieces: Iterable[EntryPiece] = (),
+    kept: KeptEntries | None = None,
     max_rejected_fraction: float = 1.0,
     inline_entries: int = INLINE_FILE_ENTRIES,
     replaces: str | None = None,
@@ -119,6 +123,8 @@ def commit_stage(
             final,
             manifest,
             staged,
+            pieces=pieces,
+            kept=kept,
             timings=lambda counters: {**clock.timings(counters), "job": job},
             inline_entries=inline_entries,
         )
@@ -138,34 +144,39 @@ def commit_directory(
     manifest: BaseModel,
     staged: list[str],
     *,
+    pieces: Iterable[EntryPiece] = (),
+    kept: KeptEntries | None = None,
     timings,
     inline_entries: int = INLINE_FILE_ENTRIES,
 ) -> None:
-    """Commit the files `staged` (paths relative to both directories) into `final` as its next
-    commit, `COMMIT_BATCH` of the manifest's entries at a time: each staged one moved from
-    `staging` to its name in `final`, the commit's number added to the name of one an existing
-    commit lists for other bytes (never overwritten), and written to the commit's file table
-    (more than `inline_entries` entries); then the commit's manifest put, once (`commits.put`),
-    with `timings(counters)`. What earlier commits list is looked up a row group at a time
-    (`commits.ListedFiles`), and a file is probed only where its move failed. Run again after
-    dying before the put, it makes the same names, moves what is still staged and checks that
-    the rest arrived; until the put, readers see the previous commit whole."""
+    """Commit into `final`, as its next commit, the files of the entry `pieces` (all staged),
+    the manifest's own entries (those in `staged` are staged, the rest in place) and those a
+    change keeps of the previous commit (`kept`, in place), in path order, `COMMIT_BATCH` at a
+    time (`merged_entries`): each staged file not committed already with those bytes moved
+    from `staging` to its name in `final`, the commit's number added to the name of one an
+    existing commit lists for other bytes (never overwritten), and each entry written to the
+    commit's file table (more than `inline_entries` entries); then the
+    commit's manifest put, once (`commits.put`), with `timings(counters)`. What earlier commits
+    list is looked up a row group at a time (`commits.ListedFiles`), and a file is probed only
+    where its move failed. Run again after dying before the put, it makes the same names, moves
+    what is still staged and checks that the rest arrived; until the put, readers see the
+    previous commit whole."""
     numbered = commits.numbered_commits(final)
     number = numbered[-1][0] + 1 if numbered else 1
     listed = commits.ListedFiles(final, numbered, type(manifest))
     field, model = entries_field(manifest), entry_model(manifest)
-    entries, to_move = getattr(manifest, field), set(staged)
+    pieces, held = list(pieces), getattr(manifest, field)
+    in_place = {e.path for e in held} - set(staged)
     inline, reference = [], None
     with contextlib.ExitStack() as stack:
         writer = None
-        if len(entries) > inline_entries:
+        if len(held) + sum(p.entries for p in pieces) + (kept.count() if kept else 0) > inline_entries:
             raw = stack.enter_context(fileio.open_write(fileio.join(final, commit_table(number))))
             writer = TableWriter(raw, model, commit_table(number))
-        for start in range(0, len(entries), COMMIT_BATCH):
-            batch = entries[start : start + COMMIT_BATCH]
+        for batch in merged_entries(pieces, model, held, kept, batch=COMMIT_BATCH):
             prior = [listed.sha256_of(e.path) for e in batch]
             # staged, and not committed already with these bytes (what a change keeps stays in place)
-            moving = [e.path in to_move and p != e.sha256 for e, p in zip(batch, prior)]
+            moving = [e.path not in in_place and p != e.sha256 for e, p in zip(batch, prior)]
             named = [_named(e, number, p) if m else e for e, p, m in zip(batch, prior, moving)]
             _moved(staging, final, [(e.path, n.path) for e, n, m in zip(batch, named, moving) if m])
             if writer is not None:
@@ -179,6 +190,7 @@ def commit_directory(
     text = (json.dumps(stamped, indent=2, sort_keys=True) + "\n").encode()
     if not commits.put(final, number, text):
         raise StageError(f"commit of {final}: commit {number} was made by another job meanwhile; nothing was committed")
+    fileio.delete_tree(fileio.join(staging, PIECES_DIR))  # listed now: staging holds no file the commit named
 
 
 def _named(entry, number: int, prior: str | None):

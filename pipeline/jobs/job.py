@@ -34,10 +34,12 @@ from pipeline.common.progress import StageTimer
 from pipeline.jobs import commits
 from pipeline.jobs.commit import commit_stage, discard_staging, new_staging_dir
 from pipeline.jobs.commits import KEPT_COMMITS
+from pipeline.jobs.entry_pieces import WriteEntryPieces
 from pipeline.jobs.flink import job_server_is_a_child, listed_jobs, name_the_job, rest_address, wait_until_flink_has
 from pipeline.jobs.lease import ATTACHED_SECONDS, DETACHED_SECONDS, Claim, Lease
 from pipeline.jobs.options import check_detachable, new_pipeline
 from schemas.config import PipelineConfig
+from schemas.file_table import entry_model
 from schemas.manifest import (
     MANIFEST_FILE,
     FileEntry,
@@ -108,11 +110,13 @@ class StageClock:
 @dataclass(frozen=True, kw_only=True)
 class Committed:
     """What a job's graph hands its commit step: the manifest (one `model` instance, built from
-    the data written), the staged files (file entries in `staged`, and those `staged_of(manifest)`
-    names), and what must be written before the commit (`after`)."""
+    the data written; its entries only those `staged_of(manifest)` names and those in place), the
+    staged files' entries (`staged`: the commit lists them beside the manifest's), what a change
+    keeps of the previous commit (`kept`), and what must be written before the commit (`after`)."""
 
     manifest: beam.PCollection
     staged: beam.PCollection | None = None
+    kept: beam.PCollection | None = None  # one KeptEntries: what a change keeps of the previous commit
     staged_of: Callable[[Any], list[str]] | None = None
     after: tuple[beam.PCollection, ...] = ()
 
@@ -166,24 +170,28 @@ class Job:
 
     def _commit(self, committed: Committed) -> None:
         """The job's last step (`commit_stage`), once the manifest exists and every PCollection in
-        `committed.after` is written."""
+        `committed.after` is written. The staged files' entries reach it as pieces written by
+        workers (`WriteEntryPieces`), never gathered on one."""
         staged_of, claim = committed.staged_of, self.claim
         staging, output, directory, clock = self.staging, self.output, self.directory, self.clock
         fraction, replaces, reads, keep = self.max_rejected_fraction, self.replaces, self.reads, self.keep_commits
-        paths = beam.pvalue.AsList(
-            (committed.staged if committed.staged is not None else self.pipeline | "NothingStaged" >> beam.Create([]))
-            | "StagedPaths" >> beam.Map(lambda entry: entry.path)
+        staged = (
+            committed.staged if committed.staged is not None else self.pipeline | "NothingStaged" >> beam.Create([])
         )
+        pieces = beam.pvalue.AsList(staged | "EntryPieces" >> WriteEntryPieces(staging, entry_model(self.model)))
 
-        def commit(manifest, paths, *_after):
-            extra = staged_of(manifest) if staged_of is not None else []
+        kept = committed.kept if committed.kept is not None else self.pipeline | "NothingKept" >> beam.Create([None])
+
+        def commit(manifest, pieces, kept, *_after):
             commit_stage(
                 manifest,
                 staging=staging,
                 output=output,
                 final=directory,
                 clock=clock,
-                staged=sorted(paths) + extra,
+                staged=staged_of(manifest) if staged_of is not None else [],
+                pieces=pieces,
+                kept=kept,
                 max_rejected_fraction=fraction,
                 replaces=replaces,
                 reads=reads,
@@ -192,7 +200,7 @@ class Job:
             )
 
         after = (beam.pvalue.AsList(pc) for pc in committed.after)
-        _ = committed.manifest | "Commit" >> beam.Map(commit, paths, *after)
+        _ = committed.manifest | "Commit" >> beam.Map(commit, pieces, beam.pvalue.AsSingleton(kept), *after)
 
     def run(self, graph: Callable[[beam.Pipeline, str], Committed | None]):
         """The job: the output's lease taken (a job that writes, not a dry run), its staging

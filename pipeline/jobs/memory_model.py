@@ -21,6 +21,7 @@ from pipeline.index.factory import (
 )
 from pipeline.index.files import READ_BATCH
 from pipeline.index.slices import vectors_per_slice
+from pipeline.jobs.memory_commit import FILE_ENTRY, commit_steps
 from pipeline.jobs.memory_slices import piece_bytes, piece_step, slice_steps
 from pipeline.jobs.memory_training import training_steps
 from pipeline.retrieve.refresh import QUERY_BLOCK, NewVectors, refresh_budget
@@ -39,10 +40,6 @@ BYTES_PER_TOKEN = 4  # of English text, for a corpus size given in bytes
 GZIP_RATIO = 3.5  # text compresses about this much
 SEARCH_BATCH = 4096  # queries searched at once, with their candidates
 PART_PATH = 200  # a filled part as gathered for the merge: (file number, path) as Python objects
-#: A name and sha256 an earlier commit lists, looked up by a commit (Python str and dict slot):
-#: 14.2 MB for 65,536 of them, measured (tests/jobs/test_commit.py's row-group test).
-LISTED_NAME = 217
-FILE_ENTRY = 1_100  # a manifest file entry parsed (1,088 B measured, docs/scale.md)
 APPEND_SHARE = 0.1  # an append of this share of the corpus, for the change step's new vectors
 
 
@@ -266,7 +263,7 @@ def stage_memory(cfg: PipelineConfig, corpus: Corpus, dim: int = 384) -> list[di
         ),
     ]
     stages.append(_refresh_step(cfg, C, dim, shard_row, ivf_lists(factory)))
-    stages.extend(_commit_steps(cfg, C))
+    stages.extend(commit_steps(cfg, C, APPEND_SHARE))
     out = []
     for name, terms, growing in stages:
         total = SDK_PROCESS + sum(terms.values())
@@ -317,40 +314,6 @@ def _refresh_step(cfg: PipelineConfig, chunks: float, dim: int, shard_row: int, 
         },
         [0],  # the new vectors up to the budget
     )
-
-
-def _commit_steps(cfg: PipelineConfig, chunks: float) -> list[tuple]:
-    """The step that makes a stage's manifest (one worker, `jobs/job.py`): every file entry the
-    stage wrote gathered as objects and the manifest built from them (an append's also reads the
-    previous manifest whole); the commit then names, moves and writes them to its file table
-    COMMIT_BATCH at a time, looking up what earlier commits list a row group of their tables at
-    a time (`commits.ListedFiles`). Chunk and embedding files (the sources and faiss files are
-    fewer) and shards, `training_corpus: same`."""
-    files = 2 * math.ceil(chunks / cfg.chunk_file_rows)
-    shards = math.ceil(chunks / cfg.chunks_per_sequence / cfg.rows_per_shard())
-    appended = math.ceil(APPEND_SHARE * files)
-    listed = {f"a row group ({TABLE_ROW_GROUP:,}) of the names earlier commits list": TABLE_ROW_GROUP * LISTED_NAME}
-    return [
-        (
-            "build-index: commit (the manifest)",
-            {f"{files:,} file entries as objects": files * FILE_ENTRY, **listed},
-            [0],
-        ),
-        (
-            f"index: change: commit (an append of {APPEND_SHARE:.0%})",
-            {
-                f"the previous manifest whole ({files:,} file entries)": files * FILE_ENTRY,
-                f"{appended:,} new file entries": appended * FILE_ENTRY,
-                **listed,
-            },
-            [0, 1],
-        ),
-        (
-            "build-shards: commit (the manifest)",
-            {f"{shards:,} shard entries as objects": shards * FILE_ENTRY, **listed},
-            [0],
-        ),
-    ]
 
 
 def _candidate_step(cfg: PipelineConfig) -> list[tuple]:

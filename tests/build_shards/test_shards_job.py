@@ -49,3 +49,19 @@ def test_an_index_in_slices_by_chunk_id_range_is_refused_with_what_to_do(tmp_pat
         load_committed_index(cfg)
     write_manifest(tmp_path / "index", manifest)
     assert load_committed_index(cfg).routing_paths is not None
+
+
+def test_a_refresh_records_the_shards_it_wrote_as_runs_of_numbers():
+    from pipeline.build_shards.refresh import RewrittenRuns
+    from schemas.manifest import ShardEntry
+
+    def shard(number: int, commit: int | None = None) -> ShardEntry:
+        name = f"shard-{number:05d}.arrow" if commit is None else f"shard-{number:05d}.c{commit:06d}.arrow"
+        return ShardEntry(path=name, rows=1, bytes=1, sha256="x")
+
+    runs = RewrittenRuns()
+    left = runs.create_accumulator()
+    for number in (7, 3, 4):
+        left = runs.add_input(left, shard(number))
+    right = runs.add_input(runs.add_input(runs.create_accumulator(), shard(5, commit=2)), shard(9))
+    assert runs.extract_output(runs.merge_accumulators([left, right])) == [(3, 5), (7, 7), (9, 9)]
