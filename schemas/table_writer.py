@@ -1,17 +1,15 @@
 """The one writer of a manifest's file table (docs/design.md §4): `TableWriter`, the commit's,
-a row group at a time, hashed as it is written; `split_entries` for a manifest held whole.
-Its reader is `schemas/file_table.py`."""
+a row group at a time, hashed as it is written. Its reader is `schemas/file_table.py`."""
 
 from __future__ import annotations
 
 import hashlib
-import io
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from schemas.file_table import TABLE_ROW_GROUP, entries_arrow, entries_field, entry_model, table_schema
-from schemas.manifest import FILE_TABLE, INLINE_FILE_ENTRIES, FileEntry, FileTable
+from schemas.file_table import TABLE_ROW_GROUP, table_schema
+from schemas.manifest import FileEntry, FileTable
 
 
 class _HashingSink:
@@ -65,19 +63,3 @@ class TableWriter:
         self._writer.close()
         digest = self._sink.digest.hexdigest()
         return FileTable(path=self._path, sha256=digest, entries=self._entries, bytes=self._sink.size)
-
-
-def split_entries(
-    manifest, inline_limit: int = INLINE_FILE_ENTRIES, *, table_path: str = FILE_TABLE
-) -> tuple[dict, bytes | None]:
-    """The manifest as written (a JSON object) and the bytes of its file table, to be written
-    at `table_path`; None when its entries, at most `inline_limit`, stay inline. (A manifest
-    held whole; the commit writes its table a row group at a time with `TableWriter`.)"""
-    field = entries_field(manifest)
-    if len(getattr(manifest, field)) <= inline_limit:
-        return manifest.model_copy(update={"file_table": None}).model_dump(mode="json"), None
-    sink = io.BytesIO()
-    writer = TableWriter(sink, entry_model(manifest), table_path)
-    writer.write(entries_arrow(getattr(manifest, field), entry_model(manifest)))
-    reference = writer.close()
-    return manifest.model_copy(update={field: [], "file_table": reference}).model_dump(mode="json"), sink.getvalue()

@@ -4,6 +4,7 @@ ShardsManifest (rows, bytes and sha256 of the files as written)."""
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 from collections import Counter
 from dataclasses import asdict
@@ -14,9 +15,26 @@ import pyarrow as pa
 
 from pipeline.shards.rows import OVERLAP_BUCKETS, chunk_overlap, overlap_bucket
 from schemas.arrow import SCHEMA_VERSION, read_shard_table, shard_ipc_bytes, shard_table
+from schemas.file_table import entries_arrow, entries_field, entry_model
 from schemas.manifest import FILE_TABLE, INLINE_FILE_ENTRIES, MANIFEST_FILE, ShardEntry, ShardsManifest
 from schemas.shard_columns import ShardDims
-from schemas.table_writer import split_entries
+from schemas.table_writer import TableWriter
+
+
+def split_entries(
+    manifest, inline_limit: int = INLINE_FILE_ENTRIES, *, table_path: str = FILE_TABLE
+) -> tuple[dict, bytes | None]:
+    """The manifest as written (a JSON object) and the bytes of its file table, to be written
+    at `table_path`; None when its entries, at most `inline_limit`, stay inline: a synthetic
+    manifest held whole, written as a commit writes it (`TableWriter`)."""
+    field = entries_field(manifest)
+    if len(getattr(manifest, field)) <= inline_limit:
+        return manifest.model_copy(update={"file_table": None}).model_dump(mode="json"), None
+    sink = io.BytesIO()
+    writer = TableWriter(sink, entry_model(manifest), table_path)
+    writer.write(entries_arrow(getattr(manifest, field), entry_model(manifest)))
+    reference = writer.close()
+    return manifest.model_copy(update={field: [], "file_table": reference}).model_dump(mode="json"), sink.getvalue()
 
 
 def synthetic_rows(

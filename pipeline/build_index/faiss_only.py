@@ -76,7 +76,8 @@ def rebuild_faiss(
 ) -> IndexManifest | Submitted | dict:
     """Only `index.*` changed: a new faiss index from the committed embeddings (`previous`, the
     manifest of sha256 `previous_sha256`). The graph names that manifest by its sha256 alone: its
-    embedding files are listed, and it is read whole, on a worker."""
+    embedding files are listed on a worker, its fields read in the manifest step, and what it
+    keeps (all but its faiss files) read by the commit a row group at a time (`KeptEntries`)."""
     log.info("build-index: chunks and embeddings match the config; rebuilding the faiss index only")
     directory = index_dir(cfg)
     committed = CommittedIndexManifest(directory, previous_sha256, previous.num_chunks)

@@ -12,7 +12,8 @@ from pipeline.build_index.files import index_counters, index_entries
 from pipeline.chunks.deleted import DeletedDocument
 from pipeline.common.models import fingerprint_path, resolve_model
 from pipeline.index.build_info import BuildInfo
-from pipeline.jobs.job import Tokenization, sorted_entries
+from pipeline.jobs.entry_pieces import sorted_entries
+from pipeline.jobs.job import Tokenization
 from pipeline.jobs.reuse import CorpusChanges
 from schemas.config import PipelineConfig
 from schemas.manifest import CREATED_BY, Fingerprint, Generation, IndexManifest, VectorIndexManifest

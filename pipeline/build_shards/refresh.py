@@ -363,16 +363,21 @@ class RewrittenRuns(beam.CombineFn):
     """The file numbers of the shards a refresh wrote (their entries), as runs of consecutive
     numbers: what its record lists, with no list of the entries."""
 
-    def create_accumulator(self) -> list[tuple[int, int]]:
-        return []
+    def create_accumulator(self) -> tuple[list[tuple[int, int]], int]:
+        return [], 1024  # the runs, and the length at which they are merged next
 
-    def add_input(self, runs, entry: ShardEntry):
+    def add_input(self, accumulator, entry: ShardEntry):
+        runs, merge_at = accumulator
         number = file_number(unversioned(entry.path))
         runs.append((number, number))
-        return number_runs(runs) if len(runs) > 1024 else runs
+        if len(runs) >= merge_at:  # merged when doubled: scattered numbers stay n log n
+            runs = number_runs(runs)
+            merge_at = 2 * max(len(runs), 512)
+        return runs, merge_at
 
     def merge_accumulators(self, accumulators):
-        return number_runs(run for runs in accumulators for run in runs)
+        runs = number_runs(run for runs, _ in accumulators for run in runs)
+        return runs, 2 * max(len(runs), 512)
 
-    def extract_output(self, runs):
-        return number_runs(runs)
+    def extract_output(self, accumulator):
+        return number_runs(accumulator[0])

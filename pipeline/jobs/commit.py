@@ -1,6 +1,6 @@
 """The commit protocol (docs/design.md §8): a stage writes into `<output>/.staging/<stage>-<id>/`;
-the commit moves the staged files into place, under names no earlier commit's manifest lists,
-and puts its manifest, `manifest-NNNNNN.json`, once, last; then it is finished
+the commit moves the staged files into place, under names no earlier commit's manifest lists
+for other bytes, and puts its manifest, `manifest-NNNNNN.json`, once, last; then it is finished
 (`pipeline.jobs.commits`). Readers see the previous commit whole until the put, the new one
 after it.
 
@@ -175,8 +175,8 @@ def commit_directory(
             writer = TableWriter(raw, model, commit_table(number))
         for batch in merged_entries(pieces, model, held, kept, batch=COMMIT_BATCH):
             prior = [listed.sha256_of(e.path) for e in batch]
-            # staged, and not committed already with these bytes (what a change keeps stays in place)
-            moving = [e.path not in in_place and p != e.sha256 for e, p in zip(batch, prior)]
+            # staged, and not in the newest commit with these bytes (what a change keeps stays in place)
+            moving = [e.path not in in_place and listed.newest_sha256_of(e.path) != e.sha256 for e in batch]
             named = [_named(e, number, p) if m else e for e, p, m in zip(batch, prior, moving)]
             _moved(staging, final, [(e.path, n.path) for e, n, m in zip(batch, named, moving) if m])
             if writer is not None:

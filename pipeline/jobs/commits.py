@@ -45,16 +45,16 @@ def _parsed(path: str, data: bytes, model: type[BaseModel]):
 
 
 def _listing(directory: str, path: str, model: type[BaseModel]):
-    """The commit manifest at `path`, its file table (if any) checked against it, streamed."""
+    """The commit manifest at `path` and its file table's row groups (1 for inline entries), the
+    table checked against it, streamed."""
     manifest = _parsed(path, fileio.read_bytes(path), model)
-    fileio.entry_groups(manifest, directory)
-    return manifest
+    return manifest, fileio.entry_groups(manifest, directory)
 
 
 def listed_paths_of(directory: str, path: str, model: type[BaseModel]) -> Iterator[list[str]]:
     """The paths the commit manifest at `path` lists, a row group of its file table at a time,
     the table itself last."""
-    manifest = _listing(directory, path, model)
+    manifest, _ = _listing(directory, path, model)
     for table in fileio.entry_batches(manifest, directory, ["path"]):
         yield table["path"].to_pylist()
     if (table := getattr(manifest, "file_table", None)) is not None:
@@ -67,7 +67,7 @@ class _CommitListing:
     highest path, the one that may hold a path read when asked for, the last one kept."""
 
     def __init__(self, directory: str, path: str, model: type[BaseModel]):
-        manifest = _parsed(path, fileio.read_bytes(path), model)
+        manifest, groups = _listing(directory, path, model)
         self._manifest, self._directory = manifest, directory
         table = getattr(manifest, "file_table", None)
         self._ranges: list[tuple[str, str]] = []
@@ -75,7 +75,7 @@ class _CommitListing:
             self._inline = dict(fileio.entry_paths_and_sha256(manifest, directory))
             return
         self._inline = {table.path: table.sha256}
-        for group in range(fileio.entry_groups(manifest, directory)):  # a row group at a time
+        for group in range(groups):  # a row group at a time
             paths = fileio.entry_group_columns(manifest, directory, group, ["path"])["path"]
             self._ranges.append((pc.min(paths).as_py() or "", pc.max(paths).as_py() or ""))
         self._held: tuple[int, dict[str, str]] | None = None
@@ -112,6 +112,11 @@ class ListedFiles:
             if (found := listing.sha256_of(path)) is not None:
                 return found
         return None
+
+    def newest_sha256_of(self, path: str) -> str | None:
+        """As the newest commit alone lists it: what it lists stays in place (`finish` deletes
+        only what no kept commit lists), where an older commit's file may be gone already."""
+        return self._listings[0].sha256_of(path) if self._listings else None
 
 
 def numbered_commits(directory: str) -> list[tuple[int, str]]:

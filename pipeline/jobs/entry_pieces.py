@@ -7,10 +7,12 @@ and holding the files of one folder whose numbers fall in one run of PIECE_NUMBE
 
 from __future__ import annotations
 
+import functools
 import heapq
 import posixpath
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import apache_beam as beam
 import pyarrow as pa
@@ -23,6 +25,7 @@ from pipeline.common.writers import parquet_bytes
 from schemas.file_table import entries_arrow
 from schemas.manifest import FileEntry, unversioned
 
+Entry = TypeVar("Entry", bound=FileEntry)
 PIECES_DIR = "_entries"  # in the job's staging directory
 #: File numbers a piece spans in one folder: at most this many entries in the one worker writing it.
 PIECE_NUMBERS = 65_536
@@ -36,6 +39,20 @@ class EntryPiece:
 
     path: str
     entries: int
+
+
+def sorted_entries(entries: Iterable[Entry]) -> list[Entry]:
+    """Manifest entries by path; a path written twice (two elements wrote one file: the last
+    write would hide the other's rows) fails the job."""
+    ordered = sorted(entries, key=lambda e: e.path)
+    for before, after in zip(ordered, ordered[1:]):
+        if before.path == after.path:
+            raise written_twice(after.path)
+    return ordered
+
+
+def written_twice(path: str) -> RuntimeError:
+    return RuntimeError(f"{path} was written twice: nothing is committed")
 
 
 def piece_name(path: str) -> str:
@@ -86,24 +103,30 @@ class KeptEntries:
     dropped_folders: tuple[str, ...] = ()
     dropped_names: frozenset[str] = frozenset()
 
-    def _tables(self) -> Iterator[pa.Table]:
-        manifest, directory = self.index.summary(), self.index.directory
-        fileio.entry_groups(manifest, directory)  # its file table checked against it, streamed
-        for table in fileio.entry_batches(manifest, directory, list(FileEntry.model_fields)):
+    def _tables(self, columns: list[str]) -> Iterator[pa.Table]:
+        manifest, directory = _checked(self.index), self.index.directory
+        dropped_folders, dropped_names = self.dropped_folders, self.dropped_names
+        for table in fileio.entry_batches(manifest, directory, columns):
             paths = table["path"].to_pylist()
-            keep = [
-                top_folder(p) not in self.dropped_folders and unversioned(p) not in self.dropped_names for p in paths
-            ]
+            keep = [top_folder(p) not in dropped_folders and unversioned(p) not in dropped_names for p in paths]
             yield table.filter(pa.array(keep, pa.bool_()))
 
     def count(self) -> int:
-        return sum(table.num_rows for table in self._tables())
+        return sum(table.num_rows for table in self._tables(["path"]))
 
     def entries(self) -> Iterator[FileEntry]:
-        for table in self._tables():
+        for table in self._tables(list(FileEntry.model_fields)):
             for start in range(0, table.num_rows, PIECE_READ):
                 for row in table.slice(start, PIECE_READ).to_pylist():
                     yield FileEntry(**row)
+
+
+@functools.lru_cache(maxsize=2)
+def _checked(index: CommittedIndexManifest):
+    """The index manifest's fields, its file table checked against it once a process (streamed)."""
+    manifest = index.summary()
+    fileio.entry_groups(manifest, index.directory)
+    return manifest
 
 
 def merged_entries(
@@ -125,7 +148,7 @@ def merged_entries(
     last = None
     for entry in heapq.merge(*streams, key=lambda e: e.path):
         if entry.path == last:
-            raise RuntimeError(f"{entry.path} was written twice: nothing is committed")
+            raise written_twice(entry.path)
         last = entry.path
         out.append(entry)
         if len(out) == batch:

@@ -14,10 +14,10 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, TypeVar
+from typing import Any
 
 import apache_beam as beam
 from apache_beam.runners.runner import PipelineResult
@@ -40,14 +40,9 @@ from pipeline.jobs.lease import ATTACHED_SECONDS, DETACHED_SECONDS, Claim, Lease
 from pipeline.jobs.options import check_detachable, new_pipeline
 from schemas.config import PipelineConfig
 from schemas.file_table import entry_model
-from schemas.manifest import (
-    MANIFEST_FILE,
-    FileEntry,
-    StageTimings,
-)
+from schemas.manifest import MANIFEST_FILE, StageTimings
 
 log = logging.getLogger("ratrain")
-Entry = TypeVar("Entry", bound=FileEntry)
 
 
 @dataclass(frozen=True)
@@ -270,16 +265,6 @@ def index_dir(cfg: PipelineConfig) -> str:
 
 def shards_dir(cfg: PipelineConfig) -> str:
     return fileio.join(cfg.output, "shards")
-
-
-def sorted_entries(entries: Iterable[Entry]) -> list[Entry]:
-    """Manifest entries by path; a path written twice (two elements wrote one file: the last
-    write would hide the other's rows) fails the job."""
-    ordered = sorted(entries, key=lambda e: e.path)
-    for before, after in zip(ordered, ordered[1:]):
-        if before.path == after.path:
-            raise RuntimeError(f"{after.path} was written twice: nothing is committed")
-    return ordered
 
 
 def describe(pipeline: beam.Pipeline) -> dict:

@@ -386,3 +386,16 @@ def test_a_commit_of_pieces_holds_a_batch_of_each_not_every_entry(tmp_path):
         committed = fileio.committed_summary(str(output / "index"), Written)
         assert committed.file_table is not None and committed.file_table.entries == entries
     assert peaks[1] < 1.25 * peaks[0], peaks
+
+
+def test_a_file_only_an_older_commit_lists_with_the_same_bytes_is_moved_again(tmp_path):
+    """A cleanup that died after deleting one of an expired commit's files, then a larger
+    keep_commits, leave that commit listing a file that is gone: a new commit staging the same
+    bytes under that name moves it into place rather than trusting the older listing."""
+    _commit(tmp_path, _stage(tmp_path, version="first"), _written(version="first"), keep_commits=2)
+    other = ["chunks/chunks-00009.parquet"]
+    _commit(tmp_path, _stage(tmp_path, other, version="second"), _written(other, version="second"), keep_commits=2)
+    final = tmp_path / "index"
+    (final / FILES[0]).unlink()  # commit 1, no longer newest, lists it still
+    _commit(tmp_path, _stage(tmp_path, version="first"), _written(version="first"), keep_commits=2)
+    assert _readable(final) == {p: f"first {p}" for p in FILES}

@@ -2,7 +2,8 @@
 
 import pytest
 
-from pipeline.jobs.job import sorted_entries, stage_timings
+from pipeline.jobs.entry_pieces import sorted_entries
+from pipeline.jobs.job import stage_timings
 
 pytestmark = pytest.mark.unit
 

@@ -13,8 +13,8 @@ from pipeline.jobs.commit import commit_stage, new_staging_dir
 from pipeline.jobs.job import StageClock
 from schemas.file_table import entry_column_batches, entry_columns, entry_count, whole_manifest
 from schemas.manifest import FILE_TABLE, MANIFEST_FILE, ManifestError, ShardEntry, ShardsManifest, read_manifest
-from schemas.table_writer import split_entries
 from tests import helpers
+from tests.trainer_fixtures import split_entries
 
 pytestmark = pytest.mark.unit
 

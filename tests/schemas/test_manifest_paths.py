@@ -12,8 +12,7 @@ import pytest
 
 from schemas.file_table import entry_column_batches, entry_columns, whole_manifest
 from schemas.manifest import FILE_TABLE, MANIFEST_FILE, ManifestError, ShardsManifest, read_manifest
-from schemas.table_writer import split_entries
-from tests.trainer_fixtures import write_shard_dir
+from tests.trainer_fixtures import split_entries, write_shard_dir
 from trainer import ShardDataset
 from trainer.dataset import ShardDataError
 
