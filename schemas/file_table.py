@@ -12,6 +12,7 @@ memory a manifest model always holds its entries inline; only the file written s
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -72,6 +73,17 @@ def table_schema(model: type[FileEntry]) -> pa.Schema:
 def _entries_table(manifest) -> pa.Table:
     """The manifest's inline entries as a file table."""
     return entries_arrow(getattr(manifest, entries_field(manifest)), entry_model(manifest))
+
+
+@functools.lru_cache(maxsize=4)
+def _list_of(model: type[FileEntry]) -> TypeAdapter:
+    return TypeAdapter(list[model])  # type: ignore[valid-type]
+
+
+def entries_of(table: pa.Table, model: type[FileEntry]) -> list:
+    """File table rows as entries (`model`), validated in pydantic's core a table at a time:
+    faster than constructing each entry in Python. ValidationError where a row is not one."""
+    return _list_of(model).validate_python(table.to_pylist())
 
 
 def entries_arrow(entries, model: type[FileEntry]) -> pa.Table:
@@ -136,7 +148,7 @@ def whole_manifest(
         raise error(f"{path}: not a Parquet file table ({err})") from None
     _checked(parquet, reference, path, names, error)
     try:  # validated in pydantic's core: faster than constructing each entry in Python
-        entries = TypeAdapter(list[model]).validate_python(parquet.read(columns=names).to_pylist())  # type: ignore[valid-type]
+        entries = entries_of(parquet.read(columns=names), model)
     except ValidationError as err:
         raise error(f"{path}: entries not as a manifest's ({first_problem(err)})") from None
     return manifest.model_copy(update={entries_field(manifest): entries, "file_table": None})  # type: ignore[attr-defined]
@@ -352,6 +364,6 @@ def entry_group(
         except pa.ArrowInvalid as err:
             raise error(f"{path}: not a Parquet file table ({err})") from None
     try:
-        return TypeAdapter(list[model]).validate_python(table.to_pylist())  # type: ignore[valid-type]
+        return entries_of(table, model)
     except ValidationError as err:
         raise error(f"{path}: entries not as a manifest's ({first_problem(err)})") from None

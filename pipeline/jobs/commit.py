@@ -152,8 +152,8 @@ def commit_directory(
     """Commit into `final`, as its next commit, the files of the entry `pieces` (all staged),
     the manifest's own entries (those in `staged` are staged, the rest in place) and those a
     change keeps of the previous commit (`kept`, in place), in path order, `COMMIT_BATCH` at a
-    time (`merged_entries`): each staged file not committed already with those bytes moved
-    from `staging` to its name in `final`, the commit's number added to the name of one an
+    time (`merged_entries`): each staged file the newest commit does not list with those bytes
+    moved from `staging` to its name in `final`, the commit's number added to the name of one an
     existing commit lists for other bytes (never overwritten), and each entry written to the
     commit's file table (more than `inline_entries` entries); then the
     commit's manifest put, once (`commits.put`), with `timings(counters)`. What earlier commits
@@ -174,9 +174,9 @@ def commit_directory(
             raw = stack.enter_context(fileio.open_write(fileio.join(final, commit_table(number))))
             writer = TableWriter(raw, model, commit_table(number))
         for batch in merged_entries(pieces, model, held, kept, batch=COMMIT_BATCH):
-            prior = [listed.sha256_of(e.path) for e in batch]
+            newest, prior = zip(*(listed.newest_and_any(e.path) for e in batch))
             # staged, and not in the newest commit with these bytes (what a change keeps stays in place)
-            moving = [e.path not in in_place and listed.newest_sha256_of(e.path) != e.sha256 for e in batch]
+            moving = [e.path not in in_place and n != e.sha256 for e, n in zip(batch, newest)]
             named = [_named(e, number, p) if m else e for e, p, m in zip(batch, prior, moving)]
             _moved(staging, final, [(e.path, n.path) for e, n, m in zip(batch, named, moving) if m])
             if writer is not None:

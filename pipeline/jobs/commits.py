@@ -107,16 +107,18 @@ class ListedFiles:
     def __init__(self, directory: str, numbered: list[tuple[int, str]], model: type[BaseModel]):
         self._listings = [_CommitListing(directory, path, model) for _, path in reversed(numbered)]
 
-    def sha256_of(self, path: str) -> str | None:
-        for listing in self._listings:
+    def sha256_of(self, path: str, *, after_newest: bool = False) -> str | None:
+        for listing in self._listings[1:] if after_newest else self._listings:
             if (found := listing.sha256_of(path)) is not None:
                 return found
         return None
 
-    def newest_sha256_of(self, path: str) -> str | None:
-        """As the newest commit alone lists it: what it lists stays in place (`finish` deletes
-        only what no kept commit lists), where an older commit's file may be gone already."""
-        return self._listings[0].sha256_of(path) if self._listings else None
+    def newest_and_any(self, path: str) -> tuple[str | None, str | None]:
+        """(sha256 the newest commit lists the path with, that of the newest listing it): what
+        the newest commit lists stays in place (`finish` deletes only what no kept commit
+        lists), where an older commit's file may be gone already. Each commit looked at once."""
+        newest = self._listings[0].sha256_of(path) if self._listings else None
+        return newest, newest if newest is not None else self.sha256_of(path, after_newest=True)
 
 
 def numbered_commits(directory: str) -> list[tuple[int, str]]:

@@ -22,7 +22,7 @@ from pipeline.chunks.committed import CommittedIndexManifest
 from pipeline.common import fileio
 from pipeline.common.names import file_number
 from pipeline.common.writers import parquet_bytes
-from schemas.file_table import entries_arrow
+from schemas.file_table import entries_arrow, entries_of
 from schemas.manifest import FileEntry, unversioned
 
 Entry = TypeVar("Entry", bound=FileEntry)
@@ -63,7 +63,7 @@ def piece_name(path: str) -> str:
 
 def write_piece(path: str, entries: Iterable[FileEntry], model: type[FileEntry]) -> EntryPiece:
     """One piece: its entries sorted by path, as file table rows."""
-    ordered = sorted(entries, key=lambda e: e.path)
+    ordered = sorted_entries(entries)
     fileio.write_bytes(path, parquet_bytes(entries_arrow(ordered, model)))
     return EntryPiece(path, len(ordered))
 
@@ -88,8 +88,7 @@ class WriteEntryPieces(beam.PTransform):
 def _piece_entries(path: str, model: type[FileEntry]) -> Iterator[FileEntry]:
     with fileio.open_read(path) as f:
         for batch in pq.ParquetFile(f).iter_batches(batch_size=PIECE_READ):
-            for row in batch.to_pylist():
-                yield model(**row)
+            yield from entries_of(pa.Table.from_batches([batch]), model)
 
 
 @dataclass(frozen=True)
@@ -117,8 +116,7 @@ class KeptEntries:
     def entries(self) -> Iterator[FileEntry]:
         for table in self._tables(list(FileEntry.model_fields)):
             for start in range(0, table.num_rows, PIECE_READ):
-                for row in table.slice(start, PIECE_READ).to_pylist():
-                    yield FileEntry(**row)
+                yield from entries_of(table.slice(start, PIECE_READ), FileEntry)
 
 
 @functools.lru_cache(maxsize=2)
@@ -141,7 +139,7 @@ def merged_entries(
     at a time; a piece is read PIECE_READ entries at a time. A path listed twice (two elements
     wrote one file: the last write would hide the other's rows) fails: nothing is committed."""
     streams = [_piece_entries(p.path, model) for p in sorted(pieces, key=lambda p: p.path)]
-    streams.append(iter(sorted(held, key=lambda e: e.path)))
+    streams.append(iter(sorted_entries(held)))
     if kept is not None:
         streams.append(kept.entries())
     out: list[FileEntry] = []
