@@ -10,10 +10,13 @@ QUICKSTART := examples/quickstart.yaml
 install: $(STAMP)
 
 # Idempotent: re-runs only when the dependency declarations change. constraints.txt pins torch
-# (PyPI's 2.13.0 is its CUDA build, ~3 GB with its libraries, and runs on a CPU as well).
+# (PyPI's 2.13.0 is its CUDA build, ~3 GB with its libraries, and runs on a CPU as well) and uv,
+# which installs the rest from its per-machine cache (~/.cache/uv): ~6 s once the machine has the
+# wheels, ~35 s when it downloads them, where pip took ~6 min either way.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,report,onnx,openvino]'
+	$(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt uv
+	$(BIN)/uv pip install --quiet --python $(BIN)/python -c constraints.txt -e '.[dev,report,onnx,openvino]'
 	touch $(STAMP)
 
 # Beam's Flink and Spark runners on this machine (deploy/local/runners.py; versions pinned there):
@@ -68,10 +71,13 @@ test-unit: install
 # ruff (lint and format, pyproject.toml [tool.ruff]) over the tree, mypy over pipeline/, schemas/ and
 # trainer/, and the house rules (tests/house/: the layers, no import cycle, no module over 400 lines,
 # every module in docs/design.md §2).
+# mypy's cache per machine, not per clone: a clean clone checks in ~45 s instead of ~95 s (3 s where
+# the same path ran before); mypy re-checks any module whose contents differ from the cached one
+MYPY_CACHE ?= $(HOME)/.cache/ratrain-pipeline/mypy
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy
+	MYPY_CACHE_DIR=$(MYPY_CACHE) $(BIN)/mypy
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n 0 tests/house
 
 # The quickstart with every encoder setting (~10 min on 2 cores), then ~50k chunks of real text
