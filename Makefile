@@ -9,14 +9,20 @@ QUICKSTART := examples/quickstart.yaml
 
 install: $(STAMP)
 
+# Python is often told not to write bytecode (PYTHONDONTWRITEBYTECODE, as on the machines this is
+# tested on): then every process (a CLI run, an SDK worker) compiles each module it imports again,
+# ~1-2 s of the project's own and minutes of torch's and Beam's. So the install compiles the
+# libraries' and each command the project's (Python ignores a .pyc whose source changed since).
+BYTECODE := $(BIN)/python -m compileall -q -j 0 pipeline schemas trainer examples benchmarks
+
 # Idempotent: re-runs only when the dependency declarations change. constraints.txt pins torch
 # (PyPI's 2.13.0 is its CUDA build, ~3 GB with its libraries, and runs on a CPU as well) and uv,
-# which installs the rest from its per-machine cache (~/.cache/uv): ~6 s once the machine has the
-# wheels, ~35 s when it downloads them, where pip took ~6 min either way.
+# which installs the rest from its per-machine cache (~/.cache/uv) and compiles it: ~1.5 min once the
+# machine has the wheels, where pip took ~6 min.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt uv
-	$(BIN)/uv pip install --quiet --python $(BIN)/python -c constraints.txt -e '.[dev,report,onnx,openvino]'
+	$(BIN)/uv pip install --quiet --compile-bytecode --python $(BIN)/python -c constraints.txt -e '.[dev,report,onnx,openvino]'
 	touch $(STAMP)
 
 # Beam's Flink and Spark runners on this machine (deploy/local/runners.py; versions pinned there):
@@ -36,6 +42,7 @@ flink-down:
 	$(RUNNERS) down
 
 quickstart: install
+	@$(BYTECODE)
 	$(BIN)/ratrain-pipeline run --config $(QUICKSTART)
 	$(BIN)/ratrain-pipeline validate out/quickstart
 	$(BIN)/ratrain-pipeline inspect out/quickstart/shards --n 1
@@ -54,18 +61,23 @@ quickstart: install
 # PYTEST_ARGS="--embedding-precision float32|bfloat16": the encoder path this CPU would not choose.
 # The tests run in TEST_WORKERS pytest processes (pytest-xdist), a test file to a process, so a
 # module's fixtures are built once (the session's built output once per process): run one at a
-# time, most tests keep one of two cores busy. TEST_WORKERS=0 runs them in this process.
+# time, most tests keep one of two cores busy. TEST_WORKERS=0 runs them in this process. The files go
+# out in the order tests/conftest.py sorts them (xdist would send the files with most tests first,
+# leaving the long single tests, Flink's and the own_process one, for the end).
 TEST_WORKERS ?= 2
-XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 test: install runners-install
+	@$(BYTECODE)
 	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
 # Everything but the tests marked slow (each over ~30 s); `make test` (and CI) runs them all.
 test-fast: install
+	@$(BYTECODE)
 	$(BIN)/python -m pytest $(XDIST) -m "not slow" $(PYTEST_ARGS)
 
 # The unit tests only: under a minute on 2 cores, for the edit-test loop.
 test-unit: install
+	@$(BYTECODE)
 	$(BIN)/python -m pytest -m unit $(PYTEST_ARGS)
 
 # ruff (lint and format, pyproject.toml [tool.ruff]) over the tree, mypy over pipeline/, schemas/ and
