@@ -143,14 +143,15 @@ def test_hugging_face_datasets_and_polars_read_the_source_column(blended, tmp_pa
     assert dict(zip(counts["source"].to_list(), counts["len"].to_list())) == expected
 
 
-def test_a_rerun_and_the_multi_process_runner_write_the_same_bytes(blended, tmp_path):
+def test_a_rerun_on_the_multi_process_runner_writes_the_same_bytes(blended, tmp_path):
+    """build-shards again, in other processes (the local runner's worker processes): the same
+    shards and the same sources in the manifest."""
     config, out = blended
-    for name, args in (("again", []), ("multi", MULTI_PROCESS)):
-        shutil.copytree(out / "index", tmp_path / name / "index")
-        build_shards(config_from_dict({**config, "output": str(tmp_path / name)}), args)
-        assert_same_data_files(tmp_path / name, out, stages=("shards",))
-        again = json.loads((tmp_path / name / "shards" / "manifest.json").read_text())
-        assert again["sources"] == json.loads((out / "shards" / "manifest.json").read_text())["sources"]
+    shutil.copytree(out / "index", tmp_path / "multi" / "index")
+    build_shards(config_from_dict({**config, "output": str(tmp_path / "multi")}), MULTI_PROCESS)
+    assert_same_data_files(tmp_path / "multi", out, stages=("shards",))
+    again = json.loads((tmp_path / "multi" / "shards" / "manifest.json").read_text())
+    assert again["sources"] == json.loads((out / "shards" / "manifest.json").read_text())["sources"]
 
 
 def test_validate_finds_a_row_counted_under_another_source(blended, tmp_path):

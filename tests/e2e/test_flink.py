@@ -13,14 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.build_shards.job import build_shards
 from pipeline.check.validate import validate_path
-from schemas.config import config_from_dict
 from tests.helpers import (
+    DATA_STAGES,
     LocalFlinkCluster,
     assert_matches_the_local_run,
     assert_same_data_files,
-    small_config,
     write_config,
 )
 
@@ -71,47 +69,40 @@ def _build_index_with_a_task_manager_killed(cluster: LocalFlinkCluster, command:
         cluster.restore()
 
 
-def test_long_documents_on_flink_write_the_local_runners_bytes_with_a_task_manager_killed(
+def test_long_documents_build_index_on_flink_writes_the_local_runners_bytes_with_a_task_manager_killed(
     flink_cluster, long_documents_built_locally, tmp_path
 ):
-    """Both stages on the cluster at parallelism 2 with LOOPBACK workers and every exchange
-    blocking (an option only Beam's Java job server reads). build-index loses a TaskManager to
-    SIGKILL while its embed stage runs (`_build_index_with_a_task_manager_killed`); build-shards
-    runs on the restored cluster. Every chunk, embedding, index slice and shard file equals the
-    local runner's, every neighbour slot filled, the same recall; both jobs ran in the mode
-    asked for, and each had subtasks on both TaskManagers."""
+    """build-index on the cluster at parallelism 2 with LOOPBACK workers and every exchange
+    blocking (an option only Beam's Java job server reads) loses a TaskManager to SIGKILL while
+    its embed stage runs (`_build_index_with_a_task_manager_killed`). Every chunk, embedding and
+    index slice file equals the local runner's, validate passes, and the job ran in the mode
+    asked for. (build-shards of the same documents on the cluster: the detached test below.)"""
     config, local = long_documents_built_locally
     out = tmp_path / "out"
     path = write_config(tmp_path / "c.yaml", config(out))
     options = [*flink_cluster.options, "--environment_type=LOOPBACK", "--execution_mode_for_batch=BATCH_FORCED"]
-    index_job = _build_index_with_a_task_manager_killed(
+    job = _build_index_with_a_task_manager_killed(
         flink_cluster, [CLI, "build-index", "--config", str(path), "--", *options], out
     )
+    assert_same_data_files(out, local, stages=DATA_STAGES[:-1])  # the index stage's folders
     assert all(line.startswith("OK") for line in validate_path(str(out / "index")))
-
-    before = flink_cluster.job_ids()
-    build_shards(config_from_dict(config(out)), options)
-    assert_matches_the_local_run(out, local)
-    (shards_job,) = flink_cluster.job_ids() - before
-    assert flink_cluster.rest(f"/jobs/{shards_job}")["state"] == "FINISHED"
-    assert flink_cluster.task_managers_of(shards_job) == set(LocalFlinkCluster.TASK_MANAGERS)
-    for job in (index_job, shards_job):
-        assert flink_cluster.rest(f"/jobs/{job}/config")["execution-config"]["execution-mode"] == "BATCH_FORCED"
+    assert flink_cluster.rest(f"/jobs/{job}/config")["execution-config"]["execution-mode"] == "BATCH_FORCED"
 
 
 def test_a_detached_build_shards_commits_itself_on_flink_with_an_external_worker_pool(
-    flink_cluster, worker_pool, six_documents_built_locally, tmp_path
+    flink_cluster, worker_pool, long_documents_built_locally, tmp_path
 ):
     """The layout of deploy/flink/ on one machine: workers from a worker pool process
     (EXTERNAL) that both TaskManagers share. build-shards --wait-for-index --detach, over the
-    index the local runner committed, returns once Flink lists the job (Beam's job server, a
-    child of the command, ends with it); the cluster finishes the job and it commits the shards
-    itself, with the local runner's bytes. (A detached build-index chained into build-shards
-    --wait-for-index runs on Beam's portable runner: tests/e2e/test_runners.py.)"""
-    corpus, local = six_documents_built_locally
+    index in slices the local runner committed, returns once Flink lists the job (Beam's job
+    server, a child of the command, ends with it); the cluster finishes the job, with subtasks
+    on both TaskManagers, and it commits the shards itself: the local runner's bytes, every
+    neighbour slot filled, the same recall, validate passing. (A detached build-index chained
+    into build-shards --wait-for-index runs on Beam's portable runner: tests/e2e/test_runners.py.)"""
+    config, local = long_documents_built_locally
     out = tmp_path / "out"
     shutil.copytree(local / "index", out / "index")
-    path = write_config(tmp_path / "c.yaml", small_config(out, corpus))
+    path = write_config(tmp_path / "c.yaml", config(out))
     options = [*flink_cluster.options, "--environment_type=EXTERNAL", f"--environment_config={worker_pool}"]
     before = flink_cluster.job_ids()
     shards = subprocess.run(
@@ -134,6 +125,6 @@ def test_a_detached_build_shards_commits_itself_on_flink_with_an_external_worker
         assert time.monotonic() < deadline, "the detached build-shards job never committed and finished"
         time.sleep(0.5)
 
-    assert_same_data_files(out, local)
-    assert all(line.startswith("OK") for line in validate_path(str(out)))
+    assert_matches_the_local_run(out, local)
+    assert flink_cluster.task_managers_of(job) == set(LocalFlinkCluster.TASK_MANAGERS)
     assert flink_cluster.rest(f"/jobs/{job}")["name"].rsplit("-", 3)[0] == "ratrain-build-shards"
