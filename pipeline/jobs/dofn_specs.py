@@ -6,8 +6,8 @@ bundle's operations), and each time it walks `dir(dofn)` and reads the signature
 method (~1.2 ms a DoFn here). A build-index and build-shards of six documents asked 2,624
 times: ~3 s of their ~14 s on the local runner, a cost no corpus size amortises in small runs.
 The answer depends only on the methods' default arguments (a StateParam or TimerParam), which
-belong to the class, plus any method an instance holds itself (`beam.Map(bound_method)` keeps
-it as `process`): those are the cache key, so every DoFn gets the answer Beam's walk gives
+belong to the class, plus any bound method an instance holds itself (`beam.FlatMap(bound_method)`
+keeps it as `process`): those are the cache key, so every DoFn gets the answer Beam's walk gives
 (`tests/jobs/test_dofn_specs.py` compares the two over every step of the project's jobs).
 """
 
