@@ -270,3 +270,26 @@ def test_type_inference_is_left_off_where_the_job_or_the_arguments_say(type_chec
 
     pipeline = new_pipeline(args, type_check=type_check)
     assert pipeline.options.view_as(TypeOptions).pipeline_type_check is inferred
+
+
+def test_each_view_is_made_once_and_every_view_and_copy_reads_the_same_values():
+    """`view_as` answers with the view it made first (Beam asks thousands of times a job); a
+    value set through one view is read through every other, and a deep copy (what
+    `beam.Pipeline` keeps) keeps its views over its own values, apart from the original's."""
+    import copy
+
+    from apache_beam.options.pipeline_options import DebugOptions, StandardOptions, TypeOptions
+
+    options = pipeline_options(["--experiments=a", "--no_pipeline_type_check"])
+    assert options.view_as(TypeOptions) is options.view_as(TypeOptions)
+    assert options.view_as(TypeOptions).pipeline_type_check is False
+    options.view_as(StandardOptions).streaming = True
+    assert options.view_as(StandardOptions).streaming and options.get_all_options()["streaming"]
+    kept = copy.deepcopy(options)
+    kept.view_as(DebugOptions).experiments.append("b")
+    kept.view_as(StandardOptions).streaming = False
+    assert kept.get_all_options()["experiments"] == ["a", "b"] and not kept.get_all_options()["streaming"]
+    assert options.view_as(DebugOptions).experiments == ["a"] and options.view_as(StandardOptions).streaming
+    fresh = pipeline_options(["--experiments=a", "--no_pipeline_type_check"])
+    fresh.view_as(StandardOptions).streaming = True
+    assert options.get_all_options() == fresh.get_all_options()  # what the runner is sent
