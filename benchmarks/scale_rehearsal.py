@@ -270,6 +270,9 @@ MODEL_ROWS = {
     "BuildIndex/AssemblePieces": "index: assemble one piece",
     "BuildIndex/MergeSlices": "index: merge the slices' search results",
     "BuildIndex/TuneSlices": "index: merge the slices' search results",
+    "EntryPieces/KeyByPiece": "a stage's file entries: write one piece",
+    "EntryPieces/WritePiece": "a stage's file entries: write one piece",
+    "Commit": "build-index: commit",  # the `index` command's: its faiss files, fewer than the row's
     "RetrieveNeighbours/Search": "build-shards: search",
     "RetrieveNeighbours/NeighbourTokens": "build-shards: join one chunk file",
     "RetrieveNeighbours/AssembleRows": "build-shards: write one shard",
