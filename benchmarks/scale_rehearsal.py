@@ -248,6 +248,10 @@ def _outermost(names: list[str]) -> list[str]:
 MODEL_ROWS = {
     "BuildIndex/TrainIndex/EncoderSubset": "index: first-level and encoder subsets",
     "BuildIndex/TrainIndex/FirstLevelSubset": "index: first-level and encoder subsets",
+    "BuildIndex/TrainIndex/GroupFirstLevelSubset": "index: write one subset file",
+    "BuildIndex/TrainIndex/WriteFirstLevelSubset": "index: write one subset file",
+    "BuildIndex/TrainIndex/GroupEncoderSubset": "index: write one subset file",
+    "BuildIndex/TrainIndex/WriteEncoderSubset": "index: write one subset file",
     "BuildIndex/TrainIndex/GatherFirstLevelSubset": "index: train first level",
     "BuildIndex/TrainIndex/TrainFirstLevel": "index: train first level",
     "BuildIndex/TrainIndex/AssignFirstLevel": "index: assign one sample file",

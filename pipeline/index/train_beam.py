@@ -34,13 +34,17 @@ from pipeline.index.two_level import (
     file_block_sums,
     move_block,
     read_ids,
+    read_subset,
     read_vectors,
     sample_paths,
     second_level_pieces,
+    subset_file_of,
+    subset_files,
     subset_of_file,
     train_first_level,
     write_block,
     write_sample_part,
+    write_subset_file,
 )
 
 TRAINED_FILE = "trained.faiss"
@@ -169,7 +173,7 @@ def _lists_per_cluster(sizes, plan: IndexPlan) -> np.ndarray:
 def _assemble(final: CentroidBlocks, encoder_parts, plan: IndexPlan, out_dir: str) -> str:
     """One worker: the quantizer and the encoder. The centroid blocks stay for a retry of this
     step: the commit discards them with the staging."""
-    path = assemble(final, encoder_parts, plan.factory, plan.dim, fileio.join(out_dir, TRAINED_FILE))
+    path = assemble(final, read_subset(encoder_parts), plan.factory, plan.dim, fileio.join(out_dir, TRAINED_FILE))
     Metrics.counter(METRICS_NAMESPACE, "index_training_vectors").inc(plan.train_size)
     return path
 
@@ -179,7 +183,8 @@ class TrainIndex(beam.PTransform):
 
     'flat' clustering: one worker gathers the sample and trains. 'two_level' (the steps in
     `two_level`): each sample file gives its rows of the first-level subset (√nlist × 256
-    vectors) and of the encoder's (65,536), gathered by one worker each; every sample file's
+    vectors) and of the encoder's (65,536), written as subset files of about 16 MB (the rows
+    grouped by a hash of their sample file), whose paths one worker each gathers; every sample file's
     vectors are assigned to the first-level clusters where the file is; each first-level
     cluster is split by its own worker into its share of the lists (the sample goes through one
     shuffle, grouped by cluster), the centroids written in blocks of LIST_BLOCK lists;
@@ -200,14 +205,19 @@ class TrainIndex(beam.PTransform):
         def picked(p, clustering):
             return p.mergeable and p.clustering == clustering
 
-        def subset(label, size_of):
+        def subset(label, size_of):  # -> the subset's file prefixes (`two_level.write_subset_file`)
+            def chosen_rows(prefix, p):
+                if not picked(p, "two_level"):
+                    return []
+                files = subset_files(size_of(p), p.dim)
+                return [(subset_file_of(prefix, files), rows) for rows in subset_of_file(prefix, size_of(p), p.count)]
+
             return (
                 prefixes
-                | f"{label}Subset"
-                >> beam.FlatMap(
-                    lambda prefix, p: subset_of_file(prefix, size_of(p), p.count) if picked(p, "two_level") else [],
-                    plan,
-                )
+                | f"{label}Subset" >> beam.FlatMap(chosen_rows, plan)
+                | f"Group{label}Subset" >> beam.GroupByKey()
+                | f"Write{label}Subset"
+                >> beam.MapTuple(lambda number, parts: write_subset_file(out_dir, label.lower(), number, parts))
                 | f"Gather{label}Subset" >> beam.combiners.ToList()
             )
 
@@ -226,7 +236,9 @@ class TrainIndex(beam.PTransform):
             | "TrainFirstLevel"
             >> beam.FlatMap(
                 lambda parts, p: (
-                    [train_first_level(parts, p.dim, required_ivf_lists(p.factory))] if picked(p, "two_level") else []
+                    [train_first_level(read_subset(parts), p.dim, required_ivf_lists(p.factory))]
+                    if picked(p, "two_level")
+                    else []
                 ),
                 plan,
             ),

@@ -1,12 +1,16 @@
 """The steps of two-level k-means over a training sample kept as files, each step reading only
 its own files: the sample as `sample/<file>.ids.npy` and `.vectors.npy` (one pair per
-embeddings file), the lists' centroids between steps as `centroids/step-N/block-NNNNN.npy`
-(LIST_BLOCK lists per file). `TrainIndex` runs them on workers; the benchmark runs each alone.
+embeddings file), the first-level and encoder subsets as `subsets/<name>-NNNNN.ids.npy` and
+`.vectors.npy` (files of about SUBSET_FILE_BYTES), the lists' centroids between steps as
+`centroids/step-N/block-NNNNN.npy` (LIST_BLOCK lists per file). `TrainIndex` runs them on
+workers; the benchmark runs each alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+import zlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +34,12 @@ from pipeline.index.kmeans import (
 # 384-d centroids, 12 MB of their int64 sums), so no worker holds every list's sums.
 LIST_BLOCK = 4096
 CENTROIDS_DIR = "centroids"
+# A subset of the sample reaches its trainer as files of about this many bytes. Gathered as one
+# Beam value (the encoder's 65,536 384-d vectors: 100 MB; the first level's 262,144 at 2^20
+# lists: 400 MB) it was a single element, which Flink's batch sort refused ("Record too large")
+# and each runner held whole on the worker gathering it.
+SUBSET_FILE_BYTES = 16 * 2**20
+SUBSETS_DIR = "subsets"
 
 
 def _write_npy(path: str, array: np.ndarray) -> None:
@@ -75,6 +85,33 @@ def subset_of_file(prefix: str, size: int, population: int) -> list[SampleRows]:
     ids = read_ids(prefix)
     keep = in_sample(ids, size, population, TRAIN_SALT)
     return [SampleRows(ids[keep], read_vectors(prefix)[keep])] if keep.any() else []
+
+
+def subset_files(size: int, dim: int) -> int:
+    """How many files a subset of `size` vectors is written as (about SUBSET_FILE_BYTES each)."""
+    return max(1, math.ceil(size * (dim * 4 + 8) / SUBSET_FILE_BYTES))
+
+
+def subset_file_of(prefix: str, files: int) -> int:
+    """The subset file a sample file's chosen rows go to."""
+    return zlib.crc32(prefix.encode()) % files
+
+
+def write_subset_file(directory: str, name: str, number: int, parts: Iterable[SampleRows]) -> str:
+    """Sample files' chosen rows written as one subset file, in chunk-id order (a retry writes
+    the same bytes). Its path prefix."""
+    parts = list(parts)
+    ids = np.concatenate([p.ids for p in parts])
+    order = np.argsort(ids, kind="stable")
+    prefix = fileio.join(directory, SUBSETS_DIR, f"{name}-{number:05d}")
+    write_sample_part(prefix, ids[order], np.concatenate([p.vectors for p in parts])[order])
+    return prefix
+
+
+def read_subset(prefixes: Iterable[str]) -> Iterator[SampleRows]:
+    """A subset's files (`write_subset_file`), one at a time."""
+    for prefix in sorted(prefixes):
+        yield SampleRows(read_ids(prefix), read_vectors(prefix))
 
 
 def stacked(parts: Iterable[SampleRows], dim: int) -> np.ndarray:

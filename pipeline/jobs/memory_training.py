@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from pipeline.index.factory import encoder_size, estimated_bytes, ivf_lists, resolve_clustering, training_size
 from pipeline.index.kmeans import first_level_clusters, first_level_size
-from pipeline.index.two_level import LIST_BLOCK
+from pipeline.index.two_level import LIST_BLOCK, SUBSET_FILE_BYTES
 
 
 def training_steps(
@@ -29,7 +29,7 @@ def training_steps(
         (
             step.name,
             step.terms,
-            [i for i, t in enumerate(step.terms) if t in step.per_file or (auto and t not in step.per_block)],
+            [i for i, t in enumerate(step.terms) if t in step.per_file or (auto and t not in step.fixed)],
         )
         for step in two_level_steps(factory, C, dim, file_rows)
     ]
@@ -38,13 +38,13 @@ def training_steps(
 @dataclass(frozen=True)
 class TrainingStep:
     """One step of two-level training: {term: bytes} one process holds at once; `per_file`:
-    terms of one sample file (its share of the sample follows the corpus); `per_block`: terms
-    of one block of lists (fixed however many lists)."""
+    terms of one sample file (its share of the sample follows the corpus); `fixed`: terms of
+    a size fixed however many lists (one block of lists, one subset file)."""
 
     name: str
     terms: dict[str, int]
     per_file: frozenset[str] = frozenset()
-    per_block: frozenset[str] = frozenset()
+    fixed: frozenset[str] = frozenset()
 
 
 def two_level_steps(factory: str, C: int, dim: int, file_rows: int) -> list[TrainingStep]:
@@ -66,6 +66,11 @@ def two_level_steps(factory: str, C: int, dim: int, file_rows: int) -> list[Trai
             per_file=frozenset({f"{one_file} and its chosen rows"}),
         ),
         TrainingStep(
+            "index: write one subset file",
+            {"its sample files' chosen rows, gathered and in chunk-id order": SUBSET_FILE_BYTES * 3},
+            fixed=frozenset({"its sample files' chosen rows, gathered and in chunk-id order"}),
+        ),
+        TrainingStep(
             "index: train first level", {f"{subset:,} training vectors, gathered and stacked": subset * row * gathered}
         ),
         TrainingStep(
@@ -80,7 +85,7 @@ def two_level_steps(factory: str, C: int, dim: int, file_rows: int) -> list[Trai
         TrainingStep(
             "index: write one block of centroids",
             {f"{block:,} lists' centroids, in pieces and joined": block * vector * 2},
-            per_block=frozenset({f"{block:,} lists' centroids, in pieces and joined"}),
+            fixed=frozenset({f"{block:,} lists' centroids, in pieces and joined"}),
         ),
         TrainingStep(
             "index: Lloyd step over one sample file",
@@ -94,7 +99,7 @@ def two_level_steps(factory: str, C: int, dim: int, file_rows: int) -> list[Trai
         TrainingStep(
             "index: Lloyd step: combine one block's sums",
             {f"int64 sums of {block:,} lists: the fold, one part, the result": block * dim * 8 * 3},
-            per_block=frozenset({f"int64 sums of {block:,} lists: the fold, one part, the result"}),
+            fixed=frozenset({f"int64 sums of {block:,} lists: the fold, one part, the result"}),
         ),
         TrainingStep(
             "index: Lloyd step: move one block",
@@ -103,7 +108,7 @@ def two_level_steps(factory: str, C: int, dim: int, file_rows: int) -> list[Trai
                 * (vector + dim * 8)
                 * 3
             },
-            per_block=frozenset(
+            fixed=frozenset(
                 {f"{block:,} lists' centroids (read, copied, moved) and sums (int64, float64, normalised)"}
             ),
         ),

@@ -10,6 +10,7 @@ from apache_beam.metrics.metric import MetricsFilter
 from apache_beam.testing.util import assert_that, equal_to
 
 from pipeline.common.sampling import TRAIN_SALT, in_sample
+from pipeline.index import two_level
 from pipeline.index.build import BuildIndex
 from pipeline.index.build_slices import FilledPart, SumListSizes, plan_slices
 from pipeline.index.exact import exact_nearest_other
@@ -377,10 +378,15 @@ def test_the_fill_reads_the_trained_index_once_per_process_and_fills_each_part_a
 
 
 @pytest.mark.beam
-def test_two_level_k_means_in_one_process_finds_the_centroids_the_workers_find(tmp_path):
+@pytest.mark.parametrize("subset_file_bytes, several", [(two_level.SUBSET_FILE_BYTES, False), (20_000, True)])
+def test_two_level_k_means_in_one_process_finds_the_centroids_the_workers_find(
+    tmp_path, monkeypatch, subset_file_bytes, several
+):
     """TrainIndex's graph and `train_two_level` draw the same subsets by chunk id and run the
-    same steps: one set of coarse centroids, whichever runs it; the one worker process builds
-    each Lloyd step's list assigner once for all 8 sample files."""
+    same steps: one set of coarse centroids, whichever runs it, the first level's subset
+    reaching its trainer as one file or as several (no Beam value holds the subset); the one
+    worker process builds each Lloyd step's list assigner once for all 8 sample files."""
+    monkeypatch.setattr(two_level, "SUBSET_FILE_BYTES", subset_file_bytes)
     factory, vectors = "IVF64,Flat", clustered(10_000, clusters=100)
     ids = np.arange(10_000, dtype=np.int64) * 3 + 5
     paths = write_embedding_files(tmp_path / "emb", ids, vectors, files=8)
@@ -401,6 +407,8 @@ def test_two_level_k_means_in_one_process_finds_the_centroids_the_workers_find(t
         return faiss.extract_index_ivf(index).quantizer.reconstruct_n(0, 64)
 
     assert np.array_equal(centroids(load_index(str(tmp_path / "faiss" / "index.faiss"), sha256=None)), centroids(alone))
+    subset = sorted((tmp_path / "faiss" / two_level.SUBSETS_DIR).glob("firstlevel-*.vectors.npy"))
+    assert subset and (len(subset) > 1) == several
 
 
 @pytest.mark.parametrize("clustering", ["flat", "two_level"])

@@ -64,6 +64,7 @@ def test_two_level_training_holds_no_step_with_the_whole_sample():
     (whole,) = flat
     assert [s["stage"] for s in two_level] == [
         "index: first-level and encoder subsets of one sample file",
+        "index: write one subset file",
         "index: train first level",
         "index: assign one sample file to the first level",
         "index: train one first-level cluster",
@@ -80,7 +81,7 @@ def test_two_level_training_holds_no_step_with_the_whole_sample():
 def test_two_level_rows_scale_as_their_shapes():
     """4x the lists: the centroids 4x, the first level and a first-level cluster 2x (√lists
     clusters of 256; 64 x lists vectors over √lists clusters), a sample file's share 4x, a
-    block of lists's rows the same, the encoder's sample the same."""
+    subset file and a block of lists's rows the same, the encoder's sample the same."""
     small, large = (
         [step.terms for step in two_level_steps(f"IVF{lists}_HNSW32,PQ32x8np", 10**9, 384, 65536)]
         for lists in (2**16, 2**18)
@@ -89,7 +90,7 @@ def test_two_level_rows_scale_as_their_shapes():
     quantizer = estimated_bytes("IVF262144_HNSW32,PQ32x8np", 0, 384) / estimated_bytes(
         "IVF65536_HNSW32,PQ32x8np", 0, 384
     )
-    assert ratios == [[4], [2], [4], [2], [1], [4, 4, 4], [1], [1], [4, round(quantizer, 1), 1]]
+    assert ratios == [[4], [1], [2], [4], [2], [1], [4, 4, 4], [1], [1], [4, round(quantizer, 1), 1]]
 
 
 @pytest.mark.unit
