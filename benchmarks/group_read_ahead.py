@@ -11,9 +11,9 @@ worker in ~1 MB messages, as a cluster's shuffle reads stream) each bundle's ris
 worker's resident memory and its Python objects' peak (`BUNDLE_PEAKS_TRACE`) are recorded.
 A group is one element however large: the worker receives it whole, decodes it whole, and
 while it works on one the data plane's reader holds the next and gRPC has received more. The
-table: per groups a bundle gets, the largest rise, in MB and in group sizes. The memory
-model's row for a piece of an index slice counts the read-ahead from it (`READ_AHEAD_GROUPS`). Results:
-a table on stdout, JSON in benchmarks/results/group_read_ahead.json.
+table: per groups a bundle gets, the largest rise, in MB and in group sizes. A piece of an
+index slice was such a group (its blocks' codes); its step now receives the blocks' places and
+reads them itself. Results: a table on stdout, JSON in benchmarks/results/group_read_ahead.json.
 """
 
 from __future__ import annotations

@@ -50,6 +50,7 @@ from pipeline.index.files import (
     write_owners,
 )
 from pipeline.index.recall import one_recall_of_found
+from pipeline.index.routing import write_blocks
 from pipeline.index.search import set_search_depth
 from pipeline.index.slices import files_per_piece, vectors_per_slice
 from schemas.manifest import FileEntry, IndexManifest, by_name
@@ -288,7 +289,7 @@ def _slice_entries(committed: CommittedIndexManifest) -> list[FileEntry]:
 
 
 class _EncodeNewFile(beam.DoFn):
-    """A new embedding file -> ((slice, piece), ListBlock) per slice owning some of its lists, its
+    """A new embedding file -> ((slice, piece), BlockRef) per slice owning some of its lists, its
     piece the run of `files_per_piece` consecutive files it falls in. Each DoFn instance (a
     worker thread) encodes on its own trained index, emptied before each file, as the build's
     parts are filled."""
@@ -304,8 +305,10 @@ class _EncodeNewFile(beam.DoFn):
         emptied = self._trained(*self.trained)
         adopting = _adopting_of(self.committed, self.directory)
         piece = piece_of(entry.path, *pieces_by)
-        for block in new_blocks(emptied, fileio.join(self.staging, entry.path), adopting):
-            yield (block.index_slice, piece), block
+        blocks = new_blocks(emptied, fileio.join(self.staging, entry.path), adopting)
+        path = fileio.join(self.staging, "faiss", "new-blocks", f"{entry.path.rsplit('/', 1)[-1]}.blocks")
+        for ref in write_blocks(blocks, path):
+            yield (ref.index_slice, piece), ref
 
 
 class _ChangeSlice(beam.DoFn):

@@ -34,7 +34,7 @@ from pipeline.index.files import (
     write_owners,
 )
 from pipeline.index.recall import RECALL_K, one_recall_at_k, recall_of
-from pipeline.index.routing import list_blocks, list_owners, slice_count
+from pipeline.index.routing import list_blocks, list_owners, read_block, slice_count, write_blocks
 from pipeline.index.search import search_depth_range, search_each_at, set_search_depth
 from pipeline.index.slices import files_per_piece, merge_slice_results, vectors_per_slice
 from pipeline.index.train import merge_pieces, write_piece
@@ -135,17 +135,23 @@ def piece_of(embeddings: str, files_per_piece: int, files: int) -> int:
 
 
 def split_part(part: FilledPart, slicing: ListSlicing | None):
-    """A filled part -> ((slice, piece), ListBlock) for each slice owning some of its lists."""
+    """A filled part -> ((slice, piece), BlockRef) for each slice owning some of its lists: the
+    part's blocks written beside it, one after another (`routing.write_blocks`), and only where
+    each lies sent on. Sent whole, the codes went through the shuffle, and a runner that hands a
+    worker its whole share of a stage at once (the local runner) made the step assembling the
+    pieces hold them all."""
     if slicing is None:
         return
     piece = piece_of(part.embeddings, slicing.files_per_piece, slicing.parts)
-    for block in list_blocks(read_index(part.path, sha256=None), slicing.owner):
-        yield (block.index_slice, piece), block
+    blocks = list_blocks(read_index(part.path, sha256=None), slicing.owner)
+    for ref in write_blocks(blocks, part.path.removesuffix(".faiss") + ".blocks"):
+        yield (ref.index_slice, piece), ref
 
 
 class AssemblePiece(beam.DoFn):
-    """A piece of a slice: its blocks added to the trained index's lists (sorted by chunk id),
-    written without the coarse quantizer as a part is (`write_part`) -> (slice, (piece, path)).
+    """A piece of a slice: its blocks (`BlockRef`, each read by its range when it is added) added
+    to the trained index's lists (sorted by chunk id), written without the coarse quantizer as a
+    part is (`write_part`) -> (slice, (piece, path)).
     The trained index is read once per DoFn instance and emptied before each piece, as the
     fill's (at 2^20 lists it is 2-3.7 GB, and a slice has many pieces)."""
 
@@ -157,8 +163,9 @@ class AssemblePiece(beam.DoFn):
         self._trained.drop()
 
     def process(self, keyed, trained_path, trained_sha256=None):
-        (number, piece), blocks = keyed
+        (number, piece), refs = keyed
         path = fileio.join(self.out_dir, "slice-pieces", f"slice-{number:05d}-piece-{piece:06d}.faiss")
+        blocks = (read_block(ref) for ref in sorted(refs, key=lambda r: (r.path, r.offset)))
         write_piece(self._trained(trained_path, trained_sha256), blocks, path)
         yield number, (piece, path)
 

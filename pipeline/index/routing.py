@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import faiss
 import numpy as np
 
+from pipeline.common import fileio
 from pipeline.index.factory import IndexBuildError
 from pipeline.index.search import exclusion_selector, quantizer_graph
 from pipeline.index.slices import merge_hits
@@ -83,6 +84,60 @@ class ListBlock:
     sizes: np.ndarray  # [b] vectors in each
     ids: np.ndarray  # [sum(sizes)] chunk ids, list by list
     codes: np.ndarray  # [sum(sizes), code_size] uint8
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockRef:
+    """Where one ListBlock lies in a blocks file (`write_blocks`): what travels through the
+    shuffle to the worker assembling a piece, in place of the block's codes, which that worker
+    reads by their byte range (`read_block`)."""
+
+    path: str
+    offset: int
+    index_slice: int
+    lists: int  # b
+    vectors: int  # sum(sizes)
+    code_size: int
+
+    @property
+    def nbytes(self) -> int:
+        return 16 * self.lists + (8 + self.code_size) * self.vectors
+
+
+def write_blocks(blocks: list[ListBlock], path: str) -> list[BlockRef]:
+    """`blocks` one after another in one file (each: lists, sizes, ids as int64, then codes), so
+    that each is read alone by its range: a part's blocks are read once, each by the worker
+    assembling its slice's piece."""
+    refs, offset = [], 0
+    with fileio.open_write(path) as f:
+        for block in blocks:
+            code_size = block.codes.shape[1] if block.codes.ndim == 2 else 0
+            ref = BlockRef(
+                path=path,
+                offset=offset,
+                index_slice=block.index_slice,
+                lists=len(block.lists),
+                vectors=len(block.ids),
+                code_size=code_size,
+            )
+            for array in (block.lists, block.sizes, block.ids):
+                f.write(np.ascontiguousarray(array, np.int64).tobytes())
+            f.write(np.ascontiguousarray(block.codes, np.uint8).tobytes())
+            refs.append(ref)
+            offset += ref.nbytes
+    return refs
+
+
+def read_block(ref: BlockRef) -> ListBlock:
+    with fileio.open_read(ref.path) as f:
+        f.seek(ref.offset)
+        data = f.read(ref.nbytes)
+    if len(data) != ref.nbytes:
+        raise IndexBuildError(f"{ref.path}: {len(data)} bytes at {ref.offset}, expected {ref.nbytes}")
+    b, n = ref.lists, ref.vectors
+    numbers = np.frombuffer(data, np.int64, 2 * b + n)
+    codes = np.frombuffer(data, np.uint8, n * ref.code_size, offset=8 * (2 * b + n)).reshape(n, ref.code_size)
+    return ListBlock(ref.index_slice, numbers[:b], numbers[b : 2 * b], numbers[2 * b :], codes)
 
 
 def list_blocks(part, owner: np.ndarray) -> list[ListBlock]:

@@ -22,7 +22,7 @@ from pipeline.index.factory import (
 from pipeline.index.files import READ_BATCH
 from pipeline.index.slices import vectors_per_slice
 from pipeline.jobs.memory_commit import FILE_ENTRY, commit_steps
-from pipeline.jobs.memory_slices import piece_bytes, piece_step, slice_steps
+from pipeline.jobs.memory_slices import block_bytes, piece_bytes, piece_step, slice_steps
 from pipeline.jobs.memory_training import training_steps
 from pipeline.retrieve.refresh import QUERY_BLOCK, NewVectors, refresh_budget
 from pipeline.retrieve.search import CANDIDATE, SEQUENCES_PER_SEARCH
@@ -92,7 +92,9 @@ def _change_steps(
         return [("index: change (append, delete)", {held: held_bytes, new: new_codes}, [0, 1])]
     lists = ivf_lists(factory) or 0
     new_vectors = int(new_codes / per_vector)
-    piece = piece_bytes(new_vectors, files=math.ceil(new_vectors / file_rows), slices=slices, per_vector=per_vector)
+    new_files = math.ceil(new_vectors / file_rows)
+    piece = piece_bytes(new_vectors, files=new_files, slices=slices, per_vector=per_vector)
+    block = block_bytes(new_vectors, files=new_files, slices=slices, per_vector=per_vector)
     grown = (1 + APPEND_SHARE) * held_bytes
     return [
         (
@@ -104,6 +106,7 @@ def _change_steps(
             f"index: change: assemble one piece of a slice's new codes (an append of {APPEND_SHARE:.0%})",
             trained=trained,
             piece=piece,
+            block=block,
             auto_grows=auto_grows,
         ),
         (

@@ -11,29 +11,32 @@ from pipeline.index.factory import estimated_bytes, ivf_lists
 from pipeline.index.recall import RECALL_K
 from pipeline.index.slices import files_per_piece
 
-# A group after a GroupByKey is one element, received and decoded whole (two groups' worth);
-# while a step works on one, Beam's data plane holds the next and gRPC has received more. A bundle
-# of 2-8 groups of 16 MB rose 8.5-11.6 groups' worth (2 Intel Xeon cores, Python objects 4-5 of
-# them; benchmarks/group_read_ahead.py): this many beyond the two
-READ_AHEAD_GROUPS = 9
-
 
 def piece_bytes(vectors: int, *, files: int, slices: int, per_vector: int) -> float:
     """A piece's codes and ids: `files_per_piece` files' blocks of one slice, a file holding
     about as many vectors of a slice as each other."""
-    block = vectors / max(files, 1) / slices * per_vector  # a file's codes of one slice
-    return files_per_piece(vectors, files, slices, per_vector) * block
+    return files_per_piece(vectors, files, slices, per_vector) * block_bytes(
+        vectors, files=files, slices=slices, per_vector=per_vector
+    )
 
 
-def piece_step(step: str, *, trained: float, piece: float, auto_grows: list[int]) -> tuple:
-    """Assembling a piece (`AssemblePiece`: the build's, and an append's of its new vectors)."""
+def block_bytes(vectors: int, *, files: int, slices: int, per_vector: int) -> float:
+    """One file's codes and ids of one slice (a `ListBlock`)."""
+    return vectors / max(files, 1) / slices * per_vector
+
+
+def piece_step(step: str, *, trained: float, piece: float, block: float, auto_grows: list[int]) -> tuple:
+    """Assembling a piece (`AssemblePiece`: the build's, and an append's of its new vectors). Its
+    group is the blocks' places (`BlockRef`), a few bytes a file; the blocks are read one at a
+    time. (Before, the group was the blocks' codes: the local runner delivers a worker's whole
+    share of a stage at once, and the step held up to 57 MB against this row's 24 at 10^6
+    vectors, docs/scale.md.)"""
     return (
         step,
         {
             "trained index": trained,
-            "the piece's blocks as received and decoded (one group), and its lists": 3 * piece,
-            f"the next pieces' groups, read ahead by Beam ({READ_AHEAD_GROUPS} groups' worth)": READ_AHEAD_GROUPS
-            * piece,
+            "the piece's lists as they grow (codes, ids and spare room)": 2 * piece,
+            "one block read and decoded": 2 * block,
         },
         auto_grows,
     )
@@ -54,11 +57,15 @@ def slice_steps(
     per_vector = estimated_bytes(factory, 1, dim) - estimated_bytes(factory, 0, dim)
     trained = estimated_bytes(factory, 0, dim)
     slice_codes = math.ceil(chunks / slices) * per_vector  # a slice's codes and ids
-    piece = piece_bytes(chunks, files=math.ceil(chunks / file_rows), slices=slices, per_vector=per_vector)
+    files = math.ceil(chunks / file_rows)
+    piece = piece_bytes(chunks, files=files, slices=slices, per_vector=per_vector)
+    block = block_bytes(chunks, files=files, slices=slices, per_vector=per_vector)
     nlist = ivf_lists(factory) or 0
     queries, depths = min(recall_sample, chunks), int(math.log2(nlist or 1)) + 2
     return [
-        piece_step("index: assemble one piece of a slice", trained=trained, piece=piece, auto_grows=auto_grows),
+        piece_step(
+            "index: assemble one piece of a slice", trained=trained, piece=piece, block=block, auto_grows=auto_grows
+        ),
         (
             # merged from its pieces one at a time (measured: benchmarks/scale_rehearsal.py)
             "index: assemble one slice from its pieces",

@@ -24,6 +24,7 @@ from pipeline.index.routing import (
     search_routed,
     slice_by_lists,
     slice_count,
+    write_blocks,
 )
 from pipeline.index.search import search_depth_range, search_excluding, set_search_depth
 from pipeline.index.slices import merge_slice_results, vectors_per_slice
@@ -93,9 +94,9 @@ def test_exact_ties_come_back_as_the_single_index_gives_them(factory):
 
 
 def test_a_slice_merged_from_pieces_is_the_slice_assembled_from_all_its_blocks(tmp_path):
-    """Each part's blocks of a slice assembled into a piece (`AssemblePiece`), the pieces
-    arriving in any order: merged, the same index file as the slice assembled from every block
-    at once (lists sorted by chunk id)."""
+    """Each part's blocks of a slice assembled into a piece (`AssemblePiece`, which reads them
+    from the part's blocks file by their ranges), the pieces arriving in any order: merged, the
+    same index file as the slice assembled from every block at once (lists sorted by chunk id)."""
     rng = np.random.default_rng(4)
     vectors = rng.normal(size=(3000, 16)).astype(np.float32)
     trained = train_index("IVF16,PQ4x4", vectors)
@@ -108,11 +109,14 @@ def test_a_slice_merged_from_pieces_is_the_slice_assembled_from_all_its_blocks(t
     single = faiss.clone_index(trained)
     single.add_with_ids(vectors, np.arange(len(vectors), dtype=np.int64))
     owner = _owner(single, 2)
+    blocks_of = [list_blocks(part, owner) for part in parts]
+    refs_of = [write_blocks(blocks, str(tmp_path / f"part-{p}.blocks")) for p, blocks in enumerate(blocks_of)]
     assembling = AssemblePiece(str(tmp_path))
     for n in range(2):
-        blocks = [[b for b in list_blocks(part, owner) if b.index_slice == n] for part in parts]
+        blocks = [[b for b in part if b.index_slice == n] for part in blocks_of]
+        refs = [[r for r in part if r.index_slice == n] for part in refs_of]
         whole = assemble_list_slice(trained, [b for part in blocks[::-1] for b in part])
-        pieces = [next(assembling.process(((n, p), part), trained_path))[1] for p, part in enumerate(blocks)]
+        pieces = [next(assembling.process(((n, p), part), trained_path))[1] for p, part in enumerate(refs)]
         merged = merged_pieces(trained_path, pieces[::-1])
         assert faiss.serialize_index(merged).tobytes() == faiss.serialize_index(whole).tobytes()
 

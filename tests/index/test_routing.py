@@ -12,9 +12,11 @@ from pipeline.index.routing import (
     list_blocks,
     list_owners,
     list_sizes,
+    read_block,
     search_routed,
     slice_by_lists,
     slice_count,
+    write_blocks,
 )
 from pipeline.index.search import search_excluding, set_search_depth
 
@@ -104,6 +106,26 @@ def test_a_slice_is_the_same_whatever_order_its_parts_arrive_in():
             expected = faiss.contrib.inspect_tools.get_invlist(faiss.extract_index_ivf(want).invlists, listed)
             assert (got[0] == expected[0]).all() and (np.diff(got[0]) > 0).all()
             assert (got[1] == expected[1]).all()
+
+
+def test_a_parts_blocks_written_one_after_another_are_each_read_back_alone_by_their_range(tmp_path):
+    """What a piece's worker receives is where a block lies, not the block: read by its range
+    from the part's blocks file, each block is the one written, and a slice assembled from the
+    blocks read back is the slice assembled from the blocks themselves."""
+    index, _, _ = _index("IVF64,PQ8x8np", vectors=4_000)
+    owner = list_owners(faiss.extract_index_ivf(index).quantizer.reconstruct_n(0, 64), list_sizes(index), 3)
+    blocks = list_blocks(index, owner)
+    refs = write_blocks(blocks, str(tmp_path / "part-00000.blocks"))
+    assert [r.index_slice for r in refs] == [b.index_slice for b in blocks] == [0, 1, 2]
+    assert (tmp_path / "part-00000.blocks").stat().st_size == sum(r.nbytes for r in refs)
+    trained = faiss.clone_index(index)
+    trained.reset()
+    for ref, block in reversed(list(zip(refs, blocks))):  # any order: each alone
+        read = read_block(ref)
+        for field in ("lists", "sizes", "ids", "codes"):
+            assert np.array_equal(getattr(read, field), getattr(block, field)), field
+        assembled, want = assemble_list_slice(trained, [read]), assemble_list_slice(trained, [block])
+        assert faiss.serialize_index(assembled).tobytes() == faiss.serialize_index(want).tobytes()
 
 
 def test_slice_count_bounds_every_slice():
