@@ -101,10 +101,9 @@ def write_subset_file(directory: str, name: str, number: int, parts: Iterable[Sa
     """Sample files' chosen rows written as one subset file, in chunk-id order (a retry writes
     the same bytes). Its path prefix."""
     parts = list(parts)
-    ids = np.concatenate([p.ids for p in parts])
-    order = np.argsort(ids, kind="stable")
+    rows = in_id_order(parts, parts[0].vectors.shape[1])
     prefix = fileio.join(directory, SUBSETS_DIR, f"{name}-{number:05d}")
-    write_sample_part(prefix, ids[order], np.concatenate([p.vectors for p in parts])[order])
+    write_sample_part(prefix, rows.ids, rows.vectors)
     return prefix
 
 
@@ -114,12 +113,18 @@ def read_subset(prefixes: Iterable[str]) -> Iterator[SampleRows]:
         yield SampleRows(read_ids(prefix), read_vectors(prefix))
 
 
-def stacked(parts: Iterable[SampleRows], dim: int) -> np.ndarray:
-    """The parts' vectors in chunk-id order, in one array."""
+def in_id_order(parts: Iterable[SampleRows], dim: int) -> SampleRows:
+    """The parts' rows in chunk-id order, in one pair of arrays."""
     parts = list(parts)
     ids = np.concatenate([p.ids for p in parts] or [np.zeros(0, np.int64)])
     vectors = np.concatenate([p.vectors for p in parts] or [np.zeros((0, dim), np.float32)])
-    return np.ascontiguousarray(vectors[np.argsort(ids, kind="stable")], dtype=np.float32)
+    order = np.argsort(ids, kind="stable")
+    return SampleRows(ids[order], np.ascontiguousarray(vectors[order], dtype=np.float32))
+
+
+def stacked(parts: Iterable[SampleRows], dim: int) -> np.ndarray:
+    """The parts' vectors in chunk-id order, in one array."""
+    return in_id_order(parts, dim).vectors
 
 
 def train_first_level(parts: Iterable[SampleRows], dim: int, nlist: int) -> np.ndarray:
