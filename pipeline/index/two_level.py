@@ -33,6 +33,9 @@ from pipeline.index.kmeans import (
 # Lists per centroid block: the unit a Lloyd step combines and moves on one worker (6 MB of
 # 384-d centroids, 12 MB of their int64 sums), so no worker holds every list's sums.
 LIST_BLOCK = 4096
+# A Lloyd step's worker folds its sample files' sums per block and sends them on past this many
+# bytes (a dense block's sums are 12.6 MB at 384-d).
+FOLD_BYTES = 64 * 2**20
 CENTROIDS_DIR = "centroids"
 # A subset of the sample reaches its trainer as files of about this many bytes. Gathered as one
 # Beam value (the encoder's 65,536 384-d vectors: 100 MB; the first level's 262,144 at 2^20
@@ -250,25 +253,37 @@ def file_block_sums(assigner, vectors: np.ndarray) -> list[tuple[int, BlockSums]
     ]
 
 
-def add_block_sums(parts: Iterable[BlockSums | None]) -> BlockSums | None:
-    """The parts' sums per list, all in one block (None: nothing). Folded into one dense block
-    as they stream in, so combining holds one block's sums however many parts arrive; integer
-    sums: the same bits in any order and any grouping."""
-    total: np.ndarray | None = None
-    counts, block = np.zeros(LIST_BLOCK, np.int64), 0
-    for part in parts:
-        if part is None or not len(part.lists):
-            continue
-        if total is None:
-            block = int(part.lists[0]) // LIST_BLOCK
-            total = np.zeros((LIST_BLOCK, part.sums.shape[1]), np.int64)
-        local = part.lists - block * LIST_BLOCK  # unique within a part: a plain indexed add
-        total[local] += part.sums
-        counts[local] += part.counts
+def fold_block_sums(total: BlockSums | None, part: BlockSums | None) -> BlockSums | None:
+    """`part` added to `total`, a fold's own (from an earlier fold, or None): in place where
+    `total` already has `part`'s lists, else as a new value holding the union of their lists,
+    so it holds only the lists its parts touched, one block's at most. `part` is left as it
+    was. Integer sums: the same bits in any order and any grouping."""
+    if part is None or not len(part.lists):
+        return total
     if total is None:
-        return None
-    chosen = np.flatnonzero(counts)
-    return BlockSums(chosen + block * LIST_BLOCK, total[chosen], counts[chosen])
+        return BlockSums(part.lists.copy(), part.sums.astype(np.int64), part.counts.astype(np.int64))
+    block, other = int(total.lists[0]) // LIST_BLOCK, int(part.lists[0]) // LIST_BLOCK
+    if block != other:
+        raise IndexBuildError(f"Lloyd step: sums of block {other} combined with block {block}'s")
+    at = np.searchsorted(total.lists, part.lists)
+    if not (at < len(total.lists)).all() or not np.array_equal(total.lists[at], part.lists):
+        lists = np.union1d(total.lists, part.lists)
+        sums = np.zeros((len(lists), total.sums.shape[1]), np.int64)
+        counts = np.zeros(len(lists), np.int64)
+        here = np.searchsorted(lists, total.lists)
+        sums[here], counts[here] = total.sums, total.counts
+        total, at = BlockSums(lists, sums, counts), np.searchsorted(lists, part.lists)
+    total.sums[at] += part.sums  # lists unique within a part: a plain indexed add
+    total.counts[at] += part.counts
+    return total
+
+
+def add_block_sums(parts: Iterable[BlockSums | None]) -> BlockSums | None:
+    """The parts' sums per list, all in one block (None: nothing), folded as they stream in."""
+    total = None
+    for part in parts:
+        total = fold_block_sums(total, part)
+    return total
 
 
 def move_block(current: CentroidBlocks, target: CentroidBlocks, block: int, sums: BlockSums | None) -> int:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from pipeline.index.factory import encoder_size, estimated_bytes, ivf_lists, resolve_clustering, training_size
 from pipeline.index.kmeans import first_level_clusters, first_level_size
-from pipeline.index.two_level import LIST_BLOCK, SUBSET_FILE_BYTES
+from pipeline.index.two_level import FOLD_BYTES, LIST_BLOCK, SUBSET_FILE_BYTES
 
 
 def training_steps(
@@ -59,6 +59,7 @@ def two_level_steps(factory: str, C: int, dim: int, file_rows: int) -> list[Trai
     block, centroids = min(LIST_BLOCK, nlist), nlist * vector
     gathered = 3  # the gathered parts, their concatenation, the copy in chunk-id order
     one_file = f"one sample file (~{file_sample:,} vectors)"
+    folded = "its bundle's sums folded per block until sent on, and one block's as its lists join"
     return [
         TrainingStep(
             "index: first-level and encoder subsets of one sample file",
@@ -93,8 +94,10 @@ def two_level_steps(factory: str, C: int, dim: int, file_rows: int) -> list[Trai
                 f"{nlist:,} centroids, read from their blocks": centroids,
                 "their assigner (a copy, in growable lists)": centroids * 2,
                 f"{one_file}, its fixed-point copy and sums": file_sample * dim * 20,
+                folded: min(FOLD_BYTES, nlist * dim * 8) + block * dim * 8,
             },
             per_file=frozenset({f"{one_file}, its fixed-point copy and sums"}),
+            fixed=frozenset({folded}),
         ),
         TrainingStep(
             "index: Lloyd step: combine one block's sums",

@@ -10,7 +10,7 @@ from apache_beam.metrics.metric import MetricsFilter
 from apache_beam.testing.util import assert_that, equal_to
 
 from pipeline.common.sampling import TRAIN_SALT, in_sample
-from pipeline.index import two_level
+from pipeline.index import train_beam, two_level
 from pipeline.index.build import BuildIndex
 from pipeline.index.build_slices import FilledPart, SumListSizes, plan_slices
 from pipeline.index.exact import exact_nearest_other
@@ -378,15 +378,16 @@ def test_the_fill_reads_the_trained_index_once_per_process_and_fills_each_part_a
 
 
 @pytest.mark.beam
-@pytest.mark.parametrize("subset_file_bytes, several", [(two_level.SUBSET_FILE_BYTES, False), (20_000, True)])
-def test_two_level_k_means_in_one_process_finds_the_centroids_the_workers_find(
-    tmp_path, monkeypatch, subset_file_bytes, several
-):
+@pytest.mark.parametrize("several", [False, True])
+def test_two_level_k_means_in_one_process_finds_the_centroids_the_workers_find(tmp_path, monkeypatch, several):
     """TrainIndex's graph and `train_two_level` draw the same subsets by chunk id and run the
     same steps: one set of coarse centroids, whichever runs it, the first level's subset
-    reaching its trainer as one file or as several (no Beam value holds the subset); the one
-    worker process builds each Lloyd step's list assigner once for all 8 sample files."""
-    monkeypatch.setattr(two_level, "SUBSET_FILE_BYTES", subset_file_bytes)
+    reaching its trainer as one file or as several (no Beam value holds the subset), a Lloyd
+    step's sums sent on once a bundle or after every sample file; the one worker process
+    builds each Lloyd step's list assigner once for all 8 sample files."""
+    if several:
+        monkeypatch.setattr(two_level, "SUBSET_FILE_BYTES", 20_000)
+        monkeypatch.setattr(train_beam, "FOLD_BYTES", 1)
     factory, vectors = "IVF64,Flat", clustered(10_000, clusters=100)
     ids = np.arange(10_000, dtype=np.int64) * 3 + 5
     paths = write_embedding_files(tmp_path / "emb", ids, vectors, files=8)
@@ -400,6 +401,8 @@ def test_two_level_k_means_in_one_process_finds_the_centroids_the_workers_find(
     result.wait_until_finish()
     builds = result.metrics().query(MetricsFilter().with_name("list_assigner_builds"))["counters"]
     assert sum(c.committed for c in builds) == REFINE_ITERATIONS
+    sent = result.metrics().query(MetricsFilter().with_name("lloyd_block_sums_sent"))["counters"]
+    assert (sum(c.committed for c in sent) >= 8 * REFINE_ITERATIONS) == several  # 64 lists: one block
     sample = np.flatnonzero(in_sample(ids, training_size(len(ids), factory), len(ids), TRAIN_SALT))[::-1]  # any order
     alone = train_index(factory, vectors[sample], "two_level", ids=ids[sample], population=len(ids))
 

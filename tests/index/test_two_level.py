@@ -69,3 +69,12 @@ def test_sums_combined_and_centroids_moved_per_block_are_bit_equal_to_the_one_el
         move_block(current, target, block, add_block_sums(halves))
     assert sorted(by_block) == [0, 1, 2]
     assert np.array_equal(target.read_all(), expected)
+
+
+@pytest.mark.unit
+def test_sums_of_two_blocks_are_never_folded_together():
+    rng = np.random.default_rng(2)
+    assigner = list_assigner(unit(rng, 8), unit(rng, 2 * LIST_BLOCK))
+    (_, first), (_, second) = file_block_sums(assigner, unit(rng, 20_000))
+    with pytest.raises(IndexBuildError, match="block 1"):
+        add_block_sums([first, second])

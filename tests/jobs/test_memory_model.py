@@ -90,7 +90,7 @@ def test_two_level_rows_scale_as_their_shapes():
     quantizer = estimated_bytes("IVF262144_HNSW32,PQ32x8np", 0, 384) / estimated_bytes(
         "IVF65536_HNSW32,PQ32x8np", 0, 384
     )
-    assert ratios == [[4], [1], [2], [4], [2], [1], [4, 4, 4], [1], [1], [4, round(quantizer, 1), 1]]
+    assert ratios == [[4], [1], [2], [4], [2], [1], [4, 4, 4, 1], [1], [1], [4, round(quantizer, 1), 1]]
 
 
 @pytest.mark.unit
