@@ -34,12 +34,16 @@ the recorder makes that input stream to the worker in ~1 MB messages beside the 
 runner would send it as one message before the bundle starts, and the worker would hold all of
 it) and keeps Beam's data-channel buffers at 1 MB (10 MB and 100 MB otherwise, filled only as
 far as a bundle's output reaches), so a bundle's rise is what its steps hold, as on a runner
-whose shuffle reads stream (`benchmarks/bundle_peaks`). Jobs inherit the environment: with
-`MALLOC_MMAP_THRESHOLD_=131072` glibc keeps its mmap threshold fixed, so a worker that freed a
-large array does not keep the next ones in its heap (its threshold rises to the largest freed,
-and the heap holds more the more such arrays a process made: see docs/scale.md). With
-`BUNDLE_PEAKS_TRACE=1` the workers trace Python's allocations too (5-25x slower: use a smaller
-`--n`), and each step's row adds its Python objects' peak at N and 4N: the terms of the
+whose shuffle reads stream (`benchmarks/bundle_peaks`). The jobs run with glibc's mmap
+threshold fixed (`MALLOC_MMAP_THRESHOLD_=131072`; `--allocator dynamic` leaves glibc's
+default): by default a process raises its threshold to the largest array it freed, after which
+arrays that size come from its heap, which keeps what they free, so a bundle's rise depended on
+what earlier bundles freed, not only on what it held (two-level training's steps, whose input
+is the same at N and 4N, moved 0.46-2.16x from N to 4N that way in three runs, 0.49-1.32x in
+one with the threshold fixed; docs/scale.md). Fixed, arrays above 128 KiB are mapped and
+unmapped each time, which costs the jobs time (the index stage 1.15-1.4x slower here, one run),
+not memory. With `BUNDLE_PEAKS_TRACE=1` the workers trace Python's allocations too (5-25x
+slower: use a smaller `--n`), and each step's row adds its Python objects' peak at N and 4N: the terms of the
 memory model's "build-shards: write one shard" row come from that.
 
 `--flink "OPTIONS"` (`make flink-up`'s last line) runs build-shards once more at N and 4N on
@@ -107,6 +111,9 @@ MODEL_SLACK = 1.5  # a growing step measured within this of its row
 NOISE_MB = 32  # below this at 4N a rise is allocator noise, not a step's holding
 LOCAL_WORKERS = 2  # worker processes of Beam's local runner, each its own process
 REUSE = False  # --reuse: a job already recorded in the workdir is read back, not run again
+# --allocator fixed (the default): what the jobs add to their environment
+FIXED_MMAP_THRESHOLD = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+ALLOCATOR_ENV: dict[str, str] = {}
 
 
 # --- data --------------------------------------------------------------------------------------
@@ -164,6 +171,7 @@ def measured_job(name: str, argv: list[str], work: Path) -> dict:
     peaks.mkdir(parents=True)
     env = {
         **os.environ,
+        **ALLOCATOR_ENV,
         "BUNDLE_PEAKS_DIR": str(peaks),
         "PYTHONPATH": f"{PEAKS}{os.pathsep}{REPO}",
         "HF_HUB_OFFLINE": "1",
@@ -564,11 +572,18 @@ def main() -> None:
     parser.add_argument("--output", default=str(RESULTS))
     parser.add_argument("--reuse", action="store_true", help="read back jobs recorded in --workdir; run the rest")
     parser.add_argument(
+        "--allocator",
+        choices=["fixed", "dynamic"],
+        default="fixed",
+        help="glibc's mmap threshold in the jobs: fixed at 128 KiB, or glibc's default (rises as arrays are freed)",
+    )
+    parser.add_argument(
         "--flink", default="", help="run on Flink: the Beam options that submit to it (`make flink-up`'s last line)"
     )
     args = parser.parse_args()
     global REUSE
     REUSE = args.reuse
+    ALLOCATOR_ENV.update(FIXED_MMAP_THRESHOLD if args.allocator == "fixed" else {})
     FLINK[:] = args.flink.split()
     from pipeline.embed.encoder import cpu_summary
 
@@ -576,7 +591,7 @@ def main() -> None:
     work = Path(args.workdir or temp.name).resolve()
     work.mkdir(parents=True, exist_ok=True)
     results: dict = {"cpu": cpu_summary(), "args": vars(args), "parts": {}}
-    print(f"CPU: {cpu_summary()}", flush=True)
+    print(f"CPU: {cpu_summary()}; glibc's mmap threshold {args.allocator}", flush=True)
     sizes = {"N": args.n, "4N": 4 * args.n}
     roots = (
         {label: ensure_database(work, n, args.file_rows) for label, n in sizes.items()}
