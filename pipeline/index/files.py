@@ -71,6 +71,18 @@ def write_index(index, path: str) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
+def read_range(path: str, offset: int, nbytes: int) -> bytes:
+    """`nbytes` of the file at `path` from `offset` (a block among others in one file)."""
+    from pipeline.common import fileio
+
+    with fileio.open_read(path) as f:
+        f.seek(offset)
+        data = f.read(nbytes)
+    if len(data) != nbytes:
+        raise IndexBuildError(f"{path}: {len(data)} bytes at {offset}, expected {nbytes}")
+    return data
+
+
 _CHECKED: set[tuple] = set()  # (path, sha256, size, modified) checked in this process
 
 

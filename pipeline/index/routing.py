@@ -28,6 +28,7 @@ import numpy as np
 
 from pipeline.common import fileio
 from pipeline.index.factory import IndexBuildError
+from pipeline.index.files import read_range
 from pipeline.index.search import exclusion_selector, quantizer_graph
 from pipeline.index.slices import merge_hits
 
@@ -129,11 +130,7 @@ def write_blocks(blocks: list[ListBlock], path: str) -> list[BlockRef]:
 
 
 def read_block(ref: BlockRef) -> ListBlock:
-    with fileio.open_read(ref.path) as f:
-        f.seek(ref.offset)
-        data = f.read(ref.nbytes)
-    if len(data) != ref.nbytes:
-        raise IndexBuildError(f"{ref.path}: {len(data)} bytes at {ref.offset}, expected {ref.nbytes}")
+    data = read_range(ref.path, ref.offset, ref.nbytes)
     b, n = ref.lists, ref.vectors
     numbers = np.frombuffer(data, np.int64, 2 * b + n)
     codes = np.frombuffer(data, np.uint8, n * ref.code_size, offset=8 * (2 * b + n)).reshape(n, ref.code_size)

@@ -30,6 +30,7 @@ from pipeline.index.two_level import (
     FOLD_BYTES,
     BlockSums,
     CentroidBlocks,
+    SumsRef,
     add_block_sums,
     assemble,
     build_assigner,
@@ -37,16 +38,19 @@ from pipeline.index.two_level import (
     file_block_sums,
     fold_block_sums,
     move_block,
+    read_block_sums,
     read_ids,
     read_subset,
     read_vectors,
     sample_paths,
     second_level_pieces,
+    step_directory,
     subset_file_of,
     subset_files,
     subset_of_file,
     train_first_level,
     write_block,
+    write_block_sums,
     write_sample_part,
     write_subset_file,
 )
@@ -155,12 +159,14 @@ def _file_sums(prefix: str, first: np.ndarray, current: CentroidBlocks):
 
 class SumLists(beam.DoFn):
     """A Lloyd step's sums of a bundle's sample files (`file_block_sums`), folded per block and
-    sent on each time they pass `fold_bytes` and at the bundle's end. A runner's own combining
-    ahead of a shuffle (`CombinePerKey`) keeps a value per block for the whole bundle: every
-    list's sums at most (3.2 GB at 2^20 lists, 384-d) in one worker."""
+    written to a sums file each time they pass `fold_bytes` and at the bundle's end; where each
+    block's lies (`SumsRef`) goes on to the block's move, which reads them one at a time. A
+    runner's own combining ahead of a shuffle (`CombinePerKey`) keeps a value per block for the
+    whole bundle: every list's sums at most (3.2 GB at 2^20 lists, 384-d) in one worker; and a
+    block's sums sent whole were all held at once where a runner hands over a group whole."""
 
-    def __init__(self, fold_bytes: int):
-        self.fold_bytes = fold_bytes
+    def __init__(self, directory: str, fold_bytes: int):
+        self.directory, self.fold_bytes = directory, fold_bytes
 
     def start_bundle(self):
         self._totals: dict[int, BlockSums] = {}
@@ -171,16 +177,18 @@ class SumLists(beam.DoFn):
         for block, part in _file_sums(prefix, first, current):
             self._totals[block] = fold_block_sums(self._totals.get(block), part)
         if sum(t.sums.nbytes for t in self._totals.values()) > self.fold_bytes:
-            yield from self._sent()
+            yield from self._written()
 
     def finish_bundle(self):
-        for block, total in self._sent():
-            yield GlobalWindows.windowed_value((block, total))
+        for block, ref in self._written():
+            yield GlobalWindows.windowed_value((block, ref))
 
-    def _sent(self):
-        totals, self._totals = self._totals, {}
+    def _written(self) -> list[tuple[int, SumsRef]]:
+        totals, self._totals = sorted(self._totals.items(), key=lambda kv: kv[0]), {}
+        if not totals:
+            return []
         Metrics.counter(METRICS_NAMESPACE, "lloyd_block_sums_sent").inc(len(totals))
-        return sorted(totals.items(), key=lambda kv: kv[0])
+        return write_block_sums(totals, fileio.join(self.directory, f"sums-{uuid.uuid4().hex}.bin"))
 
 
 def _blocks_written(
@@ -305,12 +313,20 @@ class TrainIndex(beam.PTransform):
             current = beam.pvalue.AsSingleton(centroids, default_value=None)
             centroids = (
                 prefixes
-                | f"SumLists{step}" >> beam.ParDo(SumLists(FOLD_BYTES), first, current)
+                | f"SumLists{step}"
+                >> beam.ParDo(
+                    SumLists(step_directory(out_dir, step), FOLD_BYTES),
+                    first,
+                    current,
+                )
                 | f"SumBlocks{step}" >> beam.GroupByKey()
                 | f"MoveBlocks{step}"
                 >> beam.MapTuple(
-                    lambda block, parts, c, n=step: move_block(
-                        c, CentroidBlocks.of_step(out_dir, n, c.nlist), block, add_block_sums(parts)
+                    lambda block, refs, c, n=step: move_block(
+                        c,
+                        CentroidBlocks.of_step(out_dir, n, c.nlist),
+                        block,
+                        add_block_sums(read_block_sums(r) for r in sorted(refs, key=lambda r: (r.path, r.offset))),
                     ),
                     current,
                 )

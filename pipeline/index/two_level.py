@@ -18,7 +18,7 @@ import numpy as np
 from pipeline.common import fileio
 from pipeline.common.sampling import TRAIN_SALT, in_sample
 from pipeline.index.factory import IndexBuildError
-from pipeline.index.files import write_index
+from pipeline.index.files import read_range, write_index
 from pipeline.index.kmeans import (
     assign_first_level,
     first_level_clusters,
@@ -173,6 +173,11 @@ def cut_into_blocks(start: int, centroids: np.ndarray) -> list[tuple[int, Centro
     ]
 
 
+def step_directory(out_dir: str, step: int) -> str:
+    """Where a step's centroid blocks (and a Lloyd step's sums files) are written."""
+    return fileio.join(out_dir, CENTROIDS_DIR, f"step-{step}")
+
+
 @dataclass(frozen=True)
 class CentroidBlocks:
     """One step's centroids of `nlist` lists, written in blocks under `directory`; `token`
@@ -184,7 +189,7 @@ class CentroidBlocks:
 
     @classmethod
     def of_step(cls, out_dir: str, step: int, nlist: int, token: str = "") -> CentroidBlocks:
-        return cls(fileio.join(out_dir, CENTROIDS_DIR, f"step-{step}"), nlist, token)
+        return cls(step_directory(out_dir, step), nlist, token)
 
     @property
     def block_count(self) -> int:
@@ -233,6 +238,41 @@ class BlockSums:
     lists: np.ndarray
     sums: np.ndarray
     counts: np.ndarray
+
+
+@dataclass(frozen=True)
+class SumsRef:
+    """Where one block's sums lie in a sums file (`write_block_sums`): what goes through the
+    shuffle to the worker moving the block, which reads the parts one at a time."""
+
+    path: str
+    offset: int
+    lists: int
+    dim: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.lists * (16 + 8 * self.dim)
+
+
+def write_block_sums(totals: list[tuple[int, BlockSums]], path: str) -> list[tuple[int, SumsRef]]:
+    """Blocks' sums one after another in one file (each: lists and counts as int64, then the
+    int64 sums), each read alone by its range -> (block, where it lies)."""
+    refs, offset = [], 0
+    with fileio.open_write(path) as f:
+        for block, total in totals:
+            ref = SumsRef(path, offset, len(total.lists), total.sums.shape[1])
+            for array in (total.lists, total.counts, total.sums):
+                f.write(np.ascontiguousarray(array, np.int64).tobytes())
+            refs.append((block, ref))
+            offset += ref.nbytes
+    return refs
+
+
+def read_block_sums(ref: SumsRef) -> BlockSums:
+    numbers = np.frombuffer(read_range(ref.path, ref.offset, ref.nbytes), np.int64)
+    b = ref.lists
+    return BlockSums(numbers[:b], numbers[2 * b :].reshape(b, ref.dim), numbers[b : 2 * b])
 
 
 def build_assigner(first: np.ndarray, current: CentroidBlocks):

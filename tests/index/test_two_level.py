@@ -13,7 +13,9 @@ from pipeline.index.two_level import (
     cut_into_blocks,
     file_block_sums,
     move_block,
+    read_block_sums,
     write_block,
+    write_block_sums,
 )
 
 
@@ -78,3 +80,18 @@ def test_sums_of_two_blocks_are_never_folded_together():
     (_, first), (_, second) = file_block_sums(assigner, unit(rng, 20_000))
     with pytest.raises(IndexBuildError, match="block 1"):
         add_block_sums([first, second])
+
+
+@pytest.mark.unit
+def test_block_sums_written_one_after_another_are_read_back_each_by_its_range(tmp_path):
+    rng = np.random.default_rng(3)
+    assigner = list_assigner(unit(rng, 8), unit(rng, 2 * LIST_BLOCK + 100))
+    parts = file_block_sums(assigner, unit(rng, 20_000))
+    refs = write_block_sums(parts, str(tmp_path / "sums.bin"))
+    assert [block for block, _ in refs] == [block for block, _ in parts] == [0, 1, 2]
+    for (_, ref), (_, part) in zip(reversed(refs), reversed(parts)):  # any order
+        back = read_block_sums(ref)
+        assert all(np.array_equal(getattr(back, f), getattr(part, f)) for f in ("lists", "sums", "counts"))
+    (tmp_path / "sums.bin").write_bytes((tmp_path / "sums.bin").read_bytes()[:-8])
+    with pytest.raises(IndexBuildError, match="expected"):
+        read_block_sums(refs[-1][1])
