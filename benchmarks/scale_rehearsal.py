@@ -39,11 +39,11 @@ threshold fixed (`MALLOC_MMAP_THRESHOLD_=131072`; `--allocator dynamic` leaves g
 default): by default a process raises its threshold to the largest array it freed, after which
 arrays that size come from its heap, which keeps what they free, so a bundle's rise depended on
 what earlier bundles freed, not only on what it held (two-level training's steps, whose input
-is the same at N and 4N, moved 0.46-2.16x from N to 4N that way in three runs, 0.49-1.32x in
-one with the threshold fixed; docs/scale.md). Fixed, arrays above 128 KiB are mapped and
-unmapped each time, which costs the jobs time (the index stage 1.15-1.4x slower here, one run),
-not memory. With `BUNDLE_PEAKS_TRACE=1` the workers trace Python's allocations too (5-25x
-slower: use a smaller `--n`), and each step's row adds its Python objects' peak at N and 4N: the terms of the
+is the same at N and 4N, moved 0.46-2.16x from N to 4N that way in three runs; docs/scale.md).
+Fixed, arrays above 128 KiB are mapped and unmapped each time, which costs the jobs time (the
+index stage 1.15-1.4x slower here, three runs), not memory. With `BUNDLE_PEAKS_TRACE=1` the
+workers trace Python's allocations too (5-25x slower: use a smaller `--n`), and each step's row
+adds its Python objects' peak at N and 4N: the terms of the
 memory model's "build-shards: write one shard" row come from that.
 
 `--flink "OPTIONS"` (`make flink-up`'s last line) runs build-shards once more at N and 4N on
