@@ -306,7 +306,7 @@ class _EncodeNewFile(beam.DoFn):
         adopting = _adopting_of(self.committed, self.directory)
         piece = piece_of(entry.path, *pieces_by)
         blocks = new_blocks(emptied, fileio.join(self.staging, entry.path), adopting)
-        path = fileio.join(self.staging, "faiss", "new-blocks", f"{entry.path.rsplit('/', 1)[-1]}.blocks")
+        path = fileio.join(self.staging, "faiss", "new-blocks", entry.path.replace("/", "--") + ".blocks")
         for ref in write_blocks(blocks, path):
             yield (ref.index_slice, piece), ref
 

@@ -71,6 +71,22 @@ def write_index(index, path: str) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
+def write_consecutive(path: str, records) -> list[int]:
+    """Each record (its arrays, as raw bytes) one after another in one file, so that each is
+    read alone by its range (`read_range`): where each starts."""
+    from pipeline.common import fileio
+
+    offsets, offset = [], 0
+    with fileio.open_write(path) as f:
+        for arrays in records:
+            offsets.append(offset)
+            for array in arrays:
+                data = np.ascontiguousarray(array).tobytes()
+                f.write(data)
+                offset += len(data)
+    return offsets
+
+
 def read_range(path: str, offset: int, nbytes: int) -> bytes:
     """`nbytes` of the file at `path` from `offset` (a block among others in one file)."""
     from pipeline.common import fileio

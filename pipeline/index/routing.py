@@ -26,9 +26,8 @@ from dataclasses import dataclass
 import faiss
 import numpy as np
 
-from pipeline.common import fileio
 from pipeline.index.factory import IndexBuildError
-from pipeline.index.files import read_range
+from pipeline.index.files import read_range, write_consecutive
 from pipeline.index.search import exclusion_selector, quantizer_graph
 from pipeline.index.slices import merge_hits
 
@@ -109,24 +108,24 @@ def write_blocks(blocks: list[ListBlock], path: str) -> list[BlockRef]:
     """`blocks` one after another in one file (each: lists, sizes, ids as int64, then codes), so
     that each is read alone by its range: a part's blocks are read once, each by the worker
     assembling its slice's piece."""
-    refs, offset = [], 0
-    with fileio.open_write(path) as f:
-        for block in blocks:
-            code_size = block.codes.shape[1] if block.codes.ndim == 2 else 0
-            ref = BlockRef(
-                path=path,
-                offset=offset,
-                index_slice=block.index_slice,
-                lists=len(block.lists),
-                vectors=len(block.ids),
-                code_size=code_size,
-            )
-            for array in (block.lists, block.sizes, block.ids):
-                f.write(np.ascontiguousarray(array, np.int64).tobytes())
-            f.write(np.ascontiguousarray(block.codes, np.uint8).tobytes())
-            refs.append(ref)
-            offset += ref.nbytes
-    return refs
+    offsets = write_consecutive(
+        path,
+        (
+            [*(np.asarray(a, np.int64) for a in (b.lists, b.sizes, b.ids)), np.asarray(b.codes, np.uint8)]
+            for b in blocks
+        ),
+    )
+    return [
+        BlockRef(
+            path=path,
+            offset=offset,
+            index_slice=b.index_slice,
+            lists=len(b.lists),
+            vectors=len(b.ids),
+            code_size=b.codes.shape[1] if b.codes.ndim == 2 else 0,
+        )
+        for b, offset in zip(blocks, offsets)
+    ]
 
 
 def read_block(ref: BlockRef) -> ListBlock:

@@ -187,7 +187,7 @@ class SumLists(beam.DoFn):
         totals, self._totals = sorted(self._totals.items(), key=lambda kv: kv[0]), {}
         if not totals:
             return []
-        Metrics.counter(METRICS_NAMESPACE, "lloyd_block_sums_sent").inc(len(totals))
+        Metrics.counter(METRICS_NAMESPACE, "lloyd_block_sums_written").inc(len(totals))
         return write_block_sums(totals, fileio.join(self.directory, f"sums-{uuid.uuid4().hex}.bin"))
 
 

@@ -18,7 +18,7 @@ import numpy as np
 from pipeline.common import fileio
 from pipeline.common.sampling import TRAIN_SALT, in_sample
 from pipeline.index.factory import IndexBuildError
-from pipeline.index.files import read_range, write_index
+from pipeline.index.files import read_range, write_consecutive, write_index
 from pipeline.index.kmeans import (
     assign_first_level,
     first_level_clusters,
@@ -256,17 +256,14 @@ class SumsRef:
 
 
 def write_block_sums(totals: list[tuple[int, BlockSums]], path: str) -> list[tuple[int, SumsRef]]:
-    """Blocks' sums one after another in one file (each: lists and counts as int64, then the
-    int64 sums), each read alone by its range -> (block, where it lies)."""
-    refs, offset = [], 0
-    with fileio.open_write(path) as f:
-        for block, total in totals:
-            ref = SumsRef(path, offset, len(total.lists), total.sums.shape[1])
-            for array in (total.lists, total.counts, total.sums):
-                f.write(np.ascontiguousarray(array, np.int64).tobytes())
-            refs.append((block, ref))
-            offset += ref.nbytes
-    return refs
+    """Blocks' sums one after another in one file (each: lists and counts, then the sums, all
+    int64), each read alone by its range -> (block, where it lies)."""
+    offsets = write_consecutive(
+        path, ([np.asarray(a, np.int64) for a in (t.lists, t.counts, t.sums)] for _, t in totals)
+    )
+    return [
+        (block, SumsRef(path, offset, len(t.lists), t.sums.shape[1])) for (block, t), offset in zip(totals, offsets)
+    ]
 
 
 def read_block_sums(ref: SumsRef) -> BlockSums:

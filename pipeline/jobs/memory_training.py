@@ -59,7 +59,7 @@ def two_level_steps(factory: str, C: int, dim: int, file_rows: int) -> list[Trai
     block, centroids = min(LIST_BLOCK, nlist), nlist * vector
     gathered = 3  # the gathered parts, their concatenation, the copy in chunk-id order
     one_file = f"one sample file (~{file_sample:,} vectors)"
-    folded = "its bundle's sums folded per block until sent on, and one block's as its lists join"
+    folded = "its bundle's sums folded per block until written, and one block's as its lists join"
     return [
         TrainingStep(
             "index: first-level and encoder subsets of one sample file",

@@ -383,7 +383,7 @@ def test_two_level_k_means_in_one_process_finds_the_centroids_the_workers_find(t
     """TrainIndex's graph and `train_two_level` draw the same subsets by chunk id and run the
     same steps: one set of coarse centroids, whichever runs it, the first level's subset
     reaching its trainer as one file or as several (no Beam value holds the subset), a Lloyd
-    step's sums sent on once a bundle or after every sample file; the one worker process
+    step's sums written once a bundle or after every sample file; the one worker process
     builds each Lloyd step's list assigner once for all 8 sample files."""
     if several:
         monkeypatch.setattr(two_level, "SUBSET_FILE_BYTES", 20_000)
@@ -401,7 +401,7 @@ def test_two_level_k_means_in_one_process_finds_the_centroids_the_workers_find(t
     result.wait_until_finish()
     builds = result.metrics().query(MetricsFilter().with_name("list_assigner_builds"))["counters"]
     assert sum(c.committed for c in builds) == REFINE_ITERATIONS
-    sent = result.metrics().query(MetricsFilter().with_name("lloyd_block_sums_sent"))["counters"]
+    sent = result.metrics().query(MetricsFilter().with_name("lloyd_block_sums_written"))["counters"]
     assert (sum(c.committed for c in sent) >= 8 * REFINE_ITERATIONS) == several  # 64 lists: one block
     sample = np.flatnonzero(in_sample(ids, training_size(len(ids), factory), len(ids), TRAIN_SALT))[::-1]  # any order
     alone = train_index(factory, vectors[sample], "two_level", ids=ids[sample], population=len(ids))
